@@ -1,0 +1,1 @@
+"""NVMe submission/completion queues and command encoding."""

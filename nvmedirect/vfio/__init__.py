@@ -1,0 +1,7 @@
+"""VFIO: container, group, device and DMA mappings, over the system's <linux/vfio.h> via cffi."""
+
+from nvmedirect.vfio.container import Container
+from nvmedirect.vfio.device import MappedBar, Region, VfioDevice
+from nvmedirect.vfio.group import Group, group_number
+
+__all__ = ["Container", "Group", "MappedBar", "Region", "VfioDevice", "group_number"]

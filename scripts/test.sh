@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# The whole test suite: installs what the tests need (Debian packages for QEMU, the VM kernel and
+# initramfs, llama-cpp-python built once and cached, the test models), then runs ruff and pytest.
+# VM and oracle tests are required here: a missing prerequisite fails the run instead of skipping.
+# Extra arguments go to pytest (e.g. scripts/test.sh -k gguf -x).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/bootstrap.sh dev
+bash scripts/install-test-deps.sh
+export PATH="$PWD/.venv/bin:$PATH"
+export NVMEDIRECT_REQUIRE="${NVMEDIRECT_REQUIRE:-vm,oracle}"
+echo "== ruff"
+ruff check .
+echo "== pytest"
+exec python -m pytest -p no:cacheprovider "$@"
