@@ -1,0 +1,1 @@
+"""Helpers around llama.cpp (through llama-cpp-python), the reference the engine is checked against."""
