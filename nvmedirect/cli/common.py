@@ -48,3 +48,9 @@ def emit(data: Any, as_json: bool, normal: Callable[[Any], None]) -> None:
         sys.stdout.write("\n")
     else:
         normal(data)
+
+
+def root_option(func: Callable) -> Callable:
+    """Adds `--root DIR`: read (and for setup/bind, change) the system rooted at DIR instead of `/`."""
+    return click.option("--root", "root", type=click.Path(file_okay=False, path_type=str), default="/",
+                        show_default=True, help="System root to inspect (a chroot or a test tree).")(func)
