@@ -1,0 +1,150 @@
+"""The GGUF header — metadata and tensor table — parsed through a `read(offset, nbytes)` callable.
+
+A model on raw LBAs has no file to mmap, so this parser pulls only the header bytes through the same
+backend that later reads the tensors. Type sizes and names come from the `gguf` package's constants.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
+
+GGUF_MAGIC = b"GGUF"
+DEFAULT_ALIGNMENT = 32
+_FETCH = 1 << 20  # header bytes are pulled in 1 MiB pieces (SmolLM2's header is ~3 MB: tokenizer)
+_MAX_STRING = 1 << 30
+
+_SCALARS: dict[GGUFValueType, str] = {
+    GGUFValueType.UINT8: "B", GGUFValueType.INT8: "b", GGUFValueType.UINT16: "H",
+    GGUFValueType.INT16: "h", GGUFValueType.UINT32: "I", GGUFValueType.INT32: "i",
+    GGUFValueType.FLOAT32: "f", GGUFValueType.BOOL: "?", GGUFValueType.UINT64: "Q",
+    GGUFValueType.INT64: "q", GGUFValueType.FLOAT64: "d",
+}
+
+
+class GGUFFormatError(ValueError):
+    """The bytes are not a GGUF header this parser understands."""
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One tensor: `offset` counts from the start of the GGUF (not of its data section)."""
+
+    name: str
+    type: GGMLQuantizationType
+    shape: tuple[int, ...]  # GGUF order: fastest-varying dimension first
+    offset: int
+    nbytes: int
+
+    @property
+    def byte_range(self) -> tuple[int, int]:
+        return (self.offset, self.nbytes)
+
+
+def tensor_nbytes(ggml_type: GGMLQuantizationType, shape: tuple[int, ...]) -> int:
+    block, block_bytes = GGML_QUANT_SIZES[ggml_type]
+    elements = 1
+    for dim in shape:
+        elements *= dim
+    if shape and shape[0] % block:
+        raise GGUFFormatError(f"row length {shape[0]} is not a multiple of the {ggml_type.name} block {block}")
+    return elements // block * block_bytes
+
+
+class _Cursor:
+    """Sequential little-endian decoding over lazily fetched header bytes."""
+
+    def __init__(self, read: Callable[[int, int], bytes], limit: int):
+        self._read = read
+        self._limit = limit
+        self._buf = b""
+        self.pos = 0
+
+    def take(self, nbytes: int) -> bytes:
+        end = self.pos + nbytes
+        if end > self._limit:
+            raise GGUFFormatError(f"GGUF header runs past the end of the data ({self._limit} bytes)")
+        while len(self._buf) < end:
+            start = len(self._buf)
+            want = min(max(_FETCH, end - start), self._limit - start)
+            chunk = self._read(start, want)
+            if not chunk:
+                raise GGUFFormatError("GGUF header truncated")
+            self._buf += chunk
+        data = self._buf[self.pos:end]
+        self.pos = end
+        return data
+
+    def scalar(self, code: str) -> Any:
+        return struct.unpack("<" + code, self.take(struct.calcsize(code)))[0]
+
+    def string(self) -> str:
+        length = self.scalar("Q")
+        if length > _MAX_STRING:
+            raise GGUFFormatError(f"string of {length} bytes in GGUF header: corrupt")
+        return self.take(length).decode("utf-8", errors="replace")
+
+    def value(self, vtype: GGUFValueType) -> Any:
+        if vtype == GGUFValueType.STRING:
+            return self.string()
+        if vtype == GGUFValueType.ARRAY:
+            item_type = GGUFValueType(self.scalar("I"))
+            count = self.scalar("Q")
+            if item_type in _SCALARS:
+                code = _SCALARS[item_type]
+                return list(struct.unpack(f"<{count}{code}", self.take(count * struct.calcsize(code))))
+            return [self.value(item_type) for _ in range(count)]
+        if vtype not in _SCALARS:
+            raise GGUFFormatError(f"unknown GGUF value type {vtype}")
+        return self.scalar(_SCALARS[vtype])
+
+
+@dataclass
+class GGUFIndex:
+    version: int
+    metadata: dict[str, Any]
+    tensors: dict[str, TensorInfo]
+    alignment: int
+    data_offset: int  # where the tensor data section starts
+
+
+def parse_gguf_header(read: Callable[[int, int], bytes], total_size: int) -> GGUFIndex:
+    """Parses the header of a GGUF of `total_size` bytes; `read(offset, n)` returns its bytes."""
+    cur = _Cursor(read, total_size)
+    if cur.take(4) != GGUF_MAGIC:
+        raise GGUFFormatError("not a GGUF (magic differs)")
+    version = cur.scalar("I")
+    if version not in (2, 3):
+        raise GGUFFormatError(f"GGUF version {version} is not supported (2 and 3 are)")
+    n_tensors, n_kv = cur.scalar("Q"), cur.scalar("Q")
+    metadata: dict[str, Any] = {}
+    for _ in range(n_kv):
+        key = cur.string()
+        try:
+            vtype = GGUFValueType(cur.scalar("I"))
+        except ValueError as exc:
+            raise GGUFFormatError(f"metadata {key!r}: {exc}") from None
+        metadata[key] = cur.value(vtype)
+    raw_tensors = []
+    for _ in range(n_tensors):
+        name = cur.string()
+        n_dims = cur.scalar("I")
+        shape = tuple(cur.scalar("Q") for _ in range(n_dims))
+        try:
+            ggml_type = GGMLQuantizationType(cur.scalar("I"))
+        except ValueError as exc:
+            raise GGUFFormatError(f"tensor {name!r}: {exc}") from None
+        raw_tensors.append((name, ggml_type, shape, cur.scalar("Q")))
+    alignment = int(metadata.get("general.alignment", DEFAULT_ALIGNMENT))
+    data_offset = -(-cur.pos // alignment) * alignment
+    tensors: dict[str, TensorInfo] = {}
+    for name, ggml_type, shape, relative in raw_tensors:
+        info = TensorInfo(name, ggml_type, shape, data_offset + relative, tensor_nbytes(ggml_type, shape))
+        if info.offset + info.nbytes > total_size:
+            raise GGUFFormatError(f"tensor {name!r} extends past the end of the GGUF")
+        tensors[name] = info
+    return GGUFIndex(version, metadata, tensors, alignment, data_offset)

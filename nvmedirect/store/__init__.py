@@ -1,0 +1,1 @@
+"""GGUF models on raw LBAs: the header record, signature checks, targets, writing and listing."""
