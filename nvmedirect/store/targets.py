@@ -25,7 +25,7 @@ class TargetError(NvmeDirectError):
 class BlockTarget(Protocol):
     name: str
     lba_size: int
-    capacity_bytes: int | None  # None: a file that grows as it is written
+    capacity_bytes: int | None  # None: unknown
 
     def write_blocks(self, byte_offset: int, data: np.ndarray) -> None:
         """Writes `data` (page-aligned, a whole number of LBAs) at `byte_offset` (LBA-aligned)."""
@@ -69,9 +69,9 @@ class KernelBlockTarget:
             if lba_size not in (None, device_lba):
                 raise TargetError(f"{path} has {device_lba}-byte LBAs, not {lba_size}")
             self.lba_size = device_lba
-        else:
-            self.capacity_bytes = None
+        else:  # an image stands in for a device of its current size (make it with `truncate -s`)
             self.lba_size = lba_size or 512
+            self.capacity_bytes = os.fstat(self._fd).st_size // self.lba_size * self.lba_size
 
     def _check(self, byte_offset: int, nbytes: int) -> None:
         if byte_offset % self.lba_size or nbytes % self.lba_size:
