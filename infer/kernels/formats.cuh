@@ -1,0 +1,189 @@
+// Planar GPU weight formats and their decoders, shared by the GEMV, dequantization and embedding
+// kernels. Every quantized GGML type is repacked once at upload (repack.cu) into one of five
+// planar formats whose unit is a sub-block of 32 consecutive weights of a row; a matrix of
+// `rows` x `K` has rows*K/32 sub-blocks, numbered row-major, and each plane is an array indexed by
+// that number, so a warp's lanes read consecutive 16-byte pieces (coalesced, aligned):
+//
+//   q8: qs int8[32]  (natural order)              sm half   : w = s*q             (Q8_0)
+//   g4: qs u8[16]    (byte j = q[j] | q[j+16]<<4) sm half2  : w = s*q + m         (Q4_0 Q4_1 Q4_K)
+//   g5: g4's qs + hi u32 (bit j = bit 4 of q[j])  sm half2  : w = s*q + m         (Q5_0 Q5_1 Q5_K)
+//   g6: g4's qs + hi u32x2 (2 bits per weight:    sm half2  : w = s_lo*(q-32) for j<16,
+//       word 0 weights 0..15, word 1 16..31)                  s_hi*(q-32) for j>=16  (Q6_K)
+//   f16 / bf16 / f32: the GGUF data itself, row-major.
+//
+// Integers become floats without the slow I2F unit: a byte b placed under the exponent of 2^23
+// (0x4B0000bb) is the float 2^23 + b, and one FADD removes the 2^23.
+#pragma once
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+#if defined(__CUDACC_RTC__)  // NVRTC has no system headers
+typedef unsigned char uint8_t;
+typedef signed char int8_t;
+typedef unsigned int uint32_t;
+#else
+#include <stdint.h>
+#endif
+
+#define MAGIC_2P23 8388608.0f
+#define NEG_INF __int_as_float(0xff800000u)
+
+__device__ __forceinline__ float byte_as_float(uint32_t word, int k, float bias) {
+    // byte k of `word`, plus 2^23, minus (2^23 + bias): exact for bytes and small biases
+    return __int_as_float(__byte_perm(word, 0x4B000000u, 0x7540u | (uint32_t)k)) - (MAGIC_2P23 + bias);
+}
+
+// 4 bits (bit i of `bits`) -> bit 4 of byte i
+__device__ __forceinline__ uint32_t spread_bit4(uint32_t bits) {
+    return ((bits * 0x00204081u) & 0x01010101u) << 4;
+}
+
+// four 2-bit fields (bits 2i..2i+1 of `bits`) -> bits 4..5 of byte i
+__device__ __forceinline__ uint32_t spread_2bit4(uint32_t bits) {
+    return ((bits | (bits << 6) | (bits << 12) | (bits << 18)) & 0x03030303u) << 4;
+}
+
+__device__ __forceinline__ float4 ldg4(const float* p) { return __ldg(reinterpret_cast<const float4*>(p)); }
+
+__device__ __forceinline__ uint4 ldg_u4(const uint8_t* p) { return __ldg(reinterpret_cast<const uint4*>(p)); }
+
+// 8 weights held in two words (lo: weights 4t..4t+3, hi: weights 16+4t..16+4t+3) dotted with x.
+__device__ __forceinline__ void dot_lohi(uint32_t lo, uint32_t hi, float bias, float4 xa, float4 xb,
+                                         float& acc_lo, float& acc_hi) {
+    acc_lo = fmaf(byte_as_float(lo, 0, bias), xa.x, acc_lo);
+    acc_lo = fmaf(byte_as_float(lo, 1, bias), xa.y, acc_lo);
+    acc_lo = fmaf(byte_as_float(lo, 2, bias), xa.z, acc_lo);
+    acc_lo = fmaf(byte_as_float(lo, 3, bias), xa.w, acc_lo);
+    acc_hi = fmaf(byte_as_float(hi, 0, bias), xb.x, acc_hi);
+    acc_hi = fmaf(byte_as_float(hi, 1, bias), xb.y, acc_hi);
+    acc_hi = fmaf(byte_as_float(hi, 2, bias), xb.z, acc_hi);
+    acc_hi = fmaf(byte_as_float(hi, 3, bias), xb.w, acc_hi);
+}
+
+__device__ __forceinline__ float sum4(float4 a) { return (a.x + a.y) + (a.z + a.w); }
+
+// Planes of one tensor; unused planes are null.
+struct Planes {
+    const uint8_t* qs;
+    const uint8_t* hi;
+    const uint8_t* sm;
+};
+
+// ---------------------------------------------------------------- q8
+struct FmtQ8 {
+    struct Raw { uint4 a, b; float s; };
+    static __device__ __forceinline__ Raw load(const Planes& p, long long sb) {
+        Raw r;
+        r.a = ldg_u4(p.qs + sb * 32);
+        r.b = ldg_u4(p.qs + sb * 32 + 16);
+        r.s = __half2float(__ldg(reinterpret_cast<const __half*>(p.sm) + sb));
+        return r;
+    }
+    // q ^ 0x80 turns int8 into a biased byte (q + 128)
+    static __device__ __forceinline__ float dot(const Raw& r, const float* x) {
+        const uint32_t w[8] = {r.a.x, r.a.y, r.a.z, r.a.w, r.b.x, r.b.y, r.b.z, r.b.w};
+        float acc0 = 0.f, acc1 = 0.f;
+#pragma unroll
+        for (int t = 0; t < 4; ++t) {
+            dot_lohi(w[t] ^ 0x80808080u, w[t + 4] ^ 0x80808080u, 128.f, ldg4(x + 4 * t), ldg4(x + 16 + 4 * t),
+                     acc0, acc1);
+        }
+        return r.s * (acc0 + acc1);
+    }
+    static __device__ __forceinline__ void dequant(const Raw& r, float* out) {
+        const uint32_t w[8] = {r.a.x, r.a.y, r.a.z, r.a.w, r.b.x, r.b.y, r.b.z, r.b.w};
+#pragma unroll
+        for (int t = 0; t < 8; ++t)
+#pragma unroll
+            for (int k = 0; k < 4; ++k) out[4 * t + k] = r.s * byte_as_float(w[t] ^ 0x80808080u, k, 128.f);
+    }
+};
+
+// ---------------------------------------------------------------- g4 / g5 / g6 share the nibble plane
+template <int KIND>  // 4: g4, 5: g5, 6: g6
+struct FmtNib {
+    struct Raw { uint4 q; uint2 h; float2 sm; };
+    static __device__ __forceinline__ Raw load(const Planes& p, long long sb) {
+        Raw r;
+        r.q = ldg_u4(p.qs + sb * 16);
+        if (KIND == 5) {
+            r.h.x = __ldg(reinterpret_cast<const uint32_t*>(p.hi) + sb);
+            r.h.y = 0;
+        } else if (KIND == 6) {
+            r.h = __ldg(reinterpret_cast<const uint2*>(p.hi) + sb);
+        } else {
+            r.h = make_uint2(0, 0);
+        }
+        r.sm = __half22float2(__ldg(reinterpret_cast<const __half2*>(p.sm) + sb));
+        return r;
+    }
+    // word t of the nibble plane -> (weights 4t..4t+3, weights 16+4t..16+4t+3) as byte values
+    static __device__ __forceinline__ void word_values(const Raw& r, int t, uint32_t& lo, uint32_t& hi) {
+        const uint32_t w = t == 0 ? r.q.x : t == 1 ? r.q.y : t == 2 ? r.q.z : r.q.w;
+        lo = w & 0x0F0F0F0Fu;
+        hi = (w >> 4) & 0x0F0F0F0Fu;
+        if (KIND == 5) {
+            lo |= spread_bit4((r.h.x >> (4 * t)) & 0xFu);
+            hi |= spread_bit4((r.h.x >> (16 + 4 * t)) & 0xFu);
+        } else if (KIND == 6) {
+            lo |= spread_2bit4((r.h.x >> (8 * t)) & 0xFFu);
+            hi |= spread_2bit4((r.h.y >> (8 * t)) & 0xFFu);
+        }
+    }
+    static __device__ __forceinline__ float dot(const Raw& r, const float* x) {
+        const float bias = KIND == 6 ? 32.f : 0.f;
+        float acc_lo = 0.f, acc_hi = 0.f, xsum = 0.f;
+#pragma unroll
+        for (int t = 0; t < 4; ++t) {
+            uint32_t lo, hi;
+            word_values(r, t, lo, hi);
+            const float4 xa = ldg4(x + 4 * t), xb = ldg4(x + 16 + 4 * t);
+            dot_lohi(lo, hi, bias, xa, xb, acc_lo, acc_hi);
+            if (KIND != 6) xsum += sum4(xa) + sum4(xb);
+        }
+        if (KIND == 6) return r.sm.x * acc_lo + r.sm.y * acc_hi;
+        return r.sm.x * (acc_lo + acc_hi) + r.sm.y * xsum;
+    }
+    static __device__ __forceinline__ void dequant(const Raw& r, float* out) {
+#pragma unroll
+        for (int t = 0; t < 4; ++t) {
+            uint32_t lo, hi;
+            word_values(r, t, lo, hi);
+#pragma unroll
+            for (int k = 0; k < 4; ++k) {
+                if (KIND == 6) {
+                    out[4 * t + k] = r.sm.x * byte_as_float(lo, k, 32.f);
+                    out[16 + 4 * t + k] = r.sm.y * byte_as_float(hi, k, 32.f);
+                } else {
+                    out[4 * t + k] = fmaf(r.sm.x, byte_as_float(lo, k, 0.f), r.sm.y);
+                    out[16 + 4 * t + k] = fmaf(r.sm.x, byte_as_float(hi, k, 0.f), r.sm.y);
+                }
+            }
+        }
+    }
+};
+
+typedef FmtNib<4> FmtG4;
+typedef FmtNib<5> FmtG5;
+typedef FmtNib<6> FmtG6;
+
+// ---------------------------------------------------------------- float formats
+__device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
+__device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
+__device__ __forceinline__ float to_float(float v) { return v; }
+
+// 16 bytes of T -> floats, dotted with x (x holds 16/sizeof(T) floats, 16-byte aligned)
+template <typename T>
+__device__ __forceinline__ float dot16(uint4 v, const float* x) {
+    float acc = 0.f;
+    if (sizeof(T) == 4) {
+        const float4 xa = ldg4(x);
+        acc = __uint_as_float(v.x) * xa.x + __uint_as_float(v.y) * xa.y + __uint_as_float(v.z) * xa.z +
+              __uint_as_float(v.w) * xa.w;
+    } else {
+        const T* e = reinterpret_cast<const T*>(&v);
+        const float4 xa = ldg4(x), xb = ldg4(x + 4);
+        acc = to_float(e[0]) * xa.x + to_float(e[1]) * xa.y + to_float(e[2]) * xa.z + to_float(e[3]) * xa.w;
+        acc += to_float(e[4]) * xb.x + to_float(e[5]) * xb.y + to_float(e[6]) * xb.z + to_float(e[7]) * xb.w;
+    }
+    return acc;
+}

@@ -1,0 +1,141 @@
+// Matrix-vector products y = W x for decode, one warp per output row, weights read straight from
+// the planar formats of formats.cuh. Each lane takes every 32nd sub-block of its row and issues four
+// sub-blocks' loads before using any of them, so a warp keeps ~2 KB of weights in flight; x (float32)
+// is re-read from L1/L2 by every warp. Fused epilogues: + bias, + residual (y may alias residual:
+// each element is read and written by the same lane), and SiLU(gate)*up for the FFN.
+#include "formats.cuh"
+
+#ifndef GEMV_WARPS
+#define GEMV_WARPS 4
+#endif
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+__device__ __forceinline__ float silu(float g) { return g / (1.f + expf(-g)); }
+
+template <class F>
+__device__ __forceinline__ float row_dot(const Planes& p, long long base, int nsb, int lane, const float* x) {
+    float acc = 0.f;
+    int sb = lane;
+    for (; sb + 96 < nsb; sb += 128) {
+        const typename F::Raw r0 = F::load(p, base + sb);
+        const typename F::Raw r1 = F::load(p, base + sb + 32);
+        const typename F::Raw r2 = F::load(p, base + sb + 64);
+        const typename F::Raw r3 = F::load(p, base + sb + 96);
+        acc += F::dot(r0, x + (sb << 5));
+        acc += F::dot(r1, x + ((sb + 32) << 5));
+        acc += F::dot(r2, x + ((sb + 64) << 5));
+        acc += F::dot(r3, x + ((sb + 96) << 5));
+    }
+    for (; sb < nsb; sb += 32) acc += F::dot(F::load(p, base + sb), x + (sb << 5));
+    return acc;
+}
+
+template <typename T>
+__device__ __forceinline__ float row_dot_float(const T* w, int K, int lane, const float* x) {
+    float acc = 0.f;
+    constexpr int VEC = 16 / sizeof(T);
+    if (K % VEC == 0) {
+        const uint4* w4 = reinterpret_cast<const uint4*>(w);
+        const int n = K / VEC;
+        int c = lane;
+        for (; c + 96 < n; c += 128) {
+            const uint4 a = __ldg(w4 + c), b = __ldg(w4 + c + 32), d = __ldg(w4 + c + 64), e = __ldg(w4 + c + 96);
+            acc += dot16<T>(a, x + c * VEC);
+            acc += dot16<T>(b, x + (c + 32) * VEC);
+            acc += dot16<T>(d, x + (c + 64) * VEC);
+            acc += dot16<T>(e, x + (c + 96) * VEC);
+        }
+        for (; c < n; c += 32) acc += dot16<T>(__ldg(w4 + c), x + c * VEC);
+    } else {
+        for (int k = lane; k < K; k += 32) acc += to_float(w[k]) * x[k];
+    }
+    return acc;
+}
+
+__device__ __forceinline__ void store_row(float acc, int row, float* y, const float* bias, const float* residual) {
+    if (bias) acc += bias[row];
+    if (residual) acc += residual[row];
+    y[row] = acc;
+}
+
+template <class F>
+__device__ __forceinline__ void gemv_quant(Planes p, int rows, int K, const float* x, float* y, const float* bias,
+                                           const float* residual) {
+    const int lane = threadIdx.x & 31;
+    const int row = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5);
+    if (row >= rows) return;
+    const int nsb = K >> 5;
+    const float acc = warp_sum(row_dot<F>(p, (long long)row * nsb, nsb, lane, x));
+    if (lane == 0) store_row(acc, row, y, bias, residual);
+}
+
+template <class F>
+__device__ __forceinline__ void gemv_swiglu_quant(Planes g, Planes u, int rows, int K, const float* x, float* y) {
+    const int lane = threadIdx.x & 31;
+    const int row = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5);
+    if (row >= rows) return;
+    const int nsb = K >> 5;
+    const long long base = (long long)row * nsb;
+    const float a = warp_sum(row_dot<F>(g, base, nsb, lane, x));
+    const float b = warp_sum(row_dot<F>(u, base, nsb, lane, x));
+    if (lane == 0) y[row] = silu(a) * b;
+}
+
+template <typename T>
+__device__ __forceinline__ void gemv_float(const T* w, int rows, int K, const float* x, float* y, const float* bias,
+                                           const float* residual) {
+    const int lane = threadIdx.x & 31;
+    const int row = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5);
+    if (row >= rows) return;
+    const float acc = warp_sum(row_dot_float<T>(w + (long long)row * K, K, lane, x));
+    if (lane == 0) store_row(acc, row, y, bias, residual);
+}
+
+template <typename T>
+__device__ __forceinline__ void gemv_swiglu_float(const T* wg, const T* wu, int rows, int K, const float* x, float* y) {
+    const int lane = threadIdx.x & 31;
+    const int row = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5);
+    if (row >= rows) return;
+    const float a = warp_sum(row_dot_float<T>(wg + (long long)row * K, K, lane, x));
+    const float b = warp_sum(row_dot_float<T>(wu + (long long)row * K, K, lane, x));
+    if (lane == 0) y[row] = silu(a) * b;
+}
+
+// One signature for every format, so the Python side launches them alike: (qs, hi, sm) are the
+// planes (float formats use qs only).
+#define GEMV_QUANT(NAME, F)                                                                                   \
+    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)                                             \
+        gemv_##NAME(const uint8_t* qs, const uint8_t* hi, const uint8_t* sm, int rows, int K, const float* x, \
+                    float* y, const float* bias, const float* residual) {                                     \
+        gemv_quant<F>(Planes{qs, hi, sm}, rows, K, x, y, bias, residual);                                     \
+    }                                                                                                         \
+    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)                                             \
+        gemv_swiglu_##NAME(const uint8_t* gqs, const uint8_t* ghi, const uint8_t* gsm, const uint8_t* uqs,    \
+                           const uint8_t* uhi, const uint8_t* usm, int rows, int K, const float* x, float* y) { \
+        gemv_swiglu_quant<F>(Planes{gqs, ghi, gsm}, Planes{uqs, uhi, usm}, rows, K, x, y);                   \
+    }
+
+#define GEMV_FLOAT(NAME, T)                                                                                   \
+    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)                                             \
+        gemv_##NAME(const uint8_t* qs, const uint8_t* hi, const uint8_t* sm, int rows, int K, const float* x, \
+                    float* y, const float* bias, const float* residual) {                                     \
+        gemv_float<T>(reinterpret_cast<const T*>(qs), rows, K, x, y, bias, residual);                        \
+    }                                                                                                         \
+    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)                                             \
+        gemv_swiglu_##NAME(const uint8_t* gqs, const uint8_t* ghi, const uint8_t* gsm, const uint8_t* uqs,    \
+                           const uint8_t* uhi, const uint8_t* usm, int rows, int K, const float* x, float* y) { \
+        gemv_swiglu_float<T>(reinterpret_cast<const T*>(gqs), reinterpret_cast<const T*>(uqs), rows, K, x, y); \
+    }
+
+GEMV_QUANT(q8, FmtQ8)
+GEMV_QUANT(g4, FmtG4)
+GEMV_QUANT(g5, FmtG5)
+GEMV_QUANT(g6, FmtG6)
+GEMV_FLOAT(f16, __half)
+GEMV_FLOAT(bf16, __nv_bfloat16)
+GEMV_FLOAT(f32, float)
