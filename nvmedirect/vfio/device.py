@@ -70,6 +70,13 @@ class MappedBar:
         self._check(offset, 8)
         self._u64[offset // 8] = value
 
+    def doorbell(self, offset: int):
+        """A doorbell register of this BAR, written through the native MMIO shim."""
+        from nvmedirect.queues.doorbell import Doorbell
+
+        self._check(offset, 4)
+        return Doorbell(self.address + offset, owner=self)
+
     def close(self) -> None:
         if self._mmap is not None:
             self._u32 = self._u64 = None
