@@ -232,6 +232,7 @@ class Controller:
             self.io_qpairs.clear()
             self.admin = None
             self.dma.close()
+            log.info("controller: closed; %d DMA mappings left", self.dma.live_mappings())
             if self._owner is not None:
                 self._owner.close()
                 self._owner = None
