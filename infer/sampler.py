@@ -1,0 +1,130 @@
+"""Choosing the next token from a logits vector.
+
+Steps run in llama.cpp's default order: repetition penalty over the last `repeat_last_n` tokens,
+then top-k, top-p and min-p (all judged at temperature 1), then temperature, then a draw from the
+softmax of what is left. Temperature 0 skips the filters and the draw: the token is the argmax
+(of the penalized logits, which are the raw logits when repeat_penalty is 1).
+
+Defaults are llama.cpp's own (temperature 0.8, top-k 40, top-p 0.95, min-p 0.05, repetition
+penalty 1.0 = off over the last 64 tokens); a seed of None draws a fresh one.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class SamplerConfig:
+    temperature: float = 0.8   # 0 = greedy
+    top_k: int = 40            # keep the k most likely tokens; 0 = off
+    top_p: float = 0.95        # keep the most likely tokens whose probabilities sum to top_p; 1 = off
+    min_p: float = 0.05        # drop tokens less likely than min_p times the most likely one; 0 = off
+    repeat_penalty: float = 1.0  # >1 discourages tokens seen in the window; 1 = off
+    repeat_last_n: int = 64    # window of the penalty in tokens; 0 = off, -1 = the whole history
+    seed: int | None = None    # None = a different random sequence every run
+
+    def __post_init__(self) -> None:
+        checks = [
+            (self.temperature >= 0, f"temperature must be >= 0, not {self.temperature}"),
+            (self.top_k >= 0, f"top_k must be >= 0, not {self.top_k}"),
+            (0 < self.top_p <= 1, f"top_p must be in (0, 1], not {self.top_p}"),
+            (0 <= self.min_p <= 1, f"min_p must be in [0, 1], not {self.min_p}"),
+            (self.repeat_penalty > 0, f"repeat_penalty must be > 0, not {self.repeat_penalty}"),
+            (self.repeat_last_n >= -1, f"repeat_last_n must be >= -1, not {self.repeat_last_n}"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def apply_repeat_penalty(logits: np.ndarray, history: Sequence[int], penalty: float, last_n: int) -> np.ndarray:
+    """A copy of `logits` where every token that occurs in the last `last_n` ids of `history` is made
+    less likely: a positive logit is divided by `penalty`, a negative one multiplied (llama.cpp's rule;
+    dividing a negative logit would raise it). Each token is penalized once however often it occurs."""
+    out = np.array(logits, dtype=np.float32, copy=True)
+    if penalty == 1.0 or last_n == 0 or not history:
+        return out
+    window = history if last_n < 0 else history[-last_n:]
+    seen = np.unique(np.asarray(window, dtype=np.int64))
+    seen = seen[(seen >= 0) & (seen < out.size)]
+    values = out[seen]
+    out[seen] = np.where(values <= 0, values * penalty, values / penalty)
+    return out
+
+
+def top_k_filter(ids: np.ndarray, logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Candidates sorted by logit, highest first, are cut to the first k (k = 0 keeps all)."""
+    return (ids[:k], logits[:k]) if 0 < k < ids.size else (ids, logits)
+
+
+def top_p_filter(ids: np.ndarray, logits: np.ndarray, p: float) -> tuple[np.ndarray, np.ndarray]:
+    """Keep the shortest prefix of the sorted candidates whose probability sum reaches p."""
+    if p >= 1.0:
+        return ids, logits
+    cumulative = np.cumsum(_softmax(logits))
+    keep = int(np.searchsorted(cumulative, p, side="left")) + 1
+    return ids[:keep], logits[:keep]
+
+
+def min_p_filter(ids: np.ndarray, logits: np.ndarray, min_p: float) -> tuple[np.ndarray, np.ndarray]:
+    """Keep candidates whose probability is at least min_p times the top one's (compared in logits)."""
+    if min_p <= 0.0:
+        return ids, logits
+    threshold = logits[0] + math.log(min_p)
+    keep = max(1, int(np.count_nonzero(logits >= threshold)))
+    return ids[:keep], logits[:keep]
+
+
+def _softmax(logits: np.ndarray) -> np.ndarray:
+    shifted = np.exp(logits.astype(np.float64) - logits.max())
+    return shifted / shifted.sum()
+
+
+class Sampler:
+    """`sample(logits, history)` returns the next token id; the same seed gives the same choices."""
+
+    def __init__(self, config: SamplerConfig | None = None) -> None:
+        self.config = config or SamplerConfig()
+        self._rng = np.random.default_rng(self.config.seed)
+
+    def distribution(self, logits: np.ndarray, history: Sequence[int] = ()) -> tuple[np.ndarray, np.ndarray]:
+        """The candidates the draw picks from and their probabilities, most likely first."""
+        cfg = self.config
+        scores = self._penalized(logits, history)
+        if cfg.greedy:
+            return np.array([int(np.argmax(scores))]), np.ones(1)
+        if 0 < cfg.top_k < scores.size:
+            # only the k best need sorting
+            part = np.argpartition(-scores, cfg.top_k - 1)[: cfg.top_k]
+            ids = part[np.argsort(-scores[part], kind="stable")]
+        else:
+            ids = np.argsort(-scores, kind="stable")
+        kept = scores[ids]
+        ids, kept = top_k_filter(ids, kept, cfg.top_k)
+        ids, kept = top_p_filter(ids, kept, cfg.top_p)
+        ids, kept = min_p_filter(ids, kept, cfg.min_p)
+        return ids, _softmax(kept / cfg.temperature)
+
+    def sample(self, logits: np.ndarray, history: Sequence[int] = ()) -> int:
+        ids, probs = self.distribution(logits, history)
+        if ids.size == 1:
+            return int(ids[0])
+        index = int(np.searchsorted(np.cumsum(probs), self._rng.random() * probs.sum(), side="right"))
+        return int(ids[min(index, ids.size - 1)])
+
+    def _penalized(self, logits: np.ndarray, history: Sequence[int]) -> np.ndarray:
+        logits = np.asarray(logits)
+        if logits.ndim != 1 or logits.size == 0:
+            raise ValueError(f"logits must be a non-empty vector, not an array of shape {logits.shape}")
+        if np.isnan(logits).any():
+            raise ValueError("logits contain NaN")
+        return apply_repeat_penalty(logits, history, self.config.repeat_penalty, self.config.repeat_last_n)

@@ -1,0 +1,164 @@
+"""Sampler: each filter on hand-made distributions, llama.cpp's repetition-penalty rule, greedy,
+seeds, and the frequencies temperature sampling produces."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from infer.sampler import (
+    Sampler,
+    SamplerConfig,
+    apply_repeat_penalty,
+    min_p_filter,
+    top_k_filter,
+    top_p_filter,
+)
+
+# probabilities 0.5, 0.25, 0.125, 0.0625, 0.0625 hidden at scrambled ids
+PROBS = {7: 0.5, 2: 0.25, 9: 0.125, 0: 0.0625, 4: 0.0625}
+
+
+def _logits(probs: dict[int, float], size: int = 10, offset: float = 3.0) -> np.ndarray:
+    logits = np.full(size, -np.inf, dtype=np.float32)
+    for token, p in probs.items():
+        logits[token] = math.log(p) + offset  # the offset must not matter
+    return logits
+
+
+def _config(**overrides: float | int | None) -> SamplerConfig:
+    """Everything off except what the test names."""
+    base = dict(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, repeat_penalty=1.0, seed=1)
+    return SamplerConfig(**{**base, **overrides})
+
+
+def test_greedy_is_argmax_whatever_the_seed() -> None:
+    rng = np.random.default_rng(0)
+    for seed in range(20):
+        logits = rng.normal(size=1000).astype(np.float32)
+        assert Sampler(_config(temperature=0.0, seed=seed)).sample(logits) == int(np.argmax(logits))
+
+
+def test_greedy_takes_the_first_of_equal_maxima() -> None:
+    logits = np.array([0.0, 5.0, 1.0, 5.0], dtype=np.float32)
+    assert Sampler(_config(temperature=0.0)).sample(logits) == 1
+
+
+def test_no_filter_keeps_the_softmax() -> None:
+    ids, probs = Sampler(_config()).distribution(_logits(PROBS))
+    assert dict(zip(ids.tolist()[:5], probs[:5].round(6).tolist(), strict=True)) == PROBS
+    assert probs[5:].sum() == 0
+
+
+def test_top_k_keeps_the_k_most_likely() -> None:
+    ids, probs = Sampler(_config(top_k=2)).distribution(_logits(PROBS))
+    assert ids.tolist() == [7, 2]
+    np.testing.assert_allclose(probs, [2 / 3, 1 / 3])
+
+
+def test_top_p_keeps_the_prefix_that_reaches_p() -> None:
+    # 0.5 + 0.25 = 0.75 reaches 0.7: two tokens; 0.8 needs the third (0.875)
+    assert Sampler(_config(top_p=0.7)).distribution(_logits(PROBS))[0].tolist() == [7, 2]
+    assert Sampler(_config(top_p=0.8)).distribution(_logits(PROBS))[0].tolist() == [7, 2, 9]
+    # the most likely token alone already reaches a small p
+    assert Sampler(_config(top_p=0.1)).distribution(_logits(PROBS))[0].tolist() == [7]
+
+
+def test_min_p_drops_tokens_below_a_fraction_of_the_best() -> None:
+    # relative to the best (0.5): 0.25 -> 0.5, 0.125 -> 0.25, 0.0625 -> 0.125
+    assert Sampler(_config(min_p=0.3)).distribution(_logits(PROBS))[0].tolist() == [7, 2]
+    assert Sampler(_config(min_p=0.2)).distribution(_logits(PROBS))[0].tolist() == [7, 2, 9]
+    assert Sampler(_config(min_p=0.6)).distribution(_logits(PROBS))[0].tolist() == [7]
+
+
+def test_filters_on_sorted_candidates() -> None:
+    ids = np.array([5, 3, 1, 0])
+    logits = np.log(np.array([0.4, 0.3, 0.2, 0.1], dtype=np.float32))
+    assert top_k_filter(ids, logits, 3)[0].tolist() == [5, 3, 1]
+    assert top_k_filter(ids, logits, 0)[0].tolist() == [5, 3, 1, 0]
+    assert top_p_filter(ids, logits, 0.75)[0].tolist() == [5, 3, 1]
+    assert min_p_filter(ids, logits, 0.5)[0].tolist() == [5, 3, 1]
+
+
+def test_temperature_reshapes_the_distribution() -> None:
+    _, cold = Sampler(_config(temperature=0.5)).distribution(_logits(PROBS))
+    _, hot = Sampler(_config(temperature=2.0)).distribution(_logits(PROBS))
+    # p_i ∝ p_i^(1/T)
+    expected_cold = np.array([0.5, 0.25, 0.125, 0.0625, 0.0625]) ** 2
+    expected_hot = np.array([0.5, 0.25, 0.125, 0.0625, 0.0625]) ** 0.5
+    np.testing.assert_allclose(cold[:5], expected_cold / expected_cold.sum(), rtol=1e-5)
+    np.testing.assert_allclose(hot[:5], expected_hot / expected_hot.sum(), rtol=1e-5)
+
+
+def test_repeat_penalty_divides_positive_and_multiplies_negative_logits() -> None:
+    logits = np.array([2.0, -2.0, 3.0, -1.0, 0.5], dtype=np.float32)
+    out = apply_repeat_penalty(logits, history=[0, 1, 1, 1, 4], penalty=2.0, last_n=64)
+    np.testing.assert_allclose(out, [1.0, -4.0, 3.0, -1.0, 0.25])
+    assert logits[0] == 2.0  # the input is left alone
+
+
+def test_repeat_penalty_only_looks_at_the_window() -> None:
+    logits = np.array([2.0, 2.0, 2.0], dtype=np.float32)
+    out = apply_repeat_penalty(logits, history=[0, 1, 2], penalty=2.0, last_n=2)
+    np.testing.assert_allclose(out, [2.0, 1.0, 1.0])
+    np.testing.assert_allclose(apply_repeat_penalty(logits, [0, 1, 2], 2.0, last_n=0), logits)
+    np.testing.assert_allclose(apply_repeat_penalty(logits, [0, 1, 2], 2.0, last_n=-1), [1.0, 1.0, 1.0])
+
+
+def test_repeat_penalty_changes_the_greedy_choice() -> None:
+    logits = np.array([1.0, 3.0, 2.0], dtype=np.float32)
+    sampler = Sampler(_config(temperature=0.0, repeat_penalty=2.0))
+    assert sampler.sample(logits, history=[]) == 1
+    assert sampler.sample(logits, history=[1]) == 2  # 3.0 / 2 = 1.5 < 2.0
+
+
+def test_same_seed_same_tokens_different_seed_different_tokens() -> None:
+    rng = np.random.default_rng(3)
+    steps = [rng.normal(size=500).astype(np.float32) for _ in range(64)]
+
+    def run(seed: int) -> list[int]:
+        sampler = Sampler(_config(temperature=1.5, seed=seed))
+        return [sampler.sample(logits) for logits in steps]
+
+    assert run(42) == run(42)
+    assert run(42) != run(43)
+
+
+def test_temperature_sampling_frequencies_follow_the_distribution() -> None:
+    sampler = Sampler(_config(temperature=1.0, seed=1234))
+    logits = _logits(PROBS)
+    draws = 20000
+    counts = np.bincount([sampler.sample(logits) for _ in range(draws)], minlength=10)
+    for token, p in PROBS.items():
+        sigma = math.sqrt(draws * p * (1 - p))
+        assert abs(counts[token] - draws * p) < 5 * sigma, (token, counts[token], draws * p)
+    assert counts[[1, 3, 5, 6, 8]].sum() == 0  # impossible tokens never drawn
+
+
+def test_default_config_is_llama_cpp_like_and_filters_apply_together() -> None:
+    config = SamplerConfig()
+    assert (config.temperature, config.top_k, config.top_p, config.min_p) == (0.8, 40, 0.95, 0.05)
+    logits = np.linspace(10, 0, 1000).astype(np.float32)
+    ids, probs = Sampler(config).distribution(logits)
+    assert ids.size <= 40 and ids.tolist() == sorted(ids.tolist())  # descending logits = ascending ids
+    assert math.isclose(probs.sum(), 1.0)
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [("temperature", -0.1), ("top_k", -1), ("top_p", 0.0), ("top_p", 1.5), ("min_p", 2.0),
+     ("repeat_penalty", 0.0), ("repeat_last_n", -2)],
+)
+def test_bad_config_is_one_line_error(field: str, value: float) -> None:
+    with pytest.raises(ValueError, match=field) as err:
+        SamplerConfig(**{field: value})
+    assert "\n" not in str(err.value)
+
+
+def test_bad_logits_are_refused() -> None:
+    with pytest.raises(ValueError, match="vector"):
+        Sampler().sample(np.zeros((2, 3), dtype=np.float32))
+    with pytest.raises(ValueError, match="NaN"):
+        Sampler().sample(np.array([0.0, np.nan], dtype=np.float32))
