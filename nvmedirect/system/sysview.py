@@ -66,7 +66,7 @@ class SystemView:
 
     def write(self, absolute: str, text: str) -> None:
         """Write a sysfs attribute in one write() call, as the kernel expects."""
-        fd = os.open(self.path(absolute), os.O_WRONLY)
+        fd = os.open(self.path(absolute), os.O_WRONLY | os.O_TRUNC)
         try:
             os.write(fd, text.encode())
         finally:

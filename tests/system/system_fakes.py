@@ -52,10 +52,12 @@ class FakeSystem:
         if driver:
             (self.root / f"sys/bus/pci/drivers/{driver}").mkdir(parents=True, exist_ok=True)
             self.write(f"sys/bus/pci/drivers/{driver}/unbind", "")
-            self.link(f"{base}/driver", f"../../../bus/pci/drivers/{driver}")
+            self.link(f"{base}/driver", f"../../../../bus/pci/drivers/{driver}")
+        if group is None and (self.root / base / "iommu_group").is_symlink():
+            (self.root / base / "iommu_group").unlink()
         if group is not None:
             (self.root / f"sys/kernel/iommu_groups/{group}").mkdir(parents=True, exist_ok=True)
-            self.link(f"{base}/iommu_group", f"../../../kernel/iommu_groups/{group}")
+            self.link(f"{base}/iommu_group", f"../../../../kernel/iommu_groups/{group}")
 
     def nvme(self, bdf: str, ctrl: str, namespaces: dict[str, list[str]], driver: str = "nvme",
              model: str = "QEMU NVMe Ctrl", serial: str = "fake0001", multipath: bool = False) -> None:
