@@ -1,0 +1,72 @@
+"""Fixtures for VM tests (host side). Guest-side tests live under tests/vm/guest/ and run only inside
+the VM: on the host that folder is not collected (NVMEDIRECT_VM_GUEST marks the guest session).
+
+    @pytest.mark.vm
+    def test_x(vm_mode, guest_pytest):
+        result = guest_pytest(VmConfig(iommu=vm_mode == "iommu"), ["tests/vm/guest/test_x_guest.py"])
+        result.assert_passed()
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import pytest
+
+IN_GUEST = os.environ.get("NVMEDIRECT_VM_GUEST") == "1"
+collect_ignore = [] if IN_GUEST else ["guest"]
+
+VFIO_MODES = ["iommu", "noiommu"]
+
+
+def _vm_required() -> bool:
+    return "vm" in {x.strip() for x in os.environ.get("NVMEDIRECT_REQUIRE", "").split(",")}
+
+
+@pytest.fixture(scope="session")
+def vm_assets() -> Path:
+    """The kernel/initramfs directory; skips (or errors, under NVMEDIRECT_REQUIRE=vm) when missing."""
+    from rig import assets_dir, assets_problem
+
+    problem = assets_problem()
+    if problem:
+        if _vm_required():
+            pytest.fail(problem, pytrace=False)
+        pytest.skip(problem)
+    return assets_dir()
+
+
+@pytest.fixture(params=VFIO_MODES)
+def vm_mode(request: pytest.FixtureRequest) -> str:
+    """Both VFIO modes: "iommu" (emulated Intel IOMMU, type1) and "noiommu" (rebuilt VFIO)."""
+    return request.param
+
+
+@pytest.fixture
+def guest_pytest(vm_assets: Path, tmp_path: Path) -> Callable:
+    """`guest_pytest(config, files, timeout=300, ...)` boots once and runs pytest on the guest files;
+    returns a GuestPytestResult. Each call gets its own run directory under tmp_path."""
+    from rig import VmConfig
+    from rig_pytest import GuestPytestResult, run_guest_pytest
+
+    calls = []
+
+    def run(config: VmConfig, files: Sequence[str | Path], **kwargs) -> GuestPytestResult:
+        workdir = tmp_path / f"vm{len(calls)}"
+        workdir.mkdir()
+        result = run_guest_pytest(config, files, workdir, **kwargs)
+        calls.append(result)
+        print(f"guest pytest ({config.mode}): {result.summary()}")
+        return result
+
+    return run
+
+
+@pytest.fixture
+def vm_workdir(vm_assets: Path, tmp_path: Path) -> Path:
+    """A run directory for `run_in_vm` / `Vm`, after checking the assets exist."""
+    workdir = tmp_path / "vm"
+    workdir.mkdir()
+    return workdir

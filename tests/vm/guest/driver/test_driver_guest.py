@@ -1,0 +1,156 @@
+"""Inside the VM: our driver against QEMU's NVMe controller, in this boot's VFIO mode.
+
+Driven by tests/vm/test_driver.py, which configures the controllers named in conftest.py.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from conftest import BIG_LBA_SERIAL, READ_SERIAL, WRITE_SERIAL, image_bytes
+
+from nvmedirect.errors import LbaOutOfRange
+from nvmedirect.nvme.controller import Controller
+from nvmedirect.nvme.namespace import Segment
+
+QEMU_MODEL = "QEMU NVMe Ctrl"
+SIZES = [1, 2, 3, 511, 512, 513, 4095, 4096, 4097, 65_537, 300_001, (1 << 20) + 3, 3 << 20, 8 << 20]
+
+
+def sha(data) -> str:
+    return hashlib.sha256(bytes(data)).hexdigest()
+
+
+def test_identify_returns_qemu_serial_and_model(ctrl):
+    assert ctrl.info.serial == READ_SERIAL
+    assert ctrl.info.model == QEMU_MODEL
+    assert ctrl.info.mdts == 7 and ctrl.max_transfer == 512 << 10
+    assert ctrl.version == 0x10400
+    assert 1 in ctrl.active_namespaces()
+
+
+def test_identify_command_line(bound, noiommu):
+    bdf = bound(BIG_LBA_SERIAL)
+    argv = [os.path.join(os.path.dirname(sys.executable), "nvmedirect"), "identify", bdf, "--json"] + (["--noiommu"] if noiommu else [])
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    data = json.loads(out.stdout)
+    assert data["controller"]["serial"] == BIG_LBA_SERIAL and data["controller"]["model"] == QEMU_MODEL
+    assert data["namespaces"][0]["lba_size"] == 4096
+    assert any(f["data_size"] == 4096 and f["in_use"] for f in data["namespaces"][0]["formats"])
+
+
+@pytest.mark.parametrize("into", ["bytearray", "dma"])
+def test_random_byte_ranges_match_the_image(ctrl, ns, read_image, into):
+    rng = random.Random(f"{into}-ranges")
+    staging = ctrl.dma.alloc((8 << 20) + 8) if into == "dma" else None
+    for size in SIZES:
+        offset = rng.randrange(0, len(read_image) - size)
+        if into == "dma":
+            at = rng.choice([0, 4, 1000, 4092])  # where in the DMA buffer the bytes should land
+            dest = staging[at:at + size]
+            ns.read_into(dest, offset, size)
+            got = dest.view
+        else:
+            got = bytearray(size)
+            ns.read_into(got, offset, size)
+        assert sha(got) == sha(read_image[offset:offset + size]), f"{size} bytes at {offset}"
+    if staging is not None:
+        staging.free()
+
+
+@pytest.mark.parametrize("in_flight", [1, 2, 8, 32, 64])
+def test_queue_depths(ctrl, ns, qpair, read_image, in_flight):
+    buf = ctrl.dma.alloc(4 << 20)
+    chunk_blocks = 8  # 4 KiB commands: many of them, so the queue really fills
+    segments = [(lba, chunk_blocks) for lba in range(0, (4 << 20) // 512, chunk_blocks)]
+    rng = random.Random(in_flight)
+    rng.shuffle(segments)
+    plan = (Segment(1000 + lba, n, buf[lba * 512:(lba + n) * 512]) for lba, n in segments)
+    issued = ns.run(plan, qpair=qpair, max_in_flight=in_flight)
+    assert issued == len(segments)
+    assert sha(buf.view) == sha(read_image[1000 * 512:1000 * 512 + (4 << 20)])
+    buf.free()
+
+
+def test_two_queue_pairs_in_flight_together(ctrl, ns, read_image):
+    pairs = [ctrl.create_io_qpair(depth=16) for _ in range(3)]
+    assert len({qp.qid for qp in pairs}) == 3
+    bufs = [ctrl.dma.alloc(15 * 4096) for _ in pairs]
+    commands = []
+    for index, (qp, buf) in enumerate(zip(pairs, bufs, strict=True)):
+        for slot in range(15):
+            lba = 8 * (index * 15 + slot)
+            commands.append((ns.submit_read(qp, lba, 8, buf[slot * 4096:(slot + 1) * 4096], ring=False), lba,
+                             buf[slot * 4096:(slot + 1) * 4096]))
+    for qp in pairs:  # one doorbell per queue for 15 commands each
+        qp.ring_doorbell()
+    for command, lba, dest in commands:
+        command.result()
+        assert bytes(dest.view) == read_image[lba * 512:lba * 512 + 4096]
+    for qp, buf in zip(pairs, bufs, strict=True):
+        buf.free()
+        ctrl.delete_io_qpair(qp)
+
+
+def test_read_beyond_the_namespace_is_lba_out_of_range(ctrl, ns):
+    with pytest.raises(LbaOutOfRange, match=r"ERROR status: 00/80 LBA Out of Range"):
+        ns.read_into(bytearray(100), ns.size_bytes - 10, 100)
+    buf = ctrl.dma.alloc(4096)
+    completion = ns.submit_read(ctrl.default_qpair, ns.size_blocks, 1, buf).wait()
+    assert completion.status.name == "LBA Out of Range" and not completion.status.is_retryable()
+    buf.free()
+    ns.read_into(bytearray(10), ns.size_bytes - 10, 10)  # the queue still works afterwards
+
+
+def test_4096_byte_lbas_and_chained_prp_lists(bound, noiommu):
+    image = image_bytes(BIG_LBA_SERIAL)
+    # No MDTS limit on this controller, so 4 MiB commands need chained PRP lists.
+    with Controller.open(bound(BIG_LBA_SERIAL), noiommu=noiommu, max_transfer=4 << 20) as ctrl:
+        assert ctrl.info.mdts == 0 and ctrl.max_transfer == 4 << 20
+        ns = ctrl.namespace(1)
+        assert ns.lba_size == 4096 and ns.size_bytes == len(image)
+        buf = ctrl.dma.alloc((8 << 20) + 4096)
+        dest = buf[4:4 + (8 << 20) - 4096]  # unaligned start: 1025 pages per 4 MiB command
+        ns.read_into(dest, 4096 - 4 + 4096, dest.nbytes)
+        assert sha(dest.view) == sha(image[8188:8188 + dest.nbytes])
+        rng = random.Random(4096)
+        for size in SIZES:
+            offset = rng.randrange(0, len(image) - size)
+            got = bytearray(size)
+            ns.read_into(got, offset, size)
+            assert sha(got) == sha(image[offset:offset + size]), f"{size} bytes at {offset}"
+        with pytest.raises(LbaOutOfRange):
+            ns.read_into(bytearray(4096), ns.size_bytes, 4096)
+
+
+def test_writes_then_reads_round_trip(bound, noiommu):
+    pattern = np.random.default_rng(int(os.environ["NVD_WRITE_SEED"])).integers(0, 256, 3 << 20, dtype=np.uint8)
+    with Controller.open(bound(WRITE_SERIAL), noiommu=noiommu) as ctrl:
+        ns = ctrl.namespace(1)
+        buf = ctrl.dma.alloc(pattern.nbytes)
+        buf.view[:] = pattern
+        first_lba = int(os.environ["NVD_WRITE_LBA"])
+        ns.write(first_lba, pattern.nbytes // ns.lba_size, buf)  # 3 MiB: six 512 KiB commands
+        ns.flush()
+        back = bytearray(pattern.nbytes - 1001)
+        ns.read_into(back, first_lba * ns.lba_size + 1000, len(back))
+        assert sha(back) == sha(pattern[1000:1000 + len(back)].tobytes())
+
+
+def test_close_unmaps_and_the_device_can_be_reopened(bound, noiommu):
+    bdf = bound(WRITE_SERIAL)
+    for _ in range(2):  # the second open finds the group released by the first close
+        ctrl = Controller.open(bdf, noiommu=noiommu)
+        dma = ctrl.dma
+        ctrl.namespace(1).read_into(bytearray(10), 12345, 10)
+        assert dma.live_mappings() > 0
+        ctrl.close()
+        assert dma.live_mappings() == 0
