@@ -60,8 +60,12 @@ class QueuePair:
         self._dma = dma
         self._sq_doorbell = sq_doorbell
         self._cq_doorbell = cq_doorbell
-        self.sq_ring = dma.alloc(depth * SQE_SIZE)
-        self.cq_ring = dma.alloc(depth * CQE_SIZE)
+        self.sq_ring = dma.alloc(depth * SQE_SIZE, contiguous=True)
+        try:
+            self.cq_ring = dma.alloc(depth * CQE_SIZE, contiguous=True)
+        except BaseException:
+            self.sq_ring.free()
+            raise
         for ring in (self.sq_ring, self.cq_ring):
             ring.view[:] = 0
             if not ring.contiguous:

@@ -145,9 +145,15 @@ class DmaAllocator:
         # into memory that is about to be reused.
         self._finalizer = weakref.finalize(self, DmaAllocator._release_all, self._live, self._unmap_raw())
 
-    def alloc(self, nbytes: int, source: str = "anon", hugepages: bool | None = None) -> DmaBuffer:
+    def alloc(self, nbytes: int, source: str = "anon", hugepages: bool | None = None,
+              contiguous: bool = False) -> DmaBuffer:
         """A device-visible buffer of at least `nbytes`. `source`: "anon" (page-aligned anonymous
-        memory) or "cuda-pinned" (CuPy pinned host memory)."""
+        memory) or "cuda-pinned" (CuPy pinned host memory). `contiguous`: the device must see one
+        unbroken range (queue rings); without an IOMMU that takes a huge page beyond 4 KiB."""
+        if contiguous and self.physical and nbytes > PAGE_SIZE:
+            if nbytes > host_memory.HUGE_PAGE_SIZE:
+                raise DmaError(f"{nbytes} contiguous bytes exceed a 2 MiB huge page in no-IOMMU mode")
+            hugepages = True
         host_memory.check_memlock(self.locked_bytes, round_up(nbytes, PAGE_SIZE))
         if source == "anon":
             mem = host_memory.anonymous(nbytes, hugepages=hugepages)

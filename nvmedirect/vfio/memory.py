@@ -91,7 +91,7 @@ def anonymous(nbytes: int, hugepages: bool | None = None) -> HostMemory:
         raise DmaError(f"DMA buffer size must be positive, got {nbytes}")
     region = None
     page_size = PAGE_SIZE
-    if hugepages is not False and nbytes >= HUGE_PAGE_SIZE // 2:
+    if hugepages or (hugepages is None and nbytes >= HUGE_PAGE_SIZE // 2):
         try:
             region = _mmap_anonymous(round_up(nbytes, HUGE_PAGE_SIZE), huge=True)
             page_size = HUGE_PAGE_SIZE
