@@ -1,0 +1,297 @@
+"""Synthetic Llama-shaped GGUF models with random weights, for benchmarks at real scale without
+downloads and for GPU-vs-CPU checks.
+
+    python -m infer.synth --shape 8b --type q4_k_m -o llama8b-q4_k_m.gguf
+
+Weights are random with sane scales (matrices ~ N(0, 1/in_features) in effect, norms near 1), so
+activations stay finite through any number of layers. Large files are written fast: each tensor's
+data is a pool of random quantized blocks written over and over (the pool holds up to POOL_BLOCKS
+blocks, so small models are fully random). The vocabulary is a byte-level SentencePiece ("llama")
+one: <unk>, <s>, </s>, the 256 byte tokens, then filler pieces up to the shape's vocab size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import struct
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf.quants import quantize
+
+T = GGMLQuantizationType
+POOL_BLOCKS = 1 << 16
+ALIGNMENT = 32
+
+
+@dataclass(frozen=True)
+class Shape:
+    n_layers: int
+    dim: int
+    ffn_dim: int
+    n_heads: int
+    n_kv_heads: int
+    vocab_size: int
+    context_length: int = 8192
+    rope_base: float = 500000.0
+    norm_eps: float = 1e-5
+
+
+SHAPES: dict[str, Shape] = {
+    "tiny": Shape(n_layers=2, dim=256, ffn_dim=768, n_heads=4, n_kv_heads=2, vocab_size=1024, context_length=2048),
+    "1b": Shape(n_layers=16, dim=2048, ffn_dim=8192, n_heads=32, n_kv_heads=8, vocab_size=128256),
+    "8b": Shape(n_layers=32, dim=4096, ffn_dim=14336, n_heads=32, n_kv_heads=8, vocab_size=128256),
+    "70b": Shape(n_layers=80, dim=8192, ffn_dim=28672, n_heads=64, n_kv_heads=8, vocab_size=128256),
+}
+
+# llama.cpp's file_type numbers (LLAMA_FTYPE_*) for general.file_type
+FILE_TYPES = {"f16": 1, "q4_0": 2, "q8_0": 7, "q4_k_m": 15}
+
+
+def _more_bits(layer: int, n_layers: int) -> bool:
+    """The layers where llama.cpp's Q4_K_M keeps attn_v and ffn_down at Q6_K."""
+    return layer < n_layers // 8 or layer >= 7 * n_layers // 8 or (layer - n_layers // 8) % 3 == 2
+
+
+def tensor_type(kind: str, name: str, layer: int, n_layers: int) -> int:
+    """The GGML type of a matrix in a file of `kind` (norms are always F32)."""
+    if kind == "f16":
+        return T.F16
+    if kind == "q8_0":
+        return T.Q8_0
+    if kind == "q4_0":
+        return T.Q6_K if name == "output" else T.Q4_0
+    if kind == "q4_k_m":
+        if name == "output":
+            return T.Q6_K
+        if name in ("attn_v", "ffn_down") and _more_bits(layer, n_layers):
+            return T.Q6_K
+        return T.Q4_K
+    raise ValueError(f"unknown model type '{kind}' (known: {', '.join(FILE_TYPES)})")
+
+
+def _k_quant_blocks(ggml_type: int, n: int, rng: np.random.Generator, sigma: float) -> np.ndarray:
+    """Random K-quant blocks whose weights have mean ~0 and standard deviation ~sigma."""
+    from infer.gpu.layout import integer_form
+
+    size = GGML_QUANT_SIZES[T(ggml_type)][1]
+    blocks = rng.integers(0, 256, size=(n, size), dtype=np.uint8)
+    one = np.array([1.0], np.float16).view(np.uint8)
+    if ggml_type == T.Q6_K:
+        blocks[:, 208:210] = one
+        q, scale, _ = integer_form(blocks, ggml_type)
+        unit = float(np.std(np.repeat(scale, 16, axis=1).reshape(-1) * q.reshape(-1)))
+        blocks[:, 208:210] = np.array([sigma / unit], np.float16).view(np.uint8)
+        return blocks
+    blocks[:, 0:2] = one
+    blocks[:, 2:4] = one
+    q, scale, offset = integer_form(blocks, ggml_type)  # w = sc*q - m with d = dmin = 1
+    sq = (scale[:, :1] * q).reshape(-1)
+    m = np.repeat(-offset, 32)
+    ratio = float(sq.mean() / max(m.mean(), 1e-9))  # dmin/d that centres the weights
+    d = sigma / float(np.std(sq - ratio * m))
+    blocks[:, 0:2] = np.array([d], np.float16).view(np.uint8)
+    blocks[:, 2:4] = np.array([d * ratio], np.float16).view(np.uint8)
+    return blocks
+
+
+def random_blocks(ggml_type: int, n_blocks: int, rng: np.random.Generator, sigma: float) -> np.ndarray:
+    """(n_blocks, type_size) uint8: valid random data of a GGML type with weights of scale sigma."""
+    block, size = GGML_QUANT_SIZES[T(ggml_type)]
+    if ggml_type in (T.Q4_K, T.Q5_K, T.Q6_K):
+        return _k_quant_blocks(ggml_type, n_blocks, rng, sigma)
+    values = rng.standard_normal((n_blocks, block), dtype=np.float32) * np.float32(sigma)
+    if ggml_type == T.F32:
+        return values.view(np.uint8)
+    return np.ascontiguousarray(quantize(values, T(ggml_type))).view(np.uint8).reshape(n_blocks, size)
+
+
+# ---------------------------------------------------------------- GGUF writing (format v3)
+_U32, _I32, _F32, _BOOL, _STR, _ARR, _U64 = 4, 5, 6, 7, 8, 9, 10
+
+
+def _str(s: str) -> bytes:
+    b = s.encode("utf-8")
+    return struct.pack("<Q", len(b)) + b
+
+
+def _kv(key: str, value: object) -> bytes:
+    if isinstance(value, bool):
+        return _str(key) + struct.pack("<I?", _BOOL, value)
+    if isinstance(value, int):
+        return _str(key) + struct.pack("<II", _U32, value)
+    if isinstance(value, float):
+        return _str(key) + struct.pack("<If", _F32, value)
+    if isinstance(value, str):
+        return _str(key) + struct.pack("<I", _STR) + _str(value)
+    if isinstance(value, np.ndarray):
+        kind = {np.dtype(np.float32): _F32, np.dtype(np.int32): _I32}[value.dtype]
+        return _str(key) + struct.pack("<IIQ", _ARR, kind, len(value)) + value.astype("<" + value.dtype.str[1:]).tobytes()
+    if isinstance(value, list):
+        return _str(key) + struct.pack("<IIQ", _ARR, _STR, len(value)) + b"".join(_str(s) for s in value)
+    raise TypeError(f"no GGUF encoding for {type(value).__name__}")
+
+
+def vocabulary(size: int) -> tuple[list[str], np.ndarray, np.ndarray]:
+    """A byte-level SentencePiece vocabulary of exactly `size` pieces: tokens, scores, types."""
+    if size < 259:
+        raise ValueError(f"vocab size {size} is below the 259 control and byte tokens")
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
+    tokens += [f"\u2581w{i}" for i in range(size - len(tokens))]
+    types = np.full(size, 1, np.int32)  # normal
+    types[0], types[1:3], types[3:259] = 2, 3, 6  # unknown, control, byte
+    scores = np.zeros(size, np.float32)
+    scores[259:] = -np.arange(size - 259, dtype=np.float32)
+    return tokens, scores, types
+
+
+@dataclass
+class _Tensor:
+    name: str
+    dims: tuple[int, ...]  # GGUF order: row length first
+    ggml_type: int
+    nbytes: int
+    write: Callable[[object], None]
+
+
+def _matrix_writer(ggml_type: int, rows: int, cols: int, rng: np.random.Generator,
+                   pools: dict[tuple[int, float], np.ndarray]) -> tuple[int, Callable[[object], None]]:
+    block, size = GGML_QUANT_SIZES[T(ggml_type)]
+    n_blocks = rows * cols // block
+    sigma = 1.0 / np.sqrt(cols)
+    if n_blocks <= POOL_BLOCKS:  # small tensors: all their own random data
+        pool = random_blocks(ggml_type, n_blocks, rng, sigma).reshape(-1)
+    else:  # large ones: a shared pool per type and scale, written over and over
+        key = (int(ggml_type), round(float(sigma), 8))
+        if key not in pools:
+            pools[key] = random_blocks(ggml_type, POOL_BLOCKS, rng, sigma).reshape(-1)
+        pool = pools[key]
+    pool_blocks = pool.size // size
+
+    def write(f: object) -> None:
+        if pool_blocks >= n_blocks:
+            f.write(pool[: n_blocks * size].tobytes())  # type: ignore[attr-defined]
+            return
+        data = memoryview(pool)
+        for _ in range(n_blocks // pool_blocks):
+            f.write(data)  # type: ignore[attr-defined]
+        f.write(data[: (n_blocks % pool_blocks) * size])  # type: ignore[attr-defined]
+
+    return n_blocks * size, write
+
+
+def _norm_writer(n: int, rng: np.random.Generator) -> tuple[int, Callable[[object], None]]:
+    values = (1.0 + 0.1 * rng.standard_normal(n)).astype("<f4")
+    return values.nbytes, lambda f: f.write(values.tobytes())  # type: ignore[attr-defined]
+
+
+def write_model(path: str | Path, shape: Shape, kind: str, seed: int = 0, name: str | None = None) -> int:
+    """Writes a random Llama-shaped GGUF; returns its size in bytes."""
+    if kind not in FILE_TYPES:
+        raise ValueError(f"unknown model type '{kind}' (known: {', '.join(FILE_TYPES)})")
+    rng = np.random.default_rng(seed)
+    s = shape
+    head_dim = s.dim // s.n_heads
+    tokens, scores, types = vocabulary(s.vocab_size)
+    meta: dict[str, object] = {
+        "general.architecture": "llama",
+        "general.name": name or f"synthetic-llama-{s.n_layers}x{s.dim}-{kind}",
+        "general.file_type": FILE_TYPES[kind],
+        "llama.context_length": s.context_length,
+        "llama.embedding_length": s.dim,
+        "llama.block_count": s.n_layers,
+        "llama.feed_forward_length": s.ffn_dim,
+        "llama.attention.head_count": s.n_heads,
+        "llama.attention.head_count_kv": s.n_kv_heads,
+        "llama.rope.freq_base": float(s.rope_base),
+        "llama.rope.dimension_count": head_dim,
+        "llama.attention.layer_norm_rms_epsilon": float(s.norm_eps),
+        "llama.vocab_size": s.vocab_size,
+        "tokenizer.ggml.model": "llama",
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.scores": scores,
+        "tokenizer.ggml.token_type": types,
+        "tokenizer.ggml.unknown_token_id": 0,
+        "tokenizer.ggml.bos_token_id": 1,
+        "tokenizer.ggml.eos_token_id": 2,
+        "tokenizer.ggml.add_bos_token": True,
+        "tokenizer.ggml.add_eos_token": False,
+    }
+    pools: dict[tuple[int, float], np.ndarray] = {}
+    tensors: list[_Tensor] = []
+
+    def matrix(tname: str, base: str, layer: int, rows: int, cols: int) -> None:
+        ggml_type = tensor_type(kind, base, layer, s.n_layers)
+        if base == "token_embd" and kind == "q4_k_m":
+            ggml_type = T.Q4_K
+        nbytes, write = _matrix_writer(ggml_type, rows, cols, rng, pools)
+        tensors.append(_Tensor(tname, (cols, rows), ggml_type, nbytes, write))
+
+    def norm(tname: str) -> None:
+        nbytes, write = _norm_writer(s.dim, rng)
+        tensors.append(_Tensor(tname, (s.dim,), T.F32, nbytes, write))
+
+    q_dim, kv_dim = s.n_heads * head_dim, s.n_kv_heads * head_dim
+    matrix("token_embd.weight", "token_embd", 0, s.vocab_size, s.dim)
+    for i in range(s.n_layers):
+        p = f"blk.{i}."
+        norm(p + "attn_norm.weight")
+        matrix(p + "attn_q.weight", "attn_q", i, q_dim, s.dim)
+        matrix(p + "attn_k.weight", "attn_k", i, kv_dim, s.dim)
+        matrix(p + "attn_v.weight", "attn_v", i, kv_dim, s.dim)
+        matrix(p + "attn_output.weight", "attn_output", i, s.dim, q_dim)
+        norm(p + "ffn_norm.weight")
+        matrix(p + "ffn_gate.weight", "ffn_gate", i, s.ffn_dim, s.dim)
+        matrix(p + "ffn_up.weight", "ffn_up", i, s.ffn_dim, s.dim)
+        matrix(p + "ffn_down.weight", "ffn_down", i, s.dim, s.ffn_dim)
+    norm("output_norm.weight")
+    matrix("output.weight", "output", 0, s.vocab_size, s.dim)
+
+    header = bytearray(b"GGUF" + struct.pack("<IQQ", 3, len(tensors), len(meta)))
+    for key, value in meta.items():
+        header += _kv(key, value)
+    offset = 0
+    for t in tensors:
+        header += _str(t.name) + struct.pack("<I", len(t.dims)) + struct.pack(f"<{len(t.dims)}Q", *t.dims)
+        header += struct.pack("<IQ", int(t.ggml_type), offset)
+        offset += -(-t.nbytes // ALIGNMENT) * ALIGNMENT
+    header += b"\0" * (-len(header) % ALIGNMENT)
+    with open(path, "wb") as f:
+        f.write(header)
+        for t in tensors:
+            t.write(f)
+            f.write(b"\0" * (-t.nbytes % ALIGNMENT))
+        return f.tell()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m infer.synth", description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
+    parser.add_argument("--type", dest="kind", choices=sorted(FILE_TYPES), default="q4_k_m")
+    parser.add_argument("--layers", type=int, help="override the shape's layer count")
+    parser.add_argument("--vocab", type=int, help="override the shape's vocab size")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("-o", "--output", required=True, help="GGUF file to write")
+    args = parser.parse_args(argv)
+    shape = SHAPES[args.shape]
+    if args.layers:
+        shape = Shape(**{**shape.__dict__, "n_layers": args.layers})
+    if args.vocab:
+        shape = Shape(**{**shape.__dict__, "vocab_size": args.vocab})
+    start = time.perf_counter()
+    try:
+        size = write_model(args.output, shape, args.kind, args.seed)
+    except (ValueError, OSError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(f"wrote {args.output}: {size / 1e9:.2f} GB in {time.perf_counter() - start:.1f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
