@@ -7,7 +7,7 @@ Weights are random with sane scales (matrices ~ N(0, 1/in_features) in effect, n
 activations stay finite through any number of layers. Large files are written fast: each tensor's
 data is a pool of random quantized blocks written over and over (the pool holds up to POOL_BLOCKS
 blocks, so small models are fully random). The vocabulary is a byte-level SentencePiece ("llama")
-one: <unk>, <s>, </s>, the 256 byte tokens, then filler pieces up to the shape's vocab size.
+one: <unk>, <s>, </s>, the 256 byte tokens, the space piece, then filler pieces up to the shape's vocab size.
 """
 
 from __future__ import annotations
@@ -142,7 +142,7 @@ def vocabulary(size: int) -> tuple[list[str], np.ndarray, np.ndarray]:
     if size < 259:
         raise ValueError(f"vocab size {size} is below the 259 control and byte tokens")
     tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
-    tokens += [f"\u2581w{i}" for i in range(size - len(tokens))]
+    tokens += ["\u2581"] + [f"\u2581w{i}" for i in range(size - len(tokens) - 1)]  # "\u2581" is the space
     types = np.full(size, 1, np.int32)  # normal
     types[0], types[1:3], types[3:259] = 2, 3, 6  # unknown, control, byte
     scores = np.zeros(size, np.float32)
