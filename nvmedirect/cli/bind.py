@@ -48,7 +48,7 @@ def bind_cmd(device: str, yes: bool, output: str, as_json: bool, root: str) -> N
     Its namespaces disappear from the kernel until `nvmedirect restore`. Refused
     (exit 3) for the boot device and for any controller with a mounted filesystem,
     swap, holders (LVM, MD, dm-crypt) or open device files. The original driver is
-    recorded in /var/lib/nvmedirect/bound.json first, so restore works after a crash.
+    recorded in /run/nvmedirect/bound.json first, so restore works after a crash.
     """
     if not yes and not wants_json(output, as_json):
         click.confirm(f"Take {device} away from the kernel? Its namespaces will be unusable until restore",

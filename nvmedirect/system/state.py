@@ -1,7 +1,8 @@
 """The bind state file: what each controller was before `bind` took it, so `restore` can undo it
 after a crash, a reboot of the tool, or a Ctrl-C.
 
-Written atomically (temporary file, fsync, rename) before anything on the device changes.
+Written atomically (temporary file, fsync, rename) before anything on the device changes. It lives
+in /run (a tmpfs): a binding to vfio-pci does not survive a reboot, so neither should the record of it.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from pathlib import Path
 
 from nvmedirect.system.sysview import SystemView
 
-STATE_FILE = "/var/lib/nvmedirect/bound.json"
+STATE_FILE = "/run/nvmedirect/bound.json"
 
 
 class StateFile:
