@@ -113,17 +113,25 @@ def bind(view: SystemView, target: str, timeout_s: float = 5.0, power_up: bool =
             raise BindRefused(f"{bdf}: {verdict.summary()}")
         _ensure_driver_loaded(view, "vfio-pci", "vfio-pci")
         _check_iommu_group(view, bdf)
-        state.put(bdf, {
+        record = {
             "original_driver": ctrl.driver, "original_override": ctrl.driver_override,
             "name": ctrl.name, "model": ctrl.model, "serial": ctrl.serial,
-            "namespaces": [ns.to_dict() for ns in ctrl.namespaces], "phase": "binding",
-        })
+            "namespaces": [ns.to_dict() for ns in ctrl.namespaces],
+        }
+        earlier = state.get(bdf)
+        if earlier and ctrl.driver is None:
+            # An earlier bind was cut short (the device has no driver): what it recorded about the
+            # device's original state is the truth, not the half-done state we see now.
+            record.update({k: earlier.get(k) for k in record if k in earlier})
+        state.put(bdf, {**record, "phase": "binding"})
         with signals_deferred():
             if not _switch(view, bdf, "vfio-pci", timeout_s, "vfio-pci"):
-                back = _switch(view, bdf, ctrl.driver_override, timeout_s, ctrl.driver) if ctrl.driver else True
-                where = f"given back to {ctrl.driver}" if back and ctrl.driver else "left without a driver"
+                back = bool(ctrl.driver) and _switch(view, bdf, ctrl.driver_override, timeout_s, ctrl.driver)
                 if back:
                     state.remove(bdf)
+                else:
+                    state.update(bdf, phase="unbound")
+                where = f"given back to {ctrl.driver}" if back else "left without a driver: `nvmedirect restore` it"
                 raise BindFailed(f"{bdf}: vfio-pci did not take the device (see `dmesg`); {where}")
             state.update(bdf, phase="bound")
         outcome = Outcome(bdf, "vfio-pci", namespaces=ctrl.block_devices)

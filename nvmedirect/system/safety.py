@@ -48,6 +48,9 @@ def assess(ctrl: Controller, usage: UsageIndex, remembered: dict | None = None) 
             "namespaces hidden from the kernel (not bound by this tool: contents unknown)")
         return Verdict(VFIO, [note])
     if ctrl.driver is None:
+        if remembered:
+            return Verdict(NO_DRIVER, [f"bound to no driver: an earlier bind or restore was cut short "
+                                       f"(`nvmedirect restore {ctrl.bdf}` gives it back)"])
         return Verdict(NO_DRIVER, ["bound to no driver: its namespaces cannot be inspected"])
     if ctrl.driver != "nvme":
         return Verdict(OTHER_DRIVER, [f"bound to {ctrl.driver}: unbind it from that driver yourself first"])

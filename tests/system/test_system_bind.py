@@ -131,3 +131,18 @@ def test_signals_are_held_back_until_the_window_closes():
     except KeyboardInterrupt:
         events.append("interrupted")
     assert events == ["inside, not interrupted", "interrupted"]
+
+
+def test_bind_after_an_interrupted_bind_keeps_the_original_record(fake):
+    fake.pci(A, driver=None)  # what a SIGKILL inside the window leaves: no driver, override set
+    fake.write(f"sys/bus/pci/devices/{A}/driver_override", "vfio-pci\n")
+    (fake.root / "sys/bus/pci/drivers/vfio-pci").mkdir(parents=True, exist_ok=True)
+    view = SystemView(fake.root)
+    StateFile(view).put(A, {"original_driver": "nvme", "original_override": None, "name": "nvme0",
+                            "namespaces": [{"name": "nvme0n1", "size_bytes": 1, "partitions": []}],
+                            "phase": "binding"})
+    with pytest.raises(BindFailed, match="left without a driver"):
+        bind(view, A, timeout_s=0.2)
+    record = StateFile(view).get(A)
+    assert record["original_driver"] == "nvme" and record["original_override"] is None
+    assert record["name"] == "nvme0" and record["phase"] == "unbound"
