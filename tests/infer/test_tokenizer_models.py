@@ -204,3 +204,15 @@ def test_stream_decoder_holds_back_split_characters(model: tuple[Path, Tokenizer
     assert "".join(pieces) == expected
     # some emoji takes more than one token, so some push returned nothing while it waited
     assert any(p == "" for p in pieces[:-1])
+
+
+def test_pre_tokenizer_named_by_the_file_decides_the_split() -> None:
+    metadata = read_metadata(_required_or_skip(smollm2_path()))
+
+    def pieces(pre: str, text: str) -> list[str]:
+        tokenizer = Tokenizer.from_gguf({**metadata, "tokenizer.ggml.pre": pre})
+        return [tokenizer.token_text(i) for i in tokenizer.encode(text)]
+
+    # GPT-2's regex ("smollm" adds digit splitting) leaves a newline run in pieces; Qwen2's keeps it whole
+    assert pieces("smollm", "Hi!!\n\nYou") == ["Hi", "!!", "Ċ", "Ċ", "You"]
+    assert pieces("qwen2", "Hi!!\n\nYou") == ["Hi", "!!", "ĊĊ", "You"]
