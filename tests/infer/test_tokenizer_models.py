@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import ctypes
 import io
+import json
 import os
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -38,10 +40,21 @@ def _required_or_skip(path: Path) -> Path:
 
 
 def read_metadata(path: Path) -> dict[str, Any]:
+    """The tokenizer.* and general.* keys of a GGUF file. GGUFReader needs 5-10 s for a 150k-token
+    vocabulary, so the result is kept in the temp directory, keyed by the file's size and mtime."""
     from gguf import GGUFReader
 
+    stat = path.stat()
+    cached = Path(tempfile.gettempdir()) / "nvmedirect-tests" / f"{path.name}.{stat.st_size}.{stat.st_mtime_ns}.json"
+    if cached.is_file():
+        return json.loads(cached.read_text(encoding="utf-8"))
     reader = GGUFReader(path)
-    return {k: f.contents() for k, f in reader.fields.items() if k.startswith(("tokenizer.", "general."))}
+    metadata = {k: f.contents() for k, f in reader.fields.items() if k.startswith(("tokenizer.", "general."))}
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    partial = cached.with_suffix(f".{os.getpid()}.tmp")
+    partial.write_text(json.dumps(metadata), encoding="utf-8")
+    partial.replace(cached)
+    return metadata
 
 
 def _spm_gguf(directory: Path) -> Path:
