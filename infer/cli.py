@@ -1,10 +1,251 @@
-"""`ntransformer`: the inference command line (placeholder until the engine lands)."""
+"""`ntransformer`: run GGUF models from the command line.
+
+    ntransformer -m MODEL -p TEXT [-n N]         generate (tokens stream to stdout)
+    ntransformer -m MODEL --chat                 conversation over stdin/stdout
+    ntransformer -m MODEL --benchmark [-n N]     prompt and decode tokens/s
+    ntransformer perplexity -m MODEL -f TEXT     llama.cpp-style perplexity
+
+Exit codes: 0 ok, 1 failed, 2 bad input (bad model file, bad flag), 4 not available (GPU backend).
+Informational lines go to stderr so stdout carries only the generated text (or JSON).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import click
 
+if TYPE_CHECKING:
+    from infer.api import LLM
 
-@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+EXIT_FAILED, EXIT_BAD_INPUT, EXIT_NOT_AVAILABLE = 1, 2, 4
+BENCHMARK_PROMPT = "The three most useful things to know about NVMe are"
+
+
+class CliError(click.ClickException):
+    """A one-line error with a chosen exit code."""
+
+    def __init__(self, message: str, exit_code: int = EXIT_FAILED) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+def _fail(message: str, code: int) -> NoReturn:
+    raise CliError(message, code)
+
+
+def _note(message: str) -> None:
+    click.echo(message, err=True)
+
+
+def _set_threads(threads: int | None) -> None:
+    # BLAS reads its thread count when NumPy is first imported, so this only works before that.
+    if threads:
+        for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+            os.environ[var] = str(threads)
+
+
+def _load(model: str | None, ctx_size: int, device: str, streaming: bool = False) -> LLM:
+    if not model:
+        _fail("no model given: use -m/--model FILE.gguf", EXIT_BAD_INPUT)
+    if device == "gpu":
+        _fail("--device gpu: the GPU backend is not available in this command yet; use --device cpu",
+              EXIT_NOT_AVAILABLE)
+    if streaming:
+        _note("note: --streaming (the 3-tier weight cache) is not implemented on the CPU path yet; "
+              "running with all weights resident")
+    from infer.api import LLM
+    from infer.errors import ModelError
+    from infer.tokenizer import TokenizerError
+
+    started = time.perf_counter()
+    try:
+        llm = LLM.load(model, ctx_size=ctx_size or None)
+    except (ModelError, TokenizerError) as err:
+        _fail(str(err), EXIT_BAD_INPUT)
+    a = llm.args
+    _note(f"loaded {Path(model).name}: {a.arch}, {a.n_layers} layers, width {a.dim}, "
+          f"{a.n_heads}/{a.n_kv_heads} heads, vocab {a.vocab_size}, context {llm.engine.ctx_size} "
+          f"({time.perf_counter() - started:.1f} s)")
+    return llm
+
+
+def _sampler(temp: float, top_k: int, top_p: float, min_p: float, repeat_penalty: float, seed: int | None) -> Any:
+    from infer.sampler import SamplerConfig
+
+    try:
+        return SamplerConfig(temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p,
+                             repeat_penalty=repeat_penalty, seed=seed)
+    except ValueError as err:
+        _fail(str(err), EXIT_BAD_INPUT)
+
+
+def _generate(llm: LLM, prompt: str, n_predict: int, sampler: Any, as_json: bool) -> None:
+    from infer.engine import ContextFullError
+    from infer.tokenizer import StreamDecoder
+
+    ids = llm.tokenize(prompt)
+    if not ids:
+        _fail("the prompt is empty after tokenization", EXIT_BAD_INPUT)
+    decoder = StreamDecoder(llm.tokenizer)
+    out_ids: list[int] = []
+    pieces: list[str] = []
+    try:
+        for token in llm.generate_ids(ids, n_predict, sampler):
+            if llm.tokenizer.is_eog(token):
+                break
+            out_ids.append(token)
+            pieces.append(decoder.push(token))
+            if not as_json:
+                click.echo(pieces[-1], nl=False)
+                sys.stdout.flush()
+    except ContextFullError as err:
+        _fail(str(err), EXIT_BAD_INPUT)
+    pieces.append(decoder.flush())
+    stats = llm.stats
+    if as_json:
+        click.echo(json.dumps({"prompt": prompt, "prompt_ids": ids, "text": "".join(pieces), "ids": out_ids,
+                               **stats.as_dict()}))
+    else:
+        click.echo(pieces[-1])
+        _note(f"prompt {stats.prompt_tokens} tokens {stats.prompt_tokens_per_second:.1f} tok/s, "
+              f"generated {stats.generated_tokens} tokens {stats.decode_tokens_per_second:.1f} tok/s")
+
+
+def _benchmark(llm: LLM, prompt: str, n_predict: int, as_json: bool) -> None:
+    from infer.sampler import SamplerConfig
+
+    ids = llm.tokenize(prompt)
+    warm = getattr(llm.transformer.weights, "warm", None)
+    if warm is not None:  # dequantize up front so the timings measure inference only
+        warm()
+    llm.engine.reset()
+    for _ in llm.generate_ids(ids, n_predict, SamplerConfig(temperature=0.0), stop_at_eog=False):
+        pass
+    s = llm.stats
+    result = {"model": str(llm.gguf.path), "device": "cpu", **s.as_dict()}
+    if as_json:
+        click.echo(json.dumps(result))
+    else:
+        click.echo(f"prompt: {s.prompt_tokens} tokens in {s.prompt_seconds:.3f} s = "
+                   f"{s.prompt_tokens_per_second:.2f} tok/s")
+        click.echo(f"decode: {s.generated_tokens} tokens in {s.decode_seconds:.3f} s = "
+                   f"{s.decode_tokens_per_second:.2f} tok/s")
+
+
+def _chat(llm: LLM, sampler: Any, n_predict: int, system: str | None) -> None:
+    from infer.chat import ChatTemplateError
+
+    try:
+        chat = llm.chat(system=system)
+    except ChatTemplateError as err:
+        _fail(f"{llm.gguf.path}: {err}", EXIT_BAD_INPUT)
+    interactive = sys.stdin.isatty()
+    while True:
+        if interactive:
+            click.echo("> ", nl=False, err=True)
+        line = sys.stdin.readline()
+        if not line:
+            break
+        message = line.rstrip("\r\n")
+        if not message.strip():
+            continue
+        if message.strip() in ("/exit", "/quit"):
+            break
+        for piece in chat.send(message, max_tokens=n_predict, sampler=sampler):
+            click.echo(piece, nl=False)
+            sys.stdout.flush()
+        click.echo()
+
+
+@click.group(invoke_without_command=True, context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("-m", "--model", type=click.Path(), help="GGUF model file.")
-def main(model: str | None) -> None:
-    """Run a GGUF model (not implemented yet)."""
-    raise click.ClickException("inference is not implemented in this version")
+@click.option("-p", "--prompt", help="Text to continue.")
+@click.option("-n", "--n-predict", type=click.IntRange(min=1), default=128, show_default=True,
+              help="Tokens to generate (per reply with --chat).")
+@click.option("--chat", is_flag=True, help="Conversation: one user message per stdin line (template from the file).")
+@click.option("--system", help="System message for --chat.")
+@click.option("--benchmark", is_flag=True, help="Measure prompt and decode speed (greedy, -n tokens).")
+@click.option("-t", "--temp", type=float, default=0.8, show_default=True, help="Temperature; 0 = greedy.")
+@click.option("--top-k", type=int, default=40, show_default=True, help="Keep the k most likely tokens; 0 = off.")
+@click.option("--top-p", type=float, default=0.95, show_default=True, help="Nucleus sampling; 1 = off.")
+@click.option("--min-p", type=float, default=0.05, show_default=True, help="Min-p filter; 0 = off.")
+@click.option("--repeat-penalty", type=float, default=1.0, show_default=True, help="Repetition penalty; 1 = off.")
+@click.option("-c", "--ctx-size", type=click.IntRange(min=0), default=0,
+              help="Context size in tokens; 0 = the model's, at most 4096.")
+@click.option("--seed", type=int, default=None, help="Random seed (default: a fresh one each run).")
+@click.option("--device", type=click.Choice(["auto", "cpu", "gpu"]), default="auto", show_default=True,
+              help="Where to run; auto = the CPU engine in this version.")
+@click.option("--streaming", is_flag=True, help="Stream weights through the 3-tier cache (not on the CPU path yet).")
+@click.option("--threads", type=click.IntRange(min=1), default=None, help="BLAS threads (default: all cores).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")
+@click.pass_context
+def main(ctx: click.Context, model: str | None, prompt: str | None, n_predict: int, chat: bool, system: str | None,
+         benchmark: bool, temp: float, top_k: int, top_p: float, min_p: float, repeat_penalty: float,
+         ctx_size: int, seed: int | None, device: str, streaming: bool, threads: int | None, as_json: bool) -> None:
+    """Run a GGUF language model (Llama or Qwen2 architecture) on the CPU."""
+    if ctx.invoked_subcommand is not None:
+        return
+    _set_threads(threads)
+    if chat and benchmark:
+        _fail("--chat and --benchmark cannot be combined", EXIT_BAD_INPUT)
+    if not chat and not benchmark and prompt is None:
+        _fail("nothing to do: give -p/--prompt TEXT, --chat or --benchmark", EXIT_BAD_INPUT)
+    sampler = _sampler(temp, top_k, top_p, min_p, repeat_penalty, seed)
+    llm = _load(model, ctx_size, device, streaming)
+    if benchmark:
+        _benchmark(llm, prompt or BENCHMARK_PROMPT, n_predict, as_json)
+    elif chat:
+        _chat(llm, sampler, n_predict, system)
+    else:
+        _generate(llm, prompt or "", n_predict, sampler, as_json)
+
+
+@main.command("perplexity")
+@click.option("-m", "--model", type=click.Path(), help="GGUF model file.")
+@click.option("-f", "--file", "text_file", type=click.Path(), required=True, help="UTF-8 text to score.")
+@click.option("-c", "--ctx-size", type=click.IntRange(min=4), default=256, show_default=True,
+              help="Tokens per chunk (the second half of each is scored).")
+@click.option("--chunks", type=click.IntRange(min=1), default=None, help="Score at most this many chunks.")
+@click.option("--threads", type=click.IntRange(min=1), default=None, help="BLAS threads (default: all cores).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@click.pass_context
+def perplexity_command(ctx: click.Context, model: str | None, text_file: str, ctx_size: int, chunks: int | None,
+                       threads: int | None, as_json: bool) -> None:
+    """Perplexity of a text, computed as llama.cpp's llama-perplexity does."""
+    _set_threads(threads)
+    if model is None and ctx.parent is not None:  # `ntransformer -m MODEL perplexity ...` works too
+        model = ctx.parent.params.get("model")
+    path = Path(text_file)
+    if not path.is_file():
+        _fail(f"{text_file}: no such file", EXIT_BAD_INPUT)
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as err:
+        _fail(f"{text_file}: not UTF-8 text ({err.reason} at byte {err.start})", EXIT_BAD_INPUT)
+    if ctx_size % 2:
+        _fail(f"-c/--ctx-size must be even, not {ctx_size}", EXIT_BAD_INPUT)
+    llm = _load(model, ctx_size, "cpu")
+    from infer.perplexity import perplexity
+
+    tokens = llm.tokenize(text)
+    bos = llm.tokenizer.bos_id if llm.tokenizer.vocab.add_bos else None
+
+    def progress(done: int, total: int, running: float) -> None:
+        if not as_json:
+            _note(f"chunk {done}/{total}: perplexity so far {running:.4f}")
+
+    try:
+        result = perplexity(tokens, ctx_size, llm.logits, bos_id=bos, max_chunks=chunks, progress=progress)
+    except ValueError as err:
+        _fail(f"{text_file}: {err}", EXIT_BAD_INPUT)
+    if as_json:
+        click.echo(json.dumps({"model": str(model), "file": text_file, "tokens": len(tokens), **result.as_dict()}))
+    else:
+        click.echo(f"perplexity: {result.perplexity:.4f} over {result.chunks} chunks of {ctx_size} tokens "
+                   f"({result.scored_tokens} scored)")

@@ -1,0 +1,170 @@
+"""The Python API: load a GGUF model, tokenize, generate, score, chat.
+
+    from infer.api import LLM
+    llm = LLM.load("SmolLM2-135M-Instruct.Q4_1.gguf")
+    for piece in llm.generate("The capital of France is", max_tokens=16, temperature=0):
+        print(piece.text, end="", flush=True)
+
+Errors in the model file raise infer.errors.ModelError (one line naming the file and the problem).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from infer.chat import ChatSession, ChatTemplate
+from infer.engine import Engine, GenerationStats
+from infer.gguf_file import GGUFModel
+from infer.model import ModelArgs, Transformer, load_transformer
+from infer.perplexity import PerplexityResult, perplexity
+from infer.sampler import Sampler, SamplerConfig
+from infer.tokenizer import StreamDecoder, Tokenizer
+
+DEFAULT_CTX = 4096
+
+
+@dataclass(frozen=True)
+class Token:
+    """One generated token: its id and the text it completes (may be '' inside a UTF-8 sequence)."""
+
+    id: int
+    text: str
+
+
+def _sampler_config(temperature: float, top_k: int, top_p: float, min_p: float, repeat_penalty: float,
+                    repeat_last_n: int, seed: int | None) -> SamplerConfig:
+    return SamplerConfig(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                         repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n, seed=seed)
+
+
+class LLM:
+    """A loaded model with its tokenizer and one sequence (KV cache) on the CPU."""
+
+    def __init__(self, gguf: GGUFModel, transformer: Transformer, tokenizer: Tokenizer, ctx_size: int) -> None:
+        self.gguf = gguf
+        self.transformer = transformer
+        self.tokenizer = tokenizer
+        self.engine = Engine(transformer, ctx_size)
+
+    @classmethod
+    def load(cls, path: str | Path, ctx_size: int | None = None, device: str = "cpu",
+             weight_budget_bytes: int = 8 << 30) -> LLM:
+        """Opens and checks `path`. ctx_size: tokens of context (default: the model's, at most 4096)."""
+        if device not in ("cpu", "auto"):
+            raise ValueError(f"device {device!r}: only the CPU engine is available through this API")
+        gguf = GGUFModel(path)
+        transformer = load_transformer(gguf, weight_budget_bytes)
+        tokenizer = Tokenizer.from_gguf(gguf.metadata)
+        ctx = ctx_size or min(transformer.args.context_length, DEFAULT_CTX)
+        return cls(gguf, transformer, tokenizer, ctx)
+
+    @property
+    def args(self) -> ModelArgs:
+        return self.transformer.args
+
+    @property
+    def stats(self) -> GenerationStats:
+        """Counts and timings of the last generate() call."""
+        return self.engine.stats
+
+    # --- text <-> ids ------------------------------------------------------------------------------
+
+    def tokenize(self, text: str, add_bos: bool | None = None, special: bool = True) -> list[int]:
+        """Token ids of `text`; add_bos None follows the file, special parses '<|im_start|>' etc."""
+        return self.tokenizer.encode(text, add_bos=add_bos, special=special)
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(ids)
+
+    def _ids(self, prompt: str | Sequence[int]) -> list[int]:
+        return self.tokenize(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+
+    # --- scoring -----------------------------------------------------------------------------------
+
+    def logits(self, prompt: str | Sequence[int]) -> np.ndarray:
+        """(T, vocab) float32 logits of every prompt position, evaluated from an empty context."""
+        self.engine.reset()
+        return self.engine.evaluate(self._ids(prompt), all_logits=True)
+
+    def perplexity(self, text: str | Sequence[int], ctx: int = 256, max_chunks: int | None = None) -> PerplexityResult:
+        """llama.cpp-style perplexity of `text` (see infer.perplexity)."""
+        tokens = self._ids(text)
+        bos = self.tokenizer.bos_id if self.tokenizer.vocab.add_bos else None
+        return perplexity(tokens, ctx, self.logits, bos_id=bos, max_chunks=max_chunks)
+
+    # --- generation --------------------------------------------------------------------------------
+
+    def generate_ids(self, prompt: str | Sequence[int], max_tokens: int = 128, sampler: SamplerConfig | None = None,
+                     stop_at_eog: bool = True) -> Iterator[int]:
+        """Token ids after `prompt` (an end-of-generation id is yielded, then generation stops).
+        The cache keeps the prompt prefix, so a prompt that extends the last one is cheap."""
+        config = sampler or SamplerConfig(temperature=0.0)
+        chooser = Sampler(config)
+        is_end = self.tokenizer.is_eog if stop_at_eog else (lambda _: False)
+        return self.engine.generate(self._ids(prompt), max_tokens, chooser.sample, is_end)
+
+    def generate(self, prompt: str | Sequence[int], max_tokens: int = 128, temperature: float = 0.8,
+                 top_k: int = 40, top_p: float = 0.95, min_p: float = 0.05, repeat_penalty: float = 1.0,
+                 repeat_last_n: int = 64, seed: int | None = None, stop_at_eog: bool = True) -> Iterator[Token]:
+        """Tokens with their text as they are generated; temperature 0 is greedy. The final
+        end-of-generation token, if any, is not yielded."""
+        config = _sampler_config(temperature, top_k, top_p, min_p, repeat_penalty, repeat_last_n, seed)
+        decoder = StreamDecoder(self.tokenizer)
+        for token in self.generate_ids(prompt, max_tokens, config, stop_at_eog):
+            if stop_at_eog and self.tokenizer.is_eog(token):
+                break
+            yield Token(token, decoder.push(token))
+        tail = decoder.flush()
+        if tail:
+            yield Token(-1, tail)  # bytes of an unfinished UTF-8 sequence at the end (as U+FFFD)
+
+    def complete(self, prompt: str | Sequence[int], max_tokens: int = 128, **sampling: object) -> str:
+        """The generated text after `prompt`, as one string."""
+        return "".join(t.text for t in self.generate(prompt, max_tokens, **sampling))  # type: ignore[arg-type]
+
+    def chat(self, system: str | None = None) -> Chat:
+        """A conversation using the model's chat template (history kept across turns)."""
+        template = ChatTemplate.from_gguf(self.gguf.metadata, self.tokenizer)
+        return Chat(self, ChatSession(template, self.tokenizer, system=system))
+
+
+class Chat:
+    """Turns of a conversation: `send(message)` yields the reply's text pieces as they come."""
+
+    def __init__(self, llm: LLM, session: ChatSession) -> None:
+        self.llm = llm
+        self.session = session
+        self._history: list[int] = []  # every token of the conversation so far
+
+    @property
+    def messages(self) -> list[dict[str, str]]:
+        return self.session.messages
+
+    def send(self, message: str, max_tokens: int = 512, sampler: SamplerConfig | None = None) -> Iterator[str]:
+        update = self.session.add_user(message)
+        new_ids = self.session.tokens(update)
+        # The prompt is the whole conversation as generated (not re-tokenized); the engine's cache
+        # holds its prefix, so prefill only runs this turn's tokens.
+        prompt = new_ids if update.restart else self._history + new_ids
+        decoder = StreamDecoder(self.llm.tokenizer)
+        reply_ids: list[int] = []
+        pieces: list[str] = []
+        for token in self.llm.generate_ids(prompt, max_tokens, sampler):
+            if self.session.is_end_of_turn(token):
+                break
+            reply_ids.append(token)
+            pieces.append(decoder.push(token))
+            if pieces[-1]:
+                yield pieces[-1]
+        pieces.append(decoder.flush())
+        if pieces[-1]:
+            yield pieces[-1]
+        self._history = prompt + reply_ids
+        self.session.add_assistant("".join(pieces))
+
+    def ask(self, message: str, max_tokens: int = 512, sampler: SamplerConfig | None = None) -> str:
+        return "".join(self.send(message, max_tokens, sampler))

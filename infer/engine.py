@@ -1,0 +1,141 @@
+"""Running a Transformer over one sequence: batched prefill, one-token decode, and generation.
+
+The engine owns the KV cache and the token ids it holds, so a follow-up prompt that extends what
+was already processed (the next turn of a chat) only pays for its new tokens.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from infer.model import Transformer
+
+# Prompt tokens per forward pass: bounds the attention score buffer (heads x batch x context).
+PREFILL_BATCH = 512
+
+
+@dataclass
+class GenerationStats:
+    """Token counts and wall-clock seconds of the last prefill and decode phases."""
+
+    prompt_tokens: int = 0
+    prompt_seconds: float = 0.0
+    generated_tokens: int = 0
+    decode_seconds: float = 0.0
+    stop_reason: str = ""  # "eog" (end-of-generation token), "length" or "context"
+
+    @property
+    def prompt_tokens_per_second(self) -> float:
+        return self.prompt_tokens / self.prompt_seconds if self.prompt_seconds > 0 else 0.0
+
+    @property
+    def decode_tokens_per_second(self) -> float:
+        return self.generated_tokens / self.decode_seconds if self.decode_seconds > 0 else 0.0
+
+    def as_dict(self) -> dict[str, float | int | str]:
+        return {
+            "prompt_tokens": self.prompt_tokens, "prompt_seconds": round(self.prompt_seconds, 4),
+            "prompt_tokens_per_second": round(self.prompt_tokens_per_second, 2),
+            "generated_tokens": self.generated_tokens, "decode_seconds": round(self.decode_seconds, 4),
+            "decode_tokens_per_second": round(self.decode_tokens_per_second, 2),
+            "stop_reason": self.stop_reason,
+        }
+
+
+@dataclass
+class Engine:
+    """One sequence on one Transformer with a context of `ctx_size` tokens."""
+
+    model: Transformer
+    ctx_size: int
+    prefill_batch: int = PREFILL_BATCH
+    tokens: list[int] = field(default_factory=list)  # ids whose keys/values are in the cache
+    stats: GenerationStats = field(default_factory=GenerationStats)
+
+    def __post_init__(self) -> None:
+        if self.ctx_size <= 0:
+            raise ValueError(f"context size must be positive, not {self.ctx_size}")
+        self.cache = self.model.new_cache(self.ctx_size)
+
+    def reset(self) -> None:
+        self.tokens = []
+        self.cache.length = 0
+
+    def _check_room(self, n_new: int) -> None:
+        if len(self.tokens) + n_new > self.ctx_size:
+            raise ContextFullError(
+                f"{len(self.tokens)} cached + {n_new} new tokens exceed the context size {self.ctx_size} "
+                "(raise -c/--ctx-size)")
+
+    def evaluate(self, tokens: Sequence[int], all_logits: bool = False) -> np.ndarray:
+        """Appends `tokens` to the sequence (in batches of `prefill_batch`); returns the logits of
+        the last one, or of every one (T, vocab) with all_logits."""
+        if not tokens:
+            raise ValueError("no tokens to evaluate")
+        self._check_room(len(tokens))
+        outputs = []
+        for start in range(0, len(tokens), self.prefill_batch):
+            chunk = list(tokens[start : start + self.prefill_batch])
+            outputs.append(self.model.forward(np.asarray(chunk), self.cache, all_logits=all_logits))
+            self.tokens.extend(chunk)
+        return np.concatenate(outputs) if all_logits else outputs[-1]
+
+    def prefill(self, prompt: Sequence[int]) -> np.ndarray:
+        """Makes the sequence equal `prompt`, reusing the cached prefix they share; returns the
+        logits after the last prompt token."""
+        if not prompt:
+            raise ValueError("the prompt has no tokens")
+        shared = 0
+        for a, b in zip(self.tokens, prompt, strict=False):
+            if a != b:
+                break
+            shared += 1
+        shared = min(shared, len(prompt) - 1)  # the last prompt token is always run: its logits are needed
+        del self.tokens[shared:]
+        self.cache.length = shared
+        started = time.perf_counter()
+        logits = self.evaluate(prompt[shared:])
+        self.stats.prompt_tokens = len(prompt) - shared
+        self.stats.prompt_seconds = time.perf_counter() - started
+        return logits
+
+    def decode_one(self, token: int) -> np.ndarray:
+        """Appends one token; returns the logits for the next position."""
+        return self.evaluate([token])
+
+    def generate(self, prompt: Sequence[int], max_new_tokens: int,
+                 choose: Callable[[np.ndarray, list[int]], int],
+                 is_end: Callable[[int], bool] = lambda _: False) -> Iterator[int]:
+        """Yields up to `max_new_tokens` ids, each picked by choose(logits, history so far). Stops
+        after an id for which is_end() holds (that id is yielded too) or when the context is full."""
+        self.stats = GenerationStats()
+        logits = self.prefill(prompt)
+        decode_started = time.perf_counter()
+        self.stats.stop_reason = "length"
+        for produced in range(max_new_tokens):
+            token = int(choose(logits, self.tokens))
+            self.stats.generated_tokens = produced + 1
+            self.stats.decode_seconds = time.perf_counter() - decode_started
+            yield token
+            if is_end(token):
+                self.stats.stop_reason = "eog"  # the end token itself is never evaluated
+                return
+            if produced + 1 == max_new_tokens:
+                break
+            if len(self.tokens) + 1 > self.ctx_size:
+                self.stats.stop_reason = "context"
+                return
+            logits = self.decode_one(token)
+        self.stats.decode_seconds = time.perf_counter() - decode_started
+
+
+class ContextFullError(ValueError):
+    """The sequence would grow past the context size."""
+
+
+def greedy(logits: np.ndarray, _history: list[int]) -> int:
+    return int(np.argmax(logits))

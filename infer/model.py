@@ -1,0 +1,403 @@
+"""The Llama/Qwen2 decoder in NumPy float32: model arguments from GGUF metadata, per-layer weights
+behind a small provider interface, and the forward pass over a KV cache.
+
+The forward pass follows llama.cpp's CPU numerics where that costs nothing: the KV cache is float16,
+and the query and the attention probabilities are rounded to float16 before they meet it (llama.cpp
+converts the other operand of an f16 matrix product to f16). Weights are dequantized to float32.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+
+from infer import quants
+from infer.errors import UnsupportedModelError
+from infer.gguf_file import GGUFModel, TensorInfo
+
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
+# GGUF stores Llama's Q/K rows permuted so rotary pairs are adjacent (x[2i], x[2i+1]); Qwen2 keeps
+# the Hugging Face order, where dimension i pairs with i + d/2 (NeoX style). Checked against llama.cpp
+# by tests/infer/test_oracle_logits.py.
+NEOX_ROPE = {"llama": False, "qwen2": True}
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    arch: str
+    n_layers: int
+    dim: int
+    ffn_dim: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    context_length: int
+    norm_eps: float
+    rope_base: float
+    rope_dim: int  # leading dimensions of each head that are rotated
+    rope_neox: bool
+    rope_linear_scale: float  # positions are divided by this ("linear" rope scaling)
+
+    @property
+    def q_dim(self) -> int:
+        return self.n_heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.n_kv_heads * self.head_dim
+
+    @classmethod
+    def from_gguf(cls, model: GGUFModel) -> ModelArgs:
+        arch = model.architecture
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise UnsupportedModelError(
+                model.path, f"architecture '{arch}' is not supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})",
+                "key general.architecture")
+
+        def key(name: str, kind: type, default: object = None) -> object:
+            full = f"{arch}.{name}"
+            if default is not None and full not in model.metadata:
+                return default
+            return model.require(full, kind)
+
+        n_heads = int(key("attention.head_count", int))
+        dim = int(key("embedding_length", int))
+        if n_heads <= 0 or dim % n_heads:
+            raise UnsupportedModelError(model.path, f"{n_heads} heads do not divide width {dim}",
+                                        f"key {arch}.attention.head_count")
+        n_kv_heads = int(key("attention.head_count_kv", int, n_heads))
+        if n_kv_heads <= 0 or n_heads % n_kv_heads:
+            raise UnsupportedModelError(model.path, f"{n_kv_heads} KV heads do not divide {n_heads} heads",
+                                        f"key {arch}.attention.head_count_kv")
+        head_dim = int(key("attention.key_length", int, dim // n_heads))
+        scaling = str(key("rope.scaling.type", str, "none"))
+        if scaling not in ("none", "linear"):
+            raise UnsupportedModelError(model.path, f"rope scaling '{scaling}' is not supported",
+                                        f"key {arch}.rope.scaling.type")
+        embd = model.tensor("token_embd.weight")
+        return cls(
+            arch=arch,
+            n_layers=int(key("block_count", int)),
+            dim=dim,
+            ffn_dim=int(key("feed_forward_length", int)),
+            n_heads=n_heads,
+            n_kv_heads=n_kv_heads,
+            head_dim=head_dim,
+            vocab_size=int(embd.shape[0]),
+            context_length=int(key("context_length", int)),
+            norm_eps=float(key("attention.layer_norm_rms_epsilon", float)),
+            rope_base=float(key("rope.freq_base", float, 10000.0)),
+            rope_dim=int(key("rope.dimension_count", int, head_dim)),
+            rope_neox=NEOX_ROPE[arch],
+            rope_linear_scale=float(key("rope.scaling.factor", float, 1.0)) if scaling == "linear" else 1.0,
+        )
+
+
+class Linear:
+    """y = x @ W.T for W (out_features, in_features) float32, made of row segments stacked in order.
+
+    Each segment remembers the activation format llama.cpp would convert x to for the weight's
+    GGML type (see quants.round_activations); consecutive segments of one format are merged, so
+    Q, K and V (or gate and up) usually become one matrix product.
+    """
+
+    def __init__(self, parts: list[tuple[np.ndarray, str]]) -> None:
+        merged: list[tuple[np.ndarray, str]] = []
+        for weight, fmt in parts:
+            if merged and merged[-1][1] == fmt:
+                merged[-1] = (np.concatenate([merged[-1][0], weight]), fmt)
+            else:
+                merged.append((weight, fmt))
+        self.segments = merged
+
+    @property
+    def nbytes(self) -> int:
+        return sum(w.nbytes for w, _ in self.segments)
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        outs = [quants.round_activations(x, fmt) @ w.T for w, fmt in self.segments]
+        return outs[0] if len(outs) == 1 else np.concatenate(outs, axis=-1)
+
+
+@dataclass
+class LayerWeights:
+    """One transformer block; vectors float32, matrices as Linear (out_features, in_features)."""
+
+    attn_norm: np.ndarray  # (dim,)
+    qkv: Linear  # (q_dim + 2 * kv_dim, dim): Q, K, V stacked
+    bqkv: np.ndarray | None  # (q_dim + 2 * kv_dim,) or None (qwen2 has biases, llama none)
+    wo: Linear  # (dim, q_dim)
+    ffn_norm: np.ndarray  # (dim,)
+    gate_up: Linear  # (2 * ffn_dim, dim): gate then up
+    down: Linear  # (dim, ffn_dim)
+
+    @property
+    def nbytes(self) -> int:
+        parts = [self.attn_norm, self.qkv, self.bqkv, self.wo, self.ffn_norm, self.gate_up, self.down]
+        return sum(p.nbytes for p in parts if p is not None)
+
+
+class WeightProvider(Protocol):
+    """Where the forward pass gets its weights. The resident CPU store below dequantizes from the
+    memory map; a streaming or GPU store implements the same four calls."""
+
+    def layer(self, index: int) -> LayerWeights: ...
+
+    def embed(self, tokens: np.ndarray) -> np.ndarray: ...  # (T,) ids -> (T, dim) float32
+
+    def output_norm(self) -> np.ndarray: ...
+
+    def output(self) -> Linear: ...  # (vocab, dim)
+
+
+class DequantizedWeights:
+    """Dequantizes each layer on first use and keeps it while the float32 total fits `budget_bytes`
+    (least recently used layers are dropped first; a dropped layer is dequantized again on use)."""
+
+    def __init__(self, model: GGUFModel, args: ModelArgs, budget_bytes: int = 8 << 30,
+                 match_llama_cpp: bool = True) -> None:
+        self.model = model
+        self.match_llama_cpp = match_llama_cpp  # round activations as llama.cpp does (else plain f32)
+        self.args = args
+        self.budget_bytes = budget_bytes
+        self._cache: OrderedDict[object, Any] = OrderedDict()
+        self._cached_bytes = 0
+        self._check_shapes()
+
+    def _tensor(self, name: str, shape: tuple[int, ...]) -> TensorInfo:
+        info = self.model.tensor(name)
+        if info.shape != shape:
+            raise UnsupportedModelError(self.model.path, f"shape {list(info.shape)} where {list(shape)} "
+                                        "was expected from the metadata", f"tensor {name}")
+        self.model.check_tensor_supported(info)
+        return info
+
+    def _check_shapes(self) -> None:
+        """Every tensor the forward pass will touch exists, has the shape the metadata implies and a
+        supported type, so a bad file fails at load with its name, not mid-generation."""
+        a = self.args
+        self._tensor("token_embd.weight", (a.vocab_size, a.dim))
+        self._tensor("output_norm.weight", (a.dim,))
+        if "output.weight" in self.model.tensors:
+            self._tensor("output.weight", (a.vocab_size, a.dim))
+        for i in range(a.n_layers):
+            for name, shape in self._layer_shapes(i).items():
+                if name.endswith(".bias") and name not in self.model.tensors:
+                    continue
+                self._tensor(name, shape)
+
+    def _layer_shapes(self, i: int) -> dict[str, tuple[int, ...]]:
+        a, p = self.args, f"blk.{i}."
+        return {
+            p + "attn_norm.weight": (a.dim,), p + "attn_q.weight": (a.q_dim, a.dim),
+            p + "attn_k.weight": (a.kv_dim, a.dim), p + "attn_v.weight": (a.kv_dim, a.dim),
+            p + "attn_q.bias": (a.q_dim,), p + "attn_k.bias": (a.kv_dim,), p + "attn_v.bias": (a.kv_dim,),
+            p + "attn_output.weight": (a.dim, a.q_dim), p + "ffn_norm.weight": (a.dim,),
+            p + "ffn_gate.weight": (a.ffn_dim, a.dim), p + "ffn_up.weight": (a.ffn_dim, a.dim),
+            p + "ffn_down.weight": (a.dim, a.ffn_dim),
+        }
+
+    def _cached(self, key: object, build: Callable[[], Any]) -> Any:
+        if key in self._cache:
+            self._cache.move_to_end(key)
+            return self._cache[key]
+        value = build()
+        size = value.nbytes
+        while self._cache and self._cached_bytes + size > self.budget_bytes:
+            _, dropped = self._cache.popitem(last=False)
+            self._cached_bytes -= dropped.nbytes
+        if size <= self.budget_bytes:
+            self._cache[key] = value
+            self._cached_bytes += size
+        return value
+
+    def _f32(self, name: str) -> np.ndarray:
+        return self.model.tensor(name).dequantize()
+
+    def _linear(self, *names: str) -> Linear:
+        parts = []
+        for name in names:
+            info = self.model.tensor(name)
+            fmt = quants.activation_format(info.ggml_type) if self.match_llama_cpp else "f32"
+            parts.append((info.dequantize(), fmt))
+        return Linear(parts)
+
+    def _build_layer(self, i: int) -> LayerWeights:
+        p = f"blk.{i}."
+        biases = [p + f"attn_{x}.bias" for x in "qkv"]
+        has_bias = any(b in self.model.tensors for b in biases)
+        if has_bias:
+            sizes = (self.args.q_dim, self.args.kv_dim, self.args.kv_dim)
+            bqkv = np.concatenate([self._f32(b) if b in self.model.tensors else np.zeros(n, np.float32)
+                                   for b, n in zip(biases, sizes, strict=True)])
+        return LayerWeights(
+            attn_norm=self._f32(p + "attn_norm.weight"),
+            qkv=self._linear(*(p + f"attn_{x}.weight" for x in "qkv")),
+            bqkv=bqkv if has_bias else None,
+            wo=self._linear(p + "attn_output.weight"),
+            ffn_norm=self._f32(p + "ffn_norm.weight"),
+            gate_up=self._linear(p + "ffn_gate.weight", p + "ffn_up.weight"),
+            down=self._linear(p + "ffn_down.weight"),
+        )
+
+    def layer(self, index: int) -> LayerWeights:
+        return self._cached(("layer", index), lambda: self._build_layer(index))  # type: ignore[return-value]
+
+    def warm(self) -> None:
+        """Dequantizes every layer and the output matrix now (as far as the budget holds them)."""
+        for i in range(self.args.n_layers):
+            self.layer(i)
+        self.output()
+        self.output_norm()
+
+    def embed(self, tokens: np.ndarray) -> np.ndarray:
+        info = self.model.tensor("token_embd.weight")
+        return quants.dequantize_rows(info.data, info.ggml_type, self.args.dim, tokens)
+
+    def output_norm(self) -> np.ndarray:
+        return self._cached("output_norm", lambda: self._f32("output_norm.weight"))  # type: ignore[return-value]
+
+    def output(self) -> Linear:
+        # Without output.weight the output projection is tied to the token embeddings (SmolLM2).
+        name = "output.weight" if "output.weight" in self.model.tensors else "token_embd.weight"
+        return self._cached("output", lambda: self._linear(name))  # type: ignore[return-value]
+
+    def rope_freq_factors(self) -> np.ndarray | None:
+        """Per-pair divisors of the rotary frequencies (Llama 3.1 `rope_freqs.weight`), if present."""
+        if "rope_freqs.weight" not in self.model.tensors:
+            return None
+        return self._tensor("rope_freqs.weight", (self.args.rope_dim // 2,)).dequantize()
+
+
+class KVCache:
+    """Keys and values of every layer for positions [0, length), float16 like llama.cpp's default."""
+
+    def __init__(self, args: ModelArgs, max_tokens: int) -> None:
+        shape = (args.n_layers, max_tokens, args.n_kv_heads, args.head_dim)
+        self.keys = np.zeros(shape, dtype=np.float16)
+        self.values = np.zeros(shape, dtype=np.float16)
+        self.max_tokens = max_tokens
+        self.length = 0  # positions filled (committed after the last layer of a forward pass)
+
+    def store(self, layer: int, start: int, k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Writes (T, kv_heads, head_dim) at `start`; returns all keys/values up to start + T."""
+        end = start + k.shape[0]
+        self.keys[layer, start:end] = k
+        self.values[layer, start:end] = v
+        return self.keys[layer, :end], self.values[layer, :end]
+
+
+def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    mean_square = np.mean(np.square(x, dtype=np.float32), axis=-1, keepdims=True)
+    return (x / np.sqrt(mean_square + np.float32(eps))) * weight
+
+
+def _round_f16(x: np.ndarray) -> np.ndarray:
+    return x.astype(np.float16).astype(np.float32)
+
+
+class Rope:
+    """Rotary position embedding over the first `rope_dim` dimensions of each head."""
+
+    def __init__(self, args: ModelArgs, freq_factors: np.ndarray | None) -> None:
+        self.args = args
+        self.n_pairs = args.rope_dim // 2
+        self.theta_scale = np.float32(args.rope_base ** (-2.0 / args.rope_dim))
+        self.freq_factors = freq_factors
+
+    def angles(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """cos and sin, each (T, n_pairs). The angle of pair i is pos * theta_scale**i, computed as
+        llama.cpp does (a running float32 product) so both sides rotate by the same rounded angles."""
+        steps = np.full((len(positions), self.n_pairs), self.theta_scale, dtype=np.float32)
+        steps[:, 0] = positions.astype(np.float32) / np.float32(self.args.rope_linear_scale)
+        theta = np.cumprod(steps, axis=1, dtype=np.float32)
+        if self.freq_factors is not None:
+            theta = theta / self.freq_factors
+        return np.cos(theta), np.sin(theta)
+
+    def apply(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+        """x: (T, heads, head_dim) -> rotated copy."""
+        n = self.n_pairs
+        out = x.copy()
+        c, s = cos[:, None, :], sin[:, None, :]
+        if self.args.rope_neox:
+            a, b = x[..., :n], x[..., n : 2 * n]
+            out[..., :n] = a * c - b * s
+            out[..., n : 2 * n] = a * s + b * c
+        else:
+            a, b = x[..., 0 : 2 * n : 2], x[..., 1 : 2 * n : 2]
+            out[..., 0 : 2 * n : 2] = a * c - b * s
+            out[..., 1 : 2 * n : 2] = a * s + b * c
+        return out
+
+
+class Transformer:
+    """forward(tokens, start) runs tokens at positions start.. through all layers, extends the KV
+    cache and returns logits: (T, vocab) with all_logits, else (vocab,) of the last token."""
+
+    def __init__(self, args: ModelArgs, weights: WeightProvider, rope_freq_factors: np.ndarray | None = None):
+        self.args = args
+        self.weights = weights
+        self.rope = Rope(args, rope_freq_factors)
+
+    def new_cache(self, max_tokens: int) -> KVCache:
+        return KVCache(self.args, max_tokens)
+
+    def forward(self, tokens: np.ndarray, cache: KVCache, all_logits: bool = False) -> np.ndarray:
+        tokens = np.asarray(tokens, dtype=np.int64)
+        start, n = cache.length, len(tokens)
+        if start + n > cache.max_tokens:
+            raise ValueError(f"context full: {start} + {n} tokens exceed the context size {cache.max_tokens}")
+        cos, sin = self.rope.angles(np.arange(start, start + n))
+        x = self.weights.embed(tokens)  # (T, dim)
+        for i in range(self.args.n_layers):
+            layer = self.weights.layer(i)
+            x = x + self._attention(rms_norm(x, layer.attn_norm, self.args.norm_eps), layer, cache, i, start, cos, sin)
+            x = x + self._feed_forward(rms_norm(x, layer.ffn_norm, self.args.norm_eps), layer)
+        cache.length = start + n
+        if not all_logits:
+            x = x[-1:]
+        logits = self.weights.output()(rms_norm(x, self.weights.output_norm(), self.args.norm_eps))
+        return logits if all_logits else logits[0]
+
+    def _attention(self, h: np.ndarray, layer: LayerWeights, cache: KVCache, index: int, start: int,
+                   cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+        a, n = self.args, h.shape[0]
+        qkv = layer.qkv(h)  # (T, q_dim + 2 kv_dim)
+        if layer.bqkv is not None:
+            qkv += layer.bqkv
+        q = qkv[:, : a.q_dim].reshape(n, a.n_heads, a.head_dim)
+        k = qkv[:, a.q_dim : a.q_dim + a.kv_dim].reshape(n, a.n_kv_heads, a.head_dim)
+        v = qkv[:, a.q_dim + a.kv_dim :].reshape(n, a.n_kv_heads, a.head_dim)
+        q, k = self.rope.apply(q, cos, sin), self.rope.apply(k, cos, sin)
+        keys, values = cache.store(index, start, k, v)  # (S, kv_heads, head_dim) float16
+        group = a.n_heads // a.n_kv_heads  # query heads per KV head (GQA): head h reads KV head h // group
+        q = _round_f16(q).reshape(n, a.n_kv_heads, group, a.head_dim).transpose(1, 2, 0, 3)  # (kv, g, T, hd)
+        keys = keys.astype(np.float32).transpose(1, 2, 0)[:, None]  # (kv, 1, hd, S)
+        values = values.astype(np.float32).transpose(1, 0, 2)[:, None]  # (kv, 1, S, hd)
+        scores = (q @ keys) * np.float32(1.0 / np.sqrt(a.head_dim))  # (kv, g, T, S)
+        if n > 1:  # causal mask: query t (position start + t) sees keys 0..start + t
+            future = np.arange(start + n)[None, :] > np.arange(start, start + n)[:, None]
+            scores[..., future] = -np.inf
+        scores -= scores.max(axis=-1, keepdims=True)
+        probs = np.exp(scores)
+        probs /= probs.sum(axis=-1, keepdims=True)
+        out = _round_f16(probs) @ values  # (kv, g, T, hd)
+        return layer.wo(out.transpose(2, 0, 1, 3).reshape(n, a.q_dim))
+
+    def _feed_forward(self, h: np.ndarray, layer: LayerWeights) -> np.ndarray:
+        gate_up = layer.gate_up(h)  # (T, 2 ffn)
+        gate, up = gate_up[:, : self.args.ffn_dim], gate_up[:, self.args.ffn_dim :]
+        return layer.down(gate / (1.0 + np.exp(-gate)) * up)  # SwiGLU
+
+
+def load_transformer(model: GGUFModel, budget_bytes: int = 8 << 30, match_llama_cpp: bool = True) -> Transformer:
+    """ModelArgs, weights (checked for presence, shape and type) and the forward pass for a file."""
+    args = ModelArgs.from_gguf(model)
+    weights = DequantizedWeights(model, args, budget_bytes, match_llama_cpp)
+    return Transformer(args, weights, weights.rope_freq_factors())

@@ -1,0 +1,43 @@
+"""Writing edited copies of GGUF files for tests: fewer layers (a one-layer model shows numeric
+differences without the amplification of 30 layers), changed metadata, dropped tensors."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from gguf import GGUFReader, GGUFValueType, GGUFWriter
+
+
+def write_copy(source: Path, target: Path, n_layers: int | None = None,
+               metadata: dict[str, tuple[Any, GGUFValueType]] | None = None,
+               drop_tensors: tuple[str, ...] = ()) -> Path:
+    """Copies `source` to `target`, keeping only blocks < n_layers, replacing or adding `metadata`
+    (key -> (value, type)) and leaving out the tensors named in `drop_tensors`."""
+    reader = GGUFReader(source)
+    overrides = dict(metadata or {})
+    arch_value = overrides.pop("general.architecture", (None,))[0]
+    arch = arch_value or str(reader.fields["general.architecture"].contents())
+    writer = GGUFWriter(target, arch)
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture" or key in overrides:
+            continue
+        value = field.contents()
+        if n_layers is not None and key.endswith(".block_count"):
+            value = n_layers
+        sub_type = field.types[-1] if field.types[0] == GGUFValueType.ARRAY and len(field.types) > 1 else None
+        writer.add_key_value(key, value, field.types[0], sub_type=sub_type)
+    for key, (value, vtype) in overrides.items():
+        writer.add_key_value(key, value, vtype)
+    for tensor in reader.tensors:
+        block = re.match(r"blk\.(\d+)\.", tensor.name)
+        if tensor.name in drop_tensors or (block and n_layers is not None and int(block.group(1)) >= n_layers):
+            continue
+        writer.add_tensor(tensor.name, np.asarray(tensor.data), raw_dtype=tensor.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return target
