@@ -2,7 +2,7 @@
 """Build the test VM's kernel, initramfs and no-IOMMU VFIO modules, cached by kernel version.
 
     python3 scripts/vm/build_assets.py            # build unless the cache is current
-    python3 scripts/vm/build_assets.py --check    # exit 0 if current, 1 if a build is needed
+    python3 scripts/vm/build_assets.py --check    # build nothing: exit 0 if current, 1 if not
     python3 scripts/vm/build_assets.py --force    # rebuild
 
 Layout (CACHE = ${NVMEDIRECT_CACHE:-~/.cache/nvmedirect}):
@@ -39,7 +39,9 @@ BUSYBOX = Path("/bin/busybox")
 BASE_MODULES = ["virtio_pci", "9pnet_virtio", "9p", "overlay", "nvme"]
 VFIO_MODULES = ["vfio", "vfio_iommu_type1", "vfio-pci"]
 # Loaded when present, for guest tests that stack block devices or filesystems on the NVMe.
-EXTRA_MODULES = ["loop", "dm-mod", "md-mod", "raid0", "raid1", "ext4"]
+EXTRA_MODULES = ["virtio_blk", "loop", "dm-mod", "md-mod", "raid0", "raid1", "ext4"]
+# Bump when a change here alters what gets built; comments and refactors then cost no rebuild.
+RECIPE_VERSION = 1
 
 
 def log(message: str) -> None:
@@ -59,15 +61,14 @@ def cache_root() -> Path:
 
 
 def recipe_digest() -> str:
-    """Changes whenever this builder or the guest's /init changes, so stale caches get rebuilt."""
-    digest = hashlib.sha256()
-    for path in (Path(__file__).resolve(), INIT_SCRIPT):
-        digest.update(path.read_bytes())
+    """Changes with the guest's /init, the module lists or RECIPE_VERSION: stale caches get rebuilt."""
+    digest = hashlib.sha256(INIT_SCRIPT.read_bytes())
+    digest.update(repr((BASE_MODULES, VFIO_MODULES, EXTRA_MODULES, RECIPE_VERSION)).encode())
     return digest.hexdigest()[:16]
 
 
-def resolve_kernel() -> tuple[str, str, str]:
-    """(image package, kernel version, Debian package version) of the current Debian kernel."""
+def resolve_kernel() -> tuple[str, str]:
+    """(image package, kernel version) of the kernel Debian's linux-image-amd64 currently names."""
     package = os.environ.get("NVMEDIRECT_VM_KERNEL_PACKAGE")
     if not package:
         out = run("apt-cache", "depends", "linux-image-amd64")
@@ -75,8 +76,7 @@ def resolve_kernel() -> tuple[str, str, str]:
         if not found:
             raise SystemExit("vm-assets: `apt-cache depends linux-image-amd64` names no kernel; run apt-get update")
         package = found.group(1)
-    version = apt_version(package)
-    return package, package.removeprefix("linux-image-"), version
+    return package, package.removeprefix("linux-image-")
 
 
 def apt_version(package: str) -> str:
@@ -202,8 +202,9 @@ def pack_initramfs(work: Path, out: Path, lists: dict[str, tuple[Path, list[Path
     run("sh", "-c", 'cd "$0" && find . | cpio -o -H newc --quiet | gzip -1 > "$1"', stage, out)
 
 
-def build(root: Path, package: str, kver: str, version: str) -> Path:
+def build(root: Path, package: str, kver: str) -> Path:
     started = time.monotonic()
+    version = apt_version(package)
     root.mkdir(parents=True, exist_ok=True)
     if not BUSYBOX.is_file():
         raise SystemExit("vm-assets: /bin/busybox missing: install busybox-static")
@@ -251,21 +252,21 @@ def build(root: Path, package: str, kver: str, version: str) -> Path:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--check", action="store_true", help="exit 0 if the cache is current, else 1")
+    parser.add_argument("--check", action="store_true",
+                        help="build nothing: exit 0 if the cache is current, else 1")
     parser.add_argument("--force", action="store_true", help="rebuild even if the cache is current")
     args = parser.parse_args()
     root = cache_root()
-    package, kver, version = resolve_kernel()
+    package, kver = resolve_kernel()
     kdir = root / kver
-    current = is_current(kdir) and not args.force
-    if args.check:
-        print(f"{kdir}: {'current' if current else 'needs a build'}")
-        return 0 if current else 1
-    if current:
+    if is_current(kdir) and not args.force:
         point_current(root, kver)
         log(f"{kdir} is current")
         return 0
-    build(root, package, kver, version)
+    if args.check:
+        log(f"{kdir} needs a build")
+        return 1
+    build(root, package, kver)
     return 0
 
 
