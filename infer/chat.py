@@ -123,7 +123,8 @@ class ChatSession:
     tokenizer: Tokenizer
     system: str | None = None
     messages: list[dict[str, str]] = field(default_factory=list)
-    _seen: str = ""  # the text the model has processed so far (prompts and its own replies)
+    # the text the model has processed so far (prompts and its own replies)
+    _seen: str = field(default="", init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.system is not None and not self.messages:

@@ -79,6 +79,10 @@ class Tokenizer:
         written in the text (e.g. '<|im_start|>') become those tokens; with False they are
         tokenized as plain text. User-defined tokens are matched either way, as in llama.cpp.
         """
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as err:
+            raise TokenizerError(f"text is not valid Unicode ({err.reason} at character {err.start})") from None
         add_bos = self.vocab.add_bos if add_bos is None else add_bos
         add_eos = self.vocab.add_eos if add_eos is None else add_eos
         ids: list[int] = []

@@ -142,6 +142,11 @@ def test_sentencepiece_vocabulary_needs_an_unknown_token() -> None:
         Tokenizer.from_gguf(metadata)
 
 
+def test_text_with_lone_surrogate_is_refused() -> None:
+    with pytest.raises(TokenizerError, match="not valid Unicode"):
+        Tokenizer.from_gguf(_gpt2_metadata()).encode("a\ud800b")
+
+
 def test_token_id_outside_the_vocabulary_is_refused() -> None:
     tokenizer = Tokenizer.from_gguf(_gpt2_metadata())
     with pytest.raises(TokenizerError, match="outside the vocabulary"):
