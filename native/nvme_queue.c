@@ -134,3 +134,65 @@ static int nvd_cq_poll_spin(struct nvd_cqe *ring, uint32_t entries, uint32_t *he
     } while (found == 0 && ++spins < max_spins);
     return found;
 }
+
+/* PRP1/PRP2 (and PRP list entries) for `nbytes` at `byte_offset` of a buffer whose 4 KiB pages sit
+ * at device addresses pages[0..npages). The list pages (host view `list`, device addresses
+ * `list_pages`) hold 512 entries each; the last entry of a full page chains to the next page.
+ * Writes prps[0] and prps[1]; returns 0, -1 (range outside the buffer), -2 (PRP1 not dword
+ * aligned) or -3 (not enough list pages). Same rules as nvmedirect/queues/prp.py, which tests
+ * them; this copy keeps the per-command cost off the Python interpreter. */
+static int nvd_build_prps(const uint64_t *pages, uint64_t npages, uint64_t byte_offset, uint64_t nbytes,
+                          uint64_t *list, const uint64_t *list_pages, uint32_t nlist_pages, uint64_t *prps)
+{
+    const uint64_t page = 4096, per_list = 512;
+    uint64_t first = byte_offset / page, within = byte_offset % page;
+    uint64_t count = (within + nbytes + page - 1) / page;
+    if (nbytes == 0 || first + count > npages)
+        return -1;
+    prps[0] = pages[first] + within;
+    if (prps[0] & 3)
+        return -2;
+    if (count == 1) {
+        prps[1] = 0;
+        return 0;
+    }
+    if (count == 2) {
+        prps[1] = pages[first + 1];
+        return 0;
+    }
+    uint64_t remaining = count - 1, src = first + 1;
+    for (uint32_t lp = 0; lp < nlist_pages; lp++) {
+        uint64_t *entries = list + lp * per_list;
+        if (remaining <= per_list) {
+            memcpy(entries, &pages[src], remaining * sizeof(uint64_t));
+            prps[1] = list_pages[0];
+            return 0;
+        }
+        memcpy(entries, &pages[src], (per_list - 1) * sizeof(uint64_t));
+        entries[per_list - 1] = lp + 1 < nlist_pages ? list_pages[lp + 1] : 0;
+        src += per_list - 1;
+        remaining -= per_list - 1;
+    }
+    return -3;
+}
+
+/* Build an SQE directly in the ring slot at `tail` (no intermediate copy); returns the new tail. */
+static uint32_t nvd_sq_write(struct nvd_sqe *ring, uint32_t entries, uint32_t tail, uint8_t opcode, uint16_t cid,
+                             uint32_t nsid, uint64_t prp1, uint64_t prp2, uint32_t cdw10, uint32_t cdw11,
+                             uint32_t cdw12, uint32_t cdw13, uint32_t cdw14, uint32_t cdw15)
+{
+    struct nvd_sqe *sqe = &ring[tail];
+    memset(sqe, 0, sizeof(*sqe));
+    sqe->opcode = opcode;
+    sqe->cid = cid;
+    sqe->nsid = nsid;
+    sqe->prp1 = prp1;
+    sqe->prp2 = prp2;
+    sqe->cdw10 = cdw10;
+    sqe->cdw11 = cdw11;
+    sqe->cdw12 = cdw12;
+    sqe->cdw13 = cdw13;
+    sqe->cdw14 = cdw14;
+    sqe->cdw15 = cdw15;
+    return tail + 1 == entries ? 0 : tail + 1;
+}

@@ -68,7 +68,7 @@ class Namespace:
         # No host-side range check: a read past the end must come back as the device's own
         # "LBA Out of Range" status.
         return qpair.submit(opcode, nsid=self.nsid, cdw10=lba & 0xFFFFFFFF, cdw11=lba >> 32,
-                            cdw12=nblocks - 1, data=buffer[:nblocks * self.lba_size], **kw)
+                            cdw12=nblocks - 1, data=buffer, data_len=nblocks * self.lba_size, **kw)
 
     def submit_flush(self, qpair: QueuePair, **kw) -> Command:
         return qpair.submit(IoOpcode.FLUSH, nsid=self.nsid, **kw)

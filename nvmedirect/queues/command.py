@@ -43,14 +43,15 @@ class Command:
 
     __slots__ = ("qpair", "cid", "opcode", "context", "callback", "completion", "submitted_at", "deadline")
 
-    def __init__(self, qpair: QueuePair, cid: int, opcode: str, context: Any, callback, deadline: float):
+    def __init__(self, qpair: QueuePair, cid: int, opcode: str, context: Any, callback, deadline: float,
+                 submitted_at: float | None = None):
         self.qpair = qpair
         self.cid = cid
         self.opcode = opcode
         self.context = context
         self.callback = callback
         self.completion: Completion | None = None
-        self.submitted_at = time.monotonic()
+        self.submitted_at = time.monotonic() if submitted_at is None else submitted_at
         self.deadline = deadline
 
     @property

@@ -16,10 +16,10 @@ import numpy as np
 
 from nvmedirect.errors import NvmeDirectError, QueueFull
 from nvmedirect.nvme import status as st
-from nvmedirect.nvme.spec import CQE_SIZE, SQE_SIZE, opcode_name
+from nvmedirect.nvme.spec import CQE_SIZE, OPCODE_NAMES_ADMIN, OPCODE_NAMES_IO, SQE_SIZE, opcode_name
 from nvmedirect.queues.command import Command, Completion
 from nvmedirect.queues.doorbell import Doorbell
-from nvmedirect.queues.prp import PAGE_SIZE, build_prps, list_pages_needed
+from nvmedirect.queues.prp import PAGE_SIZE, list_pages_needed
 from nvmedirect.vfio._ffi import ffi, lib
 from nvmedirect.vfio.dma import DmaAllocator, DmaBuffer
 
@@ -28,19 +28,25 @@ log = logging.getLogger(__name__)
 POLL_BATCH = 64
 SPINS_PER_POLL = 256  # empty CQ looks done in C before returning to Python
 TIMEOUT_CHECK_INTERVAL_S = 0.001
+_PRP_ERRORS = {-1: "transfer outside the DMA buffer", -2: "PRP1 is not dword aligned",
+               -3: "transfer needs more PRP list pages than the command has"}
 
 
 class Tracker:
     """Per-CID state allocated once: the SQE being built, the PRP list pages, the live command."""
 
-    __slots__ = ("cid", "sqe", "prp_list", "prp_entries", "prp_pages", "command")
+    __slots__ = ("cid", "prp_list", "prp_entries", "prp_pages", "list_pages", "command")
 
     def __init__(self, cid: int, prp_list: DmaBuffer | None):
         self.cid = cid
-        self.sqe = ffi.new("struct nvd_sqe *")
         self.prp_list = prp_list
-        self.prp_entries = prp_list.view.view(np.uint64) if prp_list is not None else None
-        self.prp_pages = prp_list.page_addresses() if prp_list is not None else None
+        if prp_list is not None:
+            self.prp_entries = ffi.cast("uint64_t *", prp_list.address)
+            self.prp_pages = np.ascontiguousarray(prp_list.page_addresses(), dtype=np.uint64)
+            self.list_pages = ffi.cast("uint64_t *", self.prp_pages.ctypes.data)
+        else:
+            self.prp_entries = self.list_pages = ffi.NULL
+            self.prp_pages = np.zeros(0, dtype=np.uint64)
         self.command: Command | None = None
 
 
@@ -79,6 +85,8 @@ class QueuePair:
         self._cq_head = ffi.new("uint32_t *", 0)
         self._cq_phase = ffi.new("uint32_t *", 1)  # the controller writes phase 1 on its first pass
         self._cqes = ffi.new("struct nvd_cqe[]", POLL_BATCH)
+        self._prps = ffi.new("uint64_t[2]")
+        self._opcode_names = OPCODE_NAMES_ADMIN if admin else OPCODE_NAMES_IO
         self.sq_tail = 0
         self.sq_head = 0
         self._unrung = 0  # SQEs copied into the ring but not yet announced by a doorbell
@@ -109,41 +117,44 @@ class QueuePair:
     # -- submit --------------------------------------------------------------------------------
     def submit(self, opcode: int, nsid: int = 0, cdw10: int = 0, cdw11: int = 0, cdw12: int = 0,
                cdw13: int = 0, cdw14: int = 0, cdw15: int = 0, data: DmaBuffer | None = None,
-               context=None, callback: Callable[[Command], None] | None = None,
+               data_len: int | None = None, context=None, callback: Callable[[Command], None] | None = None,
                timeout_s: float | None = None, ring: bool = True, prp1: int | None = None) -> Command:
-        """Queue one command. With `ring=False` the doorbell waits for `ring_doorbell()`, so a
-        batch costs one MMIO write. `prp1` passes a bare address (queue creation) instead of `data`.
-        Raises QueueFull when no tracker is free."""
+        """Queue one command moving the first `data_len` bytes (default: all) of `data`. With
+        `ring=False` the doorbell waits for `ring_doorbell()`, so a batch costs one MMIO write.
+        `prp1` passes a bare address (queue creation) instead of `data`. Raises QueueFull when no
+        tracker is free; the caller polls and submits again."""
         if self.closed:
             raise NvmeDirectError(f"queue {self.qid} is closed")
         if not self._free_cids:
             raise QueueFull(f"queue {self.qid}: all {len(self._trackers)} command slots in flight")
+        prps = self._prps
+        prps[0] = prps[1] = 0
+        if data is not None:
+            nbytes = data.nbytes if data_len is None else data_len
+            if not 0 <= nbytes <= min(data.nbytes, self.max_transfer):
+                raise NvmeDirectError(f"{nbytes}-byte transfer: must fit the {data.nbytes}-byte buffer and "
+                                      f"this queue's {self.max_transfer}-byte limit (split it)")
+            allocation = data._allocation
+            if allocation.freed:
+                raise NvmeDirectError("DMA buffer used after free")
+        else:
+            nbytes = 0
         cid = self._free_cids.pop()
         tracker = self._trackers[cid]
-        sqe = tracker.sqe
-        ffi.memmove(sqe, b"\0" * SQE_SIZE, SQE_SIZE)
-        sqe.opcode = opcode
-        sqe.cid = cid
-        sqe.nsid = nsid
-        sqe.cdw10, sqe.cdw11, sqe.cdw12 = cdw10, cdw11, cdw12
-        sqe.cdw13, sqe.cdw14, sqe.cdw15 = cdw13, cdw14, cdw15
-        if data is not None and data.nbytes:
-            if data.nbytes > self.max_transfer:
+        if nbytes:
+            rc = lib.nvd_build_prps(allocation.page_pointer, len(allocation.page_addresses), data._offset,
+                                    nbytes, tracker.prp_entries, tracker.list_pages, len(tracker.prp_pages), prps)
+            if rc:
                 self._free_cids.append(cid)
-                raise NvmeDirectError(f"{data.nbytes}-byte transfer exceeds this queue's limit of "
-                                      f"{self.max_transfer}; split it")
-            try:
-                sqe.prp1, sqe.prp2 = build_prps(data.iova, data.page_addresses(), data.nbytes,
-                                                tracker.prp_entries, tracker.prp_pages)
-            except Exception:
-                self._free_cids.append(cid)
-                raise
+                raise NvmeDirectError(_PRP_ERRORS.get(rc, f"PRP build failed ({rc})"))
         elif prp1 is not None:
-            sqe.prp1 = prp1
-        deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
-        command = Command(self, cid, opcode_name(opcode, self.admin), context, callback, deadline)
+            prps[0] = prp1
+        now = time.monotonic()
+        command = Command(self, cid, self._opcode_names.get(opcode) or opcode_name(opcode, self.admin),
+                          context, callback, now + (self.timeout_s if timeout_s is None else timeout_s), now)
         tracker.command = command
-        self.sq_tail = lib.nvd_sq_push(self._sq, self.depth, self.sq_tail, sqe)
+        self.sq_tail = lib.nvd_sq_write(self._sq, self.depth, self.sq_tail, opcode, cid, nsid, prps[0], prps[1],
+                                        cdw10, cdw11, cdw12, cdw13, cdw14, cdw15)
         self._unrung += 1
         if ring:
             self.ring_doorbell()

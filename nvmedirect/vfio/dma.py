@@ -37,11 +37,20 @@ class DmaBuffer:
     array over the bytes.
     """
 
+    __slots__ = ("_allocation", "_offset", "nbytes", "_view")
+
     def __init__(self, allocation: _Allocation, offset: int, nbytes: int):
         self._allocation = allocation
         self._offset = offset
         self.nbytes = nbytes
-        self.view = np.frombuffer(allocation.memory.buffer, dtype=np.uint8, count=nbytes, offset=offset)
+        self._view: np.ndarray | None = None  # built on first use: slicing stays cheap on the I/O path
+
+    @property
+    def view(self) -> np.ndarray:
+        if self._view is None:
+            self._view = np.frombuffer(self._allocation.memory.buffer, dtype=np.uint8, count=self.nbytes,
+                                       offset=self._offset)
+        return self._view
 
     @property
     def address(self) -> int:
@@ -125,7 +134,8 @@ class _Allocation:
                  iova: int | None, physical: bool):
         self.allocator = allocator
         self.memory = memory
-        self.page_addresses = page_addresses
+        self.page_addresses = np.ascontiguousarray(page_addresses, dtype=np.uint64)
+        self.page_pointer = ffi.cast("uint64_t *", self.page_addresses.ctypes.data)  # for native PRP building
         self.iova = iova  # start of the IOMMU mapping, None without one
         self.physical = physical
         self.freed = False
