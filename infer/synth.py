@@ -185,13 +185,17 @@ def _matrix_writer(ggml_type: int, rows: int, cols: int, rng: np.random.Generato
     return n_blocks * size, write
 
 
-def _norm_writer(n: int, rng: np.random.Generator) -> tuple[int, Callable[[object], None]]:
-    values = (1.0 + 0.1 * rng.standard_normal(n)).astype("<f4")
+def _norm_writer(n: int, rng: np.random.Generator, mean: float) -> tuple[int, Callable[[object], None]]:
+    values = (mean + 0.1 * rng.standard_normal(n)).astype("<f4")
     return values.nbytes, lambda f: f.write(values.tobytes())  # type: ignore[attr-defined]
 
 
-def write_model(path: str | Path, shape: Shape, kind: str, seed: int = 0, name: str | None = None) -> int:
-    """Writes a random Llama-shaped GGUF; returns its size in bytes."""
+def write_model(path: str | Path, shape: Shape, kind: str, seed: int = 0, name: str | None = None,
+                arch: str = "llama") -> int:
+    """Writes a random Llama-shaped GGUF; returns its size in bytes. arch "qwen2" adds Q/K/V biases
+    (and readers apply NeoX-style rotary pairs to it)."""
+    if arch not in ("llama", "qwen2"):
+        raise ValueError(f"unknown architecture '{arch}' (known: llama, qwen2)")
     if kind not in FILE_TYPES:
         raise ValueError(f"unknown model type '{kind}' (known: {', '.join(FILE_TYPES)})")
     rng = np.random.default_rng(seed)
@@ -199,19 +203,19 @@ def write_model(path: str | Path, shape: Shape, kind: str, seed: int = 0, name: 
     head_dim = s.dim // s.n_heads
     tokens, scores, types = vocabulary(s.vocab_size)
     meta: dict[str, object] = {
-        "general.architecture": "llama",
+        "general.architecture": arch,
         "general.name": name or f"synthetic-llama-{s.n_layers}x{s.dim}-{kind}",
         "general.file_type": FILE_TYPES[kind],
-        "llama.context_length": s.context_length,
-        "llama.embedding_length": s.dim,
-        "llama.block_count": s.n_layers,
-        "llama.feed_forward_length": s.ffn_dim,
-        "llama.attention.head_count": s.n_heads,
-        "llama.attention.head_count_kv": s.n_kv_heads,
-        "llama.rope.freq_base": float(s.rope_base),
-        "llama.rope.dimension_count": head_dim,
-        "llama.attention.layer_norm_rms_epsilon": float(s.norm_eps),
-        "llama.vocab_size": s.vocab_size,
+        f"{arch}.context_length": s.context_length,
+        f"{arch}.embedding_length": s.dim,
+        f"{arch}.block_count": s.n_layers,
+        f"{arch}.feed_forward_length": s.ffn_dim,
+        f"{arch}.attention.head_count": s.n_heads,
+        f"{arch}.attention.head_count_kv": s.n_kv_heads,
+        f"{arch}.rope.freq_base": float(s.rope_base),
+        f"{arch}.rope.dimension_count": head_dim,
+        f"{arch}.attention.layer_norm_rms_epsilon": float(s.norm_eps),
+        f"{arch}.vocab_size": s.vocab_size,
         "tokenizer.ggml.model": "llama",
         "tokenizer.ggml.tokens": tokens,
         "tokenizer.ggml.scores": scores,
@@ -232,9 +236,9 @@ def write_model(path: str | Path, shape: Shape, kind: str, seed: int = 0, name: 
         nbytes, write = _matrix_writer(ggml_type, rows, cols, rng, pools)
         tensors.append(_Tensor(tname, (cols, rows), ggml_type, nbytes, write))
 
-    def norm(tname: str) -> None:
-        nbytes, write = _norm_writer(s.dim, rng)
-        tensors.append(_Tensor(tname, (s.dim,), T.F32, nbytes, write))
+    def norm(tname: str, n: int = s.dim, mean: float = 1.0) -> None:
+        nbytes, write = _norm_writer(n, rng, mean)
+        tensors.append(_Tensor(tname, (n,), T.F32, nbytes, write))
 
     q_dim, kv_dim = s.n_heads * head_dim, s.n_kv_heads * head_dim
     matrix("token_embd.weight", "token_embd", 0, s.vocab_size, s.dim)
@@ -244,6 +248,10 @@ def write_model(path: str | Path, shape: Shape, kind: str, seed: int = 0, name: 
         matrix(p + "attn_q.weight", "attn_q", i, q_dim, s.dim)
         matrix(p + "attn_k.weight", "attn_k", i, kv_dim, s.dim)
         matrix(p + "attn_v.weight", "attn_v", i, kv_dim, s.dim)
+        if arch == "qwen2":
+            norm(p + "attn_q.bias", q_dim, 0.0)
+            norm(p + "attn_k.bias", kv_dim, 0.0)
+            norm(p + "attn_v.bias", kv_dim, 0.0)
         matrix(p + "attn_output.weight", "attn_output", i, s.dim, q_dim)
         norm(p + "ffn_norm.weight")
         matrix(p + "ffn_gate.weight", "ffn_gate", i, s.ffn_dim, s.dim)
@@ -275,6 +283,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--type", dest="kind", choices=sorted(FILE_TYPES), default="q4_k_m")
     parser.add_argument("--layers", type=int, help="override the shape's layer count")
     parser.add_argument("--vocab", type=int, help="override the shape's vocab size")
+    parser.add_argument("--arch", choices=["llama", "qwen2"], default="llama")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("-o", "--output", required=True, help="GGUF file to write")
     args = parser.parse_args(argv)
@@ -285,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
         shape = Shape(**{**shape.__dict__, "vocab_size": args.vocab})
     start = time.perf_counter()
     try:
-        size = write_model(args.output, shape, args.kind, args.seed)
+        size = write_model(args.output, shape, args.kind, args.seed, arch=args.arch)
     except (ValueError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -1,1 +1,40 @@
-"""GPU backend: CUDA kernels through CuPy (imported lazily: this package imports without CuPy)."""
+"""GPU backend: CUDA kernels through CuPy. CuPy is imported lazily, so this package imports (and
+its NumPy parts run) on machines without it."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from infer.gguf_file import GGUFModel
+    from infer.gpu.model import GpuTransformer
+
+
+def gpu_available() -> bool:
+    """True when CuPy imports and sees at least one CUDA device."""
+    try:
+        import cupy
+
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:
+        return False
+
+
+def load_gpu_transformer(model: GGUFModel, prefill_chunk: int = 512) -> GpuTransformer:
+    """ModelArgs and checks as infer.model.load_transformer, weights uploaded to the current GPU.
+    The result has the CPU Transformer's calls (new_cache, forward), so infer.engine.Engine runs it."""
+    from infer.errors import UnsupportedModelError
+    from infer.gpu.layout import format_of
+    from infer.gpu.model import GpuTransformer
+    from infer.model import DequantizedWeights, ModelArgs
+
+    args = ModelArgs.from_gguf(model)
+    DequantizedWeights(model, args, budget_bytes=0)  # presence, shape and type of every tensor
+    for info in model.tensors.values():
+        if len(info.shape) == 2:
+            try:
+                format_of(info.ggml_type)
+            except ValueError as err:
+                raise UnsupportedModelError(model.path, str(err), f"tensor {info.name}") from None
+    factors = model.tensor("rope_freqs.weight").dequantize() if "rope_freqs.weight" in model.tensors else None
+    return GpuTransformer(model, args, factors, prefill_chunk=prefill_chunk)

@@ -1,0 +1,156 @@
+"""Python faces of the CUDA kernels: each call states its grid and block and launches on the
+current CuPy stream. None of them allocates, so every call may sit inside a CUDA graph capture;
+outputs are passed in. Scalars are passed as NumPy types of the kernel's parameter width."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import cupy
+import numpy as np
+
+from infer.gpu import kernels
+from infer.gpu.layout import FLOAT_FORMATS, PlaneLayout, format_of, plane_layout
+
+NULL = np.uint64(0)
+ATTN_GROUPS = (4, 8, 16)  # attention_decode_g{4,8,16}: query heads per KV head it can hold
+ATTN_MAX_HEAD_DIM = 256
+
+
+def _ptr(a: cupy.ndarray | None) -> np.uint64:
+    return NULL if a is None else np.uint64(a.data.ptr)
+
+
+def _blocks(n: int, threads: int) -> int:
+    return max(1, -(-n // threads))
+
+
+@dataclass
+class GpuMatrix:
+    """A weight matrix (rows x cols) in VRAM in its planar format."""
+
+    fmt: str
+    rows: int
+    cols: int
+    layout: PlaneLayout
+    buffer: cupy.ndarray  # uint8, layout.nbytes
+    source_nbytes: int  # bytes of the GGUF tensor it came from
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.buffer.nbytes)
+
+    def planes(self) -> tuple[np.uint64, np.uint64, np.uint64]:
+        base = self.buffer.data.ptr
+        return tuple(np.uint64(base + o) if s else NULL  # type: ignore[return-value]
+                     for o, s in zip(self.layout.offsets, self.layout.sizes, strict=True))
+
+    def as_half(self) -> cupy.ndarray | None:
+        """A (rows, cols) float16 view when the matrix is stored as float16, else None."""
+        if self.fmt != "f16":
+            return None
+        return self.buffer.view(cupy.float16).reshape(self.rows, self.cols)
+
+
+def upload_matrix(raw: np.ndarray, ggml_type: int, rows: int, cols: int) -> GpuMatrix:
+    """Copies a GGUF tensor (uint8 bytes) to the GPU and repacks it there into its planar format."""
+    fmt = format_of(ggml_type)
+    layout = plane_layout(fmt, rows, cols)
+    buffer = cupy.empty(layout.nbytes, dtype=cupy.uint8)
+    raw = np.ascontiguousarray(raw, dtype=np.uint8).reshape(-1)
+    if fmt in FLOAT_FORMATS:
+        buffer.set(raw)
+    else:
+        from gguf.constants import GGMLQuantizationType
+
+        source = cupy.asarray(raw)
+        kernel = kernels.function("repack", f"repack_{GGMLQuantizationType(ggml_type).name.lower()}")
+        n_sb = layout.n_subblocks
+        base = buffer.data.ptr
+        qs, hi, sm = (np.uint64(base + o) if s else NULL for o, s in zip(layout.offsets, layout.sizes, strict=True))
+        kernel((_blocks(n_sb, 256),), (256,), (source, np.int64(n_sb), qs, hi, sm))
+        del source
+    return GpuMatrix(fmt, rows, cols, layout, buffer, int(raw.size))
+
+
+def gemv(m: GpuMatrix, x: cupy.ndarray, y: cupy.ndarray, bias: cupy.ndarray | None = None,
+         residual: cupy.ndarray | None = None) -> None:
+    """y = W x (+ bias) (+ residual); y may be the residual itself."""
+    warps = kernels.DEFAULT_DEFINES["GEMV_WARPS"]
+    fn = kernels.function("gemv", f"gemv_{m.fmt}")
+    fn((_blocks(m.rows, warps),), (32 * warps,),
+       (*m.planes(), np.int32(m.rows), np.int32(m.cols), x, y, _ptr(bias), _ptr(residual)))
+
+
+def gemv_swiglu(gate: GpuMatrix, up: GpuMatrix, x: cupy.ndarray, y: cupy.ndarray) -> None:
+    """y = SiLU(Wg x) * (Wu x); both matrices in one format."""
+    if gate.fmt != up.fmt or (gate.rows, gate.cols) != (up.rows, up.cols):
+        raise ValueError("fused SwiGLU needs gate and up of one format and shape")
+    warps = kernels.DEFAULT_DEFINES["GEMV_WARPS"]
+    fn = kernels.function("gemv", f"gemv_swiglu_{gate.fmt}")
+    fn((_blocks(gate.rows, warps),), (32 * warps,),
+       (*gate.planes(), *up.planes(), np.int32(gate.rows), np.int32(gate.cols), x, y))
+
+
+def dequantize(m: GpuMatrix, out: cupy.ndarray) -> None:
+    """out (float16, rows*cols elements) = the matrix's weights."""
+    fn = kernels.function("dequant", f"dequant_{m.fmt}")
+    n = m.rows * m.cols if m.fmt in FLOAT_FORMATS else m.layout.n_subblocks
+    fn((_blocks(n, 256),), (256,), (*m.planes(), np.int64(n), out))
+
+
+def embed(m: GpuMatrix, ids: cupy.ndarray, n: int, out: cupy.ndarray) -> None:
+    """out[i, :] = row ids[i] of the matrix, float32 (ids: int32 on the device)."""
+    fn = kernels.function("dequant", f"embed_{m.fmt}")
+    work = n * m.cols if m.fmt in FLOAT_FORMATS else n * m.cols // 32
+    fn((_blocks(work, 256),), (256,), (*m.planes(), np.int32(m.rows), np.int32(m.cols), ids, np.int32(n), out))
+
+
+def rmsnorm(x: cupy.ndarray, weight: cupy.ndarray, eps: float, rows: int, n: int, y: cupy.ndarray | None = None,
+            y16: cupy.ndarray | None = None) -> None:
+    threads = 1024 if n >= 4096 else 256
+    kernels.function("ops", "rmsnorm")((rows,), (threads,), (x, weight, _ptr(y), _ptr(y16), np.int32(n), np.float32(eps)))
+
+
+def rope_store(q: cupy.ndarray, k: cupy.ndarray, v: cupy.ndarray, cos: cupy.ndarray, sin: cupy.ndarray,
+               pos: cupy.ndarray, n_tokens: int, n_heads: int, n_kv_heads: int, head_dim: int, n_pairs: int,
+               neox: bool, k_cache: cupy.ndarray, v_cache: cupy.ndarray, max_ctx: int) -> None:
+    threads = min(128, max(32, -(-head_dim // 2 // 32) * 32))
+    kernels.function("ops", "rope_store")(
+        (n_tokens, n_heads + n_kv_heads), (threads,),
+        (q, k, v, cos, sin, pos, np.int32(n_heads), np.int32(n_kv_heads), np.int32(head_dim), np.int32(n_pairs),
+         np.int32(1 if neox else 0), k_cache, v_cache, np.int32(max_ctx)))
+
+
+def attention_group_kernel(group: int) -> str:
+    for g in ATTN_GROUPS:
+        if group <= g:
+            return f"attention_decode_g{g}"
+    raise ValueError(f"{group} query heads per KV head exceed the decode attention kernel's {ATTN_GROUPS[-1]}")
+
+
+def attention_decode(q: cupy.ndarray, k_cache: cupy.ndarray, v_cache: cupy.ndarray, pos: cupy.ndarray,
+                     n_heads: int, n_kv_heads: int, head_dim: int, max_ctx: int, n_splits: int,
+                     part_o: cupy.ndarray, part_ml: cupy.ndarray, out: cupy.ndarray) -> None:
+    """Attention of one query token at position pos[0] over cache positions 0..pos[0]."""
+    group = n_heads // n_kv_heads
+    if head_dim % 8 or head_dim > ATTN_MAX_HEAD_DIM:
+        raise ValueError(f"head dimension {head_dim} is not a multiple of 8 up to {ATTN_MAX_HEAD_DIM}")
+    kernels.function("ops", attention_group_kernel(group))(
+        (n_kv_heads, n_splits), (128,),
+        (q, k_cache, v_cache, pos, np.int32(group), np.int32(head_dim), np.int32(max_ctx),
+         np.float32(1.0 / np.sqrt(head_dim)), np.int32(n_splits), part_o, part_ml))
+    kernels.function("ops", "attention_combine")(
+        (n_heads,), (128,), (part_o, part_ml, np.int32(n_splits), np.int32(head_dim), out))
+
+
+def swiglu(gate: cupy.ndarray, up: cupy.ndarray, out: cupy.ndarray, n: int) -> None:
+    kernels.function("ops", "swiglu_f32")((_blocks(n, 256),), (256,), (gate, up, out, np.int32(n)))
+
+
+def sample_token(logits: cupy.ndarray, vocab: int, temperature: float, seed: int, tok: cupy.ndarray,
+                 pos: cupy.ndarray, tokens: cupy.ndarray) -> None:
+    """tok = next token (arg-max, or a draw at `temperature`); tokens[pos + 1] = tok; pos += 1."""
+    kernels.function("ops", "sample_token")(
+        (1,), (1024,), (logits, np.int32(vocab), np.float32(temperature), np.uint32(seed & 0xFFFFFFFF), tok, pos,
+                        tokens))

@@ -1,0 +1,226 @@
+"""Each CUDA kernel against a NumPy reference on fresh random inputs: relative error within a bound
+per kernel, no NaN, and every output element written (outputs are poisoned with NaN first).
+The seed of each test's inputs is printed, so a failure can be replayed."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+from infer.gpu import layout
+from infer.model import ModelArgs, Rope
+from infer.synth import random_blocks
+
+cupy = pytest.importorskip("cupy")
+from infer.gpu import ops  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+T = GGMLQuantizationType
+TYPES = [T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q4_K, T.Q5_K, T.Q6_K]
+# float32 accumulation over a few thousand products: far under 1e-4 relative
+GEMV_BOUND = 2e-5
+
+
+@pytest.fixture
+def rng() -> np.random.Generator:
+    seed = int.from_bytes(os.urandom(4), "little")
+    print(f"seed {seed}")
+    return np.random.default_rng(seed)
+
+
+def _tensor(rng: np.random.Generator, ggml_type: int, rows: int, cols: int) -> np.ndarray:
+    block, _ = GGML_QUANT_SIZES[T(ggml_type)]
+    if ggml_type == T.BF16:
+        values = (rng.standard_normal(rows * cols) * 0.05).astype(np.float32)
+        return (values.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)
+    return random_blocks(ggml_type, rows * cols // block, rng, 1.0 / np.sqrt(cols)).reshape(-1)
+
+
+def _rel(got: np.ndarray, want: np.ndarray) -> float:
+    return float(np.linalg.norm(got.astype(np.float64) - want) / np.linalg.norm(want))
+
+
+def _poisoned(shape: tuple[int, ...] | int, dtype: object = np.float32) -> cupy.ndarray:
+    return cupy.full(shape, np.nan, dtype=dtype)
+
+
+@pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: T(t).name)
+def test_repack_matches_numpy_layout(rng: np.random.Generator, ggml_type: int) -> None:
+    rows, cols = 48, 1024
+    raw = _tensor(rng, ggml_type, rows, cols)
+    m = ops.upload_matrix(raw, ggml_type, rows, cols)
+    want = np.frombuffer(layout.repack(raw, ggml_type, rows, cols), np.uint8)
+    got = cupy.asnumpy(m.buffer)
+    lay = m.layout
+    for offset, size in zip(lay.offsets, lay.sizes, strict=True):  # padding between planes is undefined
+        if size:
+            np.testing.assert_array_equal(got[offset : offset + size], want[offset : offset + size])
+
+
+@pytest.mark.parametrize("shape", [(257, 4096), (64, 14336), (7, 256)], ids=str)
+@pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: T(t).name)
+def test_gemv(rng: np.random.Generator, ggml_type: int, shape: tuple[int, int]) -> None:
+    rows, cols = shape
+    raw = _tensor(rng, ggml_type, rows, cols)
+    m = ops.upload_matrix(raw, ggml_type, rows, cols)
+    w = layout.reconstruct(layout.repack(raw, ggml_type, rows, cols), m.fmt, rows, cols).astype(np.float64)
+    x = rng.standard_normal(cols).astype(np.float32)
+    y = _poisoned(rows)
+    ops.gemv(m, cupy.asarray(x), y)
+    got = cupy.asnumpy(y)
+    want = w @ x
+    assert np.isfinite(got).all()
+    assert _rel(got, want) < GEMV_BOUND
+    # fused epilogue: y = residual + W x + bias, in place on the residual
+    bias = rng.standard_normal(rows).astype(np.float32)
+    res = rng.standard_normal(rows).astype(np.float32)
+    r = cupy.asarray(res)
+    ops.gemv(m, cupy.asarray(x), r, bias=cupy.asarray(bias), residual=r)
+    assert _rel(cupy.asnumpy(r), want + bias + res) < GEMV_BOUND
+
+
+@pytest.mark.parametrize("ggml_type", [T.F16, T.Q8_0, T.Q4_K, T.Q6_K, T.Q5_0], ids=lambda t: T(t).name)
+def test_gemv_swiglu(rng: np.random.Generator, ggml_type: int) -> None:
+    rows, cols = 300, 2048
+    raws = [_tensor(rng, ggml_type, rows, cols) for _ in range(2)]
+    gate, up = (ops.upload_matrix(r, ggml_type, rows, cols) for r in raws)
+    wg, wu = (layout.reconstruct(layout.repack(r, ggml_type, rows, cols), gate.fmt, rows, cols).astype(np.float64)
+              for r in raws)
+    x = rng.standard_normal(cols).astype(np.float32)
+    y = _poisoned(rows)
+    ops.gemv_swiglu(gate, up, cupy.asarray(x), y)
+    g, u = wg @ x, wu @ x
+    assert _rel(cupy.asnumpy(y), g / (1 + np.exp(-g)) * u) < 1e-4
+
+
+@pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: T(t).name)
+def test_dequantize_and_embed(rng: np.random.Generator, ggml_type: int) -> None:
+    rows, cols = 40, 512
+    raw = _tensor(rng, ggml_type, rows, cols)
+    m = ops.upload_matrix(raw, ggml_type, rows, cols)
+    w = layout.reconstruct(layout.repack(raw, ggml_type, rows, cols), m.fmt, rows, cols)
+    out = _poisoned(rows * cols, cupy.float16)
+    ops.dequantize(m, out)
+    np.testing.assert_array_equal(cupy.asnumpy(out).reshape(rows, cols), w.astype(np.float16))
+    ids = np.array([3, 0, rows - 1, 3, rows, -1], np.int32)  # the last two are out of range -> zeros
+    emb = _poisoned((len(ids), cols))
+    ops.embed(m, cupy.asarray(ids), len(ids), emb)
+    got = cupy.asnumpy(emb)
+    np.testing.assert_allclose(got[:4], w[ids[:4]], rtol=1e-6, atol=1e-7)
+    assert not got[4:].any()
+
+
+def test_rmsnorm(rng: np.random.Generator) -> None:
+    rows, n = 5, 4096
+    x = rng.standard_normal((rows, n)).astype(np.float32) * 3
+    w = rng.standard_normal(n).astype(np.float32)
+    y, y16 = _poisoned((rows, n)), _poisoned((rows, n), cupy.float16)
+    ops.rmsnorm(cupy.asarray(x), cupy.asarray(w), 1e-5, rows, n, y=y, y16=y16)
+    want = x / np.sqrt(np.mean(x.astype(np.float64) ** 2, axis=1, keepdims=True) + 1e-5) * w
+    assert _rel(cupy.asnumpy(y), want) < 1e-6
+    assert _rel(cupy.asnumpy(y16).astype(np.float32), want) < 1e-3
+
+
+def _args(neox: bool, n_heads: int, n_kv: int, head_dim: int) -> ModelArgs:
+    return ModelArgs(arch="qwen2" if neox else "llama", n_layers=1, dim=n_heads * head_dim, ffn_dim=64,
+                     n_heads=n_heads, n_kv_heads=n_kv, head_dim=head_dim, vocab_size=32, context_length=4096,
+                     norm_eps=1e-5, rope_base=10000.0, rope_dim=head_dim, rope_neox=neox, rope_linear_scale=1.0)
+
+
+@pytest.mark.parametrize("neox", [False, True], ids=["adjacent", "neox"])
+def test_rope_store(rng: np.random.Generator, neox: bool) -> None:
+    n_heads, n_kv, hd, max_ctx, n = 8, 2, 64, 300, 7
+    args = _args(neox, n_heads, n_kv, hd)
+    rope = Rope(args, None)
+    cos, sin = rope.angles(np.arange(max_ctx))
+    positions = np.array(sorted(rng.choice(max_ctx, n, replace=False)), np.int32)
+    q = rng.standard_normal((n, n_heads, hd)).astype(np.float32)
+    k = rng.standard_normal((n, n_kv, hd)).astype(np.float32)
+    v = rng.standard_normal((n, n_kv, hd)).astype(np.float32)
+    qd = cupy.asarray(q)
+    kc, vc = _poisoned((n_kv, max_ctx, hd), cupy.float16), _poisoned((n_kv, max_ctx, hd), cupy.float16)
+    ops.rope_store(qd, cupy.asarray(k), cupy.asarray(v), cupy.asarray(cos), cupy.asarray(sin),
+                   cupy.asarray(positions), n, n_heads, n_kv, hd, hd // 2, neox, kc, vc, max_ctx)
+    c, s = cos[positions], sin[positions]
+    np.testing.assert_allclose(cupy.asnumpy(qd), rope.apply(q, c, s), rtol=1e-5, atol=1e-5)
+    kc_h, vc_h = cupy.asnumpy(kc), cupy.asnumpy(vc)
+    # float16 of the rotated key; the GPU may fuse a multiply-add, so allow one float16 step
+    np.testing.assert_allclose(kc_h[:, positions].transpose(1, 0, 2).astype(np.float32),
+                               rope.apply(k, c, s).astype(np.float16).astype(np.float32), rtol=2e-3, atol=2e-3)
+    np.testing.assert_array_equal(vc_h[:, positions].transpose(1, 0, 2), v.astype(np.float16))
+    others = np.setdiff1d(np.arange(max_ctx), positions)
+    assert np.isnan(kc_h[:, others].astype(np.float32)).all()  # nothing else written
+
+
+def _attention_ref(q: np.ndarray, keys: np.ndarray, values: np.ndarray, group: int) -> np.ndarray:
+    """q (H, D); keys/values (kv, S, D) -> (H, D), float64, query rounded to float16 like the kernel."""
+    q = q.astype(np.float16).astype(np.float64)
+    out = np.empty_like(q)
+    for h in range(q.shape[0]):
+        kk, vv = keys[h // group].astype(np.float64), values[h // group].astype(np.float64)
+        s = kk @ q[h] / np.sqrt(q.shape[1])
+        p = np.exp(s - s.max())
+        out[h] = (p / p.sum()) @ vv
+    return out
+
+
+@pytest.mark.parametrize("kv_len", [1, 255, 256, 257, 1000, 2048])
+@pytest.mark.parametrize("heads", [(8, 8), (9, 3), (32, 8), (14, 2), (64, 8), (32, 2)], ids=str)
+def test_attention_decode(rng: np.random.Generator, kv_len: int, heads: tuple[int, int]) -> None:
+    n_heads, n_kv = heads
+    hd, max_ctx = 128 if n_heads != 9 else 64, 2048
+    n_splits = -(-max_ctx // 256)
+    keys = rng.standard_normal((n_kv, max_ctx, hd)).astype(np.float16)
+    values = rng.standard_normal((n_kv, max_ctx, hd)).astype(np.float16)
+    q = (rng.standard_normal((n_heads, hd)) * 2).astype(np.float32)
+    out = _poisoned(n_heads * hd)
+    part_o, part_ml = _poisoned(n_heads * n_splits * hd), _poisoned(n_heads * n_splits * 2)
+    ops.attention_decode(cupy.asarray(q), cupy.asarray(keys), cupy.asarray(values),
+                         cupy.asarray(np.array([kv_len - 1], np.int32)), n_heads, n_kv, hd, max_ctx, n_splits,
+                         part_o, part_ml, out)
+    got = cupy.asnumpy(out).reshape(n_heads, hd)
+    want = _attention_ref(q, keys[:, :kv_len], values[:, :kv_len], n_heads // n_kv)
+    assert np.isfinite(got).all()
+    assert _rel(got, want) < 1e-5
+
+
+def test_swiglu(rng: np.random.Generator) -> None:
+    n = 5000
+    g, u = (rng.standard_normal(n).astype(np.float32) * 4 for _ in range(2))
+    out = _poisoned(n)
+    ops.swiglu(cupy.asarray(g), cupy.asarray(u), out, n)
+    assert _rel(cupy.asnumpy(out), g / (1 + np.exp(-g.astype(np.float64))) * u) < 1e-6
+
+
+def test_sample_argmax_and_state(rng: np.random.Generator) -> None:
+    vocab = 128256
+    logits = rng.standard_normal(vocab).astype(np.float32)
+    logits[rng.integers(vocab)] = 10.0
+    tok, pos = cupy.asarray(np.array([-5], np.int32)), cupy.asarray(np.array([41], np.int32))
+    tokens = cupy.full(100, -1, cupy.int32)
+    ops.sample_token(cupy.asarray(logits), vocab, 0.0, 0, tok, pos, tokens)
+    want = int(np.argmax(logits))
+    assert int(tok[0]) == want and int(tokens[42]) == want and int(pos[0]) == 42
+    ties = np.zeros(vocab, np.float32)
+    ties[[7, 9000, 100000]] = 1.0
+    ops.sample_token(cupy.asarray(ties), vocab, 0.0, 0, tok, pos, tokens)
+    assert int(tok[0]) == 7  # lowest id among equal maxima, as numpy.argmax
+
+
+def test_sample_temperature_follows_softmax() -> None:
+    logits = np.array([0.0, 1.0, 2.0, 0.5, -1.0], np.float32)
+    temperature, n = 0.8, 4000
+    d_logits = cupy.asarray(logits)
+    tok, pos = cupy.zeros(1, cupy.int32), cupy.zeros(1, cupy.int32)
+    tokens = cupy.zeros(n + 2, cupy.int32)
+    for _ in range(n):  # one draw per position
+        ops.sample_token(d_logits, len(logits), temperature, 1234, tok, pos, tokens)
+    draws = cupy.asnumpy(tokens[1 : n + 1])
+    p = np.exp(logits / temperature)
+    p /= p.sum()
+    counts = np.bincount(draws, minlength=len(logits))
+    sigma = np.sqrt(n * p * (1 - p))
+    assert (np.abs(counts - n * p) < 5 * sigma).all(), (counts, n * p)
