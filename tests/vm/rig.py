@@ -210,6 +210,11 @@ class Vm:
                 self._qmp = Qmp(self.qmp_path)
             return self._qmp
 
+    @property
+    def pid(self) -> int | None:
+        """QEMU's process id (also its process group), once started."""
+        return self._proc.pid if self._proc else None
+
     def on_console(self, marker: str, action: Callable[[Vm], None]) -> None:
         self._watchers.append((marker, action))
 
@@ -384,7 +389,8 @@ class Vm:
         if timed_out:
             failure = f"the VM was killed after the {timeout:.0f} s timeout"
         elif rc is None and not (self.share / "job-started").exists():
-            init_errors = [line for line in console.splitlines() if "nvd-init: FAILED" in line]
+            init_errors = [line for line in console.splitlines()
+                           if line.startswith("nvd-init") and "FAILED:" in line]
             failure = "the VM failed before the job started: " + (
                 init_errors[-1] if init_errors else stderr or f"QEMU exited with {self._proc.returncode}")
         elif rc is None:

@@ -1,0 +1,57 @@
+"""The rig's failure paths and fault hooks: exit codes, timeouts, rig failures, QMP both ways."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from rig import NvmeSpec, Vm, VmConfig, VmError, controller_id, run_in_vm
+
+GUEST_MODULE = "tests/vm/guest/test_rig_faults_guest.py"
+UNPLUG_MARKER = "NVD-RIG-UNPLUG nvd-fault-b"
+
+
+@pytest.mark.vm
+def test_job_exit_code_and_output_reach_the_host(vm_workdir):
+    result = run_in_vm(VmConfig(iommu=False, controllers=[]), "echo rig-says-$((6 * 7)); exit 7",
+                       vm_workdir, timeout=180)
+    assert result.rc == 7, result.failure
+    assert "rig-says-42" in result.console
+    with pytest.raises(VmError, match="exited with 7"):
+        result.check()
+
+
+@pytest.mark.vm
+def test_timeout_kills_qemu(vm_workdir):
+    vm = Vm(VmConfig(controllers=[]), vm_workdir)
+    vm.start("sleep 600")
+    result = vm.wait(timeout=3)
+    assert result.timed_out and result.rc is None
+    with pytest.raises(ProcessLookupError):
+        os.kill(vm.pid, 0)
+    with pytest.raises(VmError, match="timeout"):
+        result.check()
+
+
+@pytest.mark.vm
+def test_rig_failure_before_the_job_is_reported(vm_workdir):
+    result = run_in_vm(VmConfig(controllers=[], kernel_args=["nvd.mode=bogus"]), "true", vm_workdir,
+                       timeout=180)
+    assert result.rc is None
+    assert "failed before the job started" in result.failure
+    assert "unknown nvd.mode=bogus" in result.failure
+
+
+@pytest.mark.vm
+def test_qmp_from_guest_request_and_console_marker(guest_pytest):
+    unplugged = []
+
+    def unplug(vm: Vm) -> None:
+        vm.qmp.execute("device_del", id=controller_id(1))
+        unplugged.append(controller_id(1))
+
+    config = VmConfig(iommu=True, controllers=[NvmeSpec("nvd-fault-a"), NvmeSpec("nvd-fault-b")])
+    result = guest_pytest(config, [GUEST_MODULE], on_console=[(UNPLUG_MARKER, unplug)])
+    result.assert_passed()
+    assert unplugged == ["nvme1"]
+    assert len(result.passed) == 3
