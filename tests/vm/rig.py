@@ -85,6 +85,8 @@ class NvmeSpec:
             raise ValueError(f"NVMe serial {self.serial!r} must be non-empty without commas, quotes or spaces")
         if len(self.serial) > 20:
             raise ValueError(f"NVMe serial {self.serial!r} is longer than the 20 bytes NVMe allows")
+        first = NamespaceSpec(self.size, self.image, self.logical_block_size)  # validates them now
+        self.image, self.size = first.image, first.size
 
     @property
     def namespaces(self) -> list[NamespaceSpec]:
