@@ -81,8 +81,8 @@ def kernel_timings(gpu, n_layers_cycle: int = 8) -> list[dict[str, object]]:  # 
 
     for attr in ("wq", "wk", "wv", "wo", "w_down"):
         mats = [getattr(L, attr) for L in layers]
-        m0 = mats[0]
-        add(f"gemv {attr} {m0.fmt} {m0.rows}x{m0.cols}", a.n_layers, m0.nbytes,
+        m0, fmts = mats[0], "/".join(sorted({m.fmt for m in mats}))
+        add(f"gemv {attr} {fmts} {m0.rows}x{m0.cols}", a.n_layers, sum(m.nbytes for m in mats) // len(mats),
             [lambda m=m: ops.gemv(m, x[: m.cols], outs[: m.rows]) for m in mats])
     g0 = layers[0].w_gate
     add(f"gemv_swiglu {g0.fmt} 2x{g0.rows}x{g0.cols}", a.n_layers, 2 * g0.nbytes,
@@ -90,6 +90,15 @@ def kernel_timings(gpu, n_layers_cycle: int = 8) -> list[dict[str, object]]:  # 
     out = gpu.output
     add(f"gemv output {out.fmt} {out.rows}x{out.cols}", 1, out.nbytes,
         [lambda: ops.gemv(out, x[: a.dim], outs[: a.vocab_size])])
+    # tuning variants of the GEMV module on the two largest matrices (per_token 0: not in the sum)
+    for warps, unroll in ((2, 4), (4, 2), (4, 8), (8, 4), (8, 8)):
+        d = {"GEMV_WARPS": warps, "GEMV_UNROLL": unroll}
+        add(f"  variant warps={warps} unroll={unroll}: swiglu", 0, 2 * g0.nbytes,
+            [lambda L=L, d=d: ops.gemv_swiglu(L.w_gate, L.w_up, x[: a.dim], outs[: a.ffn_dim], defines=d)
+             for L in layers])
+        add(f"  variant warps={warps} unroll={unroll}: down", 0,
+            sum(L.w_down.nbytes for L in layers) // len(layers),
+            [lambda L=L, d=d: ops.gemv(L.w_down, x[: a.ffn_dim], outs[: a.dim], defines=d) for L in layers])
     add("rmsnorm", 2 * a.n_layers + 1, 0,
         [lambda: ops.rmsnorm(x[: a.dim], layers[0].attn_norm, a.norm_eps, 1, a.dim, y=outs[: a.dim])])
     for ctx in (128, 4096):

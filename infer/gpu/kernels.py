@@ -13,7 +13,7 @@ from pathlib import Path
 
 KERNEL_DIR = Path(__file__).resolve().parent.parent / "kernels"
 SOURCES = ("gemv", "dequant", "repack", "ops")
-DEFAULT_DEFINES: dict[str, int] = {"GEMV_WARPS": 4, "ATTN_CHUNK": 256}
+DEFAULT_DEFINES: dict[str, int] = {"GEMV_WARPS": 4, "GEMV_UNROLL": 4, "ATTN_CHUNK": 256}
 OPTIONS = ("-std=c++17",)
 _INCLUDE = re.compile(r'^#include "([\w.]+)"\s*$', re.MULTILINE)
 
@@ -61,6 +61,6 @@ def module(name: str, defines: dict[str, int] | None = None):  # noqa: ANN201
     return _module(name, cupy.cuda.Device().id, tuple(sorted(merged.items())))
 
 
-def function(module_name: str, kernel: str):  # noqa: ANN201
+def function(module_name: str, kernel: str, defines: dict[str, int] | None = None):  # noqa: ANN201
     """One kernel of a module (cupy.RawKernel-like: call with (grid, block, args))."""
-    return module(module_name).get_function(kernel)
+    return module(module_name, defines).get_function(kernel)

@@ -73,21 +73,27 @@ def upload_matrix(raw: np.ndarray, ggml_type: int, rows: int, cols: int) -> GpuM
     return GpuMatrix(fmt, rows, cols, layout, buffer, int(raw.size))
 
 
+def _gemv_config(defines: dict[str, int] | None) -> int:
+    return (defines or {}).get("GEMV_WARPS", kernels.DEFAULT_DEFINES["GEMV_WARPS"])
+
+
 def gemv(m: GpuMatrix, x: cupy.ndarray, y: cupy.ndarray, bias: cupy.ndarray | None = None,
-         residual: cupy.ndarray | None = None) -> None:
-    """y = W x (+ bias) (+ residual); y may be the residual itself."""
-    warps = kernels.DEFAULT_DEFINES["GEMV_WARPS"]
-    fn = kernels.function("gemv", f"gemv_{m.fmt}")
+         residual: cupy.ndarray | None = None, defines: dict[str, int] | None = None) -> None:
+    """y = W x (+ bias) (+ residual); y may be the residual itself. `defines` picks a tuning variant
+    (GEMV_WARPS, GEMV_UNROLL) of the kernel module."""
+    warps = _gemv_config(defines)
+    fn = kernels.function("gemv", f"gemv_{m.fmt}", defines)
     fn((_blocks(m.rows, warps),), (32 * warps,),
        (*m.planes(), np.int32(m.rows), np.int32(m.cols), x, y, _ptr(bias), _ptr(residual)))
 
 
-def gemv_swiglu(gate: GpuMatrix, up: GpuMatrix, x: cupy.ndarray, y: cupy.ndarray) -> None:
+def gemv_swiglu(gate: GpuMatrix, up: GpuMatrix, x: cupy.ndarray, y: cupy.ndarray,
+                defines: dict[str, int] | None = None) -> None:
     """y = SiLU(Wg x) * (Wu x); both matrices in one format."""
     if gate.fmt != up.fmt or (gate.rows, gate.cols) != (up.rows, up.cols):
         raise ValueError("fused SwiGLU needs gate and up of one format and shape")
-    warps = kernels.DEFAULT_DEFINES["GEMV_WARPS"]
-    fn = kernels.function("gemv", f"gemv_swiglu_{gate.fmt}")
+    warps = _gemv_config(defines)
+    fn = kernels.function("gemv", f"gemv_swiglu_{gate.fmt}", defines)
     fn((_blocks(gate.rows, warps),), (32 * warps,),
        (*gate.planes(), *up.planes(), np.int32(gate.rows), np.int32(gate.cols), x, y))
 

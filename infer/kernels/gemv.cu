@@ -1,12 +1,15 @@
 // Matrix-vector products y = W x for decode, one warp per output row, weights read straight from
 // the planar formats of formats.cuh. Each lane takes every 32nd sub-block of its row and issues four
-// sub-blocks' loads before using any of them, so a warp keeps ~2 KB of weights in flight; x (float32)
+// sub-blocks' (GEMV_UNROLL) loads before using any of them, so a warp keeps ~2 KB of weights in flight; x (float32)
 // is re-read from L1/L2 by every warp. Fused epilogues: + bias, + residual (y may alias residual:
 // each element is read and written by the same lane), and SiLU(gate)*up for the FFN.
 #include "formats.cuh"
 
 #ifndef GEMV_WARPS
-#define GEMV_WARPS 4
+#define GEMV_WARPS 4  // rows (warps) per block
+#endif
+#ifndef GEMV_UNROLL
+#define GEMV_UNROLL 4  // sub-blocks (16-byte pieces for float formats) in flight per lane
 #endif
 
 __device__ __forceinline__ float warp_sum(float v) {
@@ -21,15 +24,13 @@ template <class F>
 __device__ __forceinline__ float row_dot(const Planes& p, long long base, int nsb, int lane, const float* x) {
     float acc = 0.f;
     int sb = lane;
-    for (; sb + 96 < nsb; sb += 128) {
-        const typename F::Raw r0 = F::load(p, base + sb);
-        const typename F::Raw r1 = F::load(p, base + sb + 32);
-        const typename F::Raw r2 = F::load(p, base + sb + 64);
-        const typename F::Raw r3 = F::load(p, base + sb + 96);
-        acc += F::dot(r0, x + (sb << 5));
-        acc += F::dot(r1, x + ((sb + 32) << 5));
-        acc += F::dot(r2, x + ((sb + 64) << 5));
-        acc += F::dot(r3, x + ((sb + 96) << 5));
+    // GEMV_UNROLL sub-blocks' loads issued before the first is used
+    for (; sb + 32 * (GEMV_UNROLL - 1) < nsb; sb += 32 * GEMV_UNROLL) {
+        typename F::Raw r[GEMV_UNROLL];
+#pragma unroll
+        for (int u = 0; u < GEMV_UNROLL; ++u) r[u] = F::load(p, base + sb + 32 * u);
+#pragma unroll
+        for (int u = 0; u < GEMV_UNROLL; ++u) acc += F::dot(r[u], x + ((sb + 32 * u) << 5));
     }
     for (; sb < nsb; sb += 32) acc += F::dot(F::load(p, base + sb), x + (sb << 5));
     return acc;
@@ -43,12 +44,12 @@ __device__ __forceinline__ float row_dot_float(const T* w, int K, int lane, cons
         const uint4* w4 = reinterpret_cast<const uint4*>(w);
         const int n = K / VEC;
         int c = lane;
-        for (; c + 96 < n; c += 128) {
-            const uint4 a = __ldg(w4 + c), b = __ldg(w4 + c + 32), d = __ldg(w4 + c + 64), e = __ldg(w4 + c + 96);
-            acc += dot16<T>(a, x + c * VEC);
-            acc += dot16<T>(b, x + (c + 32) * VEC);
-            acc += dot16<T>(d, x + (c + 64) * VEC);
-            acc += dot16<T>(e, x + (c + 96) * VEC);
+        for (; c + 32 * (GEMV_UNROLL - 1) < n; c += 32 * GEMV_UNROLL) {
+            uint4 r[GEMV_UNROLL];
+#pragma unroll
+            for (int u = 0; u < GEMV_UNROLL; ++u) r[u] = __ldg(w4 + c + 32 * u);
+#pragma unroll
+            for (int u = 0; u < GEMV_UNROLL; ++u) acc += dot16<T>(r[u], x + (c + 32 * u) * VEC);
         }
         for (; c < n; c += 32) acc += dot16<T>(__ldg(w4 + c), x + c * VEC);
     } else {

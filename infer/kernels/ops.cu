@@ -226,6 +226,12 @@ extern "C" __global__ void attention_combine(const float* part_o, const float* p
     }
 }
 
+// out = SiLU(gate) * up, float32 (decode, when gate and up have different formats)
+extern "C" __global__ void swiglu_f32(const float* gate, const float* up, float* out, int n) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) out[i] = gate[i] / (1.f + expf(-gate[i])) * up[i];
+}
+
 // out = SiLU(gate) * up for the batched path; gate_up: (T, 2F) float16 (gate then up) -> (T, F)
 extern "C" __global__ void swiglu_half(const __half* gate_up, __half* out, int F, long long n) {
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
