@@ -22,6 +22,7 @@ from nvmedirect.store.safety import block_device_refusals, controller_refusals
 from nvmedirect.store.targets import BlockTarget, KernelBlockTarget
 from nvmedirect.store.writer import (
     chain_end_lba,
+    foreign_signatures,
     plan_write,
     sha256_file,
     target_reader,
@@ -98,6 +99,10 @@ def write_gguf_cmd(model: Path, device: str, lba: int | None, append: bool, name
         raise BadInput("--lba and --append are exclusive")
     as_json = wants_json(output, as_json)
     with open_target(device, lba_size, noiommu, for_writing=True) as target:
+        signatures = foreign_signatures(target)
+        if signatures and not force:  # before anything else: somebody's data is there
+            raise Refused(f"{device} carries {', '.join(signatures)} data at its start "
+                          "(partition table or filesystem): --force to overwrite it")
         start = chain_end_lba(target) if append else (lba or 0)
         size = model.stat().st_size
         with _bar("hashing", size) as bar:
@@ -106,9 +111,6 @@ def write_gguf_cmd(model: Path, device: str, lba: int | None, append: bool, name
             plan = plan_write(target, model, lba=start, sha256=digest, name=name)
         except (HeaderError, NvmeDirectError) as exc:
             raise BadInput(str(exc)) from None
-        if plan.signatures and not force:
-            raise Refused(f"{device} carries {', '.join(plan.signatures)} data at its start "
-                          "(partition table or filesystem): --force to overwrite it")
         if not yes:
             lost = "".join(f"\n  overwrites stored model {m.model_name!r} at LBA {m.start_lba}"
                            for m in plan.overwrites)

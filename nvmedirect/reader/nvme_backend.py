@@ -32,7 +32,7 @@ class _Worker:
     def __init__(self, ctrl: Any, info: Any, depth: int, index: int):
         from nvmedirect.nvme.namespace import Namespace
 
-        self.qpair = ctrl.create_io_qpair(depth)
+        self.qpair = ctrl.create_io_qpair(depth + 1)  # a ring of N entries holds N-1 commands
         self.namespace = Namespace(ctrl, info)
         self.namespace._staging_buffer()  # allocate now, on the opening thread
         self.executor = ThreadPoolExecutor(1, thread_name_prefix=f"nvme-qp{self.qpair.qid}")

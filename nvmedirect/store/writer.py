@@ -60,6 +60,14 @@ class WritePlan:
     chain: list[StoredModelHeader] = field(default_factory=list)  # the chain from LBA 0 before the write
 
 
+def foreign_signatures(target: BlockTarget) -> list[str]:
+    """Partition tables and filesystems at the start of the device (our own header excluded)."""
+    probe = PROBE_BYTES if target.capacity_bytes is None else min(PROBE_BYTES, target.capacity_bytes)
+    if not probe:
+        return []
+    return [s for s in detect_signatures(target_reader(target)(0, probe)) if s != NVMEDIRECT]
+
+
 def chain_end_lba(target: BlockTarget) -> int:
     """Where `--append` writes: after the last model of the chain from LBA 0 (0 if none)."""
     chain = walk_chain(target_reader(target), target.lba_size, 0, target.capacity_bytes)
@@ -72,8 +80,7 @@ def plan_write(target: BlockTarget, gguf_path: str | os.PathLike, *, lba: int, s
     size = Path(gguf_path).stat().st_size
     name = name if name is not None else Path(gguf_path).name
     read = target_reader(target)
-    probe = PROBE_BYTES if target.capacity_bytes is None else min(PROBE_BYTES, target.capacity_bytes)
-    signatures = [s for s in detect_signatures(read(0, probe)) if s != NVMEDIRECT] if probe else []
+    signatures = foreign_signatures(target)
     try:
         chain = walk_chain(read, target.lba_size, 0, target.capacity_bytes)
     except HeaderError:
