@@ -55,9 +55,10 @@ def pinned_empty(nbytes: int) -> np.ndarray:
     if gpu_present():
         import cupyx
 
-        array = cupyx.empty_pinned((nbytes,), dtype=np.uint8)
-        if address_of(array) % PAGE == 0:
-            return array
+        # CuPy's pinned pool hands out 512-byte-aligned chunks: over-allocate and cut at a page.
+        array = cupyx.empty_pinned((nbytes + PAGE,), dtype=np.uint8)
+        skip = -address_of(array) % PAGE
+        return array[skip:skip + nbytes]
     return aligned_empty(nbytes)
 
 
