@@ -1,0 +1,159 @@
+"""The streaming engine: one forward pass serves every token in flight.
+
+A pass fetches each layer's weights once (from wherever the placement plan put them) and applies
+them to all rows at once: the whole prompt chunk of every sequence in prefill, one new token of
+every live sequence in decode. Attention runs per sequence over its own KV cache; the matrix
+products of the layer run over the rows of all sequences together. So the bytes a pass streams are
+paid once per step of the whole batch, which is where streaming wins (ANCHORS.md).
+
+    engine = StreamingEngine(transformer, ctx_size=2048)
+    outputs = engine.generate([prompt_a, prompt_b], max_new_tokens=32, choose=greedy)
+
+Works with any WeightProvider: the resident CPU weights, the CPU streaming simulation, or (through
+`forward_batch` of a GPU model) the GPU pipeline.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from infer.model import KVCache, Transformer, rms_norm
+
+PREFILL_CHUNK = 512  # prompt tokens per sequence per pass
+
+
+@dataclass
+class BatchStats:
+    """Passes, tokens and seconds of the last generate(); bytes each tier moved."""
+
+    sequences: int = 0
+    prefill_passes: int = 0
+    prompt_tokens: int = 0
+    prompt_seconds: float = 0.0
+    decode_passes: int = 0
+    generated_tokens: int = 0
+    decode_seconds: float = 0.0
+    bytes_moved: dict[str, int] = field(default_factory=dict)  # per tier label, whole run
+
+    @property
+    def prompt_tokens_per_second(self) -> float:
+        return self.prompt_tokens / self.prompt_seconds if self.prompt_seconds > 0 else 0.0
+
+    @property
+    def decode_tokens_per_second(self) -> float:
+        return self.generated_tokens / self.decode_seconds if self.decode_seconds > 0 else 0.0
+
+
+def forward_batch(model: Transformer, batch: Sequence[tuple[np.ndarray, KVCache]],
+                  all_logits: bool = False) -> list[np.ndarray]:
+    """Runs each (tokens, cache) pair at its cache's next positions in ONE pass over the layers;
+    returns per sequence the logits of its last token (vocab,) or of every token (T, vocab)."""
+    a = model.args
+    sizes = [len(tokens) for tokens, _ in batch]
+    for (tokens, cache), n in zip(batch, sizes, strict=True):
+        if n == 0:
+            raise ValueError("every sequence in a pass needs at least one token")
+        if cache.length + n > cache.max_tokens:
+            raise ValueError(f"context full: {cache.length} + {n} tokens exceed the context size {cache.max_tokens}")
+    bounds = np.cumsum([0, *sizes])
+    angles = [model.rope.angles(np.arange(c.length, c.length + n)) for (_, c), n in zip(batch, sizes, strict=True)]
+    x = model.weights.embed(np.concatenate([np.asarray(t, np.int64) for t, _ in batch]))  # (rows, dim)
+    for i in range(a.n_layers):
+        layer = model.weights.layer(i)  # fetched once for the whole batch
+        h = rms_norm(x, layer.attn_norm, a.norm_eps)
+        for s, (_, cache) in enumerate(batch):
+            rows = slice(bounds[s], bounds[s + 1])
+            cos, sin = angles[s]
+            x[rows] += model._attention(h[rows], layer, cache, i, cache.length, cos, sin)
+        x = x + model._feed_forward(rms_norm(x, layer.ffn_norm, a.norm_eps), layer)
+    for (_, cache), n in zip(batch, sizes, strict=True):
+        cache.length += n
+    picked = x if all_logits else x[bounds[1:] - 1]
+    logits = model.weights.output()(rms_norm(picked, model.weights.output_norm(), a.norm_eps))
+    if all_logits:
+        return [logits[bounds[s]:bounds[s + 1]] for s in range(len(batch))]
+    return [logits[s] for s in range(len(batch))]
+
+
+class StreamingEngine:
+    """Many sequences on one Transformer; every pass serves all of them."""
+
+    def __init__(self, model: Transformer, ctx_size: int, prefill_chunk: int = PREFILL_CHUNK,
+                 bytes_moved: Callable[[], dict[str, int]] | None = None) -> None:
+        if ctx_size <= 0:
+            raise ValueError(f"context size must be positive, not {ctx_size}")
+        self.model = model
+        self.ctx_size = ctx_size
+        self.prefill_chunk = prefill_chunk
+        self._bytes_moved = bytes_moved
+        self.stats = BatchStats()
+
+    def prefill(self, prompts: Sequence[Sequence[int]]) -> tuple[list[KVCache], list[np.ndarray]]:
+        """New caches holding each prompt; the logits after each prompt's last token. Chunks of
+        every prompt share passes."""
+        for p in prompts:
+            if not p:
+                raise ValueError("a prompt has no tokens")
+            if len(p) > self.ctx_size:
+                raise ValueError(f"a prompt of {len(p)} tokens exceeds the context size {self.ctx_size} (raise -c)")
+        caches = [self.model.new_cache(self.ctx_size) for _ in prompts]
+        last: list[np.ndarray | None] = [None] * len(prompts)
+        started = time.perf_counter()
+        position = 0
+        while any(position < len(p) for p in prompts):
+            live = [s for s, p in enumerate(prompts) if position < len(p)]
+            batch = [(np.asarray(prompts[s][position:position + self.prefill_chunk]), caches[s]) for s in live]
+            for s, logits in zip(live, forward_batch(self.model, batch), strict=True):
+                last[s] = logits
+            self.stats.prefill_passes += 1
+            position += self.prefill_chunk
+        self.stats.prompt_tokens += sum(len(p) for p in prompts)
+        self.stats.prompt_seconds += time.perf_counter() - started
+        return caches, last  # type: ignore[return-value]
+
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+                 choose: Callable[[np.ndarray, list[int]], int],
+                 is_end: Callable[[int], bool] = lambda _: False) -> list[list[int]]:
+        """Up to `max_new_tokens` new ids per prompt (an end id is kept and stops its sequence;
+        a full context stops it too). One decode pass per step serves every live sequence."""
+        self.stats = BatchStats(sequences=len(prompts))
+        before = self._bytes_moved() if self._bytes_moved else {}
+        caches, logits = self.prefill(prompts)
+        histories = [list(p) for p in prompts]
+        outputs: list[list[int]] = [[] for _ in prompts]
+        live = list(range(len(prompts)))
+        started = time.perf_counter()
+        while live and max_new_tokens > 0:
+            next_live, batch = [], []
+            for s in live:
+                token = int(choose(logits[s], histories[s]))
+                outputs[s].append(token)
+                histories[s].append(token)
+                self.stats.generated_tokens += 1
+                if is_end(token) or len(outputs[s]) >= max_new_tokens or caches[s].length + 1 > self.ctx_size:
+                    continue
+                next_live.append(s)
+                batch.append((np.asarray([token]), caches[s]))
+            live = next_live
+            if batch:
+                for s, out in zip(live, forward_batch(self.model, batch), strict=True):
+                    logits[s] = out
+                self.stats.decode_passes += 1
+        self.stats.decode_seconds = time.perf_counter() - started
+        if self._bytes_moved:
+            after = self._bytes_moved()
+            self.stats.bytes_moved = {k: after[k] - before.get(k, 0) for k in after}
+        return outputs
+
+
+def read_prompts_file(path: str) -> list[str]:
+    """One prompt per non-empty line (a literal backslash-n inside a line becomes a newline)."""
+    with open(path, encoding="utf-8") as f:
+        prompts = [line.rstrip("\n").replace("\\n", "\n") for line in f if line.strip()]
+    if not prompts:
+        raise ValueError(f"{path}: no prompts (one per line)")
+    return prompts

@@ -1,0 +1,178 @@
+"""The streaming pipeline on the CPU: the same plan, ring and tier B/C code as on the GPU, with
+"device memory" simulated by small budgets, so CI proves that streaming computes exactly what the
+resident engine computes.
+
+What stands for what:
+- tier A: layer tensors dequantized once and kept (as a resident GPU matrix is repacked once);
+- ring slots: host byte buffers; the "copy engine" is one worker thread that copies tier B/C bytes
+  into a slot after the slot's previous occupant was released;
+- consuming a streamed tensor: dequantize it out of its slot (the GPU repacks it into the layer
+  scratch), then release the slot.
+The forward pass sees an ordinary WeightProvider.
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+
+from infer import quants
+from infer.gguf_file import GGUFModel
+from infer.model import LayerWeights, Linear, ModelArgs
+from infer.tiers.plan import Plan, Tensor, Tier
+from infer.tiers.ring import StagingReader, StreamRing
+from infer.tiers.tier_b import HostTier
+from infer.tiers.tier_c import StorageSource
+
+
+def gguf_tensors(model: GGUFModel, device_nbytes: Any = None) -> list[Tensor]:
+    """The planner's view of a GGUF's tensors; `device_nbytes(info)` gives the device size of each
+    (default: its GGUF bytes, as in the CPU simulation)."""
+    out = []
+    for info in model.tensors.values():
+        size = int(device_nbytes(info)) if device_nbytes else info.nbytes
+        out.append(Tensor(info.name, info.offset, info.nbytes, info.ggml_type, tuple(info.shape), size))
+    return out
+
+
+class CpuTransport:
+    """Ring slots in host memory filled by a single copy thread."""
+
+    def __init__(self, n_slots: int, slot_nbytes: int) -> None:
+        self.slots = [np.zeros(max(slot_nbytes, 1), np.uint8) for _ in range(n_slots)]
+        self._engine = ThreadPoolExecutor(1, thread_name_prefix="sim-copy")
+        self._arrival: list[Future | None] = [None] * n_slots
+        self._released = [threading.Event() for _ in range(n_slots)]
+        for event in self._released:
+            event.set()
+
+    def copy_in(self, slot: int, tensor: Tensor, host: np.ndarray) -> Future:
+        released = self._released[slot]
+        if not released.is_set():  # the ring's invariant, checked: never refill a slot in use
+            raise RuntimeError(f"slot {slot} refilled with {tensor.name} before its previous tensor was released")
+        released.clear()
+        prior = self._arrival[slot]
+
+        def copy() -> None:
+            if prior is not None:
+                prior.result()
+            self.slots[slot][: tensor.nbytes] = host[: tensor.nbytes]
+
+        future = self._engine.submit(copy)
+        self._arrival[slot] = future
+        return _FutureToken(future)
+
+    def wait_arrival(self, slot: int) -> None:
+        future = self._arrival[slot]
+        if future is None:
+            raise RuntimeError(f"slot {slot} was acquired before anything was copied into it")
+        future.result()
+
+    def record_release(self, slot: int) -> None:
+        self._released[slot].set()
+
+    def close(self) -> None:
+        self._engine.shutdown(wait=True)
+
+
+class _FutureToken:
+    def __init__(self, future: Future) -> None:
+        self._future = future
+
+    def wait(self) -> None:
+        self._future.result()
+
+
+class StreamingCpuWeights:
+    """A WeightProvider whose layer tensors come from tiers A, B and C as the plan says."""
+
+    def __init__(self, model: GGUFModel, args: ModelArgs, plan: Plan, host: HostTier | None,
+                 source: StorageSource | None, n_staging: int = 3, match_llama_cpp: bool = True) -> None:
+        self.model = model
+        self.args = args
+        self.plan = plan
+        self.match_llama_cpp = match_llama_cpp
+        self.transport = CpuTransport(plan.n_slots, plan.slot_nbytes)
+        c_pieces = [t for t in plan.streamed if plan.tier[t.name] is Tier.STORAGE]
+        if c_pieces and source is None:
+            raise ValueError("the plan puts tensors in tier C but no storage source was given")
+        self.staging = StagingReader(source, c_pieces, n_staging) if c_pieces else None  # type: ignore[arg-type]
+        self.ring = StreamRing(plan, self.transport, host, self.staging)
+        self._by_layer: dict[int, list[Tensor]] = {}
+        for t in plan.tensors:
+            if t.layer is not None:
+                self._by_layer.setdefault(t.layer, []).append(t)
+        self._resident: dict[str, np.ndarray] = {}
+        self.passes = 0
+        self.ring.start()
+
+    # -- tensors -----------------------------------------------------------------------------------
+
+    def _values(self, t: Tensor) -> np.ndarray:
+        if self.plan.tier[t.name] is Tier.VRAM:
+            if t.name not in self._resident:
+                self._resident[t.name] = self.model.tensor(t.name).dequantize()
+            return self._resident[t.name]
+        slot = self.ring.acquire(t.name)
+        try:
+            raw = self.transport.slots[slot][: t.nbytes]
+            return quants.dequantize(raw, t.ggml_type, t.shape)  # a new array: the slot is free after
+        finally:
+            self.ring.release(slot)
+
+    def _fmt(self, t: Tensor) -> str:
+        return quants.activation_format(t.ggml_type) if self.match_llama_cpp else "f32"
+
+    def layer(self, index: int) -> LayerWeights:
+        if index == 0:
+            self.passes += 1
+        values = {t.kind: (self._values(t), self._fmt(t)) for t in self._by_layer[index]}  # pass order
+        a = self.args
+        has_bias = any(f"attn_{x}.bias" in values for x in "qkv")
+        bqkv = None
+        if has_bias:
+            sizes = {"q": a.q_dim, "k": a.kv_dim, "v": a.kv_dim}
+            bqkv = np.concatenate([values[f"attn_{x}.bias"][0] if f"attn_{x}.bias" in values
+                                   else np.zeros(sizes[x], np.float32) for x in "qkv"])
+        return LayerWeights(
+            attn_norm=values["attn_norm"][0],
+            qkv=Linear([values["attn_q"], values["attn_k"], values["attn_v"]]),
+            bqkv=bqkv,
+            wo=Linear([values["attn_output"]]),
+            ffn_norm=values["ffn_norm"][0],
+            gate_up=Linear([values["ffn_gate"], values["ffn_up"]]),
+            down=Linear([values["ffn_down"]]),
+        )
+
+    def embed(self, tokens: np.ndarray) -> np.ndarray:
+        info = self.model.tensor("token_embd.weight")
+        return quants.dequantize_rows(info.data, info.ggml_type, self.args.dim, tokens)
+
+    def output_norm(self) -> np.ndarray:
+        return self._global("output_norm.weight")
+
+    def output(self) -> Linear:
+        name = "output.weight" if "output.weight" in self.model.tensors else "token_embd.weight"
+        if ("linear", name) not in self._resident:
+            info = self.model.tensor(name)
+            fmt = quants.activation_format(info.ggml_type) if self.match_llama_cpp else "f32"
+            self._resident[("linear", name)] = Linear([(info.dequantize(), fmt)])  # type: ignore[index]
+        return self._resident[("linear", name)]  # type: ignore[index,return-value]
+
+    def _global(self, name: str) -> np.ndarray:
+        if name not in self._resident:
+            self._resident[name] = self.model.tensor(name).dequantize()
+        return self._resident[name]
+
+    def rope_freq_factors(self) -> np.ndarray | None:
+        return self._global("rope_freqs.weight") if "rope_freqs.weight" in self.model.tensors else None
+
+    def bytes_moved(self) -> dict[Tier, int]:
+        return dict(self.ring.moved)
+
+    def close(self) -> None:
+        self.ring.close()
+        self.transport.close()

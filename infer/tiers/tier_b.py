@@ -1,0 +1,119 @@
+"""Tier B: the streamed tensors that live in host RAM, ready for a host-to-device copy each pass.
+
+Two ways to hold them, both copied at full link speed on the H200 (~53 GB/s):
+- "pinned": one page-locked arena, allocated once (pinning costs seconds per GiB) and filled from
+  the model once; the bytes are then in RAM twice only until the page cache lets go of the file.
+- "registered": the file's own memory map, page-locked in place with cudaHostRegister(ReadOnly).
+  No copy and no second allocation, but every page of the registered span is faulted in and held,
+  so it is chosen only when that span fits the RAM budget.
+Without a GPU (the CPU simulation) "pinned" is page-aligned ordinary memory and "registered" the
+plain memory map: the same bytes through the same code.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+from collections.abc import Sequence
+
+import numpy as np
+
+from infer.tiers.plan import Tensor
+from nvmedirect.reader.host_memory import PAGE, address_of, gpu_present, pinned_empty
+
+CUDA_HOST_REGISTER_READ_ONLY = 8
+ARENA_ALIGN = 4096  # every tensor starts page-aligned: full-speed DMA and O_DIRECT-friendly
+
+
+def choose_mode(tensors: Sequence[Tensor], ram_budget: int, requested: str = "auto") -> str:
+    """'pinned' or 'registered'. auto: registered when the file span covering the tier B tensors
+    fits the RAM budget (then nothing is copied), else a pinned arena of exactly their bytes."""
+    if requested in ("pinned", "registered"):
+        return requested
+    if requested != "auto":
+        raise ValueError(f"unknown tier B mode '{requested}' (auto, pinned, registered)")
+    if not tensors:
+        return "pinned"
+    return "registered" if file_span(tensors)[1] <= ram_budget else "pinned"
+
+
+def file_span(tensors: Sequence[Tensor]) -> tuple[int, int]:
+    """(page-aligned start, length) of the file bytes covering `tensors`."""
+    start = min(t.offset for t in tensors) // PAGE * PAGE
+    end = max(t.offset + t.nbytes for t in tensors)
+    return start, -(-(end - start) // PAGE) * PAGE
+
+
+class HostTier:
+    """Host-resident bytes of the tier B tensors: `view(name)` is a uint8 array of the tensor."""
+
+    def __init__(self, path: str | os.PathLike, tensors: Sequence[Tensor], mode: str) -> None:
+        self.mode = mode
+        self.pinned = False
+        self._views: dict[str, np.ndarray] = {}
+        self._registered_ptr: int | None = None
+        self._map: mmap.mmap | None = None
+        self.nbytes = 0
+        if not tensors:
+            return
+        if mode == "registered":
+            self._register(path, tensors)
+        elif mode == "pinned":
+            self._fill_arena(path, tensors)
+        else:
+            raise ValueError(f"unknown tier B mode '{mode}'")
+
+    def _fill_arena(self, path: str | os.PathLike, tensors: Sequence[Tensor]) -> None:
+        offsets, at = {}, 0
+        for t in tensors:
+            offsets[t.name] = at
+            at += -(-t.nbytes // ARENA_ALIGN) * ARENA_ALIGN
+        self.arena = pinned_empty(at)
+        self.pinned = gpu_present()
+        self.nbytes = at
+        # Filled once with plain reads in file order (the arena is written, never read, by the CPU).
+        with open(path, "rb", buffering=0) as f:
+            for t in sorted(tensors, key=lambda t: t.offset):
+                view = self.arena[offsets[t.name]: offsets[t.name] + t.nbytes]
+                f.seek(t.offset)
+                got = 0
+                while got < t.nbytes:
+                    n = f.readinto(memoryview(view[got:]))
+                    if not n:
+                        raise OSError(f"{os.fspath(path)}: short read of tensor {t.name}")
+                    got += n
+                self._views[t.name] = view
+
+    def _register(self, path: str | os.PathLike, tensors: Sequence[Tensor]) -> None:
+        start, length = file_span(tensors)
+        with open(path, "rb") as f:
+            self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        whole = np.frombuffer(self._map, dtype=np.uint8)
+        span = whole[start: start + length] if start + length <= whole.size else whole[start:]
+        self.nbytes = int(span.size)
+        if gpu_present():
+            import cupy
+
+            ptr = address_of(span)
+            cupy.cuda.runtime.hostRegister(ptr, int(span.size), CUDA_HOST_REGISTER_READ_ONLY)
+            self._registered_ptr = ptr
+            self.pinned = True
+        for t in tensors:
+            self._views[t.name] = whole[t.offset: t.offset + t.nbytes]
+
+    def view(self, name: str) -> np.ndarray:
+        return self._views[name]
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._views
+
+    def close(self) -> None:
+        if self._registered_ptr is not None:
+            import cupy
+
+            cupy.cuda.runtime.hostUnregister(self._registered_ptr)
+            self._registered_ptr = None
+        self._views = {}
+        # the memory map closes once no view refers to it (closing it here would fail while
+        # callers still hold arrays)
+        self._map = None

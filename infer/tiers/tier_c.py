@@ -1,0 +1,120 @@
+"""Tier C: streamed tensors read from storage every pass, into host staging.
+
+Three sources behind one call, `read_async(ranges, buffers) -> handle` with `handle.wait()`:
+- "file": nvmedirect's reader with its O_DIRECT FileBackend (no page cache, several reads in
+  flight): a model larger than RAM streams at the disk's speed.
+- "nvme": nvmedirect's reader on a GGUF written to raw LBAs (`nvmedirect write-gguf`), through the
+  userspace driver when the device is bound to vfio-pci or the kernel block device otherwise.
+- "mmap": the naive baseline — worker threads memcpy from the file's memory map, page faults and
+  page cache included. Kept to measure what the other two win.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Protocol
+
+import numpy as np
+
+from infer.tiers.plan import Tensor
+
+SOURCES = ("file", "nvme", "mmap")
+
+
+class ReadHandleLike(Protocol):
+    def wait(self) -> None: ...
+
+
+class StorageSource(Protocol):
+    name: str
+    description: str
+
+    def read_async(self, ranges: Sequence[tuple[int, int]], buffers: Sequence[Any]) -> ReadHandleLike: ...
+
+    def close(self) -> None: ...
+
+
+class ReaderSource:
+    """nvmedirect's reader: a plain file (O_DIRECT) or a GGUF stored on a device."""
+
+    def __init__(self, source: str | os.PathLike, kind: str, tensors: Sequence[Tensor], **options: Any) -> None:
+        from nvmedirect.reader import open_model
+
+        self.name = kind
+        self.model = open_model(source, **options)
+        backend = self.model.backend
+        mode = "O_DIRECT" if getattr(backend, "direct", False) else "buffered"
+        self.description = f"{kind}: {backend!r} ({mode})"
+        self.direct = bool(getattr(backend, "direct", False))
+        _check_same_tensors(os.fspath(source), self.model.tensors, tensors)
+
+    def read_async(self, ranges: Sequence[tuple[int, int]], buffers: Sequence[Any]) -> ReadHandleLike:
+        return self.model.read_async(ranges, buffers)
+
+    def close(self) -> None:
+        self.model.close()
+
+
+def _check_same_tensors(source: str, stored: dict[str, Any], tensors: Sequence[Tensor]) -> None:
+    """The stored GGUF must be the model being run: same tensors at the same offsets and sizes."""
+    for t in tensors:
+        info = stored.get(t.name)
+        if info is None or info.offset != t.offset or info.nbytes != t.nbytes:
+            raise ValueError(f"{source}: the stored model differs from the GGUF being run (tensor {t.name}); "
+                             "write this model with `nvmedirect write-gguf` first")
+
+
+class _Done:
+    def __init__(self, futures: list) -> None:
+        self._futures = futures
+
+    def wait(self) -> None:
+        for f in self._futures:
+            f.result()
+
+
+class MmapSource:
+    """The naive baseline: memcpy out of the file's memory map on worker threads."""
+
+    def __init__(self, path: str | os.PathLike, workers: int = 4) -> None:
+        self.name = "mmap"
+        self.description = f"mmap: {os.fspath(path)} (page cache, memcpy by {workers} threads)"
+        self.direct = False
+        with open(path, "rb") as f:
+            self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        self._data = np.frombuffer(self._map, dtype=np.uint8)
+        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="mmap-copy")
+        self._piece = 4 << 20
+
+    def read_async(self, ranges: Sequence[tuple[int, int]], buffers: Sequence[Any]) -> ReadHandleLike:
+        futures = []
+        for (offset, nbytes), buffer in zip(ranges, buffers, strict=True):
+            dest = np.frombuffer(buffer, dtype=np.uint8) if not isinstance(buffer, np.ndarray) else buffer.reshape(-1)
+            for at in range(0, nbytes, self._piece):
+                n = min(self._piece, nbytes - at)
+                futures.append(self._pool.submit(self._copy, offset + at, dest[at: at + n]))
+        return _Done(futures)
+
+    def _copy(self, offset: int, dest: np.ndarray) -> None:
+        dest[:] = self._data[offset: offset + dest.size]
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+        self._data = None  # type: ignore[assignment]
+
+
+def open_source(kind: str, model_path: str | os.PathLike, tensors: Sequence[Tensor],
+                device: str | None = None, **options: Any) -> StorageSource:
+    """The tier C source `kind` for the model at `model_path` (`device`: where nvme reads from)."""
+    if kind == "file":
+        return ReaderSource(model_path, "file", tensors, **options)
+    if kind == "nvme":
+        if not device:
+            raise ValueError("--tier-c nvme needs the device holding the model (--nvme-device BDF or /dev/nvmeXnY)")
+        return ReaderSource(device, "nvme", tensors, **options)
+    if kind == "mmap":
+        return MmapSource(model_path)
+    raise ValueError(f"unknown tier C source '{kind}' (known: {', '.join(SOURCES)})")
