@@ -218,9 +218,14 @@ class GpuTransformer:
         ops.dequantize(m, out)
         return out.reshape(m.rows, m.cols)
 
-    def _mm(self, x16: cupy.ndarray, m: GpuMatrix) -> cupy.ndarray:
-        """(T, cols) float16 @ W.T -> (T, rows) float32."""
-        return cupy.matmul(x16, self._half_weights(m).T).astype(cupy.float32)
+    def _mm(self, x16: cupy.ndarray, m: GpuMatrix, out: cupy.ndarray | None = None) -> cupy.ndarray:
+        """(T, cols) float16 @ W.T -> (T, rows) float32; with `out`, added into it."""
+        if out is None:
+            result = cupy.empty((x16.shape[0], m.rows), cupy.float32)
+            ops.matmul_f16(x16, self._half_weights(m), result)
+            return result
+        ops.matmul_f16(x16, self._half_weights(m), out, accumulate=True)
+        return out
 
     def _prefill_chunk(self, ids: np.ndarray, cache: GpuKVCache, all_logits: bool) -> cupy.ndarray:
         a, n, start = self.args, len(ids), cache.length
@@ -252,11 +257,11 @@ class GpuTransformer:
             probs /= probs.sum(axis=-1, keepdims=True)
             out = cupy.matmul(probs.reshape(a.n_kv_heads, group * n, end), values)  # (kv, g*T, hd)
             out = out.reshape(a.n_kv_heads, group, n, a.head_dim).transpose(2, 0, 1, 3).reshape(n, a.q_dim)
-            h += self._mm(out.astype(cupy.float16), L.wo)
+            self._mm(out.astype(cupy.float16), L.wo, out=h)
             ops.rmsnorm(h, L.ffn_norm, a.norm_eps, n, a.dim, y16=xn16)
             g, u = self._mm(xn16, L.w_gate), self._mm(xn16, L.w_up)
             act = (g / (1.0 + cupy.exp(-g)) * u).astype(cupy.float16)
-            h += self._mm(act, L.w_down)
+            self._mm(act, L.w_down, out=h)
         cache.length = end
         rows = range(n) if all_logits else [n - 1]
         logits = cupy.empty((len(rows), a.vocab_size), cupy.float32)

@@ -150,6 +150,49 @@ def attention_decode(q: cupy.ndarray, k_cache: cupy.ndarray, v_cache: cupy.ndarr
         (n_heads,), (128,), (part_o, part_ml, np.int32(n_splits), np.int32(head_dim), out))
 
 
+_CUDA_R_16F, _CUDA_R_32F, _CUBLAS_COMPUTE_32F, _CUBLAS_GEMM_DEFAULT = 2, 0, 68, -1
+_ONE, _ZERO = np.ones(1, np.float32), np.zeros(1, np.float32)
+_gemm_ex_works: list[bool] = []  # set after the first call: False -> cupy.matmul fallback
+
+
+def matmul_f16(x16: cupy.ndarray, w16: cupy.ndarray, out: cupy.ndarray, accumulate: bool = False) -> None:
+    """out (T, N) float32 (+)= x16 (T, K) @ w16 (N, K).T, float16 inputs with float32 accumulation and a
+    float32 result (cublasGemmEx): no rounding of the output to float16, and `accumulate` adds into
+    out (the residual) in the same call. Falls back to cupy.matmul if GemmEx is unavailable."""
+    t, k = x16.shape
+    n = w16.shape[0]
+    if not (x16.flags.c_contiguous and w16.flags.c_contiguous and out.flags.c_contiguous):
+        raise ValueError("matmul_f16 needs C-contiguous operands")
+    if _gemm_ex_works != [False]:
+        from cupy_backends.cuda.libs import cublas
+
+        out_before = out.copy() if accumulate and not _gemm_ex_works else None
+        try:
+            handle = cupy.cuda.device.get_cublas_handle()
+            cublas.setStream(handle, cupy.cuda.get_current_stream().ptr)
+            cublas.setPointerMode(handle, 0)  # host scalars
+            # column-major view: out^T (N x T) = W (N x K, stored as K x N: transposed) @ x^T (K x T)
+            cublas.gemmEx(handle, 1, 0, n, t, k, _ONE.ctypes.data, w16.data.ptr, _CUDA_R_16F, k, x16.data.ptr,
+                          _CUDA_R_16F, k, (_ONE if accumulate else _ZERO).ctypes.data, out.data.ptr, _CUDA_R_32F, n,
+                          _CUBLAS_COMPUTE_32F, _CUBLAS_GEMM_DEFAULT)
+            if not _gemm_ex_works:  # first call: check the binding against cupy.matmul once
+                want = cupy.matmul(x16, w16.T).astype(cupy.float32) + (out_before if accumulate else 0)
+                err = float(cupy.linalg.norm(out - want) / max(float(cupy.linalg.norm(want)), 1e-30))
+                _gemm_ex_works.append(err < 1e-2)
+                if err >= 1e-2:
+                    out[...] = want
+            return
+        except Exception:  # noqa: BLE001 - any cuBLAS binding problem: use the portable path
+            _gemm_ex_works[:] = [False]
+            if out_before is not None:
+                out[...] = out_before
+    product = cupy.matmul(x16, w16.T).astype(cupy.float32)
+    if accumulate:
+        out += product
+    else:
+        out[...] = product
+
+
 def swiglu(gate: cupy.ndarray, up: cupy.ndarray, out: cupy.ndarray, n: int) -> None:
     kernels.function("ops", "swiglu_f32")((_blocks(n, 256),), (256,), (gate, up, out, np.int32(n)))
 

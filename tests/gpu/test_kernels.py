@@ -224,3 +224,16 @@ def test_sample_temperature_follows_softmax() -> None:
     counts = np.bincount(draws, minlength=len(logits))
     sigma = np.sqrt(n * p * (1 - p))
     assert (np.abs(counts - n * p) < 5 * sigma).all(), (counts, n * p)
+
+
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_matmul_f16_float32_result(rng: np.random.Generator, accumulate: bool) -> None:
+    t, k, n = 77, 512, 300
+    x = rng.standard_normal((t, k)).astype(np.float16)
+    w = (rng.standard_normal((n, k)) / np.sqrt(k)).astype(np.float16)
+    base = rng.standard_normal((t, n)).astype(np.float32)
+    out = cupy.asarray(base) if accumulate else _poisoned((t, n))
+    ops.matmul_f16(cupy.asarray(x), cupy.asarray(w), out, accumulate=accumulate)
+    want = x.astype(np.float64) @ w.astype(np.float64).T + (base if accumulate else 0)
+    assert _rel(cupy.asnumpy(out), want) < 1e-4  # float32 accumulation and result
+    print("cuBLAS GemmEx path" if ops._gemm_ex_works == [True] else "cupy.matmul fallback")
