@@ -69,6 +69,9 @@ class GpuTransformer:
                  prefill_chunk: int = 512) -> None:
         self.args = args
         self.prefill_chunk = prefill_chunk
+        # prompts up to this many tokens run through the decode kernels (no weight dequantization;
+        # float32 activations): cheaper for a few tokens, and exact where a test needs the CPU's numerics
+        self.gemv_prefill_max = 4
         self.rope = Rope(args, rope_freq_factors)
         self.stream = cupy.cuda.Stream(non_blocking=True)
         a = args
@@ -285,12 +288,15 @@ class GpuTransformer:
         """Logits on the device: (T, vocab) with all_logits, else (vocab,) of the last token."""
         tokens = self._check(tokens, cache)
         with self.stream:
-            if len(tokens) == 1:
-                self._set_position(cache, int(tokens[0]), cache.length)
-                self._decode_launches(cache)
-                cache.length += 1
-                logits = self.logits.copy()
-                return logits[None] if all_logits else logits
+            if len(tokens) <= self.gemv_prefill_max:  # token by token on the float32 GEMV path
+                rows = []
+                for token in tokens:
+                    self._set_position(cache, int(token), cache.length)
+                    self._decode_launches(cache)
+                    cache.length += 1
+                    if all_logits:
+                        rows.append(self.logits.copy())
+                return cupy.stack(rows) if all_logits else self.logits.copy()
             parts = []
             for at in range(0, len(tokens), self.prefill_chunk):
                 parts.append(self._prefill_chunk(tokens[at : at + self.prefill_chunk], cache, all_logits))
