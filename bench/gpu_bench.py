@@ -79,7 +79,12 @@ def kernel_timings(gpu, n_layers_cycle: int = 8) -> list[dict[str, object]]:  # 
         rows.append({"kernel": name, "per_token": count_per_token, "us": round(ms * 1e3, 2),
                      "GBps": round(nbytes / (ms * 1e-3) / 1e9, 1) if nbytes else None})
 
-    for attr in ("wq", "wk", "wv", "wo", "w_down"):
+    for j in range(len(layers[0].qkv)):
+        mats = [L.qkv[j][0] for L in layers if len(L.qkv) > j]
+        m0, fmts = mats[0], "/".join(sorted({m.fmt for m in mats}))
+        add(f"gemv qkv[{j}] {fmts} {m0.rows}x{m0.cols}", a.n_layers, sum(m.nbytes for m in mats) // len(mats),
+            [lambda m=m: ops.gemv(m, x[: m.cols], outs[: m.rows]) for m in mats])
+    for attr in ("wo", "w_down"):
         mats = [getattr(L, attr) for L in layers]
         m0, fmts = mats[0], "/".join(sorted({m.fmt for m in mats}))
         add(f"gemv {attr} {fmts} {m0.rows}x{m0.cols}", a.n_layers, sum(m.nbytes for m in mats) // len(mats),

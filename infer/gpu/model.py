@@ -19,7 +19,7 @@ import numpy as np
 
 from infer.gguf_file import GGUFModel
 from infer.gpu import ops
-from infer.gpu.ops import GpuMatrix, upload_matrix
+from infer.gpu.ops import GpuMatrix, upload_matrix, upload_stacked
 from infer.model import ModelArgs, Rope
 
 ATTN_CHUNK = 256  # must match ATTN_CHUNK of ops.cu (kernels.DEFAULT_DEFINES)
@@ -28,12 +28,10 @@ ATTN_CHUNK = 256  # must match ATTN_CHUNK of ops.cu (kernels.DEFAULT_DEFINES)
 @dataclass
 class GpuLayer:
     attn_norm: cupy.ndarray
-    wq: GpuMatrix
-    wk: GpuMatrix
-    wv: GpuMatrix
-    bq: cupy.ndarray | None
-    bk: cupy.ndarray | None
-    bv: cupy.ndarray | None
+    # Q, K and V rows stacked into as few matrices as their formats allow: (matrix, first row in the
+    # q_dim + 2*kv_dim output); one GEMV launch each
+    qkv: list[tuple[GpuMatrix, int]]
+    bqkv: cupy.ndarray | None  # (q_dim + 2*kv_dim,) or None
     wo: GpuMatrix
     ffn_norm: cupy.ndarray
     w_gate: GpuMatrix
@@ -41,7 +39,7 @@ class GpuLayer:
     w_down: GpuMatrix
 
     def matrices(self) -> list[GpuMatrix]:
-        return [self.wq, self.wk, self.wv, self.wo, self.w_gate, self.w_up, self.w_down]
+        return [m for m, _ in self.qkv] + [self.wo, self.w_gate, self.w_up, self.w_down]
 
 
 @dataclass
@@ -85,9 +83,10 @@ class GpuTransformer:
             f32 = cupy.float32
             self.h = cupy.zeros(a.dim, f32)
             self.xn = cupy.zeros(a.dim, f32)
-            self.q = cupy.zeros(a.q_dim, f32)
-            self.k = cupy.zeros(a.kv_dim, f32)
-            self.v = cupy.zeros(a.kv_dim, f32)
+            self.qkv = cupy.zeros(a.q_dim + 2 * a.kv_dim, f32)
+            self.q = self.qkv[: a.q_dim]
+            self.k = self.qkv[a.q_dim : a.q_dim + a.kv_dim]
+            self.v = self.qkv[a.q_dim + a.kv_dim :]
             self.att = cupy.zeros(a.q_dim, f32)
             self.gate = cupy.zeros(a.ffn_dim, f32)
             self.up = cupy.zeros(a.ffn_dim, f32)
@@ -109,14 +108,35 @@ class GpuTransformer:
     def _vector(model: GGUFModel, name: str) -> cupy.ndarray:
         return cupy.asarray(model.tensor(name).dequantize().astype(np.float32).reshape(-1))
 
+    @staticmethod
+    def _stacked_qkv(model: GGUFModel, p: str) -> list[tuple[GpuMatrix, int]]:
+        infos = [model.tensor(p + f"attn_{x}.weight") for x in "qkv"]
+        groups: list[list] = []
+        for info in infos:  # consecutive tensors of one type share a matrix
+            if groups and groups[-1][0].ggml_type == info.ggml_type:
+                groups[-1].append(info)
+            else:
+                groups.append([info])
+        out, row = [], 0
+        for group in groups:
+            for info in group:
+                model.check_tensor_supported(info)
+            m = upload_stacked([(info.data, info.shape[0]) for info in group], group[0].ggml_type, group[0].shape[1])
+            out.append((m, row))
+            row += m.rows
+        return out
+
     def _layer(self, model: GGUFModel, i: int) -> GpuLayer:
-        p = f"blk.{i}."
-        bias = {x: self._vector(model, p + f"attn_{x}.bias") if p + f"attn_{x}.bias" in model.tensors else None
-                for x in "qkv"}
+        p, a = f"blk.{i}.", self.args
+        bqkv = None
+        if any(p + f"attn_{x}.bias" in model.tensors for x in "qkv"):
+            sizes = (a.q_dim, a.kv_dim, a.kv_dim)
+            bqkv = cupy.asarray(np.concatenate([
+                model.tensor(p + f"attn_{x}.bias").dequantize().reshape(-1) if p + f"attn_{x}.bias" in model.tensors
+                else np.zeros(n, np.float32) for x, n in zip("qkv", sizes, strict=True)]).astype(np.float32))
         return GpuLayer(
             attn_norm=self._vector(model, p + "attn_norm.weight"),
-            wq=self._matrix(model, p + "attn_q.weight"), wk=self._matrix(model, p + "attn_k.weight"),
-            wv=self._matrix(model, p + "attn_v.weight"), bq=bias["q"], bk=bias["k"], bv=bias["v"],
+            qkv=self._stacked_qkv(model, p), bqkv=bqkv,
             wo=self._matrix(model, p + "attn_output.weight"), ffn_norm=self._vector(model, p + "ffn_norm.weight"),
             w_gate=self._matrix(model, p + "ffn_gate.weight"), w_up=self._matrix(model, p + "ffn_up.weight"),
             w_down=self._matrix(model, p + "ffn_down.weight"),
@@ -163,9 +183,9 @@ class GpuTransformer:
         for i, L in enumerate(self.layers):
             ops.rmsnorm(self.h, L.attn_norm, a.norm_eps, 1, a.dim, y=self.xn)
             done("rmsnorm")
-            ops.gemv(L.wq, self.xn, self.q, bias=L.bq)
-            ops.gemv(L.wk, self.xn, self.k, bias=L.bk)
-            ops.gemv(L.wv, self.xn, self.v, bias=L.bv)
+            for m, row in L.qkv:
+                ops.gemv(m, self.xn, self.qkv[row : row + m.rows],
+                         bias=None if L.bqkv is None else L.bqkv[row : row + m.rows])
             done("gemv_qkv")
             ops.rope_store(self.q, self.k, self.v, cos, sin, cache.pos, 1, a.n_heads, a.n_kv_heads, a.head_dim,
                            self.rope.n_pairs, a.rope_neox, cache.keys[i], cache.values[i], cache.max_tokens)
@@ -242,10 +262,13 @@ class GpuTransformer:
         future = cupy.arange(end)[None, :] > cupy.arange(start, end)[:, None]  # (T, S)
         for i, L in enumerate(self.layers):
             ops.rmsnorm(h, L.attn_norm, a.norm_eps, n, a.dim, y16=xn16)
-            q, k, v = self._mm(xn16, L.wq), self._mm(xn16, L.wk), self._mm(xn16, L.wv)
-            for t, b in ((q, L.bq), (k, L.bk), (v, L.bv)):
-                if b is not None:
-                    t += b
+            parts = [self._mm(xn16, m) for m, _ in L.qkv]
+            qkv = parts[0] if len(parts) == 1 else cupy.concatenate(parts, axis=1)  # (T, q_dim + 2 kv_dim)
+            if L.bqkv is not None:
+                qkv += L.bqkv
+            q = cupy.ascontiguousarray(qkv[:, : a.q_dim])
+            k = cupy.ascontiguousarray(qkv[:, a.q_dim : a.q_dim + a.kv_dim])
+            v = cupy.ascontiguousarray(qkv[:, a.q_dim + a.kv_dim :])
             ops.rope_store(q, k, v, cos, sin, pos_d, n, a.n_heads, a.n_kv_heads, a.head_dim, self.rope.n_pairs,
                            a.rope_neox, cache.keys[i], cache.values[i], cache.max_tokens)
             keys = cache.keys[i, :, :end].astype(cupy.float32)  # (kv, S, hd)

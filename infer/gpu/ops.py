@@ -10,7 +10,7 @@ import cupy
 import numpy as np
 
 from infer.gpu import kernels
-from infer.gpu.layout import FLOAT_FORMATS, PlaneLayout, format_of, plane_layout
+from infer.gpu.layout import FLOAT_FORMATS, FLOAT_ITEMSIZE, PLANE_BYTES, PlaneLayout, format_of, plane_layout
 
 NULL = np.uint64(0)
 ATTN_GROUPS = (4, 8, 16)  # attention_decode_g{4,8,16}: query heads per KV head it can hold
@@ -54,23 +54,35 @@ class GpuMatrix:
 
 def upload_matrix(raw: np.ndarray, ggml_type: int, rows: int, cols: int) -> GpuMatrix:
     """Copies a GGUF tensor (uint8 bytes) to the GPU and repacks it there into its planar format."""
+    return upload_stacked([(raw, rows)], ggml_type, cols)
+
+
+def upload_stacked(parts: list[tuple[np.ndarray, int]], ggml_type: int, cols: int) -> GpuMatrix:
+    """Several GGUF tensors of one type and row length, as one matrix of their rows stacked in order
+    (e.g. Q, K and V: one GEMV launch instead of three). parts: (raw bytes, rows) each."""
+    from gguf.constants import GGMLQuantizationType
+
     fmt = format_of(ggml_type)
+    rows = sum(r for _, r in parts)
     layout = plane_layout(fmt, rows, cols)
     buffer = cupy.empty(layout.nbytes, dtype=cupy.uint8)
-    raw = np.ascontiguousarray(raw, dtype=np.uint8).reshape(-1)
-    if fmt in FLOAT_FORMATS:
-        buffer.set(raw)
-    else:
-        from gguf.constants import GGMLQuantizationType
-
-        source = cupy.asarray(raw)
-        kernel = kernels.function("repack", f"repack_{GGMLQuantizationType(ggml_type).name.lower()}")
-        n_sb = layout.n_subblocks
-        base = buffer.data.ptr
-        qs, hi, sm = (np.uint64(base + o) if s else NULL for o, s in zip(layout.offsets, layout.sizes, strict=True))
-        kernel((_blocks(n_sb, 256),), (256,), (source, np.int64(n_sb), qs, hi, sm))
-        del source
-    return GpuMatrix(fmt, rows, cols, layout, buffer, int(raw.size))
+    base, row0, total = buffer.data.ptr, 0, 0
+    for raw, part_rows in parts:
+        raw = np.ascontiguousarray(raw, dtype=np.uint8).reshape(-1)
+        total += int(raw.size)
+        if fmt in FLOAT_FORMATS:
+            start = row0 * cols * FLOAT_ITEMSIZE[fmt]
+            buffer[start : start + raw.size].set(raw)
+        else:
+            source = cupy.asarray(raw)
+            kernel = kernels.function("repack", f"repack_{GGMLQuantizationType(ggml_type).name.lower()}")
+            n_sb, sb0 = part_rows * cols // 32, row0 * cols // 32
+            planes = (np.uint64(base + o + sb0 * b) if s else NULL
+                      for o, s, b in zip(layout.offsets, layout.sizes, PLANE_BYTES[fmt], strict=True))
+            kernel((_blocks(n_sb, 256),), (256,), (source, np.int64(n_sb), *planes))
+            del source
+        row0 += part_rows
+    return GpuMatrix(fmt, rows, cols, layout, buffer, total)
 
 
 def _gemv_config(defines: dict[str, int] | None) -> int:

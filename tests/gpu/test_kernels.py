@@ -238,3 +238,16 @@ def test_matmul_f16_float32_result(rng: np.random.Generator, accumulate: bool) -
     gemm_ex = ops._gemm_ex_works == [True]
     print("cuBLAS GemmEx path" if gemm_ex else "cupy.matmul fallback (float16 result)")
     assert _rel(cupy.asnumpy(out), want) < (1e-4 if gemm_ex else 2e-3)
+
+
+@pytest.mark.parametrize("ggml_type", [T.F16, T.Q8_0, T.Q4_K, T.Q6_K, T.Q5_1], ids=lambda t: T(t).name)
+def test_stacked_upload_is_the_concatenated_matrix(rng: np.random.Generator, ggml_type: int) -> None:
+    cols, parts_rows = 1024, [96, 32, 32]
+    raws = [_tensor(rng, ggml_type, r, cols) for r in parts_rows]
+    m = ops.upload_stacked([(raw, r) for raw, r in zip(raws, parts_rows, strict=True)], ggml_type, cols)
+    rows = sum(parts_rows)
+    w = layout.reconstruct(layout.repack(np.concatenate(raws), ggml_type, rows, cols), m.fmt, rows, cols)
+    x = rng.standard_normal(cols).astype(np.float32)
+    y = _poisoned(rows)
+    ops.gemv(m, cupy.asarray(x), y)
+    assert _rel(cupy.asnumpy(y), w.astype(np.float64) @ x) < GEMV_BOUND
