@@ -54,7 +54,7 @@ def forward_batch(model: Transformer, batch: Sequence[tuple[np.ndarray, KVCache]
     returns per sequence the logits of its last token (vocab,) or of every token (T, vocab)."""
     a = model.args
     sizes = [len(tokens) for tokens, _ in batch]
-    for (tokens, cache), n in zip(batch, sizes, strict=True):
+    for (_, cache), n in zip(batch, sizes, strict=True):
         if n == 0:
             raise ValueError("every sequence in a pass needs at least one token")
         if cache.length + n > cache.max_tokens:

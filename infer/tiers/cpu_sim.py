@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
 
 import numpy as np
 
@@ -26,16 +25,6 @@ from infer.tiers.plan import Plan, Tensor, Tier
 from infer.tiers.ring import StagingReader, StreamRing
 from infer.tiers.tier_b import HostTier
 from infer.tiers.tier_c import StorageSource
-
-
-def gguf_tensors(model: GGUFModel, device_nbytes: Any = None) -> list[Tensor]:
-    """The planner's view of a GGUF's tensors; `device_nbytes(info)` gives the device size of each
-    (default: its GGUF bytes, as in the CPU simulation)."""
-    out = []
-    for info in model.tensors.values():
-        size = int(device_nbytes(info)) if device_nbytes else info.nbytes
-        out.append(Tensor(info.name, info.offset, info.nbytes, info.ggml_type, tuple(info.shape), size))
-    return out
 
 
 class CpuTransport:

@@ -30,9 +30,10 @@ the link in its GGUF form and is repacked into a slot on arrival.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import Any
 
 LAYER_NAME = re.compile(r"^blk\.(\d+)\.(.+)\.(weight|bias)$")
 ATTENTION_KINDS = ("attn_q", "attn_k", "attn_v", "attn_output")
@@ -52,6 +53,10 @@ class Tier(StrEnum):
 
 class PlanError(ValueError):
     """The budgets cannot hold the model's minimum working set; the message gives the minimum."""
+
+    def __init__(self, message: str, minimum: int) -> None:
+        super().__init__(message)
+        self.minimum = minimum  # device bytes for weights the plan needs at least
 
 
 @dataclass(frozen=True)
@@ -126,6 +131,13 @@ class Plan:
                 if all(tier is Tier.VRAM for tier in self.layer_tiers(i).values())]
 
 
+def tensors_from(infos: Iterable[Any], device_nbytes: Callable[[Any], int] | None = None) -> list[Tensor]:
+    """The planner's view of GGUF tensor records (name, offset, nbytes, ggml_type, NumPy-order
+    shape); `device_nbytes(info)` gives each one's device size (default: its GGUF bytes)."""
+    return [Tensor(i.name, i.offset, i.nbytes, i.ggml_type, tuple(i.shape),
+                   int(device_nbytes(i)) if device_nbytes else i.nbytes) for i in infos]
+
+
 def pass_order(tensors: Iterable[Tensor]) -> list[Tensor]:
     """Globals that come before the layers (embeddings), the layers in order with their tensors in
     the order the forward pass uses them, then the head."""
@@ -148,6 +160,18 @@ def _spread(count: int, total: int) -> list[int]:
     if count >= total:
         return list(range(total))
     return sorted({int((j + 0.5) * total / count) for j in range(count)})
+
+
+def minimum_vram(tensors: Sequence[Tensor], n_slots: int = DEFAULT_SLOTS, layer_scratch: bool = False) -> int:
+    """Device bytes for weights below which no plan exists: the always-resident tensors, the ring
+    slots and the scratch, sized for everything streaming."""
+    pinned = sum(t.device_nbytes for t in tensors if t.layer is None or t.is_vector)
+    matrices = [t for t in tensors if t.layer is not None and not t.is_vector]
+    per_layer: dict[int, int] = {}
+    for t in matrices:
+        per_layer[t.layer] = per_layer.get(t.layer, 0) + t.device_nbytes  # type: ignore[index]
+    scratch = max(per_layer.values(), default=0) if layer_scratch else 0
+    return pinned + n_slots * max((t.nbytes for t in matrices), default=0) + scratch
 
 
 def make_plan(tensors: Sequence[Tensor], n_layers: int, vram_budget: int, ram_budget: int,
@@ -187,7 +211,8 @@ def make_plan(tensors: Sequence[Tensor], n_layers: int, vram_budget: int, ram_bu
         raise PlanError(
             f"VRAM budget {format_bytes(vram_budget)} for weights is below the minimum {format_bytes(minimum)} "
             f"({format_bytes(pinned_bytes)} resident globals and norms + {n_slots} streaming slots of "
-            f"{format_bytes(slot)}" + (f" + a layer scratch of {format_bytes(scratch)})" if scratch else ")"))
+            f"{format_bytes(slot)}" + (f" + a layer scratch of {format_bytes(scratch)})" if scratch else ")"),
+            minimum)
     resident: set[str] = set()
     for _ in range(4):
         candidate = _fill_vram(matrices, n_layers, vram_budget - pinned_bytes - n_slots * slot - scratch)

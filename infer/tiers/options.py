@@ -1,0 +1,246 @@
+"""The streaming command-line options as one reusable click decorator, and the entry point that
+turns them into a ready engine: `build_streaming_engine(model_path, config, ctx_size, device)`.
+
+    @click.command()
+    @streaming_options
+    def main(..., streaming: StreamingConfig) -> None:
+        session = build_streaming_engine(model, streaming, ctx_size=2048, device="gpu")
+        print(session.report())
+        outputs = session.engine.generate(prompts, 32, greedy)
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import click
+
+from infer.gguf_file import GGUFModel
+from infer.model import ModelArgs, Transformer
+from infer.streaming import StreamingEngine
+from infer.tiers.budget import DEVICE_MARGIN, BudgetError, Budgets, compute_budgets
+from infer.tiers.plan import (
+    DEFAULT_SLOTS,
+    Plan,
+    PlanError,
+    Tensor,
+    Tier,
+    format_bytes,
+    make_plan,
+    minimum_vram,
+    tensors_from,
+)
+from infer.tiers.report import Bandwidths, render_moved, render_plan
+from infer.tiers.tier_b import HostTier, choose_mode
+from infer.tiers.tier_c import SOURCES, StorageSource, open_source
+
+DEMO_RESIDENT_SHARE = 0.4  # --streaming on a model that fits: share of layer bytes kept in tier A
+DEMO_RAM_SHARE = 0.3  # ... and in tier B; the rest goes to tier C
+
+
+@dataclass
+class StreamingConfig:
+    enabled: bool = False
+    vram_budget: str | None = None
+    ram_budget: str | None = None
+    tier_c: str = "file"
+    nvme_device: str | None = None
+    tier_b: str = "auto"
+    slots: int = DEFAULT_SLOTS
+    batch: int = 1
+    prompts_file: str | None = None
+
+
+_OPTION_NAMES = ("streaming", "vram_budget", "ram_budget", "tier_c", "nvme_device", "tier_b", "slots", "batch",
+                 "prompts_file")
+
+
+def streaming_options(func: Callable[..., Any]) -> Callable[..., Any]:
+    """Adds --streaming, --vram-budget, --ram-budget, --tier-c, --nvme-device, --tier-b, --slots,
+    --batch and --prompts; the command receives them as one `streaming: StreamingConfig`."""
+
+    @functools.wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        values = {name: kwargs.pop(name) for name in _OPTION_NAMES}
+        kwargs["streaming"] = StreamingConfig(
+            enabled=values["streaming"], vram_budget=values["vram_budget"], ram_budget=values["ram_budget"],
+            tier_c=values["tier_c"], nvme_device=values["nvme_device"], tier_b=values["tier_b"],
+            slots=values["slots"], batch=values["batch"], prompts_file=values["prompts_file"])
+        return func(*args, **kwargs)
+
+    options = [
+        click.option("--streaming", is_flag=True, help="Stream weights that do not fit in VRAM through a 3-tier "
+                     "cache (VRAM, pinned RAM, storage)."),
+        click.option("--vram-budget", metavar="SIZE", help="Device memory the engine may use, e.g. 24GB "
+                     "(default: free VRAM)."),
+        click.option("--ram-budget", metavar="SIZE", help="Host memory for tier B and staging, e.g. 48GiB "
+                     "(default: available RAM)."),
+        click.option("--tier-c", type=click.Choice(SOURCES), default="file", show_default=True,
+                     help="Where tier C weights are read from: the file with O_DIRECT, the NVMe copy written by "
+                     "`nvmedirect write-gguf`, or the naive mmap baseline."),
+        click.option("--nvme-device", metavar="BDF|DEV", help="Device holding the model for --tier-c nvme."),
+        click.option("--tier-b", type=click.Choice(["auto", "pinned", "registered"]), default="auto",
+                     show_default=True, help="Tier B as a pinned copy or the registered file mapping."),
+        click.option("--slots", type=click.IntRange(2, 64), default=DEFAULT_SLOTS, show_default=True,
+                     help="Device slots in the streaming ring."),
+        click.option("--batch", type=click.IntRange(1, 4096), default=1, show_default=True,
+                     help="Sequences decoded together (copies of the prompt unless --prompts is given)."),
+        click.option("--prompts", "prompts_file", type=click.Path(exists=True, dir_okay=False),
+                     help="File with one prompt per line; each becomes a sequence of the batch."),
+    ]
+    for option in reversed(options):
+        wrapper = option(wrapper)
+    return wrapper
+
+
+@dataclass
+class StreamingSession:
+    """A streaming engine with its plan and the objects that must be closed after use."""
+
+    engine: StreamingEngine
+    plan: Plan
+    budgets: Budgets
+    weights: Any
+    paths: dict[str, str]
+    bandwidths: Bandwidths | None
+    closers: list[Callable[[], None]] = field(default_factory=list)
+
+    def report(self) -> str:
+        head = (f"budgets: VRAM {format_bytes(self.budgets.vram_total)} ({self.budgets.vram_source}) - KV cache "
+                f"{format_bytes(self.budgets.kv_cache)} - activations {format_bytes(self.budgets.activations)}; "
+                f"RAM {format_bytes(self.budgets.ram_total)} ({self.budgets.ram_source})")
+        return head + "\n" + render_plan(self.plan, self.bandwidths, self.paths)
+
+    def moved_report(self) -> str:
+        s = self.engine.stats
+        moved = {Tier(k): v for k, v in s.bytes_moved.items()}
+        return render_moved(moved, s.prefill_passes + s.decode_passes, s.prompt_tokens + s.generated_tokens)
+
+    def close(self) -> None:
+        for close in reversed(self.closers):
+            close()
+        self.closers = []
+
+
+def planner_tensors(model: GGUFModel, device: str) -> list[Tensor]:
+    """The model's tensors with device sizes for `device` (planar forms on the GPU)."""
+    if device == "gpu":
+        from infer.tiers.pipeline import device_nbytes
+
+        return tensors_from(model.tensors.values(), device_nbytes)
+    return tensors_from(model.tensors.values())
+
+
+def require_resident_fit(model: GGUFModel, ctx_size: int, batch: int = 1, vram_budget: str | None = None) -> None:
+    """For runs without --streaming on the GPU: stops with a one-line message suggesting
+    --streaming when the model, KV cache and activations exceed the VRAM budget."""
+    args = ModelArgs.from_gguf(model)
+    tensors = planner_tensors(model, "gpu")
+    budgets = compute_budgets(args, ctx_size, batch, min(ctx_size, 512), 0, vram_budget, "0", device=True)
+    need = sum(t.device_nbytes for t in tensors)
+    if need > budgets.vram_for_weights:
+        raise click.ClickException(
+            f"{model.path.name} needs {format_bytes(need)} of VRAM for weights but {format_bytes(budgets.vram_for_weights)} "
+            f"are free after the KV cache and activations: run with --streaming (or lower -c/--ctx-size)")
+
+
+def _demo_budgets(tensors: list[Tensor], slots: int, scratch: bool) -> tuple[int, int]:
+    """Weight budgets that put some layers in each tier (--streaming on a model that would fit)."""
+    layer_bytes = sum(t.device_nbytes for t in tensors if t.layer is not None and not t.is_vector)
+    raw_layer_bytes = sum(t.nbytes for t in tensors if t.layer is not None and not t.is_vector)
+    vram = minimum_vram(tensors, slots, scratch) + int(DEMO_RESIDENT_SHARE * layer_bytes)
+    return vram, int(DEMO_RAM_SHARE * raw_layer_bytes)
+
+
+def build_streaming_engine(model_path: str, config: StreamingConfig, ctx_size: int, device: str = "cpu",
+                           prefill_chunk: int = 512, measure: bool = True, match_llama_cpp: bool = True
+                           ) -> StreamingSession:
+    """Plans, opens the tiers and returns a session whose engine streams as the plan says.
+    Budget problems become click.ClickException with the minimum that would work."""
+    if device not in ("cpu", "gpu"):
+        raise ValueError(f"unknown device '{device}' (cpu, gpu)")
+    model = GGUFModel(model_path)
+    args = ModelArgs.from_gguf(model)
+    tensors = planner_tensors(model, device)
+    on_gpu = device == "gpu"
+    staging = 4 * max((t.nbytes for t in tensors if t.layer is not None), default=0)
+    tokens_per_pass = max(prefill_chunk * config.batch, config.batch)
+    demo = config.vram_budget is None and config.ram_budget is None and not on_gpu
+    try:
+        if demo or (on_gpu and config.vram_budget is None and config.ram_budget is None and _fits(model, tensors)):
+            weights_vram, weights_ram = _demo_budgets(tensors, config.slots, on_gpu)
+            budgets = compute_budgets(args, ctx_size, config.batch, tokens_per_pass, staging, 10**15, 10**15,
+                                      device=on_gpu)
+            budgets = Budgets(budgets.vram_total, weights_vram, budgets.ram_total, weights_ram, budgets.kv_cache,
+                              budgets.activations, staging, "demo: model fits, tiers exercised",
+                              "demo: model fits, tiers exercised")
+        else:
+            budgets = compute_budgets(args, ctx_size, config.batch, tokens_per_pass, staging,
+                                      config.vram_budget, config.ram_budget, device=on_gpu)
+        plan = make_plan(tensors, args.n_layers, budgets.vram_for_weights, budgets.ram_for_weights,
+                         config.slots, layer_scratch=on_gpu)
+    except BudgetError as err:
+        raise click.ClickException(str(err)) from None
+    except PlanError as err:
+        overhead = budgets.kv_cache + budgets.activations + (DEVICE_MARGIN if on_gpu else 0)
+        raise click.ClickException(
+            f"{err}; with the KV cache and activations the VRAM budget must be at least "
+            f"{format_bytes(err.minimum + overhead)} (or lower -c/--batch)") from None
+    session_closers: list[Callable[[], None]] = []
+    b_tensors = plan.tensors_in(Tier.RAM)
+    mode = choose_mode(b_tensors, budgets.ram_for_weights, config.tier_b)
+    host = HostTier(model_path, b_tensors, mode) if b_tensors else None
+    if host is not None:
+        session_closers.append(host.close)
+    c_tensors = plan.tensors_in(Tier.STORAGE)
+    source: StorageSource | None = None
+    if c_tensors:
+        source = open_source(config.tier_c, model_path, c_tensors, config.nvme_device)
+        session_closers.append(source.close)
+    paths = {t.name: _path(plan, t.name, mode, config.tier_c) for t in plan.tensors}
+    bandwidths = _measure(on_gpu, source, c_tensors) if measure else None
+    if on_gpu:
+        from infer.tiers.gpu_forward import GpuStreamingModel
+        from infer.tiers.pipeline import GpuStreamingWeights
+
+        weights: Any = GpuStreamingWeights(model, args, plan, host, source)
+        transformer: Any = GpuStreamingModel(args, weights, ctx_size)
+    else:
+        from infer.tiers.cpu_sim import StreamingCpuWeights
+
+        weights = StreamingCpuWeights(model, args, plan, host, source, match_llama_cpp=match_llama_cpp)
+        transformer = Transformer(args, weights, weights.rope_freq_factors())
+    session_closers.append(weights.close)
+    engine = StreamingEngine(transformer, ctx_size, prefill_chunk,
+                             bytes_moved=lambda: {k.value: v for k, v in weights.bytes_moved().items()})
+    return StreamingSession(engine, plan, budgets, weights, paths, bandwidths, session_closers)
+
+
+def _fits(model: GGUFModel, tensors: list[Tensor]) -> bool:
+    from infer.tiers.budget import free_vram
+
+    return sum(t.device_nbytes for t in tensors) < free_vram() - DEVICE_MARGIN
+
+
+def _path(plan: Plan, name: str, tier_b_mode: str, tier_c_kind: str) -> str:
+    tier = plan.tier[name]
+    if tier is Tier.VRAM:
+        return "resident"
+    if tier is Tier.RAM:
+        return "registered-mmap copy" if tier_b_mode == "registered" else "pinned-RAM copy"
+    return f"staged read ({tier_c_kind})"
+
+
+def _measure(on_gpu: bool, source: StorageSource | None, c_tensors: list[Tensor]) -> Bandwidths:
+    from infer.tiers.report import measure_host_copy, measure_host_to_device, measure_storage_read
+
+    link = measure_host_to_device() if on_gpu else measure_host_copy()
+    storage = 0.0
+    if source is not None and c_tensors:
+        biggest = max(c_tensors, key=lambda t: t.nbytes)
+        storage = measure_storage_read(source, biggest.offset, biggest.nbytes)
+    how = "pinned H2D copy and a tier C read" if on_gpu else "host memcpy (CPU simulation) and a tier C read"
+    return Bandwidths(link, storage, how)

@@ -1,0 +1,163 @@
+"""The streaming pipeline on the GPU: resident tensors repacked once, streamed tensors copied each
+pass through a ring of device slots, all ordered by CUDA events with no host synchronisation per
+layer.
+
+Streams and events (the ring's schedule is in ring.py):
+- the copy stream runs every host-to-device copy: it waits on the slot's release event, copies the
+  GGUF bytes of the next streamed tensor into the slot, records the slot's arrival event;
+- the compute stream (CuPy's current stream while the forward pass runs) waits on the arrival
+  event, repacks the tensor from its slot into the layer scratch in the kernels' planar form,
+  records the release event, and then runs the layer's kernels on the scratch.
+Repacking on arrival frees a slot after microseconds rather than after the layer's compute, so a
+handful of slots keeps the link busy. The scratch is reused by the next layer: its repack is
+queued on the same stream after this layer's kernels, so stream order protects it.
+
+Data paths, chosen per tensor from the plan and reported:
+  resident             tier A, repacked once at load
+  pinned-RAM copy      tier B in a page-locked arena
+  registered-mmap copy tier B in the file's mapping, page-locked with cudaHostRegister(ReadOnly)
+  staged read          tier C read (O_DIRECT file, NVMe, or the mmap baseline) into pinned staging
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import cupy
+import numpy as np
+
+from infer.gguf_file import GGUFModel
+from infer.gpu import kernels
+from infer.gpu.layout import FLOAT_FORMATS, format_of, plane_layout
+from infer.gpu.ops import GpuMatrix, upload_matrix
+from infer.model import ModelArgs
+from infer.tiers.plan import Plan, Tensor, Tier
+from infer.tiers.ring import StagingReader, StreamRing
+from infer.tiers.tier_b import HostTier
+from infer.tiers.tier_c import StorageSource
+
+SCRATCH_ALIGN = 256
+
+
+def device_nbytes(info: Any) -> int:
+    """Device bytes of a GGUF tensor once uploaded: planar size for matrices, float32 for vectors."""
+    shape = tuple(info.shape)
+    if len(shape) == 1:
+        return int(shape[0]) * 4
+    fmt = format_of(info.ggml_type)
+    return plane_layout(fmt, int(np.prod(shape[:-1])), int(shape[-1])).nbytes
+
+
+class _EventToken:
+    def __init__(self, event: cupy.cuda.Event) -> None:
+        self.event = event
+
+    def wait(self) -> None:
+        self.event.synchronize()
+
+
+class GpuTransport:
+    """Device slots, the copy stream, and one arrival and one release event per slot."""
+
+    def __init__(self, n_slots: int, slot_nbytes: int) -> None:
+        self.slots = [cupy.empty(max(slot_nbytes, 1), dtype=cupy.uint8) for _ in range(n_slots)]
+        self.copy_stream = cupy.cuda.Stream(non_blocking=True)
+        self.arrival = [cupy.cuda.Event(disable_timing=True) for _ in range(n_slots)]
+        # waiting on an event that was never recorded returns at once: a fresh slot is free
+        self.released = [cupy.cuda.Event(disable_timing=True) for _ in range(n_slots)]
+
+    def copy_in(self, slot: int, tensor: Tensor, host: np.ndarray) -> _EventToken:
+        self.copy_stream.wait_event(self.released[slot])
+        cupy.cuda.runtime.memcpyAsync(self.slots[slot].data.ptr, host.ctypes.data, tensor.nbytes,
+                                      cupy.cuda.runtime.memcpyHostToDevice, self.copy_stream.ptr)
+        self.arrival[slot].record(self.copy_stream)
+        done = cupy.cuda.Event(disable_timing=True)  # for host staging reuse (waited on another thread)
+        done.record(self.copy_stream)
+        return _EventToken(done)
+
+    def wait_arrival(self, slot: int) -> None:
+        cupy.cuda.get_current_stream().wait_event(self.arrival[slot])
+
+    def record_release(self, slot: int) -> None:
+        self.released[slot].record(cupy.cuda.get_current_stream())
+
+
+def _repack_into(raw: cupy.ndarray, t: Tensor, out: cupy.ndarray) -> GpuMatrix:
+    """The planar matrix of GGUF bytes `raw` (device), written into `out` (device, on the current
+    stream). Float formats are plain copies."""
+    from gguf.constants import GGMLQuantizationType
+
+    rows, cols = int(np.prod(t.shape[:-1])), int(t.shape[-1])
+    fmt = format_of(t.ggml_type)
+    layout = plane_layout(fmt, rows, cols)
+    buffer = out[: layout.nbytes]
+    if fmt in FLOAT_FORMATS:
+        buffer[...] = raw[: layout.nbytes]
+    else:
+        kernel = kernels.function("repack", f"repack_{GGMLQuantizationType(t.ggml_type).name.lower()}")
+        n_sb = layout.n_subblocks
+        base = buffer.data.ptr
+        planes = [np.uint64(base + o) if s else np.uint64(0) for o, s in zip(layout.offsets, layout.sizes, strict=True)]
+        kernel((max(1, -(-n_sb // 256)),), (256,), (raw, np.int64(n_sb), *planes))
+    return GpuMatrix(fmt, rows, cols, layout, buffer, t.nbytes)
+
+
+class GpuStreamingWeights:
+    """Per-layer GPU weights for a forward pass: `layer(i)` returns {kind: GpuMatrix or float32
+    vector}; call it in layer order on the compute stream, and use the result before asking for
+    the next layer (its streamed matrices live in a scratch the next layer reuses)."""
+
+    def __init__(self, model: GGUFModel, args: ModelArgs, plan: Plan, host: HostTier | None,
+                 source: StorageSource | None, n_staging: int = 4) -> None:
+        self.model, self.args, self.plan = model, args, plan
+        self.transport = GpuTransport(plan.n_slots, plan.slot_nbytes)
+        c_pieces = [t for t in plan.streamed if plan.tier[t.name] is Tier.STORAGE]
+        if c_pieces and source is None:
+            raise ValueError("the plan puts tensors in tier C but no storage source was given")
+        self.staging = StagingReader(source, c_pieces, n_staging) if c_pieces else None  # type: ignore[arg-type]
+        self.ring = StreamRing(plan, self.transport, host, self.staging)
+        self.scratch = cupy.empty(max(plan.scratch_nbytes, 1), dtype=cupy.uint8)
+        self._by_layer: dict[int, list[Tensor]] = {}
+        for t in plan.tensors:
+            if t.layer is not None:
+                self._by_layer.setdefault(t.layer, []).append(t)
+        self.resident: dict[str, Any] = {}
+        for t in plan.tensors:
+            if plan.tier[t.name] is Tier.VRAM:
+                self.resident[t.name] = self._upload(t)
+        self._scratch_at: dict[str, int] = {}
+        for ts in self._by_layer.values():
+            at = 0
+            for t in ts:
+                if plan.tier[t.name] is not Tier.VRAM:
+                    self._scratch_at[t.name] = at
+                    at += -(-t.device_nbytes // SCRATCH_ALIGN) * SCRATCH_ALIGN
+        self.ring.start()
+
+    def _upload(self, t: Tensor) -> Any:
+        info = self.model.tensor(t.name)
+        if len(t.shape) == 1:
+            return cupy.asarray(info.dequantize().astype(np.float32))
+        return upload_matrix(info.data, t.ggml_type, int(np.prod(t.shape[:-1])), int(t.shape[-1]))
+
+    def layer(self, index: int) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for t in self._by_layer[index]:
+            if self.plan.tier[t.name] is Tier.VRAM:
+                out[t.kind] = self.resident[t.name]
+                continue
+            slot = self.ring.acquire(t.name)
+            at = self._scratch_at[t.name]
+            out[t.kind] = _repack_into(self.transport.slots[slot][: t.nbytes], t, self.scratch[at:])
+            self.ring.release(slot)
+        return out
+
+    def global_tensor(self, name: str) -> Any:
+        """token_embd / output / output_norm (always resident)."""
+        return self.resident[name]
+
+    def bytes_moved(self) -> dict[Tier, int]:
+        return dict(self.ring.moved)
+
+    def close(self) -> None:
+        self.ring.close()
