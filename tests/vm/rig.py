@@ -191,9 +191,7 @@ class Vm:
         self.run_dir = Path(workdir)
         self.share = self.run_dir / "share"
         self.console_path = self.run_dir / "console.log"
-        # AF_UNIX paths are limited to 108 bytes, so the socket lives in a short private directory.
-        self._sock_dir = Path(tempfile.mkdtemp(prefix="nvd-qmp-"))
-        self.qmp_path = self._sock_dir / "qmp.sock"
+        self._sock_dir: Path | None = None  # made on first use of qmp_path
         self._qmp: Qmp | None = None
         self._qmp_lock = threading.Lock()
         self._watchers: list[tuple[str, Callable[[Vm], None]]] = []
@@ -203,6 +201,13 @@ class Vm:
         self._stop = threading.Event()
         self.watcher_errors: list[str] = []
         self.requests: GuestRequestService | None = None
+
+    @property
+    def qmp_path(self) -> Path:
+        if self._sock_dir is None:
+            # AF_UNIX paths are limited to 108 bytes, so the socket lives in a short private directory.
+            self._sock_dir = Path(tempfile.mkdtemp(prefix="nvd-qmp-"))
+        return self._sock_dir / "qmp.sock"
 
     @property
     def qmp(self) -> Qmp:
@@ -374,9 +379,14 @@ class Vm:
         if self._qmp is not None:
             self._qmp.close()
             self._qmp = None
-        for leftover in self._sock_dir.iterdir():
-            leftover.unlink()
-        self._sock_dir.rmdir()
+        self._remove_sock_dir()
+
+    def _remove_sock_dir(self) -> None:
+        if self._sock_dir is not None:
+            for leftover in self._sock_dir.iterdir():
+                leftover.unlink()
+            self._sock_dir.rmdir()
+            self._sock_dir = None
 
     def _result(self, elapsed: float, timed_out: bool, timeout: float) -> VmResult:
         console = self.console_path.read_text(errors="replace")
@@ -407,6 +417,7 @@ class Vm:
         self.kill()
         if self._proc is not None and not self._stop.is_set():
             self._shutdown_helpers()
+        self._remove_sock_dir()
 
 
 def run_in_vm(config: VmConfig, command: str | Sequence[str], workdir: Path, timeout: float = 180,

@@ -20,7 +20,8 @@ def append_line(argv: list[str]) -> str:
 
 
 def test_iommu_mode_puts_intel_iommu_before_every_pci_device(tmp_path):
-    argv = Vm(VmConfig(iommu=True), tmp_path).command_line()
+    with Vm(VmConfig(iommu=True), tmp_path) as vm:
+        argv = vm.command_line()
     devices = [argv[i + 1] for i, a in enumerate(argv) if a == "-device"]
     first_pci = next(i for i, d in enumerate(devices) if d.startswith(("virtio-9p-pci", "pcie-root-port")))
     assert devices.index("intel-iommu,intremap=on,caching-mode=on") < first_pci
@@ -30,7 +31,8 @@ def test_iommu_mode_puts_intel_iommu_before_every_pci_device(tmp_path):
 
 
 def test_noiommu_mode_has_no_iommu(tmp_path):
-    argv = Vm(VmConfig(iommu=False), tmp_path).command_line()
+    with Vm(VmConfig(iommu=False), tmp_path) as vm:
+        argv = vm.command_line()
     assert not device_args(argv, "intel-iommu")
     assert "q35" in argv
     assert "intel_iommu=on" not in append_line(argv)
@@ -43,7 +45,8 @@ def test_controllers_get_their_own_root_port_and_options(tmp_path):
         NvmeSpec("b", size=8 * MIB, logical_block_size=4096, mdts=3, max_ioqpairs=2,
                  extra_namespaces=[NamespaceSpec(size=MIB)], options={"msix_qsize": "8"}),
     ])
-    argv = Vm(config, tmp_path).command_line()
+    with Vm(config, tmp_path) as vm:
+        argv = vm.command_line()
     ports = device_args(argv, "pcie-root-port")
     assert ports == ["pcie-root-port,id=rp0,bus=pcie.0,addr=0x10,chassis=1",
                      "pcie-root-port,id=rp1,bus=pcie.0,addr=0x11,chassis=2"]
@@ -64,7 +67,8 @@ def test_prefilled_image_is_used_in_place(tmp_path):
     image.write_bytes(b"\x5a" * 4096 * 3)
     spec = NvmeSpec("img", image=image)
     assert spec.namespaces[0].size == 4096 * 3
-    argv = Vm(VmConfig(controllers=[spec]), tmp_path).command_line()
+    with Vm(VmConfig(controllers=[spec]), tmp_path) as vm:
+        argv = vm.command_line()
     assert f"file={image},if=none,id=nvme0n1,format=raw" in argv
 
 

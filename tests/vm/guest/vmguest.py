@@ -55,14 +55,20 @@ def bind(bdf: str, driver: str, timeout: float = 10.0) -> None:
         time.sleep(0.05)
 
 
-def restore_kernel_driver(bdf: str) -> None:
-    """Give `bdf` back to the kernel's nvme driver (clears the override)."""
+def restore_kernel_driver(bdf: str, timeout: float = 30.0) -> None:
+    """Give `bdf` back to the kernel's nvme driver (clears the override) and wait until the
+    controller is live again, so the next test finds it as the boot left it."""
     device = SYSFS_PCI / "devices" / bdf
     if current_driver(bdf) not in (None, "nvme"):
         (device / "driver" / "unbind").write_text(bdf)
     (device / "driver_override").write_text("\n")
     if current_driver(bdf) is None:
         (SYSFS_PCI / "drivers_probe").write_text(bdf)
+    deadline = time.monotonic() + timeout
+    while not any(state.read_text().strip() == "live" for state in device.glob("nvme/nvme*/state")):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{bdf} did not come back live under nvme within {timeout} s")
+        time.sleep(0.05)
 
 
 def qmp_request(command: str, arguments: dict[str, Any] | None = None, resume_after: float | None = None,

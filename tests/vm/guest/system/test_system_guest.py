@@ -21,16 +21,17 @@ import pytest
 SAMPLE = 4 << 20  # bytes compared before bind and after restore
 MOUNT_POINT = "/tmp/nvd-sys-mnt"
 STATE = Path("/run/nvmedirect/bound.json")
-# No udev in the guest: LVM and device-mapper must make their own device nodes.
+# No udev in the guest: LVM and device-mapper must make their own device nodes; /etc is read-only
+# (the host's root over 9p), so LVM must not write its metadata backups there.
 LVM_CONFIG = ("activation { udev_sync = 0 udev_rules = 0 } devices { obtain_device_list_from_udev = 0 "
-              "use_devicesfile = 0 }")
+              "use_devicesfile = 0 } backup { backup = 0 archive = 0 }")
 ENV = {**os.environ, "DM_DISABLE_UDEV": "1", "MDADM_NO_UDEV": "1"}
 
 
 def sh(*argv: str, ok: bool = True) -> subprocess.CompletedProcess:
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=120, env=ENV)
     if ok and proc.returncode != 0:
-        raise RuntimeError(f"{' '.join(argv)} exited {proc.returncode}: {proc.stderr.strip()[-400:]}")
+        raise RuntimeError(f"{' '.join(argv)} exited {proc.returncode}: {proc.stdout}{proc.stderr}")
     return proc
 
 
