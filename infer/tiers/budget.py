@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from infer.model import ModelArgs
+from infer.tiers.plan import format_bytes
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([kmgt]?i?b?)\s*$", re.IGNORECASE)
 _DECIMAL = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
@@ -81,10 +82,11 @@ def free_vram() -> int:
     return int(free)
 
 
-def cgroup_memory_available(root: Path = Path("/sys/fs/cgroup")) -> int | None:
+def cgroup_memory_available(root: Path = Path("/sys/fs/cgroup"),
+                            membership: Path = Path("/proc/self/cgroup")) -> int | None:
     """Bytes the current cgroup v2 may still allocate (memory.max − memory.current), or None."""
     try:
-        line = Path("/proc/self/cgroup").read_text().strip().splitlines()[0]
+        line = membership.read_text().strip().splitlines()[0]
         group = root / line.split("::", 1)[1].lstrip("/")
         limit = (group / "memory.max").read_text().strip()
         if limit == "max":
@@ -125,8 +127,8 @@ def compute_budgets(args: ModelArgs, ctx_size: int, batch: int, tokens_per_pass:
     vram_weights = vram_total - kv - act - margin
     if vram_weights <= 0:
         raise BudgetError(
-            f"VRAM budget {vram_total / 2**30:.2f} GiB cannot hold the KV cache ({kv / 2**30:.2f} GiB for "
-            f"{batch} x {ctx_size} positions) and activations ({act / 2**30:.2f} GiB): give at least "
-            f"{(kv + act + margin) / 2**30:.2f} GiB plus one layer's weights, or lower -c/--batch")
+            f"VRAM budget {format_bytes(vram_total)} cannot hold the KV cache ({format_bytes(kv)} for "
+            f"{batch} x {ctx_size} positions) and activations ({format_bytes(act)}): give more than "
+            f"{format_bytes(kv + act + margin)} plus the weights' working set, or lower -c/--batch")
     return Budgets(vram_total, vram_weights, ram_total, max(0, ram_total - staging_nbytes), kv, act,
                    staging_nbytes, vram_source, ram_source)

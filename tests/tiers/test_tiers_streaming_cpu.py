@@ -1,0 +1,152 @@
+"""Streaming computes what the resident engine computes: on the CPU, with device memory simulated
+by small budgets so every tier (VRAM-resident, RAM, storage through the reader's O_DIRECT
+FileBackend or the mmap baseline) carries part of the model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from infer.engine import greedy
+from infer.gguf_file import GGUFModel
+from infer.model import load_transformer
+from infer.streaming import StreamingEngine
+from infer.tiers.options import StreamingConfig, build_streaming_engine, planner_tensors
+from infer.tiers.plan import Tier, minimum_vram
+
+CTX = 96
+
+
+def budgets_for(path: Path, resident_share: float, ram_share: float, slots: int = 4,
+                batch: int = 1) -> tuple[int, int]:
+    """Budgets (bytes) that keep about `resident_share` of the layer bytes in tier A and
+    `ram_share` in tier B, on top of what the KV cache, activations and staging of the run take."""
+    from infer.model import ModelArgs
+    from infer.tiers.budget import compute_budgets
+
+    model = GGUFModel(path)
+    args = ModelArgs.from_gguf(model)
+    tensors = planner_tensors(model, "cpu")
+    layers = sum(t.nbytes for t in tensors if t.layer is not None and not t.is_vector)
+    staging = 4 * max(t.nbytes for t in tensors if t.layer is not None)
+    big = compute_budgets(args, CTX, batch, 512 * batch, staging, 10**15, 10**15, device=False)
+    vram = minimum_vram(tensors, slots) + int(resident_share * layers) + big.vram_total - big.vram_for_weights
+    return vram, int(ram_share * layers) + staging
+
+
+def session(path: Path, resident: float, ram: float, tier_c: str = "file", slots: int = 4, batch: int = 1):
+    vram_budget, ram_budget = budgets_for(path, resident, ram, slots, batch)
+    config = StreamingConfig(enabled=True, vram_budget=str(vram_budget), ram_budget=str(ram_budget), tier_c=tier_c,
+                             slots=slots, batch=batch)
+    return build_streaming_engine(str(path), config, CTX, device="cpu", measure=False)
+
+
+def resident_logits(path: Path, tokens: list[int]) -> np.ndarray:
+    model = load_transformer(GGUFModel(path))
+    return model.forward(np.asarray(tokens), model.new_cache(CTX), all_logits=True)
+
+
+PROMPT = [1, 450, 4996, 17354, 1701, 432, 14, 9, 300, 77, 12, 5]
+
+
+@pytest.mark.parametrize(("resident", "ram", "tier_c", "slots"), [
+    (0.3, 0.3, "file", 4), (0.0, 0.0, "file", 2), (0.5, 0.0, "mmap", 3), (0.0, 1.0, "file", 7),
+])
+def test_tiny_streaming_logits_equal_resident(tiny_model: Path, resident: float, ram: float, tier_c: str,
+                                              slots: int) -> None:
+    s = session(tiny_model, resident, ram, tier_c, slots)
+    try:
+        tiers = {s.plan.tier[t.name] for t in s.plan.tensors if t.layer is not None and not t.is_vector}
+        expect = {Tier.VRAM} if resident else set()
+        expect |= {Tier.RAM} if ram else set()
+        expect |= {Tier.STORAGE} if ram < 1.0 else set()
+        assert tiers == expect
+        tokens = [t % 1024 for t in PROMPT]
+        cache = s.engine.model.new_cache(CTX)
+        got = s.engine.model.forward(np.asarray(tokens), cache, all_logits=True)
+        np.testing.assert_array_equal(got, resident_logits(tiny_model, tokens))
+        moved = s.weights.bytes_moved()
+        # one pass moved each streamed byte once (plus at most the ring's prefetch of the next pass)
+        for tier in (Tier.RAM, Tier.STORAGE):
+            once = s.plan.bytes_in(tier)
+            assert once <= moved[tier] <= once + slots * s.plan.slot_nbytes
+    finally:
+        s.close()
+
+
+def test_tiny_generation_over_many_passes_equals_resident(tiny_model: Path) -> None:
+    s = session(tiny_model, 0.25, 0.25)
+    try:
+        prompt = [t % 1024 for t in PROMPT]
+        streamed = s.engine.generate([prompt], 12, greedy)[0]
+        reference = StreamingEngine(load_transformer(GGUFModel(tiny_model)), CTX).generate([prompt], 12, greedy)[0]
+        assert streamed == reference
+        stats = s.engine.stats
+        assert stats.prefill_passes == 1 and stats.decode_passes == 11
+        passes = stats.prefill_passes + stats.decode_passes
+        per_pass = s.plan.bytes_in(Tier.STORAGE)
+        assert per_pass * passes <= stats.bytes_moved["C"] <= per_pass * passes + 4 * s.plan.slot_nbytes
+        assert "tier C" in s.moved_report() and "tier B" in s.moved_report()
+    finally:
+        s.close()
+
+
+def test_batch_of_sequences_equals_each_alone(tiny_model: Path) -> None:
+    prompts = [[t % 1024 for t in PROMPT], [1, 7, 99, 5], [1, 3] * 9]
+    s = session(tiny_model, 0.3, 0.3, batch=3)
+    try:
+        together = s.engine.generate(prompts, 10, greedy)
+        assert s.engine.stats.decode_passes == 9  # one pass per step serves all three
+        alone = [s.engine.generate([p], 10, greedy)[0] for p in prompts]
+    finally:
+        s.close()
+    assert together == alone
+    model = load_transformer(GGUFModel(tiny_model))
+    caches = [model.new_cache(CTX) for _ in prompts]
+    from infer.streaming import forward_batch
+
+    batched = forward_batch(model, [(np.asarray(p), c) for p, c in zip(prompts, caches, strict=True)], all_logits=True)
+    for p, logits in zip(prompts, batched, strict=True):
+        single = model.forward(np.asarray(p), model.new_cache(CTX), all_logits=True)
+        np.testing.assert_allclose(logits, single, rtol=1e-4, atol=1e-4)
+
+
+def test_prefill_chunks_share_passes(tiny_model: Path) -> None:
+    model = load_transformer(GGUFModel(tiny_model))
+    engine = StreamingEngine(model, CTX, prefill_chunk=5)
+    caches, last = engine.prefill([[1] + list(range(2, 14)), [1, 2, 3]])
+    assert engine.stats.prefill_passes == 3  # ceil(13 / 5); the short prompt rides in the first
+    assert [c.length for c in caches] == [13, 3]
+    whole = model.forward(np.asarray([1] + list(range(2, 14))), model.new_cache(CTX))
+    np.testing.assert_allclose(last[0], whole, rtol=1e-4, atol=1e-4)
+
+
+def test_smollm2_streaming_equals_resident(smollm2: Path) -> None:
+    """A real model: tied output embedding, Q4_1/Q8_0 tensors, 30 layers over three tiers."""
+    s = session(smollm2, 0.3, 0.3, "file", 4)
+    try:
+        assert s.plan.bytes_in(Tier.STORAGE) > 0 and s.plan.bytes_in(Tier.RAM) > 0
+        tokens = [1, 504, 3458, 282, 260, 2066, 30, 378, 905, 314]
+        got = s.engine.model.forward(np.asarray(tokens), s.engine.model.new_cache(CTX), all_logits=True)
+        np.testing.assert_array_equal(got, resident_logits(smollm2, tokens))
+        report = s.report()
+        assert "staged read (file)" in report and "tier A (VRAM)" in report
+    finally:
+        s.close()
+
+
+def test_budget_below_the_minimum_is_refused_with_it(tiny_model: Path) -> None:
+    import click
+
+    vram, _ = budgets_for(tiny_model, 0.0, 0.0)  # exactly the minimum
+    config = StreamingConfig(enabled=True, vram_budget=str(vram - 1), ram_budget="1MB")
+    with pytest.raises(click.ClickException, match="must be at least") as info:
+        build_streaming_engine(str(tiny_model), config, CTX, device="cpu", measure=False)
+    assert "\n" not in info.value.message
+    config = StreamingConfig(enabled=True, vram_budget=str(vram), ram_budget="1MB")
+    build_streaming_engine(str(tiny_model), config, CTX, device="cpu", measure=False).close()
+    config = StreamingConfig(enabled=True, vram_budget="100KB", ram_budget="1MB")
+    with pytest.raises(click.ClickException, match="cannot hold the KV cache"):
+        build_streaming_engine(str(tiny_model), config, CTX, device="cpu", measure=False)
