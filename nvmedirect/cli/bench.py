@@ -3,9 +3,8 @@ and queue pairs, with the kernel path and `dd` measured in the same run for comp
 
 from __future__ import annotations
 
-import os
 import re
-import stat
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -16,8 +15,9 @@ from nvmedirect.cli.common import BadInput, Refused, emit, output_option, wants_
 from nvmedirect.reader.bandwidth import BenchRow, GpuSink, measure, measure_dd, window_bytes
 from nvmedirect.reader.file_backend import FileBackend
 from nvmedirect.reader.host_memory import gpu_present, pinned_empty
-from nvmedirect.reader.model import BDF_PATTERN
+from nvmedirect.store.routing import IMAGE, NVME, RouteError, route_device
 
+NAMESPACE_SETTLE_S = 15.0
 _SIZE = re.compile(r"^(\d+)([KMGT]?)(I?B)?$", re.IGNORECASE)
 
 
@@ -97,14 +97,19 @@ def sweep_userspace(bdf: str, *, noiommu: bool, nsid: int, size: int, offset: in
 def kernel_compare(bdf: str, run_kernel) -> tuple[list[BenchRow], str]:
     """Hand the controller to the kernel nvme driver, measure, and bind it back to vfio-pci."""
     from nvmedirect.system.binding import bind, restore
+    from nvmedirect.system.devices import read_controller
     from nvmedirect.system.sysview import SystemView
 
     view = SystemView()
-    outcome = restore(view, bdf)
+    namespaces = restore(view, bdf).namespaces
     try:
-        if not outcome.namespaces:
+        deadline = time.monotonic() + NAMESPACE_SETTLE_S
+        while not namespaces and time.monotonic() < deadline:  # the nvme driver scans asynchronously
+            time.sleep(0.1)
+            namespaces = read_controller(view, bdf).block_devices
+        if not namespaces:
             raise click.ClickException(f"{bdf}: the kernel found no namespace after restore")
-        device = f"/dev/{sorted(outcome.namespaces)[0]}"
+        device = f"/dev/{sorted(namespaces)[0]}"
         return run_kernel(device), device
     finally:
         bind(view, bdf)
@@ -173,24 +178,26 @@ def bench_cmd(device: str | None, file_path: str | None, size: str, offset: str,
             rows.append(measure_dd(path, nbytes, start))
         return rows
 
-    source = file_path or device
-    if device is not None and BDF_PATTERN.match(device) and not os.path.exists(device):
-        from nvmedirect.store.safety import controller_refusals
-
-        if reasons := controller_refusals(device):
-            raise Refused(f"{device}: " + "; ".join(reasons))
-        rows = sweep_userspace(device, noiommu=noiommu, nsid=nsid, size=nbytes, offset=start, qds=qds,
+    if file_path is not None:
+        source, kind = file_path, "file"
+    else:
+        try:
+            route = route_device(device, nsid)
+        except RouteError as exc:
+            raise BadInput(str(exc)) from None
+        source, kind = route.path, route.kind
+        if kind == IMAGE:
+            raise BadInput(f"{device} is a regular file: use --file")
+        if kind == NVME and route.refusals:
+            raise Refused(f"{device}: " + "; ".join(route.refusals))
+    if kind == NVME:
+        rows = sweep_userspace(source, noiommu=noiommu, nsid=nsid, size=nbytes, offset=start, qds=qds,
                                ios=ios, qpairs=qps, gpu=use_gpu)
         if kernel_compare:
-            kernel_rows, kernel_device = kernel_compare_rows(device, kernel_run)
+            kernel_rows, kernel_device = kernel_compare_rows(source, kernel_run)
             rows += kernel_rows
-            notes.append(f"kernel path measured on {kernel_device}; {device} bound back to vfio-pci")
+            notes.append(f"kernel path measured on {kernel_device}; {source} bound back to vfio-pci")
     else:
-        if not os.path.exists(source):
-            raise BadInput(f"no such file or device: {source}")
-        mode = os.stat(source).st_mode
-        if device is not None and not stat.S_ISBLK(mode):
-            raise BadInput(f"{device} is neither a PCI address nor a block device (use --file for files)")
         rows = kernel_run(source)
     result = {"source": source, "gpu": use_gpu, "rows": [r.to_dict() for r in rows],
               "summary": summarize(rows), "notes": notes}

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -15,10 +14,9 @@ from tqdm import tqdm
 
 from nvmedirect.cli.common import BadInput, Refused, emit, output_option, wants_json
 from nvmedirect.errors import NvmeDirectError
-from nvmedirect.reader.model import BDF_PATTERN
 from nvmedirect.store.catalog import read_header, walk_chain
 from nvmedirect.store.header import HeaderError, StoredModelHeader
-from nvmedirect.store.safety import block_device_refusals, controller_refusals
+from nvmedirect.store.routing import BLOCK, NVME, RouteError, route_device
 from nvmedirect.store.targets import BlockTarget, KernelBlockTarget
 from nvmedirect.store.writer import (
     chain_end_lba,
@@ -38,27 +36,24 @@ noiommu_option = click.option("--noiommu", is_flag=True,
                               help="Userspace driver in VFIO no-IOMMU mode (unsafe: DMA is not isolated).")
 
 
-def _is_bdf(device: str) -> bool:
-    return bool(BDF_PATTERN.match(device)) and not os.path.exists(device)
-
-
 @contextmanager
 def open_target(device: str, lba_size: str | None, noiommu: bool, for_writing: bool) -> Iterator[BlockTarget]:
-    """The writable target for `device`, after the usage refusals (which --force never overrides)."""
-    if _is_bdf(device):
-        if for_writing and (reasons := controller_refusals(device)):
-            raise Refused(f"{device}: " + "; ".join(reasons))
-        try:
-            from nvmedirect.store.nvme_target import NvmeTarget
-        except ImportError as exc:
-            raise click.ClickException(f"the userspace NVMe path is not available in this build ({exc})") from None
-        target_cm: Any = NvmeTarget.open(device, noiommu=noiommu)
+    """The target for `device`, after the usage refusals (which --force never overrides)."""
+    try:
+        route = route_device(device)
+    except RouteError as exc:
+        raise BadInput(str(exc)) from None
+    if for_writing and route.refusals:
+        raise Refused(f"{device}: " + "; ".join(route.refusals))
+    if route.kind == NVME:
+        from nvmedirect.store.nvme_target import NvmeTarget
+
+        target_cm: Any = NvmeTarget.open(route.path, noiommu=noiommu, nsid=route.nsid)
     else:
-        if not os.path.exists(device):
-            raise BadInput(f"no such device or image file: {device}")
-        if for_writing and (reasons := block_device_refusals(device)):
-            raise Refused(f"{device}: " + "; ".join(reasons))
-        target_cm = KernelBlockTarget(device, lba_size=int(lba_size) if lba_size else None, writable=for_writing)
+        if lba_size and route.kind == BLOCK:
+            raise BadInput("--lba-size is for image files: a block device reports its own")
+        target_cm = KernelBlockTarget(route.path, lba_size=int(lba_size) if lba_size else None,
+                                      writable=for_writing)
     with target_cm as target:
         yield target
 
@@ -129,13 +124,13 @@ def write_gguf_cmd(model: Path, device: str, lba: int | None, append: bool, name
             raise click.ClickException(str(exc)) from None
         verified = time.monotonic() - began - wrote
     result = _describe(plan.header) | {
-        "device": device, "verified": True, "write_seconds": round(wrote, 3),
+        "device": device, "via": target.via, "target": target.name, "verified": True, "write_seconds": round(wrote, 3),
         "write_gb_s": round(size / wrote / 1e9, 3) if wrote else None,
         "verify_gb_s": round(size / verified / 1e9, 3) if verified else None,
         "overwrote": [m.model_name for m in plan.overwrites],
     }
     emit(result, as_json, lambda r: click.echo(
-        f"wrote {r['name']} ({r['gguf_bytes']} bytes) to {device} at LBA {r['start_lba']} "
+        f"wrote {r['name']} ({r['gguf_bytes']} bytes) to {device} ({r['via']} {r['target']}) at LBA {r['start_lba']} "
         f"(data at LBA {r['data_lba']}, {r['lba_size']}-byte LBAs); sha256 verified {r['sha256']}\n"
         f"next free LBA {r['next_lba']}; write {r['write_gb_s']} GB/s, read-back {r['verify_gb_s']} GB/s"))
 

@@ -27,7 +27,7 @@ from nvmedirect.reader.file_backend import BlockDeviceBackend, FileBackend
 from nvmedirect.reader.gguf_index import GGUF_MAGIC, GGUFIndex, TensorInfo, parse_gguf_header
 from nvmedirect.reader.host_memory import aligned_empty
 from nvmedirect.store.catalog import find_model, read_header, walk_chain
-from nvmedirect.store.header import HeaderError, StoredModelHeader, looks_like_header
+from nvmedirect.store.header import OFFSETS, HeaderError, StoredModelHeader, looks_like_header
 
 BDF_PATTERN = re.compile(r"^([0-9a-fA-F]{4}:)?[0-9a-fA-F]{2}:[0-9a-fA-F]{2}\.[0-7]$")
 _VERIFY_CHUNK = 64 << 20
@@ -123,10 +123,22 @@ class ModelReader:
 def open_backend(source: str | os.PathLike, *, lba_size: int | None = None, **options: Any) -> StorageBackend:
     """The backend for a path (file or block device) or a PCI address (userspace driver)."""
     text = os.fspath(source)
-    if BDF_PATTERN.match(text) and not os.path.exists(text):
-        from nvmedirect.reader.nvme_backend import NvmeBackend
+    if not os.path.exists(text) and (BDF_PATTERN.match(text) or text.startswith(("/dev/nvme", "nvme"))):
+        # A controller by PCI address, or a namespace whose controller `nvmedirect bind` handed to
+        # vfio-pci: our driver if it is on vfio-pci, else the namespace's kernel block device.
+        from nvmedirect.store.routing import NVME, RouteError, route_device
 
-        return NvmeBackend.open(text, **options)
+        try:
+            route = route_device(text, options.pop("nsid", 1))
+        except RouteError as exc:
+            raise ReadError(str(exc)) from None
+        if route.kind == NVME:
+            from nvmedirect.reader.nvme_backend import NvmeBackend
+
+            return NvmeBackend.open(route.path, nsid=route.nsid, **options)
+        text = route.path
+    for nvme_only in ("noiommu", "queue_pairs", "nsid"):  # meaningless for files and block devices
+        options.pop(nvme_only, None)
     try:
         mode = os.stat(text).st_mode
     except OSError as exc:
@@ -161,7 +173,8 @@ def _open_on(backend: StorageBackend, lba: int | None, name: str | None) -> Mode
         return ModelReader(backend, 0, backend.size)
     lba_size = backend.lba_size
     if lba is None and looks_like_header(head):  # an image's header says its own LBA size
-        lba_size = int.from_bytes(head[16:20], "little")
+        at = OFFSETS["lba_size"]
+        lba_size = int.from_bytes(head[at:at + 4], "little")
     try:
         if lba is not None:
             stored = read_header(read, lba, lba_size)

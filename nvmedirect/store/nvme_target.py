@@ -16,6 +16,8 @@ BOUNCE_BYTES = 8 << 20  # one DMA buffer, reused for every chunk
 class NvmeTarget:
     """Same methods as `KernelBlockTarget`, on the driver's `Namespace.write/read/flush`."""
 
+    via = "userspace driver"
+
     def __init__(self, ctrl: Any, nsid: int = 1, owns_controller: bool = False, name: str | None = None):
         self.ctrl = ctrl
         self._owns = owns_controller

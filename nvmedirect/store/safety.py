@@ -36,18 +36,3 @@ def block_device_refusals(path: str) -> list[str]:
         if text not in reasons:
             reasons.append(text)
     return reasons
-
-
-def controller_refusals(bdf: str) -> list[str]:
-    """Why the userspace driver must not write this controller (it must already be on vfio-pci)."""
-    from nvmedirect.system.devices import read_controller
-    from nvmedirect.system.safety import FREE, VFIO, assess
-
-    view = SystemView()
-    verdict = assess(read_controller(view, bdf), UsageIndex(view))
-    if verdict.state == VFIO:
-        return []
-    if verdict.state == FREE:
-        return [f"{bdf} is bound to the kernel nvme driver: name its /dev/nvmeXnY, or "
-                f"`nvmedirect bind {bdf}` first"]
-    return [verdict.summary()]

@@ -24,6 +24,7 @@ class TargetError(NvmeDirectError):
 
 class BlockTarget(Protocol):
     name: str
+    via: str  # "userspace driver", "kernel block device" or "image file"
     lba_size: int
     capacity_bytes: int | None  # None: unknown
 
@@ -51,6 +52,7 @@ class KernelBlockTarget:
         self.is_block_device = stat.S_ISBLK(mode)
         if not (self.is_block_device or stat.S_ISREG(mode)):
             raise TargetError(f"{path} is neither a block device nor a regular file")
+        self.via = "kernel block device" if self.is_block_device else "image file"
         flags = (os.O_RDWR | (os.O_EXCL if self.is_block_device else 0)) if writable else os.O_RDONLY
         flags |= os.O_CLOEXEC
         try:

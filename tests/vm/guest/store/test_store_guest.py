@@ -92,9 +92,14 @@ def every_tensor_equal(model, raw: np.ndarray) -> int:
 @pytest.mark.parametrize("lba_size", [512, 4096])
 def test_kernel_block_device_write_at_lba0_and_read(lba_size: int, raw_model: np.ndarray) -> None:
     device = kernel_device(SERIALS[lba_size])
-    result = cli("write-gguf", MODEL, "-d", device, "--lba", 0, "--name", "kernel-written", "-y", "--json")
+    # Named by /dev path, or by PCI address while the kernel nvme driver has it: both go through
+    # the kernel block device.
+    name = device if lba_size == 512 else bdf_of(SERIALS[lba_size])
+    result = cli("write-gguf", MODEL, "-d", name, "--lba", 0, "--name", "kernel-written", "-y", "--json")
     assert result.exit_code == 0, result.output
-    assert json.loads(result.stdout)["lba_size"] == lba_size
+    written = json.loads(result.stdout)
+    assert written["lba_size"] == lba_size
+    assert written["via"] == "kernel block device" and written["target"] == device
     with open_model(device) as model:
         assert isinstance(model.backend, BlockDeviceBackend) and model.backend.direct
         assert model.stored.model_name == "kernel-written" and model.stored.start_lba == 0
@@ -106,12 +111,15 @@ def test_kernel_block_device_write_at_lba0_and_read(lba_size: int, raw_model: np
 def test_userspace_write_at_nonzero_lba_and_read_both_ways(lba_size: int, raw_model: np.ndarray, vfio_bound,
                                                            noiommu: bool) -> None:
     serial, lba = SERIALS[lba_size], NONZERO_LBA[lba_size]
+    old_name = kernel_device(serial)
     bdf = vfio_bound(serial)
+    assert not os.path.exists(old_name)
     flag = ["--noiommu"] if noiommu else []
     result = cli("write-gguf", MODEL, "-d", bdf, "--lba", lba, "--name", "driver-written", "-y", "--json", *flag)
     assert result.exit_code == 0, result.output
     written = json.loads(result.stdout)
     assert written["lba_size"] == lba_size and written["start_lba"] == lba
+    assert written["via"] == "userspace driver"
     listing = json.loads(cli("ls-gguf", "-d", bdf, "--lba", lba, "--json", *flag).stdout)
     assert [m["name"] for m in listing["models"]] == ["driver-written"]
     # Through the userspace driver: the model it wrote, and the one the kernel wrote at LBA 0.
@@ -119,7 +127,9 @@ def test_userspace_write_at_nonzero_lba_and_read_both_ways(lba_size: int, raw_mo
         assert isinstance(model.backend, NvmeBackend) and model.backend.queue_pairs >= 2
         every_tensor_equal(model, raw_model)
         model.verify()
-    with open_model(bdf, lba=0, noiommu=noiommu) as model:
+    # The /dev name the namespace had before `bind` still finds it (through the bind state file).
+    with open_model(old_name, lba=0, noiommu=noiommu) as model:
+        assert isinstance(model.backend, NvmeBackend)
         assert model.stored.model_name == "kernel-written"
         model.verify()
     # Back on the kernel driver, the driver-written copy reads the same through the block device.
