@@ -18,6 +18,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -82,7 +83,7 @@ def forward_batch(model: Transformer, batch: Sequence[tuple[np.ndarray, KVCache]
 class StreamingEngine:
     """Many sequences on one Transformer; every pass serves all of them."""
 
-    def __init__(self, model: Transformer, ctx_size: int, prefill_chunk: int = PREFILL_CHUNK,
+    def __init__(self, model: Transformer | Any, ctx_size: int, prefill_chunk: int = PREFILL_CHUNK,
                  bytes_moved: Callable[[], dict[str, int]] | None = None) -> None:
         if ctx_size <= 0:
             raise ValueError(f"context size must be positive, not {ctx_size}")
@@ -91,6 +92,11 @@ class StreamingEngine:
         self.prefill_chunk = prefill_chunk
         self._bytes_moved = bytes_moved
         self.stats = BatchStats()
+
+    def _pass(self, batch: list[tuple[np.ndarray, KVCache]]) -> list[np.ndarray]:
+        """One pass: the model's own batched forward (the GPU streaming model) or the CPU one."""
+        own = getattr(self.model, "forward_batch", None)
+        return own(batch) if own is not None else forward_batch(self.model, batch)
 
     def prefill(self, prompts: Sequence[Sequence[int]]) -> tuple[list[KVCache], list[np.ndarray]]:
         """New caches holding each prompt; the logits after each prompt's last token. Chunks of
@@ -107,7 +113,7 @@ class StreamingEngine:
         while any(position < len(p) for p in prompts):
             live = [s for s, p in enumerate(prompts) if position < len(p)]
             batch = [(np.asarray(prompts[s][position:position + self.prefill_chunk]), caches[s]) for s in live]
-            for s, logits in zip(live, forward_batch(self.model, batch), strict=True):
+            for s, logits in zip(live, self._pass(batch), strict=True):
                 last[s] = logits
             self.stats.prefill_passes += 1
             position += self.prefill_chunk
@@ -140,7 +146,7 @@ class StreamingEngine:
                 batch.append((np.asarray([token]), caches[s]))
             live = next_live
             if batch:
-                for s, out in zip(live, forward_batch(self.model, batch), strict=True):
+                for s, out in zip(live, self._pass(batch), strict=True):
                     logits[s] = out
                 self.stats.decode_passes += 1
         self.stats.decode_seconds = time.perf_counter() - started

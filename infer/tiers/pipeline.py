@@ -31,12 +31,10 @@ from infer.gpu import kernels
 from infer.gpu.layout import FLOAT_FORMATS, format_of, plane_layout
 from infer.gpu.ops import GpuMatrix, upload_matrix
 from infer.model import ModelArgs
-from infer.tiers.plan import Plan, Tensor, Tier
+from infer.tiers.plan import SCRATCH_ALIGN, Plan, Tensor, Tier
 from infer.tiers.ring import StagingReader, StreamRing
 from infer.tiers.tier_b import HostTier
 from infer.tiers.tier_c import StorageSource
-
-SCRATCH_ALIGN = 256
 
 
 def device_nbytes(info: Any) -> int:
@@ -132,6 +130,11 @@ class GpuStreamingWeights:
                 if plan.tier[t.name] is not Tier.VRAM:
                     self._scratch_at[t.name] = at
                     at += -(-t.device_nbytes // SCRATCH_ALIGN) * SCRATCH_ALIGN
+            if at > self.scratch.nbytes and at:
+                raise RuntimeError(f"layer scratch of {self.scratch.nbytes} bytes cannot hold {at}")
+        # uploads ran on the legacy default stream, which the non-blocking compute stream does not
+        # wait for: finish them before any pass starts
+        cupy.cuda.Device().synchronize()
         self.ring.start()
 
     def _upload(self, t: Tensor) -> Any:

@@ -39,6 +39,7 @@ LAYER_NAME = re.compile(r"^blk\.(\d+)\.(.+)\.(weight|bias)$")
 ATTENTION_KINDS = ("attn_q", "attn_k", "attn_v", "attn_output")
 FFN_KINDS = ("ffn_gate", "ffn_up", "ffn_down")
 DEFAULT_SLOTS = 4
+SCRATCH_ALIGN = 256  # each tensor in the layer scratch starts on this boundary (the kernels' plane alignment)
 
 
 class Tier(StrEnum):
@@ -169,7 +170,7 @@ def minimum_vram(tensors: Sequence[Tensor], n_slots: int = DEFAULT_SLOTS, layer_
     matrices = [t for t in tensors if t.layer is not None and not t.is_vector]
     per_layer: dict[int, int] = {}
     for t in matrices:
-        per_layer[t.layer] = per_layer.get(t.layer, 0) + t.device_nbytes  # type: ignore[index]
+        per_layer[t.layer] = per_layer.get(t.layer, 0) + _aligned(t.device_nbytes)  # type: ignore[index]
     scratch = max(per_layer.values(), default=0) if layer_scratch else 0
     return pinned + n_slots * max((t.nbytes for t in matrices), default=0) + scratch
 
@@ -199,7 +200,7 @@ def make_plan(tensors: Sequence[Tensor], n_layers: int, vram_budget: int, ram_bu
         slot = max((t.nbytes for t in streamed), default=0)
         per_layer: dict[int, int] = {}
         for t in streamed:
-            per_layer[t.layer] = per_layer.get(t.layer, 0) + t.device_nbytes  # type: ignore[index]
+            per_layer[t.layer] = per_layer.get(t.layer, 0) + _aligned(t.device_nbytes)  # type: ignore[index]
         scratch = max(per_layer.values(), default=0) if layer_scratch else 0
         return slot, scratch
 
@@ -232,6 +233,10 @@ def make_plan(tensors: Sequence[Tensor], n_layers: int, vram_budget: int, ram_bu
     plan = Plan(ordered, tier, n_layers, n_slots, slot, scratch, vram_budget, ram_budget)
     plan.notes.append(f"{len(plan.resident_layers())} of {n_layers} layers wholly resident")
     return plan
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // SCRATCH_ALIGN) * SCRATCH_ALIGN
 
 
 def _fill_vram(matrices: list[Tensor], n_layers: int, room: int) -> set[str]:
