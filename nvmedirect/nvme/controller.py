@@ -34,7 +34,7 @@ class Controller:
     memory from `dma`. `start()` brings it up; `close()` shuts it down and frees every mapping."""
 
     def __init__(self, bar, dma: DmaAllocator, *, io_timeout_s: float = 5.0,
-                 max_transfer: int = DEFAULT_MAX_TRANSFER, owner=None):
+                 max_transfer: int = DEFAULT_MAX_TRANSFER, poll_idle_sleep_s: float = 0.0, owner=None):
         self.bar = bar
         self.dma = dma
         self._owner = owner  # the VfioDevice when opened by `open()`; closed last
@@ -46,6 +46,7 @@ class Controller:
         self.ready_timeout_s = max(int(self.cap.bits.to), 1) * CAP_TO_UNIT_S
         self.version = bar.read32(Reg.VS)
         self.io_timeout_s = io_timeout_s
+        self.poll_idle_sleep_s = poll_idle_sleep_s
         self._max_transfer_wanted = max_transfer
         self.max_transfer = max_transfer
         self.admin: QueuePair | None = None
@@ -104,6 +105,7 @@ class Controller:
                           max_transfer=4096 if admin else self.max_transfer,
                           timeout_s=ADMIN_TIMEOUT_S if admin else self.io_timeout_s, admin=admin)
         qpair.on_timeout = self._health_check
+        qpair.idle_sleep_s = 0.0 if admin else self.poll_idle_sleep_s
         return qpair
 
     # -- admin commands ------------------------------------------------------------------------

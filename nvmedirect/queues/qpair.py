@@ -102,6 +102,7 @@ class QueuePair:
         self._quarantined: set[int] = set()  # CIDs timed out: the device may still complete them
         self._next_timeout_check = 0.0
         self.on_timeout: Callable[[QueuePair], None] | None = None  # controller health check hook
+        self.idle_sleep_s = 0.0  # 0: pure polling; else sleep this long after an empty spin
         self.closed = False
 
     # -- state ---------------------------------------------------------------------------------
@@ -179,6 +180,10 @@ class QueuePair:
             found = lib.nvd_cq_poll(self._cq, self.depth, self._cq_head, self._cq_phase, self._cqes, count)
         if found:
             self._cq_doorbell.ring(self._cq_head[0])
+        elif spin and self.idle_sleep_s:
+            # Nothing yet: give the CPU away briefly. On a shared host (a TCG guest, a busy box)
+            # the device's emulation or the rest of the pipeline may need the core we would spin on.
+            time.sleep(self.idle_sleep_s)
         finished = 0
         now = time.monotonic()
         for i in range(found):

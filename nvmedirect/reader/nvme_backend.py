@@ -2,9 +2,9 @@
 
 Each `read_async` cuts its ranges into pieces of at most `io_size` bytes and deals them round-robin
 to the queue pairs; a worker owns its queue pair and its own namespace view (with its own DMA
-staging slots), so no lock is shared on the I/O path. Inside a piece the driver keeps the queue
-full (one doorbell per batch). The spin-poll runs in C through cffi with the GIL released, so the
-workers really overlap.
+staging slots), so no lock is shared on the I/O path. A worker hands all its pieces of one call to
+the driver's `Namespace.run`, which keeps up to `queue_depth` commands in flight (one doorbell per
+batch). The spin-poll runs in C through cffi with the GIL released, so the workers really overlap.
 
 Destinations that are `DmaBuffer`s (from `alloc`) receive the data by DMA directly; any other
 writable buffer (e.g. CuPy pinned memory) is filled from the worker's DMA staging slots.
@@ -12,8 +12,8 @@ writable buffer (e.g. CuPy pinned memory) is filled from the worker's DMA stagin
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -29,16 +29,59 @@ DEFAULT_IO_SIZE = 4 << 20
 class _Worker:
     """A queue pair, the namespace view that stages through it, and the thread that drives both."""
 
-    def __init__(self, ctrl: Any, info: Any, depth: int, index: int):
+    def __init__(self, ctrl: Any, info: Any, depth: int):
         from nvmedirect.nvme.namespace import Namespace
 
+        self.depth = depth
         self.qpair = ctrl.create_io_qpair(depth + 1)  # a ring of N entries holds N-1 commands
-        self.namespace = Namespace(ctrl, info)
-        self.namespace._staging_buffer()  # allocate now, on the opening thread
+        self.namespace = Namespace(ctrl, info)  # its own staging slots: nothing shared between workers
         self.executor = ThreadPoolExecutor(1, thread_name_prefix=f"nvme-qp{self.qpair.qid}")
 
-    def read(self, dest: Any, byte_offset: int, nbytes: int) -> None:
-        self.namespace.read_into(dest, byte_offset, nbytes, qpair=self.qpair)
+    def read_pieces(self, pieces: list[tuple[Any, int, int]]) -> None:
+        """All (destination, byte offset, nbytes) pieces in one keep-the-queue-full run."""
+        from nvmedirect.nvme.spec import IoOpcode
+
+        segments = (seg for dest, offset, nbytes in pieces for seg in self._segments(dest, offset, nbytes))
+        self.namespace.run(segments, IoOpcode.READ, qpair=self.qpair, max_in_flight=self.depth)
+
+    def _segments(self, dest: Any, offset: int, nbytes: int) -> Iterator[Any]:
+        """Commands for one piece: straight into `dest` when it is DMA memory and the piece covers
+        whole LBAs at a dword-aligned address; otherwise through the staging slots and a copy."""
+        from nvmedirect.nvme.namespace import Segment
+        from nvmedirect.vfio.dma import DmaBuffer
+
+        ns = self.namespace
+        lba_size, step = ns.lba_size, ns.max_blocks
+        first, end_lba = offset // lba_size, -(-(offset + nbytes) // lba_size)
+        if (isinstance(dest, DmaBuffer) and offset % lba_size == 0 and nbytes % lba_size == 0
+                and dest.address % 4 == 0):
+            for lba in range(first, end_lba, step):
+                count = min(step, end_lba - lba)
+                at = (lba - first) * lba_size
+                yield Segment(lba, count, dest[at:at + count * lba_size])
+            return
+        host = dest.view if isinstance(dest, DmaBuffer) else dest
+        for lba in range(first, end_lba, step):
+            count = min(step, end_lba - lba)
+            yield Segment(lba, count, None, _copy_out(host, offset, nbytes, lba * lba_size, count * lba_size))
+
+    def close(self, ctrl: Any) -> None:
+        self.executor.shutdown(wait=True)
+        if not ctrl.dead:
+            ctrl.delete_io_qpair(self.qpair)
+        staging = getattr(self.namespace, "_staging", None)  # the driver has no public release yet
+        if staging is not None and not staging.freed:
+            staging.free()
+
+
+def _copy_out(dest: np.ndarray, want_start: int, want_len: int, got_start: int, got_len: int):
+    """Copies the overlap of the wanted bytes and one staged chunk into `dest`."""
+    lo, hi = max(want_start, got_start), min(want_start + want_len, got_start + got_len)
+
+    def copy(staged: Any) -> None:
+        dest[lo - want_start:hi - want_start] = staged.view[lo - got_start:hi - got_start]
+
+    return copy
 
 
 class NvmeBackend(StorageBackend):
@@ -61,8 +104,8 @@ class NvmeBackend(StorageBackend):
         self._closing = OnceLock()
         self._workers: list[_Worker] = []
         try:
-            for index in range(queue_pairs):
-                self._workers.append(_Worker(ctrl, self.info, queue_depth, index))
+            for _ in range(queue_pairs):
+                self._workers.append(_Worker(ctrl, self.info, queue_depth))
         except BaseException:
             self.close()
             raise
@@ -98,51 +141,50 @@ class NvmeBackend(StorageBackend):
 
         if len(ranges) != len(buffers):
             raise ReadError(f"{len(ranges)} ranges but {len(buffers)} destination buffers")
-        futures: list[Future] = []
+        dealt: list[list[tuple[Any, int, int]]] = [[] for _ in self._workers]
         for (offset, nbytes), buffer in zip(ranges, buffers, strict=True):
             if offset < 0 or nbytes < 0 or offset + nbytes > self.size:
                 raise ReadError(f"range [{offset}, {offset + nbytes}) lies outside the namespace "
                                 f"({self.size} bytes)")
             if isinstance(buffer, DmaBuffer):
                 dest: Any = buffer
-                capacity = buffer.nbytes
             else:
                 try:
                     dest = as_byte_array(buffer)
                 except ValueError as exc:
                     raise ReadError(str(exc)) from None
-                capacity = dest.nbytes
-            if capacity < nbytes:
-                raise ReadError(f"destination of {capacity} bytes cannot hold {nbytes} bytes")
-            for start in range(0, nbytes, self.io_size):
-                length = min(self.io_size, nbytes - start)
-                worker = self._workers[self._next % len(self._workers)]
+            if dest.nbytes < nbytes:
+                raise ReadError(f"destination of {dest.nbytes} bytes cannot hold {nbytes} bytes")
+            # Pieces end on io_size boundaries of the device, so all but a range's first and last
+            # are LBA-aligned (and can go straight into DMA memory).
+            position, end = offset, offset + nbytes
+            while position < end:
+                piece_end = min(end, position - position % self.io_size + self.io_size)
+                at = position - offset
+                dealt[self._next % len(self._workers)].append((dest[at:at + piece_end - position], position,
+                                                               piece_end - position))
                 self._next += 1
-                futures.append(worker.executor.submit(self._read_piece, worker, dest, start,
-                                                      offset + start, length))
+                position = piece_end
+        futures = [worker.executor.submit(self._run, worker, pieces)
+                   for worker, pieces in zip(self._workers, dealt, strict=True) if pieces]
         return ReadHandle(futures)
 
     @staticmethod
-    def _read_piece(worker: _Worker, dest: Any, dest_start: int, byte_offset: int, nbytes: int) -> None:
-        piece = dest[dest_start:dest_start + nbytes]
+    def _run(worker: _Worker, pieces: list[tuple[Any, int, int]]) -> None:
         try:
-            worker.read(piece, byte_offset, nbytes)
+            worker.read_pieces(pieces)
         except ReadError:
             raise
         except Exception as exc:  # NVMe status errors, timeouts: one error type for readers
-            raise ReadError(f"NVMe read of {nbytes} bytes at byte {byte_offset} failed: {exc}") from exc
+            first, last = pieces[0], pieces[-1]
+            raise ReadError(f"NVMe read of bytes {first[1]}..{last[1] + last[2]} failed: {exc}") from exc
 
     def close(self) -> None:
         if not self._closing.first():
             return
-        for worker in self._workers:
-            worker.executor.shutdown(wait=True)
         try:
             for worker in self._workers:
-                if not self.ctrl.dead:
-                    self.ctrl.delete_io_qpair(worker.qpair)
-                if worker.namespace._staging is not None:
-                    worker.namespace._staging.free()
+                worker.close(self.ctrl)
         finally:
             if self._owns:
                 self.ctrl.close()
@@ -150,8 +192,3 @@ class NvmeBackend(StorageBackend):
     def __repr__(self) -> str:
         return f"NvmeBackend({self.name!r}, qpairs={self.queue_pairs}, qd={self.queue_depth}, io={self.io_size})"
 
-
-def as_numpy(buffer: Any) -> np.ndarray:
-    """The bytes of a destination as NumPy (a DmaBuffer's `.view`, else the buffer itself)."""
-    view = getattr(buffer, "view", None)
-    return view if isinstance(view, np.ndarray) else as_byte_array(buffer)
