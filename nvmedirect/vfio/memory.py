@@ -14,6 +14,8 @@ import mmap
 import os
 import resource
 
+import numpy as np
+
 from nvmedirect.errors import DmaError, MemlockLimit
 from nvmedirect.vfio._ffi import ffi
 
@@ -132,4 +134,6 @@ def cuda_pinned(nbytes: int) -> HostMemory:
     if address % PAGE_SIZE:
         raise DmaError(f"CUDA pinned memory at {address:#x} is not page aligned")
     buffer = ffi.buffer(ffi.cast("char *", address), size)
+    # Touch every page so each is backed before pagemap (no-IOMMU) or VFIO pinning looks at it.
+    np.frombuffer(buffer, dtype=np.uint8)[::PAGE_SIZE] = 0
     return HostMemory(address, size, PAGE_SIZE, buffer, pinned, "cuda-pinned")
