@@ -2,13 +2,26 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno as errno_mod
 import os
+import weakref
 
 from nvmedirect.errors import VfioError
 from nvmedirect.vfio._ffi import ffi, lib
 
 CONTAINER_PATH = "/dev/vfio/vfio"
+
+
+def _close_quietly(fd: int) -> None:
+    with contextlib.suppress(OSError):  # at exit there is nobody left to report to
+        os.close(fd)
+
+
+def fd_finalizer(owner: object, fd: int) -> weakref.finalize:
+    """Close `fd` when `owner` is garbage collected or the interpreter exits, whichever comes first
+    (finalizers run newest first at exit: device, then group, then container). `close()` detaches it."""
+    return weakref.finalize(owner, _close_quietly, fd)
 
 
 def ioctl_ptr(fd: int, request: int, arg, what: str) -> int:
@@ -39,6 +52,7 @@ class Container:
         self._iommu_set = False
         try:
             self.fd = os.open(CONTAINER_PATH, os.O_RDWR | os.O_CLOEXEC)
+            self._finalizer = fd_finalizer(self, self.fd)
         except FileNotFoundError:
             raise VfioError(
                 f"{CONTAINER_PATH} does not exist: load the vfio modules (`modprobe vfio-pci`)"
@@ -73,6 +87,8 @@ class Container:
         return int(info.iova_pgsizes)
 
     def close(self) -> None:
+        if getattr(self, "_finalizer", None) is not None:
+            self._finalizer.detach()
         if getattr(self, "fd", -1) >= 0:
             try:
                 os.close(self.fd)

@@ -7,7 +7,7 @@ import os
 
 from nvmedirect.errors import VfioError
 from nvmedirect.vfio._ffi import ffi, lib
-from nvmedirect.vfio.container import Container, ioctl_int, ioctl_ptr
+from nvmedirect.vfio.container import Container, fd_finalizer, ioctl_int, ioctl_ptr
 from nvmedirect.vfio.group import Group, group_number
 
 PCI_COMMAND = 0x04
@@ -94,6 +94,7 @@ class VfioDevice:
         self.group = group
         self._owns = owns  # objects to close after the device (group, container)
         self.fd = group.device_fd(bdf)
+        self._finalizer = fd_finalizer(self, self.fd)
         info = ffi.new("struct vfio_device_info *")
         info.argsz = ffi.sizeof("struct vfio_device_info")
         ioctl_ptr(self.fd, lib.VFIO_DEVICE_GET_INFO, info, "VFIO_DEVICE_GET_INFO")
@@ -192,6 +193,8 @@ class VfioDevice:
         for bar in self._bars.values():
             bar.close()
         self._bars = {}
+        if getattr(self, "_finalizer", None) is not None:
+            self._finalizer.detach()
         if getattr(self, "fd", -1) >= 0:
             os.close(self.fd)
             self.fd = -1

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from nvmedirect.errors import DeviceNotFound, VfioError
 from nvmedirect.vfio._ffi import ffi, lib
-from nvmedirect.vfio.container import Container, ioctl_ptr
+from nvmedirect.vfio.container import Container, fd_finalizer, ioctl_ptr
 
 SYSFS_PCI = Path("/sys/bus/pci/devices")
 
@@ -43,6 +43,7 @@ class Group:
             )
         try:
             self.fd = os.open(self.path, os.O_RDWR | os.O_CLOEXEC)
+            self._finalizer = fd_finalizer(self, self.fd)
         except FileNotFoundError:
             raise DeviceNotFound(f"{self.path} does not exist: is the device bound to vfio-pci?") from None
         except OSError as exc:
@@ -65,6 +66,8 @@ class Group:
         return ioctl_ptr(self.fd, lib.VFIO_GROUP_GET_DEVICE_FD, name, f"VFIO_GROUP_GET_DEVICE_FD({bdf})")
 
     def close(self) -> None:
+        if getattr(self, "_finalizer", None) is not None:
+            self._finalizer.detach()
         if getattr(self, "fd", -1) >= 0:
             os.close(self.fd)
             self.fd = -1
