@@ -86,13 +86,13 @@ def cgroup_memory_available(root: Path = Path("/sys/fs/cgroup"),
                             membership: Path = Path("/proc/self/cgroup")) -> int | None:
     """Bytes the current cgroup v2 may still allocate (memory.max − memory.current), or None."""
     try:
-        line = membership.read_text().strip().splitlines()[0]
+        line = next(x for x in membership.read_text().splitlines() if x.startswith("0::"))  # the v2 entry
         group = root / line.split("::", 1)[1].lstrip("/")
         limit = (group / "memory.max").read_text().strip()
         if limit == "max":
             return None
         return max(0, int(limit) - int((group / "memory.current").read_text()))
-    except (OSError, IndexError, ValueError):
+    except (OSError, StopIteration, ValueError):
         return None
 
 

@@ -192,7 +192,16 @@ def build_streaming_engine(model_path: str, config: StreamingConfig, ctx_size: i
     session_closers: list[Callable[[], None]] = []
     b_tensors = plan.tensors_in(Tier.RAM)
     mode = choose_mode(b_tensors, budgets.ram_for_weights, config.tier_b)
-    host = HostTier(model_path, b_tensors, mode) if b_tensors else None
+    host = None
+    if b_tensors:
+        try:
+            host = HostTier(model_path, b_tensors, mode)
+        except Exception as err:  # registration refused (limits, driver): the pinned copy always works
+            if config.tier_b != "auto" or mode != "registered":
+                raise
+            plan.notes.append(f"registering the file mapping failed ({type(err).__name__}: {err}); tier B pinned")
+            mode = "pinned"
+            host = HostTier(model_path, b_tensors, mode)
     if host is not None:
         session_closers.append(host.close)
     c_tensors = plan.tensors_in(Tier.STORAGE)

@@ -77,9 +77,10 @@ class _Done:
 
 
 class MmapSource:
-    """The naive baseline: memcpy out of the file's memory map on worker threads."""
+    """The naive baseline: memcpy out of the file's memory map, one tensor at a time on one thread
+    (every page fault waits for the disk), as the seed's mmap streaming did."""
 
-    def __init__(self, path: str | os.PathLike, workers: int = 4) -> None:
+    def __init__(self, path: str | os.PathLike, workers: int = 1) -> None:
         self.name = "mmap"
         self.description = f"mmap: {os.fspath(path)} (page cache, memcpy by {workers} threads)"
         self.direct = False
