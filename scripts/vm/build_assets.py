@@ -71,10 +71,11 @@ def resolve_kernel() -> tuple[str, str]:
     """(image package, kernel version) of the kernel Debian's linux-image-amd64 currently names."""
     package = os.environ.get("NVMEDIRECT_VM_KERNEL_PACKAGE")
     if not package:
-        out = run("apt-cache", "depends", "linux-image-amd64")
-        found = re.search(r"Depends:\s*(linux-image-\S+)", out)
+        proc = subprocess.run(["apt-cache", "depends", "linux-image-amd64"], capture_output=True, text=True)
+        found = re.search(r"Depends:\s*(linux-image-\S+)", proc.stdout)
         if not found:
-            raise SystemExit("vm-assets: `apt-cache depends linux-image-amd64` names no kernel; run apt-get update")
+            raise SystemExit("vm-assets: apt names no kernel for linux-image-amd64: run apt-get update "
+                             "(a Debian archive is needed; NVMEDIRECT_VM_KERNEL_PACKAGE picks one by hand)")
         package = found.group(1)
     return package, package.removeprefix("linux-image-")
 

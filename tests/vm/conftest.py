@@ -46,7 +46,7 @@ def vm_mode(request: pytest.FixtureRequest) -> str:
 
 @pytest.fixture
 def guest_pytest(vm_assets: Path, tmp_path: Path) -> Callable:
-    """`guest_pytest(config, files, timeout=300, ...)` boots once and runs pytest on the guest files;
+    """`guest_pytest(config, files, timeout=600, ...)` boots once and runs pytest on the guest files;
     returns a GuestPytestResult. Each call gets its own run directory under tmp_path."""
     from rig import VmConfig
     from rig_pytest import GuestPytestResult, run_guest_pytest

@@ -99,7 +99,7 @@ def guest_pytest_command(files: Sequence[str | Path], pytest_args: Sequence[str]
     return shlex.join(argv)
 
 
-def run_guest_pytest(config: VmConfig, files: Sequence[str | Path], workdir: Path, timeout: float = 300,
+def run_guest_pytest(config: VmConfig, files: Sequence[str | Path], workdir: Path, timeout: float = 600,
                      pytest_args: Sequence[str] = (), env: dict[str, str] | None = None, repo: Path = REPO,
                      on_console: Sequence[tuple[str, Callable[[Vm], None]]] = ()) -> GuestPytestResult:
     """Boot `config` and run pytest on guest-side test `files` (relative to `repo`) in it."""
