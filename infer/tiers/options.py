@@ -125,26 +125,47 @@ class StreamingSession:
         self.closers = []
 
 
+def gpu_nbytes(info: Any) -> int:
+    """Device bytes of a GGUF tensor on the GPU: its planar form for a matrix, float32 for a vector."""
+    from infer.gpu.layout import format_of, plane_layout
+
+    shape = tuple(info.shape)
+    if len(shape) == 1:
+        return int(shape[0]) * 4
+    rows = 1
+    for d in shape[:-1]:
+        rows *= int(d)
+    return plane_layout(format_of(info.ggml_type), rows, int(shape[-1])).nbytes
+
+
 def planner_tensors(model: GGUFModel, device: str) -> list[Tensor]:
     """The model's tensors with device sizes for `device` (planar forms on the GPU)."""
-    if device == "gpu":
-        from infer.tiers.pipeline import device_nbytes
-
-        return tensors_from(model.tensors.values(), device_nbytes)
-    return tensors_from(model.tensors.values())
+    return tensors_from(model.tensors.values(), gpu_nbytes if device == "gpu" else None)
 
 
 def require_resident_fit(model: GGUFModel, ctx_size: int, batch: int = 1, vram_budget: str | None = None) -> None:
     """For runs without --streaming on the GPU: stops with a one-line message suggesting
-    --streaming when the model, KV cache and activations exceed the VRAM budget."""
+    --streaming when the weights, KV cache and activations exceed the VRAM budget (or free VRAM)."""
     args = ModelArgs.from_gguf(model)
-    tensors = planner_tensors(model, "gpu")
-    budgets = compute_budgets(args, ctx_size, batch, min(ctx_size, 512), 0, vram_budget, "0", device=True)
-    need = sum(t.device_nbytes for t in tensors)
-    if need > budgets.vram_for_weights:
+    weights = sum(t.device_nbytes for t in planner_tensors(model, "gpu"))
+    try:
+        budgets = compute_budgets(args, ctx_size, batch, min(ctx_size, 512), 0, vram_budget or 10**18, "0")
+    except BudgetError as err:
+        raise click.ClickException(str(err)) from None
+    overhead = budgets.vram_total - budgets.vram_for_weights
+    available = budgets.vram_total if vram_budget else _free_vram()
+    if weights + overhead > available:
         raise click.ClickException(
-            f"{model.path.name} needs {format_bytes(need)} of VRAM for weights but {format_bytes(budgets.vram_for_weights)} "
-            f"are free after the KV cache and activations: run with --streaming (or lower -c/--ctx-size)")
+            f"{model.path.name} needs {format_bytes(weights + overhead)} of VRAM ({format_bytes(weights)} weights + "
+            f"{format_bytes(overhead)} KV cache, activations and workspace) but "
+            f"{'the budget is' if vram_budget else 'the GPU has'} {format_bytes(available)}: run with --streaming "
+            "(or lower -c/--ctx-size)")
+
+
+def _free_vram() -> int:
+    from infer.tiers.budget import free_vram
+
+    return free_vram()
 
 
 def _demo_budgets(tensors: list[Tensor], slots: int, scratch: bool) -> tuple[int, int]:

@@ -37,15 +37,6 @@ from infer.tiers.tier_b import HostTier
 from infer.tiers.tier_c import StorageSource
 
 
-def device_nbytes(info: Any) -> int:
-    """Device bytes of a GGUF tensor once uploaded: planar size for matrices, float32 for vectors."""
-    shape = tuple(info.shape)
-    if len(shape) == 1:
-        return int(shape[0]) * 4
-    fmt = format_of(info.ggml_type)
-    return plane_layout(fmt, int(np.prod(shape[:-1])), int(shape[-1])).nbytes
-
-
 class _EventToken:
     def __init__(self, event: cupy.cuda.Event) -> None:
         self.event = event
@@ -69,7 +60,8 @@ class GpuTransport:
         cupy.cuda.runtime.memcpyAsync(self.slots[slot].data.ptr, host.ctypes.data, tensor.nbytes,
                                       cupy.cuda.runtime.memcpyHostToDevice, self.copy_stream.ptr)
         self.arrival[slot].record(self.copy_stream)
-        done = cupy.cuda.Event(disable_timing=True)  # for host staging reuse (waited on another thread)
+        # for host staging reuse, waited on by the staging thread (blocking, not spinning)
+        done = cupy.cuda.Event(block=True, disable_timing=True)
         done.record(self.copy_stream)
         return _EventToken(done)
 
@@ -163,4 +155,7 @@ class GpuStreamingWeights:
         return dict(self.ring.moved)
 
     def close(self) -> None:
+        # prefetches for a next pass may still be reading host memory that is about to be freed
+        self.transport.copy_stream.synchronize()
         self.ring.close()
+        self.transport.copy_stream.synchronize()
