@@ -11,6 +11,7 @@ import os
 import random
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -156,3 +157,16 @@ def test_close_unmaps_and_the_device_can_be_reopened(bound, noiommu):
         assert dma.live_mappings() > 0
         ctrl.close()
         assert dma.live_mappings() == 0
+
+
+def test_benchmark_measures_both_drivers(bound, noiommu):
+    """bench/nvme_vm.py's measurement, small: both drivers read the same bytes of one controller."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[4] / "bench"))
+    import nvme_vm
+
+    bdf = bound(WRITE_SERIAL)
+    rows = nvme_vm.measure(bdf, noiommu, [128 << 10], 8 << 20, depth=8, repeats=1)
+    assert [row["block"] for row in rows] == [128 << 10]
+    for path in ("kernel", "ours_qd1", "ours"):
+        assert rows[0][path]["wall_s"] > 0 and rows[0][path]["cpu_s"] >= 0, (path, rows[0][path])
+    print(nvme_vm.describe({"mode": "test", "total_bytes": 8 << 20, "depth": 8, "rows": rows}))
