@@ -55,3 +55,11 @@ def test_qmp_from_guest_request_and_console_marker(guest_pytest):
     result.assert_passed()
     assert unplugged == ["nvme1"]
     assert len(result.passed) == 3
+
+
+@pytest.mark.vm
+def test_guest_kernel_panic_is_reported(vm_workdir):
+    result = run_in_vm(VmConfig(iommu=False, controllers=[]), "echo c > /proc/sysrq-trigger; sleep 60",
+                       vm_workdir, timeout=180)
+    assert result.rc is None and not result.timed_out
+    assert "the guest kernel panicked" in result.failure
