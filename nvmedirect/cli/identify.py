@@ -20,25 +20,28 @@ class NotReady(click.ClickException):
     exit_code = EXIT_NOT_READY
 
 
-def collect(bdf: str, noiommu: bool) -> dict:
-    from nvmedirect.nvme.controller import Controller
+def describe(ctrl, bdf: str, noiommu: bool) -> dict:
+    """What `identify` reports about a started controller."""
     from nvmedirect.nvme.spec import version_string
 
+    return {
+        "bdf": bdf,
+        "mode": "no-IOMMU" if noiommu else "IOMMU",
+        "version": version_string(ctrl.version),
+        "controller": ctrl.info.to_dict(),
+        "max_transfer_bytes": ctrl.max_transfer,
+        "max_queue_entries": ctrl.max_queue_entries,
+        "doorbell_stride": 4 << ctrl.dstrd,
+        "io_queue_pairs": ctrl.io_queue_limit,
+        "namespaces": [ctrl.identify_namespace(nsid).to_dict() for nsid in ctrl.active_namespaces()],
+    }
+
+
+def collect(bdf: str, noiommu: bool) -> dict:
+    from nvmedirect.nvme.controller import Controller
+
     with Controller.open(bdf, noiommu=noiommu, io_queues=1) as ctrl:
-        namespaces = []
-        for nsid in ctrl.active_namespaces():
-            namespaces.append(ctrl.identify_namespace(nsid).to_dict())
-        return {
-            "bdf": bdf,
-            "mode": "no-IOMMU" if noiommu else "IOMMU",
-            "version": version_string(ctrl.version),
-            "controller": ctrl.info.to_dict(),
-            "max_transfer_bytes": ctrl.max_transfer,
-            "max_queue_entries": ctrl.max_queue_entries,
-            "doorbell_stride": 4 << ctrl.dstrd,
-            "io_queue_pairs": ctrl.io_queue_limit,
-            "namespaces": namespaces,
-        }
+        return describe(ctrl, bdf, noiommu)
 
 
 def print_identify(data: dict) -> None:
