@@ -33,5 +33,5 @@ def test_system_commands_in_guest(vm_mode, guest_pytest, tmp_path):
     ])
     result = guest_pytest(config, [GUEST_MODULE], timeout=600)
     result.assert_passed()
-    assert len(result.passed) == 12, result.summary()
+    assert len(result.passed) == 13, result.summary()
     assert pattern.read_bytes() == bytes(range(256)) * (32 * MIB // 256)  # bind/restore wrote nothing

@@ -246,6 +246,29 @@ def test_restore_is_refused_while_the_device_is_open_through_vfio(dev, stacks, n
     assert cli("restore", bdf).returncode == 0 and driver(bdf) == "nvme"
 
 
+def test_setup_nvme_only_binds_and_rollback_restores(dev, stacks):
+    """setup's runtime steps on the live system; its journal goes to /var/lib, which is the host's
+    read-only root here, so a tmpfs covers /var/lib for this test."""
+    sh("mount", "-t", "tmpfs", "tmpfs", "/var/lib")
+    try:
+        bdf = dev["free"]["bdf"]
+        refused = cli("setup", "--nvme-only", "--bind", bdf, "--bind", dev["swap"]["bdf"], "--apply", "--yes")
+        assert refused.returncode == 3 and "active swap" in refused.stderr and driver(bdf) == "nvme"
+        plan = json.loads(cli("setup", "--nvme-only", "--bind", bdf, "--json").stdout)
+        assert [(s["key"], s["status"]) for s in plan["steps"]] == [("load-vfio-now", "done"), ("bind", "todo")]
+        applied = cli("setup", "--nvme-only", "--bind", bdf, "--apply", "--yes")
+        assert applied.returncode == 0, applied.stderr
+        assert driver(bdf) == "vfio-pci" and f"bound {bdf} to vfio-pci" in applied.stdout
+        again = cli("setup", "--nvme-only", "--bind", bdf, "--apply", "--yes")
+        assert again.returncode == 0 and "nothing to do" in again.stdout
+        back = cli("setup", "--rollback", "--yes")
+        assert back.returncode == 0 and f"restored {bdf} to nvme" in back.stdout, back.stdout + back.stderr
+        assert driver(bdf) == "nvme" and namespace_of(bdf) is not None
+        assert not os.path.exists("/var/lib/nvmedirect/setup-journal.json")
+    finally:
+        sh("umount", "/var/lib")
+
+
 def test_check_and_bind_without_vfio_loaded(dev, stacks, vm_mode):
     """Last in the module: unloads vfio for the rest of this boot."""
     for module in ("vfio_pci", "vfio_pci_core", "vfio_iommu_type1", "vfio"):
