@@ -181,8 +181,8 @@ def check_secure_boot(view: SystemView) -> Check:
         return Check("secure-boot", UNKNOWN, f"EFI boot, SecureBoot variable unreadable{lock}")
     if raw[4] == 1:
         return Check("secure-boot", WARN, f"enabled{lock}",
-                     "patched or rebuilt NVIDIA modules must be signed with an enrolled MOK key; lockdown may "
-                     "refuse no-IOMMU VFIO and raw PCI access")
+                     "patched or rebuilt NVIDIA modules must be signed with an enrolled MOK key; kernel lockdown "
+                     "restricts raw PCI access through sysfs")
     return Check("secure-boot", OK, f"disabled{lock}")
 
 
