@@ -39,6 +39,7 @@ from infer.tiers.tier_c import SOURCES, StorageSource, open_source
 
 DEMO_RESIDENT_SHARE = 0.4  # --streaming on a model that fits: share of layer bytes kept in tier A
 DEMO_RAM_SHARE = 0.3  # ... and in tier B; the rest goes to tier C
+STORAGE_SAMPLE = 256 << 20  # bytes of tier C read at start-up to measure the storage
 
 
 @dataclass
@@ -195,9 +196,10 @@ def build_streaming_engine(model_path: str, config: StreamingConfig, ctx_size: i
             weights_vram, weights_ram = _demo_budgets(tensors, config.slots, on_gpu)
             budgets = compute_budgets(args, ctx_size, config.batch, tokens_per_pass, staging, 10**15, 10**15,
                                       device=on_gpu)
-            budgets = Budgets(budgets.vram_total, weights_vram, budgets.ram_total, weights_ram, budgets.kv_cache,
-                              budgets.activations, staging, "demo: model fits, tiers exercised",
-                              "demo: model fits, tiers exercised")
+            overhead = budgets.vram_total - budgets.vram_for_weights
+            budgets = Budgets(weights_vram + overhead, weights_vram, weights_ram + staging, weights_ram,
+                              budgets.kv_cache, budgets.activations, staging,
+                              "demo: the model fits, small budgets exercise every tier", "demo")
         else:
             budgets = compute_budgets(args, ctx_size, config.batch, tokens_per_pass, staging,
                                       config.vram_budget, config.ram_budget, device=on_gpu)
@@ -270,7 +272,12 @@ def _measure(on_gpu: bool, source: StorageSource | None, c_tensors: list[Tensor]
     link = measure_host_to_device() if on_gpu else measure_host_copy()
     storage = 0.0
     if source is not None and c_tensors:
-        biggest = max(c_tensors, key=lambda t: t.nbytes)
-        storage = measure_storage_read(source, biggest.offset, biggest.nbytes)
+        sample, size = [], 0
+        for t in c_tensors:  # up to 256 MiB of tier C tensors, read as a pass would
+            if sample and size + t.nbytes > STORAGE_SAMPLE:
+                break
+            sample.append((t.offset, t.nbytes))
+            size += t.nbytes
+        storage = measure_storage_read(source, sample)
     how = "pinned H2D copy and a tier C read" if on_gpu else "host memcpy (CPU simulation) and a tier C read"
     return Bandwidths(link, storage, how)

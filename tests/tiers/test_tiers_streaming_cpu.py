@@ -123,6 +123,7 @@ def test_prefill_chunks_share_passes(tiny_model: Path) -> None:
     np.testing.assert_allclose(last[0], whole, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.slow
 def test_smollm2_streaming_equals_resident(smollm2: Path) -> None:
     """A real model: tied output embedding, Q4_1/Q8_0 tensors, 30 layers over three tiers."""
     s = session(smollm2, 0.3, 0.3, "file", 4)
