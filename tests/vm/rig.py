@@ -15,6 +15,7 @@ The guest's /init also writes `controllers.json` (serial -> bdf, controller, nam
 
 from __future__ import annotations
 
+import ctypes
 import importlib.util
 import json
 import os
@@ -125,6 +126,15 @@ def controller_bdf(index: int) -> str:
 def controller_id(index: int) -> str:
     """QEMU device id of controller `index` (for QMP `device_del`)."""
     return f"nvme{index}"
+
+
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """Runs in QEMU's child before exec: the kernel sends it SIGTERM if the test process dies, so a
+    killed pytest leaves no VM behind (the `with Vm` cleanup never runs then)."""
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 # -- assets ------------------------------------------------------------------------------------------
@@ -326,7 +336,8 @@ class Vm:
         self._started = time.monotonic()
         with open(self.run_dir / "qemu.stderr", "wb") as stderr:
             self._proc = subprocess.Popen(self.command_line(), stdin=subprocess.DEVNULL,
-                                          stdout=stderr, stderr=stderr, start_new_session=True)
+                                          stdout=stderr, stderr=stderr, start_new_session=True,
+                                          preexec_fn=_die_with_parent)
         if self._watchers:
             thread = threading.Thread(target=self._watch_console, name="vm-console", daemon=True)
             thread.start()
