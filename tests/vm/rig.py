@@ -4,8 +4,7 @@ The guest's root is the host's root, read-only over 9p, so the job runs this che
 Python and venv; a writable 9p share (the run's `share/`, `/run/vm/results` in the guest) carries
 results back. Assets (kernel, initramfs) come from scripts/vm/build_assets.py.
 
-Controller i always sits alone behind its own PCIe root port at 00:(0x10+i).0, so its address in
-the guest is 0000:(i+1):00.0 (see `controller_bdf`) and it can be hot-unplugged with `device_del`.
+Controllers are placed as rig_config describes (`controller_bdf`, `controller_id`).
 The guest's /init also writes `controllers.json` (serial -> bdf, controller, namespaces) from sysfs.
 
     config = VmConfig(iommu=False, controllers=[NvmeSpec("ser-a", logical_block_size=4096)])
@@ -27,105 +26,31 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from rig_config import (
+    FIRST_ROOT_PORT_SLOT,
+    MIB,
+    NamespaceSpec,
+    NvmeSpec,
+    VmConfig,
+    controller_bdf,
+    controller_id,
+)
 from rig_qmp import GuestRequestService, Qmp
+
+__all__ = ["MIB", "NamespaceSpec", "NvmeSpec", "Vm", "VmConfig", "VmError", "VmResult", "assets_dir",
+           "assets_problem", "controller_bdf", "controller_id", "run_in_vm"]
 
 REPO = Path(__file__).resolve().parents[2]
 BUILDER = REPO / "scripts/vm/build_assets.py"
-MIB = 1 << 20
 GUEST_RESULTS = "/run/vm/results"
-FIRST_ROOT_PORT_SLOT = 0x10
 DEBUG_EXIT_PORT = 0xF4  # scripts/vm/init.sh writes the job's exit code here
 
 
 class VmError(Exception):
     """The VM could not be started, or the job in it failed; the message carries the console tail."""
-
-
-@dataclass
-class NamespaceSpec:
-    """One namespace: a fresh sparse image of `size` bytes, or an existing `image` (used in place,
-    so the guest's writes land in it)."""
-
-    size: int = 64 * MIB
-    image: Path | None = None
-    logical_block_size: int = 512
-
-    def __post_init__(self) -> None:
-        if self.logical_block_size not in (512, 4096):
-            raise ValueError(f"logical_block_size must be 512 or 4096, not {self.logical_block_size}")
-        if self.image is not None:
-            self.image = Path(self.image)
-            if not self.image.is_file():
-                raise ValueError(f"namespace image {self.image} does not exist")
-            self.size = self.image.stat().st_size
-        if self.size <= 0 or self.size % self.logical_block_size:
-            raise ValueError(f"namespace size {self.size} is not a positive multiple of "
-                             f"{self.logical_block_size}")
-
-
-@dataclass
-class NvmeSpec:
-    """One emulated NVMe controller. The first namespace comes from size/image/logical_block_size;
-    `extra_namespaces` add nsid 2, 3, ...; `options` passes any other `-device nvme` property.
-    QEMU 7.2's controller has no model property: Identify always reports "QEMU NVMe Ctrl"."""
-
-    serial: str
-    size: int = 64 * MIB
-    image: Path | None = None
-    logical_block_size: int = 512
-    mdts: int | None = None
-    max_ioqpairs: int | None = None
-    extra_namespaces: list[NamespaceSpec] = field(default_factory=list)
-    options: dict[str, str] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        if not self.serial or any(c in self.serial for c in ',"\n '):
-            raise ValueError(f"NVMe serial {self.serial!r} must be non-empty without commas, quotes or spaces")
-        if len(self.serial) > 20:
-            raise ValueError(f"NVMe serial {self.serial!r} is longer than the 20 bytes NVMe allows")
-        first = NamespaceSpec(self.size, self.image, self.logical_block_size)  # validates them now
-        self.image, self.size = first.image, first.size
-
-    @property
-    def namespaces(self) -> list[NamespaceSpec]:
-        first = NamespaceSpec(self.size, self.image, self.logical_block_size)
-        return [first, *self.extra_namespaces]
-
-
-@dataclass
-class VmConfig:
-    """What to boot. `iommu` selects an emulated Intel IOMMU (VFIO type1) or none (VFIO no-IOMMU)."""
-
-    iommu: bool = True
-    controllers: list[NvmeSpec] = field(default_factory=lambda: [NvmeSpec("nvd-rig-0")])
-    memory: str = "2G"
-    cpus: int = 2
-    kernel_args: list[str] = field(default_factory=list)
-    qemu_args: list[str] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        serials = [c.serial for c in self.controllers]
-        if len(set(serials)) != len(serials):
-            raise ValueError(f"controller serials must be unique, got {serials}")
-        if len(self.controllers) > 16:
-            raise ValueError("at most 16 NVMe controllers (one root port each)")
-
-    @property
-    def mode(self) -> str:
-        return "iommu" if self.iommu else "noiommu"
-
-
-def controller_bdf(index: int) -> str:
-    """Guest PCI address of controller `index`: the firmware numbers root port i's bus i+1."""
-    return f"0000:{index + 1:02x}:00.0"
-
-
-def controller_id(index: int) -> str:
-    """QEMU device id of controller `index` (for QMP `device_del`)."""
-    return f"nvme{index}"
 
 
 PR_SET_PDEATHSIG = 1
