@@ -111,8 +111,8 @@ def kernel_timings(gpu, n_layers_cycle: int = 8) -> list[dict[str, object]]:  # 
         cache.pos.set(np.array([ctx - 1], np.int32), stream=stream)
         add(f"attention ctx={ctx}", a.n_layers, 0,
             [lambda c=cache: ops.attention_decode(x[: a.q_dim], c.keys[0], c.values[0], c.pos, a.n_heads,
-                                                  a.n_kv_heads, a.head_dim, c.max_tokens, c.n_splits, c.part_o,
-                                                  c.part_ml, outs[: a.q_dim])])
+                                                  a.n_kv_heads, a.head_dim, c.max_tokens, c.n_splits, c.scores,
+                                                  c.part_o, c.part_ml, outs[: a.q_dim])])
         del cache
     cache = gpu.new_cache(256)
     add("rope_store", a.n_layers, 0,

@@ -172,7 +172,9 @@ def stream_section(out: Path, model: Path, vram: str, decode_steps: int, batch_s
         if DEVICE == "gpu":
             import cupy
 
-            res["vram_pool_bytes"] = int(cupy.get_default_memory_pool().total_bytes())
+            pool = cupy.get_default_memory_pool()
+            res["vram_pool_used_bytes"] = int(pool.used_bytes())  # live arrays (weights, slots, caches)
+            res["vram_pool_total_bytes"] = int(pool.total_bytes())  # plus freed blocks the pool keeps
     finally:
         s.close()
     return res

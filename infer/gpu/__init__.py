@@ -20,9 +20,11 @@ def gpu_available() -> bool:
         return False
 
 
-def load_gpu_transformer(model: GGUFModel, prefill_chunk: int = 512) -> GpuTransformer:
+def load_gpu_transformer(model: GGUFModel, prefill_chunk: int = 512, match_llama_cpp: bool = True) -> GpuTransformer:
     """ModelArgs and checks as infer.model.load_transformer, weights uploaded to the current GPU.
-    The result has the CPU Transformer's calls (new_cache, forward), so infer.engine.Engine runs it."""
+    The result has the CPU Transformer's calls (new_cache, forward), so infer.engine.Engine runs it.
+    match_llama_cpp: round the inputs of matrix products as llama.cpp's CPU does (the CPU engine's
+    default), else keep them float32."""
     from infer.errors import UnsupportedModelError
     from infer.gpu.layout import format_of
     from infer.gpu.model import GpuTransformer
@@ -37,4 +39,4 @@ def load_gpu_transformer(model: GGUFModel, prefill_chunk: int = 512) -> GpuTrans
             except ValueError as err:
                 raise UnsupportedModelError(model.path, str(err), f"tensor {info.name}") from None
     factors = model.tensor("rope_freqs.weight").dequantize() if "rope_freqs.weight" in model.tensors else None
-    return GpuTransformer(model, args, factors, prefill_chunk=prefill_chunk)
+    return GpuTransformer(model, args, factors, prefill_chunk=prefill_chunk, match_llama_cpp=match_llama_cpp)

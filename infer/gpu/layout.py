@@ -19,15 +19,15 @@ T = GGMLQuantizationType
 # GGML type -> planar format
 FORMAT_OF: dict[int, str] = {
     T.F32: "f32", T.F16: "f16", T.BF16: "bf16", T.Q8_0: "q8",
-    T.Q4_0: "g4", T.Q4_1: "g4", T.Q4_K: "g4",
-    T.Q5_0: "g5", T.Q5_1: "g5", T.Q5_K: "g5",
-    T.Q6_K: "g6",
+    T.Q4_0: "g4", T.Q4_1: "g4", T.Q5_0: "g5", T.Q5_1: "g5",
+    T.Q4_K: "k4", T.Q5_K: "k5", T.Q6_K: "k6",
 }
 FLOAT_FORMATS = ("f32", "f16", "bf16")
+K_FORMATS = ("k4", "k5", "k6")
 FLOAT_ITEMSIZE = {"f32": 4, "f16": 2, "bf16": 2}
-# bytes per sub-block of each plane: (qs, hi, sm)
+# bytes per sub-block of the planes (qs, hi, sm); K formats add dm: 4 bytes per 8 sub-blocks
 PLANE_BYTES: dict[str, tuple[int, int, int]] = {
-    "q8": (32, 0, 2), "g4": (16, 0, 4), "g5": (16, 4, 4), "g6": (16, 8, 4),
+    "q8": (32, 0, 2), "g4": (16, 0, 4), "g5": (16, 4, 4), "k4": (16, 0, 2), "k5": (16, 4, 2), "k6": (16, 8, 2),
 }
 PLANE_ALIGN = 256
 
@@ -46,12 +46,13 @@ class PlaneLayout:
     fmt: str
     rows: int
     cols: int
-    offsets: tuple[int, int, int]  # qs, hi, sm (hi is 0 and empty for q8, g4)
-    sizes: tuple[int, int, int]
+    offsets: tuple[int, int, int, int]  # qs, hi, sm, dm (0 and empty where the format has no such plane)
+    sizes: tuple[int, int, int, int]
 
     @property
     def nbytes(self) -> int:
-        return self.offsets[2] + self.sizes[2] if self.sizes[2] else self.sizes[0]
+        last = max(i for i in range(4) if self.sizes[i])
+        return self.offsets[last] + self.sizes[last]
 
     @property
     def n_subblocks(self) -> int:
@@ -60,11 +61,11 @@ class PlaneLayout:
 
 def plane_layout(fmt: str, rows: int, cols: int) -> PlaneLayout:
     if fmt in FLOAT_FORMATS:
-        return PlaneLayout(fmt, rows, cols, (0, 0, 0), (rows * cols * FLOAT_ITEMSIZE[fmt], 0, 0))
-    if cols % 32:
-        raise ValueError(f"row length {cols} is not a multiple of 32")
+        return PlaneLayout(fmt, rows, cols, (0, 0, 0, 0), (rows * cols * FLOAT_ITEMSIZE[fmt], 0, 0, 0))
+    if cols % (256 if fmt in K_FORMATS else 32):
+        raise ValueError(f"row length {cols} is not a multiple of the {fmt} block")
     n = rows * cols // 32
-    sizes = tuple(n * b for b in PLANE_BYTES[fmt])
+    sizes = tuple(n * b for b in PLANE_BYTES[fmt]) + ((n // 8) * 4 if fmt in K_FORMATS else 0,)
     offsets, at = [], 0
     for size in sizes:
         offsets.append(at if size else 0)
@@ -158,27 +159,39 @@ def repack(raw: np.ndarray, ggml_type: int, rows: int, cols: int) -> bytes:
         return out.tobytes()
     q, scale, offset = integer_form(raw, ggml_type)
     n = q.shape[0]
-    (o_qs, o_hi, o_sm), (s_qs, s_hi, s_sm) = layout.offsets, layout.sizes
+    (o_qs, o_hi, o_sm, o_dm), (s_qs, s_hi, s_sm, s_dm) = layout.offsets, layout.sizes
+    if fmt in K_FORMATS:
+        b = _blocks(raw, ggml_type)
+        if fmt == "k6":
+            q = q + 32
+            sc = b[:, 192:208].reshape(-1, 2)  # int8 pairs, one pair per sub-block
+            dm = np.concatenate([b[:, 208:210], np.zeros((len(b), 2), np.uint8)], axis=1)
+        else:
+            s6, m6 = _k_scale_min(b[:, 4:16])
+            sc = np.stack([s6.reshape(-1), m6.reshape(-1)], 1).astype(np.uint8)
+            dm = b[:, 0:4]
+        out[o_sm : o_sm + s_sm] = np.ascontiguousarray(sc).reshape(-1)
+        out[o_dm : o_dm + s_dm] = np.ascontiguousarray(dm).reshape(-1)
+        fmt_bits = {"k4": "g4", "k5": "g5", "k6": "g6"}[fmt]
+    else:
+        fmt_bits = fmt
     if fmt == "q8":
         out[o_qs : o_qs + s_qs] = q.astype(np.int8).view(np.uint8).reshape(-1)
         out[o_sm : o_sm + s_sm] = scale[:, 0].astype(np.float16).view(np.uint8)
         return out.tobytes()
-    if fmt == "g6":
-        q = q + 32
-        sm = np.stack([scale[:, 0], scale[:, 1]], 1)
-    else:
-        sm = np.stack([scale[:, 0], offset], 1)
     out[o_qs : o_qs + s_qs] = _pack_nibbles(q).reshape(-1)
     shifts = np.arange(32, dtype=np.uint32)
-    if fmt == "g5":
+    if fmt_bits == "g5":
         hi = _bits_to_u32(((q >> 4) & 1).astype(np.uint32) << shifts)
         out[o_hi : o_hi + s_hi] = hi.view(np.uint8)
-    if fmt == "g6":
+    if fmt_bits == "g6":
         two = ((q >> 4) & 3).astype(np.uint32)
         w0 = _bits_to_u32(two[:, :16] << (2 * shifts[:16]))
         w1 = _bits_to_u32(two[:, 16:] << (2 * shifts[:16]))
         out[o_hi : o_hi + s_hi] = np.stack([w0, w1], 1).view(np.uint8).reshape(-1)
-    out[o_sm : o_sm + s_sm] = sm.astype(np.float16).view(np.uint8).reshape(-1)
+    if fmt not in K_FORMATS:
+        sm = np.stack([scale[:, 0], offset], 1)
+        out[o_sm : o_sm + s_sm] = sm.astype(np.float16).view(np.uint8).reshape(-1)
     assert n == layout.n_subblocks
     return out.tobytes()
 
@@ -191,7 +204,7 @@ def reconstruct(planar: bytes | np.ndarray, fmt: str, rows: int, cols: int) -> n
         if fmt == "bf16":
             return (buf.view(np.uint16).astype(np.uint32) << 16).view(np.float32).reshape(rows, cols)
         return buf.view(np.float16 if fmt == "f16" else np.float32).astype(np.float32).reshape(rows, cols)
-    (o_qs, o_hi, o_sm), (s_qs, s_hi, s_sm) = layout.offsets, layout.sizes
+    (o_qs, o_hi, o_sm, o_dm), (s_qs, s_hi, s_sm, s_dm) = layout.offsets, layout.sizes
     n = layout.n_subblocks
     if fmt == "q8":
         q = buf[o_qs : o_qs + s_qs].view(np.int8).reshape(n, 32).astype(np.float32)
@@ -200,15 +213,20 @@ def reconstruct(planar: bytes | np.ndarray, fmt: str, rows: int, cols: int) -> n
     packed = buf[o_qs : o_qs + s_qs].reshape(n, 16)
     q = np.concatenate([packed & 0xF, packed >> 4], axis=1).astype(np.int32)
     shifts = np.arange(32, dtype=np.uint32)
-    if fmt == "g5":
+    if fmt in ("g5", "k5"):
         hi = buf[o_hi : o_hi + s_hi].view("<u4")
         q |= (((hi[:, None] >> shifts) & 1) << 4).astype(np.int32)
-    if fmt == "g6":
+    if fmt == "k6":
         hi = buf[o_hi : o_hi + s_hi].view("<u4").reshape(n, 2)
         two = (hi[:, :, None] >> (2 * shifts[:16])) & 3  # (n, 2, 16)
         q |= (two.reshape(n, 32) << 4).astype(np.int32)
+    if fmt in K_FORMATS:  # float32 products as the GPU (and infer.quants) form them
+        dm = np.repeat(buf[o_dm : o_dm + s_dm].view(np.float16).astype(np.float32).reshape(-1, 2), 8, axis=0)
+        sc = buf[o_sm : o_sm + s_sm].reshape(n, 2)
+        if fmt == "k6":
+            scale = np.repeat(dm[:, :1] * sc.view(np.int8).astype(np.float32), 16, axis=1)
+            return (scale * (q - 32).astype(np.float32)).reshape(rows, cols)
+        scale, offset = dm[:, :1] * sc[:, :1].astype(np.float32), dm[:, 1:] * sc[:, 1:].astype(np.float32)
+        return (scale * q.astype(np.float32) - offset).reshape(rows, cols)
     sm = buf[o_sm : o_sm + s_sm].view(np.float16).astype(np.float32).reshape(n, 2)
-    if fmt == "g6":
-        scale = np.repeat(sm, 16, axis=1)
-        return (scale * (q - 32).astype(np.float32)).reshape(rows, cols)
     return (sm[:, :1] * q.astype(np.float32) + sm[:, 1:]).reshape(rows, cols)

@@ -1,12 +1,13 @@
 """The Llama/Qwen2 forward pass on the GPU: the same function as infer.model.Transformer (same
-ModelArgs, rotary tables from the same infer.model.Rope, float16 KV cache), with weights resident in
-VRAM in their planar quantized formats.
+ModelArgs, rotary tables from the same infer.model.Rope, float16 KV cache, and by default the
+inputs of every matrix product rounded as llama.cpp's CPU rounds them), with weights resident in VRAM
+in their planar quantized formats.
 
 - decode (one token): quantized GEMVs and fused kernels, all buffers preallocated, token and position
   read from device memory, so the whole step (sampling included) is captured once as a CUDA graph
   and replayed; only token ids come back to the host.
 - prefill (many tokens): per layer, each matrix is dequantized to float16 and multiplied with cuBLAS
-  (cupy.matmul); prompts run in chunks of `prefill_chunk` tokens.
+  (float32 accumulation and result); prompts run in chunks of `prefill_chunk` tokens.
 """
 
 from __future__ import annotations
@@ -19,27 +20,12 @@ import numpy as np
 
 from infer.gguf_file import GGUFModel
 from infer.gpu import ops
-from infer.gpu.ops import GpuMatrix, upload_matrix, upload_stacked
+from infer.gpu.ops import GpuMatrix
+from infer.gpu.weights import GpuWeights
 from infer.model import ModelArgs, Rope
 
 ATTN_CHUNK = 256  # must match ATTN_CHUNK of ops.cu (kernels.DEFAULT_DEFINES)
-
-
-@dataclass
-class GpuLayer:
-    attn_norm: cupy.ndarray
-    # Q, K and V rows stacked into as few matrices as their formats allow: (matrix, first row in the
-    # q_dim + 2*kv_dim output); one GEMV launch each
-    qkv: list[tuple[GpuMatrix, int]]
-    bqkv: cupy.ndarray | None  # (q_dim + 2*kv_dim,) or None
-    wo: GpuMatrix
-    ffn_norm: cupy.ndarray
-    w_gate: GpuMatrix
-    w_up: GpuMatrix
-    w_down: GpuMatrix
-
-    def matrices(self) -> list[GpuMatrix]:
-        return [m for m, _ in self.qkv] + [self.wo, self.w_gate, self.w_up, self.w_down]
+F32, F16 = cupy.float32, cupy.float16
 
 
 @dataclass
@@ -53,6 +39,7 @@ class GpuKVCache:
     tok: cupy.ndarray  # int32[1]: the token the next decode step processes
     pos: cupy.ndarray  # int32[1]: its position
     tokens: cupy.ndarray  # int32[max_tokens + 1]: tokens[p] = the token at position p (sampled ones)
+    scores: cupy.ndarray  # decode attention work buffers
     part_o: cupy.ndarray
     part_ml: cupy.ndarray
     length: int = 0
@@ -64,91 +51,42 @@ class GpuTransformer:
     -> NumPy logits; plus generate() that decodes with a CUDA graph."""
 
     def __init__(self, model: GGUFModel, args: ModelArgs, rope_freq_factors: np.ndarray | None = None,
-                 prefill_chunk: int = 512) -> None:
+                 prefill_chunk: int = 512, match_llama_cpp: bool = True) -> None:
         self.args = args
         self.prefill_chunk = prefill_chunk
-        # prompts up to this many tokens run through the decode kernels (no weight dequantization;
-        # float32 activations): cheaper for a few tokens, and exact where a test needs the CPU's numerics
+        # prompts up to this many tokens run through the decode kernels (no weight dequantization,
+        # float32 products): cheaper for a few tokens, and the CPU's exact numerics where a test needs them
         self.gemv_prefill_max = 4
         self.rope = Rope(args, rope_freq_factors)
         self.stream = cupy.cuda.Stream(non_blocking=True)
         a = args
         with self.stream:
-            self.token_embd = self._matrix(model, "token_embd.weight")
-            self.output_norm = self._vector(model, "output_norm.weight")
-            tied = "output.weight" not in model.tensors
-            self.output = self.token_embd if tied else self._matrix(model, "output.weight")
-            self.layers = [self._layer(model, i) for i in range(a.n_layers)]
+            self.w = GpuWeights(model, args, match_llama_cpp)
+            self.layers, self.token_embd, self.output = self.w.layers, self.w.token_embd, self.w.output
             # decode activations (one token)
-            f32 = cupy.float32
-            self.h = cupy.zeros(a.dim, f32)
-            self.xn = cupy.zeros(a.dim, f32)
-            self.qkv = cupy.zeros(a.q_dim + 2 * a.kv_dim, f32)
+            self.h = cupy.zeros(a.dim, F32)
+            self.qkv = cupy.zeros(a.q_dim + 2 * a.kv_dim, F32)
             self.q = self.qkv[: a.q_dim]
             self.k = self.qkv[a.q_dim : a.q_dim + a.kv_dim]
             self.v = self.qkv[a.q_dim + a.kv_dim :]
-            self.att = cupy.zeros(a.q_dim, f32)
-            self.gate = cupy.zeros(a.ffn_dim, f32)
-            self.up = cupy.zeros(a.ffn_dim, f32)
-            self.ff = cupy.zeros(a.ffn_dim, f32)
-            self.logits = cupy.zeros(a.vocab_size, f32)
+            self.att = cupy.zeros(a.q_dim, F32)
+            self.gate = cupy.zeros(a.ffn_dim, F32)
+            self.up = cupy.zeros(a.ffn_dim, F32)
+            self.ff = cupy.zeros(a.ffn_dim, F32)
+            self.logits = cupy.zeros(a.vocab_size, F32)
+            self._act: dict[tuple[str, str], cupy.ndarray] = {}  # (input, activation format) -> buffer
+            self._plan_act_buffers()
             self._scratch16: cupy.ndarray | None = None
-            self._rope_tables = (cupy.zeros((0, self.rope.n_pairs), f32),) * 2
+            self._rope_tables = (cupy.zeros((0, self.rope.n_pairs), F32),) * 2
         self.stream.synchronize()
-
-    # ------------------------------------------------------------------ loading
-    @staticmethod
-    def _matrix(model: GGUFModel, name: str) -> GpuMatrix:
-        info = model.tensor(name)
-        model.check_tensor_supported(info)
-        rows, cols = info.shape
-        return upload_matrix(info.data, info.ggml_type, rows, cols)
-
-    @staticmethod
-    def _vector(model: GGUFModel, name: str) -> cupy.ndarray:
-        return cupy.asarray(model.tensor(name).dequantize().astype(np.float32).reshape(-1))
-
-    @staticmethod
-    def _stacked_qkv(model: GGUFModel, p: str) -> list[tuple[GpuMatrix, int]]:
-        infos = [model.tensor(p + f"attn_{x}.weight") for x in "qkv"]
-        groups: list[list] = []
-        for info in infos:  # consecutive tensors of one type share a matrix
-            if groups and groups[-1][0].ggml_type == info.ggml_type:
-                groups[-1].append(info)
-            else:
-                groups.append([info])
-        out, row = [], 0
-        for group in groups:
-            for info in group:
-                model.check_tensor_supported(info)
-            m = upload_stacked([(info.data, info.shape[0]) for info in group], group[0].ggml_type, group[0].shape[1])
-            out.append((m, row))
-            row += m.rows
-        return out
-
-    def _layer(self, model: GGUFModel, i: int) -> GpuLayer:
-        p, a = f"blk.{i}.", self.args
-        bqkv = None
-        if any(p + f"attn_{x}.bias" in model.tensors for x in "qkv"):
-            sizes = (a.q_dim, a.kv_dim, a.kv_dim)
-            bqkv = cupy.asarray(np.concatenate([
-                model.tensor(p + f"attn_{x}.bias").dequantize().reshape(-1) if p + f"attn_{x}.bias" in model.tensors
-                else np.zeros(n, np.float32) for x, n in zip("qkv", sizes, strict=True)]).astype(np.float32))
-        return GpuLayer(
-            attn_norm=self._vector(model, p + "attn_norm.weight"),
-            qkv=self._stacked_qkv(model, p), bqkv=bqkv,
-            wo=self._matrix(model, p + "attn_output.weight"), ffn_norm=self._vector(model, p + "ffn_norm.weight"),
-            w_gate=self._matrix(model, p + "ffn_gate.weight"), w_up=self._matrix(model, p + "ffn_up.weight"),
-            w_down=self._matrix(model, p + "ffn_down.weight"),
-        )
 
     def weight_bytes_per_token(self) -> int:
         """Bytes of weights one decode step reads from VRAM (all layer matrices and the output)."""
-        return sum(m.nbytes for layer in self.layers for m in layer.matrices()) + self.output.nbytes
+        return self.w.bytes_per_token()[0]
 
     def source_bytes_per_token(self) -> int:
         """The same in GGUF bytes (what llama.cpp reads per token)."""
-        return sum(m.source_nbytes for layer in self.layers for m in layer.matrices()) + self.output.source_nbytes
+        return self.w.bytes_per_token()[1]
 
     # ------------------------------------------------------------------ cache
     def _ensure_rope(self, n: int) -> None:
@@ -164,14 +102,58 @@ class GpuTransformer:
             self._ensure_rope(max_tokens)
             shape = (a.n_layers, a.n_kv_heads, max_tokens, a.head_dim)
             cache = GpuKVCache(
-                keys=cupy.zeros(shape, cupy.float16), values=cupy.zeros(shape, cupy.float16), max_tokens=max_tokens,
+                keys=cupy.zeros(shape, F16), values=cupy.zeros(shape, F16), max_tokens=max_tokens,
                 n_splits=n_splits, tok=cupy.zeros(1, cupy.int32), pos=cupy.zeros(1, cupy.int32),
-                tokens=cupy.zeros(max_tokens + 1, cupy.int32),
-                part_o=cupy.zeros(a.n_heads * n_splits * a.head_dim, cupy.float32),
-                part_ml=cupy.zeros(a.n_heads * n_splits * 2, cupy.float32),
+                tokens=cupy.zeros(max_tokens + 1, cupy.int32), scores=cupy.zeros(a.n_heads * max_tokens, F32),
+                part_o=cupy.zeros(a.n_heads * n_splits * a.head_dim, F32),
+                part_ml=cupy.zeros(a.n_heads * n_splits * 2, F32),
             )
         self.stream.synchronize()
         return cache
+
+    # ------------------------------------------------------------------ activation rounding (decode)
+    def _plan_act_buffers(self) -> None:
+        """Allocates now every rounded-input buffer the decode step uses (none may be allocated
+        while a CUDA graph is being captured)."""
+        a = self.args
+        for L in self.layers:
+            self._norm_buffers("attn", [m.act for m, _ in L.qkv], a.dim)
+            self._norm_buffers("ffn", [L.w_gate.act, L.w_up.act], a.dim)
+            self._act_buffer("att", L.wo.act, a.q_dim)
+            self._act_buffer("ff", L.w_down.act, a.ffn_dim)
+        self._norm_buffers("out", [self.output.act], a.dim)
+
+    def _act_buffer(self, key: str, act: str, n: int) -> cupy.ndarray:
+        if (key, act) not in self._act:
+            self._act[(key, act)] = cupy.zeros(n, F32)
+        return self._act[(key, act)]
+
+    def _norm_buffers(self, key: str, acts: list[str], n: int) -> None:
+        for act in set(acts) | ({"f32"} if len(set(acts)) > 1 else set()):
+            self._act_buffer(key, act, n)
+
+    def _normed(self, src: cupy.ndarray, weight: cupy.ndarray, key: str, acts: list[str]) -> dict[str, cupy.ndarray]:
+        """RMSNorm(src) * weight, rounded to each activation format in `acts` (one launch for one)."""
+        a, unique = self.args, sorted(set(acts))
+        if len(unique) == 1:
+            y = self._act[(key, unique[0])]
+            ops.rmsnorm(src, weight, a.norm_eps, 1, a.dim, y=y, act=unique[0])
+            return {unique[0]: y}
+        base = self._act[(key, "f32")]
+        ops.rmsnorm(src, weight, a.norm_eps, 1, a.dim, y=base)
+        out = {"f32": base}
+        for act in unique:
+            if act != "f32":
+                out[act] = self._act[(key, act)]
+                ops.round_act(base, out[act], 1, a.dim, act)
+        return out
+
+    def _rounded(self, x: cupy.ndarray, key: str, act: str) -> cupy.ndarray:
+        if act == "f32":
+            return x
+        y = self._act[(key, act)]
+        ops.round_act(x, y, 1, x.size, act)
+        return y
 
     # ------------------------------------------------------------------ decode (one token)
     def _decode_launches(self, cache: GpuKVCache, mark: Callable[[str], None] | None = None) -> None:
@@ -181,33 +163,34 @@ class GpuTransformer:
         ops.embed(self.token_embd, cache.tok, 1, self.h)
         done("embed")
         for i, L in enumerate(self.layers):
-            ops.rmsnorm(self.h, L.attn_norm, a.norm_eps, 1, a.dim, y=self.xn)
+            xs = self._normed(self.h, L.attn_norm, "attn", [m.act for m, _ in L.qkv])
             done("rmsnorm")
             for m, row in L.qkv:
-                ops.gemv(m, self.xn, self.qkv[row : row + m.rows],
+                ops.gemv(m, xs[m.act], self.qkv[row : row + m.rows],
                          bias=None if L.bqkv is None else L.bqkv[row : row + m.rows])
             done("gemv_qkv")
             ops.rope_store(self.q, self.k, self.v, cos, sin, cache.pos, 1, a.n_heads, a.n_kv_heads, a.head_dim,
                            self.rope.n_pairs, a.rope_neox, cache.keys[i], cache.values[i], cache.max_tokens)
             done("rope_store")
             ops.attention_decode(self.q, cache.keys[i], cache.values[i], cache.pos, a.n_heads, a.n_kv_heads,
-                                 a.head_dim, cache.max_tokens, cache.n_splits, cache.part_o, cache.part_ml, self.att)
+                                 a.head_dim, cache.max_tokens, cache.n_splits, cache.scores, cache.part_o, cache.part_ml,
+                                 self.att)
             done("attention")
-            ops.gemv(L.wo, self.att, self.h, residual=self.h)
+            ops.gemv(L.wo, self._rounded(self.att, "att", L.wo.act), self.h, residual=self.h)
             done("gemv_o")
-            ops.rmsnorm(self.h, L.ffn_norm, a.norm_eps, 1, a.dim, y=self.xn)
+            xs = self._normed(self.h, L.ffn_norm, "ffn", [L.w_gate.act, L.w_up.act])
             done("rmsnorm")
-            if L.w_gate.fmt == L.w_up.fmt:
-                ops.gemv_swiglu(L.w_gate, L.w_up, self.xn, self.ff)
+            if L.w_gate.fmt == L.w_up.fmt and L.w_gate.act == L.w_up.act:
+                ops.gemv_swiglu(L.w_gate, L.w_up, xs[L.w_gate.act], self.ff)
             else:
-                ops.gemv(L.w_gate, self.xn, self.gate)
-                ops.gemv(L.w_up, self.xn, self.up)
+                ops.gemv(L.w_gate, xs[L.w_gate.act], self.gate)
+                ops.gemv(L.w_up, xs[L.w_up.act], self.up)
                 ops.swiglu(self.gate, self.up, self.ff, a.ffn_dim)
             done("gemv_gate_up")
-            ops.gemv(L.w_down, self.ff, self.h, residual=self.h)
+            ops.gemv(L.w_down, self._rounded(self.ff, "ff", L.w_down.act), self.h, residual=self.h)
             done("gemv_down")
-        ops.rmsnorm(self.h, self.output_norm, a.norm_eps, 1, a.dim, y=self.xn)
-        ops.gemv(self.output, self.xn, self.logits)
+        xs = self._normed(self.h, self.w.output_norm, "out", [self.output.act])
+        ops.gemv(self.output, xs[self.output.act], self.logits)
         done("output")
 
     def _set_position(self, cache: GpuKVCache, token: int, position: int) -> None:
@@ -236,7 +219,7 @@ class GpuTransformer:
         n = m.rows * m.cols
         if self._scratch16 is None or self._scratch16.size < n:
             biggest = max(x.rows * x.cols for layer in self.layers for x in layer.matrices())
-            self._scratch16 = cupy.empty(max(n, biggest), cupy.float16)
+            self._scratch16 = cupy.empty(max(n, biggest), F16)
         out = self._scratch16[:n]
         ops.dequantize(m, out)
         return out.reshape(m.rows, m.cols)
@@ -244,25 +227,42 @@ class GpuTransformer:
     def _mm(self, x16: cupy.ndarray, m: GpuMatrix, out: cupy.ndarray | None = None) -> cupy.ndarray:
         """(T, cols) float16 @ W.T -> (T, rows) float32; with `out`, added into it."""
         if out is None:
-            result = cupy.empty((x16.shape[0], m.rows), cupy.float32)
+            result = cupy.empty((x16.shape[0], m.rows), F32)
             ops.matmul_f16(x16, self._half_weights(m), result)
             return result
         ops.matmul_f16(x16, self._half_weights(m), out, accumulate=True)
         return out
+
+    def _normed16(self, h: cupy.ndarray, weight: cupy.ndarray, acts: list[str]) -> dict[str, cupy.ndarray]:
+        """Per row RMSNorm(h) * weight, rounded to each activation format, as float16 (T, dim)."""
+        a, n, unique = self.args, h.shape[0], sorted(set(acts))
+        base = cupy.empty((n, a.dim), F32)
+        if len(unique) == 1:
+            y16 = cupy.empty((n, a.dim), F16)
+            ops.rmsnorm(h, weight, a.norm_eps, n, a.dim, y=base, y16=y16, act=unique[0])
+            return {unique[0]: y16}
+        ops.rmsnorm(h, weight, a.norm_eps, n, a.dim, y=base)
+        return {act: self._rounded16(base, act) for act in unique}
+
+    @staticmethod
+    def _rounded16(x: cupy.ndarray, act: str) -> cupy.ndarray:
+        """(T, n) float32 -> rounded to `act`, as float16."""
+        y16 = cupy.empty(x.shape, F16)
+        ops.round_act(x, cupy.empty_like(x), x.shape[0], x.shape[1], act, y16=y16)
+        return y16
 
     def _prefill_chunk(self, ids: np.ndarray, cache: GpuKVCache, all_logits: bool) -> cupy.ndarray:
         a, n, start = self.args, len(ids), cache.length
         cos, sin = self._rope_tables
         ids_d = cupy.asarray(ids.astype(np.int32))
         pos_d = cupy.arange(start, start + n, dtype=cupy.int32)
-        h = cupy.empty((n, a.dim), cupy.float32)
+        h = cupy.empty((n, a.dim), F32)
         ops.embed(self.token_embd, ids_d, n, h)
-        xn16 = cupy.empty((n, a.dim), cupy.float16)
         group, end = a.n_heads // a.n_kv_heads, start + n
         future = cupy.arange(end)[None, :] > cupy.arange(start, end)[:, None]  # (T, S)
         for i, L in enumerate(self.layers):
-            ops.rmsnorm(h, L.attn_norm, a.norm_eps, n, a.dim, y16=xn16)
-            parts = [self._mm(xn16, m) for m, _ in L.qkv]
+            xs = self._normed16(h, L.attn_norm, [m.act for m, _ in L.qkv])
+            parts = [self._mm(xs[m.act], m) for m, _ in L.qkv]
             qkv = parts[0] if len(parts) == 1 else cupy.concatenate(parts, axis=1)  # (T, q_dim + 2 kv_dim)
             if L.bqkv is not None:
                 qkv += L.bqkv
@@ -271,30 +271,29 @@ class GpuTransformer:
             v = cupy.ascontiguousarray(qkv[:, a.q_dim + a.kv_dim :])
             ops.rope_store(q, k, v, cos, sin, pos_d, n, a.n_heads, a.n_kv_heads, a.head_dim, self.rope.n_pairs,
                            a.rope_neox, cache.keys[i], cache.values[i], cache.max_tokens)
-            keys = cache.keys[i, :, :end].astype(cupy.float32)  # (kv, S, hd)
-            values = cache.values[i, :, :end].astype(cupy.float32)
-            qg = q.astype(cupy.float16).astype(cupy.float32).reshape(n, a.n_kv_heads, group, a.head_dim)
+            keys = cache.keys[i, :, :end].astype(F32)  # (kv, S, hd)
+            values = cache.values[i, :, :end].astype(F32)
+            qg = q.astype(F16).astype(F32).reshape(n, a.n_kv_heads, group, a.head_dim)
             qg = qg.transpose(1, 2, 0, 3).reshape(a.n_kv_heads, group * n, a.head_dim)
             scores = cupy.matmul(qg, keys.transpose(0, 2, 1)) * np.float32(1.0 / np.sqrt(a.head_dim))
-            scores = scores.reshape(a.n_kv_heads, group, n, end)
-            scores = cupy.where(future, np.float32(-np.inf), scores)
+            scores = cupy.where(future, np.float32(-np.inf), scores.reshape(a.n_kv_heads, group, n, end))
             scores -= scores.max(axis=-1, keepdims=True)
             probs = cupy.exp(scores)
             probs /= probs.sum(axis=-1, keepdims=True)
+            probs = probs.astype(F16).astype(F32)  # as the CPU engine (llama.cpp) rounds them
             out = cupy.matmul(probs.reshape(a.n_kv_heads, group * n, end), values)  # (kv, g*T, hd)
             out = out.reshape(a.n_kv_heads, group, n, a.head_dim).transpose(2, 0, 1, 3).reshape(n, a.q_dim)
-            self._mm(out.astype(cupy.float16), L.wo, out=h)
-            ops.rmsnorm(h, L.ffn_norm, a.norm_eps, n, a.dim, y16=xn16)
-            g, u = self._mm(xn16, L.w_gate), self._mm(xn16, L.w_up)
-            act = (g / (1.0 + cupy.exp(-g)) * u).astype(cupy.float16)
-            self._mm(act, L.w_down, out=h)
+            self._mm(self._rounded16(cupy.ascontiguousarray(out), L.wo.act), L.wo, out=h)
+            xs = self._normed16(h, L.ffn_norm, [L.w_gate.act, L.w_up.act])
+            g, u = self._mm(xs[L.w_gate.act], L.w_gate), self._mm(xs[L.w_up.act], L.w_up)
+            act = g / (1.0 + cupy.exp(-g)) * u
+            self._mm(self._rounded16(act, L.w_down.act), L.w_down, out=h)
         cache.length = end
         rows = range(n) if all_logits else [n - 1]
-        logits = cupy.empty((len(rows), a.vocab_size), cupy.float32)
-        xn = cupy.empty(a.dim, cupy.float32)
+        logits = cupy.empty((len(rows), a.vocab_size), F32)
         for j, t in enumerate(rows):
-            ops.rmsnorm(h[t], self.output_norm, a.norm_eps, 1, a.dim, y=xn)
-            ops.gemv(self.output, xn, logits[j])
+            xs = self._normed(h[t], self.w.output_norm, "out", [self.output.act])
+            ops.gemv(self.output, xs[self.output.act], logits[j])
         return logits
 
     # ------------------------------------------------------------------ public calls

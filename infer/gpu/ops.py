@@ -35,12 +35,13 @@ class GpuMatrix:
     layout: PlaneLayout
     buffer: cupy.ndarray  # uint8, layout.nbytes
     source_nbytes: int  # bytes of the GGUF tensor it came from
+    act: str = "f32"  # activation format its input is rounded to (infer.quants.activation_format)
 
     @property
     def nbytes(self) -> int:
         return int(self.buffer.nbytes)
 
-    def planes(self) -> tuple[np.uint64, np.uint64, np.uint64]:
+    def planes(self) -> tuple[np.uint64, np.uint64, np.uint64, np.uint64]:
         base = self.buffer.data.ptr
         return tuple(np.uint64(base + o) if s else NULL  # type: ignore[return-value]
                      for o, s in zip(self.layout.offsets, self.layout.sizes, strict=True))
@@ -77,12 +78,15 @@ def upload_stacked(parts: list[tuple[np.ndarray, int]], ggml_type: int, cols: in
             source = cupy.asarray(raw)
             kernel = kernels.function("repack", f"repack_{GGMLQuantizationType(ggml_type).name.lower()}")
             n_sb, sb0 = part_rows * cols // 32, row0 * cols // 32
-            planes = (np.uint64(base + o + sb0 * b) if s else NULL
-                      for o, s, b in zip(layout.offsets, layout.sizes, PLANE_BYTES[fmt], strict=True))
+            per_sb = (*PLANE_BYTES[fmt], 4 / 8)  # dm: 4 bytes per 8 sub-blocks (parts start on 256-weight blocks)
+            planes = (np.uint64(base + o + int(sb0 * b)) if s else NULL
+                      for o, s, b in zip(layout.offsets, layout.sizes, per_sb, strict=True))
             kernel((_blocks(n_sb, 256),), (256,), (source, np.int64(n_sb), *planes))
             del source
         row0 += part_rows
-    return GpuMatrix(fmt, rows, cols, layout, buffer, total)
+    from infer.quants import activation_format
+
+    return GpuMatrix(fmt, rows, cols, layout, buffer, total, activation_format(ggml_type))
 
 
 def _gemv_config(defines: dict[str, int] | None) -> int:
@@ -124,10 +128,23 @@ def embed(m: GpuMatrix, ids: cupy.ndarray, n: int, out: cupy.ndarray) -> None:
     fn((_blocks(work, 256),), (256,), (*m.planes(), np.int32(m.rows), np.int32(m.cols), ids, np.int32(n), out))
 
 
+# activation formats (ops.cu ACT_*): what llama.cpp converts a matrix product's input to per weight type
+ACT_CODES = {"f32": 0, "f16": 1, "bf16": 2, "q8_0": 3, "q8_k": 4}
+
+
 def rmsnorm(x: cupy.ndarray, weight: cupy.ndarray, eps: float, rows: int, n: int, y: cupy.ndarray | None = None,
-            y16: cupy.ndarray | None = None) -> None:
+            y16: cupy.ndarray | None = None, act: str = "f32") -> None:
+    """y/y16 = RMSNorm(x) * weight per row, rounded to activation format `act` (needs y unless f32)."""
+    if act != "f32" and y is None:
+        raise ValueError("rounding to an activation format needs the float32 output y")
     threads = 1024 if n >= 4096 else 256
-    kernels.function("ops", "rmsnorm")((rows,), (threads,), (x, weight, _ptr(y), _ptr(y16), np.int32(n), np.float32(eps)))
+    kernels.function("ops", "rmsnorm")((rows,), (threads,), (x, weight, _ptr(y), _ptr(y16), np.int32(n),
+                                                             np.float32(eps), np.int32(ACT_CODES[act])))
+
+
+def round_act(x: cupy.ndarray, y: cupy.ndarray, rows: int, n: int, act: str, y16: cupy.ndarray | None = None) -> None:
+    """y (may be x) and y16 = x rounded to activation format `act`, per row of n values."""
+    kernels.function("ops", "round_act")((rows,), (256,), (x, y, _ptr(y16), np.int32(n), np.int32(ACT_CODES[act])))
 
 
 def rope_store(q: cupy.ndarray, k: cupy.ndarray, v: cupy.ndarray, cos: cupy.ndarray, sin: cupy.ndarray,
@@ -140,26 +157,32 @@ def rope_store(q: cupy.ndarray, k: cupy.ndarray, v: cupy.ndarray, cos: cupy.ndar
          np.int32(1 if neox else 0), k_cache, v_cache, np.int32(max_ctx)))
 
 
-def attention_group_kernel(group: int) -> str:
+def attention_group_size(group: int) -> int:
+    """The attention kernel instantiation (query heads per KV head it holds) for `group`."""
     for g in ATTN_GROUPS:
         if group <= g:
-            return f"attention_decode_g{g}"
+            return g
     raise ValueError(f"{group} query heads per KV head exceed the decode attention kernel's {ATTN_GROUPS[-1]}")
 
 
 def attention_decode(q: cupy.ndarray, k_cache: cupy.ndarray, v_cache: cupy.ndarray, pos: cupy.ndarray,
                      n_heads: int, n_kv_heads: int, head_dim: int, max_ctx: int, n_splits: int,
-                     part_o: cupy.ndarray, part_ml: cupy.ndarray, out: cupy.ndarray) -> None:
-    """Attention of one query token at position pos[0] over cache positions 0..pos[0]."""
+                     scores: cupy.ndarray, part_o: cupy.ndarray, part_ml: cupy.ndarray, out: cupy.ndarray) -> None:
+    """Attention of one query token at position pos[0] over cache positions 0..pos[0].
+    Work buffers: scores (n_heads * max_ctx), part_o (n_heads * n_splits * head_dim), part_ml
+    (n_heads * n_splits * 2), float32."""
     group = n_heads // n_kv_heads
     if head_dim % 8 or head_dim > ATTN_MAX_HEAD_DIM:
         raise ValueError(f"head dimension {head_dim} is not a multiple of 8 up to {ATTN_MAX_HEAD_DIM}")
-    kernels.function("ops", attention_group_kernel(group))(
-        (n_kv_heads, n_splits), (128,),
-        (q, k_cache, v_cache, pos, np.int32(group), np.int32(head_dim), np.int32(max_ctx),
-         np.float32(1.0 / np.sqrt(head_dim)), np.int32(n_splits), part_o, part_ml))
-    kernels.function("ops", "attention_combine")(
-        (n_heads,), (128,), (part_o, part_ml, np.int32(n_splits), np.int32(head_dim), out))
+    g = attention_group_size(group)
+    grid = (n_kv_heads, n_splits)
+    kernels.function("ops", f"attention_scores_g{g}")(
+        grid, (128,), (q, k_cache, pos, np.int32(group), np.int32(head_dim), np.int32(max_ctx),
+                       np.float32(1.0 / np.sqrt(head_dim)), np.int32(n_splits), scores, part_ml))
+    kernels.function("ops", f"attention_values_g{g}")(
+        grid, (128,), (v_cache, pos, np.int32(group), np.int32(head_dim), np.int32(max_ctx), np.int32(n_splits),
+                       scores, part_ml, part_o))
+    kernels.function("ops", "attention_sum")((n_heads,), (128,), (part_o, np.int32(n_splits), np.int32(head_dim), out))
 
 
 _CUDA_R_16F, _CUDA_R_32F, _CUBLAS_COMPUTE_32F, _CUBLAS_GEMM_DEFAULT = 2, 0, 68, -1
@@ -176,10 +199,10 @@ def matmul_f16(x16: cupy.ndarray, w16: cupy.ndarray, out: cupy.ndarray, accumula
     if not (x16.flags.c_contiguous and w16.flags.c_contiguous and out.flags.c_contiguous):
         raise ValueError("matmul_f16 needs C-contiguous operands")
     if _gemm_ex_works != [False]:
-        from cupy_backends.cuda.libs import cublas
-
         out_before = out.copy() if accumulate and not _gemm_ex_works else None
         try:
+            from cupy_backends.cuda.libs import cublas
+
             handle = cupy.cuda.device.get_cublas_handle()
             cublas.setStream(handle, cupy.cuda.get_current_stream().ptr)
             cublas.setPointerMode(handle, 0)  # host scalars

@@ -55,28 +55,32 @@ __device__ __forceinline__ void to_half(const T* w, long long n, __half* out) {
 
 #define DEQUANT_QUANT(NAME, F)                                                                              \
     extern "C" __global__ void dequant_##NAME(const uint8_t* qs, const uint8_t* hi, const uint8_t* sm,      \
-                                              long long n_sb, __half* out) {                                \
-        dequant_matrix<F>(Planes{qs, hi, sm}, n_sb, out);                                                   \
+                                              const uint8_t* dm, long long n_sb, __half* out) {             \
+        dequant_matrix<F>(Planes{qs, hi, sm, dm}, n_sb, out);                                               \
     }                                                                                                       \
-    extern "C" __global__ void embed_##NAME(const uint8_t* qs, const uint8_t* hi, const uint8_t* sm, int rows, \
-                                            int K, const int* ids, int n, float* out) {                     \
-        embed_rows<F>(Planes{qs, hi, sm}, rows, K, ids, n, out);                                            \
+    extern "C" __global__ void embed_##NAME(const uint8_t* qs, const uint8_t* hi, const uint8_t* sm,        \
+                                            const uint8_t* dm, int rows, int K, const int* ids, int n,      \
+                                            float* out) {                                                   \
+        embed_rows<F>(Planes{qs, hi, sm, dm}, rows, K, ids, n, out);                                        \
     }
 
 #define DEQUANT_FLOAT(NAME, T)                                                                              \
     extern "C" __global__ void dequant_##NAME(const uint8_t* qs, const uint8_t* hi, const uint8_t* sm,      \
-                                              long long n, __half* out) {                                   \
+                                              const uint8_t* dm, long long n, __half* out) {                \
         to_half<T>(reinterpret_cast<const T*>(qs), n, out);                                                 \
     }                                                                                                       \
-    extern "C" __global__ void embed_##NAME(const uint8_t* qs, const uint8_t* hi, const uint8_t* sm, int rows, \
-                                            int K, const int* ids, int n, float* out) {                     \
+    extern "C" __global__ void embed_##NAME(const uint8_t* qs, const uint8_t* hi, const uint8_t* sm,        \
+                                            const uint8_t* dm, int rows, int K, const int* ids, int n,      \
+                                            float* out) {                                                   \
         embed_rows_float<T>(reinterpret_cast<const T*>(qs), rows, K, ids, n, out);                          \
     }
 
 DEQUANT_QUANT(q8, FmtQ8)
 DEQUANT_QUANT(g4, FmtG4)
 DEQUANT_QUANT(g5, FmtG5)
-DEQUANT_QUANT(g6, FmtG6)
+DEQUANT_QUANT(k4, FmtK4)
+DEQUANT_QUANT(k5, FmtK5)
+DEQUANT_QUANT(k6, FmtK6)
 DEQUANT_FLOAT(f16, __half)
 DEQUANT_FLOAT(bf16, __nv_bfloat16)
 DEQUANT_FLOAT(f32, float)

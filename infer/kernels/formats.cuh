@@ -1,14 +1,17 @@
 // Planar GPU weight formats and their decoders, shared by the GEMV, dequantization and embedding
-// kernels. Every quantized GGML type is repacked once at upload (repack.cu) into one of five
-// planar formats whose unit is a sub-block of 32 consecutive weights of a row; a matrix of
-// `rows` x `K` has rows*K/32 sub-blocks, numbered row-major, and each plane is an array indexed by
-// that number, so a warp's lanes read consecutive 16-byte pieces (coalesced, aligned):
+// kernels. Every quantized GGML type is repacked once at upload (repack.cu) into a planar format
+// whose unit is a sub-block of 32 consecutive weights of a row; a matrix of `rows` x `K` has
+// rows*K/32 sub-blocks, numbered row-major, and each plane is an array indexed by that number (dm:
+// by number / 8, one per 256-weight K-quant block), so a warp's lanes read consecutive 16-byte
+// pieces (coalesced, aligned). All formats keep GGUF's numbers exactly:
 //
-//   q8: qs int8[32]  (natural order)              sm half   : w = s*q             (Q8_0)
-//   g4: qs u8[16]    (byte j = q[j] | q[j+16]<<4) sm half2  : w = s*q + m         (Q4_0 Q4_1 Q4_K)
-//   g5: g4's qs + hi u32 (bit j = bit 4 of q[j])  sm half2  : w = s*q + m         (Q5_0 Q5_1 Q5_K)
-//   g6: g4's qs + hi u32x2 (2 bits per weight:    sm half2  : w = s_lo*(q-32) for j<16,
-//       word 0 weights 0..15, word 1 16..31)                  s_hi*(q-32) for j>=16  (Q6_K)
+//   q8: qs int8[32] (natural order)               sm half          : w = s*q          (Q8_0)
+//   g4: qs u8[16] (byte j = q[j] | q[j+16]<<4)    sm half2 (s, m)  : w = s*q + m      (Q4_0 Q4_1)
+//   g5: g4's qs + hi u32 (bit j = bit 4 of q[j])  sm half2 (s, m)  : w = s*q + m      (Q5_0 Q5_1)
+//   k4: g4's qs, sm u8x2 (sc, mn), dm half2 (d, dmin): w = (d*sc)*q - dmin*mn         (Q4_K)
+//   k5: g5's qs and hi, sm and dm as k4                                               (Q5_K)
+//   k6: g4's qs + hi u32x2 (2 bits per weight: word 0 weights 0..15, word 1 16..31),
+//       sm int8x2 (sc_lo, sc_hi), dm half2 (d, 0): w = (d*sc_lo)*(q-32) for j<16, sc_hi for j>=16 (Q6_K)
 //   f16 / bf16 / f32: the GGUF data itself, row-major.
 //
 // Integers become floats without the slow I2F unit: a byte b placed under the exponent of 2^23
@@ -66,6 +69,7 @@ struct Planes {
     const uint8_t* qs;
     const uint8_t* hi;
     const uint8_t* sm;
+    const uint8_t* dm;
 };
 
 // ---------------------------------------------------------------- q8
@@ -98,22 +102,35 @@ struct FmtQ8 {
     }
 };
 
-// ---------------------------------------------------------------- g4 / g5 / g6 share the nibble plane
-template <int KIND>  // 4: g4, 5: g5, 6: g6
+// ---------------------------------------------------------------- g4 / g5 / k4 / k5 / k6: the nibble plane
+// KIND 4: g4, 5: g5, 14: k4, 15: k5, 16: k6
+template <int KIND>
 struct FmtNib {
-    struct Raw { uint4 q; uint2 h; float2 sm; };
+    static constexpr bool K = KIND >= 14;
+    static constexpr int BITS = KIND % 10;  // 4, 5 or 6
+    struct Raw { uint4 q; uint2 h; float2 sm; };  // sm: (scale, offset), or for k6 (scale_lo, scale_hi)
     static __device__ __forceinline__ Raw load(const Planes& p, long long sb) {
         Raw r;
         r.q = ldg_u4(p.qs + sb * 16);
-        if (KIND == 5) {
+        if (BITS == 5) {
             r.h.x = __ldg(reinterpret_cast<const uint32_t*>(p.hi) + sb);
             r.h.y = 0;
-        } else if (KIND == 6) {
+        } else if (BITS == 6) {
             r.h = __ldg(reinterpret_cast<const uint2*>(p.hi) + sb);
         } else {
             r.h = make_uint2(0, 0);
         }
-        r.sm = __half22float2(__ldg(reinterpret_cast<const __half2*>(p.sm) + sb));
+        if (!K) {
+            r.sm = __half22float2(__ldg(reinterpret_cast<const __half2*>(p.sm) + sb));
+        } else {
+            const float2 dm = __half22float2(__ldg(reinterpret_cast<const __half2*>(p.dm) + (sb >> 3)));
+            const unsigned short sc = __ldg(reinterpret_cast<const unsigned short*>(p.sm) + sb);
+            if (BITS == 6) {  // two signed 8-bit scales, one per 16 weights
+                r.sm = make_float2(dm.x * (float)(signed char)(sc & 0xFF), dm.x * (float)(signed char)(sc >> 8));
+            } else {  // 6-bit scale and min: w = (d*sc)*q - dmin*mn
+                r.sm = make_float2(dm.x * (float)(sc & 0xFF), -(dm.y * (float)(sc >> 8)));
+            }
+        }
         return r;
     }
     // word t of the nibble plane -> (weights 4t..4t+3, weights 16+4t..16+4t+3) as byte values
@@ -121,16 +138,16 @@ struct FmtNib {
         const uint32_t w = t == 0 ? r.q.x : t == 1 ? r.q.y : t == 2 ? r.q.z : r.q.w;
         lo = w & 0x0F0F0F0Fu;
         hi = (w >> 4) & 0x0F0F0F0Fu;
-        if (KIND == 5) {
+        if (BITS == 5) {
             lo |= spread_bit4((r.h.x >> (4 * t)) & 0xFu);
             hi |= spread_bit4((r.h.x >> (16 + 4 * t)) & 0xFu);
-        } else if (KIND == 6) {
+        } else if (BITS == 6) {
             lo |= spread_2bit4((r.h.x >> (8 * t)) & 0xFFu);
             hi |= spread_2bit4((r.h.y >> (8 * t)) & 0xFFu);
         }
     }
     static __device__ __forceinline__ float dot(const Raw& r, const float* x) {
-        const float bias = KIND == 6 ? 32.f : 0.f;
+        const float bias = BITS == 6 ? 32.f : 0.f;
         float acc_lo = 0.f, acc_hi = 0.f, xsum = 0.f;
 #pragma unroll
         for (int t = 0; t < 4; ++t) {
@@ -138,9 +155,9 @@ struct FmtNib {
             word_values(r, t, lo, hi);
             const float4 xa = ldg4(x + 4 * t), xb = ldg4(x + 16 + 4 * t);
             dot_lohi(lo, hi, bias, xa, xb, acc_lo, acc_hi);
-            if (KIND != 6) xsum += sum4(xa) + sum4(xb);
+            if (BITS != 6) xsum += sum4(xa) + sum4(xb);
         }
-        if (KIND == 6) return r.sm.x * acc_lo + r.sm.y * acc_hi;
+        if (BITS == 6) return r.sm.x * acc_lo + r.sm.y * acc_hi;
         return r.sm.x * (acc_lo + acc_hi) + r.sm.y * xsum;
     }
     static __device__ __forceinline__ void dequant(const Raw& r, float* out) {
@@ -150,12 +167,12 @@ struct FmtNib {
             word_values(r, t, lo, hi);
 #pragma unroll
             for (int k = 0; k < 4; ++k) {
-                if (KIND == 6) {
+                if (BITS == 6) {
                     out[4 * t + k] = r.sm.x * byte_as_float(lo, k, 32.f);
                     out[16 + 4 * t + k] = r.sm.y * byte_as_float(hi, k, 32.f);
                 } else {
-                    out[4 * t + k] = fmaf(r.sm.x, byte_as_float(lo, k, 0.f), r.sm.y);
-                    out[16 + 4 * t + k] = fmaf(r.sm.x, byte_as_float(hi, k, 0.f), r.sm.y);
+                    out[4 * t + k] = r.sm.x * byte_as_float(lo, k, 0.f) + r.sm.y;
+                    out[16 + 4 * t + k] = r.sm.x * byte_as_float(hi, k, 0.f) + r.sm.y;
                 }
             }
         }
@@ -164,7 +181,9 @@ struct FmtNib {
 
 typedef FmtNib<4> FmtG4;
 typedef FmtNib<5> FmtG5;
-typedef FmtNib<6> FmtG6;
+typedef FmtNib<14> FmtK4;
+typedef FmtNib<15> FmtK5;
+typedef FmtNib<16> FmtK6;
 
 // ---------------------------------------------------------------- float formats
 __device__ __forceinline__ float to_float(__half v) { return __half2float(v); }

@@ -107,36 +107,40 @@ __device__ __forceinline__ void gemv_swiglu_float(const T* wg, const T* wu, int 
     if (lane == 0) y[row] = silu(a) * b;
 }
 
-// One signature for every format, so the Python side launches them alike: (qs, hi, sm) are the
+// One signature for every format, so the Python side launches them alike: (qs, hi, sm, dm) are the
 // planes (float formats use qs only).
 #define GEMV_QUANT(NAME, F)                                                                                   \
     extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)                                             \
-        gemv_##NAME(const uint8_t* qs, const uint8_t* hi, const uint8_t* sm, int rows, int K, const float* x, \
-                    float* y, const float* bias, const float* residual) {                                     \
-        gemv_quant<F>(Planes{qs, hi, sm}, rows, K, x, y, bias, residual);                                     \
+        gemv_##NAME(const uint8_t* qs, const uint8_t* hi, const uint8_t* sm, const uint8_t* dm, int rows, int K, \
+                    const float* x, float* y, const float* bias, const float* residual) {                     \
+        gemv_quant<F>(Planes{qs, hi, sm, dm}, rows, K, x, y, bias, residual);                                 \
     }                                                                                                         \
     extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)                                             \
-        gemv_swiglu_##NAME(const uint8_t* gqs, const uint8_t* ghi, const uint8_t* gsm, const uint8_t* uqs,    \
-                           const uint8_t* uhi, const uint8_t* usm, int rows, int K, const float* x, float* y) { \
-        gemv_swiglu_quant<F>(Planes{gqs, ghi, gsm}, Planes{uqs, uhi, usm}, rows, K, x, y);                   \
+        gemv_swiglu_##NAME(const uint8_t* gqs, const uint8_t* ghi, const uint8_t* gsm, const uint8_t* gdm,    \
+                           const uint8_t* uqs, const uint8_t* uhi, const uint8_t* usm, const uint8_t* udm,    \
+                           int rows, int K, const float* x, float* y) {                                       \
+        gemv_swiglu_quant<F>(Planes{gqs, ghi, gsm, gdm}, Planes{uqs, uhi, usm, udm}, rows, K, x, y);         \
     }
 
 #define GEMV_FLOAT(NAME, T)                                                                                   \
     extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)                                             \
-        gemv_##NAME(const uint8_t* qs, const uint8_t* hi, const uint8_t* sm, int rows, int K, const float* x, \
-                    float* y, const float* bias, const float* residual) {                                     \
+        gemv_##NAME(const uint8_t* qs, const uint8_t* hi, const uint8_t* sm, const uint8_t* dm, int rows, int K, \
+                    const float* x, float* y, const float* bias, const float* residual) {                     \
         gemv_float<T>(reinterpret_cast<const T*>(qs), rows, K, x, y, bias, residual);                        \
     }                                                                                                         \
     extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)                                             \
-        gemv_swiglu_##NAME(const uint8_t* gqs, const uint8_t* ghi, const uint8_t* gsm, const uint8_t* uqs,    \
-                           const uint8_t* uhi, const uint8_t* usm, int rows, int K, const float* x, float* y) { \
+        gemv_swiglu_##NAME(const uint8_t* gqs, const uint8_t* ghi, const uint8_t* gsm, const uint8_t* gdm,    \
+                           const uint8_t* uqs, const uint8_t* uhi, const uint8_t* usm, const uint8_t* udm,    \
+                           int rows, int K, const float* x, float* y) {                                       \
         gemv_swiglu_float<T>(reinterpret_cast<const T*>(gqs), reinterpret_cast<const T*>(uqs), rows, K, x, y); \
     }
 
 GEMV_QUANT(q8, FmtQ8)
 GEMV_QUANT(g4, FmtG4)
 GEMV_QUANT(g5, FmtG5)
-GEMV_QUANT(g6, FmtG6)
+GEMV_QUANT(k4, FmtK4)
+GEMV_QUANT(k5, FmtK5)
+GEMV_QUANT(k6, FmtK6)
 GEMV_FLOAT(f16, __half)
 GEMV_FLOAT(bf16, __nv_bfloat16)
 GEMV_FLOAT(f32, float)

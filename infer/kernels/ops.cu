@@ -44,18 +44,120 @@ __device__ float block_sum(float v) {
     return total;
 }
 
-// y = x / sqrt(mean(x^2) + eps) * w, one block per row; writes float32 (y) and/or float16 (y16)
-extern "C" __global__ void rmsnorm(const float* x, const float* w, float* y, __half* y16, int n, float eps) {
-    const float* xr = x + (long long)blockIdx.x * n;
+// Activation formats: how llama.cpp's CPU converts the input of a matrix product for each weight
+// type (infer.quants.round_activations). ACT_Q8_0: blocks of 32, scale = f16(amax/127),
+// q = rint(x * (127/amax)); ACT_Q8_K: blocks of 256, scale from the signed value of largest
+// magnitude (first one on ties), q = min(rint(x * (-127/extreme)), 127), scale 1/(-127/extreme).
+#define ACT_F32 0
+#define ACT_F16 1
+#define ACT_BF16 2
+#define ACT_Q8_0 3
+#define ACT_Q8_K 4
+
+// One warp per group of 32*PER values (PER = 1: q8_0, 8: q8_k)
+template <int PER>
+__device__ void round_groups(float* y, __half* y16, int n, int fmt) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    constexpr int group = 32 * PER;
+    for (int g = warp; g < n / group; g += warps) {
+        float* b = y + (long long)g * group;
+        float v[PER];
+        float best = -1.f, extreme = 0.f;
+        int best_i = 0x7fffffff;
+#pragma unroll
+        for (int k = 0; k < PER; ++k) {
+            const int i = lane * PER + k;
+            v[k] = b[i];
+            const float a = fabsf(v[k]);
+            if (a > best) {  // ascending i within the lane: the first maximum is kept
+                best = a;
+                best_i = i;
+                extreme = v[k];
+            }
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+            const float ob = __shfl_xor_sync(0xffffffffu, best, o);
+            const int oi = __shfl_xor_sync(0xffffffffu, best_i, o);
+            const float oe = __shfl_xor_sync(0xffffffffu, extreme, o);
+            if (ob > best || (ob == best && oi < best_i)) {
+                best = ob;
+                best_i = oi;
+                extreme = oe;
+            }
+        }
+        float inv, scale, hi;
+        if (fmt == ACT_Q8_0) {
+            inv = best > 0.f ? 127.f / best : 0.f;
+            scale = __half2float(__float2half_rn(best / 127.f));
+            hi = 1e30f;
+        } else {
+            inv = extreme != 0.f ? -127.f / extreme : 0.f;
+            scale = extreme != 0.f ? 1.f / inv : 0.f;
+            hi = 127.f;
+        }
+#pragma unroll
+        for (int k = 0; k < PER; ++k) {
+            const int i = lane * PER + k;
+            const float r = fminf(rintf(v[k] * inv), hi) * scale;
+            b[i] = r;
+            if (y16) y16[(long long)g * group + i] = __float2half_rn(r);
+        }
+    }
+}
+
+// Rounds row y (n floats, written by this block before a __syncthreads) in place to `fmt`; y16, if
+// given, receives the rounded values as float16. Called by every thread of the block.
+__device__ void round_row(float* y, __half* y16, int n, int fmt) {
+    if (fmt == ACT_F32 || fmt == ACT_F16 || fmt == ACT_BF16) {
+        for (int i = threadIdx.x; i < n; i += blockDim.x) {
+            float v = y[i];
+            if (fmt == ACT_F16) v = __half2float(__float2half_rn(v));
+            if (fmt == ACT_BF16) v = __bfloat162float(__float2bfloat16_rn(v));
+            y[i] = v;
+            if (y16) y16[i] = __float2half_rn(v);
+        }
+        return;
+    }
+    if (fmt == ACT_Q8_0) round_groups<1>(y, y16, n, fmt);
+    else round_groups<8>(y, y16, n, fmt);
+}
+
+// y = x / sqrt(mean(x^2) + eps) * w, one block per row, then rounded to activation format `fmt`;
+// writes float32 (y, required unless fmt is ACT_F32 and only y16 is wanted) and/or float16 (y16)
+extern "C" __global__ void rmsnorm(const float* x, const float* w, float* y, __half* y16, int n, float eps,
+                                   int fmt) {
+    const long long row = blockIdx.x;
+    const float* xr = x + row * n;
     float ss = 0.f;
     for (int i = threadIdx.x; i < n; i += blockDim.x) ss += xr[i] * xr[i];
     ss = block_sum(ss);
-    const float inv = 1.f / sqrtf(ss / (float)n + eps);
+    const float s = sqrtf(ss / (float)n + eps);
+    float* yr = y ? y + row * n : nullptr;
+    __half* y16r = y16 ? y16 + row * n : nullptr;
     for (int i = threadIdx.x; i < n; i += blockDim.x) {
-        const float v = xr[i] * inv * w[i];
-        if (y) y[(long long)blockIdx.x * n + i] = v;
-        if (y16) y16[(long long)blockIdx.x * n + i] = __float2half_rn(v);
+        const float v = (xr[i] / s) * w[i];
+        if (yr) yr[i] = v;
+        else if (y16r) y16r[i] = __float2half_rn(v);
     }
+    if (!yr || fmt == ACT_F32) {
+        if (yr && y16r)
+            for (int i = threadIdx.x; i < n; i += blockDim.x) y16r[i] = __float2half_rn(yr[i]);
+        return;
+    }
+    __syncthreads();  // the row is in y: round it by groups
+    round_row(yr, y16r, n, fmt);
+}
+
+// y (and/or y16) = x rounded to activation format `fmt`, one block per row of n; y may alias x
+extern "C" __global__ void round_act(const float* x, float* y, __half* y16, int n, int fmt) {
+    const long long row = blockIdx.x;
+    float* yr = y + row * n;
+    if (yr != x + row * n) {
+        for (int i = threadIdx.x; i < n; i += blockDim.x) yr[i] = x[row * n + i];
+        __syncthreads();
+    }
+    round_row(yr, y16 ? y16 + row * n : nullptr, n, fmt);
 }
 
 // Rotary embedding of q (in place) and k, then k and v stored into the cache at their positions.
@@ -93,37 +195,34 @@ extern "C" __global__ void rope_store(float* q, const float* k, const float* v, 
     for (int d = threadIdx.x; d < D; d += blockDim.x) vdst[d] = __float2half_rn(vs[d]);
 }
 
-// Decode attention, one block per (KV head, split of ATTN_CHUNK positions): the G query heads that
-// share the KV head are handled together, so each cached key and value is read once per group.
-// Writes unnormalised partial outputs with their running max and sum; attention_combine merges them.
-// kv_len = pos[0] + 1. q: (n_heads, D) float32, head h uses KV head h / G.
+// Decode attention in three steps, each grid (KV head, split of ATTN_CHUNK positions) with the G query
+// heads that share a KV head handled together (each cached key and value is read once per group):
+//   attention_scores: s = q.k * scale for the split's positions -> scores, and the split's max and
+//                     sum of exp -> part_ml;
+//   attention_values: global max M and sum L from all splits, p = f16(exp(s - M) / L) (normalised and
+//                     rounded to float16 as llama.cpp and the CPU engine do), partial sum of p * v;
+//   attention_sum:    out = sum of the splits' partials.
+// kv_len = pos[0] + 1. q: (n_heads, D) float32, head h uses KV head h / G; q is rounded to float16
+// first, as llama.cpp multiplies it with the float16 cache. scores: (n_heads, max_ctx).
 template <int MAXG>
-__device__ __forceinline__ void attention_decode(const float* q, const __half* kc, const __half* vc, const int* pos,
-                                                 int G, int D, int max_ctx, float scale, int n_splits, float* part_o,
+__device__ __forceinline__ void attention_scores(const float* q, const __half* kc, const int* pos, int G, int D,
+                                                 int max_ctx, float scale, int n_splits, float* scores,
                                                  float* part_ml) {
     __shared__ __align__(16) float q_s[ATTN_MAX_GROUP * ATTN_MAX_HEAD_DIM];
     __shared__ float p_s[ATTN_MAX_GROUP * ATTN_CHUNK];
-    __shared__ float m_s[ATTN_MAX_GROUP], l_s[ATTN_MAX_GROUP];
     const int kvh = blockIdx.x, split = blockIdx.y, tid = threadIdx.x;
-    const int kv_len = pos[0] + 1;
     const int start = split * ATTN_CHUNK;
-    const int n = min(ATTN_CHUNK, kv_len - start);
+    const int n = min(ATTN_CHUNK, pos[0] + 1 - start);
     const int h0 = kvh * G;
     if (n <= 0) {
-        for (int i = tid; i < G * D; i += ATTN_THREADS) {
-            const int g = i / D, d = i % D;
-            part_o[((long long)(h0 + g) * n_splits + split) * D + d] = 0.f;
-        }
         if (tid < G) {
             part_ml[((h0 + tid) * n_splits + split) * 2] = NEG_INF;
             part_ml[((h0 + tid) * n_splits + split) * 2 + 1] = 0.f;
         }
         return;
     }
-    // the query rounded to float16, as llama.cpp multiplies it with the float16 cache
     for (int i = tid; i < G * D; i += ATTN_THREADS) q_s[i] = __half2float(__float2half_rn(q[(long long)h0 * D + i]));
     __syncthreads();
-
     const __half* kbase = kc + ((long long)kvh * max_ctx + start) * D;
     for (int t = tid; t < n; t += ATTN_THREADS) {
         float acc[MAXG];
@@ -151,30 +250,62 @@ __device__ __forceinline__ void attention_decode(const float* q, const __half* k
             }
         }
 #pragma unroll
-        for (int g = 0; g < MAXG; ++g)
-            if (g < G) p_s[g * ATTN_CHUNK + t] = acc[g] * scale;
+        for (int g = 0; g < MAXG; ++g) {
+            if (g < G) {
+                const float sc = acc[g] * scale;
+                p_s[g * ATTN_CHUNK + t] = sc;
+                scores[(long long)(h0 + g) * max_ctx + start + t] = sc;
+            }
+        }
     }
     __syncthreads();
-
     const int warp = tid >> 5, lane = tid & 31;
     for (int g = warp; g < G; g += ATTN_THREADS / 32) {
         float m = NEG_INF;
         for (int t = lane; t < n; t += 32) m = fmaxf(m, p_s[g * ATTN_CHUNK + t]);
         m = warp_max(m);
         float l = 0.f;
-        for (int t = lane; t < n; t += 32) {
-            const float e = expf(p_s[g * ATTN_CHUNK + t] - m);
-            p_s[g * ATTN_CHUNK + t] = e;
-            l += e;
-        }
+        for (int t = lane; t < n; t += 32) l += expf(p_s[g * ATTN_CHUNK + t] - m);
         l = warp_sum(l);
         if (lane == 0) {
-            m_s[g] = m;
-            l_s[g] = l;
+            part_ml[((h0 + g) * n_splits + split) * 2] = m;
+            part_ml[((h0 + g) * n_splits + split) * 2 + 1] = l;
         }
     }
-    __syncthreads();
+}
 
+template <int MAXG>
+__device__ __forceinline__ void attention_values(const __half* vc, const int* pos, int G, int D, int max_ctx,
+                                                 int n_splits, const float* scores, const float* part_ml,
+                                                 float* part_o) {
+    __shared__ float p_s[ATTN_MAX_GROUP * ATTN_CHUNK];
+    __shared__ float M_s[ATTN_MAX_GROUP], L_s[ATTN_MAX_GROUP];
+    const int kvh = blockIdx.x, split = blockIdx.y, tid = threadIdx.x;
+    const int start = split * ATTN_CHUNK;
+    const int n = min(ATTN_CHUNK, pos[0] + 1 - start);
+    const int h0 = kvh * G;
+    if (n <= 0) {
+        for (int i = tid; i < G * D; i += ATTN_THREADS)
+            part_o[((long long)(h0 + i / D) * n_splits + split) * D + i % D] = 0.f;
+        return;
+    }
+    if (tid < G) {  // the global max and sum over all splits of this head
+        const float* ml = part_ml + (long long)(h0 + tid) * n_splits * 2;
+        float M = NEG_INF;
+        for (int s = 0; s < n_splits; ++s) M = fmaxf(M, ml[2 * s]);
+        float L = 0.f;
+        for (int s = 0; s < n_splits; ++s)
+            if (ml[2 * s + 1] > 0.f) L += ml[2 * s + 1] * expf(ml[2 * s] - M);
+        M_s[tid] = M;
+        L_s[tid] = L;
+    }
+    __syncthreads();
+    for (int i = tid; i < G * n; i += ATTN_THREADS) {
+        const int g = i / n, t = i % n;
+        const float e = expf(scores[(long long)(h0 + g) * max_ctx + start + t] - M_s[g]) / L_s[g];
+        p_s[g * ATTN_CHUNK + t] = __half2float(__float2half_rn(e));
+    }
+    __syncthreads();
     const __half* vbase = vc + ((long long)kvh * max_ctx + start) * D;
     for (int d = tid; d < D; d += ATTN_THREADS) {
         float acc[MAXG];
@@ -190,39 +321,31 @@ __device__ __forceinline__ void attention_decode(const float* q, const __half* k
         for (int g = 0; g < MAXG; ++g)
             if (g < G) part_o[((long long)(h0 + g) * n_splits + split) * D + d] = acc[g];
     }
-    if (tid < G) {
-        part_ml[((h0 + tid) * n_splits + split) * 2] = m_s[tid];
-        part_ml[((h0 + tid) * n_splits + split) * 2 + 1] = l_s[tid];
-    }
 }
 
 // instantiations by group size (query heads per KV head): the smallest that holds G
-#define ATTENTION_DECODE(MAXG)                                                                                \
-    extern "C" __global__ void __launch_bounds__(ATTN_THREADS)                                                \
-        attention_decode_g##MAXG(const float* q, const __half* kc, const __half* vc, const int* pos, int G,   \
-                                 int D, int max_ctx, float scale, int n_splits, float* part_o, float* part_ml) { \
-        attention_decode<MAXG>(q, kc, vc, pos, G, D, max_ctx, scale, n_splits, part_o, part_ml);             \
+#define ATTENTION_DECODE(MAXG)                                                                                 \
+    extern "C" __global__ void __launch_bounds__(ATTN_THREADS)                                                 \
+        attention_scores_g##MAXG(const float* q, const __half* kc, const int* pos, int G, int D, int max_ctx,  \
+                                 float scale, int n_splits, float* scores, float* part_ml) {                   \
+        attention_scores<MAXG>(q, kc, pos, G, D, max_ctx, scale, n_splits, scores, part_ml);                  \
+    }                                                                                                          \
+    extern "C" __global__ void __launch_bounds__(ATTN_THREADS)                                                 \
+        attention_values_g##MAXG(const __half* vc, const int* pos, int G, int D, int max_ctx, int n_splits,    \
+                                 const float* scores, const float* part_ml, float* part_o) {                   \
+        attention_values<MAXG>(vc, pos, G, D, max_ctx, n_splits, scores, part_ml, part_o);                    \
     }
 ATTENTION_DECODE(4)
 ATTENTION_DECODE(8)
 ATTENTION_DECODE(16)
 
-// out[h, :] = merged softmax-weighted values of all splits; grid n_heads
-extern "C" __global__ void attention_combine(const float* part_o, const float* part_ml, int n_splits, int D,
-                                             float* out) {
+// out[h, :] = sum of the splits' partial outputs (in split order: deterministic); grid n_heads
+extern "C" __global__ void attention_sum(const float* part_o, int n_splits, int D, float* out) {
     const int h = blockIdx.x;
-    const float* ml = part_ml + (long long)h * n_splits * 2;
-    float m = NEG_INF;
-    for (int s = 0; s < n_splits; ++s) m = fmaxf(m, ml[2 * s]);
-    float l = 0.f;
-    for (int s = 0; s < n_splits; ++s)
-        if (ml[2 * s + 1] > 0.f) l += ml[2 * s + 1] * expf(ml[2 * s] - m);
-    const float inv = 1.f / l;
     for (int d = threadIdx.x; d < D; d += blockDim.x) {
         float acc = 0.f;
-        for (int s = 0; s < n_splits; ++s)
-            if (ml[2 * s + 1] > 0.f) acc += part_o[((long long)h * n_splits + s) * D + d] * expf(ml[2 * s] - m);
-        out[(long long)h * D + d] = acc * inv;
+        for (int s = 0; s < n_splits; ++s) acc += part_o[((long long)h * n_splits + s) * D + d];
+        out[(long long)h * D + d] = acc;
     }
 }
 

@@ -55,7 +55,7 @@ __device__ __forceinline__ void k_scale_min(const uint8_t* sc, int j, int& s, in
     const long long g = (long long)blockIdx.x * blockDim.x + threadIdx.x; \
     if (g >= n_sb) return;
 
-#define REPACK_ARGS const uint8_t *src, long long n_sb, uint8_t *qs, uint8_t *hi, uint8_t *sm
+#define REPACK_ARGS const uint8_t *src, long long n_sb, uint8_t *qs, uint8_t *hi, uint8_t *sm, uint8_t *dm
 
 extern "C" __global__ void repack_q8_0(REPACK_ARGS) {
     REPACK_PROLOGUE
@@ -101,8 +101,21 @@ extern "C" __global__ void repack_q5_1(REPACK_ARGS) {
     store_sm(sm, g, f16_at(b), f16_at(b + 2));
 }
 
+// K-quant sub-block scales: (sc, mn) or two int8 scales, as two bytes
+__device__ __forceinline__ void store_sc(uint8_t* sm, long long g, int lo, int hi) {
+    reinterpret_cast<unsigned short*>(sm)[g] = (unsigned short)((lo & 0xFF) | ((hi & 0xFF) << 8));
+}
+
+// the block's f16 pair (d, dmin), or (d, 0), once per 256-weight block
+__device__ __forceinline__ void store_dm(uint8_t* dm, long long g, const uint8_t* d, const uint8_t* dmin) {
+    if ((g & 7) == 0) {
+        const unsigned int lo = d[0] | (d[1] << 8), hi = dmin ? (dmin[0] | (dmin[1] << 8)) : 0u;
+        reinterpret_cast<unsigned int*>(dm)[g >> 3] = lo | (hi << 16);
+    }
+}
+
 // Q4_K: d, dmin (f16), scales[12], qs[128]; sub-block j uses the low (j even) or high nibbles of
-// qs[32*(j/2) .. +32]; w = d*sc*q - dmin*m
+// qs[32*(j/2) .. +32]; w = (d*sc)*q - dmin*mn
 extern "C" __global__ void repack_q4_k(REPACK_ARGS) {
     REPACK_PROLOGUE
     const int j = (int)(g & 7);
@@ -112,7 +125,8 @@ extern "C" __global__ void repack_q4_k(REPACK_ARGS) {
     store_nibbles(qs + g * 16, [&](int i) { return (uint32_t)(q[i] >> shift); });
     int s, m;
     k_scale_min(b + 4, j, s, m);
-    store_sm(sm, g, f16_at(b) * (float)s, -f16_at(b + 2) * (float)m);
+    store_sc(sm, g, s, m);
+    store_dm(dm, g, b, b + 2);
 }
 
 // Q5_K: d, dmin, scales[12], qh[32], qs[128]; bit 4 of weight i of sub-block j is bit j of qh[i]
@@ -130,11 +144,12 @@ extern "C" __global__ void repack_q5_k(REPACK_ARGS) {
     reinterpret_cast<uint32_t*>(hi)[g] = bits;
     int s, m;
     k_scale_min(b + 4, j, s, m);
-    store_sm(sm, g, f16_at(b) * (float)s, -f16_at(b + 2) * (float)m);
+    store_sc(sm, g, s, m);
+    store_dm(dm, g, b, b + 2);
 }
 
 // Q6_K: ql[128], qh[64], scales[16] (int8), d; sub-block j = 4h + jj takes the low (jj < 2) or high
-// nibbles of ql[64h + 32*(jj&1) ..] and bits 2jj..2jj+1 of qh[32h ..]; w = d*sc*(q - 32), one
+// nibbles of ql[64h + 32*(jj&1) ..] and bits 2jj..2jj+1 of qh[32h ..]; w = (d*sc)*(q - 32), one
 // scale per 16 weights
 extern "C" __global__ void repack_q6_k(REPACK_ARGS) {
     REPACK_PROLOGUE
@@ -151,7 +166,6 @@ extern "C" __global__ void repack_q6_k(REPACK_ARGS) {
         w1 |= (uint32_t)((qh[i + 16] >> (2 * jj)) & 3) << (2 * i);
     }
     reinterpret_cast<uint2*>(hi)[g] = make_uint2(w0, w1);
-    const float d = f16_at(b + 208);
-    const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
-    store_sm(sm, g, d * (float)sc[2 * j], d * (float)sc[2 * j + 1]);
+    store_sc(sm, g, b[192 + 2 * j], b[192 + 2 * j + 1]);
+    store_dm(dm, g, b + 208, nullptr);
 }
