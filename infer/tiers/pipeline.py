@@ -127,6 +127,7 @@ class GpuStreamingWeights:
         # uploads ran on the legacy default stream, which the non-blocking compute stream does not
         # wait for: finish them before any pass starts
         cupy.cuda.Device().synchronize()
+        cupy.get_default_memory_pool().free_all_blocks()  # the uploads' temporaries: VRAM the plan did not count
         self.ring.start()
 
     def _upload(self, t: Tensor) -> Any:
