@@ -14,6 +14,7 @@ import contextlib
 import os
 import signal
 import subprocess
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -54,12 +55,27 @@ class Outcome:
 
 @contextmanager
 def signals_deferred() -> Iterator[None]:
-    """Hold back the signals a user sends to stop us; pending ones are delivered on exit."""
-    old = signal.pthread_sigmask(signal.SIG_BLOCK, DEFERRED_SIGNALS)
+    """Hold back the signals a user sends to stop us, and deliver them once the block is done.
+
+    Two layers, because a process-directed signal goes to any thread that does not block it: the
+    calling thread's mask keeps them pending, and (on the main thread) a recording Python handler
+    catches any that another thread received. On exit each one is delivered exactly once, to the
+    handler that was in place before.
+    """
+    caught: list[int] = []
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        for signum in DEFERRED_SIGNALS:
+            previous[signum] = signal.signal(signum, lambda number, _frame: caught.append(number))
+    old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, DEFERRED_SIGNALS)
     try:
         yield
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+        signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        for signum in dict.fromkeys(caught):
+            signal.raise_signal(signum)
 
 
 def current_driver(view: SystemView, bdf: str) -> str | None:

@@ -146,3 +146,44 @@ def test_bind_after_an_interrupted_bind_keeps_the_original_record(fake):
     record = StateFile(view).get(A)
     assert record["original_driver"] == "nvme" and record["original_override"] is None
     assert record["name"] == "nvme0" and record["phase"] == "unbound"
+
+
+def test_a_signal_another_thread_receives_is_held_back_too():
+    """Process-directed signals may land on any thread that does not block them."""
+    import threading
+
+    events = []
+    ready, sent = threading.Event(), threading.Event()
+
+    def other_thread():  # does not block SIGINT, so the kernel may deliver it here
+        ready.set()
+        sent.wait(5)
+
+    helper = threading.Thread(target=other_thread)
+    helper.start()
+    try:
+        ready.wait(5)
+        with signals_deferred():
+            signal.pthread_kill(helper.ident, signal.SIGINT)  # force delivery to the other thread
+            time.sleep(0.05)
+            events.append("inside, not interrupted")
+            sent.set()
+        events.append("after the window")
+    except KeyboardInterrupt:
+        events.append("interrupted")
+    helper.join()
+    assert events == ["inside, not interrupted", "interrupted"]
+
+
+def test_sigterm_is_delivered_once_after_the_window():
+    received = []
+    previous = signal.signal(signal.SIGTERM, lambda n, f: received.append(n))
+    try:
+        with signals_deferred():
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.05)
+            assert received == []
+        time.sleep(0.05)
+        assert received == [signal.SIGTERM]
+    finally:
+        signal.signal(signal.SIGTERM, previous)
