@@ -22,7 +22,7 @@ from nvmedirect.reader.base import ByteRange, OnceLock, ReadError, ReadHandle, S
 from nvmedirect.reader.host_memory import as_byte_array, gpu_present
 
 DEFAULT_QUEUE_PAIRS = 2
-DEFAULT_QUEUE_DEPTH = 64
+DEFAULT_QUEUE_DEPTH = 63  # + 1 free entry = 64 SQEs = one 4 KiB ring page (no-IOMMU needs no huge page)
 DEFAULT_IO_SIZE = 4 << 20
 
 
