@@ -170,9 +170,9 @@ struct FmtNib {
                 if (BITS == 6) {
                     out[4 * t + k] = r.sm.x * byte_as_float(lo, k, 32.f);
                     out[16 + 4 * t + k] = r.sm.y * byte_as_float(hi, k, 32.f);
-                } else {
-                    out[4 * t + k] = r.sm.x * byte_as_float(lo, k, 0.f) + r.sm.y;
-                    out[16 + 4 * t + k] = r.sm.x * byte_as_float(hi, k, 0.f) + r.sm.y;
+                } else {  // no fused multiply-add: the same two roundings as the CPU's dequantization
+                    out[4 * t + k] = __fadd_rn(__fmul_rn(r.sm.x, byte_as_float(lo, k, 0.f)), r.sm.y);
+                    out[16 + 4 * t + k] = __fadd_rn(__fmul_rn(r.sm.x, byte_as_float(hi, k, 0.f)), r.sm.y);
                 }
             }
         }
