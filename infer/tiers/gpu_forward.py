@@ -26,6 +26,7 @@ from infer.model import ModelArgs, Rope
 from infer.tiers.pipeline import GpuStreamingWeights
 
 ATTN_CHUNK = 256  # positions per split of the decode attention kernel (ops.cu's ATTN_CHUNK)
+F32, F16 = cupy.float32, cupy.float16
 
 
 @dataclass
@@ -36,7 +37,8 @@ class StreamKVCache:
     values: cupy.ndarray
     max_tokens: int
     n_splits: int
-    part_o: cupy.ndarray  # decode attention's per-split partial outputs
+    scores: cupy.ndarray  # decode attention work buffers
+    part_o: cupy.ndarray
     part_ml: cupy.ndarray
     length: int = 0
 
@@ -60,7 +62,7 @@ class GpuStreamingModel:
             self.output: GpuMatrix = self.token_embd if tied else weights.global_tensor("output.weight")
             self.output_norm = weights.global_tensor("output_norm.weight")
             biggest = max(int(np.prod(t.shape)) for t in weights.plan.tensors if t.layer is not None)
-            self.half = cupy.empty(biggest, cupy.float16)  # one matrix dequantized for a batched product
+            self.half = cupy.empty(biggest, F16)  # one matrix dequantized for a batched product
         self.stream.synchronize()
 
     def new_cache(self, max_tokens: int) -> StreamKVCache:
@@ -70,9 +72,10 @@ class GpuStreamingModel:
         n_splits = -(-max_tokens // ATTN_CHUNK)
         shape = (a.n_layers, a.n_kv_heads, max_tokens, a.head_dim)
         with self.stream:
-            cache = StreamKVCache(cupy.zeros(shape, cupy.float16), cupy.zeros(shape, cupy.float16), max_tokens,
-                                  n_splits, cupy.zeros(a.n_heads * n_splits * a.head_dim, cupy.float32),
-                                  cupy.zeros(a.n_heads * n_splits * 2, cupy.float32))
+            cache = StreamKVCache(cupy.zeros(shape, F16), cupy.zeros(shape, F16), max_tokens, n_splits,
+                                  cupy.zeros(a.n_heads * max_tokens, F32),
+                                  cupy.zeros(a.n_heads * n_splits * a.head_dim, F32),
+                                  cupy.zeros(a.n_heads * n_splits * 2, F32))
         self.stream.synchronize()
         return cache
 
@@ -95,23 +98,59 @@ class GpuStreamingModel:
             ids = cupy.asarray(np.concatenate([np.asarray(t, np.int64) for t, _ in batch]).astype(np.int32))
             positions = [cupy.arange(c.length, c.length + n, dtype=cupy.int32)
                          for (_, c), n in zip(batch, sizes, strict=True)]
-            x = cupy.empty((rows, a.dim), cupy.float32)
+            x = cupy.empty((rows, a.dim), F32)
             ops.embed(self.token_embd, ids, rows, x)
             for i in range(a.n_layers):
                 self._layer(i, self.weights.layer(i), x, batch, bounds, positions)
             for (_, cache), n in zip(batch, sizes, strict=True):
                 cache.length += n
             picked = list(range(rows)) if all_logits else [b - 1 for b in bounds[1:]]
-            logits = cupy.empty((len(picked), a.vocab_size), cupy.float32)
-            xn = cupy.empty(a.dim, cupy.float32)
+            logits = cupy.empty((len(picked), a.vocab_size), F32)
             for j, r in enumerate(picked):
-                ops.rmsnorm(x[r], self.output_norm, a.norm_eps, 1, a.dim, y=xn)
-                ops.gemv(self.output, xn, logits[j])
+                xs = self._normed(x[r], self.output_norm, [self.output.act], 1)
+                ops.gemv(self.output, xs[self.output.act], logits[j])
             host = cupy.asnumpy(logits, stream=self.stream)
         self.stream.synchronize()
         if all_logits:
             return [host[bounds[s]:bounds[s + 1]] for s in range(len(batch))]
         return [host[s] for s in range(len(batch))]
+
+    # -------------------------------------------------------------- inputs rounded as llama.cpp's CPU does
+    def _normed(self, x: cupy.ndarray, weight: cupy.ndarray, acts: list[str], rows: int) -> dict[str, cupy.ndarray]:
+        """RMSNorm(x) * weight per row, float32, rounded to each activation format in `acts`."""
+        a, unique = self.args, sorted(set(acts))
+        if len(unique) == 1:
+            y = cupy.empty((rows, a.dim), F32)
+            ops.rmsnorm(x, weight, a.norm_eps, rows, a.dim, y=y, act=unique[0])
+            return {unique[0]: y}
+        base = cupy.empty((rows, a.dim), F32)
+        ops.rmsnorm(x, weight, a.norm_eps, rows, a.dim, y=base)
+        return {act: self._rounded(base, act) for act in unique}
+
+    def _normed16(self, x: cupy.ndarray, weight: cupy.ndarray, acts: list[str]) -> dict[str, cupy.ndarray]:
+        """The same as float16 (rows, dim): the inputs of the batched products."""
+        a, rows, unique = self.args, x.shape[0], sorted(set(acts))
+        base = cupy.empty((rows, a.dim), F32)
+        if len(unique) == 1:
+            y16 = cupy.empty((rows, a.dim), F16)
+            ops.rmsnorm(x, weight, a.norm_eps, rows, a.dim, y=base, y16=y16, act=unique[0])
+            return {unique[0]: y16}
+        ops.rmsnorm(x, weight, a.norm_eps, rows, a.dim, y=base)
+        return {act: self._rounded16(base, act) for act in unique}
+
+    @staticmethod
+    def _rounded(x: cupy.ndarray, act: str) -> cupy.ndarray:
+        if act == "f32":
+            return x
+        y = cupy.empty_like(x)
+        ops.round_act(x, y, x.shape[0] if x.ndim == 2 else 1, x.shape[-1], act)
+        return y
+
+    @staticmethod
+    def _rounded16(x: cupy.ndarray, act: str) -> cupy.ndarray:
+        y16 = cupy.empty(x.shape, F16)
+        ops.round_act(x, cupy.empty_like(x), x.shape[0], x.shape[1], act, y16=y16)
+        return y16
 
     def _half_weights(self, m: GpuMatrix) -> cupy.ndarray:
         half = m.as_half()
@@ -124,7 +163,7 @@ class GpuStreamingModel:
     def _mm(self, x16: cupy.ndarray, m: GpuMatrix, out: cupy.ndarray | None = None,
             accumulate: bool = False) -> cupy.ndarray:
         """(R, cols) float16 @ W.T -> (R, rows) float32, into `out` (added to it with accumulate)."""
-        target = cupy.empty((x16.shape[0], m.rows), cupy.float32) if out is None else out
+        target = cupy.empty((x16.shape[0], m.rows), F32) if out is None else out
         ops.matmul_f16(x16, self._half_weights(m), target, accumulate=accumulate)
         return target
 
@@ -132,44 +171,41 @@ class GpuStreamingModel:
                bounds: list[int], positions: list[cupy.ndarray]) -> None:
         a, rows = self.args, x.shape[0]
         single = rows == 1
-        xn = cupy.empty((rows, a.dim), cupy.float32)
-        xn16 = None if single else cupy.empty((rows, a.dim), cupy.float16)
-        ops.rmsnorm(x, L["attn_norm"], a.norm_eps, rows, a.dim, y=xn, y16=xn16)
-        q = cupy.empty((rows, a.q_dim), cupy.float32)
-        k = cupy.empty((rows, a.kv_dim), cupy.float32)
-        v = cupy.empty((rows, a.kv_dim), cupy.float32)
-        for name, out in (("attn_q", q), ("attn_k", k), ("attn_v", v)):
-            bias = L.get(name + ".bias")
-            if single:
-                ops.gemv(L[name], xn[0], out[0], bias=bias)
-            else:
-                self._mm(xn16, L[name], out=out)
+        wq, wk, wv, wo = L["attn_q"], L["attn_k"], L["attn_v"], L["attn_output"]
+        gate, up, down = L["ffn_gate"], L["ffn_up"], L["ffn_down"]
+        q, k, v = (cupy.empty((rows, n), F32) for n in (a.q_dim, a.kv_dim, a.kv_dim))
+        if single:
+            xs = self._normed(x, L["attn_norm"], [wq.act, wk.act, wv.act], 1)
+            for name, m, out in (("attn_q", wq, q), ("attn_k", wk, k), ("attn_v", wv, v)):
+                ops.gemv(m, xs[m.act][0], out[0], bias=L.get(name + ".bias"))
+        else:
+            xs16 = self._normed16(x, L["attn_norm"], [wq.act, wk.act, wv.act])
+            for name, m, out in (("attn_q", wq, q), ("attn_k", wk, k), ("attn_v", wv, v)):
+                self._mm(xs16[m.act], m, out=out)
+                bias = L.get(name + ".bias")
                 if bias is not None:
                     out += bias
-        att = cupy.empty((rows, a.q_dim), cupy.float32)
+        att = cupy.empty((rows, a.q_dim), F32)
         for s, (_, cache) in enumerate(batch):
             r0, r1 = bounds[s], bounds[s + 1]
             self._attention(i, q[r0:r1], k[r0:r1], v[r0:r1], cache, positions[s], att[r0:r1])
         if single:
-            ops.gemv(L["attn_output"], att[0], x[0], residual=x[0])
-        else:
-            self._mm(att.astype(cupy.float16), L["attn_output"], out=x, accumulate=True)
-        ops.rmsnorm(x, L["ffn_norm"], a.norm_eps, rows, a.dim, y=xn, y16=xn16)
-        gate, up = L["ffn_gate"], L["ffn_up"]
-        if single:
-            ff = cupy.empty(a.ffn_dim, cupy.float32)
-            if gate.fmt == up.fmt:
-                ops.gemv_swiglu(gate, up, xn[0], ff)
+            ops.gemv(wo, self._rounded(att, wo.act)[0], x[0], residual=x[0])
+            xs = self._normed(x, L["ffn_norm"], [gate.act, up.act], 1)
+            ff = cupy.empty((1, a.ffn_dim), F32)
+            if gate.fmt == up.fmt and gate.act == up.act:
+                ops.gemv_swiglu(gate, up, xs[gate.act][0], ff[0])
             else:
-                g, u = cupy.empty(a.ffn_dim, cupy.float32), cupy.empty(a.ffn_dim, cupy.float32)
-                ops.gemv(gate, xn[0], g)
-                ops.gemv(up, xn[0], u)
-                ops.swiglu(g, u, ff, a.ffn_dim)
-            ops.gemv(L["ffn_down"], ff, x[0], residual=x[0])
+                g, u = cupy.empty(a.ffn_dim, F32), cupy.empty(a.ffn_dim, F32)
+                ops.gemv(gate, xs[gate.act][0], g)
+                ops.gemv(up, xs[up.act][0], u)
+                ops.swiglu(g, u, ff[0], a.ffn_dim)
+            ops.gemv(down, self._rounded(ff, down.act)[0], x[0], residual=x[0])
         else:
-            g, u = self._mm(xn16, gate), self._mm(xn16, up)
-            act = (g / (1.0 + cupy.exp(-g)) * u).astype(cupy.float16)
-            self._mm(act, L["ffn_down"], out=x, accumulate=True)
+            self._mm(self._rounded16(att, wo.act), wo, out=x, accumulate=True)
+            xs16 = self._normed16(x, L["ffn_norm"], [gate.act, up.act])
+            g, u = self._mm(xs16[gate.act], gate), self._mm(xs16[up.act], up)
+            self._mm(self._rounded16(g / (1.0 + cupy.exp(-g)) * u, down.act), down, out=x, accumulate=True)
 
     def _attention(self, i: int, q: cupy.ndarray, k: cupy.ndarray, v: cupy.ndarray, cache: StreamKVCache,
                    pos: cupy.ndarray, out: cupy.ndarray) -> None:
@@ -178,12 +214,12 @@ class GpuStreamingModel:
                        a.rope_neox, cache.keys[i], cache.values[i], cache.max_tokens)
         if n == 1:
             ops.attention_decode(q[0], cache.keys[i], cache.values[i], pos, a.n_heads, a.n_kv_heads, a.head_dim,
-                                 cache.max_tokens, cache.n_splits, cache.part_o, cache.part_ml, out[0])
+                                 cache.max_tokens, cache.n_splits, cache.scores, cache.part_o, cache.part_ml, out[0])
             return
         end, group = start + n, a.n_heads // a.n_kv_heads
-        keys = cache.keys[i, :, :end].astype(cupy.float32)  # (kv, S, hd)
-        values = cache.values[i, :, :end].astype(cupy.float32)
-        qg = q.astype(cupy.float16).astype(cupy.float32).reshape(n, a.n_kv_heads, group, a.head_dim)
+        keys = cache.keys[i, :, :end].astype(F32)  # (kv, S, hd)
+        values = cache.values[i, :, :end].astype(F32)
+        qg = q.astype(F16).astype(F32).reshape(n, a.n_kv_heads, group, a.head_dim)
         qg = qg.transpose(1, 2, 0, 3).reshape(a.n_kv_heads, group * n, a.head_dim)
         scores = cupy.matmul(qg, keys.transpose(0, 2, 1)) * np.float32(1.0 / np.sqrt(a.head_dim))
         scores = scores.reshape(a.n_kv_heads, group, n, end)
@@ -192,6 +228,6 @@ class GpuStreamingModel:
         scores -= scores.max(axis=-1, keepdims=True)
         probs = cupy.exp(scores)
         probs /= probs.sum(axis=-1, keepdims=True)
-        o = cupy.matmul(probs.astype(cupy.float16).astype(cupy.float32).reshape(a.n_kv_heads, group * n, end), values)
+        o = cupy.matmul(probs.astype(F16).astype(F32).reshape(a.n_kv_heads, group * n, end), values)
         out[...] = o.reshape(a.n_kv_heads, group, n, a.head_dim).transpose(2, 0, 1, 3).reshape(n, a.q_dim)
 

@@ -31,6 +31,7 @@ from infer.gpu import kernels
 from infer.gpu.layout import FLOAT_FORMATS, format_of, plane_layout
 from infer.gpu.ops import GpuMatrix, upload_matrix
 from infer.model import ModelArgs
+from infer.quants import activation_format
 from infer.tiers.plan import SCRATCH_ALIGN, Plan, Tensor, Tier
 from infer.tiers.ring import StagingReader, StreamRing
 from infer.tiers.tier_b import HostTier
@@ -89,7 +90,7 @@ def _repack_into(raw: cupy.ndarray, t: Tensor, out: cupy.ndarray) -> GpuMatrix:
         base = buffer.data.ptr
         planes = [np.uint64(base + o) if s else np.uint64(0) for o, s in zip(layout.offsets, layout.sizes, strict=True)]
         kernel((max(1, -(-n_sb // 256)),), (256,), (raw, np.int64(n_sb), *planes))
-    return GpuMatrix(fmt, rows, cols, layout, buffer, t.nbytes)
+    return GpuMatrix(fmt, rows, cols, layout, buffer, t.nbytes, activation_format(t.ggml_type))
 
 
 class GpuStreamingWeights:
