@@ -4,6 +4,7 @@ and queue pairs, with the kernel path and `dd` measured in the same run for comp
 from __future__ import annotations
 
 import re
+import subprocess
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -12,6 +13,7 @@ from typing import Any
 import click
 
 from nvmedirect.cli.common import BadInput, Refused, emit, output_option, wants_json
+from nvmedirect.errors import NvmeDirectError
 from nvmedirect.reader.bandwidth import BenchRow, GpuSink, measure, measure_dd, window_bytes
 from nvmedirect.reader.file_backend import FileBackend
 from nvmedirect.reader.host_memory import gpu_present, pinned_empty
@@ -171,12 +173,22 @@ def bench_cmd(device: str | None, file_path: str | None, size: str, offset: str,
         raise BadInput("--gpu given but CuPy sees no GPU")
     notes: list[str] = []
 
+    def dd_rows(path: str) -> list[BenchRow]:
+        if not with_dd:
+            return []
+        try:
+            return [measure_dd(path, nbytes, start)]
+        except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+            notes.append(f"dd comparison skipped: {exc}")
+            return []
+
     def kernel_run(path: str) -> list[BenchRow]:
-        rows = [measure_dd(path, nbytes, start)] if with_dd else []
-        rows += sweep_kernel_path(path, size=nbytes, offset=start, qds=qds, ios=ios, gpu=use_gpu, notes=notes)
-        if with_dd:
-            rows.append(measure_dd(path, nbytes, start))
-        return rows
+        rows = dd_rows(path)
+        try:
+            rows += sweep_kernel_path(path, size=nbytes, offset=start, qds=qds, ios=ios, gpu=use_gpu, notes=notes)
+        except NvmeDirectError as exc:
+            raise click.ClickException(f"{path}: {exc}") from None
+        return rows + dd_rows(path)
 
     if file_path is not None:
         source, kind = file_path, "file"
@@ -191,8 +203,11 @@ def bench_cmd(device: str | None, file_path: str | None, size: str, offset: str,
         if kind == NVME and route.refusals:
             raise Refused(f"{device}: " + "; ".join(route.refusals))
     if kind == NVME:
-        rows = sweep_userspace(source, noiommu=noiommu, nsid=nsid, size=nbytes, offset=start, qds=qds,
-                               ios=ios, qpairs=qps, gpu=use_gpu)
+        try:
+            rows = sweep_userspace(source, noiommu=noiommu, nsid=nsid, size=nbytes, offset=start, qds=qds,
+                                   ios=ios, qpairs=qps, gpu=use_gpu)
+        except NvmeDirectError as exc:
+            raise click.ClickException(f"{device}: {exc}") from None
         if kernel_compare:
             kernel_rows, kernel_device = kernel_compare_rows(source, kernel_run)
             rows += kernel_rows

@@ -16,8 +16,8 @@ from nvmedirect.cli.common import BadInput, Refused, emit, output_option, wants_
 from nvmedirect.errors import NvmeDirectError
 from nvmedirect.store.catalog import read_header, walk_chain
 from nvmedirect.store.header import HeaderError, StoredModelHeader
-from nvmedirect.store.routing import BLOCK, NVME, RouteError, route_device
-from nvmedirect.store.targets import BlockTarget, KernelBlockTarget
+from nvmedirect.store.routing import IMAGE, NVME, RouteError, route_device
+from nvmedirect.store.targets import BlockTarget, KernelBlockTarget, TargetBusy
 from nvmedirect.store.writer import (
     chain_end_lba,
     foreign_signatures,
@@ -45,15 +45,20 @@ def open_target(device: str, lba_size: str | None, noiommu: bool, for_writing: b
         raise BadInput(str(exc)) from None
     if for_writing and route.refusals:
         raise Refused(f"{device}: " + "; ".join(route.refusals))
-    if route.kind == NVME:
-        from nvmedirect.store.nvme_target import NvmeTarget
+    if lba_size and route.kind != IMAGE:
+        raise BadInput("--lba-size is for image files: a device reports its own")
+    try:
+        if route.kind == NVME:
+            from nvmedirect.store.nvme_target import NvmeTarget
 
-        target_cm: Any = NvmeTarget.open(route.path, noiommu=noiommu, nsid=route.nsid)
-    else:
-        if lba_size and route.kind == BLOCK:
-            raise BadInput("--lba-size is for image files: a block device reports its own")
-        target_cm = KernelBlockTarget(route.path, lba_size=int(lba_size) if lba_size else None,
-                                      writable=for_writing)
+            target_cm: Any = NvmeTarget.open(route.path, noiommu=noiommu, nsid=route.nsid)
+        else:
+            target_cm = KernelBlockTarget(route.path, lba_size=int(lba_size) if lba_size else None,
+                                          writable=for_writing)
+    except TargetBusy as exc:
+        raise Refused(str(exc)) from None
+    except NvmeDirectError as exc:
+        raise click.ClickException(f"cannot open {device}: {exc}") from None
     with target_cm as target:
         yield target
 

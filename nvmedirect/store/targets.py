@@ -22,6 +22,10 @@ class TargetError(NvmeDirectError):
     """The target cannot be opened or an I/O on it failed."""
 
 
+class TargetBusy(TargetError):
+    """The kernel refused an exclusive open: something mounted, stacked or open holds the device."""
+
+
 class BlockTarget(Protocol):
     name: str
     via: str  # "userspace driver", "kernel block device" or "image file"
@@ -60,7 +64,7 @@ class KernelBlockTarget:
             self.direct = True
         except OSError as exc:
             if exc.errno == errno.EBUSY:
-                raise TargetError(f"{path} is in use (mounted, held by another device, or open "
+                raise TargetBusy(f"{path} is in use (mounted, held by another device, or open "
                                   "exclusively)") from None
             if exc.errno != errno.EINVAL or self.is_block_device:
                 raise TargetError(f"cannot open {path}: {exc.strerror}") from None
