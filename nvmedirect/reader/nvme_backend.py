@@ -12,6 +12,7 @@ writable buffer (e.g. CuPy pinned memory) is filled from the worker's DMA stagin
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -109,7 +110,7 @@ class NvmeBackend(StorageBackend):
         except BaseException:
             self.close()
             raise
-        self._next = 0
+        self._deal = itertools.count()  # round-robin position; next() on it is atomic in CPython
 
     @classmethod
     def open(cls, bdf: str, *, noiommu: bool = False, nsid: int = 1,
@@ -161,9 +162,8 @@ class NvmeBackend(StorageBackend):
             while position < end:
                 piece_end = min(end, position - position % self.io_size + self.io_size)
                 at = position - offset
-                dealt[self._next % len(self._workers)].append((dest[at:at + piece_end - position], position,
-                                                               piece_end - position))
-                self._next += 1
+                worker = next(self._deal) % len(self._workers)
+                dealt[worker].append((dest[at:at + piece_end - position], position, piece_end - position))
                 position = piece_end
         futures = [worker.executor.submit(self._run, worker, pieces)
                    for worker, pieces in zip(self._workers, dealt, strict=True) if pieces]
