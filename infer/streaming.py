@@ -25,6 +25,7 @@ import numpy as np
 from infer.model import KVCache, Transformer, rms_norm
 
 PREFILL_CHUNK = 512  # prompt tokens per sequence per pass
+Chooser = Callable[[np.ndarray, list[int]], int]
 
 
 @dataclass
@@ -122,10 +123,15 @@ class StreamingEngine:
         return caches, last  # type: ignore[return-value]
 
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int,
-                 choose: Callable[[np.ndarray, list[int]], int],
+                 choose: Chooser | Sequence[Chooser],
                  is_end: Callable[[int], bool] = lambda _: False) -> list[list[int]]:
         """Up to `max_new_tokens` new ids per prompt (an end id is kept and stops its sequence;
-        a full context stops it too). One decode pass per step serves every live sequence."""
+        a full context stops it too). One decode pass per step serves every live sequence.
+        `choose(logits, history)` picks the next id: one function for all, or one per sequence
+        (samplers with their own random state)."""
+        choosers = list(choose) if isinstance(choose, Sequence) else [choose] * len(prompts)
+        if len(choosers) != len(prompts):
+            raise ValueError(f"{len(choosers)} choosers for {len(prompts)} prompts")
         self.stats = BatchStats(sequences=len(prompts))
         before = self._bytes_moved() if self._bytes_moved else {}
         caches, logits = self.prefill(prompts)
@@ -136,7 +142,7 @@ class StreamingEngine:
         while live and max_new_tokens > 0:
             next_live, batch = [], []
             for s in live:
-                token = int(choose(logits[s], histories[s]))
+                token = int(choosers[s](logits[s], histories[s]))
                 outputs[s].append(token)
                 histories[s].append(token)
                 self.stats.generated_tokens += 1

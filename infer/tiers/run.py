@@ -1,0 +1,73 @@
+"""`ntransformer --streaming`: text in, text out, through the streaming engine.
+
+The prompts are `--prompts FILE` (one per line) or the -p prompt repeated `--batch` times; each is a
+sequence of the batch, all served by the same passes. Each sequence has its own sampler (seed + its
+index, so copies of one prompt draw differently). The plan goes to stderr; with --benchmark the
+passes, tokens/s and bytes each tier moved per pass and per token follow.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+from infer.gguf_file import GGUFModel
+from infer.streaming import read_prompts_file
+from infer.tiers.options import StreamingConfig, build_streaming_engine
+
+
+def streaming_prompts(config: StreamingConfig, prompt: str | None) -> list[str]:
+    if config.prompts_file:
+        return read_prompts_file(config.prompts_file)
+    if prompt is None:
+        raise ValueError("nothing to do: give -p/--prompt TEXT or --prompts FILE")
+    return [prompt] * config.batch
+
+
+def run_streaming(model_path: str, config: StreamingConfig, ctx_size: int, device: str, prompt: str | None,
+                  n_predict: int, sampler_config: Any, benchmark: bool = False, as_json: bool = False,
+                  echo: Callable[[str], None] = print, note: Callable[[str], None] = print) -> dict[str, Any]:
+    """Generates for every prompt in one batch; prints each sequence's text (or one JSON object)
+    with `echo` and the plan and statistics with `note`; returns the JSON-able result."""
+    from infer.sampler import Sampler
+    from infer.tokenizer import StreamDecoder, Tokenizer
+
+    texts = streaming_prompts(config, prompt)
+    tokenizer = Tokenizer.from_gguf(GGUFModel(model_path).metadata)
+    ids = [tokenizer.encode(t) for t in texts]
+    if any(not x for x in ids):
+        raise ValueError("a prompt is empty after tokenization")
+    session = build_streaming_engine(model_path, replace(config, batch=len(texts)), ctx_size, device)
+    try:
+        note(session.report())
+        seed = getattr(sampler_config, "seed", None)
+        samplers = [Sampler(replace(sampler_config, seed=None if seed is None else seed + s)) for s in range(len(ids))]
+        is_end = (lambda _: False) if benchmark else tokenizer.is_eog
+        outputs = session.engine.generate(ids, n_predict, [x.sample for x in samplers], is_end)
+        stats = session.engine.stats
+        sequences = []
+        for text, out in zip(texts, outputs, strict=True):
+            kept = out[:-1] if out and tokenizer.is_eog(out[-1]) and not benchmark else out
+            decoder = StreamDecoder(tokenizer)
+            sequences.append({"prompt": text, "ids": kept, "text": "".join(decoder.push(t) for t in kept) + decoder.flush()})
+        result = {
+            "model": model_path, "device": device, "sequences": sequences, "prefill_passes": stats.prefill_passes,
+            "prompt_tokens": stats.prompt_tokens, "prompt_tokens_per_second": round(stats.prompt_tokens_per_second, 3),
+            "decode_passes": stats.decode_passes, "generated_tokens": stats.generated_tokens,
+            "decode_tokens_per_second": round(stats.decode_tokens_per_second, 3), "bytes_moved": stats.bytes_moved,
+        }
+        if as_json:
+            echo(json.dumps(result))
+        else:
+            for s, seq in enumerate(sequences):
+                echo(seq["text"] if len(sequences) == 1 else f"[{s}] {seq['text']}")
+        if benchmark or not as_json:
+            note(f"prompt {stats.prompt_tokens} tokens in {stats.prefill_passes} passes, "
+                 f"{stats.prompt_tokens_per_second:.2f} tok/s; generated {stats.generated_tokens} tokens in "
+                 f"{stats.decode_passes} passes, {stats.decode_tokens_per_second:.2f} tok/s")
+            note(session.moved_report())
+        return result
+    finally:
+        session.close()
