@@ -119,7 +119,6 @@ class GpuTransformer:
         for L in self.layers:
             self._norm_buffers("attn", [m.act for m, _ in L.qkv], a.dim)
             self._norm_buffers("ffn", [L.w_gate.act, L.w_up.act], a.dim)
-            self._act_buffer("att", L.wo.act, a.q_dim)
             self._act_buffer("ff", L.w_down.act, a.ffn_dim)
         self._norm_buffers("out", [self.output.act], a.dim)
 
@@ -169,14 +168,13 @@ class GpuTransformer:
                 ops.gemv(m, xs[m.act], self.qkv[row : row + m.rows],
                          bias=None if L.bqkv is None else L.bqkv[row : row + m.rows])
             done("gemv_qkv")
-            ops.rope_store(self.q, self.k, self.v, cos, sin, cache.pos, 1, a.n_heads, a.n_kv_heads, a.head_dim,
-                           self.rope.n_pairs, a.rope_neox, cache.keys[i], cache.values[i], cache.max_tokens)
-            done("rope_store")
+            # rotary embedding and the KV store happen inside the attention kernels
             ops.attention_decode(self.q, cache.keys[i], cache.values[i], cache.pos, a.n_heads, a.n_kv_heads,
                                  a.head_dim, cache.max_tokens, cache.n_splits, cache.scores, cache.part_o, cache.part_ml,
-                                 self.att)
+                                 self.att, act=L.wo.act,  # the output is wo's rounded input
+                                 rope=(self.k, self.v, cos, sin, self.rope.n_pairs, a.rope_neox))
             done("attention")
-            ops.gemv(L.wo, self._rounded(self.att, "att", L.wo.act), self.h, residual=self.h)
+            ops.gemv(L.wo, self.att, self.h, residual=self.h)
             done("gemv_o")
             xs = self._normed(self.h, L.ffn_norm, "ffn", [L.w_gate.act, L.w_up.act])
             done("rmsnorm")

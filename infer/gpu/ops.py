@@ -167,22 +167,32 @@ def attention_group_size(group: int) -> int:
 
 def attention_decode(q: cupy.ndarray, k_cache: cupy.ndarray, v_cache: cupy.ndarray, pos: cupy.ndarray,
                      n_heads: int, n_kv_heads: int, head_dim: int, max_ctx: int, n_splits: int,
-                     scores: cupy.ndarray, part_o: cupy.ndarray, part_ml: cupy.ndarray, out: cupy.ndarray) -> None:
-    """Attention of one query token at position pos[0] over cache positions 0..pos[0].
-    Work buffers: scores (n_heads * max_ctx), part_o (n_heads * n_splits * head_dim), part_ml
-    (n_heads * n_splits * 2), float32."""
+                     scores: cupy.ndarray, part_o: cupy.ndarray, part_ml: cupy.ndarray, out: cupy.ndarray,
+                     act: str = "f32", rope: tuple | None = None) -> None:
+    """Attention of one query token at position pos[0] over cache positions 0..pos[0]; `out` is
+    rounded to activation format `act` (the output projection's input). Work buffers: scores
+    (n_heads * max_ctx), part_o (n_heads * n_splits * head_dim), part_ml (n_heads * n_splits * 2),
+    float32. rope = (k, v, cos, sin, n_pairs, neox): q, k and v are the new token's raw projections;
+    the kernel rotates q and k and stores k and v at pos[0] (else q is rotated and the cache filled)."""
     group = n_heads // n_kv_heads
     if head_dim % 8 or head_dim > ATTN_MAX_HEAD_DIM:
         raise ValueError(f"head dimension {head_dim} is not a multiple of 8 up to {ATTN_MAX_HEAD_DIM}")
     g = attention_group_size(group)
     grid = (n_kv_heads, n_splits)
+    if rope is None:
+        rope_args = (NULL, NULL, NULL, NULL, np.int32(0), np.int32(0), NULL)
+    else:
+        k, v, cos, sin, n_pairs, neox = rope
+        rope_args = (k, v, cos, sin, np.int32(n_pairs), np.int32(1 if neox else 0), v_cache)
     kernels.function("ops", f"attention_scores_g{g}")(
         grid, (128,), (q, k_cache, pos, np.int32(group), np.int32(head_dim), np.int32(max_ctx),
-                       np.float32(1.0 / np.sqrt(head_dim)), np.int32(n_splits), scores, part_ml))
+                       np.float32(1.0 / np.sqrt(head_dim)), np.int32(n_splits), scores, part_ml, *rope_args))
     kernels.function("ops", f"attention_values_g{g}")(
         grid, (128,), (v_cache, pos, np.int32(group), np.int32(head_dim), np.int32(max_ctx), np.int32(n_splits),
                        scores, part_ml, part_o))
-    kernels.function("ops", "attention_sum")((n_heads,), (128,), (part_o, np.int32(n_splits), np.int32(head_dim), out))
+    kernels.function("ops", "attention_sum")(
+        (1,), (1024,), (part_o, pos, np.int32(n_splits), np.int32(n_heads * head_dim), np.int32(head_dim), out,
+                        np.int32(ACT_CODES[act])))
 
 
 _CUDA_R_16F, _CUDA_R_32F, _CUBLAS_COMPUTE_32F, _CUBLAS_GEMM_DEFAULT = 2, 0, 68, -1

@@ -160,6 +160,13 @@ extern "C" __global__ void round_act(const float* x, float* y, __half* y16, int 
     round_row(yr, y16 ? y16 + row * n : nullptr, n, fmt);
 }
 
+// (a, b) rotated by the angle with cosine c and sine s, rounded as NumPy computes a*c - b*s and
+// a*s + b*c (no fused multiply-add), so the float16 keys match the CPU engine's
+__device__ __forceinline__ void rotate(float a, float b, float c, float s, float& ra, float& rb) {
+    ra = __fsub_rn(__fmul_rn(a, c), __fmul_rn(b, s));
+    rb = __fadd_rn(__fmul_rn(a, s), __fmul_rn(b, c));
+}
+
 // Rotary embedding of q (in place) and k, then k and v stored into the cache at their positions.
 // grid (T, n_heads + n_kv_heads). q: (T, n_heads, D); k, v: (T, n_kv_heads, D) float32;
 // cos/sin tables: (max_ctx, n_pairs); caches: (n_kv_heads, max_ctx, D) float16.
@@ -177,8 +184,8 @@ extern "C" __global__ void rope_store(float* q, const float* k, const float* v, 
     __half* kdst = is_q ? nullptr : kc + ((long long)kh * max_ctx + p) * D;
     for (int i = threadIdx.x; i < n_pairs; i += blockDim.x) {
         const int ia = neox ? i : 2 * i, ib = neox ? i + n_pairs : 2 * i + 1;
-        const float a = src[ia], b = src[ib];
-        const float ra = a * c[i] - b * s[i], rb = a * s[i] + b * c[i];
+        float ra, rb;
+        rotate(src[ia], src[ib], c[i], s[i], ra, rb);
         if (is_q) {
             float* dst = q + ((long long)t * n_heads + h) * D;
             dst[ia] = ra;
@@ -204,15 +211,30 @@ extern "C" __global__ void rope_store(float* q, const float* k, const float* v, 
 //   attention_sum:    out = sum of the splits' partials.
 // kv_len = pos[0] + 1. q: (n_heads, D) float32, head h uses KV head h / G; q is rounded to float16
 // first, as llama.cpp multiplies it with the float16 cache. scores: (n_heads, max_ctx).
+// With `rope` (decode): q, and the new token's k and v (float32, not yet rotated or stored) are
+// taken raw; each block rotates its group's queries, and the block whose split holds position
+// pos[0] rotates k and stores k and v into the cache before reading it (no other block reads that
+// position), which saves the separate rope_store launch.
+struct RopeArgs {
+    const float* k;
+    const float* v;
+    const float* cos_t;
+    const float* sin_t;
+    int n_pairs;
+    int neox;
+    __half* vc;
+};
+
 template <int MAXG>
-__device__ __forceinline__ void attention_scores(const float* q, const __half* kc, const int* pos, int G, int D,
+__device__ __forceinline__ void attention_scores(const float* q, __half* kc, const int* pos, int G, int D,
                                                  int max_ctx, float scale, int n_splits, float* scores,
-                                                 float* part_ml) {
+                                                 float* part_ml, RopeArgs rope) {
     __shared__ __align__(16) float q_s[ATTN_MAX_GROUP * ATTN_MAX_HEAD_DIM];
     __shared__ float p_s[ATTN_MAX_GROUP * ATTN_CHUNK];
     const int kvh = blockIdx.x, split = blockIdx.y, tid = threadIdx.x;
+    const int p = pos[0];
     const int start = split * ATTN_CHUNK;
-    const int n = min(ATTN_CHUNK, pos[0] + 1 - start);
+    const int n = min(ATTN_CHUNK, p + 1 - start);
     const int h0 = kvh * G;
     if (n <= 0) {
         if (tid < G) {
@@ -221,7 +243,34 @@ __device__ __forceinline__ void attention_scores(const float* q, const __half* k
         }
         return;
     }
-    for (int i = tid; i < G * D; i += ATTN_THREADS) q_s[i] = __half2float(__float2half_rn(q[(long long)h0 * D + i]));
+    for (int i = tid; i < G * D; i += ATTN_THREADS) q_s[i] = q[(long long)h0 * D + i];
+    if (rope.k) {
+        const float* c = rope.cos_t + (long long)p * rope.n_pairs;
+        const float* sn = rope.sin_t + (long long)p * rope.n_pairs;
+        __syncthreads();
+        for (int i = tid; i < G * rope.n_pairs; i += ATTN_THREADS) {
+            const int g = i / rope.n_pairs, j = i % rope.n_pairs;
+            const int ia = rope.neox ? j : 2 * j, ib = rope.neox ? j + rope.n_pairs : 2 * j + 1;
+            rotate(q_s[g * D + ia], q_s[g * D + ib], c[j], sn[j], q_s[g * D + ia], q_s[g * D + ib]);
+        }
+        if (split == p / ATTN_CHUNK) {  // this block's split holds the new position: store k and v
+            const float* kn = rope.k + (long long)kvh * D;
+            __half* kd = kc + ((long long)kvh * max_ctx + p) * D;
+            for (int j = tid; j < rope.n_pairs; j += ATTN_THREADS) {
+                const int ia = rope.neox ? j : 2 * j, ib = rope.neox ? j + rope.n_pairs : 2 * j + 1;
+                float ra, rb;
+                rotate(kn[ia], kn[ib], c[j], sn[j], ra, rb);
+                kd[ia] = __float2half_rn(ra);
+                kd[ib] = __float2half_rn(rb);
+            }
+            for (int d = 2 * rope.n_pairs + tid; d < D; d += ATTN_THREADS) kd[d] = __float2half_rn(kn[d]);
+            __half* vd = rope.vc + ((long long)kvh * max_ctx + p) * D;
+            for (int d = tid; d < D; d += ATTN_THREADS) vd[d] = __float2half_rn(rope.v[(long long)kvh * D + d]);
+        }
+    }
+    __syncthreads();
+    // the query rounded to float16, as llama.cpp multiplies it with the float16 cache
+    for (int i = tid; i < G * D; i += ATTN_THREADS) q_s[i] = __half2float(__float2half_rn(q_s[i]));
     __syncthreads();
     const __half* kbase = kc + ((long long)kvh * max_ctx + start) * D;
     for (int t = tid; t < n; t += ATTN_THREADS) {
@@ -326,9 +375,12 @@ __device__ __forceinline__ void attention_values(const __half* vc, const int* po
 // instantiations by group size (query heads per KV head): the smallest that holds G
 #define ATTENTION_DECODE(MAXG)                                                                                 \
     extern "C" __global__ void __launch_bounds__(ATTN_THREADS)                                                 \
-        attention_scores_g##MAXG(const float* q, const __half* kc, const int* pos, int G, int D, int max_ctx,  \
-                                 float scale, int n_splits, float* scores, float* part_ml) {                   \
-        attention_scores<MAXG>(q, kc, pos, G, D, max_ctx, scale, n_splits, scores, part_ml);                  \
+        attention_scores_g##MAXG(const float* q, __half* kc, const int* pos, int G, int D, int max_ctx,        \
+                                 float scale, int n_splits, float* scores, float* part_ml, const float* k_new, \
+                                 const float* v_new, const float* cos_t, const float* sin_t, int n_pairs,      \
+                                 int neox, __half* vc) {                                                       \
+        attention_scores<MAXG>(q, kc, pos, G, D, max_ctx, scale, n_splits, scores, part_ml,                   \
+                               RopeArgs{k_new, v_new, cos_t, sin_t, n_pairs, neox, vc});                      \
     }                                                                                                          \
     extern "C" __global__ void __launch_bounds__(ATTN_THREADS)                                                 \
         attention_values_g##MAXG(const __half* vc, const int* pos, int G, int D, int max_ctx, int n_splits,    \
@@ -339,14 +391,21 @@ ATTENTION_DECODE(4)
 ATTENTION_DECODE(8)
 ATTENTION_DECODE(16)
 
-// out[h, :] = sum of the splits' partial outputs (in split order: deterministic); grid n_heads
-extern "C" __global__ void attention_sum(const float* part_o, int n_splits, int D, float* out) {
-    const int h = blockIdx.x;
-    for (int d = threadIdx.x; d < D; d += blockDim.x) {
+// out (n_heads * D) = sum over the splits holding positions 0..pos[0] of their partial outputs (in
+// split order: deterministic), then rounded to activation format `fmt` for the output projection.
+// One block of 1024 threads (the vector is a few thousand values).
+extern "C" __global__ void __launch_bounds__(1024)
+    attention_sum(const float* part_o, const int* pos, int n_splits, int n, int D, float* out, int fmt) {
+    const int active = min(n_splits, pos[0] / ATTN_CHUNK + 1);
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+        const int h = i / D, d = i % D;
         float acc = 0.f;
-        for (int s = 0; s < n_splits; ++s) acc += part_o[((long long)h * n_splits + s) * D + d];
-        out[(long long)h * D + d] = acc;
+        for (int s = 0; s < active; ++s) acc += part_o[((long long)h * n_splits + s) * D + d];
+        out[i] = acc;
     }
+    if (fmt == ACT_F32) return;
+    __syncthreads();
+    round_row(out, nullptr, n, fmt);
 }
 
 // out = SiLU(gate) * up, float32 (decode, when gate and up have different formats)

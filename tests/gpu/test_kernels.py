@@ -288,3 +288,30 @@ def test_stacked_upload_is_the_concatenated_matrix(rng: np.random.Generator, ggm
     y = _poisoned(rows)
     ops.gemv(m, cupy.asarray(x), y)
     assert _rel(cupy.asnumpy(y), w.astype(np.float64) @ x) < GEMV_BOUND
+
+
+@pytest.mark.parametrize("neox", [False, True], ids=["adjacent", "neox"])
+@pytest.mark.parametrize("kv_len", [1, 256, 300])
+def test_attention_decode_rotates_and_stores_the_new_token(rng: np.random.Generator, neox: bool, kv_len: int) -> None:
+    n_heads, n_kv, hd, max_ctx = 8, 2, 64, 512
+    n_splits, p = max_ctx // 256, kv_len - 1
+    rope = Rope(_args(neox, n_heads, n_kv, hd), None)
+    cos, sin = rope.angles(np.arange(max_ctx))
+    keys = rng.standard_normal((n_kv, max_ctx, hd)).astype(np.float16)
+    values = rng.standard_normal((n_kv, max_ctx, hd)).astype(np.float16)
+    q, k, v = (rng.standard_normal((1, h, hd)).astype(np.float32) for h in (n_heads, n_kv, n_kv))
+    kc, vc = cupy.asarray(keys), cupy.asarray(values)
+    out, scores = _poisoned(n_heads * hd), _poisoned(n_heads * max_ctx)
+    part_o, part_ml = _poisoned(n_heads * n_splits * hd), _poisoned(n_heads * n_splits * 2)
+    ops.attention_decode(cupy.asarray(q), kc, vc, cupy.asarray(np.array([p], np.int32)), n_heads, n_kv, hd, max_ctx,
+                         n_splits, scores, part_o, part_ml, out,
+                         rope=(cupy.asarray(k), cupy.asarray(v), cupy.asarray(cos), cupy.asarray(sin), hd // 2, neox))
+    c, s = cos[[p]], sin[[p]]
+    keys[:, p] = rope.apply(k, c, s)[0].astype(np.float16)
+    values[:, p] = v[0].astype(np.float16)
+    got_k = cupy.asnumpy(kc)
+    np.testing.assert_array_equal(got_k[:, p], keys[:, p])
+    np.testing.assert_array_equal(cupy.asnumpy(vc)[:, p], values[:, p])
+    np.testing.assert_array_equal(np.delete(got_k, p, axis=1), np.delete(keys, p, axis=1))  # nothing else
+    want = _attention_ref(rope.apply(q, c, s)[0], keys[:, :kv_len], values[:, :kv_len], n_heads // n_kv)
+    assert _rel(cupy.asnumpy(out).reshape(n_heads, hd), want) < 2e-4
