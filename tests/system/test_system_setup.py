@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -230,3 +232,30 @@ def test_bind_step_of_unknown_device_is_refused(root):
 
 def test_rollback_with_other_options_is_a_usage_error(root):
     assert run(root, "--rollback", "--apply").exit_code == 2
+
+
+# The parts of Linux 6.12's <linux/mm.h> the patched function uses (declarations only).
+FOLLOW_PFNMAP_API = """
+struct vm_area_struct;
+struct follow_pfnmap_args {
+    struct vm_area_struct *vma;
+    unsigned long address;
+    unsigned long pfn;
+    int writable;
+};
+int follow_pfnmap_start(struct follow_pfnmap_args *args);
+void follow_pfnmap_end(struct follow_pfnmap_args *args);
+"""
+
+
+@pytest.mark.skipif(shutil.which("gcc") is None, reason="needs gcc")
+def test_patched_nv_follow_pfn_compiles_against_the_follow_pfnmap_api(root, tmp_path):
+    assert run(root, "--patch-nvidia", "--apply", "--yes").exit_code == 0
+    patched = (root / "usr/src/nvidia-550.120/nvidia/os-mlock.c").read_text()
+    body = patched[patched.index("static inline int nv_follow_pfn"):]
+    source = tmp_path / "mlock.c"
+    source.write_text(FOLLOW_PFNMAP_API + body + "int use(struct vm_area_struct *v, unsigned long *p) "
+                      "{ return nv_follow_pfn(v, 0, p); }\n")
+    done = subprocess.run(["gcc", "-std=gnu11", "-Wall", "-Werror", "-fsyntax-only", str(source)],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
