@@ -1,6 +1,6 @@
 """Guest-side fixtures for the driver tests, chained as pynvme does: bound → ctrl → ns → qpair.
 
-Controllers are configured by tests/vm/test_driver.py (serials below); each is moved to vfio-pci for
+Controllers are configured by tests/vm/test_driver.py (serials in driver_setup.py); each is moved to vfio-pci for
 the module and handed back to the kernel's nvme driver afterwards.
 """
 
@@ -12,14 +12,9 @@ from pathlib import Path
 
 import pytest
 import vmguest
+from driver_setup import HUGE_PAGES, READ_SERIAL, image_bytes
 
 from nvmedirect.nvme.controller import Controller
-
-READ_SERIAL = "nvd-drv-read"  # 512-byte LBAs, random image, QEMU's default MDTS (512 KiB)
-BIG_LBA_SERIAL = "nvd-drv-4k"  # 4096-byte LBAs, random image, no MDTS limit
-WRITE_SERIAL = "nvd-drv-write"  # blank image the host checks afterwards
-FAULT_SERIAL = "nvd-drv-fault"  # throttled through QMP to force a command timeout
-HUGE_PAGES = 64  # 128 MiB of 2 MiB pages: contiguous DMA without an IOMMU
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -31,14 +26,6 @@ def driver_logging() -> None:
 def huge_pages() -> None:
     """Reserve huge pages: in no-IOMMU mode rings above 4 KiB must be physically contiguous."""
     Path("/proc/sys/vm/nr_hugepages").write_text(str(HUGE_PAGES))
-
-
-def spec(serial: str) -> dict:
-    return next(c for c in vmguest.vm_config()["controllers"] if c["serial"] == serial)
-
-
-def image_bytes(serial: str) -> bytes:
-    return Path(spec(serial)["image"]).read_bytes()
 
 
 @pytest.fixture(scope="module")

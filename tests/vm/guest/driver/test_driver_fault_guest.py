@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conftest import FAULT_SERIAL, image_bytes, spec
+from driver_setup import FAULT_SERIAL, image_bytes, spec
 
 from nvmedirect.nvme.controller import Controller
 

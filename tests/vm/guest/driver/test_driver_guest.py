@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import BIG_LBA_SERIAL, READ_SERIAL, WRITE_SERIAL, image_bytes
+from driver_setup import BIG_LBA_SERIAL, READ_SERIAL, WRITE_SERIAL, image_bytes
 
 from nvmedirect.errors import LbaOutOfRange
 from nvmedirect.nvme.controller import Controller
