@@ -1,0 +1,125 @@
+"""The GPU streaming code (pipeline.py, gpu_forward.py) run on a stand-in GPU (fake_gpu.py): every
+tier and data path, decode (one row, GEMV path), a prompt and a batch of sequences (many rows,
+dequantize + matrix product path). Streamed equals resident exactly, and both follow the CPU
+engine. The real GPU runs the same checks in tests/gpu/test_streaming.py."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from infer.gguf_file import GGUFModel
+from infer.model import ModelArgs, load_transformer
+from infer.synth import Shape, write_model
+from infer.tiers.budget import compute_budgets
+from infer.tiers.options import StreamingConfig, build_streaming_engine, planner_tensors
+from infer.tiers.plan import Tier, minimum_vram
+from tests.tiers import fake_gpu
+
+SHAPE = Shape(n_layers=4, dim=256, ffn_dim=768, n_heads=4, n_kv_heads=2, vocab_size=600, context_length=512)
+CTX = 64
+
+
+@pytest.fixture(scope="module", params=["q4_k_m", "q8_0"])
+def model_path(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("glue") / f"m-{request.param}.gguf"
+    write_model(path, SHAPE, request.param, seed=9)
+    return path
+
+
+def gpu_session(path: Path, resident: float | None, ram: float = 0.3, tier_c: str = "file", tier_b: str = "pinned"):
+    if resident is None:
+        vram, ram_budget = "10GB", "1MB"
+    else:
+        model = GGUFModel(path)
+        tensors = planner_tensors(model, "gpu")
+        layers = sum(t.device_nbytes for t in tensors if t.layer is not None and not t.is_vector)
+        raw = sum(t.nbytes for t in tensors if t.layer is not None and not t.is_vector)
+        staging = 4 * max(t.nbytes for t in tensors if t.layer is not None)
+        big = compute_budgets(ModelArgs.from_gguf(model), CTX, 1, 512, staging, 10**15, 10**15)
+        vram = str(minimum_vram(tensors, 4, True) + int(resident * layers) + big.vram_total - big.vram_for_weights)
+        ram_budget = str(int(ram * raw) + staging)
+    config = StreamingConfig(enabled=True, vram_budget=vram, ram_budget=ram_budget, tier_c=tier_c, tier_b=tier_b)
+    return build_streaming_engine(str(path), config, CTX, device="gpu", measure=False)
+
+
+def logits_of(session, prompt: np.ndarray, steps: list[int]) -> list[np.ndarray]:
+    m = session.engine.model
+    cache = m.new_cache(CTX)
+    return [m.forward(prompt, cache, all_logits=True)] + [m.forward(np.array([t]), cache) for t in steps]
+
+
+@pytest.mark.parametrize(("tier_b", "tier_c"), [("pinned", "file"), ("registered", "mmap")])
+def test_gpu_glue_streamed_equals_resident_and_follows_cpu(model_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                           tier_b: str, tier_c: str) -> None:
+    fake_gpu.install(monkeypatch)
+    prompt = np.random.default_rng(1).integers(3, SHAPE.vocab_size, 7)
+    steps = [5, 77, 401]
+    resident = gpu_session(model_path, None)
+    try:
+        assert resident.plan.streamed == []
+        want = logits_of(resident, prompt, steps)
+    finally:
+        resident.close()
+    streamed = gpu_session(model_path, 0.3, 0.3, tier_c, tier_b)
+    try:
+        assert {streamed.plan.tier[t.name] for t in streamed.plan.tensors if t.layer is not None} == set(Tier)
+        assert streamed.plan.scratch_nbytes > 0
+        got = logits_of(streamed, prompt, steps)
+        moved = streamed.weights.bytes_moved()
+        assert moved[Tier.STORAGE] >= 4 * streamed.plan.bytes_in(Tier.STORAGE)
+        paths = set(streamed.paths.values())
+        assert f"staged read ({tier_c})" in paths
+        assert ("registered-mmap copy" if tier_b == "registered" else "pinned-RAM copy") in paths
+    finally:
+        streamed.close()
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_array_equal(g, w)
+    cpu = load_transformer(GGUFModel(model_path))
+    cache = cpu.new_cache(CTX)
+    reference = [cpu.forward(prompt, cache, all_logits=True)] + [cpu.forward(np.array([t]), cache) for t in steps]
+    for g, r in zip(got, reference, strict=True):
+        rel = float(np.linalg.norm(g - r) / np.linalg.norm(r))
+        assert rel < 3e-2, rel  # float16 inputs to the products of many-row passes (the GPU tests' bound)
+
+
+
+def test_gpu_glue_one_row_passes_have_the_cpu_numerics(model_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Token by token every pass has one row: GEMVs with inputs rounded as llama.cpp's CPU does."""
+    fake_gpu.install(monkeypatch)
+    tokens = [1, 17, 300, 42, 599]
+    s = gpu_session(model_path, 0.25, 0.25)
+    try:
+        m = s.engine.model
+        cache = m.new_cache(CTX)
+        got = [m.forward(np.array([t]), cache) for t in tokens]
+    finally:
+        s.close()
+    cpu = load_transformer(GGUFModel(model_path))
+    cache = cpu.new_cache(CTX)
+    for t, g in zip(tokens, got, strict=True):
+        r = cpu.forward(np.array([t]), cache)
+        assert float(np.linalg.norm(g - r) / np.linalg.norm(r)) < 1e-4
+
+
+def test_gpu_glue_batch_of_sequences(model_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    fake_gpu.install(monkeypatch)
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(3, SHAPE.vocab_size, n) for n in (5, 9, 1)]
+    s = gpu_session(model_path, 0.3, 0.3)
+    try:
+        m = s.engine.model
+        caches = [m.new_cache(CTX) for _ in prompts]
+        together = m.forward_batch([(p, c) for p, c in zip(prompts, caches, strict=True)])
+        step = m.forward_batch([(np.array([11]), c) for c in caches])
+        for p, first, second in zip(prompts, together, step, strict=True):
+            cache = m.new_cache(CTX)
+            alone = m.forward(p, cache)
+            alone_next = m.forward(np.array([11]), cache)
+            for g, w in ((first, alone), (second, alone_next)):
+                assert float(np.linalg.norm(g - w) / np.linalg.norm(w)) < 3e-2
+        assert [c.length for c in caches] == [6, 10, 2]
+    finally:
+        s.close()
