@@ -2,6 +2,8 @@
 
 from nvmedirect.vfio.container import Container
 from nvmedirect.vfio.device import MappedBar, Region, VfioDevice
+from nvmedirect.vfio.dma import DmaAllocator, DmaBuffer, IommuDma, NoIommuDma, allocator_for
 from nvmedirect.vfio.group import Group, group_number
 
-__all__ = ["Container", "Group", "MappedBar", "Region", "VfioDevice", "group_number"]
+__all__ = ["Container", "DmaAllocator", "DmaBuffer", "Group", "IommuDma", "MappedBar", "NoIommuDma", "Region",
+           "VfioDevice", "allocator_for", "group_number"]
