@@ -20,6 +20,7 @@ import json
 import os
 import shlex
 import signal
+import site
 import subprocess
 import sys
 import tempfile
@@ -248,10 +249,13 @@ class Vm:
             "NVMEDIRECT_VM_RESULTS": GUEST_RESULTS,
             "NVMEDIRECT_VM_CONTROLLERS": f"{GUEST_RESULTS}/controllers.json",
             "NVMEDIRECT_VM_CONFIG": f"{GUEST_RESULTS}/vm-config.json",
-            "HOME": "/tmp", "PYTHONDONTWRITEBYTECODE": "1",
+            # HOME is writable in the guest; the host user's site-packages stay importable anyway.
+            "HOME": "/tmp", "PYTHONUSERBASE": site.getuserbase(), "PYTHONDONTWRITEBYTECODE": "1",
             "PATH": f"{python_bin}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
-            **(env or {}),
         }
+        if os.environ.get("PYTHONPATH"):
+            exports["PYTHONPATH"] = os.environ["PYTHONPATH"]
+        exports.update(env or {})
         lines = [f"export {k}={shlex.quote(v)}" for k, v in exports.items()]
         lines += [f"cd {shlex.quote(str(cwd or REPO))}", command]
         (self.share / "job.sh").write_text("\n".join(lines) + "\n")
