@@ -24,7 +24,7 @@ import numpy as np
 
 from infer.model import KVCache, Transformer, rms_norm
 
-PREFILL_CHUNK = 512  # prompt tokens per sequence per pass
+PREFILL_CHUNK = 512  # prompt rows per pass, shared by the sequences still in their prompt
 Chooser = Callable[[np.ndarray, list[int]], int]
 
 
@@ -100,8 +100,9 @@ class StreamingEngine:
         return own(batch) if own is not None else forward_batch(self.model, batch)
 
     def prefill(self, prompts: Sequence[Sequence[int]]) -> tuple[list[KVCache], list[np.ndarray]]:
-        """New caches holding each prompt; the logits after each prompt's last token. Chunks of
-        every prompt share passes."""
+        """New caches holding each prompt; the logits after each prompt's last token. The prompts
+        share passes: each pass takes about `prefill_chunk` rows, split evenly between the
+        sequences whose prompt is not finished (it bounds the activations a pass needs)."""
         for p in prompts:
             if not p:
                 raise ValueError("a prompt has no tokens")
@@ -110,14 +111,17 @@ class StreamingEngine:
         caches = [self.model.new_cache(self.ctx_size) for _ in prompts]
         last: list[np.ndarray | None] = [None] * len(prompts)
         started = time.perf_counter()
-        position = 0
-        while any(position < len(p) for p in prompts):
-            live = [s for s, p in enumerate(prompts) if position < len(p)]
-            batch = [(np.asarray(prompts[s][position:position + self.prefill_chunk]), caches[s]) for s in live]
+        done = [0] * len(prompts)  # prompt tokens already in each cache
+        while True:
+            live = [s for s, p in enumerate(prompts) if done[s] < len(p)]
+            if not live:
+                break
+            share = max(1, self.prefill_chunk // len(live))  # a pass holds about prefill_chunk rows
+            batch = [(np.asarray(prompts[s][done[s]:done[s] + share]), caches[s]) for s in live]
             for s, logits in zip(live, self._pass(batch), strict=True):
                 last[s] = logits
+                done[s] = min(len(prompts[s]), done[s] + share)
             self.stats.prefill_passes += 1
-            position += self.prefill_chunk
         self.stats.prompt_tokens += sum(len(p) for p in prompts)
         self.stats.prompt_seconds += time.perf_counter() - started
         return caches, last  # type: ignore[return-value]

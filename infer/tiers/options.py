@@ -189,7 +189,7 @@ def build_streaming_engine(model_path: str, config: StreamingConfig, ctx_size: i
     tensors = planner_tensors(model, device)
     on_gpu = device == "gpu"
     staging = 4 * max((t.nbytes for t in tensors if t.layer is not None), default=0)
-    tokens_per_pass = max(prefill_chunk * config.batch, config.batch)
+    tokens_per_pass = max(prefill_chunk, config.batch)  # prefill passes share prefill_chunk rows (streaming.py)
     demo = config.vram_budget is None and config.ram_budget is None and not on_gpu
     try:
         if demo or (on_gpu and config.vram_budget is None and config.ram_budget is None and _fits(model, tensors)):

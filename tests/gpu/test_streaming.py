@@ -45,7 +45,7 @@ def budgets(path: Path, resident: float, ram: float, batch: int = 1, slots: int 
     layers = sum(t.device_nbytes for t in tensors if t.layer is not None and not t.is_vector)
     raw_layers = sum(t.nbytes for t in tensors if t.layer is not None and not t.is_vector)
     staging = 4 * max(t.nbytes for t in tensors if t.layer is not None)
-    big = compute_budgets(args, CTX, batch, 512 * batch, staging, 10**15, 10**15, device=True)
+    big = compute_budgets(args, CTX, batch, max(512, batch), staging, 10**15, 10**15, device=True)
     vram = minimum_vram(tensors, slots, True) + int(resident * layers) + big.vram_total - big.vram_for_weights
     return vram, int(ram * raw_layers) + staging
 
