@@ -1,0 +1,139 @@
+"""Bad model files: each gives one line naming the file and the tensor or key at fault, and exit
+code 2 from the CLI (never a traceback). The files are small synthetic models, then damaged."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+from gguf import GGUFReader, GGUFValueType
+
+from infer.cli import main
+from infer.errors import ModelError
+from infer.gguf_file import GGUFModel
+from infer.model import load_transformer
+from infer.synth import Shape, write_model
+from tests.oracle.gguf_edit import write_copy
+
+TINY = Shape(n_layers=2, dim=64, ffn_dim=128, n_heads=4, n_kv_heads=2, vocab_size=300, context_length=128)
+
+
+@pytest.fixture(scope="module")
+def good_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("models") / "tiny.gguf"
+    write_model(path, TINY, "q8_0", seed=1)
+    return path
+
+
+@pytest.fixture
+def model_copy(good_model: Path, tmp_path: Path) -> Path:
+    return Path(shutil.copy(good_model, tmp_path / "damaged.gguf"))
+
+
+def run_cli(path: Path) -> tuple[int, str, str]:
+    result = CliRunner().invoke(main, ["-m", str(path), "-p", "hello", "-n", "2", "-t", "0"])
+    assert not isinstance(result.exception, Exception) or isinstance(result.exception, SystemExit), result.exception
+    return result.exit_code, result.stdout, result.stderr
+
+
+def assert_one_line_error(path: Path, *fragments: str) -> str:
+    code, stdout, stderr = run_cli(path)
+    lines = stderr.strip().splitlines()
+    assert code == 2, (code, stderr)
+    assert len(lines) == 1, stderr
+    assert "Traceback" not in stderr and stdout == ""
+    for fragment in (str(path), *fragments):
+        assert fragment in lines[0], (fragment, lines[0])
+    return lines[0]
+
+
+def patch_tensor_field(path: Path, tensor_name: str, part: int, value: int) -> None:
+    """Overwrites one field of a tensor's info record in place (part 4 = type id, 5 = data offset)."""
+    reader = GGUFReader(path, "r+")
+    tensor = next(t for t in reader.tensors if t.name == tensor_name)
+    tensor.field.parts[part][0] = value
+    reader.data.flush()
+    del reader
+
+
+def test_the_undamaged_model_runs(good_model: Path) -> None:
+    code, stdout, _ = run_cli(good_model)
+    assert code == 0 and stdout.strip() != ""
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    assert_one_line_error(tmp_path / "nope.gguf", "no such file")
+
+
+def test_not_a_gguf_file(tmp_path: Path) -> None:
+    path = tmp_path / "junk.gguf"
+    path.write_bytes(np.random.default_rng(0).integers(0, 256, 4096, dtype=np.uint8).tobytes())
+    assert_one_line_error(path, "not a GGUF file")
+
+
+def test_file_truncated_in_the_tensor_data(model_copy: Path) -> None:
+    size = model_copy.stat().st_size
+    with open(model_copy, "r+b") as f:
+        f.truncate(size - 1000)
+    assert_one_line_error(model_copy, "tensor ", "outside the file")
+
+
+def test_file_truncated_in_the_header(model_copy: Path) -> None:
+    with open(model_copy, "r+b") as f:
+        f.truncate(200)
+    assert_one_line_error(model_copy, "truncated")
+
+
+def test_corrupt_tensor_offset(model_copy: Path) -> None:
+    patch_tensor_field(model_copy, "blk.1.ffn_up.weight", 5, 1 << 40)
+    assert_one_line_error(model_copy, "tensor blk.1.ffn_up.weight", "outside the file")
+
+
+def test_misaligned_tensor_offset(model_copy: Path) -> None:
+    patch_tensor_field(model_copy, "blk.0.attn_q.weight", 5, 3)
+    assert_one_line_error(model_copy, "tensor blk.0.attn_q.weight", "not aligned")
+
+
+def test_unknown_tensor_type_id(model_copy: Path) -> None:
+    patch_tensor_field(model_copy, "blk.0.ffn_down.weight", 4, 99)
+    assert_one_line_error(model_copy, "tensor blk.0.ffn_down.weight", "unknown tensor type id 99")
+
+
+def test_unsupported_architecture(good_model: Path, tmp_path: Path) -> None:
+    path = write_copy(good_model, tmp_path / "gpt.gguf", metadata={"general.architecture": ("gptneox", GGUFValueType.STRING)})
+    assert_one_line_error(path, "key general.architecture", "architecture 'gptneox' is not supported")
+
+
+def test_missing_metadata_key(good_model: Path, tmp_path: Path) -> None:
+    path = tmp_path / "nokey.gguf"
+    reader_keys = GGUFModel(good_model).metadata
+    assert "llama.embedding_length" in reader_keys
+    _copy_without_key(good_model, path, "llama.embedding_length")
+    assert_one_line_error(path, "key llama.embedding_length", "missing")
+
+
+def test_missing_tensor(good_model: Path, tmp_path: Path) -> None:
+    path = write_copy(good_model, tmp_path / "notensor.gguf", drop_tensors=("blk.1.attn_k.weight",))
+    assert_one_line_error(path, "tensor blk.1.attn_k.weight", "missing")
+
+
+def test_tensor_shape_disagreeing_with_metadata(good_model: Path, tmp_path: Path) -> None:
+    path = write_copy(good_model, tmp_path / "wide.gguf", metadata={"llama.feed_forward_length": (256, GGUFValueType.UINT32)})
+    assert_one_line_error(path, "tensor blk.0.ffn_gate.weight", "shape")
+
+
+def test_the_api_raises_model_error(tmp_path: Path) -> None:
+    with pytest.raises(ModelError, match="no such file"):
+        load_transformer(GGUFModel(tmp_path / "nope.gguf"))
+
+
+def _copy_without_key(source: Path, target: Path, key: str) -> None:
+    # write_copy replaces keys; to drop one, copy then rewrite with the key renamed out of the way
+    write_copy(source, target, metadata={key: (0, GGUFValueType.UINT32)})
+    data = bytearray(target.read_bytes())
+    at = data.find(key.encode())
+    data[at : at + len(key)] = key.replace("embedding", "embeddinX").encode()
+    target.write_bytes(bytes(data))

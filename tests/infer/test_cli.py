@@ -1,0 +1,105 @@
+"""`ntransformer` end to end on the real SmolLM2 file: generation, chat through stdin, benchmark,
+perplexity (against llama.cpp), and the flags that are accepted but not available on the CPU."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from infer.cli import main
+from tests.oracle.assets import botchan_path
+from tests.oracle.fixtures import model_path, require_asset
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def smollm2() -> Path:
+    return model_path("smollm2-Q4_1")
+
+
+def invoke(args: list[str], stdin: str | None = None) -> tuple[int, str, str]:
+    result = CliRunner().invoke(main, args, input=stdin)
+    if result.exception and not isinstance(result.exception, SystemExit):
+        raise result.exception
+    return result.exit_code, result.stdout, result.stderr
+
+
+def test_capital_of_france(smollm2: Path) -> None:
+    code, out, err = invoke(["-m", str(smollm2), "-p", "The capital of France is", "-n", "16", "-t", "0"])
+    print(out)
+    assert code == 0, err
+    assert "Paris" in out
+    assert "tok/s" in err and "loaded" in err  # informational lines stay on stderr
+
+
+def test_json_output_carries_text_and_ids(smollm2: Path) -> None:
+    code, out, _ = invoke(["-m", str(smollm2), "-p", "1, 2, 3, 4,", "-n", "8", "-t", "0", "--json"])
+    assert code == 0
+    record = json.loads(out)
+    assert len(record["ids"]) == record["generated_tokens"] == 8
+    assert record["text"].startswith(" 5")
+
+
+def test_chat_holds_a_two_turn_conversation(smollm2: Path) -> None:
+    stdin = "What is the capital of France? Answer in one word.\nWhat did I just ask you about?\n"
+    code, out, err = invoke(["-m", str(smollm2), "--chat", "-t", "0", "-n", "48"], stdin=stdin)
+    print(out)
+    assert code == 0, err
+    replies = [line for line in out.split("\n") if line.strip()]
+    assert len(replies) >= 2
+    assert "Paris" in replies[0]
+    assert "capital" in out.split("Paris", 1)[1].lower() or "france" in out.split("Paris", 1)[1].lower()
+
+
+def test_benchmark_reports_tokens_per_second(smollm2: Path) -> None:
+    code, out, _ = invoke(["-m", str(smollm2), "--benchmark", "-n", "8", "--json"])
+    assert code == 0
+    record = json.loads(out)
+    assert record["generated_tokens"] == 8 and record["prompt_tokens"] > 1
+    assert record["decode_tokens_per_second"] > 0 and record["prompt_tokens_per_second"] > 0
+    code, out, _ = invoke(["-m", str(smollm2), "--benchmark", "-n", "4"])
+    assert code == 0 and "prompt:" in out and "decode:" in out and "tok/s" in out
+
+
+def test_streaming_flag_is_accepted_with_a_note(smollm2: Path) -> None:
+    code, out, err = invoke(["-m", str(smollm2), "--streaming", "-p", "Hello", "-n", "2", "-t", "0"])
+    assert code == 0 and out.strip() != ""
+    assert "--streaming" in err
+
+
+def test_gpu_device_is_refused_clearly(smollm2: Path) -> None:
+    code, _, err = invoke(["-m", str(smollm2), "--device", "gpu", "-p", "Hello", "-n", "2"])
+    assert code == 4 and len(err.strip().splitlines()) == 1 and "GPU" in err
+
+
+def test_usage_errors_exit_2(smollm2: Path, tmp_path: Path) -> None:
+    assert invoke(["-p", "Hello"])[0] == 2  # no model
+    assert invoke(["-m", str(smollm2)])[0] == 2  # nothing to do
+    assert invoke(["-m", str(smollm2), "-p", "x", "--top-p", "0"])[0] == 2
+    assert invoke(["perplexity", "-m", str(smollm2), "-f", str(tmp_path / "none.txt")])[0] == 2
+
+
+@pytest.mark.oracle
+def test_perplexity_command_matches_llama_cpp(smollm2: Path) -> None:
+    from tests.infer.test_oracle import reference_perplexity
+    from tests.oracle.reference import Reference
+
+    text_file = require_asset(botchan_path())
+    code, out, err = invoke(["perplexity", "-m", str(smollm2), "-f", str(text_file), "-c", "256", "--chunks", "2",
+                             "--json"])
+    assert code == 0, err
+    record = json.loads(out)
+    ref = Reference(smollm2)
+    try:
+        tokens = ref.tokenize(text_file.read_bytes().decode("utf-8"))
+        assert record["tokens"] == len(tokens)  # our tokenizer agrees with llama.cpp's on the whole text
+        expected = reference_perplexity(ref, tokens, None, chunks=2)
+    finally:
+        ref.close()
+    print(f"\nperplexity command {record['perplexity']:.4f}, llama.cpp {expected:.4f}")
+    assert record["chunks"] == 2
+    assert abs(record["perplexity"] / expected - 1) < 0.01
