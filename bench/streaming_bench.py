@@ -88,12 +88,13 @@ def h2d_figures(slot_bytes: int) -> dict[str, Any]:
 
 # ------------------------------------------------------------------------------------------ stream
 DEVICE = "gpu"  # --device cpu runs the same sections on the CPU simulation (a smoke test for CI)
+SLOTS = 4  # ring slots (--slots)
 
 
 def _session(model: Path, vram: str, ram: str | None, tier_c: str, ctx: int, batch: int):  # noqa: ANN202
     from infer.tiers.options import StreamingConfig, build_streaming_engine
 
-    config = StreamingConfig(enabled=True, vram_budget=vram, ram_budget=ram, tier_c=tier_c, batch=batch)
+    config = StreamingConfig(enabled=True, vram_budget=vram, ram_budget=ram, tier_c=tier_c, batch=batch, slots=SLOTS)
     return build_streaming_engine(str(model), config, ctx, device=DEVICE, measure=True)
 
 
@@ -222,7 +223,8 @@ def tierc_parent(out: Path, model: Path, args: argparse.Namespace) -> dict[str, 
     budget = max(60, int(args.deadline - (time.monotonic() - STARTED) - 15))
     cmd = [sys.executable, "-m", "bench.streaming_bench", "--child-tierc", "--out", str(out), "--model", str(model),
            "--vram-budget", args.tierc_vram_budget or args.vram_budget, "--tierc-ram-budget", args.tierc_ram_budget,
-           "--deadline", str(budget), "--mmap-seconds", str(args.mmap_seconds), "--device", args.device]
+           "--deadline", str(budget), "--mmap-seconds", str(args.mmap_seconds), "--device", args.device,
+           "--slots", str(args.slots)]
 
     def join_cgroup() -> None:
         if group is not None:
@@ -303,6 +305,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tierc-ram-budget", default="4GB")
     parser.add_argument("--tierc-vram-budget", help="VRAM budget of the tier C run (default: --vram-budget)")
     parser.add_argument("--cgroup-mem", default="12G", help="memory.max of the tier C child (must be < the model)")
+    parser.add_argument("--slots", type=int, default=4, help="ring slots of the streaming pipeline")
     parser.add_argument("--decode-steps", type=int, default=6)
     parser.add_argument("--batch-steps", type=int, default=4)
     parser.add_argument("--mmap-seconds", type=float, default=60.0)
@@ -314,8 +317,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    global DEVICE
-    DEVICE = args.device
+    global DEVICE, SLOTS
+    DEVICE, SLOTS = args.device, args.slots
     if args.child_tierc:
         try:
             tierc_child(out, args.model, args)
