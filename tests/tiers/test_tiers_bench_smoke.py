@@ -16,7 +16,7 @@ REPO = Path(__file__).resolve().parents[2]
 @pytest.mark.slow
 def test_streaming_bench_runs_on_the_cpu_simulation(tmp_path: Path) -> None:
     cmd = [sys.executable, "-m", "bench.streaming_bench", "--device", "cpu", "--shape", "tiny",
-           "--model", str(tmp_path / "tiny.gguf"), "--out", str(tmp_path), "--vram-budget", "70.2MB",
+           "--model", str(tmp_path / "tiny.gguf"), "--out", str(tmp_path), "--vram-budget", "20.75MB",
            "--tierc-vram-budget", "13.3MB", "--tierc-ram-budget", "1.5MB", "--no-cgroup", "--decode-steps", "2",
            "--batch-steps", "2", "--mmap-seconds", "5", "--deadline", "300"]
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
