@@ -1,189 +1,30 @@
-"""GPU benchmark: prompt processing (pp) and decode (tg) speed of a GGUF model on the GPU, against
-the device-to-device copy bandwidth measured in the same run, with per-kernel timings that explain
-where a decode step's time goes.
+"""GPU benchmark entry: a GGUF model (or a synthetic one, written if missing) on the GPU; prints
+prompt and decode speed, bytes per token against the copy bandwidth, VRAM and per-kernel timings
+(infer.gpu.benchmark).
 
     python -m bench.gpu_bench --synth 8b:q4_k_m --pp 512 --tg 128 [--json] [--out result.json]
     python -m bench.gpu_bench --model file.gguf
-
-Decode is timed on the captured CUDA graph (one replay per token, sampling included, one sync at
-the end), like llama-bench's tg from an empty context. Kernels are timed in graphs of repeated
-launches that cycle through the matrices of several layers, so their weights are not served from L2.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
-
-import numpy as np
-
-
-def _events_ms(stream, run: Callable[[], None], reps: int = 5) -> float:  # noqa: ANN001
-    import cupy
-
-    times = []
-    for _ in range(reps):
-        start, end = cupy.cuda.Event(), cupy.cuda.Event()
-        start.record(stream)
-        run()
-        end.record(stream)
-        end.synchronize()
-        times.append(cupy.cuda.get_elapsed_time(start, end))
-    return statistics.median(times)
-
-
-def copy_bandwidth(nbytes: int = 2 << 30) -> float:
-    """Device-to-device copy in GB/s, bytes read plus bytes written."""
-    import cupy
-
-    src = cupy.random.random(nbytes // 4, dtype=cupy.float32)
-    dst = cupy.empty_like(src)
-    stream = cupy.cuda.Stream(non_blocking=True)
-    rt = cupy.cuda.runtime
-
-    def copy() -> None:
-        rt.memcpyAsync(dst.data.ptr, src.data.ptr, src.nbytes, rt.memcpyDeviceToDevice, stream.ptr)
-
-    copy()
-    ms = _events_ms(stream, copy, reps=10)
-    return 2 * nbytes / (ms * 1e-3) / 1e9
-
-
-def _graph(stream, launches: Callable[[], None]):  # noqa: ANN001, ANN202
-    with stream:
-        launches()  # compiles and warms up outside the capture
-        stream.begin_capture()
-        launches()
-        return stream.end_capture()
-
-
-def kernel_timings(gpu, n_layers_cycle: int = 8) -> list[dict[str, object]]:  # noqa: ANN001
-    """Median time per launch of each decode kernel on this model's shapes."""
-    import cupy
-
-    from infer.gpu import ops
-
-    a, stream, rows = gpu.args, gpu.stream, []
-    layers = gpu.layers[:n_layers_cycle]
-    x = cupy.random.random(max(a.dim, a.ffn_dim, a.q_dim), dtype=cupy.float32) - 0.5
-    outs = cupy.empty(max(a.ffn_dim, a.q_dim, a.dim, a.vocab_size), cupy.float32)
-
-    def add(name: str, count_per_token: int, nbytes: int, launches: list[Callable[[], None]]) -> None:
-        graph = _graph(stream, lambda: [f() for f in launches])
-        ms = _events_ms(stream, lambda: graph.launch(stream)) / len(launches)
-        rows.append({"kernel": name, "per_token": count_per_token, "us": round(ms * 1e3, 2),
-                     "GBps": round(nbytes / (ms * 1e-3) / 1e9, 1) if nbytes else None})
-
-    for j in range(len(layers[0].qkv)):
-        mats = [L.qkv[j][0] for L in layers if len(L.qkv) > j]
-        m0, fmts = mats[0], "/".join(sorted({m.fmt for m in mats}))
-        add(f"gemv qkv[{j}] {fmts} {m0.rows}x{m0.cols}", a.n_layers, sum(m.nbytes for m in mats) // len(mats),
-            [lambda m=m: ops.gemv(m, x[: m.cols], outs[: m.rows]) for m in mats])
-    for attr in ("wo", "w_down"):
-        mats = [getattr(L, attr) for L in layers]
-        m0, fmts = mats[0], "/".join(sorted({m.fmt for m in mats}))
-        add(f"gemv {attr} {fmts} {m0.rows}x{m0.cols}", a.n_layers, sum(m.nbytes for m in mats) // len(mats),
-            [lambda m=m: ops.gemv(m, x[: m.cols], outs[: m.rows]) for m in mats])
-    g0 = layers[0].w_gate
-    add(f"gemv_swiglu {g0.fmt} 2x{g0.rows}x{g0.cols}", a.n_layers, 2 * g0.nbytes,
-        [lambda L=L: ops.gemv_swiglu(L.w_gate, L.w_up, x[: a.dim], outs[: a.ffn_dim]) for L in layers])
-    out = gpu.output
-    add(f"gemv output {out.fmt} {out.rows}x{out.cols}", 1, out.nbytes,
-        [lambda: ops.gemv(out, x[: a.dim], outs[: a.vocab_size])])
-    # tuning variants of the GEMV module on the two largest matrices (per_token 0: not in the sum)
-    for warps, unroll in ((2, 4), (4, 2), (4, 8), (8, 4), (8, 8)):
-        d = {"GEMV_WARPS": warps, "GEMV_UNROLL": unroll}
-        add(f"  variant warps={warps} unroll={unroll}: swiglu", 0, 2 * g0.nbytes,
-            [lambda L=L, d=d: ops.gemv_swiglu(L.w_gate, L.w_up, x[: a.dim], outs[: a.ffn_dim], defines=d)
-             for L in layers])
-        add(f"  variant warps={warps} unroll={unroll}: down", 0,
-            sum(L.w_down.nbytes for L in layers) // len(layers),
-            [lambda L=L, d=d: ops.gemv(L.w_down, x[: a.ffn_dim], outs[: a.dim], defines=d) for L in layers])
-    add(f"rmsnorm+round ({layers[0].w_gate.act})", 2 * a.n_layers + 1, 0,
-        [lambda: ops.rmsnorm(x[: a.dim], layers[0].attn_norm, a.norm_eps, 1, a.dim, y=outs[: a.dim],
-                             act=layers[0].w_gate.act)])
-    for ctx in (128, 4096):
-        cache = gpu.new_cache(ctx)
-        cache.pos.set(np.array([ctx - 1], np.int32), stream=stream)
-        rope = (x[: a.kv_dim], x[: a.kv_dim], gpu._rope_tables[0], gpu._rope_tables[1], gpu.rope.n_pairs, a.rope_neox)
-        add(f"attention (scores+values+sum, rope fused) ctx={ctx}", a.n_layers if ctx == 128 else 0, 0,
-            [lambda c=cache, rope=rope: ops.attention_decode(x[: a.q_dim], c.keys[0], c.values[0], c.pos, a.n_heads,
-                                                  a.n_kv_heads, a.head_dim, c.max_tokens, c.n_splits, c.scores,
-                                                  c.part_o, c.part_ml, outs[: a.q_dim], act=layers[0].wo.act,
-                                                  rope=rope)])
-        del cache
-    cache = gpu.new_cache(256)
-    add(f"round_act ffn ({layers[0].w_down.act})", a.n_layers, 0,
-        [lambda: ops.round_act(x[: a.ffn_dim], outs[: a.ffn_dim], 1, a.ffn_dim, layers[0].w_down.act)])
-    add("sample (argmax)", 1, 0,
-        [lambda: ops.sample_token(outs[: a.vocab_size], a.vocab_size, 0.0, 0, cache.tok, cache.pos, cache.tokens)])
-    return rows
 
 
 def bench_model(path: Path, pp: int, tg: int, with_kernels: bool = True) -> dict[str, object]:
-    import cupy
-
     from infer.gguf_file import GGUFModel
     from infer.gpu import load_gpu_transformer
+    from infer.gpu.benchmark import measure
 
-    result: dict[str, object] = {"model": str(path), "gguf_bytes": path.stat().st_size,
-                                 "device": cupy.cuda.runtime.getDeviceProperties(0)["name"].decode()}
-    result["copy_GBps"] = round(copy_bandwidth(), 1)
     started = time.perf_counter()
     gpu = load_gpu_transformer(GGUFModel(path))
-    result["load_seconds"] = round(time.perf_counter() - started, 2)
-    a, stream = gpu.args, gpu.stream
-    rng = np.random.default_rng(0)
-    cache = gpu.new_cache(pp + tg + 16)
-
-    # prompt processing: pp tokens from an empty cache
-    prompt = rng.integers(3, a.vocab_size, pp)
-
-    def prefill() -> None:
-        cache.length = 0
-        gpu.forward_device(prompt, cache)
-
-    with stream:
-        prefill()  # warm-up: compiles, cuBLAS handles, scratch buffers
-        pp_ms = _events_ms(stream, prefill, reps=3)
-    result["pp_tokens"] = pp
-    result["pp_tok_s"] = round(pp / (pp_ms * 1e-3), 1)
-
-    # decode: tg tokens from an empty cache, one graph replay per token
-    graph = gpu._decode_graph(cache, 0.0, 0)
-
-    def decode() -> None:
-        cache.tok.set(np.array([int(prompt[0])], np.int32), stream=stream)
-        cache.pos.set(np.array([0], np.int32), stream=stream)
-        for _ in range(tg):
-            graph.launch(stream)
-
-    with stream:
-        decode()
-        tg_ms = _events_ms(stream, decode, reps=3)
-    tok_s = tg / (tg_ms * 1e-3)
-    result["tg_tokens"] = tg
-    result["tg_tok_s"] = round(tok_s, 1)
-    result["step_us"] = round(tg_ms * 1e3 / tg, 1)
-    src, vram = gpu.source_bytes_per_token(), gpu.weight_bytes_per_token()
-    result["gguf_bytes_per_token"] = src
-    result["vram_bytes_per_token"] = vram
-    result["achieved_GBps"] = round(vram * tok_s / 1e9, 1)  # bytes the kernels actually read
-    result["achieved_gguf_GBps"] = round(src * tok_s / 1e9, 1)  # as llama.cpp would count
-    result["fraction_of_copy"] = round(vram * tok_s / 1e9 / result["copy_GBps"], 3)  # type: ignore[operator]
-    free, total = cupy.cuda.runtime.memGetInfo()
-    result["vram_used_bytes"] = int(total - free)
-    result["vram_pool_bytes"] = int(cupy.get_default_memory_pool().total_bytes())
-    if with_kernels:
-        rows = kernel_timings(gpu)
-        result["kernels"] = rows
-        result["kernel_sum_us"] = round(sum(r["us"] * r["per_token"] for r in rows), 1)  # type: ignore[operator]
-    return result
+    load_seconds = round(time.perf_counter() - started, 2)
+    result = measure(gpu, pp, tg, with_kernels)
+    return {"model": str(path), "gguf_bytes": path.stat().st_size, "load_seconds": load_seconds, **result}
 
 
 def synth_path(spec: str, directory: Path) -> Path:
@@ -201,22 +42,6 @@ def synth_path(spec: str, directory: Path) -> Path:
         path.with_suffix(".part").rename(path)
         print(f"wrote {path} in {time.perf_counter() - started:.1f} s", file=sys.stderr)
     return path
-
-
-def render(result: dict[str, object]) -> str:
-    lines = [f"{result['model']} on {result['device']}",
-             f"  pp{result['pp_tokens']}: {result['pp_tok_s']} tok/s   tg{result['tg_tokens']}: {result['tg_tok_s']} tok/s "
-             f"({result['step_us']} us/token)",
-             f"  weights read per token: {result['vram_bytes_per_token'] / 1e9:.2f} GB (GGUF "  # type: ignore[operator]
-             f"{result['gguf_bytes_per_token'] / 1e9:.2f} GB) -> {result['achieved_GBps']} GB/s = "  # type: ignore[operator]
-             f"{result['fraction_of_copy']:.0%} of the {result['copy_GBps']} GB/s copy",
-             f"  VRAM used {result['vram_used_bytes'] / 2**30:.1f} GiB, load {result['load_seconds']} s"]  # type: ignore[operator]
-    for row in result.get("kernels", []):  # type: ignore[union-attr]
-        bw = f"{row['GBps']} GB/s" if row["GBps"] else ""
-        lines.append(f"    {row['kernel']:<44} x{row['per_token']:<4} {row['us']:>9} us  {bw}")
-    if "kernel_sum_us" in result:
-        lines.append(f"  kernels sum {result['kernel_sum_us']} us per token vs {result['step_us']} us measured")
-    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -239,6 +64,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.out:
         args.out.write_text(json.dumps(result, indent=1))
+    from infer.gpu.benchmark import render
+
     print(json.dumps(result) if args.json else render(result))
     return 0
 
