@@ -17,6 +17,8 @@ from infer.gguf_file import GGUFModel
 from infer.streaming import read_prompts_file
 from infer.tiers.options import StreamingConfig, build_streaming_engine
 
+DEFAULT_CTX = 4096
+
 
 def streaming_prompts(config: StreamingConfig, prompt: str | None) -> list[str]:
     if config.prompts_file:
@@ -30,12 +32,19 @@ def run_streaming(model_path: str, config: StreamingConfig, ctx_size: int, devic
                   n_predict: int, sampler_config: Any, benchmark: bool = False, as_json: bool = False,
                   echo: Callable[[str], None] = print, note: Callable[[str], None] = print) -> dict[str, Any]:
     """Generates for every prompt in one batch; prints each sequence's text (or one JSON object)
-    with `echo` and the plan and statistics with `note`; returns the JSON-able result."""
+    with `echo` and the plan and statistics with `note`; returns the JSON-able result.
+    ctx_size 0: the model's context, at most 4096 (per sequence: the KV cache is that times the
+    number of sequences)."""
     from infer.sampler import Sampler
     from infer.tokenizer import StreamDecoder, Tokenizer
 
     texts = streaming_prompts(config, prompt)
-    tokenizer = Tokenizer.from_gguf(GGUFModel(model_path).metadata)
+    gguf = GGUFModel(model_path)
+    tokenizer = Tokenizer.from_gguf(gguf.metadata)
+    if ctx_size <= 0:  # the model's context, at most DEFAULT_CTX (as the resident CLI)
+        from infer.model import ModelArgs
+
+        ctx_size = min(ModelArgs.from_gguf(gguf).context_length, DEFAULT_CTX)
     ids = [tokenizer.encode(t) for t in texts]
     if any(not x for x in ids):
         raise ValueError("a prompt is empty after tokenization")
