@@ -20,6 +20,19 @@ def gpu_available() -> bool:
         return False
 
 
+def resolve_device(device: str) -> str:
+    """'auto' -> 'gpu' when CuPy sees a GPU, else 'cpu'; 'gpu' without one is a one-line ValueError."""
+    if device not in ("auto", "cpu", "gpu"):
+        raise ValueError(f"unknown device '{device}' (known: auto, cpu, gpu)")
+    if device == "cpu":
+        return "cpu"
+    if gpu_available():
+        return "gpu"
+    if device == "gpu":
+        raise ValueError("--device gpu: no CUDA GPU is visible to CuPy (install cupy-cuda13x, check the driver)")
+    return "cpu"
+
+
 def load_gpu_transformer(model: GGUFModel, prefill_chunk: int = 512, match_llama_cpp: bool = True) -> GpuTransformer:
     """ModelArgs and checks as infer.model.load_transformer, weights uploaded to the current GPU.
     The result has the CPU Transformer's calls (new_cache, forward), so infer.engine.Engine runs it.
