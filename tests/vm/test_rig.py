@@ -21,6 +21,7 @@ MUST_PASS = {
     "test_io_queue_count_follows_max_ioqpairs[nvd-rig-b]",
     "test_namespace_geometry_follows_spec[nvd-rig-b]",
     "test_each_controller_has_its_own_vfio_group",
+    "test_extra_virtio_disk_is_present",
 }
 
 
@@ -29,14 +30,20 @@ def test_rig_in_guest(vm_mode, guest_pytest, tmp_path):
     image = tmp_path / "prefilled.img"
     data = os.urandom(4 * MIB)
     image.write_bytes(data)
+    extra_disk = tmp_path / "extra.img"
+    extra_disk.write_bytes(bytes(3 * MIB))
     config = VmConfig(
         iommu=vm_mode == "iommu",
         controllers=[
             NvmeSpec("nvd-rig-a", image=image),
             NvmeSpec("nvd-rig-b", size=32 * MIB, logical_block_size=4096, mdts=3, max_ioqpairs=1),
         ],
+        # A device QEMU places by itself must not move the controllers' addresses.
+        qemu_args=["-drive", f"file={extra_disk},if=none,id=extra0,format=raw",
+                   "-device", "virtio-blk-pci,drive=extra0,serial=nvd-extra"],
     )
-    result = guest_pytest(config, [GUEST_MODULE], env={"NVD_RIG_IMAGE_SHA256": hashlib.sha256(data).hexdigest()})
+    env = {"NVD_RIG_IMAGE_SHA256": hashlib.sha256(data).hexdigest(), "NVD_RIG_EXTRA_DISK_SIZE": str(3 * MIB)}
+    result = guest_pytest(config, [GUEST_MODULE], env=env)
     result.assert_passed()
     passed = {t.nodeid.rsplit("::", 1)[-1] for t in result.passed}
     assert passed >= MUST_PASS, f"guest tests that did not run: {sorted(MUST_PASS - passed)}"

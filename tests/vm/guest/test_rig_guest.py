@@ -113,3 +113,9 @@ def test_each_controller_has_its_own_vfio_group(noiommu, vfio_bind):
         with VfioDevice.open(bdf, noiommu=noiommu) as dev:
             groups.add(dev.group.path)
     assert len(groups) == len(SERIALS)
+
+
+def test_extra_virtio_disk_is_present():
+    disks = [d for d in Path("/sys/block").glob("vd*") if (d / "serial").read_text().strip() == "nvd-extra"]
+    assert len(disks) == 1, f"virtio disks: {[d.name for d in Path('/sys/block').glob('vd*')]}"
+    assert int((disks[0] / "size").read_text()) * 512 == int(os.environ["NVD_RIG_EXTRA_DISK_SIZE"])
