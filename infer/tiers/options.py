@@ -49,14 +49,15 @@ class StreamingConfig:
     ram_budget: str | None = None
     tier_c: str = "file"
     nvme_device: str | None = None
+    nvme_lba: int | None = None  # the header's LBA (default: the first model of the device's chain)
     tier_b: str = "auto"
     slots: int = DEFAULT_SLOTS
     batch: int = 1
     prompts_file: str | None = None
 
 
-_OPTION_NAMES = ("streaming", "vram_budget", "ram_budget", "tier_c", "nvme_device", "tier_b", "slots", "batch",
-                 "prompts_file")
+_OPTION_NAMES = ("streaming", "vram_budget", "ram_budget", "tier_c", "nvme_device", "nvme_lba", "tier_b", "slots",
+                 "batch", "prompts_file")
 
 
 def streaming_options(func: Callable[..., Any]) -> Callable[..., Any]:
@@ -68,7 +69,8 @@ def streaming_options(func: Callable[..., Any]) -> Callable[..., Any]:
         values = {name: kwargs.pop(name) for name in _OPTION_NAMES}
         kwargs["streaming"] = StreamingConfig(
             enabled=values["streaming"], vram_budget=values["vram_budget"], ram_budget=values["ram_budget"],
-            tier_c=values["tier_c"], nvme_device=values["nvme_device"], tier_b=values["tier_b"],
+            tier_c=values["tier_c"], nvme_device=values["nvme_device"], nvme_lba=values["nvme_lba"],
+            tier_b=values["tier_b"],
             slots=values["slots"], batch=values["batch"], prompts_file=values["prompts_file"])
         return func(*args, **kwargs)
 
@@ -83,6 +85,8 @@ def streaming_options(func: Callable[..., Any]) -> Callable[..., Any]:
                      help="Where tier C weights are read from: the file with O_DIRECT, the NVMe copy written by "
                      "`nvmedirect write-gguf`, or the naive mmap baseline."),
         click.option("--nvme-device", metavar="BDF|DEV", help="Device holding the model for --tier-c nvme."),
+        click.option("--nvme-lba", type=click.IntRange(min=0), help="LBA of the model's header on --nvme-device "
+                     "(default: the first model stored from LBA 0)."),
         click.option("--tier-b", type=click.Choice(["auto", "pinned", "registered"]), default="auto",
                      show_default=True, help="Tier B as a pinned copy or the registered file mapping."),
         click.option("--slots", type=click.IntRange(2, 64), default=DEFAULT_SLOTS, show_default=True,
@@ -230,7 +234,8 @@ def build_streaming_engine(model_path: str, config: StreamingConfig, ctx_size: i
     c_tensors = plan.tensors_in(Tier.STORAGE)
     source: StorageSource | None = None
     if c_tensors:
-        source = open_source(config.tier_c, model_path, c_tensors, config.nvme_device)
+        options = {"lba": config.nvme_lba} if config.tier_c == "nvme" and config.nvme_lba is not None else {}
+        source = open_source(config.tier_c, model_path, c_tensors, config.nvme_device, **options)
         session_closers.append(source.close)
     paths = {t.name: _path(plan, t.name, mode, config.tier_c) for t in plan.tensors}
     bandwidths = _measure(on_gpu, source, c_tensors) if measure else None

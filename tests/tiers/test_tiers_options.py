@@ -37,6 +37,8 @@ def test_decorator_collects_the_options(tmp_path: Path) -> None:
     assert result.exit_code == 0, result.output
     assert seen == [StreamingConfig(enabled=True, vram_budget="24GB", ram_budget="8GiB", tier_c="mmap",
                                     batch=3, prompts_file=str(prompts))]
+    CliRunner().invoke(cmd, ["--tier-c", "nvme", "--nvme-device", "0000:01:00.0", "--nvme-lba", "2048"])
+    assert (seen[-1].nvme_device, seen[-1].nvme_lba) == ("0000:01:00.0", 2048)
     assert read_prompts_file(str(prompts)) == ["one", "two\nlines"]
     bad = CliRunner().invoke(cmd, ["--tier-c", "tape"])
     assert bad.exit_code == 2 and "tape" in bad.output
