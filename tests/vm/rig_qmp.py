@@ -36,7 +36,7 @@ class Qmp:
                 if time.monotonic() > deadline:
                     raise QmpError(f"QMP socket {path} did not come up within {connect_timeout} s") from None
                 time.sleep(0.05)
-        self._file = self._sock.makefile("rwb")
+        self._buffer = b""  # bytes received but not yet split into lines
         self.events: list[dict[str, Any]] = []
         self._lock = threading.Lock()
         greeting = self._read()
@@ -44,10 +44,23 @@ class Qmp:
             raise QmpError(f"unexpected QMP greeting {greeting}")
         self.execute("qmp_capabilities")
 
-    def _read(self) -> dict[str, Any]:
-        line = self._file.readline()
-        if not line:
-            raise QmpError("QMP connection closed (QEMU exited?)")
+    def _read(self, timeout: float | None = None) -> dict[str, Any]:
+        """The next JSON line from QEMU; TimeoutError after `timeout` s with nothing complete."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while b"\n" not in self._buffer:
+            if deadline is not None:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise TimeoutError
+                self._sock.settimeout(remaining)
+            try:
+                chunk = self._sock.recv(65536)
+            finally:
+                self._sock.settimeout(None)
+            if not chunk:
+                raise QmpError("QMP connection closed (QEMU exited?)")
+            self._buffer += chunk
+        line, self._buffer = self._buffer.split(b"\n", 1)
         return json.loads(line)
 
     def execute(self, command: str, **arguments: Any) -> Any:
@@ -56,8 +69,7 @@ class Qmp:
         if arguments:
             message["arguments"] = arguments
         with self._lock:
-            self._file.write(json.dumps(message).encode() + b"\n")
-            self._file.flush()
+            self._sock.sendall(json.dumps(message).encode() + b"\n")
             while True:
                 reply = self._read()
                 if "event" in reply:
@@ -67,33 +79,29 @@ class Qmp:
                     raise QmpError(f"{command}: {reply['error'].get('desc', reply['error'])}")
                 return reply.get("return")
 
-    def wait_event(self, name: str, timeout: float = 30.0) -> dict[str, Any]:
-        """Block until event `name` arrives (or was already seen); raise QmpError on timeout."""
+    def wait_event(self, name: str, timeout: float = 30.0, **data: Any) -> dict[str, Any]:
+        """Block until event `name` whose data has the given items arrives (or was already seen),
+        e.g. `wait_event("DEVICE_DELETED", device="nvme1")`; raise QmpError on timeout."""
         deadline = time.monotonic() + timeout
         with self._lock:
             while True:
                 for event in self.events:
-                    if event["event"] == name:
+                    details = event.get("data", {})
+                    if event["event"] == name and all(details.get(k) == v for k, v in data.items()):
                         self.events.remove(event)
                         return event
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise QmpError(f"no {name} event within {timeout} s")
-                self._sock.settimeout(remaining)
                 try:
-                    reply = self._read()
+                    reply = self._read(timeout=remaining)
                 except TimeoutError:
                     continue
-                finally:
-                    self._sock.settimeout(None)
                 if "event" in reply:
                     self.events.append(reply)
 
     def close(self) -> None:
-        try:
-            self._file.close()
-        finally:
-            self._sock.close()
+        self._sock.close()
 
 
 class GuestRequestService:

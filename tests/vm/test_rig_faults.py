@@ -48,12 +48,15 @@ def test_qmp_from_guest_request_and_console_marker(guest_pytest):
 
     def unplug(vm: Vm) -> None:
         vm.qmp.execute("device_del", id=controller_id(1))
+        # QEMU confirms once the guest has let go of the device (pciehp: about 5 s later).
+        # Its namespace child is deleted first, with an event of its own (no id, only a path).
+        vm.qmp.wait_event("DEVICE_DELETED", timeout=120, device=controller_id(1))
         unplugged.append(controller_id(1))
 
     config = VmConfig(iommu=True, controllers=[NvmeSpec("nvd-fault-a"), NvmeSpec("nvd-fault-b")])
     result = guest_pytest(config, [GUEST_MODULE], on_console=[(UNPLUG_MARKER, unplug)])
     result.assert_passed()
-    assert unplugged == ["nvme1"]
+    assert unplugged == ["nvme1"], "no DEVICE_DELETED event for nvme1"
     assert len(result.passed) == 3
 
 
