@@ -10,6 +10,7 @@ identical greedy continuations for F16 and Q8_0); without it those tests skip.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -26,20 +27,34 @@ from infer.gpu import load_gpu_transformer  # noqa: E402
 pytestmark = pytest.mark.gpu
 KINDS = ["f16", "q8_0", "q4_0", "q4_k_m"]
 SHAPE = Shape(n_layers=3, dim=512, ffn_dim=1536, n_heads=8, n_kv_heads=2, vocab_size=2000, context_length=1024)
-# decode logits: float32 GEMVs on both sides; the K-quant planar scales are float16-rounded products
-DECODE_BOUND = {"f16": 1e-3, "q8_0": 1e-3, "q4_0": 1e-3, "q4_k_m": 5e-3}
-PREFILL_BOUND = 3e-2  # float16 activations into cuBLAS
+# Two numerics, as the CPU engine offers them: float32 inputs to every matrix product
+# (match_llama_cpp=False: both sides differ only by float32 rounding, so bounds are tight), and
+# llama.cpp's rounding of those inputs to 8-bit blocks (the default: the same function, but a value
+# sitting on a rounding boundary can round the other way on the other side, and one such flip moves
+# a random model's logits by ~1%; there agreement of the arg-max is what is checked).
+DECODE_BOUND_F32 = 1e-4  # float32 GEMVs on both sides
+PREFILL_BOUND_F32 = 1e-2  # float16 operands into cuBLAS
+TOP1_ROUNDED = 0.9
+
+
+@dataclass
+class Pair:
+    kind: str
+    cpu: object  # rounded activations (the default)
+    gpu: object
+    cpu32: object  # float32 activations
+    gpu32: object
 
 
 @pytest.fixture(scope="module", params=[(k, a) for a in ("llama", "qwen2") for k in KINDS],
                 ids=lambda p: f"{p[1]}-{p[0]}")
-def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
+def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Pair:
     kind, arch = request.param
     path = tmp_path_factory.mktemp("models") / f"{arch}-{kind}.gguf"
     write_model(path, SHAPE, kind, seed=11, arch=arch)
-    cpu = load_transformer(GGUFModel(path))
-    gpu = load_gpu_transformer(GGUFModel(path))
-    return kind, cpu, gpu
+    return Pair(kind, load_transformer(GGUFModel(path)), load_gpu_transformer(GGUFModel(path)),
+                load_transformer(GGUFModel(path), match_llama_cpp=False),
+                load_gpu_transformer(GGUFModel(path), match_llama_cpp=False))
 
 
 def _rel(a: np.ndarray, b: np.ndarray) -> float:
@@ -50,39 +65,52 @@ def _prompt(n: int, seed: int, vocab: int = SHAPE.vocab_size) -> np.ndarray:
     return np.random.default_rng(seed).integers(3, vocab, n)
 
 
-def test_prefill_logits_match_cpu(pair) -> None:  # noqa: ANN001
-    kind, cpu, gpu = pair
+def _top1(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.mean(a.argmax(-1) == b.argmax(-1)))
+
+
+def test_prefill_logits_match_cpu(pair: Pair) -> None:
     prompt = _prompt(300, 1)  # crosses the 256-position attention split
-    want = cpu.forward(prompt, cpu.new_cache(512), all_logits=True)
-    got = gpu.forward(prompt, gpu.new_cache(512), all_logits=True)
+    want = pair.cpu32.forward(prompt, pair.cpu32.new_cache(512), all_logits=True)
+    got = pair.gpu32.forward(prompt, pair.gpu32.new_cache(512), all_logits=True)
     assert got.shape == want.shape and np.isfinite(got).all()
-    print(f"{kind}: prefill relative error {_rel(got, want):.2e}")
-    assert _rel(got, want) < PREFILL_BOUND
-    assert np.mean(got.argmax(1) == want.argmax(1)) >= 0.95
+    print(f"{pair.kind}: prefill relative error {_rel(got, want):.2e} (float32 activations)")
+    assert _rel(got, want) < PREFILL_BOUND_F32
+    want = pair.cpu.forward(prompt, pair.cpu.new_cache(512), all_logits=True)
+    got = pair.gpu.forward(prompt, pair.gpu.new_cache(512), all_logits=True)
+    print(f"{pair.kind}: prefill top-1 agreement {_top1(got, want):.3f} (rounded activations)")
+    assert _top1(got, want) >= TOP1_ROUNDED
 
 
-def test_decode_logits_match_cpu(pair) -> None:  # noqa: ANN001
-    kind, cpu, gpu = pair
-    prompt = _prompt(250, 2)
+def _decode_errors(cpu, gpu, prompt: np.ndarray, steps: np.ndarray) -> list[float]:  # noqa: ANN001
     cc, gc = cpu.new_cache(512), gpu.new_cache(512)
     cpu.forward(prompt, cc)
-    gpu.gemv_prefill_max = len(prompt)  # the cache filled on the float32 path too: this test is about decode
+    gpu.gemv_prefill_max = len(prompt)  # the prompt on the decode kernels too: this is about decode
     try:
         gpu.forward(prompt, gc)
     finally:
         gpu.gemv_prefill_max = 4
-    worst = 0.0
-    for t in _prompt(12, 3):  # positions 250..261 cross the split boundary at 256
-        want = cpu.forward(np.array([t]), cc)
-        got = gpu.forward(np.array([t]), gc)
-        worst = max(worst, _rel(got, want))
-    assert gc.length == cc.length == 262
-    assert worst < DECODE_BOUND[kind]
+    errors, agree = [], []
+    for t in steps:
+        want, got = cpu.forward(np.array([t]), cc), gpu.forward(np.array([t]), gc)
+        errors.append(_rel(got, want))
+        agree.append(int(np.argmax(got) == np.argmax(want)))
+    assert gc.length == cc.length == len(prompt) + len(steps)
+    return errors + [float(np.mean(agree))]
 
 
-def test_graph_generation_matches_eager_and_cpu(pair) -> None:  # noqa: ANN001
-    kind, cpu, gpu = pair
-    prompt, n = _prompt(20, 4), 24
+def test_decode_logits_match_cpu(pair: Pair) -> None:
+    prompt, steps = _prompt(250, 2), _prompt(12, 3)  # positions 250..261 cross the split boundary at 256
+    *errors, _ = _decode_errors(pair.cpu32, pair.gpu32, prompt, steps)
+    print(f"{pair.kind}: decode relative errors (float32 activations) max {max(errors):.2e}")
+    assert max(errors) < DECODE_BOUND_F32
+    *errors, agreement = _decode_errors(pair.cpu, pair.gpu, prompt[:40], _prompt(24, 4))
+    print(f"{pair.kind}: decode (rounded) median error {np.median(errors):.2e}, top-1 agreement {agreement:.3f}")
+    assert errors[0] < 0.05 and agreement >= TOP1_ROUNDED
+
+
+def test_graph_generation_matches_eager_and_cpu(pair: Pair) -> None:
+    gpu, prompt, n = pair.gpu, _prompt(20, 4), 24
     cache = gpu.new_cache(128)
     fast = gpu.generate(prompt, cache, n)
     assert cache.length == len(prompt) + n - 1
@@ -93,20 +121,19 @@ def test_graph_generation_matches_eager_and_cpu(pair) -> None:  # noqa: ANN001
         eager.append(int(np.argmax(logits)))
         logits = gpu.forward(np.array([eager[-1]]), eager_cache)
     assert fast == eager  # the same kernels, replayed from the graph
-    if kind in ("f16", "q8_0"):  # float32 on both sides (prompt on the GEMV path): same greedy tokens
-        gpu.gemv_prefill_max = len(prompt)
+    if pair.kind in ("f16", "q8_0"):  # float32 on both sides, prompt on the GEMV path: same greedy tokens
+        g32 = pair.gpu32
+        g32.gemv_prefill_max = len(prompt)
         try:
-            exact = gpu.generate(prompt, gpu.new_cache(128), n)
+            exact = g32.generate(prompt, g32.new_cache(128), n)
         finally:
-            gpu.gemv_prefill_max = 4
-        assert list(Engine(cpu, 128).generate(list(prompt), n, greedy)) == exact
+            g32.gemv_prefill_max = 4
+        assert list(Engine(pair.cpu32, 128).generate(list(prompt), n, greedy)) == exact
 
 
-def test_generation_stops_and_continues(pair) -> None:  # noqa: ANN001
-    _, _, gpu = pair
-    prompt = _prompt(10, 5)
-    cache = gpu.new_cache(128)
-    full = gpu.generate(prompt, cache, 12)
+def test_generation_stops_and_continues(pair: Pair) -> None:
+    gpu, prompt = pair.gpu, _prompt(10, 5)
+    full = gpu.generate(prompt, gpu.new_cache(128), 12)
     cache2 = gpu.new_cache(128)
     stop = full[5]
     cut = gpu.generate(prompt, cache2, 12, stop={stop}, check_every=4)
@@ -117,26 +144,23 @@ def test_generation_stops_and_continues(pair) -> None:  # noqa: ANN001
         assert cut + rest == full
 
 
-def test_temperature_sampling_is_seeded(pair) -> None:  # noqa: ANN001
-    _, _, gpu = pair
-    prompt = _prompt(8, 6)
+def test_temperature_sampling_is_seeded(pair: Pair) -> None:
+    gpu, prompt = pair.gpu, _prompt(8, 6)
     a = gpu.generate(prompt, gpu.new_cache(64), 16, temperature=1.0, seed=7)
     b = gpu.generate(prompt, gpu.new_cache(64), 16, temperature=1.0, seed=7)
     c = gpu.generate(prompt, gpu.new_cache(64), 16, temperature=1.0, seed=8)
     assert a == b and a != c
 
 
-def test_engine_runs_on_the_gpu_transformer(pair) -> None:  # noqa: ANN001
-    _, _, gpu = pair
-    engine = Engine(gpu, 64)
+def test_engine_runs_on_the_gpu_transformer(pair: Pair) -> None:
+    engine = Engine(pair.gpu, 64)
     out = list(engine.generate(list(_prompt(9, 7)), 6, greedy))
     assert len(out) == 6 and engine.cache.length == 9 + 5
 
 
-def test_context_full_is_refused(pair) -> None:  # noqa: ANN001
-    _, _, gpu = pair
+def test_context_full_is_refused(pair: Pair) -> None:
     with pytest.raises(ValueError, match="context full"):
-        gpu.forward(_prompt(40, 8), gpu.new_cache(32))
+        pair.gpu.forward(_prompt(40, 8), pair.gpu.new_cache(32))
 
 
 # ---------------------------------------------------------------- real models (paths from the environment)
