@@ -163,7 +163,7 @@ class StreamRing:
         expected = self.order[j % len(self.order)]
         if name != expected.name:
             raise RuntimeError(f"streamed tensors must be used in pass order: got {name}, expected {expected.name}")
-        while self.issued <= j:  # only with n_slots pieces all acquired and none released
+        if self.issued <= j:  # only with n_slots pieces all acquired and none released
             raise RuntimeError(f"ring of {self.n_slots} slots exhausted: release a slot before acquiring {name}")
         slot = j % self.n_slots
         self.transport.wait_arrival(slot)
