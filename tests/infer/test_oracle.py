@@ -67,14 +67,17 @@ def test_logits_agree_with_llama_cpp(pair: Pair) -> None:
     noise = float(np.abs(ref - ref_by_token).max())
     diff = np.abs(ours - ref)
     plain = top1_agreement(ours, ref)
+    self_agreement = top1_agreement(ref_by_token, ref)
     picked = ref[np.arange(len(ids)), ours.argmax(axis=1)]
     within_noise = float(np.mean(picked >= ref.max(axis=1) - noise))
     print(f"\n{pair.name}: {len(ids)} positions, |logit diff| max {diff.max():.4f} mean {diff.mean():.5f}; "
-          f"top-1 agreement {plain:.4f} (llama.cpp with itself across batchings: "
-          f"{top1_agreement(ref_by_token, ref):.4f}), within llama.cpp's batching noise {noise:.3f}: "
-          f"{within_noise:.4f}")
-    assert within_noise >= (0.99 if pair.name in STRICT else 0.95)
-    assert plain >= (0.99 if pair.name == "smollm2-F16" else 0.95)
+          f"top-1 agreement {plain:.4f} (llama.cpp with itself across batchings: {self_agreement:.4f}), "
+          f"within llama.cpp's batching noise {noise:.3f}: {within_noise:.4f}")
+    required = 0.99 if pair.name in STRICT else 0.95
+    assert within_noise >= required
+    # Plain agreement: the rate, or llama.cpp's agreement with itself where that is lower
+    # (less one position of slack: which near-ties flip is chance).
+    assert plain >= min(required, self_agreement) - 1 / len(ids)
 
 
 @pytest.mark.parametrize("_", [None], ids=["flipped"])

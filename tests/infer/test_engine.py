@@ -1,0 +1,82 @@
+"""Engine mechanics on a small synthetic model (no downloads): batching, prefix reuse, context
+limits, generation stop rules, and the weight cache budget."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from infer.engine import ContextFullError, Engine, greedy
+from infer.gguf_file import GGUFModel
+from infer.model import DequantizedWeights, load_transformer
+from infer.synth import Shape, write_model
+
+SMALL = Shape(n_layers=3, dim=128, ffn_dim=256, n_heads=4, n_kv_heads=2, vocab_size=300, context_length=256)
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> GGUFModel:
+    path = tmp_path_factory.mktemp("engine") / f"{request.param}.gguf"
+    write_model(path, SMALL, "f16", seed=7, arch=request.param)
+    return GGUFModel(path)
+
+
+def prompt(n: int, seed: int = 0) -> list[int]:
+    return [int(t) for t in np.random.default_rng(seed).integers(3, 300, n)]
+
+
+def test_batch_split_does_not_change_logits(model: GGUFModel) -> None:
+    # no llama.cpp activation rounding: only summation order (and the f16 rounding it can flip) differs
+    transformer = load_transformer(model, match_llama_cpp=False)
+    ids = prompt(40)
+    whole = Engine(transformer, 64).evaluate(ids, all_logits=True)
+    pieces = Engine(transformer, 64, prefill_batch=7).evaluate(ids, all_logits=True)
+    engine = Engine(transformer, 64)
+    one_by_one = np.stack([engine.decode_one(t) for t in ids])
+    np.testing.assert_allclose(pieces, whole, atol=2e-3)
+    np.testing.assert_allclose(one_by_one, whole, atol=2e-3)
+
+
+def test_prefill_reuses_the_cached_prefix(model: GGUFModel) -> None:
+    transformer = load_transformer(model, match_llama_cpp=False)
+    first, extended = prompt(20), prompt(20) + prompt(5, seed=1)
+    engine = Engine(transformer, 64)
+    engine.prefill(first)
+    logits = engine.prefill(extended)
+    assert engine.stats.prompt_tokens == 5  # only the new tokens ran
+    fresh = Engine(transformer, 64).prefill(extended)
+    np.testing.assert_allclose(logits, fresh, atol=2e-3)
+    diverging = first[:10] + prompt(4, seed=2)
+    logits = engine.prefill(diverging)
+    assert engine.stats.prompt_tokens == 4 and engine.tokens == diverging
+    np.testing.assert_allclose(logits, Engine(transformer, 64).prefill(diverging), atol=2e-3)
+
+
+def test_generation_stops_at_end_token_and_length(model: GGUFModel) -> None:
+    transformer = load_transformer(model)
+    engine = Engine(transformer, 64)
+    free = list(engine.generate(prompt(8), 6, greedy))
+    assert len(free) == 6 and engine.stats.stop_reason == "length"
+    stop_at = free[2]
+    stopped = list(engine.generate(prompt(8), 6, greedy, is_end=lambda t: t == stop_at))
+    assert stopped == free[: free.index(stop_at) + 1] and engine.stats.stop_reason == "eog"
+
+
+def test_context_limit(model: GGUFModel) -> None:
+    engine = Engine(load_transformer(model), 16)
+    with pytest.raises(ContextFullError, match="context size 16"):
+        engine.prefill(prompt(17))
+    out = list(engine.generate(prompt(12), 10, greedy))
+    assert len(out) == 5 and engine.stats.stop_reason == "context"  # 12 + 4 evaluated = 16
+
+
+def test_weight_cache_respects_its_budget(model: GGUFModel) -> None:
+    args = load_transformer(model).args
+    unlimited = DequantizedWeights(model, args)
+    layer_bytes = unlimited.layer(0).nbytes
+    small = DequantizedWeights(model, args, budget_bytes=int(layer_bytes * 1.5))
+    for i in range(args.n_layers):
+        small.layer(i)
+    assert small._cached_bytes <= small.budget_bytes
+    assert small.layer(args.n_layers - 1) is small.layer(args.n_layers - 1)  # the latest stays cached
+    np.testing.assert_array_equal(small.layer(0).qkv.segments[0][0], unlimited.layer(0).qkv.segments[0][0])
