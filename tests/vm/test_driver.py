@@ -23,6 +23,7 @@ MUST_PASS = {
     "test_read_beyond_the_namespace_is_lba_out_of_range",
     "test_4096_byte_lbas_and_chained_prp_lists",
     "test_writes_then_reads_round_trip",
+    "test_controller_reset_fails_in_flight_commands_and_recovers",
     "test_close_unmaps_and_the_device_can_be_reopened",
     "test_command_timeout_is_named_and_exit_unmaps",
     "test_benchmark_measures_both_drivers",

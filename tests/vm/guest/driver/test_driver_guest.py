@@ -134,6 +134,23 @@ def test_4096_byte_lbas_and_chained_prp_lists(bound, noiommu):
             ns.read_into(bytearray(4096), ns.size_bytes, 4096)
 
 
+def test_controller_reset_fails_in_flight_commands_and_recovers(bound, noiommu):
+    """The recovery path a fatal status takes (QEMU never sets CSTS.CFS, so the reset is asked for)."""
+    image = image_bytes(BIG_LBA_SERIAL)
+    with Controller.open(bound(BIG_LBA_SERIAL), noiommu=noiommu) as ctrl:
+        ns = ctrl.namespace(1)
+        pairs = [ctrl.default_qpair, ctrl.create_io_qpair(depth=8)]
+        buf = ctrl.dma.alloc(16 * 4096)
+        commands = [ns.submit_read(qp, i, 1, buf[i * 4096:(i + 1) * 4096]) for i, qp in enumerate(pairs * 4)]
+        ctrl.reset()
+        assert all(c.done for c in commands)
+        assert {type(c.completion.exception()).__name__ for c in commands} == {"ControllerFatal"}
+        for qp in pairs:  # the same queue pair objects were re-created on the device
+            got = bytearray(5000)
+            ns.read_into(got, 12345, len(got), qpair=qp)
+            assert got == image[12345:17345]
+
+
 def test_writes_then_reads_round_trip(bound, noiommu):
     pattern = np.random.default_rng(int(os.environ["NVD_WRITE_SEED"])).integers(0, 256, 3 << 20, dtype=np.uint8)
     with Controller.open(bound(WRITE_SERIAL), noiommu=noiommu) as ctrl:
