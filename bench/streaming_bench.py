@@ -73,6 +73,11 @@ def ensure_model(path: Path, shape: str) -> dict[str, Any]:
     began = time.perf_counter()
     partial = path.with_suffix(".partial")
     size = write_model(partial, SHAPES[shape], "q4_k_m", seed=0)
+    fd = os.open(partial, os.O_RDONLY)
+    try:
+        os.fsync(fd)  # on disk before anything is timed: writeback would compete with the reads measured later
+    finally:
+        os.close(fd)
     partial.rename(path)
     return {"path": str(path), "bytes": size, "written": True, "seconds": round(time.perf_counter() - began, 1)}
 
