@@ -19,9 +19,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from infer.tiers.flags import SOURCES
 from infer.tiers.plan import Tensor
-
-SOURCES = ("file", "nvme", "mmap")
 
 
 class ReadHandleLike(Protocol):

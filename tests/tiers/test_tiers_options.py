@@ -12,11 +12,11 @@ from click.testing import CliRunner
 from infer.engine import greedy
 from infer.gguf_file import GGUFModel
 from infer.streaming import read_prompts_file
+from infer.tiers.flags import streaming_options
 from infer.tiers.options import (
     StreamingConfig,
     build_streaming_engine,
     require_resident_fit,
-    streaming_options,
 )
 from infer.tiers.plan import Tier
 
