@@ -312,12 +312,15 @@ class Rope:
 
     def angles(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """cos and sin, each (T, n_pairs). The angle of pair i is pos * theta_scale**i, computed as
-        llama.cpp does (a running float32 product) so both sides rotate by the same rounded angles."""
+        llama.cpp does (a running float32 product, then / freq_factor[i], then * 1/linear_scale) so
+        both sides rotate by the same rounded angles."""
         steps = np.full((len(positions), self.n_pairs), self.theta_scale, dtype=np.float32)
-        steps[:, 0] = positions.astype(np.float32) / np.float32(self.args.rope_linear_scale)
+        steps[:, 0] = positions.astype(np.float32)
         theta = np.cumprod(steps, axis=1, dtype=np.float32)
         if self.freq_factors is not None:
             theta = theta / self.freq_factors
+        if self.args.rope_linear_scale != 1.0:
+            theta = theta * np.float32(1.0 / self.args.rope_linear_scale)
         return np.cos(theta), np.sin(theta)
 
     def apply(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:

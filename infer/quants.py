@@ -208,3 +208,51 @@ def dequantize_rows(raw: np.ndarray, ggml_type: int, n_cols: int, row_ids: np.nd
     row_bytes = row_nbytes(ggml_type, n_cols)
     rows = np.asarray(raw, dtype=np.uint8).reshape(-1, row_bytes)[np.asarray(row_ids, dtype=np.int64)]
     return dequantize(rows, ggml_type, (len(row_ids), n_cols))
+
+
+# llama.cpp's CPU matrix products do not multiply float32 activations with the weights directly:
+# each weight type names a "vec_dot" type the activations are converted to first (f16 for F16
+# weights, 8-bit blocks of 32 with an f16 scale for Q4_0..Q8_0, 8-bit blocks of 256 with an f32
+# scale for the K-quants). Rounding our activations the same way keeps our logits within float
+# rounding of llama.cpp's instead of within quantization noise.
+_ACTIVATION_FORMAT: dict[GGMLQuantizationType, str] = {
+    T.F32: "f32", T.F16: "f16", T.BF16: "bf16",
+    T.Q8_0: "q8_0", T.Q4_0: "q8_0", T.Q4_1: "q8_0", T.Q5_0: "q8_0", T.Q5_1: "q8_0",
+    T.Q4_K: "q8_k", T.Q5_K: "q8_k", T.Q6_K: "q8_k",
+}
+
+
+def activation_format(ggml_type: int) -> str:
+    """The format llama.cpp converts activations to before multiplying them with this weight type."""
+    check_supported(ggml_type)
+    return _ACTIVATION_FORMAT[GGMLQuantizationType(ggml_type)]
+
+
+def round_activations(x: np.ndarray, fmt: str) -> np.ndarray:
+    """x (..., n) float32 -> the values llama.cpp would see after converting x to `fmt`."""
+    if fmt == "f32":
+        return x
+    if fmt == "f16":
+        return x.astype(np.float16).astype(np.float32)
+    if fmt == "bf16":
+        bits = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+        rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16  # round to nearest even
+        return rounded.astype(np.uint32).view(np.float32)
+    block = 32 if fmt == "q8_0" else QK_K
+    blocks = x.reshape(-1, block)
+    if fmt == "q8_0":
+        amax = np.abs(blocks).max(axis=1, keepdims=True)
+        with np.errstate(divide="ignore"):
+            inv = np.where(amax > 0, np.float32(127.0) / amax, np.float32(0.0))
+        scale = (amax / np.float32(127.0)).astype(np.float16).astype(np.float32)  # stored as f16
+        out = np.rint(blocks * inv) * scale
+    elif fmt == "q8_k":
+        # the scale comes from the signed value of largest magnitude and stays float32
+        extreme = np.take_along_axis(blocks, np.abs(blocks).argmax(axis=1)[:, None], axis=1)
+        with np.errstate(divide="ignore"):
+            inv = np.where(extreme != 0, np.float32(-127.0) / extreme, np.float32(0.0))
+            scale = np.where(extreme != 0, np.float32(1.0) / inv, np.float32(0.0))
+        out = np.minimum(np.rint(blocks * inv), np.float32(127.0)) * scale
+    else:
+        raise ValueError(f"unknown activation format {fmt!r}")
+    return out.astype(np.float32).reshape(x.shape)

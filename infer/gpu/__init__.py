@@ -33,11 +33,13 @@ def resolve_device(device: str) -> str:
     return "cpu"
 
 
-def load_gpu_transformer(model: GGUFModel, prefill_chunk: int = 512, match_llama_cpp: bool = True) -> GpuTransformer:
+def load_gpu_transformer(model: GGUFModel, prefill_chunk: int = 512, match_llama_cpp: bool = True,
+                         int8_dot: bool = False) -> GpuTransformer:
     """ModelArgs and checks as infer.model.load_transformer, weights uploaded to the current GPU.
     The result has the CPU Transformer's calls (new_cache, forward), so infer.engine.Engine runs it.
     match_llama_cpp: round the inputs of matrix products as llama.cpp's CPU does (the CPU engine's
-    default), else keep them float32."""
+    default), else keep them float32. int8_dot: decode GEMVs with integer dot products on those
+    rounded inputs (faster where the GPU is instruction-bound; the same numbers up to summation order)."""
     from infer.errors import UnsupportedModelError
     from infer.gpu.layout import format_of
     from infer.gpu.model import GpuTransformer
@@ -52,4 +54,5 @@ def load_gpu_transformer(model: GGUFModel, prefill_chunk: int = 512, match_llama
             except ValueError as err:
                 raise UnsupportedModelError(model.path, str(err), f"tensor {info.name}") from None
     factors = model.tensor("rope_freqs.weight").dequantize() if "rope_freqs.weight" in model.tensors else None
-    return GpuTransformer(model, args, factors, prefill_chunk=prefill_chunk, match_llama_cpp=match_llama_cpp)
+    return GpuTransformer(model, args, factors, prefill_chunk=prefill_chunk, match_llama_cpp=match_llama_cpp,
+                          int8_dot=int8_dot)

@@ -88,6 +88,18 @@ def kernel_timings(gpu, n_layers_cycle: int = 8) -> list[dict[str, object]]:  # 
     out = gpu.output
     add(f"gemv output {out.fmt} {out.rows}x{out.cols}", 1, out.nbytes,
         [lambda: ops.gemv(out, x[: a.dim], outs[: a.vocab_size])])
+    # the integer (dp4a) GEMVs on the same matrices, with 8-bit activations (per_token 0: not in the sum)
+    from infer.gpu.ops import INT8_FORMATS, int8_buffers
+
+    if g0.fmt in INT8_FORMATS and g0.act in ("q8_0", "q8_k"):
+        x8 = int8_buffers(a.dim, g0.act)
+        add(f"  int8 gemv_swiglu {g0.fmt}", 0, 2 * g0.nbytes,
+            [lambda L=L: ops.gemv8_swiglu(L.w_gate, L.w_up, x8, outs[: a.ffn_dim]) for L in layers])
+    d0 = layers[0].w_down
+    if all(L.w_down.fmt in INT8_FORMATS and L.w_down.act == d0.act for L in layers) and d0.act in ("q8_0", "q8_k"):
+        f8 = int8_buffers(a.ffn_dim, d0.act)
+        add("  int8 gemv w_down", 0, sum(L.w_down.nbytes for L in layers) // len(layers),
+            [lambda L=L: ops.gemv8(L.w_down, f8, outs[: a.dim]) for L in layers])
     # tuning variants of the GEMV module on the two largest matrices (per_token 0: not in the sum)
     for warps, unroll in ((2, 4), (4, 2), (4, 8), (8, 4), (8, 8)):
         d = {"GEMV_WARPS": warps, "GEMV_UNROLL": unroll}
@@ -142,18 +154,33 @@ def measure(gpu, pp: int = 512, tg: int = 128, with_kernels: bool = True) -> dic
     result["pp_tokens"] = pp
     result["pp_tok_s"] = round(pp / (pp_ms * 1e-3), 1)
 
-    # decode: tg tokens from an empty cache, one graph replay per token
-    graph = gpu._decode_graph(cache, 0.0, 0)
+    # decode: tg tokens from an empty cache, one graph replay per token; float GEMVs and, where the
+    # formats have them, integer (dp4a) GEMVs; the faster is reported as tg
+    def decode_ms(int8: bool) -> tuple[float, list[int]]:
+        gpu.set_int8_dot(int8)
+        graph = gpu._decode_graph(cache, 0.0, 0)
 
-    def decode() -> None:
-        cache.tok.set(np.array([int(prompt[0])], np.int32), stream=stream)
-        cache.pos.set(np.array([0], np.int32), stream=stream)
-        for _ in range(tg):
-            graph.launch(stream)
+        def decode() -> None:
+            cache.tok.set(np.array([int(prompt[0])], np.int32), stream=stream)
+            cache.pos.set(np.array([0], np.int32), stream=stream)
+            for _ in range(tg):
+                graph.launch(stream)
 
-    with stream:
-        decode()
-        tg_ms = _events_ms(stream, decode, reps=3)
+        with stream:
+            decode()
+            ms = _events_ms(stream, decode, reps=3)
+        tokens = cupy.asnumpy(cache.tokens[1 : tg + 1], stream=stream).tolist()
+        return ms, tokens
+
+    float_ms, float_tokens = decode_ms(False)
+    int8_ms, int8_tokens = decode_ms(True)
+    result["tg_float_tok_s"] = round(tg / (float_ms * 1e-3), 1)
+    result["tg_int8_tok_s"] = round(tg / (int8_ms * 1e-3), 1)
+    # the two kernels compute the same numbers up to float32 summation order
+    result["tg_int8_same_tokens"] = float(np.mean(np.array(float_tokens) == np.array(int8_tokens)))
+    tg_ms = min(float_ms, int8_ms)
+    gpu.set_int8_dot(int8_ms < float_ms)
+    result["tg_kernels"] = "int8" if int8_ms < float_ms else "float"
     tok_s = tg / (tg_ms * 1e-3)
     result["tg_tokens"] = tg
     result["tg_tok_s"] = round(tok_s, 1)
@@ -178,7 +205,8 @@ def render(result: dict[str, object]) -> str:
     """The result as a short human-readable report (kernel table included when measured)."""
     lines = [f"{result.get('model', 'model')} on {result['device']}",
              f"  pp{result['pp_tokens']}: {result['pp_tok_s']} tok/s   tg{result['tg_tokens']}: {result['tg_tok_s']} tok/s "
-             f"({result['step_us']} us/token)",
+             f"({result['step_us']} us/token; float GEMVs {result['tg_float_tok_s']}, int8 {result['tg_int8_tok_s']}, "
+             f"same tokens {result['tg_int8_same_tokens']:.0%})",
              f"  weights read per token: {result['vram_bytes_per_token'] / 1e9:.2f} GB (GGUF "  # type: ignore[operator]
              f"{result['gguf_bytes_per_token'] / 1e9:.2f} GB) -> {result['achieved_GBps']} GB/s = "  # type: ignore[operator]
              f"{result['fraction_of_copy']:.0%} of the {result['copy_GBps']} GB/s copy",

@@ -43,7 +43,7 @@ class GpuKVCache:
     part_o: cupy.ndarray
     part_ml: cupy.ndarray
     length: int = 0
-    graphs: dict[tuple[float, int], object] = field(default_factory=dict)
+    graphs: dict[tuple[float, int, bool], object] = field(default_factory=dict)
 
 
 class GpuTransformer:
@@ -51,8 +51,11 @@ class GpuTransformer:
     -> NumPy logits; plus generate() that decodes with a CUDA graph."""
 
     def __init__(self, model: GGUFModel, args: ModelArgs, rope_freq_factors: np.ndarray | None = None,
-                 prefill_chunk: int = 512, match_llama_cpp: bool = True) -> None:
+                 prefill_chunk: int = 512, match_llama_cpp: bool = True, int8_dot: bool = False) -> None:
         self.args = args
+        # decode GEMVs on the 8-bit form of q8_0/q8_k activations (dp4a integer dot products) where
+        # the weight format has such a kernel; same numbers up to float32 summation order
+        self.int8_dot = int8_dot
         self.prefill_chunk = prefill_chunk
         # prompts up to this many tokens run through the decode kernels (no weight dequantization,
         # float32 products): cheaper for a few tokens, and the CPU's exact numerics where a test needs them
@@ -75,10 +78,23 @@ class GpuTransformer:
             self.ff = cupy.zeros(a.ffn_dim, F32)
             self.logits = cupy.zeros(a.vocab_size, F32)
             self._act: dict[tuple[str, str], cupy.ndarray] = {}  # (input, activation format) -> buffer
+            self._act8: dict[tuple[str, str], ops.Int8Act] = {}  # the same inputs' 8-bit forms
             self._plan_act_buffers()
             self._scratch16: cupy.ndarray | None = None
             self._rope_tables = (cupy.zeros((0, self.rope.n_pairs), F32),) * 2
         self.stream.synchronize()
+
+    def set_int8_dot(self, enabled: bool) -> None:
+        """Switches the decode GEMVs between the float and the integer (dp4a) kernels."""
+        self.int8_dot = enabled
+        if enabled:
+            with self.stream:
+                for key, act in list(self._act):
+                    if act in ("q8_0", "q8_k") and (key, act) not in self._act8:
+                        self._act8[(key, act)] = ops.int8_buffers(self._act[(key, act)].size, act)
+            self.stream.synchronize()
+        else:
+            self._act8.clear()
 
     def weight_bytes_per_token(self) -> int:
         """Bytes of weights one decode step reads from VRAM (all layer matrices and the output)."""
@@ -120,11 +136,14 @@ class GpuTransformer:
             self._norm_buffers("attn", [m.act for m, _ in L.qkv], a.dim)
             self._norm_buffers("ffn", [L.w_gate.act, L.w_up.act], a.dim)
             self._act_buffer("ff", L.w_down.act, a.ffn_dim)
+            self._act_buffer("att", L.wo.act, a.q_dim)  # only its 8-bit form is used (att holds the floats)
         self._norm_buffers("out", [self.output.act], a.dim)
 
     def _act_buffer(self, key: str, act: str, n: int) -> cupy.ndarray:
         if (key, act) not in self._act:
             self._act[(key, act)] = cupy.zeros(n, F32)
+            if self.int8_dot and act in ("q8_0", "q8_k"):
+                self._act8[(key, act)] = ops.int8_buffers(n, act)
         return self._act[(key, act)]
 
     def _norm_buffers(self, key: str, acts: list[str], n: int) -> None:
@@ -136,7 +155,7 @@ class GpuTransformer:
         a, unique = self.args, sorted(set(acts))
         if len(unique) == 1:
             y = self._act[(key, unique[0])]
-            ops.rmsnorm(src, weight, a.norm_eps, 1, a.dim, y=y, act=unique[0])
+            ops.rmsnorm(src, weight, a.norm_eps, 1, a.dim, y=y, act=unique[0], int8=self._act8.get((key, unique[0])))
             return {unique[0]: y}
         base = self._act[(key, "f32")]
         ops.rmsnorm(src, weight, a.norm_eps, 1, a.dim, y=base)
@@ -144,15 +163,25 @@ class GpuTransformer:
         for act in unique:
             if act != "f32":
                 out[act] = self._act[(key, act)]
-                ops.round_act(base, out[act], 1, a.dim, act)
+                ops.round_act(base, out[act], 1, a.dim, act, int8=self._act8.get((key, act)))
         return out
 
     def _rounded(self, x: cupy.ndarray, key: str, act: str) -> cupy.ndarray:
         if act == "f32":
             return x
         y = self._act[(key, act)]
-        ops.round_act(x, y, 1, x.size, act)
+        ops.round_act(x, y, 1, x.size, act, int8=self._act8.get((key, act)))
         return y
+
+    def _gemv(self, m: GpuMatrix, key: str, x: cupy.ndarray, y: cupy.ndarray, bias: cupy.ndarray | None = None,
+              residual: cupy.ndarray | None = None) -> None:
+        """y = W x (+bias, +residual) where x is input `key` rounded for m: the integer kernel when
+        its 8-bit form exists, else the float one."""
+        int8 = self._act8.get((key, m.act)) if m.fmt in ops.INT8_FORMATS else None
+        if int8 is not None:
+            ops.gemv8(m, int8, y, bias=bias, residual=residual)
+        else:
+            ops.gemv(m, x, y, bias=bias, residual=residual)
 
     # ------------------------------------------------------------------ decode (one token)
     def _decode_launches(self, cache: GpuKVCache, mark: Callable[[str], None] | None = None) -> None:
@@ -165,30 +194,35 @@ class GpuTransformer:
             xs = self._normed(self.h, L.attn_norm, "attn", [m.act for m, _ in L.qkv])
             done("rmsnorm")
             for m, row in L.qkv:
-                ops.gemv(m, xs[m.act], self.qkv[row : row + m.rows],
-                         bias=None if L.bqkv is None else L.bqkv[row : row + m.rows])
+                self._gemv(m, "attn", xs[m.act], self.qkv[row : row + m.rows],
+                           bias=None if L.bqkv is None else L.bqkv[row : row + m.rows])
             done("gemv_qkv")
             # rotary embedding and the KV store happen inside the attention kernels
             ops.attention_decode(self.q, cache.keys[i], cache.values[i], cache.pos, a.n_heads, a.n_kv_heads,
                                  a.head_dim, cache.max_tokens, cache.n_splits, cache.scores, cache.part_o, cache.part_ml,
                                  self.att, act=L.wo.act,  # the output is wo's rounded input
-                                 rope=(self.k, self.v, cos, sin, self.rope.n_pairs, a.rope_neox))
+                                 rope=(self.k, self.v, cos, sin, self.rope.n_pairs, a.rope_neox),
+                                 int8=self._act8.get(("att", L.wo.act)) if L.wo.fmt in ops.INT8_FORMATS else None)
             done("attention")
-            ops.gemv(L.wo, self.att, self.h, residual=self.h)
+            self._gemv(L.wo, "att", self.att, self.h, residual=self.h)
             done("gemv_o")
             xs = self._normed(self.h, L.ffn_norm, "ffn", [L.w_gate.act, L.w_up.act])
             done("rmsnorm")
             if L.w_gate.fmt == L.w_up.fmt and L.w_gate.act == L.w_up.act:
-                ops.gemv_swiglu(L.w_gate, L.w_up, xs[L.w_gate.act], self.ff)
+                int8 = self._act8.get(("ffn", L.w_gate.act)) if L.w_gate.fmt in ops.INT8_FORMATS else None
+                if int8 is not None:
+                    ops.gemv8_swiglu(L.w_gate, L.w_up, int8, self.ff)
+                else:
+                    ops.gemv_swiglu(L.w_gate, L.w_up, xs[L.w_gate.act], self.ff)
             else:
-                ops.gemv(L.w_gate, xs[L.w_gate.act], self.gate)
-                ops.gemv(L.w_up, xs[L.w_up.act], self.up)
+                self._gemv(L.w_gate, "ffn", xs[L.w_gate.act], self.gate)
+                self._gemv(L.w_up, "ffn", xs[L.w_up.act], self.up)
                 ops.swiglu(self.gate, self.up, self.ff, a.ffn_dim)
             done("gemv_gate_up")
-            ops.gemv(L.w_down, self._rounded(self.ff, "ff", L.w_down.act), self.h, residual=self.h)
+            self._gemv(L.w_down, "ff", self._rounded(self.ff, "ff", L.w_down.act), self.h, residual=self.h)
             done("gemv_down")
         xs = self._normed(self.h, self.w.output_norm, "out", [self.output.act])
-        ops.gemv(self.output, xs[self.output.act], self.logits)
+        self._gemv(self.output, "out", xs[self.output.act], self.logits)
         done("output")
 
     def _set_position(self, cache: GpuKVCache, token: int, position: int) -> None:
@@ -196,7 +230,7 @@ class GpuTransformer:
         cache.pos.set(np.array([position], np.int32), stream=self.stream)
 
     def _decode_graph(self, cache: GpuKVCache, temperature: float, seed: int) -> object:
-        key = (float(temperature), int(seed))
+        key = (float(temperature), int(seed), self.int8_dot)
         if key not in cache.graphs:
             with self.stream:
                 self.stream.begin_capture()

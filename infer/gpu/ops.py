@@ -132,19 +132,58 @@ def embed(m: GpuMatrix, ids: cupy.ndarray, n: int, out: cupy.ndarray) -> None:
 ACT_CODES = {"f32": 0, "f16": 1, "bf16": 2, "q8_0": 3, "q8_k": 4}
 
 
+Int8Act = tuple  # (xq int8[n], xs float32[n / group], xsum int32[n / 32]): 8-bit form of q8_0/q8_k activations
+
+
+def int8_buffers(n: int, act: str) -> Int8Act:
+    """Buffers for the 8-bit form of n activations of format q8_0 or q8_k."""
+    group = 32 if act == "q8_0" else 256
+    return cupy.zeros(n, cupy.int8), cupy.zeros(n // group, cupy.float32), cupy.zeros(n // 32, cupy.int32)
+
+
+def _int8_args(int8: Int8Act | None) -> tuple:
+    return (NULL, NULL, NULL) if int8 is None else tuple(int8)
+
+
 def rmsnorm(x: cupy.ndarray, weight: cupy.ndarray, eps: float, rows: int, n: int, y: cupy.ndarray | None = None,
-            y16: cupy.ndarray | None = None, act: str = "f32") -> None:
-    """y/y16 = RMSNorm(x) * weight per row, rounded to activation format `act` (needs y unless f32)."""
+            y16: cupy.ndarray | None = None, act: str = "f32", int8: Int8Act | None = None) -> None:
+    """y/y16 = RMSNorm(x) * weight per row, rounded to activation format `act` (needs y unless f32);
+    int8 (q8_0/q8_k only): also its 8-bit form."""
     if act != "f32" and y is None:
         raise ValueError("rounding to an activation format needs the float32 output y")
     threads = 1024 if n >= 4096 else 256
     kernels.function("ops", "rmsnorm")((rows,), (threads,), (x, weight, _ptr(y), _ptr(y16), np.int32(n),
-                                                             np.float32(eps), np.int32(ACT_CODES[act])))
+                                                             np.float32(eps), np.int32(ACT_CODES[act]),
+                                                             *_int8_args(int8)))
 
 
-def round_act(x: cupy.ndarray, y: cupy.ndarray, rows: int, n: int, act: str, y16: cupy.ndarray | None = None) -> None:
-    """y (may be x) and y16 = x rounded to activation format `act`, per row of n values."""
-    kernels.function("ops", "round_act")((rows,), (256,), (x, y, _ptr(y16), np.int32(n), np.int32(ACT_CODES[act])))
+def round_act(x: cupy.ndarray, y: cupy.ndarray, rows: int, n: int, act: str, y16: cupy.ndarray | None = None,
+              int8: Int8Act | None = None) -> None:
+    """y (may be x) and y16 = x rounded to activation format `act`, per row of n values; int8
+    (q8_0/q8_k only): also its 8-bit form."""
+    kernels.function("ops", "round_act")((rows,), (256,), (x, y, _ptr(y16), np.int32(n), np.int32(ACT_CODES[act]),
+                                                           *_int8_args(int8)))
+
+
+INT8_FORMATS = ("q8", "g4", "g5", "k4", "k5", "k6")  # formats with an integer (dp4a) GEMV
+
+
+def gemv8(m: GpuMatrix, int8: Int8Act, y: cupy.ndarray, bias: cupy.ndarray | None = None,
+          residual: cupy.ndarray | None = None, defines: dict[str, int] | None = None) -> None:
+    """y = W x (+ bias) (+ residual) with x in its 8-bit form (dp4a integer dot products)."""
+    warps = _gemv_config(defines)
+    fn = kernels.function("gemv", f"gemv8_{m.fmt}", defines)
+    fn((_blocks(m.rows, warps),), (32 * warps,),
+       (*m.planes(), np.int32(m.rows), np.int32(m.cols), *int8, y, _ptr(bias), _ptr(residual)))
+
+
+def gemv8_swiglu(gate: GpuMatrix, up: GpuMatrix, int8: Int8Act, y: cupy.ndarray,
+                 defines: dict[str, int] | None = None) -> None:
+    """y = SiLU(Wg x) * (Wu x) with x in its 8-bit form."""
+    warps = _gemv_config(defines)
+    fn = kernels.function("gemv", f"gemv8_swiglu_{gate.fmt}", defines)
+    fn((_blocks(gate.rows, warps),), (32 * warps,),
+       (*gate.planes(), *up.planes(), np.int32(gate.rows), np.int32(gate.cols), *int8, y))
 
 
 def rope_store(q: cupy.ndarray, k: cupy.ndarray, v: cupy.ndarray, cos: cupy.ndarray, sin: cupy.ndarray,
@@ -168,7 +207,7 @@ def attention_group_size(group: int) -> int:
 def attention_decode(q: cupy.ndarray, k_cache: cupy.ndarray, v_cache: cupy.ndarray, pos: cupy.ndarray,
                      n_heads: int, n_kv_heads: int, head_dim: int, max_ctx: int, n_splits: int,
                      scores: cupy.ndarray, part_o: cupy.ndarray, part_ml: cupy.ndarray, out: cupy.ndarray,
-                     act: str = "f32", rope: tuple | None = None) -> None:
+                     act: str = "f32", rope: tuple | None = None, int8: Int8Act | None = None) -> None:
     """Attention of one query token at position pos[0] over cache positions 0..pos[0]; `out` is
     rounded to activation format `act` (the output projection's input). Work buffers: scores
     (n_heads * max_ctx), part_o (n_heads * n_splits * head_dim), part_ml (n_heads * n_splits * 2),
@@ -192,7 +231,7 @@ def attention_decode(q: cupy.ndarray, k_cache: cupy.ndarray, v_cache: cupy.ndarr
                        scores, part_ml, part_o))
     kernels.function("ops", "attention_sum")(
         (1,), (1024,), (part_o, pos, np.int32(n_splits), np.int32(n_heads * head_dim), np.int32(head_dim), out,
-                        np.int32(ACT_CODES[act])))
+                        np.int32(ACT_CODES[act]), *_int8_args(int8)))
 
 
 _CUDA_R_16F, _CUDA_R_32F, _CUBLAS_COMPUTE_32F, _CUBLAS_GEMM_DEFAULT = 2, 0, 68, -1

@@ -93,6 +93,19 @@ struct FmtQ8 {
         }
         return r.s * (acc0 + acc1);
     }
+    // with 8-bit activations (q8_0: scale xs per 32): one integer dot product
+    static constexpr int XS_SHIFT = 0;
+    static __device__ __forceinline__ float dot8(const Raw& r, int4 xa, int4 xb, float xs, int xsum) {
+        int acc = __dp4a((int)r.a.x, xa.x, 0);
+        acc = __dp4a((int)r.a.y, xa.y, acc);
+        acc = __dp4a((int)r.a.z, xa.z, acc);
+        acc = __dp4a((int)r.a.w, xa.w, acc);
+        acc = __dp4a((int)r.b.x, xb.x, acc);
+        acc = __dp4a((int)r.b.y, xb.y, acc);
+        acc = __dp4a((int)r.b.z, xb.z, acc);
+        acc = __dp4a((int)r.b.w, xb.w, acc);
+        return xs * (r.s * (float)acc);
+    }
     static __device__ __forceinline__ void dequant(const Raw& r, float* out) {
         const uint32_t w[8] = {r.a.x, r.a.y, r.a.z, r.a.w, r.b.x, r.b.y, r.b.z, r.b.w};
 #pragma unroll
@@ -159,6 +172,27 @@ struct FmtNib {
         }
         if (BITS == 6) return r.sm.x * acc_lo + r.sm.y * acc_hi;
         return r.sm.x * (acc_lo + acc_hi) + r.sm.y * xsum;
+    }
+    // with 8-bit activations (q8_0 for g4/g5: scale per 32; q8_k for k4/k5/k6: scale per 256):
+    // integer dot products of the weights' byte values with the activations' int8 values; the
+    // offset term uses the activations' sum per 32 (xsum)
+    static constexpr int XS_SHIFT = K ? 3 : 0;
+    static __device__ __forceinline__ float dot8(const Raw& r, int4 xa, int4 xb, float xs, int xsum) {
+        const int xav[4] = {xa.x, xa.y, xa.z, xa.w}, xbv[4] = {xb.x, xb.y, xb.z, xb.w};
+        int acc_lo = 0, acc_hi = 0;
+#pragma unroll
+        for (int t = 0; t < 4; ++t) {
+            uint32_t lo, hi;
+            word_values(r, t, lo, hi);
+            if (BITS == 6) {  // q - 32 as signed bytes
+                lo = __vsub4(lo, 0x20202020u);
+                hi = __vsub4(hi, 0x20202020u);
+            }
+            acc_lo = __dp4a((int)lo, xav[t], acc_lo);
+            acc_hi = __dp4a((int)hi, xbv[t], acc_hi);
+        }
+        if (BITS == 6) return xs * (r.sm.x * (float)acc_lo + r.sm.y * (float)acc_hi);
+        return xs * (r.sm.x * (float)(acc_lo + acc_hi) + r.sm.y * (float)xsum);
     }
     static __device__ __forceinline__ void dequant(const Raw& r, float* out) {
 #pragma unroll

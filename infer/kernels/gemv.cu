@@ -36,6 +36,32 @@ __device__ __forceinline__ float row_dot(const Planes& p, long long base, int ns
     return acc;
 }
 
+// The same with 8-bit activations: xq int8 values, xs their scales (one per 32 or per 256 values,
+// F::XS_SHIFT), xsum the sums of xq per 32
+template <class F>
+__device__ __forceinline__ float row_dot8(const Planes& p, long long base, int nsb, int lane, const signed char* xq,
+                                          const float* xs, const int* xsum) {
+    float acc = 0.f;
+    int sb = lane;
+    for (; sb + 32 * (GEMV_UNROLL - 1) < nsb; sb += 32 * GEMV_UNROLL) {
+        typename F::Raw r[GEMV_UNROLL];
+#pragma unroll
+        for (int u = 0; u < GEMV_UNROLL; ++u) r[u] = F::load(p, base + sb + 32 * u);
+#pragma unroll
+        for (int u = 0; u < GEMV_UNROLL; ++u) {
+            const int s = sb + 32 * u;
+            const int4* xv = reinterpret_cast<const int4*>(xq + (s << 5));
+            acc += F::dot8(r[u], __ldg(xv), __ldg(xv + 1), __ldg(xs + (s >> F::XS_SHIFT)), __ldg(xsum + s));
+        }
+    }
+    for (; sb < nsb; sb += 32) {
+        const int4* xv = reinterpret_cast<const int4*>(xq + (sb << 5));
+        acc += F::dot8(F::load(p, base + sb), __ldg(xv), __ldg(xv + 1), __ldg(xs + (sb >> F::XS_SHIFT)),
+                       __ldg(xsum + sb));
+    }
+    return acc;
+}
+
 template <typename T>
 __device__ __forceinline__ float row_dot_float(const T* w, int K, int lane, const float* x) {
     float acc = 0.f;
@@ -87,6 +113,30 @@ __device__ __forceinline__ void gemv_swiglu_quant(Planes g, Planes u, int rows, 
     if (lane == 0) y[row] = silu(a) * b;
 }
 
+template <class F>
+__device__ __forceinline__ void gemv8_quant(Planes p, int rows, int K, const signed char* xq, const float* xs,
+                                            const int* xsum, float* y, const float* bias, const float* residual) {
+    const int lane = threadIdx.x & 31;
+    const int row = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5);
+    if (row >= rows) return;
+    const int nsb = K >> 5;
+    const float acc = warp_sum(row_dot8<F>(p, (long long)row * nsb, nsb, lane, xq, xs, xsum));
+    if (lane == 0) store_row(acc, row, y, bias, residual);
+}
+
+template <class F>
+__device__ __forceinline__ void gemv8_swiglu_quant(Planes g, Planes u, int rows, int K, const signed char* xq,
+                                                   const float* xs, const int* xsum, float* y) {
+    const int lane = threadIdx.x & 31;
+    const int row = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5);
+    if (row >= rows) return;
+    const int nsb = K >> 5;
+    const long long base = (long long)row * nsb;
+    const float a = warp_sum(row_dot8<F>(g, base, nsb, lane, xq, xs, xsum));
+    const float b = warp_sum(row_dot8<F>(u, base, nsb, lane, xq, xs, xsum));
+    if (lane == 0) y[row] = silu(a) * b;
+}
+
 template <typename T>
 __device__ __forceinline__ void gemv_float(const T* w, int rows, int K, const float* x, float* y, const float* bias,
                                            const float* residual) {
@@ -122,6 +172,20 @@ __device__ __forceinline__ void gemv_swiglu_float(const T* wg, const T* wu, int 
         gemv_swiglu_quant<F>(Planes{gqs, ghi, gsm, gdm}, Planes{uqs, uhi, usm, udm}, rows, K, x, y);         \
     }
 
+#define GEMV8_QUANT(NAME, F)                                                                                  \
+    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)                                             \
+        gemv8_##NAME(const uint8_t* qs, const uint8_t* hi, const uint8_t* sm, const uint8_t* dm, int rows, int K, \
+                     const signed char* xq, const float* xs, const int* xsum, float* y, const float* bias,     \
+                     const float* residual) {                                                                 \
+        gemv8_quant<F>(Planes{qs, hi, sm, dm}, rows, K, xq, xs, xsum, y, bias, residual);                     \
+    }                                                                                                         \
+    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)                                             \
+        gemv8_swiglu_##NAME(const uint8_t* gqs, const uint8_t* ghi, const uint8_t* gsm, const uint8_t* gdm,   \
+                            const uint8_t* uqs, const uint8_t* uhi, const uint8_t* usm, const uint8_t* udm,   \
+                            int rows, int K, const signed char* xq, const float* xs, const int* xsum, float* y) { \
+        gemv8_swiglu_quant<F>(Planes{gqs, ghi, gsm, gdm}, Planes{uqs, uhi, usm, udm}, rows, K, xq, xs, xsum, y); \
+    }
+
 #define GEMV_FLOAT(NAME, T)                                                                                   \
     extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)                                             \
         gemv_##NAME(const uint8_t* qs, const uint8_t* hi, const uint8_t* sm, const uint8_t* dm, int rows, int K, \
@@ -141,6 +205,12 @@ GEMV_QUANT(g5, FmtG5)
 GEMV_QUANT(k4, FmtK4)
 GEMV_QUANT(k5, FmtK5)
 GEMV_QUANT(k6, FmtK6)
+GEMV8_QUANT(q8, FmtQ8)
+GEMV8_QUANT(g4, FmtG4)
+GEMV8_QUANT(g5, FmtG5)
+GEMV8_QUANT(k4, FmtK4)
+GEMV8_QUANT(k5, FmtK5)
+GEMV8_QUANT(k6, FmtK6)
 GEMV_FLOAT(f16, __half)
 GEMV_FLOAT(bf16, __nv_bfloat16)
 GEMV_FLOAT(f32, float)

@@ -55,8 +55,23 @@ __device__ float block_sum(float v) {
 #define ACT_Q8_K 4
 
 // One warp per group of 32*PER values (PER = 1: q8_0, 8: q8_k)
+// The 8-bit form of q8_0/q8_k activations for the integer (dp4a) GEMVs: xq the int8 values, xs the
+// float scale per group (32 or 256 values), xsum the sum of xq per 32 values. Null xq: not wanted.
+struct Int8Out {
+    signed char* xq;
+    float* xs;
+    int* xsum;
+};
+
+// the Int8Out of row `row` of rows of n values
+__device__ __forceinline__ Int8Out int8_row(signed char* xq, float* xs, int* xsum, long long row, int n, int fmt) {
+    if (!xq) return Int8Out{nullptr, nullptr, nullptr};
+    const int group = fmt == ACT_Q8_0 ? 32 : 256;
+    return Int8Out{xq + row * n, xs + row * (n / group), xsum + row * (n / 32)};
+}
+
 template <int PER>
-__device__ void round_groups(float* y, __half* y16, int n, int fmt) {
+__device__ void round_groups(float* y, __half* y16, int n, int fmt, Int8Out o8) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
     constexpr int group = 32 * PER;
     for (int g = warp; g < n / group; g += warps) {
@@ -96,19 +111,36 @@ __device__ void round_groups(float* y, __half* y16, int n, int fmt) {
             scale = extreme != 0.f ? 1.f / inv : 0.f;
             hi = 127.f;
         }
+        int qsum = 0;
 #pragma unroll
         for (int k = 0; k < PER; ++k) {
             const int i = lane * PER + k;
-            const float r = fminf(rintf(v[k] * inv), hi) * scale;
+            const float qf = fminf(rintf(v[k] * inv), hi);
+            const float r = qf * scale;
             b[i] = r;
             if (y16) y16[(long long)g * group + i] = __float2half_rn(r);
+            if (o8.xq) {
+                o8.xq[(long long)g * group + i] = (signed char)(int)qf;
+                qsum += (int)qf;
+            }
+        }
+        if (o8.xq) {
+            if (PER == 1) {  // the group is one sub-block of 32
+                qsum = __reduce_add_sync(0xffffffffu, qsum);
+                if (lane == 0) o8.xsum[g] = qsum;
+            } else {  // 8 sub-blocks of 32: lanes 4j..4j+3 hold sub-block j
+                qsum += __shfl_xor_sync(0xffffffffu, qsum, 1);
+                qsum += __shfl_xor_sync(0xffffffffu, qsum, 2);
+                if ((lane & 3) == 0) o8.xsum[(long long)g * 8 + (lane >> 2)] = qsum;
+            }
+            if (lane == 0) o8.xs[g] = scale;
         }
     }
 }
 
 // Rounds row y (n floats, written by this block before a __syncthreads) in place to `fmt`; y16, if
 // given, receives the rounded values as float16. Called by every thread of the block.
-__device__ void round_row(float* y, __half* y16, int n, int fmt) {
+__device__ void round_row(float* y, __half* y16, int n, int fmt, Int8Out o8 = Int8Out{nullptr, nullptr, nullptr}) {
     if (fmt == ACT_F32 || fmt == ACT_F16 || fmt == ACT_BF16) {
         for (int i = threadIdx.x; i < n; i += blockDim.x) {
             float v = y[i];
@@ -119,14 +151,14 @@ __device__ void round_row(float* y, __half* y16, int n, int fmt) {
         }
         return;
     }
-    if (fmt == ACT_Q8_0) round_groups<1>(y, y16, n, fmt);
-    else round_groups<8>(y, y16, n, fmt);
+    if (fmt == ACT_Q8_0) round_groups<1>(y, y16, n, fmt, o8);
+    else round_groups<8>(y, y16, n, fmt, o8);
 }
 
 // y = x / sqrt(mean(x^2) + eps) * w, one block per row, then rounded to activation format `fmt`;
 // writes float32 (y, required unless fmt is ACT_F32 and only y16 is wanted) and/or float16 (y16)
 extern "C" __global__ void rmsnorm(const float* x, const float* w, float* y, __half* y16, int n, float eps,
-                                   int fmt) {
+                                   int fmt, signed char* xq, float* xs, int* xsum) {
     const long long row = blockIdx.x;
     const float* xr = x + row * n;
     float ss = 0.f;
@@ -146,18 +178,19 @@ extern "C" __global__ void rmsnorm(const float* x, const float* w, float* y, __h
         return;
     }
     __syncthreads();  // the row is in y: round it by groups
-    round_row(yr, y16r, n, fmt);
+    round_row(yr, y16r, n, fmt, int8_row(xq, xs, xsum, row, n, fmt));
 }
 
 // y (and/or y16) = x rounded to activation format `fmt`, one block per row of n; y may alias x
-extern "C" __global__ void round_act(const float* x, float* y, __half* y16, int n, int fmt) {
+extern "C" __global__ void round_act(const float* x, float* y, __half* y16, int n, int fmt, signed char* xq,
+                                     float* xs, int* xsum) {
     const long long row = blockIdx.x;
     float* yr = y + row * n;
     if (yr != x + row * n) {
         for (int i = threadIdx.x; i < n; i += blockDim.x) yr[i] = x[row * n + i];
         __syncthreads();
     }
-    round_row(yr, y16 ? y16 + row * n : nullptr, n, fmt);
+    round_row(yr, y16 ? y16 + row * n : nullptr, n, fmt, int8_row(xq, xs, xsum, row, n, fmt));
 }
 
 // (a, b) rotated by the angle with cosine c and sine s, rounded as NumPy computes a*c - b*s and
@@ -395,7 +428,8 @@ ATTENTION_DECODE(16)
 // split order: deterministic), then rounded to activation format `fmt` for the output projection.
 // One block of 1024 threads (the vector is a few thousand values).
 extern "C" __global__ void __launch_bounds__(1024)
-    attention_sum(const float* part_o, const int* pos, int n_splits, int n, int D, float* out, int fmt) {
+    attention_sum(const float* part_o, const int* pos, int n_splits, int n, int D, float* out, int fmt,
+                  signed char* xq, float* xs, int* xsum) {
     const int active = min(n_splits, pos[0] / ATTN_CHUNK + 1);
     for (int i = threadIdx.x; i < n; i += blockDim.x) {
         const int h = i / D, d = i % D;
@@ -405,7 +439,7 @@ extern "C" __global__ void __launch_bounds__(1024)
     }
     if (fmt == ACT_F32) return;
     __syncthreads();
-    round_row(out, nullptr, n, fmt);
+    round_row(out, nullptr, n, fmt, int8_row(xq, xs, xsum, 0, n, fmt));
 }
 
 // out = SiLU(gate) * up, float32 (decode, when gate and up have different formats)

@@ -315,3 +315,59 @@ def test_attention_decode_rotates_and_stores_the_new_token(rng: np.random.Genera
     np.testing.assert_array_equal(np.delete(got_k, p, axis=1), np.delete(keys, p, axis=1))  # nothing else
     want = _attention_ref(rope.apply(q, c, s)[0], keys[:, :kv_len], values[:, :kv_len], n_heads // n_kv)
     assert _rel(cupy.asnumpy(out).reshape(n_heads, hd), want) < 2e-4
+
+
+def _int8_reference(x: np.ndarray, act: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The int8 values, scales and sums per 32 that round_activations' q8_0/q8_k rounding implies."""
+    from infer.quants import round_activations
+
+    group = 32 if act == "q8_0" else 256
+    rounded = round_activations(x, act).reshape(-1, group)
+    blocks = x.reshape(-1, group)
+    if act == "q8_0":
+        scale = (np.abs(blocks).max(1) / np.float32(127)).astype(np.float16).astype(np.float32)
+    else:
+        extreme = np.take_along_axis(blocks, np.abs(blocks).argmax(1)[:, None], 1)[:, 0]
+        scale = np.where(extreme != 0, np.float32(1) / (np.float32(-127) / extreme), 0).astype(np.float32)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        q = np.where(scale[:, None] != 0, np.rint(rounded / scale[:, None]), 0).astype(np.int32)
+    return q.reshape(-1).astype(np.int8), scale, q.reshape(-1, 32).sum(1).astype(np.int32)
+
+
+@pytest.mark.parametrize("act", ["q8_0", "q8_k"])
+def test_round_act_int8_form(rng: np.random.Generator, act: str) -> None:
+    n = 4096
+    x = (rng.standard_normal(n) * 3).astype(np.float32)
+    int8 = ops.int8_buffers(n, act)
+    y = _poisoned(n)
+    ops.round_act(cupy.asarray(x), y, 1, n, act, int8=int8)
+    q, scale, qsum = _int8_reference(x, act)
+    np.testing.assert_array_equal(cupy.asnumpy(int8[0]), q)
+    np.testing.assert_array_equal(cupy.asnumpy(int8[1]), scale)
+    np.testing.assert_array_equal(cupy.asnumpy(int8[2]), qsum)
+
+
+INT8_TYPES = [T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q4_K, T.Q5_K, T.Q6_K]
+
+
+@pytest.mark.parametrize("shape", [(257, 4096), (64, 14336)], ids=str)
+@pytest.mark.parametrize("ggml_type", INT8_TYPES, ids=lambda t: T(t).name)
+def test_gemv8_on_8bit_activations(rng: np.random.Generator, ggml_type: int, shape: tuple[int, int]) -> None:
+    from infer.quants import activation_format, round_activations
+
+    rows, cols = shape
+    raw = _tensor(rng, ggml_type, rows, cols)
+    m = ops.upload_matrix(raw, ggml_type, rows, cols)
+    w = layout.reconstruct(layout.repack(raw, ggml_type, rows, cols), m.fmt, rows, cols).astype(np.float64)
+    act = activation_format(ggml_type)
+    x = rng.standard_normal(cols).astype(np.float32)
+    int8 = ops.int8_buffers(cols, act)
+    ops.round_act(cupy.asarray(x), cupy.empty(cols, cupy.float32), 1, cols, act, int8=int8)
+    want = w @ round_activations(x, act).astype(np.float64)
+    y = _poisoned(rows)
+    ops.gemv8(m, int8, y)
+    assert _rel(cupy.asnumpy(y), want) < GEMV_BOUND
+    if rows == 257:  # the fused SwiGLU form, gate = up
+        out = _poisoned(rows)
+        ops.gemv8_swiglu(m, m, int8, out)
+        assert _rel(cupy.asnumpy(out), want / (1 + np.exp(-want)) * want) < 1e-4
