@@ -32,7 +32,7 @@ SHAPE = Shape(n_layers=3, dim=512, ffn_dim=1536, n_heads=8, n_kv_heads=2, vocab_
 # llama.cpp's rounding of those inputs to 8-bit blocks (the default: the same function, but a value
 # sitting on a rounding boundary can round the other way on the other side, and one such flip moves
 # a random model's logits by ~1%; there agreement of the arg-max is what is checked).
-DECODE_BOUND_F32 = 1e-4  # float32 GEMVs on both sides
+DECODE_BOUND_F32 = 5e-4  # float32 GEMVs on both sides; float16 probabilities can round apart
 PREFILL_BOUND_F32 = 1e-2  # float16 operands into cuBLAS
 TOP1_ROUNDED = 0.9
 
