@@ -11,13 +11,17 @@ import dataclasses
 import math
 import os
 from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
+from gguf import GGUFValueType
 
 from infer.api import LLM
-from infer.model import Transformer
+from infer.gguf_file import GGUFModel
+from infer.model import Transformer, load_transformer
 from tests.oracle.fixtures import botchan_text, model_path
+from tests.oracle.gguf_edit import write_copy
 from tests.oracle.reference import Reference
 
 pytestmark = [pytest.mark.oracle, pytest.mark.slow]
@@ -130,3 +134,29 @@ def test_perplexity_within_one_percent(pair: Pair) -> None:
           f"({PPL_CHUNKS} chunks of {PPL_CTX})")
     assert got.chunks == PPL_CHUNKS
     assert abs(got.perplexity / expected - 1) < 0.01
+
+
+def test_rope_frequency_factors_and_linear_scaling_match_llama_cpp(tmp_path: Path) -> None:
+    """A two-layer SmolLM2 with a `rope_freqs` tensor (as Llama 3.1 files carry) and linear rope
+    scaling in its metadata; llama.cpp must see the same model we do."""
+    source = model_path("smollm2-F16")
+    factors = np.linspace(1.0, 8.0, 32, dtype=np.float32)
+    path = write_copy(source, tmp_path / "rope.gguf", n_layers=2, metadata={
+        "llama.rope.scaling.type": ("linear", GGUFValueType.STRING),
+        "llama.rope.scaling.factor": (2.5, GGUFValueType.FLOAT32),
+    }, extra_tensors={"rope_freqs.weight": factors})
+    ours = LLM.load(path, ctx_size=256)
+    assert ours.transformer.rope.freq_factors is not None and ours.args.rope_linear_scale == 2.5
+    ref = Reference(path, n_ctx=256)
+    try:
+        ids = prose_prompt(ref)[:96]
+        expected = ref.logits(ids)
+        plain = load_transformer(GGUFModel(write_copy(source, tmp_path / "plain.gguf", n_layers=2)))
+    finally:
+        ref.close()
+    got = ours.logits(ids)
+    unscaled = plain.forward(np.array(ids), plain.new_cache(256), all_logits=True)
+    print(f"\nrope variants: |logit diff| max {np.abs(got - expected).max():.4f}, "
+          f"without the variants {np.abs(unscaled - expected).max():.4f}")
+    assert np.abs(got - expected).max() < 0.1
+    assert np.abs(unscaled - expected).max() > 1.0  # the variants matter at these positions

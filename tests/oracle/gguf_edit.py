@@ -13,9 +13,10 @@ from gguf import GGUFReader, GGUFValueType, GGUFWriter
 
 def write_copy(source: Path, target: Path, n_layers: int | None = None,
                metadata: dict[str, tuple[Any, GGUFValueType]] | None = None,
-               drop_tensors: tuple[str, ...] = ()) -> Path:
+               drop_tensors: tuple[str, ...] = (), extra_tensors: dict[str, np.ndarray] | None = None) -> Path:
     """Copies `source` to `target`, keeping only blocks < n_layers, replacing or adding `metadata`
-    (key -> (value, type)) and leaving out the tensors named in `drop_tensors`."""
+    (key -> (value, type)), leaving out the tensors named in `drop_tensors` and adding
+    `extra_tensors` (name -> float32 array)."""
     reader = GGUFReader(source)
     overrides = dict(metadata or {})
     arch_value = overrides.pop("general.architecture", (None,))[0]
@@ -36,6 +37,8 @@ def write_copy(source: Path, target: Path, n_layers: int | None = None,
         if tensor.name in drop_tensors or (block and n_layers is not None and int(block.group(1)) >= n_layers):
             continue
         writer.add_tensor(tensor.name, np.asarray(tensor.data), raw_dtype=tensor.tensor_type)
+    for name, values in (extra_tensors or {}).items():
+        writer.add_tensor(name, np.asarray(values, dtype=np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
