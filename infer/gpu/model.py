@@ -87,14 +87,16 @@ class GpuTransformer:
     def set_int8_dot(self, enabled: bool) -> None:
         """Switches the decode GEMVs between the float and the integer (dp4a) kernels."""
         self.int8_dot = enabled
-        if enabled:
+        if enabled:  # buffers stay allocated once made: captured graphs may refer to them
             with self.stream:
                 for key, act in list(self._act):
                     if act in ("q8_0", "q8_k") and (key, act) not in self._act8:
                         self._act8[(key, act)] = ops.int8_buffers(self._act[(key, act)].size, act)
             self.stream.synchronize()
-        else:
-            self._act8.clear()
+
+    def _int8(self, key: str, act: str) -> ops.Int8Act | None:
+        """The 8-bit form buffers of input `key` in format `act`, when the integer kernels are on."""
+        return self._act8.get((key, act)) if self.int8_dot else None
 
     def weight_bytes_per_token(self) -> int:
         """Bytes of weights one decode step reads from VRAM (all layer matrices and the output)."""
@@ -155,7 +157,7 @@ class GpuTransformer:
         a, unique = self.args, sorted(set(acts))
         if len(unique) == 1:
             y = self._act[(key, unique[0])]
-            ops.rmsnorm(src, weight, a.norm_eps, 1, a.dim, y=y, act=unique[0], int8=self._act8.get((key, unique[0])))
+            ops.rmsnorm(src, weight, a.norm_eps, 1, a.dim, y=y, act=unique[0], int8=self._int8(key, unique[0]))
             return {unique[0]: y}
         base = self._act[(key, "f32")]
         ops.rmsnorm(src, weight, a.norm_eps, 1, a.dim, y=base)
@@ -163,21 +165,21 @@ class GpuTransformer:
         for act in unique:
             if act != "f32":
                 out[act] = self._act[(key, act)]
-                ops.round_act(base, out[act], 1, a.dim, act, int8=self._act8.get((key, act)))
+                ops.round_act(base, out[act], 1, a.dim, act, int8=self._int8(key, act))
         return out
 
     def _rounded(self, x: cupy.ndarray, key: str, act: str) -> cupy.ndarray:
         if act == "f32":
             return x
         y = self._act[(key, act)]
-        ops.round_act(x, y, 1, x.size, act, int8=self._act8.get((key, act)))
+        ops.round_act(x, y, 1, x.size, act, int8=self._int8(key, act))
         return y
 
     def _gemv(self, m: GpuMatrix, key: str, x: cupy.ndarray, y: cupy.ndarray, bias: cupy.ndarray | None = None,
               residual: cupy.ndarray | None = None) -> None:
         """y = W x (+bias, +residual) where x is input `key` rounded for m: the integer kernel when
         its 8-bit form exists, else the float one."""
-        int8 = self._act8.get((key, m.act)) if m.fmt in ops.INT8_FORMATS else None
+        int8 = self._int8(key, m.act) if m.fmt in ops.INT8_FORMATS else None
         if int8 is not None:
             ops.gemv8(m, int8, y, bias=bias, residual=residual)
         else:
@@ -202,14 +204,14 @@ class GpuTransformer:
                                  a.head_dim, cache.max_tokens, cache.n_splits, cache.scores, cache.part_o, cache.part_ml,
                                  self.att, act=L.wo.act,  # the output is wo's rounded input
                                  rope=(self.k, self.v, cos, sin, self.rope.n_pairs, a.rope_neox),
-                                 int8=self._act8.get(("att", L.wo.act)) if L.wo.fmt in ops.INT8_FORMATS else None)
+                                 int8=self._int8("att", L.wo.act) if L.wo.fmt in ops.INT8_FORMATS else None)
             done("attention")
             self._gemv(L.wo, "att", self.att, self.h, residual=self.h)
             done("gemv_o")
             xs = self._normed(self.h, L.ffn_norm, "ffn", [L.w_gate.act, L.w_up.act])
             done("rmsnorm")
             if L.w_gate.fmt == L.w_up.fmt and L.w_gate.act == L.w_up.act:
-                int8 = self._act8.get(("ffn", L.w_gate.act)) if L.w_gate.fmt in ops.INT8_FORMATS else None
+                int8 = self._int8("ffn", L.w_gate.act) if L.w_gate.fmt in ops.INT8_FORMATS else None
                 if int8 is not None:
                     ops.gemv8_swiglu(L.w_gate, L.w_up, int8, self.ff)
                 else:
