@@ -99,12 +99,18 @@ class LLM:
     # --- generation --------------------------------------------------------------------------------
 
     def generate_ids(self, prompt: str | Sequence[int], max_tokens: int = 128, sampler: SamplerConfig | None = None,
-                     stop_at_eog: bool = True) -> Iterator[int]:
+                     stop_at_eog: bool = True, reuse_cache: bool = False) -> Iterator[int]:
         """Token ids after `prompt` (an end-of-generation id is yielded, then generation stops).
-        The cache keeps the prompt prefix, so a prompt that extends the last one is cheap."""
+
+        reuse_cache: keep the keys/values of the prefix this prompt shares with the sequence
+        already in the cache (what chat turns do). Off by default so that a call gives the same
+        result every time: with quantized weights, logits depend slightly on how a prompt is
+        split into batches, as in llama.cpp."""
         config = sampler or SamplerConfig(temperature=0.0)
         chooser = Sampler(config)
         is_end = self.tokenizer.is_eog if stop_at_eog else (lambda _: False)
+        if not reuse_cache:
+            self.engine.reset()
         return self.engine.generate(self._ids(prompt), max_tokens, chooser.sample, is_end)
 
     def generate(self, prompt: str | Sequence[int], max_tokens: int = 128, temperature: float = 0.8,
@@ -153,7 +159,7 @@ class Chat:
         decoder = StreamDecoder(self.llm.tokenizer)
         reply_ids: list[int] = []
         pieces: list[str] = []
-        for token in self.llm.generate_ids(prompt, max_tokens, sampler):
+        for token in self.llm.generate_ids(prompt, max_tokens, sampler, reuse_cache=True):
             if self.session.is_end_of_turn(token):
                 break
             reply_ids.append(token)
