@@ -81,6 +81,8 @@ class GpuTransformer:
             self._act8: dict[tuple[str, str], ops.Int8Act] = {}  # the same inputs' 8-bit forms
             self._plan_act_buffers()
             self._scratch16: cupy.ndarray | None = None
+            self._keep16: bool | None = None  # keep float16 copies of the weights for prompts (decided once)
+            self._copies16: dict[int, cupy.ndarray] = {}
             self._rope_tables = (cupy.zeros((0, self.rope.n_pairs), F32),) * 2
         self.stream.synchronize()
 
@@ -247,9 +249,21 @@ class GpuTransformer:
 
     # ------------------------------------------------------------------ prefill (many tokens)
     def _half_weights(self, m: GpuMatrix) -> cupy.ndarray:
+        """The matrix as float16 (rows, cols) for cuBLAS: its own data (F16), a kept copy (when all
+        layers' float16 copies fit in a third of the free VRAM: dequantized once, at the first
+        prompt), or a scratch buffer dequantized now."""
         half = m.as_half()
         if half is not None:
             return half
+        if self._keep16 is None:
+            total = sum(2 * x.rows * x.cols for layer in self.layers for x in layer.matrices())
+            self._keep16 = total < cupy.cuda.runtime.memGetInfo()[0] // 3
+        if self._keep16:
+            if id(m) not in self._copies16:
+                copy = cupy.empty(m.rows * m.cols, F16)
+                ops.dequantize(m, copy)
+                self._copies16[id(m)] = copy.reshape(m.rows, m.cols)
+            return self._copies16[id(m)]
         n = m.rows * m.cols
         if self._scratch16 is None or self._scratch16.size < n:
             biggest = max(x.rows * x.cols for layer in self.layers for x in layer.matrices())
@@ -320,8 +334,8 @@ class GpuTransformer:
             self._mm(self._rounded16(cupy.ascontiguousarray(out), L.wo.act), L.wo, out=h)
             xs = self._normed16(h, L.ffn_norm, [L.w_gate.act, L.w_up.act])
             g, u = self._mm(xs[L.w_gate.act], L.w_gate), self._mm(xs[L.w_up.act], L.w_up)
-            act = g / (1.0 + cupy.exp(-g)) * u
-            self._mm(self._rounded16(act, L.w_down.act), L.w_down, out=h)
+            ops.swiglu(g, u, g, g.size)  # in place: one kernel instead of a chain of elementwise ones
+            self._mm(self._rounded16(g, L.w_down.act), L.w_down, out=h)
         cache.length = end
         rows = range(n) if all_logits else [n - 1]
         logits = cupy.empty((len(rows), a.vocab_size), F32)

@@ -161,7 +161,8 @@ def round_act(x: cupy.ndarray, y: cupy.ndarray, rows: int, n: int, act: str, y16
               int8: Int8Act | None = None) -> None:
     """y (may be x) and y16 = x rounded to activation format `act`, per row of n values; int8
     (q8_0/q8_k only): also its 8-bit form."""
-    kernels.function("ops", "round_act")((rows,), (256,), (x, y, _ptr(y16), np.int32(n), np.int32(ACT_CODES[act]),
+    threads = 1024 if n >= 4096 else 256  # one warp per 8-bit group: many in parallel
+    kernels.function("ops", "round_act")((rows,), (threads,), (x, y, _ptr(y16), np.int32(n), np.int32(ACT_CODES[act]),
                                                            *_int8_args(int8)))
 
 

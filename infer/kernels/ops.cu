@@ -311,6 +311,7 @@ __device__ __forceinline__ void attention_scores(const float* q, __half* kc, con
 #pragma unroll
         for (int g = 0; g < MAXG; ++g) acc[g] = 0.f;
         const uint4* krow = reinterpret_cast<const uint4*>(kbase + (long long)t * D);
+#pragma unroll 4
         for (int c = 0; c < D / 8; ++c) {
             const uint4 raw = krow[c];
             const __half2* kh = reinterpret_cast<const __half2*>(&raw);
@@ -393,7 +394,8 @@ __device__ __forceinline__ void attention_values(const __half* vc, const int* po
         float acc[MAXG];
 #pragma unroll
         for (int g = 0; g < MAXG; ++g) acc[g] = 0.f;
-        for (int t = 0; t < n; ++t) {
+#pragma unroll 8
+        for (int t = 0; t < n; ++t) {  // unrolled: eight positions' loads in flight
             const float vv = __half2float(vbase[(long long)t * D + d]);
 #pragma unroll
             for (int g = 0; g < MAXG; ++g)
