@@ -34,12 +34,12 @@ def resolve_device(device: str) -> str:
 
 
 def load_gpu_transformer(model: GGUFModel, prefill_chunk: int = 512, match_llama_cpp: bool = True,
-                         int8_dot: bool = False) -> GpuTransformer:
+                         int8_dot: bool = True) -> GpuTransformer:
     """ModelArgs and checks as infer.model.load_transformer, weights uploaded to the current GPU.
     The result has the CPU Transformer's calls (new_cache, forward), so infer.engine.Engine runs it.
     match_llama_cpp: round the inputs of matrix products as llama.cpp's CPU does (the CPU engine's
     default), else keep them float32. int8_dot: decode GEMVs with integer dot products on those
-    rounded inputs (faster where the GPU is instruction-bound; the same numbers up to summation order)."""
+    rounded inputs (the same numbers up to summation order; False: the float kernels)."""
     from infer.errors import UnsupportedModelError
     from infer.gpu.layout import format_of
     from infer.gpu.model import GpuTransformer

@@ -133,18 +133,22 @@ def test_graph_generation_matches_eager_and_cpu(pair: Pair) -> None:
 
 def test_int8_decode_kernels_match_the_float_ones(pair: Pair) -> None:
     gpu, prompt = pair.gpu, _prompt(30, 9)
-    float_cache = gpu.new_cache(128)
-    want = [gpu.forward(prompt, float_cache)] + [gpu.forward(np.array([t]), float_cache) for t in _prompt(8, 10)]
-    gpu.set_int8_dot(True)
+
+    def run(int8: bool) -> tuple[list[np.ndarray], list[int]]:
+        gpu.set_int8_dot(int8)
+        cache = gpu.new_cache(128)
+        logits = [gpu.forward(prompt, cache)] + [gpu.forward(np.array([t]), cache) for t in _prompt(8, 10)]
+        return logits, gpu.generate(prompt, gpu.new_cache(128), 12)
+
+    assert gpu.int8_dot  # the default
     try:
-        int8_cache = gpu.new_cache(128)
-        got = [gpu.forward(prompt, int8_cache)] + [gpu.forward(np.array([t]), int8_cache) for t in _prompt(8, 10)]
-        fast = gpu.generate(prompt, gpu.new_cache(128), 12)
+        want, want_ids = run(False)
+        got, got_ids = run(True)
     finally:
-        gpu.set_int8_dot(False)
+        gpu.set_int8_dot(True)
     assert _rel(got[1], want[1]) < 1e-4  # same rounded activations, integer instead of float sums
     assert np.mean([np.argmax(a) == np.argmax(b) for a, b in zip(got, want, strict=True)]) >= TOP1_ROUNDED
-    assert np.mean(np.array(fast) == np.array(gpu.generate(prompt, gpu.new_cache(128), 12))) >= TOP1_ROUNDED
+    assert np.mean(np.array(got_ids) == np.array(want_ids)) >= TOP1_ROUNDED
 
 
 def test_generation_stops_and_continues(pair: Pair) -> None:
