@@ -79,10 +79,17 @@ __device__ void round_groups(float* y, __half* y16, int n, int fmt, Int8Out o8) 
         float v[PER];
         float best = -1.f, extreme = 0.f;
         int best_i = 0x7fffffff;
+        if (PER == 8) {  // 32 bytes per lane: two 16-byte loads
+            const float4 a0 = reinterpret_cast<const float4*>(b)[lane * 2];
+            const float4 a1 = reinterpret_cast<const float4*>(b)[lane * 2 + 1];
+            v[0] = a0.x, v[1 % PER] = a0.y, v[2 % PER] = a0.z, v[3 % PER] = a0.w;
+            v[4 % PER] = a1.x, v[5 % PER] = a1.y, v[6 % PER] = a1.z, v[7 % PER] = a1.w;
+        } else {
+            v[0] = b[lane];
+        }
 #pragma unroll
         for (int k = 0; k < PER; ++k) {
             const int i = lane * PER + k;
-            v[k] = b[i];
             const float a = fabsf(v[k]);
             if (a > best) {  // ascending i within the lane: the first maximum is kept
                 best = a;
@@ -112,17 +119,34 @@ __device__ void round_groups(float* y, __half* y16, int n, int fmt, Int8Out o8) 
             hi = 127.f;
         }
         int qsum = 0;
+        float r[PER];
+        int q[PER];
 #pragma unroll
         for (int k = 0; k < PER; ++k) {
-            const int i = lane * PER + k;
             const float qf = fminf(rintf(v[k] * inv), hi);
-            const float r = qf * scale;
-            b[i] = r;
-            if (y16) y16[(long long)g * group + i] = __float2half_rn(r);
+            r[k] = qf * scale;
+            q[k] = (int)qf;
+            qsum += q[k];
+        }
+        if (PER == 8) {  // 16-byte stores of the values, one 8-byte store of the int8 form
+            reinterpret_cast<float4*>(b)[lane * 2] = make_float4(r[0], r[1 % PER], r[2 % PER], r[3 % PER]);
+            reinterpret_cast<float4*>(b)[lane * 2 + 1] = make_float4(r[4 % PER], r[5 % PER], r[6 % PER], r[7 % PER]);
             if (o8.xq) {
-                o8.xq[(long long)g * group + i] = (signed char)(int)qf;
-                qsum += (int)qf;
+                uint32_t w0 = 0, w1 = 0;
+#pragma unroll
+                for (int k = 0; k < 4; ++k) {
+                    w0 |= (uint32_t)(q[k % PER] & 0xFF) << (8 * k);
+                    w1 |= (uint32_t)(q[(k + 4) % PER] & 0xFF) << (8 * k);
+                }
+                reinterpret_cast<uint2*>(o8.xq + (long long)g * group)[lane] = make_uint2(w0, w1);
             }
+        } else {
+            b[lane] = r[0];
+            if (o8.xq) o8.xq[(long long)g * group + lane] = (signed char)q[0];
+        }
+        if (y16) {
+#pragma unroll
+            for (int k = 0; k < PER; ++k) y16[(long long)g * group + lane * PER + k] = __float2half_rn(r[k]);
         }
         if (o8.xq) {
             if (PER == 1) {  // the group is one sub-block of 32
