@@ -474,16 +474,6 @@ extern "C" __global__ void swiglu_f32(const float* gate, const float* up, float*
     if (i < n) out[i] = gate[i] / (1.f + expf(-gate[i])) * up[i];
 }
 
-// out = SiLU(gate) * up for the batched path; gate_up: (T, 2F) float16 (gate then up) -> (T, F)
-extern "C" __global__ void swiglu_half(const __half* gate_up, __half* out, int F, long long n) {
-    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= n) return;
-    const long long t = i / F, f = i % F;
-    const float g = __half2float(gate_up[t * 2 * F + f]);
-    const float u = __half2float(gate_up[t * 2 * F + F + f]);
-    out[i] = __float2half_rn(g / (1.f + expf(-g)) * u);
-}
-
 __device__ __forceinline__ uint32_t mix32(uint32_t x) {
     x ^= x >> 16;
     x *= 0x7feb352du;
