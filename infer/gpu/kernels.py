@@ -13,7 +13,9 @@ from pathlib import Path
 
 KERNEL_DIR = Path(__file__).resolve().parent.parent / "kernels"
 SOURCES = ("gemv", "dequant", "repack", "ops")
-DEFAULT_DEFINES: dict[str, int] = {"GEMV_WARPS": 4, "GEMV_UNROLL": 4, "ATTN_CHUNK": 256}
+# ATTN_CHUNK: cache positions per decode-attention block; short enough that a short context still
+# spreads over several blocks per KV head (their loads in flight at once)
+DEFAULT_DEFINES: dict[str, int] = {"GEMV_WARPS": 4, "GEMV_UNROLL": 4, "ATTN_CHUNK": 64}
 OPTIONS = ("-std=c++17",)
 _INCLUDE = re.compile(r'^#include "([\w.]+)"\s*$', re.MULTILINE)
 

@@ -19,12 +19,12 @@ import cupy
 import numpy as np
 
 from infer.gguf_file import GGUFModel
-from infer.gpu import ops
+from infer.gpu import kernels, ops
 from infer.gpu.ops import GpuMatrix
 from infer.gpu.weights import GpuWeights
 from infer.model import ModelArgs, Rope
 
-ATTN_CHUNK = 256  # must match ATTN_CHUNK of ops.cu (kernels.DEFAULT_DEFINES)
+ATTN_CHUNK = kernels.DEFAULT_DEFINES["ATTN_CHUNK"]  # cache positions per decode-attention split
 F32, F16 = cupy.float32, cupy.float16
 
 

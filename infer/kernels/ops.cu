@@ -5,7 +5,7 @@
 #include "formats.cuh"
 
 #ifndef ATTN_CHUNK
-#define ATTN_CHUNK 256  // cache positions per attention split
+#define ATTN_CHUNK 64  // cache positions per attention split (the loader sets it)
 #endif
 #ifndef ATTN_MAX_GROUP
 #define ATTN_MAX_GROUP 16  // query heads per KV head

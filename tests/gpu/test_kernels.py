@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from infer.gpu import layout
+from infer.gpu import kernels, layout
 from infer.model import ModelArgs, Rope
 from infer.synth import random_blocks
 
@@ -202,12 +202,15 @@ def _attention_ref(q: np.ndarray, keys: np.ndarray, values: np.ndarray, group: i
     return out
 
 
-@pytest.mark.parametrize("kv_len", [1, 255, 256, 257, 1000, 2048])
+CHUNK = kernels.DEFAULT_DEFINES["ATTN_CHUNK"]  # positions per attention split
+
+
+@pytest.mark.parametrize("kv_len", [1, 63, 64, 65, 255, 256, 257, 1000, 2048])
 @pytest.mark.parametrize("heads", [(8, 8), (9, 3), (32, 8), (14, 2), (64, 8), (32, 2)], ids=str)
 def test_attention_decode(rng: np.random.Generator, kv_len: int, heads: tuple[int, int]) -> None:
     n_heads, n_kv = heads
     hd, max_ctx = 128 if n_heads != 9 else 64, 2048
-    n_splits = -(-max_ctx // 256)
+    n_splits = -(-max_ctx // CHUNK)
     keys = rng.standard_normal((n_kv, max_ctx, hd)).astype(np.float16)
     values = rng.standard_normal((n_kv, max_ctx, hd)).astype(np.float16)
     q = (rng.standard_normal((n_heads, hd)) * 2).astype(np.float32)
@@ -294,7 +297,7 @@ def test_stacked_upload_is_the_concatenated_matrix(rng: np.random.Generator, ggm
 @pytest.mark.parametrize("kv_len", [1, 256, 300])
 def test_attention_decode_rotates_and_stores_the_new_token(rng: np.random.Generator, neox: bool, kv_len: int) -> None:
     n_heads, n_kv, hd, max_ctx = 8, 2, 64, 512
-    n_splits, p = max_ctx // 256, kv_len - 1
+    n_splits, p = -(-max_ctx // CHUNK), kv_len - 1
     rope = Rope(_args(neox, n_heads, n_kv, hd), None)
     cos, sin = rope.angles(np.arange(max_ctx))
     keys = rng.standard_normal((n_kv, max_ctx, hd)).astype(np.float16)

@@ -70,7 +70,7 @@ def _top1(a: np.ndarray, b: np.ndarray) -> float:
 
 
 def test_prefill_logits_match_cpu(pair: Pair) -> None:
-    prompt = _prompt(300, 1)  # crosses the 256-position attention split
+    prompt = _prompt(300, 1)  # several attention splits
     want = pair.cpu32.forward(prompt, pair.cpu32.new_cache(512), all_logits=True)
     got = pair.gpu32.forward(prompt, pair.gpu32.new_cache(512), all_logits=True)
     assert got.shape == want.shape and np.isfinite(got).all()
@@ -100,7 +100,7 @@ def _decode_errors(cpu, gpu, prompt: np.ndarray, steps: np.ndarray) -> list[floa
 
 
 def test_decode_logits_match_cpu(pair: Pair) -> None:
-    prompt, steps = _prompt(250, 2), _prompt(12, 3)  # positions 250..261 cross the split boundary at 256
+    prompt, steps = _prompt(250, 2), _prompt(12, 3)  # positions 250..261 cross attention split boundaries
     *errors, _ = _decode_errors(pair.cpu32, pair.gpu32, prompt, steps)
     print(f"{pair.kind}: decode relative errors (float32 activations) max {max(errors):.2e}")
     assert max(errors) < DECODE_BOUND_F32
