@@ -8,6 +8,7 @@
 #   GPU_CHECK_SKIP_TESTS=1 bash scripts/gpu-check.sh      # call 2: 8B Q4_K_M and Q8_0 benchmarks (~4-6 min)
 #   GPU_CHECK_70B=1 GPU_CHECK_SKIP_TESTS=1 ...            # also the 70B Q4_K_M (writes ~42 GB to disk)
 #   NVMEDIRECT_GPU_MODELS=a.gguf:b.gguf                   # real models for tests/gpu/test_model.py
+#   GPU_CHECK_ALL_GPU_TESTS=1                             # also `pytest -m gpu tests/` (every area)
 #
 # Carry: .whl (gguf, cffi, pycparser, pyudev wheels from /work/shared/device/fetch-wheels.sh).
 set -u
@@ -62,6 +63,11 @@ if [ -z "${GPU_CHECK_SKIP_TESTS:-}" ]; then
     grep -E "^(FAILED|ERROR)" "$OUT/pytest.log" | head -40
     tail -3 "$OUT/pytest.log"
     note "tests: exit $rc; $(tail -1 "$OUT/pytest.log")"
+    if [ -n "${GPU_CHECK_ALL_GPU_TESTS:-}" ]; then  # every gpu-marked test of the project (other areas too)
+        timeout 300 python3 -m pytest -q -m gpu --timeout 150 -p no:cacheprovider --tb=short \
+            --continue-on-collection-errors tests/ > "$OUT/pytest-all-gpu.log" 2>&1
+        note "all gpu-marked tests: exit $?; $(tail -1 "$OUT/pytest-all-gpu.log")"
+    fi
 fi
 
 bench() {  # spec, timeout
