@@ -109,6 +109,10 @@ def kernel_timings(gpu, n_layers_cycle: int = 8) -> list[dict[str, object]]:  # 
         add(f"  variant warps={warps} unroll={unroll}: down", 0,
             sum(L.w_down.nbytes for L in layers) // len(layers),
             [lambda L=L, d=d: ops.gemv(L.w_down, x[: a.ffn_dim], outs[: a.dim], defines=d) for L in layers])
+        if g0.fmt in INT8_FORMATS and g0.act in ("q8_0", "q8_k"):
+            add(f"  variant warps={warps} unroll={unroll}: int8 swiglu", 0, 2 * g0.nbytes,
+                [lambda L=L, d=d: ops.gemv8_swiglu(L.w_gate, L.w_up, x8, outs[: a.ffn_dim], defines=d)
+                 for L in layers])
     add(f"rmsnorm+round ({layers[0].w_gate.act})", 2 * a.n_layers + 1, 0,
         [lambda: ops.rmsnorm(x[: a.dim], layers[0].attn_norm, a.norm_eps, 1, a.dim, y=outs[: a.dim],
                              act=layers[0].w_gate.act)])
