@@ -151,6 +151,11 @@ def rmsnorm(x: cupy.ndarray, weight: cupy.ndarray, eps: float, rows: int, n: int
     int8 (q8_0/q8_k only): also its 8-bit form."""
     if act != "f32" and y is None:
         raise ValueError("rounding to an activation format needs the float32 output y")
+    if n % 256 == 0 and n <= 8192:  # one pass, values in registers (8 per thread)
+        kernels.function("ops", "rmsnorm8")((rows,), (n // 8,), (x, weight, _ptr(y), _ptr(y16), np.int32(n),
+                                                                 np.float32(eps), np.int32(ACT_CODES[act]),
+                                                                 *_int8_args(int8)))
+        return
     threads = 1024 if n >= 4096 else 256
     kernels.function("ops", "rmsnorm")((rows,), (threads,), (x, weight, _ptr(y), _ptr(y16), np.int32(n),
                                                              np.float32(eps), np.int32(ACT_CODES[act]),

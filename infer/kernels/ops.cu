@@ -205,6 +205,99 @@ extern "C" __global__ void rmsnorm(const float* x, const float* w, float* y, __h
     round_row(yr, y16r, n, fmt, int8_row(xq, xs, xsum, row, n, fmt));
 }
 
+// The same for rows of n = 8 * blockDim.x values (n a multiple of 256, at most 8192): each thread
+// keeps its 8 consecutive values in registers from the load to the rounded store, so a warp holds
+// exactly one q8_k group (256 values) and four lanes one q8_0 group: one pass over memory.
+extern "C" __global__ void __launch_bounds__(1024)
+    rmsnorm8(const float* x, const float* w, float* y, __half* y16, int n, float eps, int fmt, signed char* xq,
+             float* xs, int* xsum) {
+    const long long row = blockIdx.x;
+    const int t = threadIdx.x, lane = t & 31;
+    const float4* xr = reinterpret_cast<const float4*>(x + row * n) + 2 * t;
+    const float4 a0 = xr[0], a1 = xr[1];
+    float v[8] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
+    float ss = 0.f;
+#pragma unroll
+    for (int k = 0; k < 8; ++k) ss += v[k] * v[k];
+    ss = block_sum(ss);
+    const float s = sqrtf(ss / (float)n + eps);
+    const float4* wr = reinterpret_cast<const float4*>(w) + 2 * t;
+    const float4 w0 = wr[0], w1 = wr[1];
+    const float wv[8] = {w0.x, w0.y, w0.z, w0.w, w1.x, w1.y, w1.z, w1.w};
+#pragma unroll
+    for (int k = 0; k < 8; ++k) v[k] = (v[k] / s) * wv[k];
+    int q[8];
+    if (fmt == ACT_F16 || fmt == ACT_BF16) {
+#pragma unroll
+        for (int k = 0; k < 8; ++k)
+            v[k] = fmt == ACT_F16 ? __half2float(__float2half_rn(v[k])) : __bfloat162float(__float2bfloat16_rn(v[k]));
+    } else if (fmt == ACT_Q8_0 || fmt == ACT_Q8_K) {
+        float best = -1.f, extreme = 0.f;
+        int best_i = 0x7fffffff;
+#pragma unroll
+        for (int k = 0; k < 8; ++k) {
+            const float a = fabsf(v[k]);
+            if (a > best) {
+                best = a;
+                best_i = lane * 8 + k;
+                extreme = v[k];
+            }
+        }
+        const int span = fmt == ACT_Q8_0 ? 2 : 16;  // xor distances: 4 lanes (32 values) or the warp (256)
+        for (int o = span; o > 0; o >>= 1) {
+            const float ob = __shfl_xor_sync(0xffffffffu, best, o);
+            const int oi = __shfl_xor_sync(0xffffffffu, best_i, o);
+            const float oe = __shfl_xor_sync(0xffffffffu, extreme, o);
+            if (ob > best || (ob == best && oi < best_i)) {
+                best = ob;
+                best_i = oi;
+                extreme = oe;
+            }
+        }
+        float inv, scale, hi;
+        if (fmt == ACT_Q8_0) {
+            inv = best > 0.f ? 127.f / best : 0.f;
+            scale = __half2float(__float2half_rn(best / 127.f));
+            hi = 1e30f;
+        } else {
+            inv = extreme != 0.f ? -127.f / extreme : 0.f;
+            scale = extreme != 0.f ? 1.f / inv : 0.f;
+            hi = 127.f;
+        }
+        int qsum = 0;
+#pragma unroll
+        for (int k = 0; k < 8; ++k) {
+            const float qf = fminf(rintf(v[k] * inv), hi);
+            v[k] = qf * scale;
+            q[k] = (int)qf;
+            qsum += q[k];
+        }
+        if (xq) {  // the 8-bit form: values, a scale per group, a sum per 32 values (4 lanes)
+            qsum += __shfl_xor_sync(0xffffffffu, qsum, 1);
+            qsum += __shfl_xor_sync(0xffffffffu, qsum, 2);
+            const long long e = row * n + 8 * t;  // first value of this thread
+            if ((lane & 3) == 0) xsum[e / 32] = qsum;
+            if (fmt == ACT_Q8_0 ? (lane & 3) == 0 : lane == 0) xs[e / (fmt == ACT_Q8_0 ? 32 : 256)] = scale;
+            uint32_t lo = 0, hi8 = 0;
+#pragma unroll
+            for (int k = 0; k < 4; ++k) {
+                lo |= (uint32_t)(q[k] & 0xFF) << (8 * k);
+                hi8 |= (uint32_t)(q[k + 4] & 0xFF) << (8 * k);
+            }
+            reinterpret_cast<uint2*>(xq + e)[0] = make_uint2(lo, hi8);
+        }
+    }
+    if (y) {
+        float4* yr = reinterpret_cast<float4*>(y + row * n) + 2 * t;
+        yr[0] = make_float4(v[0], v[1], v[2], v[3]);
+        yr[1] = make_float4(v[4], v[5], v[6], v[7]);
+    }
+    if (y16) {
+#pragma unroll
+        for (int k = 0; k < 8; ++k) y16[row * n + 8 * t + k] = __float2half_rn(v[k]);
+    }
+}
+
 // y (and/or y16) = x rounded to activation format `fmt`, one block per row of n; y may alias x
 extern "C" __global__ void round_act(const float* x, float* y, __half* y16, int n, int fmt, signed char* xq,
                                      float* xs, int* xsum) {

@@ -142,20 +142,32 @@ def test_round_act_is_the_cpu_rounding(rng: np.random.Generator, act: str) -> No
     np.testing.assert_array_equal(cupy.asnumpy(y16), want.astype(np.float16))
 
 
+@pytest.mark.parametrize("n", [2048, 8192, 576], ids=["registers", "registers-max", "general"])
 @pytest.mark.parametrize("act", ACTS)
-def test_rmsnorm_rounded(rng: np.random.Generator, act: str) -> None:
+def test_rmsnorm_rounded(rng: np.random.Generator, act: str, n: int) -> None:
     from infer.model import rms_norm
     from infer.quants import round_activations
 
-    rows, n = 4, 2048
+    if act == "q8_k" and n % 256:
+        pytest.skip("q8_k rounds blocks of 256")
+    rows = 4
     x = rng.standard_normal((rows, n)).astype(np.float32) * 2
     w = rng.standard_normal(n).astype(np.float32)
-    y = _poisoned((rows, n))
-    ops.rmsnorm(cupy.asarray(x), cupy.asarray(w), 1e-5, rows, n, y=y, act=act)
+    y, y16 = _poisoned((rows, n)), _poisoned((rows, n), cupy.float16)
+    ops.rmsnorm(cupy.asarray(x), cupy.asarray(w), 1e-5, rows, n, y=y, y16=y16, act=act)
     want = round_activations(rms_norm(x, w, 1e-5), act)
     got = cupy.asnumpy(y)
     # the sum of squares is added in another order: rarely a value sits on a rounding boundary
     assert np.mean(got == want) > 0.999 and _rel(got, want) < 1e-3
+    np.testing.assert_array_equal(cupy.asnumpy(y16), got.astype(np.float16))
+    if act in ("q8_0", "q8_k"):  # the 8-bit form of one row
+        int8 = ops.int8_buffers(n, act)
+        y1 = _poisoned(n)
+        ops.rmsnorm(cupy.asarray(x[0]), cupy.asarray(w), 1e-5, 1, n, y=y1, act=act, int8=int8)
+        q, scale, qsum = (cupy.asnumpy(a) for a in int8)
+        group = 32 if act == "q8_0" else 256
+        np.testing.assert_array_equal(q.astype(np.float32) * np.repeat(scale, group), cupy.asnumpy(y1))
+        np.testing.assert_array_equal(qsum, q.astype(np.int32).reshape(-1, 32).sum(1))
 
 
 def _args(neox: bool, n_heads: int, n_kv: int, head_dim: int) -> ModelArgs:
