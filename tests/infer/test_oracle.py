@@ -31,7 +31,7 @@ MODELS = ["smollm2-F16", "smollm2-Q8_0", "smollm2-Q4_0", "smollm2-Q4_1", "smollm
 STRICT = {"smollm2-F16", "smollm2-Q8_0"}  # 8 bits or more: near-identical results are required
 PROMPT_TOKENS = 128
 PPL_CTX = 256
-PPL_CHUNKS = int(os.environ.get("NVMEDIRECT_PPL_CHUNKS", "4"))
+PPL_CHUNKS = int(os.environ.get("NVMEDIRECT_PPL_CHUNKS", "8"))
 
 
 @dataclasses.dataclass
