@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 
 EXIT_FAILED, EXIT_BAD_INPUT, EXIT_NOT_AVAILABLE = 1, 2, 4
 BENCHMARK_PROMPT = "The three most useful things to know about NVMe are"
+BENCHMARK_PROMPT_TOKENS = 128
 
 
 class CliError(click.ClickException):
@@ -117,10 +118,13 @@ def _generate(llm: LLM, prompt: str, n_predict: int, sampler: Any, as_json: bool
               f"generated {stats.generated_tokens} tokens {stats.decode_tokens_per_second:.1f} tok/s")
 
 
-def _benchmark(llm: LLM, prompt: str, n_predict: int, as_json: bool) -> None:
+def _benchmark(llm: LLM, prompt: str | None, n_predict: int, as_json: bool) -> None:
     from infer.sampler import SamplerConfig
 
-    ids = llm.tokenize(prompt)
+    if prompt is None:  # a fixed prose prompt of BENCHMARK_PROMPT_TOKENS tokens
+        ids = llm.tokenize(" ".join([BENCHMARK_PROMPT] * 64))[:BENCHMARK_PROMPT_TOKENS]
+    else:
+        ids = llm.tokenize(prompt)
     warm = getattr(llm.transformer.weights, "warm", None)
     if warm is not None:  # dequantize up front so the timings measure inference only
         warm()
@@ -170,7 +174,8 @@ def _chat(llm: LLM, sampler: Any, n_predict: int, system: str | None) -> None:
               help="Tokens to generate (per reply with --chat).")
 @click.option("--chat", is_flag=True, help="Conversation: one user message per stdin line (template from the file).")
 @click.option("--system", help="System message for --chat.")
-@click.option("--benchmark", is_flag=True, help="Measure prompt and decode speed (greedy, -n tokens).")
+@click.option("--benchmark", is_flag=True,
+              help="Measure prompt and decode speed: a 128-token prompt (or -p) and -n greedy tokens.")
 @click.option("-t", "--temp", type=float, default=0.8, show_default=True, help="Temperature; 0 = greedy.")
 @click.option("--top-k", type=int, default=40, show_default=True, help="Keep the k most likely tokens; 0 = off.")
 @click.option("--top-p", type=float, default=0.95, show_default=True, help="Nucleus sampling; 1 = off.")
@@ -199,7 +204,7 @@ def main(ctx: click.Context, model: str | None, prompt: str | None, n_predict: i
     sampler = _sampler(temp, top_k, top_p, min_p, repeat_penalty, seed)
     llm = _load(model, ctx_size, device, streaming)
     if benchmark:
-        _benchmark(llm, prompt or BENCHMARK_PROMPT, n_predict, as_json)
+        _benchmark(llm, prompt, n_predict, as_json)
     elif chat:
         _chat(llm, sampler, n_predict, system)
     else:
