@@ -67,8 +67,13 @@ def _load(model: str | None, ctx_size: int, device: str, streaming: bool = False
     started = time.perf_counter()
     try:
         llm = LLM.load(model, ctx_size=ctx_size or None)
-    except (ModelError, TokenizerError) as err:
+    except ModelError as err:
         _fail(str(err), EXIT_BAD_INPUT)
+    except TokenizerError as err:
+        _fail(f"{model}: tokenizer: {err}", EXIT_BAD_INPUT)
+    warm = getattr(llm.transformer.weights, "warm", None)
+    if warm is not None:  # dequantize now, so that the speeds reported later measure inference only
+        warm()
     a = llm.args
     _note(f"loaded {Path(model).name}: {a.arch}, {a.n_layers} layers, width {a.dim}, "
           f"{a.n_heads}/{a.n_kv_heads} heads, vocab {a.vocab_size}, context {llm.engine.ctx_size} "
@@ -125,9 +130,6 @@ def _benchmark(llm: LLM, prompt: str | None, n_predict: int, as_json: bool) -> N
         ids = llm.tokenize(" ".join([BENCHMARK_PROMPT] * 64))[:BENCHMARK_PROMPT_TOKENS]
     else:
         ids = llm.tokenize(prompt)
-    warm = getattr(llm.transformer.weights, "warm", None)
-    if warm is not None:  # dequantize up front so the timings measure inference only
-        warm()
     llm.engine.reset()
     for _ in llm.generate_ids(ids, n_predict, SamplerConfig(temperature=0.0), stop_at_eog=False):
         pass
