@@ -13,10 +13,11 @@ from gguf import GGUFReader, GGUFValueType, GGUFWriter
 
 def write_copy(source: Path, target: Path, n_layers: int | None = None,
                metadata: dict[str, tuple[Any, GGUFValueType]] | None = None,
-               drop_tensors: tuple[str, ...] = (), extra_tensors: dict[str, np.ndarray] | None = None) -> Path:
+               drop_tensors: tuple[str, ...] = (), extra_tensors: dict[str, np.ndarray] | None = None,
+               reverse_tensor_order: bool = False) -> Path:
     """Copies `source` to `target`, keeping only blocks < n_layers, replacing or adding `metadata`
     (key -> (value, type)), leaving out the tensors named in `drop_tensors` and adding
-    `extra_tensors` (name -> float32 array)."""
+    `extra_tensors` (name -> float32 array); reverse_tensor_order stores the tensors last to first."""
     reader = GGUFReader(source)
     overrides = dict(metadata or {})
     arch_value = overrides.pop("general.architecture", (None,))[0]
@@ -32,7 +33,7 @@ def write_copy(source: Path, target: Path, n_layers: int | None = None,
         writer.add_key_value(key, value, field.types[0], sub_type=sub_type)
     for key, (value, vtype) in overrides.items():
         writer.add_key_value(key, value, vtype)
-    for tensor in reader.tensors:
+    for tensor in reversed(reader.tensors) if reverse_tensor_order else reader.tensors:
         block = re.match(r"blk\.(\d+)\.", tensor.name)
         if tensor.name in drop_tensors or (block and n_layers is not None and int(block.group(1)) >= n_layers):
             continue
