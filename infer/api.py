@@ -42,7 +42,7 @@ def _sampler_config(temperature: float, top_k: int, top_p: float, min_p: float, 
 
 
 class LLM:
-    """A loaded model with its tokenizer and one sequence (KV cache) on the CPU."""
+    """A loaded model with its tokenizer and one sequence (KV cache), on the CPU or the GPU."""
 
     def __init__(self, gguf: GGUFModel, transformer: Transformer, tokenizer: Tokenizer, ctx_size: int) -> None:
         self.gguf = gguf
@@ -53,11 +53,18 @@ class LLM:
     @classmethod
     def load(cls, path: str | Path, ctx_size: int | None = None, device: str = "cpu",
              weight_budget_bytes: int = 8 << 30) -> LLM:
-        """Opens and checks `path`. ctx_size: tokens of context (default: the model's, at most 4096)."""
-        if device not in ("cpu", "auto"):
-            raise ValueError(f"device {device!r}: only the CPU engine is available through this API")
+        """Opens and checks `path`. ctx_size: tokens of context (default: the model's, at most 4096).
+        device: "cpu", "gpu" (CuPy; a ValueError when no GPU is visible) or "auto" (GPU if present)."""
+        from infer.gpu import resolve_device
+
+        where = resolve_device(device)  # ValueError with one line for 'gpu' without a GPU
         gguf = GGUFModel(path)
-        transformer = load_transformer(gguf, weight_budget_bytes)
+        if where == "gpu":
+            from infer.gpu import load_gpu_transformer
+
+            transformer = load_gpu_transformer(gguf)
+        else:
+            transformer = load_transformer(gguf, weight_budget_bytes)
         tokenizer = Tokenizer.from_gguf(gguf.metadata)
         ctx = ctx_size or min(transformer.args.context_length, DEFAULT_CTX)
         return cls(gguf, transformer, tokenizer, ctx)

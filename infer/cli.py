@@ -5,7 +5,8 @@
     ntransformer -m MODEL --benchmark [-n N]     prompt and decode tokens/s
     ntransformer perplexity -m MODEL -f TEXT     llama.cpp-style perplexity
 
-Exit codes: 0 ok, 1 failed, 2 bad input (bad model file, bad flag), 4 not available (GPU backend).
+Exit codes: 0 ok, 1 failed, 2 bad input (bad model file, bad flag, budget too small),
+4 not available (--device gpu without a GPU).
 Informational lines go to stderr so stdout carries only the generated text (or JSON).
 """
 
@@ -19,6 +20,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import click
+
+from infer.tiers.flags import StreamingConfig, streaming_options
 
 if TYPE_CHECKING:
     from infer.api import LLM
@@ -51,22 +54,37 @@ def _set_threads(threads: int | None) -> None:
             os.environ[var] = str(threads)
 
 
-def _load(model: str | None, ctx_size: int, device: str, streaming: bool = False) -> LLM:
+def _resolve_device(device: str) -> str:
+    from infer.gpu import resolve_device
+
+    try:
+        return resolve_device(device)
+    except ValueError as err:
+        _fail(str(err), EXIT_NOT_AVAILABLE)
+
+
+def _load(model: str | None, ctx_size: int, device: str, vram_budget: str | None = None) -> LLM:
     if not model:
         _fail("no model given: use -m/--model FILE.gguf", EXIT_BAD_INPUT)
-    if device == "gpu":
-        _fail("--device gpu: the GPU backend is not available in this command yet; use --device cpu",
-              EXIT_NOT_AVAILABLE)
-    if streaming:
-        _note("note: --streaming (the 3-tier weight cache) is not implemented on the CPU path yet; "
-              "running with all weights resident")
     from infer.api import LLM
     from infer.errors import ModelError
     from infer.tokenizer import TokenizerError
 
+    where = _resolve_device(device)
     started = time.perf_counter()
     try:
-        llm = LLM.load(model, ctx_size=ctx_size or None)
+        if where == "gpu":  # a model too large for the card stops here with a hint to use --streaming
+            from infer.gguf_file import GGUFModel
+            from infer.tiers.options import require_resident_fit
+
+            require_resident_fit(GGUFModel(model), ctx_size or 4096, 1, vram_budget=vram_budget)
+        llm = LLM.load(model, ctx_size=ctx_size or None, device=where)
+    except CliError:
+        raise
+    except click.ClickException as err:  # does not fit the VRAM budget: the message suggests --streaming
+        _fail(err.message, EXIT_BAD_INPUT)
+    except ValueError as err:
+        _fail(str(err), EXIT_BAD_INPUT)
     except ModelError as err:
         _fail(str(err), EXIT_BAD_INPUT)
     except TokenizerError as err:
@@ -75,7 +93,7 @@ def _load(model: str | None, ctx_size: int, device: str, streaming: bool = False
     if warm is not None:  # dequantize now, so that the speeds reported later measure inference only
         warm()
     a = llm.args
-    _note(f"loaded {Path(model).name}: {a.arch}, {a.n_layers} layers, width {a.dim}, "
+    _note(f"loaded {Path(model).name} on the {where.upper()}: {a.arch}, {a.n_layers} layers, width {a.dim}, "
           f"{a.n_heads}/{a.n_kv_heads} heads, vocab {a.vocab_size}, context {llm.engine.ctx_size} "
           f"({time.perf_counter() - started:.1f} s)")
     return llm
@@ -134,7 +152,16 @@ def _benchmark(llm: LLM, prompt: str | None, n_predict: int, as_json: bool) -> N
     for _ in llm.generate_ids(ids, n_predict, SamplerConfig(temperature=0.0), stop_at_eog=False):
         pass
     s = llm.stats
-    result = {"model": str(llm.gguf.path), "device": "cpu", **s.as_dict()}
+    device = "gpu" if type(llm.transformer).__name__ == "GpuTransformer" else "cpu"
+    result = {"model": str(llm.gguf.path), "device": device, **s.as_dict()}
+    if device == "gpu":  # pp512/tg with GB/s against the device copy roofline measured now
+        from infer.gpu.benchmark import measure, render
+
+        report = measure(llm.transformer, 512, n_predict, with_kernels=False)
+        if as_json:
+            result["gpu"] = report
+        else:
+            click.echo(render(report))
     if as_json:
         click.echo(json.dumps(result))
     else:
@@ -187,15 +214,20 @@ def _chat(llm: LLM, sampler: Any, n_predict: int, system: str | None) -> None:
               help="Context size in tokens; 0 = the model's, at most 4096.")
 @click.option("--seed", type=int, default=None, help="Random seed (default: a fresh one each run).")
 @click.option("--device", type=click.Choice(["auto", "cpu", "gpu"]), default="auto", show_default=True,
-              help="Where to run; auto = the CPU engine in this version.")
-@click.option("--streaming", is_flag=True, help="Stream weights through the 3-tier cache (not on the CPU path yet).")
+              help="Where to run; auto = the GPU when CuPy sees one, else the CPU.")
+@streaming_options
 @click.option("--threads", type=click.IntRange(min=1), default=None, help="BLAS threads (default: all cores).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")
 @click.pass_context
 def main(ctx: click.Context, model: str | None, prompt: str | None, n_predict: int, chat: bool, system: str | None,
          benchmark: bool, temp: float, top_k: int, top_p: float, min_p: float, repeat_penalty: float,
-         ctx_size: int, seed: int | None, device: str, streaming: bool, threads: int | None, as_json: bool) -> None:
-    """Run a GGUF language model (Llama or Qwen2 architecture) on the CPU."""
+         ctx_size: int, seed: int | None, device: str, streaming: StreamingConfig, threads: int | None,
+         as_json: bool) -> None:
+    """Run a GGUF language model (Llama or Qwen2 architecture) on the GPU or the CPU.
+
+    With --streaming, weights that do not fit the VRAM budget are streamed each pass from pinned RAM
+    (tier B) and from the file or an NVMe drive (tier C); --batch/--prompts decode several
+    sequences per pass."""
     if ctx.invoked_subcommand is not None:
         return
     _set_threads(threads)
@@ -204,13 +236,35 @@ def main(ctx: click.Context, model: str | None, prompt: str | None, n_predict: i
     if not chat and not benchmark and prompt is None:
         _fail("nothing to do: give -p/--prompt TEXT, --chat or --benchmark", EXIT_BAD_INPUT)
     sampler = _sampler(temp, top_k, top_p, min_p, repeat_penalty, seed)
-    llm = _load(model, ctx_size, device, streaming)
+    if streaming.enabled or streaming.batch > 1 or streaming.prompts_file:
+        _run_streaming(model, streaming, ctx_size, device, prompt, n_predict, sampler, chat, benchmark, as_json)
+        return
+    llm = _load(model, ctx_size, device, streaming.vram_budget)
     if benchmark:
         _benchmark(llm, prompt, n_predict, as_json)
     elif chat:
         _chat(llm, sampler, n_predict, system)
     else:
         _generate(llm, prompt or "", n_predict, sampler, as_json)
+
+
+def _run_streaming(model: str | None, streaming: StreamingConfig, ctx_size: int, device: str, prompt: str | None,
+                   n_predict: int, sampler: Any, chat: bool, benchmark: bool, as_json: bool) -> None:
+    if chat:
+        _fail("--chat runs one sequence on the resident engine: drop --streaming/--batch/--prompts", EXIT_BAD_INPUT)
+    if not model:
+        _fail("no model given: use -m/--model FILE.gguf", EXIT_BAD_INPUT)
+    from infer.errors import ModelError
+    from infer.tiers.run import run_streaming
+
+    where = _resolve_device(device)
+    try:
+        run_streaming(model, streaming, ctx_size, where, prompt or (BENCHMARK_PROMPT if benchmark else None),
+                      n_predict, sampler, benchmark=benchmark, as_json=as_json, echo=click.echo, note=_note)
+    except (ValueError, ModelError) as err:
+        _fail(str(err), EXIT_BAD_INPUT)
+    except click.ClickException as err:
+        _fail(err.message, EXIT_BAD_INPUT)
 
 
 @main.command("perplexity")
