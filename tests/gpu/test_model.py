@@ -131,7 +131,68 @@ def test_graph_generation_matches_eager_and_cpu(pair: Pair) -> None:
         assert list(Engine(pair.cpu32, 128).generate(list(prompt), n, greedy)) == exact
 
 
+def _int8_stage_checker(gpu: object) -> tuple[object, list[tuple[str, float]]]:
+    """A `mark` hook for GpuTransformer._decode_launches (eager, int8 kernels on): after each GEMV
+    stage, the float kernels are run on the same rounded inputs (the float32 copies the norm,
+    round_act and attention kernels write beside the 8-bit form) and the relative difference of the
+    stage's output is recorded. No rounding sits between the two, so only float32 summation order
+    separates them; the whole model's logits cannot be compared that tightly (see below)."""
+    from infer.gpu import ops
+
+    errors: list[tuple[str, float]] = []
+    state: dict[str, object] = {"layer": -1}
+
+    def act(key: str, fmt: str) -> cupy.ndarray:
+        return gpu._act[(key, fmt)] if fmt != "f32" else None
+
+    def mark(stage: str) -> None:
+        a = gpu.args
+        if stage == "gemv_qkv":
+            state["layer"] = int(state["layer"]) + 1
+        i = int(state["layer"])
+        L = gpu.layers[i] if 0 <= i < len(gpu.layers) else None
+        if stage == "gemv_qkv":
+            for m, row in L.qkv:
+                want = cupy.empty(m.rows, cupy.float32)
+                ops.gemv(m, gpu._act[("attn", m.act)], want, bias=None if L.bqkv is None else L.bqkv[row : row + m.rows])
+                errors.append((f"qkv{i}", _rel(cupy.asnumpy(gpu.qkv[row : row + m.rows]), cupy.asnumpy(want))))
+        elif stage == "attention":
+            state["h"] = gpu.h.copy()
+            if ("att", L.wo.act) in gpu._act8:  # the 8-bit form is the float output, exactly
+                q, scale, _ = (cupy.asnumpy(x) for x in gpu._act8[("att", L.wo.act)])
+                same = np.array_equal(q * np.repeat(scale, a.q_dim // scale.size), cupy.asnumpy(gpu.att))
+                errors.append((f"att8_{i}", 0.0 if same else np.inf))
+        elif stage == "gemv_o":
+            want = state["h"].copy()
+            ops.gemv(L.wo, gpu.att, want, residual=want)
+            errors.append((f"wo{i}", _rel(cupy.asnumpy(gpu.h), cupy.asnumpy(want))))
+        elif stage == "gemv_gate_up":
+            state["h"] = gpu.h.copy()
+            if L.w_gate.fmt == L.w_up.fmt and L.w_gate.act == L.w_up.act:
+                want = cupy.empty(a.ffn_dim, cupy.float32)
+                ops.gemv_swiglu(L.w_gate, L.w_up, gpu._act[("ffn", L.w_gate.act)], want)
+                errors.append((f"swiglu{i}", _rel(cupy.asnumpy(gpu.ff), cupy.asnumpy(want))))
+        elif stage == "gemv_down":
+            want = state["h"].copy()
+            ff = act("ff", L.w_down.act)
+            ops.gemv(L.w_down, gpu.ff if ff is None else ff, want, residual=want)
+            errors.append((f"down{i}", _rel(cupy.asnumpy(gpu.h), cupy.asnumpy(want))))
+        elif stage == "output":
+            want = cupy.empty(a.vocab_size, cupy.float32)
+            ops.gemv(gpu.output, gpu._act[("out", gpu.output.act)], want)
+            errors.append(("output", _rel(cupy.asnumpy(gpu.logits), cupy.asnumpy(want))))
+
+    return mark, errors
+
+
 def test_int8_decode_kernels_match_the_float_ones(pair: Pair) -> None:
+    """Stage by stage the integer GEMVs give the float ones' results on the same rounded inputs
+    (bias, residual, stacked QKV, fused SwiGLU included). End to end only the arg-max is compared:
+    a float32 summation difference of ~1e-6 relative (what reordering a 512-1536 term sum gives)
+    moves some activation across a q8 rounding boundary most of the time, and one such flip moves a
+    random model's logits by 0.1-1.7% (measured with the CPU engine: output noise of 2^-19 relative
+    on every decode GEMV flipped 26 of 36 runs over these six models; run 3's qwen2 failures of the
+    former 1e-4 bound were 0.7% and 0.8%)."""
     gpu, prompt = pair.gpu, _prompt(30, 9)
 
     def run(int8: bool) -> tuple[list[np.ndarray], list[int]]:
@@ -144,9 +205,16 @@ def test_int8_decode_kernels_match_the_float_ones(pair: Pair) -> None:
     try:
         want, want_ids = run(False)
         got, got_ids = run(True)
+        cache = gpu.new_cache(128)
+        gpu.forward(prompt, cache)
+        mark, errors = _int8_stage_checker(gpu)
+        with gpu.stream:
+            gpu._set_position(cache, int(_prompt(1, 10)[0]), cache.length)
+            gpu._decode_launches(cache, mark)
+        gpu.stream.synchronize()
     finally:
         gpu.set_int8_dot(True)
-    assert _rel(got[1], want[1]) < 1e-4  # same rounded activations, integer instead of float sums
+    assert errors and max(e for _, e in errors) < 2e-5, errors
     assert np.mean([np.argmax(a) == np.argmax(b) for a, b in zip(got, want, strict=True)]) >= TOP1_ROUNDED
     assert np.mean(np.array(got_ids) == np.array(want_ids)) >= TOP1_ROUNDED
 
