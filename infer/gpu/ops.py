@@ -166,9 +166,13 @@ def round_act(x: cupy.ndarray, y: cupy.ndarray, rows: int, n: int, act: str, y16
               int8: Int8Act | None = None) -> None:
     """y (may be x) and y16 = x rounded to activation format `act`, per row of n values; int8
     (q8_0/q8_k only): also its 8-bit form."""
-    threads = 1024 if n >= 4096 else 256  # one warp per 8-bit group: many in parallel
-    kernels.function("ops", "round_act")((rows,), (threads,), (x, y, _ptr(y16), np.int32(n), np.int32(ACT_CODES[act]),
-                                                           *_int8_args(int8)))
+    # a warp per 8-bit group, 8 warps a block, the row spread over blocks (grid x) so that short rows
+    # still use many SMs; float formats: 1024 values a block
+    per_block = 8 * {"q8_0": 32, "q8_k": 256}.get(act, 128)
+    if rows > 65535:
+        raise ValueError(f"round_act takes at most 65535 rows at a time, not {rows}")
+    kernels.function("ops", "round_act")((-(-n // per_block), rows), (256,),
+                                         (x, y, _ptr(y16), np.int32(n), np.int32(ACT_CODES[act]), *_int8_args(int8)))
 
 
 INT8_FORMATS = ("q8", "g4", "g5", "k4", "k5", "k6")  # formats with an integer (dp4a) GEMV

@@ -32,7 +32,7 @@ def test_source_compiles(tmp_path: Path, name: str) -> None:
     _compile(tmp_path, name, "--ptx")
 
 
-@pytest.mark.parametrize("name", ["gemv", "dequant", "repack"])
+@pytest.mark.parametrize("name", ["gemv", "dequant", "repack", "ops"])
 def test_hot_kernels_do_not_spill(tmp_path: Path, name: str) -> None:
     report = _compile(tmp_path, name, "-cubin", "-Xptxas", "-v")
     functions = re.findall(r"Function properties for (\w+)\n\s+(\d+) bytes stack frame, (\d+) bytes spill stores",
