@@ -119,7 +119,7 @@ class GpuTransformer:
 
     def new_cache(self, max_tokens: int) -> GpuKVCache:
         a = self.args
-        n_splits = -(-max_tokens // ATTN_CHUNK)
+        n_splits = ops.attention_splits(max_tokens)
         with self.stream:
             self._ensure_rope(max_tokens)
             shape = (a.n_layers, a.n_kv_heads, max_tokens, a.head_dim)

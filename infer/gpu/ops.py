@@ -214,6 +214,12 @@ def attention_group_size(group: int) -> int:
     raise ValueError(f"{group} query heads per KV head exceed the decode attention kernel's {ATTN_GROUPS[-1]}")
 
 
+def attention_splits(max_ctx: int) -> int:
+    """Splits (blocks along the sequence) the decode attention kernels use for a cache of max_ctx
+    positions: part_o and part_ml are sized by it."""
+    return -(-max_ctx // kernels.DEFAULT_DEFINES["ATTN_CHUNK"])
+
+
 def attention_decode(q: cupy.ndarray, k_cache: cupy.ndarray, v_cache: cupy.ndarray, pos: cupy.ndarray,
                      n_heads: int, n_kv_heads: int, head_dim: int, max_ctx: int, n_splits: int,
                      scores: cupy.ndarray, part_o: cupy.ndarray, part_ml: cupy.ndarray, out: cupy.ndarray,
@@ -224,6 +230,9 @@ def attention_decode(q: cupy.ndarray, k_cache: cupy.ndarray, v_cache: cupy.ndarr
     float32. rope = (k, v, cos, sin, n_pairs, neox): q, k and v are the new token's raw projections;
     the kernel rotates q and k and stores k and v at pos[0] (else q is rotated and the cache filled)."""
     group = n_heads // n_kv_heads
+    if n_splits < attention_splits(max_ctx):  # else positions past n_splits splits would be left out
+        raise ValueError(f"{n_splits} attention splits do not cover {max_ctx} cache positions "
+                         f"(need {attention_splits(max_ctx)}: ops.attention_splits)")
     if head_dim % 8 or head_dim > ATTN_MAX_HEAD_DIM:
         raise ValueError(f"head dimension {head_dim} is not a multiple of 8 up to {ATTN_MAX_HEAD_DIM}")
     g = attention_group_size(group)
