@@ -441,13 +441,19 @@ __device__ __forceinline__ void attention_scores(const float* q, __half* kc, con
     for (int i = tid; i < G * D; i += ATTN_THREADS) q_s[i] = __half2float(__float2half_rn(q_s[i]));
     __syncthreads();
     const __half* kbase = kc + ((long long)kvh * max_ctx + start) * D;
-    for (int t = tid; t < n; t += ATTN_THREADS) {
-        float acc[MAXG];
+    // TPP neighbouring threads share a position, each taking every TPP-th 16-byte piece of its key
+    // (all threads busy, and a thread's loads are few enough to be in flight together), then add
+    // their partial dot products by shuffles.
+    constexpr int TPP = ATTN_THREADS / ATTN_CHUNK;
+    static_assert(TPP >= 1 && TPP <= 32 && (TPP & (TPP - 1)) == 0, "ATTN_CHUNK: a power of two up to ATTN_THREADS");
+    const int t = tid / TPP, piece = tid % TPP;
+    float acc[MAXG];
 #pragma unroll
-        for (int g = 0; g < MAXG; ++g) acc[g] = 0.f;
+    for (int g = 0; g < MAXG; ++g) acc[g] = 0.f;
+    if (t < n) {
         const uint4* krow = reinterpret_cast<const uint4*>(kbase + (long long)t * D);
-#pragma unroll 4
-        for (int c = 0; c < D / 8; ++c) {
+#pragma unroll 8
+        for (int c = piece; c < D / 8; c += TPP) {
             const uint4 raw = krow[c];
             const __half2* kh = reinterpret_cast<const __half2*>(&raw);
             float kf[8];
@@ -467,6 +473,13 @@ __device__ __forceinline__ void attention_scores(const float* q, __half* kc, con
                 }
             }
         }
+    }
+#pragma unroll
+    for (int o = 1; o < TPP; o <<= 1) {
+#pragma unroll
+        for (int g = 0; g < MAXG; ++g) acc[g] += __shfl_xor_sync(0xffffffffu, acc[g], o);
+    }
+    if (t < n && piece == 0) {
 #pragma unroll
         for (int g = 0; g < MAXG; ++g) {
             if (g < G) {
@@ -525,20 +538,51 @@ __device__ __forceinline__ void attention_values(const __half* vc, const int* po
     }
     __syncthreads();
     const __half* vbase = vc + ((long long)kvh * max_ctx + start) * D;
-    for (int d = tid; d < D; d += ATTN_THREADS) {
-        float acc[MAXG];
+    // thread = (pair of dimensions, phase): the `phases` threads of a pair take every phases-th
+    // position (half2 loads, a short chain of dependent loads per thread); phase 0 adds the others'
+    // sums from shared memory in phase order (deterministic).
+    __shared__ __align__(16) float o_s[ATTN_THREADS * 2 * MAXG];
+    const int pairs = D / 2, phases = ATTN_THREADS / pairs;
+    const int dp = tid % pairs, ph = tid / pairs;
+    float2 acc[MAXG];
 #pragma unroll
-        for (int g = 0; g < MAXG; ++g) acc[g] = 0.f;
+    for (int g = 0; g < MAXG; ++g) acc[g] = make_float2(0.f, 0.f);
+    if (ph < phases) {
+        const __half2* vb = reinterpret_cast<const __half2*>(vbase) + dp;
 #pragma unroll 8
-        for (int t = 0; t < n; ++t) {  // unrolled: eight positions' loads in flight
-            const float vv = __half2float(vbase[(long long)t * D + d]);
+        for (int t = ph; t < n; t += phases) {
+            const float2 vv = __half22float2(vb[(long long)t * pairs]);
+#pragma unroll
+            for (int g = 0; g < MAXG; ++g) {
+                if (g < G) {
+                    const float pr = p_s[g * ATTN_CHUNK + t];
+                    acc[g].x += pr * vv.x;
+                    acc[g].y += pr * vv.y;
+                }
+            }
+        }
+        if (ph > 0) {
 #pragma unroll
             for (int g = 0; g < MAXG; ++g)
-                if (g < G) acc[g] += p_s[g * ATTN_CHUNK + t] * vv;
+                if (g < G) reinterpret_cast<float2*>(o_s)[((ph - 1) * MAXG + g) * pairs + dp] = acc[g];
+        }
+    }
+    __syncthreads();
+    if (ph == 0) {
+        for (int q = 1; q < phases; ++q) {
+#pragma unroll
+            for (int g = 0; g < MAXG; ++g) {
+                if (g < G) {
+                    const float2 o = reinterpret_cast<const float2*>(o_s)[((q - 1) * MAXG + g) * pairs + dp];
+                    acc[g].x += o.x;
+                    acc[g].y += o.y;
+                }
+            }
         }
 #pragma unroll
         for (int g = 0; g < MAXG; ++g)
-            if (g < G) part_o[((long long)(h0 + g) * n_splits + split) * D + d] = acc[g];
+            if (g < G)
+                reinterpret_cast<float2*>(part_o + ((long long)(h0 + g) * n_splits + split) * D)[dp] = acc[g];
     }
 }
 
