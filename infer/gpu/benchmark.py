@@ -72,63 +72,84 @@ def kernel_timings(gpu, n_layers_cycle: int = 8) -> list[dict[str, object]]:  # 
         rows.append({"kernel": name, "per_token": count_per_token, "us": round(ms * 1e3, 2),
                      "GBps": round(nbytes / (ms * 1e-3) / 1e9, 1) if nbytes else None})
 
-    for j in range(len(layers[0].qkv)):
-        mats = [L.qkv[j][0] for L in layers if len(L.qkv) > j]
-        m0, fmts = mats[0], "/".join(sorted({m.fmt for m in mats}))
-        add(f"gemv qkv[{j}] {fmts} {m0.rows}x{m0.cols}", a.n_layers, sum(m.nbytes for m in mats) // len(mats),
-            [lambda m=m: ops.gemv(m, x[: m.cols], outs[: m.rows]) for m in mats])
-    for attr in ("wo", "w_down"):
-        mats = [getattr(L, attr) for L in layers]
-        m0, fmts = mats[0], "/".join(sorted({m.fmt for m in mats}))
-        add(f"gemv {attr} {fmts} {m0.rows}x{m0.cols}", a.n_layers, sum(m.nbytes for m in mats) // len(mats),
-            [lambda m=m: ops.gemv(m, x[: m.cols], outs[: m.rows]) for m in mats])
-    g0 = layers[0].w_gate
-    add(f"gemv_swiglu {g0.fmt} 2x{g0.rows}x{g0.cols}", a.n_layers, 2 * g0.nbytes,
-        [lambda L=L: ops.gemv_swiglu(L.w_gate, L.w_up, x[: a.dim], outs[: a.ffn_dim]) for L in layers])
-    out = gpu.output
-    add(f"gemv output {out.fmt} {out.rows}x{out.cols}", 1, out.nbytes,
-        [lambda: ops.gemv(out, x[: a.dim], outs[: a.vocab_size])])
-    # the integer (dp4a) GEMVs on the same matrices, with 8-bit activations (per_token 0: not in the sum)
+    # the kernels the decode graph runs: integer (dp4a) GEMVs where the step uses them, else float
     from infer.gpu.ops import INT8_FORMATS, int8_buffers
 
-    if g0.fmt in INT8_FORMATS and g0.act in ("q8_0", "q8_k"):
-        x8 = int8_buffers(a.dim, g0.act)
-        add(f"  int8 gemv_swiglu {g0.fmt}", 0, 2 * g0.nbytes,
-            [lambda L=L: ops.gemv8_swiglu(L.w_gate, L.w_up, x8, outs[: a.ffn_dim]) for L in layers])
-    d0 = layers[0].w_down
-    if all(L.w_down.fmt in INT8_FORMATS and L.w_down.act == d0.act for L in layers) and d0.act in ("q8_0", "q8_k"):
-        f8 = int8_buffers(a.ffn_dim, d0.act)
-        add("  int8 gemv w_down", 0, sum(L.w_down.nbytes for L in layers) // len(layers),
-            [lambda L=L: ops.gemv8(L.w_down, f8, outs[: a.dim]) for L in layers])
-    # tuning variants of the GEMV module on the two largest matrices (per_token 0: not in the sum)
-    for warps, unroll in ((2, 4), (4, 2), (4, 8), (8, 4), (8, 8)):
-        d = {"GEMV_WARPS": warps, "GEMV_UNROLL": unroll}
-        add(f"  variant warps={warps} unroll={unroll}: swiglu", 0, 2 * g0.nbytes,
-            [lambda L=L, d=d: ops.gemv_swiglu(L.w_gate, L.w_up, x[: a.dim], outs[: a.ffn_dim], defines=d)
-             for L in layers])
-        add(f"  variant warps={warps} unroll={unroll}: down", 0,
-            sum(L.w_down.nbytes for L in layers) // len(layers),
-            [lambda L=L, d=d: ops.gemv(L.w_down, x[: a.ffn_dim], outs[: a.dim], defines=d) for L in layers])
-        if g0.fmt in INT8_FORMATS and g0.act in ("q8_0", "q8_k"):
+    eights: dict[tuple[int, str], object] = {}
+
+    def x8(n: int, act: str) -> object:
+        if (n, act) not in eights:
+            eights[(n, act)] = int8_buffers(n, act)
+        return eights[(n, act)]
+
+    def integer(m) -> bool:  # noqa: ANN001
+        return gpu.int8_dot and m.fmt in INT8_FORMATS and m.act in ("q8_0", "q8_k")
+
+    def gemv(m) -> Callable[[], None]:  # noqa: ANN001
+        if integer(m):
+            return lambda: ops.gemv8(m, x8(m.cols, m.act), outs[: m.rows])
+        return lambda: ops.gemv(m, x[: m.cols], outs[: m.rows])
+
+    def label(mats: list) -> str:
+        fmts = "/".join(sorted({m.fmt for m in mats}))
+        return f"{fmts} {'int8' if integer(mats[0]) else 'float'}"
+
+    for j in range(len(layers[0].qkv)):
+        mats = [L.qkv[j][0] for L in layers if len(L.qkv) > j]
+        add(f"gemv qkv[{j}] {label(mats)} {mats[0].rows}x{mats[0].cols}", a.n_layers,
+            sum(m.nbytes for m in mats) // len(mats), [gemv(m) for m in mats])
+    for attr in ("wo", "w_down"):
+        mats = [getattr(L, attr) for L in layers]
+        add(f"gemv {attr} {label(mats)} {mats[0].rows}x{mats[0].cols}", a.n_layers,
+            sum(m.nbytes for m in mats) // len(mats), [gemv(m) for m in mats])
+    g0 = layers[0].w_gate
+    if integer(g0):
+        add(f"gemv_swiglu {g0.fmt} int8 2x{g0.rows}x{g0.cols}", a.n_layers, 2 * g0.nbytes,
+            [lambda L=L: ops.gemv8_swiglu(L.w_gate, L.w_up, x8(a.dim, g0.act), outs[: a.ffn_dim]) for L in layers])
+    else:
+        add(f"gemv_swiglu {g0.fmt} float 2x{g0.rows}x{g0.cols}", a.n_layers, 2 * g0.nbytes,
+            [lambda L=L: ops.gemv_swiglu(L.w_gate, L.w_up, x[: a.dim], outs[: a.ffn_dim]) for L in layers])
+    out = gpu.output
+    add(f"gemv output {label([out])} {out.rows}x{out.cols}", 1, out.nbytes, [gemv(out)])
+    # for comparison (per_token 0: not in the sum): the float kernels on the two largest matrices,
+    # and tuning variants of the GEMV module
+    if integer(g0):
+        add(f"  float gemv_swiglu {g0.fmt}", 0, 2 * g0.nbytes,
+            [lambda L=L: ops.gemv_swiglu(L.w_gate, L.w_up, x[: a.dim], outs[: a.ffn_dim]) for L in layers])
+        d0 = layers[0].w_down
+        add(f"  float gemv w_down {d0.fmt}", 0, d0.nbytes, [lambda: ops.gemv(d0, x[: a.ffn_dim], outs[: a.dim])])
+        for warps, unroll in ((2, 4), (4, 2), (4, 8), (8, 4), (8, 8)):
+            d = {"GEMV_WARPS": warps, "GEMV_UNROLL": unroll}
             add(f"  variant warps={warps} unroll={unroll}: int8 swiglu", 0, 2 * g0.nbytes,
-                [lambda L=L, d=d: ops.gemv8_swiglu(L.w_gate, L.w_up, x8, outs[: a.ffn_dim], defines=d)
+                [lambda L=L, d=d: ops.gemv8_swiglu(L.w_gate, L.w_up, x8(a.dim, g0.act), outs[: a.ffn_dim], defines=d)
                  for L in layers])
-    add(f"rmsnorm+round ({layers[0].w_gate.act})", 2 * a.n_layers + 1, 0,
-        [lambda: ops.rmsnorm(x[: a.dim], layers[0].attn_norm, a.norm_eps, 1, a.dim, y=outs[: a.dim],
-                             act=layers[0].w_gate.act)])
+            downs = [L.w_down for L in layers if integer(L.w_down)]
+            add(f"  variant warps={warps} unroll={unroll}: int8 down", 0,
+                sum(m.nbytes for m in downs) // max(1, len(downs)),
+                [lambda m=m, d=d: ops.gemv8(m, x8(m.cols, m.act), outs[: a.dim], defines=d) for m in downs])
+    embed_cache = gpu.new_cache(1)
+    add("embed", 1, 0, [lambda: ops.embed(gpu.token_embd, embed_cache.tok, 1, outs[: a.dim])])
+    act_n, act_w, act_f = layers[0].w_gate.act, layers[0].wo.act, layers[0].w_down.act
+    eight = gpu.int8_dot and act_n in ("q8_0", "q8_k")
+    add(f"rmsnorm+round ({act_n}{', int8' if eight else ''})", 2 * a.n_layers + 1, 0,
+        [lambda: ops.rmsnorm(x[: a.dim], layers[0].attn_norm, a.norm_eps, 1, a.dim, y=outs[: a.dim], act=act_n,
+                             int8=x8(a.dim, act_n) if eight else None)])
     for ctx in (128, 4096):
         cache = gpu.new_cache(ctx)
         cache.pos.set(np.array([ctx - 1], np.int32), stream=stream)
         rope = (x[: a.kv_dim], x[: a.kv_dim], gpu._rope_tables[0], gpu._rope_tables[1], gpu.rope.n_pairs, a.rope_neox)
+        att8 = x8(a.q_dim, act_w) if integer(layers[0].wo) else None
         add(f"attention (scores+values+sum, rope fused) ctx={ctx}", a.n_layers if ctx == 128 else 0, 0,
-            [lambda c=cache, rope=rope: ops.attention_decode(x[: a.q_dim], c.keys[0], c.values[0], c.pos, a.n_heads,
-                                                  a.n_kv_heads, a.head_dim, c.max_tokens, c.n_splits, c.scores,
-                                                  c.part_o, c.part_ml, outs[: a.q_dim], act=layers[0].wo.act,
-                                                  rope=rope)])
+            [lambda c=cache, rope=rope, att8=att8: ops.attention_decode(
+                x[: a.q_dim], c.keys[0], c.values[0], c.pos, a.n_heads, a.n_kv_heads, a.head_dim, c.max_tokens,
+                c.n_splits, c.scores, c.part_o, c.part_ml, outs[: a.q_dim], act=act_w, rope=rope, int8=att8)])
         del cache
     cache = gpu.new_cache(256)
-    add(f"round_act ffn ({layers[0].w_down.act})", a.n_layers, 0,
-        [lambda: ops.round_act(x[: a.ffn_dim], outs[: a.ffn_dim], 1, a.ffn_dim, layers[0].w_down.act)])
+    if act_f != "f32":  # an f32 input is used as it is
+        eight_f = integer(layers[0].w_down)
+        add(f"round_act ffn ({act_f}{', int8' if eight_f else ''})", a.n_layers, 0,
+            [lambda: ops.round_act(x[: a.ffn_dim], outs[: a.ffn_dim], 1, a.ffn_dim, act_f,
+                                   int8=x8(a.ffn_dim, act_f) if eight_f else None)])
     add("sample (argmax)", 1, 0,
         [lambda: ops.sample_token(outs[: a.vocab_size], a.vocab_size, 0.0, 0, cache.tok, cache.pos, cache.tokens)])
     return rows
