@@ -248,9 +248,11 @@ def attention_decode(q: cupy.ndarray, k_cache: cupy.ndarray, v_cache: cupy.ndarr
     kernels.function("ops", f"attention_values_g{g}")(
         grid, (128,), (v_cache, pos, np.int32(group), np.int32(head_dim), np.int32(max_ctx), np.int32(n_splits),
                        scores, part_ml, part_o))
+    n = n_heads * head_dim
+    per_block = 8 * {"q8_0": 32, "q8_k": 256}.get(act, 128)  # 8 warps, a warp per 8-bit group
     kernels.function("ops", "attention_sum")(
-        (1,), (1024,), (part_o, pos, np.int32(n_splits), np.int32(n_heads * head_dim), np.int32(head_dim), out,
-                        np.int32(ACT_CODES[act]), *_int8_args(int8)))
+        (-(-n // per_block),), (256,), (part_o, pos, np.int32(n_splits), np.int32(n), np.int32(head_dim), out,
+                                        np.int32(ACT_CODES[act]), *_int8_args(int8)))
 
 
 _CUDA_R_16F, _CUDA_R_32F, _CUBLAS_COMPUTE_32F, _CUBLAS_GEMM_DEFAULT = 2, 0, 68, -1

@@ -220,14 +220,14 @@ extern "C" __global__ void __launch_bounds__(1024)
     const int t = threadIdx.x, lane = t & 31;
     const float4* xr = reinterpret_cast<const float4*>(x + row * n) + 2 * t;
     const float4 a0 = xr[0], a1 = xr[1];
+    const float4* wr = reinterpret_cast<const float4*>(w) + 2 * t;
+    const float4 w0 = wr[0], w1 = wr[1];  // loaded before the reduction: their latency overlaps it
     float v[8] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
     float ss = 0.f;
 #pragma unroll
     for (int k = 0; k < 8; ++k) ss += v[k] * v[k];
     ss = block_sum(ss);
     const float s = sqrtf(ss / (float)n + eps);
-    const float4* wr = reinterpret_cast<const float4*>(w) + 2 * t;
-    const float4 w0 = wr[0], w1 = wr[1];
     const float wv[8] = {w0.x, w0.y, w0.z, w0.w, w1.x, w1.y, w1.z, w1.w};
 #pragma unroll
     for (int k = 0; k < 8; ++k) v[k] = (v[k] / s) * wv[k];
@@ -607,20 +607,37 @@ ATTENTION_DECODE(16)
 
 // out (n_heads * D) = sum over the splits holding positions 0..pos[0] of their partial outputs (in
 // split order: deterministic), then rounded to activation format `fmt` for the output projection.
-// One block of 1024 threads (the vector is a few thousand values).
-extern "C" __global__ void __launch_bounds__(1024)
+// Spread over blocks of 256 threads: for q8_0/q8_k a warp sums one 8-bit group's values, then rounds
+// that group (run 3: one block of 1024 threads for the whole vector was a serial tail per layer).
+extern "C" __global__ void __launch_bounds__(256)
     attention_sum(const float* part_o, const int* pos, int n_splits, int n, int D, float* out, int fmt,
                   signed char* xq, float* xs, int* xsum) {
     const int active = min(n_splits, pos[0] / ATTN_CHUNK + 1);
-    for (int i = threadIdx.x; i < n; i += blockDim.x) {
-        const int h = i / D, d = i % D;
-        float acc = 0.f;
-        for (int s = 0; s < active; ++s) acc += part_o[((long long)h * n_splits + s) * D + d];
-        out[i] = acc;
+    if (fmt == ACT_F32 || fmt == ACT_F16 || fmt == ACT_BF16) {
+        for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
+            const int h = i / D, d = i % D;
+            float acc = 0.f;
+            for (int s = 0; s < active; ++s) acc += part_o[((long long)h * n_splits + s) * D + d];
+            if (fmt == ACT_F16) acc = __half2float(__float2half_rn(acc));
+            if (fmt == ACT_BF16) acc = __bfloat162float(__float2bfloat16_rn(acc));
+            out[i] = acc;
+        }
+        return;
     }
-    if (fmt == ACT_F32) return;
-    __syncthreads();
-    round_row(out, nullptr, n, fmt, int8_row(xq, xs, xsum, 0, n, fmt));
+    const int group = fmt == ACT_Q8_0 ? 32 : 256, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
+    const int first = blockIdx.x * warps + (threadIdx.x >> 5), stride = gridDim.x * warps;
+    for (int g = first; g < n / group; g += stride) {  // this warp's groups, summed before rounding
+        for (int i = g * group + lane; i < (g + 1) * group; i += 32) {
+            const int h = i / D, d = i % D;
+            float acc = 0.f;
+            for (int s = 0; s < active; ++s) acc += part_o[((long long)h * n_splits + s) * D + d];
+            out[i] = acc;
+        }
+    }
+    __syncwarp();  // the warp rounds the groups it wrote: its lanes read each other's sums
+    const Int8Out o8 = int8_row(xq, xs, xsum, 0, n, fmt);
+    if (fmt == ACT_Q8_0) round_groups<1>(out, out, nullptr, n, fmt, o8, first, stride);
+    else round_groups<8>(out, out, nullptr, n, fmt, o8, first, stride);
 }
 
 // out = SiLU(gate) * up, float32 (decode, when gate and up have different formats)

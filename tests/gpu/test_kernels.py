@@ -263,6 +263,33 @@ def test_attention_decode(rng: np.random.Generator, kv_len: int, heads: tuple[in
     assert _rel(got, want) < 2e-4
 
 
+@pytest.mark.parametrize("act", ["f16", "q8_0", "q8_k"])
+def test_attention_decode_rounds_its_output(rng: np.random.Generator, act: str) -> None:
+    """The output rounded for the output projection (and its 8-bit form) is the float32 output of
+    the same kernels rounded as infer.quants does (the split sums are deterministic)."""
+    from infer.quants import round_activations
+
+    n_heads, n_kv, hd, max_ctx, kv_len = 32, 8, 128, 512, 300
+    n_splits = -(-max_ctx // CHUNK)
+    keys = cupy.asarray(rng.standard_normal((n_kv, max_ctx, hd)).astype(np.float16))
+    values = cupy.asarray(rng.standard_normal((n_kv, max_ctx, hd)).astype(np.float16))
+    q = cupy.asarray((rng.standard_normal((n_heads, hd)) * 2).astype(np.float32))
+    pos = cupy.asarray(np.array([kv_len - 1], np.int32))
+    outs = {}
+    int8 = ops.int8_buffers(n_heads * hd, act) if act != "f16" else None
+    for fmt in ("f32", act):
+        outs[fmt] = _poisoned(n_heads * hd)
+        ops.attention_decode(q, keys, values, pos, n_heads, n_kv, hd, max_ctx, n_splits, _poisoned(n_heads * max_ctx),
+                             _poisoned(n_heads * n_splits * hd), _poisoned(n_heads * n_splits * 2), outs[fmt],
+                             act=fmt, int8=int8 if fmt == act else None)
+    got, base = cupy.asnumpy(outs[act]), cupy.asnumpy(outs["f32"])
+    np.testing.assert_array_equal(got, round_activations(base[None], act)[0])
+    if int8 is not None:
+        xq, scale, qsum = (cupy.asnumpy(a) for a in int8)
+        np.testing.assert_array_equal(xq.astype(np.float32) * np.repeat(scale, 32 if act == "q8_0" else 256), got)
+        np.testing.assert_array_equal(qsum, xq.astype(np.int32).reshape(-1, 32).sum(1))
+
+
 def test_swiglu(rng: np.random.Generator) -> None:
     n = 5000
     g, u = (rng.standard_normal(n).astype(np.float32) * 4 for _ in range(2))
