@@ -433,7 +433,11 @@ def test_gemv8_on_8bit_activations(rng: np.random.Generator, ggml_type: int, sha
     y = _poisoned(rows)
     ops.gemv8(m, int8, y)
     assert _rel(cupy.asnumpy(y), want) < GEMV_BOUND
-    if rows == 257:  # the fused SwiGLU form, gate = up
-        out = _poisoned(rows)
-        ops.gemv8_swiglu(m, m, int8, out)
-        assert _rel(cupy.asnumpy(out), want / (1 + np.exp(-want)) * want) < 1e-4
+    # the fused SwiGLU form, this matrix as the gate and another as up (loaded in pairs: a swap shows)
+    raw_up = _tensor(rng, ggml_type, rows, cols)
+    m_up = ops.upload_matrix(raw_up, ggml_type, rows, cols)
+    w_up = layout.reconstruct(layout.repack(raw_up, ggml_type, rows, cols), m.fmt, rows, cols).astype(np.float64)
+    want_up = w_up @ round_activations(x, act).astype(np.float64)
+    out = _poisoned(rows)
+    ops.gemv8_swiglu(m, m_up, int8, out)
+    assert _rel(cupy.asnumpy(out), want / (1 + np.exp(-want)) * want_up) < 1e-4
