@@ -1,0 +1,277 @@
+# ruff: noqa
+"""A NumPy stand-in for the parts of CuPy that infer.gpu uses, with the CUDA kernels emulated in
+NumPy, to exercise the Python orchestration without a GPU. Not a test of the CUDA code.
+
+    PYTHONPATH=tests/gpu/numpy_cupy:. python -m pytest tests/gpu/test_model.py tests/gpu/test_kernels.py
+
+runs the GPU tests' Python paths (model wiring, buffers, graph capture, test logic) on the CPU; the
+kernels' numbers come from infer.quants/infer.model, so it shows wiring and test mistakes, not kernel
+bugs. Dense by design (ruff is off here): one line per emulated kernel."""
+import ctypes, time, types
+import numpy as np
+from gguf.constants import GGMLQuantizationType as T
+
+float16, float32, int32, uint8, uint16, int64, int8 = np.float16, np.float32, np.int32, np.uint8, np.uint16, np.int64, np.int8
+
+class _Data:
+    def __init__(self, a): self.ptr = a.ctypes.data
+class ndarray(np.ndarray):
+    @property
+    def data(self): return _Data(self)
+    def set(self, arr, stream=None): self[...] = np.asarray(arr).reshape(self.shape)
+def _w(r): return r.view(ndarray) if isinstance(r, np.ndarray) else r
+def asarray(x, dtype=None): return _w(np.array(x, dtype=dtype, copy=True))
+def asnumpy(a, stream=None): return np.array(a, copy=True).view(np.ndarray)
+for _n in ["zeros", "empty", "full", "arange", "concatenate", "stack", "where", "exp", "matmul", "ascontiguousarray", "empty_like"]:
+    globals()[_n] = (lambda f: (lambda *a, **k: _w(f(*a, **k))))(getattr(np, _n))
+def empty(shape, dtype=np.float32): return _w(np.full(shape, np.nan if np.dtype(dtype).kind == 'f' else 0x5A, dtype))
+random = types.SimpleNamespace(random=lambda n, dtype=np.float64: _w(np.random.random(n).astype(dtype)))
+linalg = types.SimpleNamespace(norm=lambda a: np.linalg.norm(np.asarray(a)))
+class _Pool:
+    def total_bytes(self): return 0
+    def used_bytes(self): return 0
+def get_default_memory_pool(): return _Pool()
+
+_capturing = []
+class _Graph:
+    def __init__(self, calls): self.calls = calls
+    def launch(self, stream=None):
+        for k, g, b, a in self.calls: k._run(g, b, a)
+class Stream:
+    def __init__(self, non_blocking=False): self.ptr = 0; self._rec = None
+    def __enter__(self): return self
+    def __exit__(self, *e): return False
+    def begin_capture(self): self._rec = []; _capturing.append(self)
+    def end_capture(self): _capturing.remove(self); g = _Graph(self._rec); self._rec = None; return g
+    def synchronize(self): pass
+class Event:
+    def record(self, stream=None): self.t = time.perf_counter()
+    def synchronize(self): pass
+class _Device:
+    def __init__(self, i=0): self.id = 0
+    def __enter__(self): return self
+    def __exit__(self, *e): return False
+def _no_cublas(): raise RuntimeError("no cuBLAS in the fake")
+class CompileException(Exception): pass
+cuda = types.SimpleNamespace(
+    Stream=Stream, Event=Event, Device=_Device, get_elapsed_time=lambda a, b: (b.t - a.t) * 1e3,
+    get_current_stream=lambda: Stream(), device=types.SimpleNamespace(get_cublas_handle=_no_cublas),
+    compiler=types.SimpleNamespace(CompileException=CompileException),
+    runtime=types.SimpleNamespace(getDeviceCount=lambda: 1, memGetInfo=lambda: (1 << 30, 2 << 30), memcpyDeviceToDevice=3,
+                                  memcpyAsync=lambda d, s, n, k, st: ctypes.memmove(d, s, n),
+                                  getDeviceProperties=lambda i: {"name": b"FakeGPU", "major": 9, "minor": 0,
+                                                                 "multiProcessorCount": 1, "l2CacheSize": 1}))
+
+# ---------------------------------------------------------------- kernels in NumPy
+def _arr(ptr, dtype, n):
+    ptr = int(ptr.ctypes.data) if isinstance(ptr, np.ndarray) else int(ptr)
+    assert ptr != 0, "null pointer dereferenced"
+    dt = np.dtype(dtype)
+    buf = (ctypes.c_uint8 * (n * dt.itemsize)).from_address(ptr)
+    return np.frombuffer(buf, dtype=dt, count=n)
+def _ptr(p): return int(p.ctypes.data) if isinstance(p, np.ndarray) else int(p)
+
+def _weights(fmt, qs, hi, sm, dm, rows, K):
+    from infer.gpu import layout
+    lay = layout.plane_layout(fmt, rows, K)
+    if fmt in layout.FLOAT_FORMATS:
+        return layout.reconstruct(_arr(qs, np.uint8, lay.sizes[0]).copy(), fmt, rows, K)
+    buf = np.zeros(lay.nbytes, np.uint8)
+    for p, o, s in zip((qs, hi, sm, dm), lay.offsets, lay.sizes):
+        if s: buf[o:o+s] = _arr(p, np.uint8, s)
+    return layout.reconstruct(buf, fmt, rows, K)
+
+def _int8_form(v, act):
+    v = np.asarray(v, np.float32).reshape(-1)
+    g = 32 if act == "q8_0" else 256
+    b = v.reshape(-1, g)
+    if act == "q8_0":
+        amax = np.abs(b).max(1, keepdims=True)
+        with np.errstate(divide="ignore"):
+            inv = np.where(amax > 0, np.float32(127) / amax, np.float32(0))
+        scale = (amax / np.float32(127)).astype(np.float16).astype(np.float32)
+        q = np.rint(b * inv)
+    else:
+        ext = np.take_along_axis(b, np.abs(b).argmax(1)[:, None], 1)
+        with np.errstate(divide="ignore"):
+            inv = np.where(ext != 0, np.float32(-127) / ext, np.float32(0)); scale = np.where(ext != 0, np.float32(1) / inv, np.float32(0))
+        q = np.minimum(np.rint(b * inv), 127)
+    q = q.astype(np.int32).reshape(-1)
+    return q.astype(np.int8), scale.reshape(-1).astype(np.float32), q.reshape(-1, 32).sum(1).astype(np.int32)
+
+def _write_int8(xq, xs, xsum, v, act):
+    if not _ptr(xq): return
+    q, sc, qs = _int8_form(v, act)
+    _arr(xq, np.int8, q.size)[:] = q; _arr(xs, np.float32, sc.size)[:] = sc; _arr(xsum, np.int32, qs.size)[:] = qs
+
+ACTS = ["f32", "f16", "bf16", "q8_0", "q8_k"]
+
+class RawKernel:
+    def __init__(self, name): self.name = name
+    def __call__(self, grid, block, args, shared_mem=0):
+        if _capturing: _capturing[-1]._rec.append((self, grid, block, args)); return
+        self._run(grid, block, args)
+    def _run(self, grid, block, args):
+        n = self.name
+        from infer.gpu import layout
+        if n.startswith("repack_"):
+            src, n_sb, qs, hi, sm, dm = args
+            t = T[n[7:].upper()]
+            bs, ts = layout.GGML_QUANT_SIZES[t]
+            raw = _arr(src, np.uint8, int(n_sb) * 32 // bs * ts).copy()
+            fmt = layout.format_of(t)
+            r_, c_ = (int(n_sb) // 8, 256) if fmt in layout.K_FORMATS else (int(n_sb), 32)
+            planar = np.frombuffer(layout.repack(raw, t, r_, c_), np.uint8)
+            lay = layout.plane_layout(fmt, r_, c_)
+            for p, o, s in zip((qs, hi, sm, dm), lay.offsets, lay.sizes):
+                if s: _arr(p, np.uint8, s)[:] = planar[o:o+s]
+        elif n.startswith("gemv8_swiglu_"):
+            fmt = n[13:]
+            gqs, ghi, gsm, gdm, uqs, uhi, usm, udm, rows, K, xq, xs8, xsum, y = args
+            rows, K = int(rows), int(K); sh = 256 if fmt in layout.K_FORMATS else 32
+            xv = (_arr(xq, np.int8, K).astype(np.float64).reshape(-1, sh) * _arr(xs8, np.float32, K // sh)[:, None]).reshape(-1)
+            g = _weights(fmt, gqs, ghi, gsm, gdm, rows, K) @ xv; u = _weights(fmt, uqs, uhi, usm, udm, rows, K) @ xv
+            _arr(y, np.float32, rows)[:] = g / (1 + np.exp(-g)) * u
+        elif n.startswith("gemv8_"):
+            fmt = n[6:]
+            qs, hi, sm, dm, rows, K, xq, xs8, xsum, y, bias, res = args
+            rows, K = int(rows), int(K); sh = 256 if fmt in layout.K_FORMATS else 32
+            xv = (_arr(xq, np.int8, K).astype(np.float64).reshape(-1, sh) * _arr(xs8, np.float32, K // sh)[:, None]).reshape(-1)
+            assert (_arr(xsum, np.int32, K // 32) == _arr(xq, np.int8, K).astype(np.int32).reshape(-1, 32).sum(1)).all()
+            out = _weights(fmt, qs, hi, sm, dm, rows, K) @ xv
+            if _ptr(bias): out += _arr(bias, np.float32, rows)
+            if _ptr(res): out += _arr(res, np.float32, rows)
+            _arr(y, np.float32, rows)[:] = out
+        elif n.startswith("gemv_swiglu_"):
+            fmt = n[12:]
+            gqs, ghi, gsm, gdm, uqs, uhi, usm, udm, rows, K, x, y = args
+            rows, K = int(rows), int(K)
+            xv = _arr(x, np.float32, K).astype(np.float64)
+            g = _weights(fmt, gqs, ghi, gsm, gdm, rows, K) @ xv; u = _weights(fmt, uqs, uhi, usm, udm, rows, K) @ xv
+            _arr(y, np.float32, rows)[:] = g / (1 + np.exp(-g)) * u
+        elif n.startswith("gemv_"):
+            fmt = n[5:]
+            qs, hi, sm, dm, rows, K, x, y, bias, res = args
+            rows, K = int(rows), int(K)
+            out = _weights(fmt, qs, hi, sm, dm, rows, K) @ _arr(x, np.float32, K).astype(np.float64)
+            if _ptr(bias): out += _arr(bias, np.float32, rows)
+            if _ptr(res): out += _arr(res, np.float32, rows)
+            _arr(y, np.float32, rows)[:] = out
+        elif n.startswith("dequant_"):
+            fmt = n[8:]
+            qs, hi, sm, dm, cnt, out = args
+            cnt = int(cnt)
+            if fmt in layout.FLOAT_FORMATS:
+                w = _weights(fmt, qs, hi, sm, dm, 1, cnt).reshape(-1)
+            else:
+                w = _weights(fmt, qs, hi, sm, dm, cnt // 8, 256).reshape(-1) if fmt in layout.K_FORMATS else _weights(fmt, qs, hi, sm, dm, cnt, 32).reshape(-1)
+            _arr(out, np.float16, w.size)[:] = w.astype(np.float16)
+        elif n.startswith("embed_"):
+            fmt = n[6:]
+            qs, hi, sm, dm, rows, K, ids, cnt, out = args
+            rows, K, cnt = int(rows), int(K), int(cnt)
+            W = _weights(fmt, qs, hi, sm, dm, rows, K)
+            o = _arr(out, np.float32, cnt * K).reshape(cnt, K)
+            for i, r in enumerate(_arr(ids, np.int32, cnt)):
+                o[i] = W[r] if 0 <= r < rows else 0
+        elif n in ("rmsnorm", "rmsnorm8"):
+            x, w, y, y16, nn, eps, act, xq, xs8, xsum = args
+            rows, nn = grid[0], int(nn)
+            xv = _arr(x, np.float32, rows * nn).reshape(rows, nn)
+            from infer.model import rms_norm
+            from infer.quants import round_activations
+            v = rms_norm(xv.copy(), _arr(w, np.float32, nn).copy(), float(eps))
+            if _ptr(y):
+                v = round_activations(v, ["f32", "f16", "bf16", "q8_0", "q8_k"][int(act)])
+                _arr(y, np.float32, rows * nn)[:] = v.reshape(-1)
+                if _ptr(xq): assert rows == 1; _write_int8(xq, xs8, xsum, _arr(x, np.float32, nn) * 0 + rms_norm(xv.copy(), _arr(w, np.float32, nn).copy(), float(eps)).reshape(-1), ACTS[int(act)])
+            if _ptr(y16): _arr(y16, np.float16, rows * nn)[:] = v.reshape(-1).astype(np.float16)
+        elif n == "round_act":
+            x, y, y16, nn, act, xq, xs8, xsum = args
+            rows, nn = grid[1], int(nn)
+            if _ptr(xq): assert rows == 1; _write_int8(xq, xs8, xsum, _arr(x, np.float32, nn).copy(), ACTS[int(act)])
+            from infer.quants import round_activations
+            v = round_activations(_arr(x, np.float32, rows * nn).reshape(rows, nn).copy(), ["f32", "f16", "bf16", "q8_0", "q8_k"][int(act)])
+            _arr(y, np.float32, rows * nn)[:] = v.reshape(-1)
+            if _ptr(y16): _arr(y16, np.float16, rows * nn)[:] = v.reshape(-1).astype(np.float16)
+        elif n == "rope_store":
+            q, k, v, cos, sin, pos, H, Hkv, D, npairs, neox, kc, vc, max_ctx = args
+            Tn = grid[0]; H, Hkv, D, npairs, neox, max_ctx = map(int, (H, Hkv, D, npairs, neox, max_ctx))
+            P = _arr(pos, np.int32, Tn)
+            C = _arr(cos, np.float32, (P.max() + 1) * npairs).reshape(-1, npairs); S = _arr(sin, np.float32, (P.max() + 1) * npairs).reshape(-1, npairs)
+            Q = _arr(q, np.float32, Tn * H * D).reshape(Tn, H, D); Kk = _arr(k, np.float32, Tn * Hkv * D).reshape(Tn, Hkv, D)
+            V = _arr(v, np.float32, Tn * Hkv * D).reshape(Tn, Hkv, D)
+            KC = _arr(kc, np.float16, Hkv * max_ctx * D).reshape(Hkv, max_ctx, D); VC = _arr(vc, np.float16, Hkv * max_ctx * D).reshape(Hkv, max_ctx, D)
+            def rot(x, c, s):
+                out = x.copy()
+                if neox: a, b = x[..., :npairs], x[..., npairs:2*npairs]; out[..., :npairs] = a*c - b*s; out[..., npairs:2*npairs] = a*s + b*c
+                else: a, b = x[..., 0:2*npairs:2], x[..., 1:2*npairs:2]; out[..., 0:2*npairs:2] = a*c - b*s; out[..., 1:2*npairs:2] = a*s + b*c
+                return out
+            for t in range(Tn):
+                c, s = C[P[t]], S[P[t]]
+                Q[t] = rot(Q[t], c, s)
+                KC[:, P[t]] = rot(Kk[t], c, s).astype(np.float16); VC[:, P[t]] = V[t].astype(np.float16)
+        elif n.startswith("attention_scores_g"):
+            q, kc, pos, G, D, max_ctx, scale, n_splits, sc, pml, kn, vn, cos, sin, npairs, neox, vc = args
+            Hkv = grid[0]; G, D, max_ctx, n_splits = map(int, (G, D, max_ctx, n_splits)); CH = __import__('infer.gpu.kernels', fromlist=['x']).DEFAULT_DEFINES['ATTN_CHUNK']
+            assert grid[1] == n_splits and G <= int(n[18:])
+            L = int(_arr(pos, np.int32, 1)[0]) + 1
+            Q = _arr(q, np.float32, Hkv * G * D).reshape(Hkv * G, D).copy()
+            KC = _arr(kc, np.float16, Hkv * max_ctx * D).reshape(Hkv, max_ctx, D)
+            if _ptr(kn):
+                npairs, neox, P = int(npairs), int(neox), L - 1
+                C = _arr(cos, np.float32, L * npairs).reshape(L, npairs)[P]; S = _arr(sin, np.float32, L * npairs).reshape(L, npairs)[P]
+                def rot(x):
+                    out = x.copy()
+                    if neox: a_, b_ = x[..., :npairs], x[..., npairs:2*npairs]; out[..., :npairs] = a_*C - b_*S; out[..., npairs:2*npairs] = a_*S + b_*C
+                    else: a_, b_ = x[..., 0:2*npairs:2], x[..., 1:2*npairs:2]; out[..., 0:2*npairs:2] = a_*C - b_*S; out[..., 1:2*npairs:2] = a_*S + b_*C
+                    return out
+                Q = rot(Q)
+                KC[:, P] = rot(_arr(kn, np.float32, Hkv * D).reshape(Hkv, D)).astype(np.float16)
+                _arr(vc, np.float16, Hkv * max_ctx * D).reshape(Hkv, max_ctx, D)[:, P] = _arr(vn, np.float32, Hkv * D).reshape(Hkv, D).astype(np.float16)
+            Q = Q.astype(np.float16).astype(np.float32)
+            SC = _arr(sc, np.float32, Hkv * G * max_ctx).reshape(Hkv * G, max_ctx); PML = _arr(pml, np.float32, Hkv * G * n_splits * 2).reshape(Hkv * G, n_splits, 2)
+            for h in range(Hkv * G):
+                for sp in range(n_splits):
+                    a_, b_ = sp * CH, min((sp + 1) * CH, L)
+                    if b_ <= a_: PML[h, sp] = (-np.inf, 0); continue
+                    s_ = (KC[h // G, a_:b_].astype(np.float32) @ Q[h]) * np.float32(scale); SC[h, a_:b_] = s_
+                    m = s_.max(); PML[h, sp] = (m, np.exp(s_ - m).sum())
+        elif n.startswith("attention_values_g"):
+            vc, pos, G, D, max_ctx, n_splits, sc, pml, po = args
+            Hkv = grid[0]; G, D, max_ctx, n_splits = map(int, (G, D, max_ctx, n_splits)); CH = __import__('infer.gpu.kernels', fromlist=['x']).DEFAULT_DEFINES['ATTN_CHUNK']
+            L = int(_arr(pos, np.int32, 1)[0]) + 1
+            VC = _arr(vc, np.float16, Hkv * max_ctx * D).reshape(Hkv, max_ctx, D)
+            SC = _arr(sc, np.float32, Hkv * G * max_ctx).reshape(Hkv * G, max_ctx); PML = _arr(pml, np.float32, Hkv * G * n_splits * 2).reshape(Hkv * G, n_splits, 2)
+            PO = _arr(po, np.float32, Hkv * G * n_splits * D).reshape(Hkv * G, n_splits, D)
+            for h in range(Hkv * G):
+                M = PML[h, :, 0].max(); Lsum = sum(PML[h, s_, 1] * np.exp(PML[h, s_, 0] - M) for s_ in range(n_splits) if PML[h, s_, 1] > 0)
+                for sp in range(n_splits):
+                    a_, b_ = sp * CH, min((sp + 1) * CH, L)
+                    if b_ <= a_: PO[h, sp] = 0; continue
+                    p_ = (np.exp(SC[h, a_:b_] - M) / np.float32(Lsum)).astype(np.float16).astype(np.float32)
+                    PO[h, sp] = p_ @ VC[h // G, a_:b_].astype(np.float32)
+        elif n == "attention_sum":
+            po, pos, n_splits, nn, D, out, act, xq, xs8, xsum = args
+            n_splits, nn, D = int(n_splits), int(nn), int(D); H = nn // D
+            from infer.quants import round_activations
+            v = _arr(po, np.float32, H * n_splits * D).reshape(H, n_splits, D).sum(1).reshape(1, -1)
+            _arr(out, np.float32, nn)[:] = round_activations(v, ["f32", "f16", "bf16", "q8_0", "q8_k"][int(act)]).reshape(-1)
+            _write_int8(xq, xs8, xsum, v, ACTS[int(act)])
+        elif n == "swiglu_f32":
+            g, u, o, nn = args; nn = int(nn); gv = _arr(g, np.float32, nn)
+            _arr(o, np.float32, nn)[:] = gv / (1 + np.exp(-gv)) * _arr(u, np.float32, nn)
+        elif n == "sample_token":
+            lg, vocab, temp, seed, tok, pos, tokens = args
+            p = int(_arr(pos, np.int32, 1)[0]); v = _arr(lg, np.float32, int(vocab)).astype(np.float64)
+            if float(temp) > 0:
+                r = np.random.default_rng([int(seed), p]).random(v.size); v = v / float(temp) - np.log(-np.log(r))
+            nxt = int(np.argmax(v))
+            _arr(tok, np.int32, 1)[0] = nxt; _arr(tokens, np.int32, p + 2)[p + 1] = nxt; _arr(pos, np.int32, 1)[0] = p + 1
+        else:
+            raise NotImplementedError(n)
+
+class RawModule:
+    def __init__(self, code=None, options=(), backend="nvrtc"): self.backend = backend
+    def compile(self): pass
+    def get_function(self, name): return RawKernel(name)
