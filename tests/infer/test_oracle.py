@@ -84,12 +84,10 @@ def test_logits_agree_with_llama_cpp(pair: Pair) -> None:
     assert plain >= min(required, self_agreement) - 1 / len(ids)
 
 
-@pytest.mark.parametrize("_", [None], ids=["flipped"])
-def test_rope_pairing_is_the_one_llama_cpp_uses(pair: Pair, _: None) -> None:
+@pytest.mark.parametrize("pair", ["smollm2-F16", "qwen05b"], indirect=True)  # one file per architecture
+def test_rope_pairing_is_the_one_llama_cpp_uses(pair: Pair) -> None:
     """Rotating the other pairs of dimensions (adjacent vs NeoX halves) must lose the agreement:
     this is what tells which pairing each architecture uses in GGUF."""
-    if pair.name not in ("smollm2-F16", "qwen05b"):
-        pytest.skip("one file per architecture is enough")
     ids = prose_prompt(pair.ref)[:64]
     good = pair.ours.transformer
     flipped = Transformer(dataclasses.replace(good.args, rope_neox=not good.args.rope_neox), good.weights)
@@ -99,9 +97,8 @@ def test_rope_pairing_is_the_one_llama_cpp_uses(pair: Pair, _: None) -> None:
     assert agreement < 0.6
 
 
+@pytest.mark.parametrize("pair", sorted(STRICT), indirect=True)  # identical text is required at 8+ bits
 def test_greedy_continuation_is_identical(pair: Pair) -> None:
-    if pair.name not in STRICT:
-        pytest.skip("identical greedy text is required for F16 and Q8_0 only")
     prompt = pair.ref.tokenize("Once upon a time, in a small village by the sea,")
     expected = pair.ref.greedy(prompt, 32)
     got = list(pair.ours.generate_ids(prompt, 32, stop_at_eog=False))
