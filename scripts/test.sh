@@ -12,4 +12,4 @@ export NVMEDIRECT_REQUIRE="${NVMEDIRECT_REQUIRE:-vm,oracle}"
 echo "== ruff"
 ruff check .
 echo "== pytest"
-exec python -m pytest -p no:cacheprovider "$@"
+exec python -m pytest -p no:cacheprovider --durations=15 "$@"
