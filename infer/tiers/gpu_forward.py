@@ -25,7 +25,6 @@ from infer.gpu.ops import GpuMatrix
 from infer.model import ModelArgs, Rope
 from infer.tiers.pipeline import GpuStreamingWeights
 
-ATTN_CHUNK = 256  # positions per split of the decode attention kernel (ops.cu's ATTN_CHUNK)
 F32, F16 = cupy.float32, cupy.float16
 
 
@@ -69,7 +68,7 @@ class GpuStreamingModel:
         a = self.args
         if max_tokens > self.cos.shape[0]:
             raise ValueError(f"cache of {max_tokens} positions exceeds the context size {self.cos.shape[0]}")
-        n_splits = -(-max_tokens // ATTN_CHUNK)
+        n_splits = ops.attention_splits(max_tokens)  # the kernels' own split size, not a copy of it
         shape = (a.n_layers, a.n_kv_heads, max_tokens, a.head_dim)
         with self.stream:
             cache = StreamKVCache(cupy.zeros(shape, F16), cupy.zeros(shape, F16), max_tokens, n_splits,

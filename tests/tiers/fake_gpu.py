@@ -242,6 +242,8 @@ def install(monkeypatch: Any) -> None:
         monkeypatch.setattr(module, "cupy", fake_cupy)
     monkeypatch.setattr(real_ops.kernels, "function", fake_kernel_function)
     monkeypatch.setattr(pipeline.kernels, "function", fake_kernel_function)
-    monkeypatch.setattr(gpu_forward, "ops", make_ops())
+    fake_ops = make_ops()
+    fake_ops.attention_splits = real_ops.attention_splits  # buffer sizing is the real kernels' rule
+    monkeypatch.setattr(gpu_forward, "ops", fake_ops)
     monkeypatch.setattr(gpu_forward, "F32", np.float32)
     monkeypatch.setattr(gpu_forward, "F16", np.float16)
