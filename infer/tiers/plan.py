@@ -38,7 +38,7 @@ from typing import Any
 LAYER_NAME = re.compile(r"^blk\.(\d+)\.(.+)\.(weight|bias)$")
 ATTENTION_KINDS = ("attn_q", "attn_k", "attn_v", "attn_output")
 FFN_KINDS = ("ffn_gate", "ffn_up", "ffn_down")
-DEFAULT_SLOTS = 8  # H200, 70B Q4_K_M at 24 GB: 4 slots gave 57.7 tok/s for 32 sequences, 8 gave 69.7 (copies run further ahead of batched compute)
+DEFAULT_SLOTS = 4  # small models and small budgets; bench/streaming_bench.py uses 8 (see BENCH_SLOTS there)
 SCRATCH_ALIGN = 256  # each tensor in the layer scratch starts on this boundary (the kernels' plane alignment)
 
 
