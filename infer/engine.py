@@ -19,14 +19,13 @@ PREFILL_BATCH = 512
 
 
 @dataclass
-class GenerationStats:
-    """Token counts and wall-clock seconds of the last prefill and decode phases."""
+class Throughput:
+    """Token counts and wall-clock seconds of a prefill and a decode phase, and their rates."""
 
     prompt_tokens: int = 0
     prompt_seconds: float = 0.0
     generated_tokens: int = 0
     decode_seconds: float = 0.0
-    stop_reason: str = ""  # "eog" (end-of-generation token), "length" or "context"
 
     @property
     def prompt_tokens_per_second(self) -> float:
@@ -35,6 +34,13 @@ class GenerationStats:
     @property
     def decode_tokens_per_second(self) -> float:
         return self.generated_tokens / self.decode_seconds if self.decode_seconds > 0 else 0.0
+
+
+@dataclass
+class GenerationStats(Throughput):
+    """Counts and timings of the last prefill and decode phases of one sequence."""
+
+    stop_reason: str = ""  # "eog" (end-of-generation token), "length" or "context"
 
     def as_dict(self) -> dict[str, float | int | str]:
         return {

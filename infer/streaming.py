@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from infer.engine import Throughput
 from infer.model import KVCache, Transformer, rms_norm
 
 PREFILL_CHUNK = 512  # prompt rows per pass, shared by the sequences still in their prompt
@@ -29,25 +30,13 @@ Chooser = Callable[[np.ndarray, list[int]], int]
 
 
 @dataclass
-class BatchStats:
+class BatchStats(Throughput):
     """Passes, tokens and seconds of the last generate(); bytes each tier moved."""
 
     sequences: int = 0
     prefill_passes: int = 0
-    prompt_tokens: int = 0
-    prompt_seconds: float = 0.0
     decode_passes: int = 0
-    generated_tokens: int = 0
-    decode_seconds: float = 0.0
     bytes_moved: dict[str, int] = field(default_factory=dict)  # per tier label, whole run
-
-    @property
-    def prompt_tokens_per_second(self) -> float:
-        return self.prompt_tokens / self.prompt_seconds if self.prompt_seconds > 0 else 0.0
-
-    @property
-    def decode_tokens_per_second(self) -> float:
-        return self.generated_tokens / self.decode_seconds if self.decode_seconds > 0 else 0.0
 
 
 def forward_batch(model: Transformer, batch: Sequence[tuple[np.ndarray, KVCache]],

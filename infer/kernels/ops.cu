@@ -54,6 +54,34 @@ __device__ float block_sum(float v) {
 #define ACT_Q8_0 3
 #define ACT_Q8_K 4
 
+// One 8-bit group's scale from each lane's largest |x| (`best`, at index `best_i`, signed value
+// `extreme`): reduced over xor distances up to `span` (ties to the lower index, as NumPy's argmax),
+// then Q8_0's float16 scale (amax / 127) or Q8_K's (-127 / the signed extreme) with the clamp bound.
+__device__ __forceinline__ void group_scale(int fmt, float best, int best_i, float extreme, int span, float& inv,
+                                            float& scale, float& hi) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        if (o > span) continue;
+        const float ob = __shfl_xor_sync(0xffffffffu, best, o);
+        const int oi = __shfl_xor_sync(0xffffffffu, best_i, o);
+        const float oe = __shfl_xor_sync(0xffffffffu, extreme, o);
+        if (ob > best || (ob == best && oi < best_i)) {
+            best = ob;
+            best_i = oi;
+            extreme = oe;
+        }
+    }
+    if (fmt == ACT_Q8_0) {
+        inv = best > 0.f ? 127.f / best : 0.f;
+        scale = __half2float(__float2half_rn(best / 127.f));
+        hi = 1e30f;
+    } else {
+        inv = extreme != 0.f ? -127.f / extreme : 0.f;
+        scale = extreme != 0.f ? 1.f / inv : 0.f;
+        hi = 127.f;
+    }
+}
+
 // One warp per group of 32*PER values (PER = 1: q8_0, 8: q8_k)
 // The 8-bit form of q8_0/q8_k activations for the integer (dp4a) GEMVs: xq the int8 values, xs the
 // float scale per group (32 or 256 values), xsum the sum of xq per 32 values. Null xq: not wanted.
@@ -101,27 +129,8 @@ __device__ void round_groups(const float* src, float* y, __half* y16, int n, int
                 extreme = v[k];
             }
         }
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) {
-            const float ob = __shfl_xor_sync(0xffffffffu, best, o);
-            const int oi = __shfl_xor_sync(0xffffffffu, best_i, o);
-            const float oe = __shfl_xor_sync(0xffffffffu, extreme, o);
-            if (ob > best || (ob == best && oi < best_i)) {
-                best = ob;
-                best_i = oi;
-                extreme = oe;
-            }
-        }
         float inv, scale, hi;
-        if (fmt == ACT_Q8_0) {
-            inv = best > 0.f ? 127.f / best : 0.f;
-            scale = __half2float(__float2half_rn(best / 127.f));
-            hi = 1e30f;
-        } else {
-            inv = extreme != 0.f ? -127.f / extreme : 0.f;
-            scale = extreme != 0.f ? 1.f / inv : 0.f;
-            hi = 127.f;
-        }
+        group_scale(fmt, best, best_i, extreme, 16, inv, scale, hi);
         int qsum = 0;
         float r[PER];
         int q[PER];
@@ -248,27 +257,8 @@ extern "C" __global__ void __launch_bounds__(1024)
                 extreme = v[k];
             }
         }
-        const int span = fmt == ACT_Q8_0 ? 2 : 16;  // xor distances: 4 lanes (32 values) or the warp (256)
-        for (int o = span; o > 0; o >>= 1) {
-            const float ob = __shfl_xor_sync(0xffffffffu, best, o);
-            const int oi = __shfl_xor_sync(0xffffffffu, best_i, o);
-            const float oe = __shfl_xor_sync(0xffffffffu, extreme, o);
-            if (ob > best || (ob == best && oi < best_i)) {
-                best = ob;
-                best_i = oi;
-                extreme = oe;
-            }
-        }
-        float inv, scale, hi;
-        if (fmt == ACT_Q8_0) {
-            inv = best > 0.f ? 127.f / best : 0.f;
-            scale = __half2float(__float2half_rn(best / 127.f));
-            hi = 1e30f;
-        } else {
-            inv = extreme != 0.f ? -127.f / extreme : 0.f;
-            scale = extreme != 0.f ? 1.f / inv : 0.f;
-            hi = 127.f;
-        }
+        float inv, scale, hi;  // xor distances: 4 lanes (32 values) or the warp (256)
+        group_scale(fmt, best, best_i, extreme, fmt == ACT_Q8_0 ? 2 : 16, inv, scale, hi);
         int qsum = 0;
 #pragma unroll
         for (int k = 0; k < 8; ++k) {
