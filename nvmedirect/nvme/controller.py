@@ -205,6 +205,9 @@ class Controller:
     def reset(self) -> None:
         """Controller reset and re-initialisation: in-flight commands complete with a host
         "Aborted by Controller Reset" status; the same QueuePair objects work afterwards."""
+        # Stop the controller before touching the rings: while it is enabled it may still post
+        # completions of the old commands into a completion queue we have just cleared.
+        bringup.disable(self.bar, self.ready_timeout_s)
         for qpair in self._all_qpairs():
             qpair.reset()
         self.start(io_queues=max(self.io_queue_limit, 1))
