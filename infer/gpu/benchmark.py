@@ -98,12 +98,28 @@ def kernel_timings(gpu, n_layers_cycle: int = 8) -> list[dict[str, object]]:  # 
         mats = [L.qkv[j][0] for L in layers if len(L.qkv) > j]
         add(f"gemv qkv[{j}] {label(mats)} {mats[0].rows}x{mats[0].cols}", a.n_layers,
             sum(m.nbytes for m in mats) // len(mats), [gemv(m) for m in mats])
+    norm_act = layers[0].w_gate.act  # what the fused norm after wo rounds to (and, alike, after w_down)
     for attr in ("wo", "w_down"):
         mats = [getattr(L, attr) for L in layers]
-        add(f"gemv {attr} {label(mats)} {mats[0].rows}x{mats[0].cols}", a.n_layers,
-            sum(m.nbytes for m in mats) // len(mats), [gemv(m) for m in mats])
+        name = f"gemv {attr} {label(mats)} {mats[0].rows}x{mats[0].cols}"
+        if gpu.fuse_epilogues and integer(mats[0]) and norm_act in ("q8_0", "q8_k"):
+            add(f"{name} + residual + norm (fused)", a.n_layers, sum(m.nbytes for m in mats) // len(mats),
+                [lambda m=m: ops.gemv8_norm(m, x8(m.cols, m.act), outs[: m.rows], outs[: m.rows], layers[0].ffn_norm,
+                                            a.norm_eps, norm_act, x[: m.rows], x8(m.rows, norm_act), gpu._counters[:1])
+                 for m in mats])
+            add(f"  {name}, no epilogue", 0, sum(m.nbytes for m in mats) // len(mats), [gemv(m) for m in mats])
+        else:
+            add(name, a.n_layers, sum(m.nbytes for m in mats) // len(mats), [gemv(m) for m in mats])
     g0 = layers[0].w_gate
-    if integer(g0):
+    act_n, act_w, act_f = g0.act, layers[0].wo.act, layers[0].w_down.act
+    fused = gpu.fuse_epilogues and integer(g0) and act_n in ("q8_0", "q8_k")
+    if integer(g0) and fused and integer(layers[0].w_down):
+        add(f"gemv_swiglu {g0.fmt} int8 2x{g0.rows}x{g0.cols} + round ({act_f}, fused)", a.n_layers, 2 * g0.nbytes,
+            [lambda L=L: ops.gemv8_swiglu_round(L.w_gate, L.w_up, x8(a.dim, g0.act), outs[: a.ffn_dim], act_f,
+                                                x8(a.ffn_dim, act_f), gpu._counters[1:]) for L in layers])
+        add(f"  gemv_swiglu {g0.fmt} int8, no epilogue", 0, 2 * g0.nbytes,
+            [lambda L=L: ops.gemv8_swiglu(L.w_gate, L.w_up, x8(a.dim, g0.act), outs[: a.ffn_dim]) for L in layers])
+    elif integer(g0):
         add(f"gemv_swiglu {g0.fmt} int8 2x{g0.rows}x{g0.cols}", a.n_layers, 2 * g0.nbytes,
             [lambda L=L: ops.gemv8_swiglu(L.w_gate, L.w_up, x8(a.dim, g0.act), outs[: a.ffn_dim]) for L in layers])
     else:
@@ -129,9 +145,8 @@ def kernel_timings(gpu, n_layers_cycle: int = 8) -> list[dict[str, object]]:  # 
                 [lambda m=m, d=d: ops.gemv8(m, x8(m.cols, m.act), outs[: a.dim], defines=d) for m in downs])
     embed_cache = gpu.new_cache(1)
     add("embed", 1, 0, [lambda: ops.embed(gpu.token_embd, embed_cache.tok, 1, outs[: a.dim])])
-    act_n, act_w, act_f = layers[0].w_gate.act, layers[0].wo.act, layers[0].w_down.act
     eight = gpu.int8_dot and act_n in ("q8_0", "q8_k")
-    add(f"rmsnorm+round ({act_n}{', int8' if eight else ''})", 2 * a.n_layers + 1, 0,
+    add(f"rmsnorm+round ({act_n}{', int8' if eight else ''})", 1 if fused else 2 * a.n_layers + 1, 0,
         [lambda: ops.rmsnorm(x[: a.dim], layers[0].attn_norm, a.norm_eps, 1, a.dim, y=outs[: a.dim], act=act_n,
                              int8=x8(a.dim, act_n) if eight else None)])
     for ctx in (128, 4096):
@@ -147,7 +162,7 @@ def kernel_timings(gpu, n_layers_cycle: int = 8) -> list[dict[str, object]]:  # 
     cache = gpu.new_cache(256)
     if act_f != "f32":  # an f32 input is used as it is
         eight_f = integer(layers[0].w_down)
-        add(f"round_act ffn ({act_f}{', int8' if eight_f else ''})", a.n_layers, 0,
+        add(f"round_act ffn ({act_f}{', int8' if eight_f else ''})", 0 if fused and eight_f else a.n_layers, 0,
             [lambda: ops.round_act(x[: a.ffn_dim], outs[: a.ffn_dim], 1, a.ffn_dim, act_f,
                                    int8=x8(a.ffn_dim, act_f) if eight_f else None)])
     add("sample (argmax)", 1, 0,
@@ -197,15 +212,22 @@ def measure(gpu, pp: int = 512, tg: int = 128, with_kernels: bool = True) -> dic
         tokens = cupy.asnumpy(cache.tokens[1 : tg + 1], stream=stream).tolist()
         return ms, tokens
 
+    gpu.set_fused_epilogues(False)
     float_ms, float_tokens = decode_ms(False)
+    unfused_ms, unfused_tokens = decode_ms(True)
+    gpu.set_fused_epilogues(True)  # integer GEMVs with the norm / rounding epilogues fused in
     int8_ms, int8_tokens = decode_ms(True)
     result["tg_float_tok_s"] = round(tg / (float_ms * 1e-3), 1)
+    result["tg_int8_unfused_tok_s"] = round(tg / (unfused_ms * 1e-3), 1)
     result["tg_int8_tok_s"] = round(tg / (int8_ms * 1e-3), 1)
-    # the two kernels compute the same numbers up to float32 summation order
+    # the kernels compute the same numbers up to float32 summation order
     result["tg_int8_same_tokens"] = float(np.mean(np.array(float_tokens) == np.array(int8_tokens)))
-    tg_ms = min(float_ms, int8_ms)
-    gpu.set_int8_dot(int8_ms < float_ms)
-    result["tg_kernels"] = "int8" if int8_ms < float_ms else "float"
+    result["tg_fused_same_tokens"] = float(np.mean(np.array(unfused_tokens) == np.array(int8_tokens)))
+    best = min((int8_ms, "int8"), (unfused_ms, "int8 unfused"), (float_ms, "float"))
+    tg_ms = best[0]
+    gpu.set_int8_dot(best[1] != "float")
+    gpu.set_fused_epilogues(best[1] == "int8")
+    result["tg_kernels"] = best[1]
     tok_s = tg / (tg_ms * 1e-3)
     result["tg_tokens"] = tg
     result["tg_tok_s"] = round(tok_s, 1)
@@ -230,8 +252,9 @@ def render(result: dict[str, object]) -> str:
     """The result as a short human-readable report (kernel table included when measured)."""
     lines = [f"{result.get('model', 'model')} on {result['device']}",
              f"  pp{result['pp_tokens']}: {result['pp_tok_s']} tok/s   tg{result['tg_tokens']}: {result['tg_tok_s']} tok/s "
-             f"({result['step_us']} us/token; float GEMVs {result['tg_float_tok_s']}, int8 {result['tg_int8_tok_s']}, "
-             f"same tokens {result['tg_int8_same_tokens']:.0%})",
+             f"({result['step_us']} us/token, {result['tg_kernels']}; float GEMVs {result['tg_float_tok_s']}, "
+             f"int8 {result['tg_int8_unfused_tok_s']}, int8 with fused epilogues {result['tg_int8_tok_s']}; "
+             f"same tokens {result['tg_int8_same_tokens']:.0%} / {result['tg_fused_same_tokens']:.0%})",
              f"  weights read per token: {result['vram_bytes_per_token'] / 1e9:.2f} GB (GGUF "  # type: ignore[operator]
              f"{result['gguf_bytes_per_token'] / 1e9:.2f} GB) -> {result['achieved_GBps']} GB/s = "  # type: ignore[operator]
              f"{result['fraction_of_copy']:.0%} of the {result['copy_GBps']} GB/s copy",
@@ -239,7 +262,7 @@ def render(result: dict[str, object]) -> str:
              + (f", load {result['load_seconds']} s" if "load_seconds" in result else "")]
     for row in result.get("kernels", []):  # type: ignore[union-attr]
         bw = f"{row['GBps']} GB/s" if row["GBps"] else ""
-        lines.append(f"    {row['kernel']:<44} x{row['per_token']:<4} {row['us']:>9} us  {bw}")
+        lines.append(f"    {row['kernel']:<60} x{row['per_token']:<4} {row['us']:>9} us  {bw}")
     if "kernel_sum_us" in result:
         lines.append(f"  kernels sum {result['kernel_sum_us']} us per token vs {result['step_us']} us measured")
     return "\n".join(lines)

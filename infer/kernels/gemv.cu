@@ -4,6 +4,7 @@
 // is re-read from L1/L2 by every warp. Fused epilogues: + bias, + residual (y may alias residual:
 // each element is read and written by the same lane), and SiLU(gate)*up for the FFN.
 #include "formats.cuh"
+#include "act.cuh"
 
 #ifndef GEMV_WARPS
 #define GEMV_WARPS 4  // rows (warps) per block
@@ -11,12 +12,6 @@
 #ifndef GEMV_UNROLL
 #define GEMV_UNROLL 4  // sub-blocks (16-byte pieces for float formats) in flight per lane
 #endif
-
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
-}
 
 __device__ __forceinline__ float silu(float g) { return g / (1.f + expf(-g)); }
 
@@ -176,6 +171,77 @@ __device__ __forceinline__ void gemv8_swiglu_quant(Planes g, Planes u, int rows,
     if (lane == 0) y[row] = silu(a) * b;
 }
 
+// Fused epilogues (decode): the GEMV's output feeds the next step in the same launch, which saves
+// a launch and its gap per step (run 5: about 100 small launches a token).
+//
+// gemv8_norm: y = W x + residual, then RMSNorm(y) * nw rounded to q8_0/q8_k (the next matrix
+// product's input, with its 8-bit form), done by the block that finishes last: every row's writer
+// fences its store, each block takes a ticket from `counter` after all its rows are stored, and the
+// block with the last ticket normalises (reading y through L2) and puts the counter back to 0.
+struct NormEpilogue {
+    const float* w;
+    float eps;
+    int fmt;
+    float* y;
+    Int8Out o8;
+    unsigned int* counter;
+};
+
+template <class F>
+__device__ __forceinline__ void gemv8_norm_quant(Planes p, int rows, int K, const signed char* xq, const float* xs,
+                                                 const int* xsum, float* y, const float* bias, const float* residual,
+                                                 NormEpilogue ne) {
+    __shared__ bool last;
+    const int lane = threadIdx.x & 31;
+    const int row = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5);
+    if (row < rows) {  // no early return: every thread reaches the barriers below
+        const int nsb = K >> 5;
+        const float acc = warp_sum(row_dot8<F>(p, (long long)row * nsb, nsb, lane, xq, xs, xsum));
+        if (lane == 0) {
+            store_row(acc, row, y, bias, residual);
+            __threadfence();
+        }
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) last = atomicAdd(ne.counter, 1u) == gridDim.x - 1;
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    norm_row_block(y, ne.w, rows, ne.eps, ne.fmt, ne.y, ne.o8);
+    if (threadIdx.x == 0) *ne.counter = 0u;
+}
+
+// gemv8_swiglu_round: y = SiLU(Wg x) * (Wu x), then each 8-bit group of y (32 or 256 rows) rounded
+// to `fmt`, only its 8-bit form o8 (what the integer GEMV after it reads), by the warp that stores
+// the group's last row: a counter per group (left at 0 again), so the rounding stays spread over
+// the whole grid.
+template <class F>
+__device__ __forceinline__ void gemv8_swiglu_round_quant(Planes g, Planes u, int rows, int K, const signed char* xq,
+                                                         const float* xs, const int* xsum, float* y, int fmt,
+                                                         Int8Out o8, unsigned int* counters) {
+    const int lane = threadIdx.x & 31;
+    const int row = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5);
+    if (row >= rows) return;
+    const int nsb = K >> 5;
+    float a, b;
+    row_dot8_pair<F>(g, u, (long long)row * nsb, nsb, lane, xq, xs, xsum, a, b);
+    a = warp_sum(a);
+    b = warp_sum(b);
+    const int group = fmt == ACT_Q8_0 ? 32 : 256, grp = row / group;
+    unsigned int ticket = 0;
+    if (lane == 0) {
+        y[row] = silu(a) * b;
+        __threadfence();
+        ticket = atomicAdd(counters + grp, 1u);
+    }
+    ticket = __shfl_sync(0xffffffffu, ticket, 0);
+    if (ticket != (unsigned int)group - 1) return;
+    __threadfence();
+    if (fmt == ACT_Q8_0) round_groups<1, true>(y, nullptr, nullptr, rows, fmt, o8, grp, rows);
+    else round_groups<8, true>(y, nullptr, nullptr, rows, fmt, o8, grp, rows);
+    if (lane == 0) counters[grp] = 0u;
+}
+
 template <typename T>
 __device__ __forceinline__ void gemv_float(const T* w, int rows, int K, const float* x, float* y, const float* bias,
                                            const float* residual) {
@@ -223,6 +289,23 @@ __device__ __forceinline__ void gemv_swiglu_float(const T* wg, const T* wu, int 
                             const uint8_t* uqs, const uint8_t* uhi, const uint8_t* usm, const uint8_t* udm,   \
                             int rows, int K, const signed char* xq, const float* xs, const int* xsum, float* y) { \
         gemv8_swiglu_quant<F>(Planes{gqs, ghi, gsm, gdm}, Planes{uqs, uhi, usm, udm}, rows, K, xq, xs, xsum, y); \
+    }                                                                                                         \
+    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)                                             \
+        gemv8_norm_##NAME(const uint8_t* qs, const uint8_t* hi, const uint8_t* sm, const uint8_t* dm, int rows,  \
+                          int K, const signed char* xq, const float* xs, const int* xsum, float* y,           \
+                          const float* bias, const float* residual, const float* nw, float eps, int fmt,      \
+                          float* ny, signed char* nq, float* ns, int* nsum, unsigned int* counter) {         \
+        gemv8_norm_quant<F>(Planes{qs, hi, sm, dm}, rows, K, xq, xs, xsum, y, bias, residual,                 \
+                            NormEpilogue{nw, eps, fmt, ny, Int8Out{nq, ns, nsum}, counter});                  \
+    }                                                                                                         \
+    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)                                             \
+        gemv8_swiglu_round_##NAME(const uint8_t* gqs, const uint8_t* ghi, const uint8_t* gsm,                \
+                                  const uint8_t* gdm, const uint8_t* uqs, const uint8_t* uhi,                \
+                                  const uint8_t* usm, const uint8_t* udm, int rows, int K,                   \
+                                  const signed char* xq, const float* xs, const int* xsum, float* y, int fmt, \
+                                  signed char* rq, float* rs, int* rsum, unsigned int* counters) {          \
+        gemv8_swiglu_round_quant<F>(Planes{gqs, ghi, gsm, gdm}, Planes{uqs, uhi, usm, udm}, rows, K, xq, xs,  \
+                                    xsum, y, fmt, Int8Out{rq, rs, rsum}, counters);                           \
     }
 
 #define GEMV_FLOAT(NAME, T)                                                                                   \

@@ -175,6 +175,13 @@ def _int8_stage_checker(gpu: object) -> tuple[object, list[tuple[str, float]]]:
         elif stage == "gemv_down":
             want = state["h"].copy()
             ff = act("ff", L.w_down.act)
+            if ("ff", L.w_down.act) in gpu._act8:  # what the integer GEMV read: the 8-bit form
+                q, scale, _ = (cupy.asnumpy(x) for x in gpu._act8[("ff", L.w_down.act)])
+                ff8 = (q * np.repeat(scale, a.ffn_dim // scale.size)).astype(np.float32)
+                from infer.quants import round_activations
+                rounded = round_activations(cupy.asnumpy(gpu.ff)[None], L.w_down.act)[0]
+                errors.append((f"ff8_{i}", 0.0 if np.array_equal(ff8, rounded) else np.inf))
+                ff = cupy.asarray(ff8)
             ops.gemv(L.w_down, gpu.ff if ff is None else ff, want, residual=want)
             errors.append((f"down{i}", _rel(cupy.asnumpy(gpu.h), cupy.asnumpy(want))))
         elif stage == "output":
@@ -277,8 +284,14 @@ def test_real_model_matches_cpu(path: str) -> None:
     assert agreement >= 0.99 and exact_agreement >= 0.99
     types = {info.type_name for info in model.tensors.values() if len(info.shape) == 2}
     if types <= {"F16", "F32", "BF16"} or types <= {"Q8_0", "F32"}:
-        engine = Engine(cpu, 256)
+        # Greedy continuations on the decode path on both sides: the prompt token by token (the
+        # CPU's prefill_batch=1, the GPU's GEMV path), so both run the same arithmetic up to float32
+        # summation order. With the CPU's prompt in one batch instead, its matrix products sum in
+        # another order, and SmolLM2 Q8_0 reaches a 0.2-logit near tie at the 4th token that the CPU
+        # engine itself decides differently in the two batchings (docs/GPU.md).
+        engine = Engine(cpu, 256, prefill_batch=1)
         want_ids = list(engine.generate(list(ids[:32]), 32, greedy))
-        gpu.gemv_prefill_max = 32  # the prompt on the float32 path, as the CPU computes it
+        gpu.gemv_prefill_max = 32
         got_ids = gpu.generate(ids[:32], gpu.new_cache(256), 32)
+        print(f"  greedy: {sum(a == b for a, b in zip(got_ids, want_ids, strict=True))}/32 tokens identical")
         assert got_ids == want_ids
