@@ -33,6 +33,10 @@ class StreamingConfig:
     slots: int = DEFAULT_SLOTS
     batch: int = 1
     prompts_file: str | None = None
+    # tier C reads: requests in flight in the reader (None: its default) and host staging buffers
+    # (whole streamed tensors read ahead of the ring)
+    read_queue_depth: int | None = None
+    staging_buffers: int = 4
 
 
 _OPTION_NAMES = ("streaming", "vram_budget", "ram_budget", "tier_c", "nvme_device", "nvme_lba", "tier_b", "slots",

@@ -132,7 +132,7 @@ def build_streaming_engine(model_path: str, config: StreamingConfig, ctx_size: i
     args = ModelArgs.from_gguf(model)
     tensors = planner_tensors(model, device)
     on_gpu = device == "gpu"
-    staging = 4 * max((t.nbytes for t in tensors if t.layer is not None), default=0)
+    staging = config.staging_buffers * max((t.nbytes for t in tensors if t.layer is not None), default=0)
     tokens_per_pass = max(prefill_chunk, config.batch)  # prefill passes share prefill_chunk rows (streaming.py)
     demo = config.vram_budget is None and config.ram_budget is None and not on_gpu
     try:
@@ -174,7 +174,9 @@ def build_streaming_engine(model_path: str, config: StreamingConfig, ctx_size: i
     c_tensors = plan.tensors_in(Tier.STORAGE)
     source: StorageSource | None = None
     if c_tensors:
-        options = {"lba": config.nvme_lba} if config.tier_c == "nvme" and config.nvme_lba is not None else {}
+        options: dict[str, Any] = {"lba": config.nvme_lba} if config.tier_c == "nvme" and config.nvme_lba is not None else {}
+        if config.read_queue_depth is not None and config.tier_c != "mmap":
+            options["queue_depth"] = config.read_queue_depth
         source = open_source(config.tier_c, model_path, c_tensors, config.nvme_device, **options)
         session_closers.append(source.close)
     paths = {t.name: _path(plan, t.name, mode, config.tier_c) for t in plan.tensors}
@@ -183,12 +185,13 @@ def build_streaming_engine(model_path: str, config: StreamingConfig, ctx_size: i
         from infer.tiers.gpu_forward import GpuStreamingModel
         from infer.tiers.pipeline import GpuStreamingWeights
 
-        weights: Any = GpuStreamingWeights(model, args, plan, host, source)
+        weights: Any = GpuStreamingWeights(model, args, plan, host, source, n_staging=config.staging_buffers)
         transformer: Any = GpuStreamingModel(args, weights, ctx_size)
     else:
         from infer.tiers.cpu_sim import StreamingCpuWeights
 
-        weights = StreamingCpuWeights(model, args, plan, host, source, match_llama_cpp=match_llama_cpp)
+        weights = StreamingCpuWeights(model, args, plan, host, source, n_staging=config.staging_buffers,
+                                      match_llama_cpp=match_llama_cpp)
         transformer = Transformer(args, weights, weights.rope_freq_factors())
     session_closers.append(weights.close)
     engine = StreamingEngine(transformer, ctx_size, prefill_chunk,
