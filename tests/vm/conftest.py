@@ -64,6 +64,23 @@ def guest_pytest(vm_assets: Path, tmp_path: Path) -> Callable:
     return run
 
 
+@pytest.fixture(scope="session")
+def shared_boot(vm_assets: Path, tmp_path_factory: pytest.TempPathFactory) -> Callable:
+    """`shared_boot(mode)` → shared_boot.SharedBoot: the one boot per VFIO mode that runs the rig,
+    driver and system guest modules together (see tests/vm/shared_boot.py). The first host test
+    that asks for a mode boots it; the others inspect the same result."""
+    import shared_boot as shared
+
+    boots: dict[str, shared.SharedBoot] = {}
+
+    def get(mode: str) -> shared.SharedBoot:
+        if mode not in boots:
+            boots[mode] = shared.boot(mode, tmp_path_factory.mktemp(f"shared-{mode}"))
+        return boots[mode]
+
+    return get
+
+
 @pytest.fixture
 def vm_workdir(vm_assets: Path, tmp_path: Path) -> Path:
     """A run directory for `run_in_vm` / `Vm`, after checking the assets exist."""

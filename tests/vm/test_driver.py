@@ -1,17 +1,15 @@
-"""Our NVMe driver against QEMU's emulated controller, in both VFIO modes: one boot per mode runs
-the guest modules under tests/vm/guest/driver/ (identify, byte ranges, queue depths, several queue
-pairs, 4096-byte LBAs, LBA out of range, writes, a command timeout and exit-time cleanup).
+"""Our NVMe driver against QEMU's emulated controller, in both VFIO modes: the guest modules under
+tests/vm/guest/driver/ (identify, byte ranges, queue depths, several queue pairs, 4096-byte LBAs,
+LBA out of range, writes, a command timeout and exit-time cleanup) run in the boot each mode shares
+with the rig and system tests (tests/vm/shared_boot.py: driver_part configures the controllers).
 """
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
-from rig import MIB, NvmeSpec, VmConfig
+from shared_boot import WRITE_BYTES, WRITE_LBA, WRITE_SEED
 
-GUEST_MODULES = ["tests/vm/guest/driver/test_driver_guest.py", "tests/vm/guest/driver/test_driver_fault_guest.py"]
-WRITE_SEED = 20261130
-WRITE_LBA = 2048
 MUST_PASS = {
     "test_identify_returns_qemu_serial_and_model",
     "test_identify_command_line",
@@ -30,34 +28,17 @@ MUST_PASS = {
 }
 
 
-def random_image(path, size: int, seed: int):
-    path.write_bytes(np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8).tobytes())
-    return path
-
-
 @pytest.mark.vm
 @pytest.mark.slow
-def test_driver_in_guest(vm_mode, guest_pytest, tmp_path):
-    write_image = tmp_path / "write.img"
-    write_image.write_bytes(bytes(16 * MIB))
-    config = VmConfig(
-        iommu=vm_mode == "iommu",
-        controllers=[
-            NvmeSpec("nvd-drv-read", image=random_image(tmp_path / "read.img", 64 * MIB, 1)),
-            NvmeSpec("nvd-drv-4k", image=random_image(tmp_path / "4k.img", 16 * MIB, 2),
-                     logical_block_size=4096, mdts=0),
-            NvmeSpec("nvd-drv-write", image=write_image),
-            NvmeSpec("nvd-drv-fault", image=random_image(tmp_path / "fault.img", 8 * MIB, 3)),
-        ],
-    )
-    result = guest_pytest(config, GUEST_MODULES, timeout=900,
-                          env={"NVD_WRITE_SEED": str(WRITE_SEED), "NVD_WRITE_LBA": str(WRITE_LBA)})
+def test_driver_in_guest(vm_mode, shared_boot):
+    boot = shared_boot(vm_mode)
+    result = boot.result("driver")
     result.assert_passed()
     passed = {t.nodeid.rsplit("::", 1)[-1] for t in result.passed}
     assert passed >= MUST_PASS, f"guest tests that did not run: {sorted(MUST_PASS - passed)}"
     # The guest's writes reached the backing file, byte for byte, and nothing else changed.
-    pattern = np.random.default_rng(WRITE_SEED).integers(0, 256, 3 * MIB, dtype=np.uint8).tobytes()
-    written = write_image.read_bytes()
+    pattern = np.random.default_rng(WRITE_SEED).integers(0, 256, WRITE_BYTES, dtype=np.uint8).tobytes()
+    written = boot.parts["driver"].files["write"].read_bytes()
     start = WRITE_LBA * 512
     assert written[start:start + len(pattern)] == pattern
     assert not any(written[:start]) and not any(written[start + len(pattern):])

@@ -1,15 +1,11 @@
 """The rig itself, end to end in both VFIO modes: two differently configured controllers at stable
-addresses, a pre-filled namespace the guest kernel reads back, and BAR0 through nvmedirect.vfio."""
+addresses, a pre-filled namespace the guest kernel reads back, and BAR0 through nvmedirect.vfio.
+Runs in the boot it shares with the driver and system tests (tests/vm/shared_boot.py: rig_part)."""
 
 from __future__ import annotations
 
-import hashlib
-import os
-
 import pytest
-from rig import MIB, NvmeSpec, VmConfig
 
-GUEST_MODULE = "tests/vm/guest/test_rig_guest.py"
 MUST_PASS = {
     "test_every_controller_at_its_configured_address",
     "test_vfio_modules_match_boot_mode",
@@ -26,25 +22,11 @@ MUST_PASS = {
 
 
 @pytest.mark.vm
-def test_rig_in_guest(vm_mode, guest_pytest, tmp_path):
-    image = tmp_path / "prefilled.img"
-    data = os.urandom(4 * MIB)
-    image.write_bytes(data)
-    extra_disk = tmp_path / "extra.img"
-    extra_disk.write_bytes(bytes(3 * MIB))
-    config = VmConfig(
-        iommu=vm_mode == "iommu",
-        controllers=[
-            NvmeSpec("nvd-rig-a", image=image),
-            NvmeSpec("nvd-rig-b", size=32 * MIB, logical_block_size=4096, mdts=3, max_ioqpairs=1),
-        ],
-        # A device QEMU places by itself must not move the controllers' addresses.
-        qemu_args=["-drive", f"file={extra_disk},if=none,id=extra0,format=raw",
-                   "-device", "virtio-blk-pci,drive=extra0,serial=nvd-extra"],
-    )
-    env = {"NVD_RIG_IMAGE_SHA256": hashlib.sha256(data).hexdigest(), "NVD_RIG_EXTRA_DISK_SIZE": str(3 * MIB)}
-    result = guest_pytest(config, [GUEST_MODULE], env=env)
+def test_rig_in_guest(vm_mode, shared_boot):
+    boot = shared_boot(vm_mode)
+    result = boot.result("rig")
     result.assert_passed()
     passed = {t.nodeid.rsplit("::", 1)[-1] for t in result.passed}
     assert passed >= MUST_PASS, f"guest tests that did not run: {sorted(MUST_PASS - passed)}"
-    assert image.read_bytes() == data, "reading must not change the backing image"
+    part = boot.parts["rig"]
+    assert part.files["prefilled"].read_bytes() == part.expected["prefilled"], "reading must not change the backing image"

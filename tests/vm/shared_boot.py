@@ -1,0 +1,165 @@
+"""One boot per VFIO mode for the rig, driver and system guest modules.
+
+A TCG boot plus a guest Python/pytest start costs 15-30 s, so tests/vm/test_rig.py,
+tests/vm/test_driver.py and tests/vm/test_system.py share one VM per mode: every part below adds
+its own controllers (distinct serials; the rig takes up to 16) and guest modules, one guest pytest
+session runs them all in PART order, and each host test inspects only its own part's guest tests
+(`SharedBoot.result(part)`), so it still fails when those did not run or failed.
+
+Order inside the guest matters: the rig module runs first (it checks that every controller the host
+configured is on the kernel's nvme driver), the driver modules next (they hand every controller back
+to nvme after the module), the system module last (its last test unloads vfio for the rest of the
+boot). Each part binds, resets and throttles only its own controllers.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+from rig import MIB, NvmeSpec, VmConfig
+from rig_pytest import GuestPytestResult, run_guest_pytest
+
+TIMEOUT_S = 1500  # the three modules' own limits were 600, 900 and 600 s
+
+
+@dataclass
+class Part:
+    """What one host test module adds to the shared boot, and the files it checks afterwards."""
+
+    name: str
+    guest_modules: list[str]
+    controllers: list[NvmeSpec]
+    env: dict[str, str] = field(default_factory=dict)
+    qemu_args: list[str] = field(default_factory=list)
+    files: dict[str, Path] = field(default_factory=dict)
+    expected: dict[str, bytes] = field(default_factory=dict)
+
+
+# -- the rig (tests/vm/test_rig.py) ------------------------------------------------------------------
+RIG_EXTRA_DISK_SIZE = 3 * MIB
+
+
+def rig_part(directory: Path) -> Part:
+    image = directory / "prefilled.img"
+    data = os.urandom(4 * MIB)
+    image.write_bytes(data)
+    extra_disk = directory / "extra.img"
+    extra_disk.write_bytes(bytes(RIG_EXTRA_DISK_SIZE))
+    return Part(
+        "rig", ["tests/vm/guest/test_rig_guest.py"],
+        controllers=[
+            NvmeSpec("nvd-rig-a", image=image),
+            NvmeSpec("nvd-rig-b", size=32 * MIB, logical_block_size=4096, mdts=3, max_ioqpairs=1),
+        ],
+        env={"NVD_RIG_IMAGE_SHA256": hashlib.sha256(data).hexdigest(),
+             "NVD_RIG_EXTRA_DISK_SIZE": str(RIG_EXTRA_DISK_SIZE)},
+        # A device QEMU places by itself must not move the controllers' addresses.
+        qemu_args=["-drive", f"file={extra_disk},if=none,id=extra0,format=raw",
+                   "-device", "virtio-blk-pci,drive=extra0,serial=nvd-extra"],
+        files={"prefilled": image}, expected={"prefilled": data})
+
+
+# -- the driver (tests/vm/test_driver.py) ------------------------------------------------------------
+WRITE_SEED = 20261130
+WRITE_LBA = 2048
+WRITE_BYTES = 3 * MIB
+
+
+def random_image(path: Path, size: int, seed: int) -> Path:
+    path.write_bytes(np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8).tobytes())
+    return path
+
+
+def driver_part(directory: Path) -> Part:
+    write_image = directory / "write.img"
+    write_image.write_bytes(bytes(16 * MIB))
+    return Part(
+        "driver", ["tests/vm/guest/driver/test_driver_guest.py", "tests/vm/guest/driver/test_driver_fault_guest.py"],
+        controllers=[
+            NvmeSpec("nvd-drv-read", image=random_image(directory / "read.img", 64 * MIB, 1)),
+            NvmeSpec("nvd-drv-4k", image=random_image(directory / "4k.img", 16 * MIB, 2),
+                     logical_block_size=4096, mdts=0),
+            NvmeSpec("nvd-drv-write", image=write_image),
+            NvmeSpec("nvd-drv-fault", image=random_image(directory / "fault.img", 8 * MIB, 3)),
+        ],
+        env={"NVD_WRITE_SEED": str(WRITE_SEED), "NVD_WRITE_LBA": str(WRITE_LBA)},
+        files={"write": write_image})
+
+
+# -- the system commands (tests/vm/test_system.py) ---------------------------------------------------
+SYSTEM_TOOLS = ("mkfs.ext4", "mkswap", "lvm", "mdadm")
+
+
+def system_pattern() -> bytes:
+    return bytes(range(256)) * (32 * MIB // 256)
+
+
+def system_part(directory: Path) -> Part:
+    for tool in SYSTEM_TOOLS:
+        assert shutil.which(tool), f"{tool} missing on the host (the guest uses it): run scripts/deps/25-system-tools.sh"
+    pattern = directory / "free.img"
+    pattern.write_bytes(system_pattern())
+    ext4 = directory / "ext4.img"
+    ext4.write_bytes(bytes(32 * MIB))
+    subprocess.run(["mkfs.ext4", "-q", "-F", "-L", "nvd-sys", str(ext4)], check=True, timeout=60)
+    return Part(
+        "system", ["tests/vm/guest/system/test_system_guest.py"],
+        controllers=[
+            NvmeSpec("sys-free", image=pattern),
+            NvmeSpec("sys-mounted", image=ext4),
+            NvmeSpec("sys-swap", size=32 * MIB),
+            NvmeSpec("sys-lvm", size=32 * MIB),
+            NvmeSpec("sys-md", size=32 * MIB),
+        ],
+        files={"free": pattern}, expected={"free": system_pattern()})
+
+
+PARTS: list[Callable[[Path], Part]] = [rig_part, driver_part, system_part]  # guest run order
+
+
+# -- the boot ----------------------------------------------------------------------------------------
+def guest_module_name(path: str) -> str:
+    """The JUnit classname pytest gives tests of `path` (relative to the repository root)."""
+    return path.removesuffix(".py").replace("/", ".")
+
+
+@dataclass
+class SharedBoot:
+    mode: str
+    parts: dict[str, Part]
+    whole: GuestPytestResult
+
+    def result(self, part: str) -> GuestPytestResult:
+        """The guest tests of one part only (its modules), for that part's host test to assert on."""
+        return self.whole.select(guest_module_name(m) for m in self.parts[part].guest_modules)
+
+
+def boot(mode: str, workdir: Path) -> SharedBoot:
+    """Build every part's images under `workdir`, boot once in `mode`, run all guest modules."""
+    parts = {}
+    for make in PARTS:
+        directory = workdir / make.__name__.removesuffix("_part")
+        directory.mkdir()
+        part = make(directory)
+        parts[part.name] = part
+    env: dict[str, str] = {}
+    for part in parts.values():
+        clash = env.keys() & part.env.keys()
+        assert not clash, f"parts set the same guest variables: {sorted(clash)}"
+        env.update(part.env)
+    config = VmConfig(iommu=mode == "iommu",
+                      controllers=[c for p in parts.values() for c in p.controllers],
+                      qemu_args=[a for p in parts.values() for a in p.qemu_args])
+    run_dir = workdir / "vm"
+    run_dir.mkdir()
+    modules = [m for p in parts.values() for m in p.guest_modules]
+    whole = run_guest_pytest(config, modules, run_dir, timeout=TIMEOUT_S, env=env)
+    print(f"shared guest pytest ({mode}): {whole.summary()}")
+    return SharedBoot(mode, parts, whole)
