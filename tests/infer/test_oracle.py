@@ -8,6 +8,10 @@ llama.cpp's own logits change with the batch split.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import hashlib
+import inspect
+import json
 import math
 import os
 from collections.abc import Iterator
@@ -121,11 +125,64 @@ def reference_perplexity(ref: Reference, tokens: list[int], bos: int | None, chu
     return math.exp(nll / count)
 
 
+def reference_cache_dir() -> Path | None:
+    """Where llama.cpp's perplexities are kept between runs; None when NVMEDIRECT_ORACLE_CACHE=0."""
+    if os.environ.get("NVMEDIRECT_ORACLE_CACHE", "1") == "0":
+        return None
+    return Path(os.environ.get("NVMEDIRECT_CACHE", Path.home() / ".cache" / "nvmedirect")) / "oracle"
+
+
+def file_sha256(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+@functools.cache
+def llama_cpp_identity() -> dict[str, object]:
+    """The llama-cpp-python version and a digest of each of its compiled libraries."""
+    import llama_cpp
+
+    libraries = sorted((Path(llama_cpp.__file__).parent / "lib").glob("*.so*"))
+    return {"version": llama_cpp.__version__, "libraries_sha256": {lib.name: file_sha256(lib) for lib in libraries}}
+
+
+def cached_reference_perplexity(pair: Pair, tokens: list[int], bos: int | None) -> float:
+    """reference_perplexity, remembered on disk: llama.cpp's number depends only on what the key
+    covers (the model file's bytes, llama-cpp-python's version and compiled libraries, the token ids,
+    the BOS id, the chunking, the Reference class and reference_perplexity's source), so any change
+    to one of them computes it again. Our engine's side is never cached; the bar is unchanged."""
+    directory = reference_cache_dir()
+    if directory is None:
+        return reference_perplexity(pair.ref, tokens, bos)
+    key_parts = {
+        "model_sha256": file_sha256(model_path(pair.name)),
+        "llama_cpp": llama_cpp_identity(),
+        "tokens_sha256": hashlib.sha256(json.dumps(tokens).encode()).hexdigest(),
+        "bos": bos, "ctx": PPL_CTX, "chunks": PPL_CHUNKS, "n_ctx": pair.ref.n_ctx,
+        "code_sha256": hashlib.sha256((inspect.getsource(reference_perplexity)
+                                       + inspect.getsource(Reference)).encode()).hexdigest(),
+    }
+    key = hashlib.sha256(json.dumps(key_parts, sort_keys=True).encode()).hexdigest()[:32]
+    path = directory / f"perplexity-{key}.json"
+    try:
+        entry = json.loads(path.read_text())
+        if entry["key"] == key_parts:
+            return float(entry["perplexity"])
+    except (OSError, ValueError, KeyError):
+        pass
+    value = reference_perplexity(pair.ref, tokens, bos)
+    directory.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps({"key": key_parts, "model": pair.name, "perplexity": value}, indent=1))
+    tmp.replace(path)
+    return value
+
+
 def test_perplexity_within_one_percent(pair: Pair) -> None:
     tokens = pair.ref.tokenize(botchan_text())
     assert len(tokens) >= PPL_CHUNKS * PPL_CTX
     bos = pair.ours.tokenizer.bos_id if pair.ours.tokenizer.vocab.add_bos else None
-    expected = reference_perplexity(pair.ref, tokens, bos)
+    expected = cached_reference_perplexity(pair, tokens, bos)
     got = pair.ours.perplexity(tokens, ctx=PPL_CTX, max_chunks=PPL_CHUNKS)
     print(f"\n{pair.name}: perplexity {got.perplexity:.4f}, llama.cpp {expected:.4f} "
           f"({PPL_CHUNKS} chunks of {PPL_CTX})")
