@@ -43,7 +43,7 @@ class GpuKVCache:
     part_o: cupy.ndarray
     part_ml: cupy.ndarray
     length: int = 0
-    graphs: dict[tuple[float, int, bool, bool], object] = field(default_factory=dict)
+    graphs: dict[tuple[float, int, bool, bool, bool], object] = field(default_factory=dict)
 
 
 class GpuTransformer:
@@ -58,10 +58,13 @@ class GpuTransformer:
         # kernels read x as float32, each lane its own 128-byte piece: 32 L1 wavefronts per load
         # instruction, which bounded them to ~0.5-0.8 TB/s on the H200 (run 1); int8 x is 4x smaller.
         self.int8_dot = int8_dot
-        # decode: the residual GEMVs normalise their output for the next matrix product and the SwiGLU
-        # GEMV rounds its output for the down projection, in the same launch (ops.gemv8_norm,
-        # ops.gemv8_swiglu_round), where the integer kernels and a single 8-bit format allow it
-        self.fuse_epilogues = True
+        # decode, off by default: the residual GEMVs normalise their output for the next matrix
+        # product and the SwiGLU GEMV rounds its output for the down projection, in the same launch
+        # (ops.gemv8_norm, ops.gemv8_swiglu_round). Correct, but slower on the H200 (run 10: 8B
+        # Q4_K_M 295.8 tok/s with both against 328.3 without): the fences and counters that order
+        # the blocks cost more (+9 us a launch) than the launches they save (5-7 us).
+        self.fuse_norm = False
+        self.fuse_round = False
         self.prefill_chunk = prefill_chunk
         # prompts up to this many tokens run through the decode kernels (no weight dequantization,
         # float32 products): cheaper for a few tokens, and the CPU's exact numerics where a test needs them
@@ -94,9 +97,12 @@ class GpuTransformer:
             self._rope_tables = (cupy.zeros((0, self.rope.n_pairs), F32),) * 2
         self.stream.synchronize()
 
-    def set_fused_epilogues(self, enabled: bool) -> None:
-        """Switches the fused GEMV epilogues (norm, rounding) of the decode step on or off."""
-        self.fuse_epilogues = enabled
+    def set_fused_epilogues(self, norm: bool, round_ffn: bool | None = None) -> None:
+        """Switches the fused GEMV epilogues of the decode step: the next RMSNorm in the residual
+        GEMVs (`norm`), the down projection's input rounding in the SwiGLU GEMV (`round_ffn`,
+        default: as `norm`)."""
+        self.fuse_norm = norm
+        self.fuse_round = norm if round_ffn is None else round_ffn
 
     def set_int8_dot(self, enabled: bool) -> None:
         """Switches the decode GEMVs between the float and the integer (dp4a) kernels."""
@@ -204,11 +210,11 @@ class GpuTransformer:
         """(weight, act, y, int8) when the norm of input `key` can run as a fused GEMV epilogue: one
         8-bit activation format and the integer kernels on."""
         unique = set(acts)
-        if not self.fuse_epilogues or len(unique) != 1:
+        if not self.fuse_norm or len(unique) != 1:
             return None
         act = unique.pop()
         int8 = self._int8(key, act)
-        if act not in ("q8_0", "q8_k") or int8 is None or self.args.dim % (256 if act == "q8_k" else 32):
+        if act not in ("q8_0", "q8_k") or int8 is None or not ops.norm_epilogue_fits(self.args.dim, act):
             return None
         return weight, act, self._act[(key, act)], int8
 
@@ -257,7 +263,7 @@ class GpuTransformer:
             ff_rounded = False  # the 8-bit form of SiLU(gate)*up made by the SwiGLU GEMV itself
             if L.w_gate.fmt == L.w_up.fmt and L.w_gate.act == L.w_up.act:
                 int8 = self._int8("ffn", L.w_gate.act) if L.w_gate.fmt in ops.INT8_FORMATS else None
-                if int8 is not None and down_int8 is not None and self.fuse_epilogues:
+                if int8 is not None and down_int8 is not None and self.fuse_round:
                     ops.gemv8_swiglu_round(L.w_gate, L.w_up, int8, self.ff, L.w_down.act, down_int8,
                                            self._counters[1:])
                     ff_rounded = True
@@ -289,7 +295,7 @@ class GpuTransformer:
         cache.pos.set(np.array([position], np.int32), stream=self.stream)
 
     def _decode_graph(self, cache: GpuKVCache, temperature: float, seed: int) -> object:
-        key = (float(temperature), int(seed), self.int8_dot, self.fuse_epilogues)
+        key = (float(temperature), int(seed), self.int8_dot, self.fuse_norm, self.fuse_round)
         if key not in cache.graphs:
             with self.stream:
                 self.stream.begin_capture()

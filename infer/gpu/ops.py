@@ -189,11 +189,22 @@ def gemv8(m: GpuMatrix, int8: Int8Act, y: cupy.ndarray, bias: cupy.ndarray | Non
 
 def gemv8_swiglu(gate: GpuMatrix, up: GpuMatrix, int8: Int8Act, y: cupy.ndarray,
                  defines: dict[str, int] | None = None) -> None:
-    """y = SiLU(Wg x) * (Wu x) with x in its 8-bit form."""
+    """y = SiLU(Wg x) * (Wu x) with x in its 8-bit form (`defines`: default kernels.SWIGLU_DEFINES)."""
+    defines = kernels.SWIGLU_DEFINES if defines is None else defines
     warps = _gemv_config(defines)
     fn = kernels.function("gemv", f"gemv8_swiglu_{gate.fmt}", defines)
     fn((_blocks(gate.rows, warps),), (32 * warps,),
        (*gate.planes(), *up.planes(), np.int32(gate.rows), np.int32(gate.cols), *int8, y))
+
+
+_NORM_CHUNKS = 4  # act.cuh NORM_CHUNKS: runs of 8 values per thread in the fused norm's last block
+
+
+def norm_epilogue_fits(n: int, act: str, defines: dict[str, int] | None = None) -> bool:
+    """Whether gemv8_norm can normalise a row of n values into `act` (its last block holds the row
+    in registers: at most 8 * NORM_CHUNKS values per thread)."""
+    return (act in ("q8_0", "q8_k") and n % (256 if act == "q8_k" else 32) == 0
+            and n <= _NORM_CHUNKS * 8 * 32 * _gemv_config(defines))
 
 
 def gemv8_norm(m: GpuMatrix, int8: Int8Act, y: cupy.ndarray, residual: cupy.ndarray | None, norm_weight: cupy.ndarray,
@@ -202,8 +213,9 @@ def gemv8_norm(m: GpuMatrix, int8: Int8Act, y: cupy.ndarray, residual: cupy.ndar
     """y = W x (+ bias) (+ residual), then in the same launch norm_y and norm_int8 = RMSNorm(y) *
     norm_weight rounded to `act` (q8_0 or q8_k) and its 8-bit form: the last block to finish does
     the norm. counter: one uint32, 0 before the call and left at 0 after it (epilogue_counters())."""
-    if act not in ("q8_0", "q8_k") or m.rows % (256 if act == "q8_k" else 32):
-        raise ValueError(f"the fused norm rounds to q8_0/q8_k rows of whole groups, not {act} of {m.rows}")
+    if not norm_epilogue_fits(m.rows, act, defines):
+        raise ValueError(f"the fused norm rounds q8_0/q8_k rows of whole groups of at most "
+                         f"{_NORM_CHUNKS * 256 * _gemv_config(defines)} values, not {act} of {m.rows}")
     warps = _gemv_config(defines)
     fn = kernels.function("gemv", f"gemv8_norm_{m.fmt}", defines)
     fn((_blocks(m.rows, warps),), (32 * warps,),

@@ -200,71 +200,81 @@ __device__ void round_row(float* y, __half* y16, int n, int fmt, Int8Out o8 = In
 
 // One block normalises a row that other blocks of the same launch have just written (the fused
 // epilogue of the GEMVs that add the residual): y = x / sqrt(mean(x^2) + eps) * w, rounded to q8_0
-// or q8_k, with its 8-bit form. n a multiple of 256 (q8_k) or 32 (q8_0); x is read through L2. Same
-// arithmetic as rmsnorm8 (ops.cu): each thread rounds 8 consecutive values, so a warp covers one
-// q8_k group or eight q8_0 groups per step; only the order of the sum of squares differs.
+// or q8_k, with its 8-bit form. n a multiple of 256 (q8_k) or 32 (q8_0), at most
+// 8 * NORM_CHUNKS * blockDim.x. Same arithmetic as rmsnorm8 (ops.cu): each thread rounds runs of 8
+// consecutive values, so a warp covers one q8_k group or eight q8_0 groups per step; only the order
+// of the sum of squares differs. The row is read once, through L2 (other SMs wrote it), every
+// thread's loads issued together: this tail is on the critical path of the step, and a loop of
+// dependent loads made the first version (run 9) slower than the separate rmsnorm launch.
+#define NORM_CHUNKS 4
 __device__ void norm_row_block(const float* x, const float* w, int n, float eps, int fmt, float* y, Int8Out o8) {
-    const int t = threadIdx.x, lane = t & 31;
-    float ss = 0.f;
-    for (int c = t; c < n / 4; c += blockDim.x) {
-        const float4 a = __ldcg(reinterpret_cast<const float4*>(x) + c);
-        ss += a.x * a.x + a.y * a.y + a.z * a.z + a.w * a.w;
+    const int t = threadIdx.x, lane = t & 31, chunks = n / 8;
+    float v[NORM_CHUNKS][8];
+#pragma unroll
+    for (int k = 0; k < NORM_CHUNKS; ++k) {  // chunk t + k * blockDim.x: values 8c .. 8c+7
+        const int c = t + k * blockDim.x;
+        float4 a0 = make_float4(0.f, 0.f, 0.f, 0.f), a1 = a0;
+        if (c < chunks) {
+            a0 = __ldcg(reinterpret_cast<const float4*>(x) + 2 * c);
+            a1 = __ldcg(reinterpret_cast<const float4*>(x) + 2 * c + 1);
+        }
+        v[k][0] = a0.x, v[k][1] = a0.y, v[k][2] = a0.z, v[k][3] = a0.w;
+        v[k][4] = a1.x, v[k][5] = a1.y, v[k][6] = a1.z, v[k][7] = a1.w;
     }
+    float ss = 0.f;
+#pragma unroll
+    for (int k = 0; k < NORM_CHUNKS; ++k)
+#pragma unroll
+        for (int e = 0; e < 8; ++e) ss += v[k][e] * v[k][e];
     ss = block_sum(ss);
     const float s = sqrtf(ss / (float)n + eps);
-    const int chunks = n / 8;
-    for (int base = t & ~31; base < chunks; base += blockDim.x) {  // warp-uniform: shuffles see every lane
-        const int c = base + lane;
+#pragma unroll
+    for (int k = 0; k < NORM_CHUNKS; ++k) {
+        const int c = t + k * blockDim.x;
+        if (c - lane >= chunks) break;  // warp-uniform: the warp's first chunk is past the end
         const bool on = c < chunks;
-        float v[8];
         float best = -1.f, extreme = 0.f;
         int best_i = 0x7fffffff;
         if (on) {
-            const float4 a0 = __ldcg(reinterpret_cast<const float4*>(x) + 2 * c);
-            const float4 a1 = __ldcg(reinterpret_cast<const float4*>(x) + 2 * c + 1);
             const float4 w0 = reinterpret_cast<const float4*>(w)[2 * c], w1 = reinterpret_cast<const float4*>(w)[2 * c + 1];
-            const float xv[8] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
             const float wv[8] = {w0.x, w0.y, w0.z, w0.w, w1.x, w1.y, w1.z, w1.w};
 #pragma unroll
-            for (int k = 0; k < 8; ++k) {
-                v[k] = (xv[k] / s) * wv[k];
-                const float a = fabsf(v[k]);
+            for (int e = 0; e < 8; ++e) {
+                v[k][e] = (v[k][e] / s) * wv[e];
+                const float a = fabsf(v[k][e]);
                 if (a > best) {
                     best = a;
-                    best_i = lane * 8 + k;
-                    extreme = v[k];
+                    best_i = lane * 8 + e;
+                    extreme = v[k][e];
                 }
             }
-        } else {
-#pragma unroll
-            for (int k = 0; k < 8; ++k) v[k] = 0.f;
         }
         float inv, scale, hi;  // xor distances: 4 lanes (32 values) or the warp (256)
         group_scale(fmt, best, best_i, extreme, fmt == ACT_Q8_0 ? 2 : 16, inv, scale, hi);
         int q[8], qsum = 0;
 #pragma unroll
-        for (int k = 0; k < 8; ++k) {
-            const float qf = fminf(rintf(v[k] * inv), hi);
-            v[k] = qf * scale;
-            q[k] = (int)qf;
-            qsum += q[k];
+        for (int e = 0; e < 8; ++e) {
+            const float qf = fminf(rintf(v[k][e] * inv), hi);
+            v[k][e] = qf * scale;
+            q[e] = (int)qf;
+            qsum += q[e];
         }
         qsum += __shfl_xor_sync(0xffffffffu, qsum, 1);
         qsum += __shfl_xor_sync(0xffffffffu, qsum, 2);
         if (!on) continue;
-        const int e = 8 * c;  // first value of this thread
-        if ((lane & 3) == 0) o8.xsum[e / 32] = qsum;
-        if (fmt == ACT_Q8_0 ? (lane & 3) == 0 : lane == 0) o8.xs[e / (fmt == ACT_Q8_0 ? 32 : 256)] = scale;
+        const int first = 8 * c;  // first value of this thread's chunk
+        if ((lane & 3) == 0) o8.xsum[first / 32] = qsum;
+        if (fmt == ACT_Q8_0 ? (lane & 3) == 0 : lane == 0) o8.xs[first / (fmt == ACT_Q8_0 ? 32 : 256)] = scale;
         uint32_t lo = 0, hi8 = 0;
 #pragma unroll
-        for (int k = 0; k < 4; ++k) {
-            lo |= (uint32_t)(q[k] & 0xFF) << (8 * k);
-            hi8 |= (uint32_t)(q[k + 4] & 0xFF) << (8 * k);
+        for (int e = 0; e < 4; ++e) {
+            lo |= (uint32_t)(q[e] & 0xFF) << (8 * e);
+            hi8 |= (uint32_t)(q[e + 4] & 0xFF) << (8 * e);
         }
-        reinterpret_cast<uint2*>(o8.xq + e)[0] = make_uint2(lo, hi8);
+        reinterpret_cast<uint2*>(o8.xq + first)[0] = make_uint2(lo, hi8);
         if (y) {
-            reinterpret_cast<float4*>(y + e)[0] = make_float4(v[0], v[1], v[2], v[3]);
-            reinterpret_cast<float4*>(y + e)[1] = make_float4(v[4], v[5], v[6], v[7]);
+            reinterpret_cast<float4*>(y + first)[0] = make_float4(v[k][0], v[k][1], v[k][2], v[k][3]);
+            reinterpret_cast<float4*>(y + first)[1] = make_float4(v[k][4], v[k][5], v[k][6], v[k][7]);
         }
     }
 }
