@@ -11,6 +11,7 @@ from pathlib import Path
 
 MIB = 1 << 20
 FIRST_ROOT_PORT_SLOT = 0x10
+MAX_CONTROLLERS = 15  # slot 0x1f is q35's ICH9 LPC bridge
 
 
 @dataclass
@@ -79,8 +80,9 @@ class VmConfig:
         serials = [c.serial for c in self.controllers]
         if len(set(serials)) != len(serials):
             raise ValueError(f"controller serials must be unique, got {serials}")
-        if len(self.controllers) > 16:
-            raise ValueError("at most 16 NVMe controllers (one root port each)")
+        if len(self.controllers) > MAX_CONTROLLERS:
+            raise ValueError(f"at most {MAX_CONTROLLERS} NVMe controllers (one root port each, slots "
+                             f"{FIRST_ROOT_PORT_SLOT:#x}-{FIRST_ROOT_PORT_SLOT + MAX_CONTROLLERS - 1:#x})")
 
     @property
     def mode(self) -> str:

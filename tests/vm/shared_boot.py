@@ -1,15 +1,18 @@
-"""One boot per VFIO mode for the rig, driver and system guest modules.
+"""One boot per VFIO mode for the guest modules of the rig, its QMP hooks, the driver, the GGUF
+store and the system commands.
 
 A TCG boot plus a guest Python/pytest start costs 15-30 s, so tests/vm/test_rig.py,
-tests/vm/test_driver.py and tests/vm/test_system.py share one VM per mode: every part below adds
-its own controllers (distinct serials; the rig takes up to 16) and guest modules, one guest pytest
-session runs them all in PART order, and each host test inspects only its own part's guest tests
-(`SharedBoot.result(part)`), so it still fails when those did not run or failed.
+test_rig_faults.py (its QMP test), test_driver.py, test_store.py and test_system.py share one VM per
+mode: every part below adds its own controllers (distinct serials; the rig takes up to 15) and guest
+modules, one guest pytest session runs them all in PARTS order, and each host test inspects only its
+own part's guest tests (`SharedBoot.result(part)`) and files, so it still fails when those did not
+run or failed.
 
 Order inside the guest matters: the rig module runs first (it checks that every controller the host
-configured is on the kernel's nvme driver), the driver modules next (they hand every controller back
-to nvme after the module), the system module last (its last test unloads vfio for the rest of the
-boot). Each part binds, resets and throttles only its own controllers.
+configured is on the kernel's nvme driver), the driver and store modules hand every controller they
+bind back to nvme after each test or module, and the system module runs last (its last test unloads
+vfio for the rest of the boot). Each part binds, resets, throttles or unplugs only its own
+controllers.
 """
 
 from __future__ import annotations
@@ -23,10 +26,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-from rig import MIB, NvmeSpec, VmConfig
+from rig import MIB, NvmeSpec, Vm, VmConfig, controller_id
 from rig_pytest import GuestPytestResult, run_guest_pytest
 
-TIMEOUT_S = 1500  # the three modules' own limits were 600, 900 and 600 s
+REPO = Path(__file__).resolve().parents[2]
+TIMEOUT_S = 2400  # the five modules' own limits were 600 (rig, faults, system), 900 (driver, store) s
 
 
 @dataclass
@@ -40,6 +44,8 @@ class Part:
     qemu_args: list[str] = field(default_factory=list)
     files: dict[str, Path] = field(default_factory=dict)
     expected: dict[str, bytes] = field(default_factory=dict)
+    on_console: list[tuple[str, Callable[[Vm], None]]] = field(default_factory=list)
+    record: dict[str, list] = field(default_factory=dict)  # what on_console actions did, for the host test
 
 
 # -- the rig (tests/vm/test_rig.py) ------------------------------------------------------------------
@@ -64,6 +70,27 @@ def rig_part(directory: Path) -> Part:
         qemu_args=["-drive", f"file={extra_disk},if=none,id=extra0,format=raw",
                    "-device", "virtio-blk-pci,drive=extra0,serial=nvd-extra"],
         files={"prefilled": image}, expected={"prefilled": data})
+
+
+# -- QMP both ways (tests/vm/test_rig_faults.py; no-IOMMU boot only) ---------------------------------
+UNPLUG_SERIAL = "nvd-fault-b"
+UNPLUG_MARKER = f"NVD-RIG-UNPLUG {UNPLUG_SERIAL}"  # the guest module's own constant
+
+
+def faults_part(directory: Path) -> Part:
+    unplugged: list[str] = []
+
+    def unplug(vm: Vm) -> None:
+        ctrl = controller_id(next(i for i, c in enumerate(vm.config.controllers) if c.serial == UNPLUG_SERIAL))
+        vm.qmp.execute("device_del", id=ctrl)
+        # QEMU confirms once the guest has let go of the device (pciehp: about 5 s later).
+        # Its namespace child is deleted first, with an event of its own (no id, only a path).
+        vm.qmp.wait_event("DEVICE_DELETED", timeout=120, device=ctrl)
+        unplugged.append(UNPLUG_SERIAL)
+
+    return Part("faults", ["tests/vm/guest/test_rig_faults_guest.py"],
+                controllers=[NvmeSpec("nvd-fault-a"), NvmeSpec(UNPLUG_SERIAL)],
+                on_console=[(UNPLUG_MARKER, unplug)], record={"unplugged": unplugged})
 
 
 # -- the driver (tests/vm/test_driver.py) ------------------------------------------------------------
@@ -91,6 +118,43 @@ def driver_part(directory: Path) -> Part:
         ],
         env={"NVD_WRITE_SEED": str(WRITE_SEED), "NVD_WRITE_LBA": str(WRITE_LBA)},
         files={"write": write_image})
+
+
+# -- GGUF models on NVMe namespaces (tests/vm/test_store.py) -----------------------------------------
+# In the iommu boot by default (the driver's own VM tests cover both VFIO modes);
+# NVD_STORE_VM_MODES=iommu,noiommu adds it to the no-IOMMU boot as well.
+STORE_MODES = [m.strip() for m in os.environ.get("NVD_STORE_VM_MODES", "iommu").split(",") if m.strip()]
+STORE_LBA_SIZES = (512, 4096)
+
+
+def store_model() -> Path:
+    """The real SmolLM2-135M-Instruct Q4_1 GGUF (scripts/fetch-models.sh caches it)."""
+    out = subprocess.run(["bash", str(REPO / "scripts/fetch-models.sh"), "smollm2"], check=True,
+                         capture_output=True, text=True, timeout=900)
+    return Path(out.stdout.strip().splitlines()[-1])
+
+
+def blank(path: Path, size: int) -> Path:
+    with open(path, "wb") as f:
+        f.truncate(size)
+    return path
+
+
+def store_part(directory: Path) -> Part:
+    assert shutil.which("mkfs.ext4"), "mkfs.ext4 is needed to make the filesystem the refusal tests use"
+    model = store_model()
+    images = {512: blank(directory / "ns512.img", 384 * MIB), 4096: blank(directory / "ns4k.img", 384 * MIB)}
+    fs_image = blank(directory / "fs.img", 256 * MIB)  # the model would fit: only the filesystem refuses
+    subprocess.run(["mkfs.ext4", "-q", "-F", str(fs_image)], check=True, capture_output=True)
+    return Part(
+        "store", ["tests/vm/guest/store/test_store_guest.py"],
+        controllers=[
+            NvmeSpec("nvd-store-512", image=images[512]),
+            NvmeSpec("nvd-store-4k", image=images[4096], logical_block_size=4096),
+            NvmeSpec("nvd-store-fs", image=fs_image),
+        ],
+        env={"NVD_STORE_MODEL": str(model)},
+        files={"model": model, "ns512": images[512], "ns4k": images[4096], "fs": fs_image})
 
 
 # -- the system commands (tests/vm/test_system.py) ---------------------------------------------------
@@ -121,7 +185,16 @@ def system_part(directory: Path) -> Part:
         files={"free": pattern}, expected={"free": system_pattern()})
 
 
-PARTS: list[Callable[[Path], Part]] = [rig_part, driver_part, system_part]  # guest run order
+# Guest run order: the rig first (every controller still on nvme), the unplug next (so every other
+# controller is still on nvme when it counts them), the system module last (it unloads vfio).
+PARTS: list[Callable[[Path], Part]] = [rig_part, faults_part, driver_part, store_part, system_part]
+# Others join both modes. The unplug runs in the no-IOMMU boot: the iommu one carries the store's
+# controllers, and q35 has room for 15 (rig_config.MAX_CONTROLLERS).
+PART_MODES = {"faults": ["noiommu"], "store": STORE_MODES}
+
+
+def part_name(make: Callable[[Path], Part]) -> str:
+    return make.__name__.removesuffix("_part")
 
 
 # -- the boot ----------------------------------------------------------------------------------------
@@ -138,6 +211,8 @@ class SharedBoot:
 
     def result(self, part: str) -> GuestPytestResult:
         """The guest tests of one part only (its modules), for that part's host test to assert on."""
+        if part not in self.parts:
+            raise AssertionError(f"the {self.mode} boot has no {part} part (PART_MODES)")
         return self.whole.select(guest_module_name(m) for m in self.parts[part].guest_modules)
 
 
@@ -145,7 +220,9 @@ def boot(mode: str, workdir: Path) -> SharedBoot:
     """Build every part's images under `workdir`, boot once in `mode`, run all guest modules."""
     parts = {}
     for make in PARTS:
-        directory = workdir / make.__name__.removesuffix("_part")
+        if mode not in PART_MODES.get(part_name(make), ["iommu", "noiommu"]):
+            continue
+        directory = workdir / part_name(make)
         directory.mkdir()
         part = make(directory)
         parts[part.name] = part
@@ -160,6 +237,7 @@ def boot(mode: str, workdir: Path) -> SharedBoot:
     run_dir = workdir / "vm"
     run_dir.mkdir()
     modules = [m for p in parts.values() for m in p.guest_modules]
-    whole = run_guest_pytest(config, modules, run_dir, timeout=TIMEOUT_S, env=env)
+    on_console = [watch for p in parts.values() for watch in p.on_console]
+    whole = run_guest_pytest(config, modules, run_dir, timeout=TIMEOUT_S, env=env, on_console=on_console)
     print(f"shared guest pytest ({mode}): {whole.summary()}")
     return SharedBoot(mode, parts, whole)

@@ -90,6 +90,15 @@ def test_duplicate_serials_are_refused():
         VmConfig(controllers=[NvmeSpec("x"), NvmeSpec("x")])
 
 
+def test_controller_count_stops_below_the_lpc_bridge_slot(tmp_path):
+    full = VmConfig(controllers=[NvmeSpec(f"nvd-many-{i}") for i in range(15)])
+    with Vm(full, tmp_path) as vm:
+        ports = device_args(vm.command_line(), "pcie-root-port")
+    assert ports[-1].split("addr=")[1].split(",")[0] == "0x1e"  # 0x1f is q35's ICH9 LPC bridge
+    with pytest.raises(ValueError, match="at most 15 NVMe controllers"):
+        VmConfig(controllers=[NvmeSpec(f"nvd-many-{i}") for i in range(16)])
+
+
 def test_missing_assets_say_how_to_build_them(tmp_path, monkeypatch):
     monkeypatch.setenv("NVMEDIRECT_VM_ASSETS", str(tmp_path))
     assert "scripts/deps/20-vm.sh" in assets_problem()

@@ -5,10 +5,8 @@ from __future__ import annotations
 import os
 
 import pytest
-from rig import NvmeSpec, Vm, VmConfig, VmError, controller_id, run_in_vm
-
-GUEST_MODULE = "tests/vm/guest/test_rig_faults_guest.py"
-UNPLUG_MARKER = "NVD-RIG-UNPLUG nvd-fault-b"
+from rig import Vm, VmConfig, VmError, run_in_vm
+from shared_boot import UNPLUG_SERIAL
 
 
 @pytest.mark.vm
@@ -43,20 +41,13 @@ def test_rig_failure_before_the_job_is_reported(vm_workdir):
 
 
 @pytest.mark.vm
-def test_qmp_from_guest_request_and_console_marker(guest_pytest):
-    unplugged = []
-
-    def unplug(vm: Vm) -> None:
-        vm.qmp.execute("device_del", id=controller_id(1))
-        # QEMU confirms once the guest has let go of the device (pciehp: about 5 s later).
-        # Its namespace child is deleted first, with an event of its own (no id, only a path).
-        vm.qmp.wait_event("DEVICE_DELETED", timeout=120, device=controller_id(1))
-        unplugged.append(controller_id(1))
-
-    config = VmConfig(iommu=True, controllers=[NvmeSpec("nvd-fault-a"), NvmeSpec("nvd-fault-b")])
-    result = guest_pytest(config, [GUEST_MODULE], on_console=[(UNPLUG_MARKER, unplug)])
+def test_qmp_from_guest_request_and_console_marker(shared_boot):
+    """Runs in the no-IOMMU boot the VM tests share (tests/vm/shared_boot.py: faults_part, whose
+    console action unplugs nvd-fault-b with device_del and waits for QEMU's DEVICE_DELETED)."""
+    boot = shared_boot("noiommu")
+    result = boot.result("faults")
     result.assert_passed()
-    assert unplugged == ["nvme1"], "no DEVICE_DELETED event for nvme1"
+    assert boot.parts["faults"].record["unplugged"] == [UNPLUG_SERIAL], "no DEVICE_DELETED event for nvd-fault-b"
     assert len(result.passed) == 3
 
 

@@ -1,12 +1,13 @@
 """Inside the VM: QMP reaches the host both ways (a guest request, a console marker). Driven by
-tests/vm/test_rig_faults.py, which attaches the unplug action to UNPLUG_MARKER."""
+tests/vm/test_rig_faults.py; tests/vm/shared_boot.py (faults_part) attaches the unplug action to
+UNPLUG_MARKER. Runs right after the rig's module, while every controller is still on nvme."""
 
 from __future__ import annotations
 
 import time
 from pathlib import Path
 
-from vmguest import qmp_request
+from vmguest import qmp_request, vm_config
 
 UNPLUG_MARKER = "NVD-RIG-UNPLUG nvd-fault-b"
 
@@ -38,4 +39,5 @@ def test_host_unplugs_controller_on_console_marker(controllers):
         assert time.monotonic() < deadline, f"{device.name} still present 90 s after the unplug request"
         time.sleep(0.2)
     serials = {p.read_text().strip() for p in Path("/sys/class/nvme").glob("nvme*/serial")}
-    assert serials == {"nvd-fault-a"}
+    assert "nvd-fault-a" in serials
+    assert serials == {c["serial"] for c in vm_config()["controllers"]} - {"nvd-fault-b"}
