@@ -114,10 +114,14 @@ class LLM:
         result every time: with quantized weights, logits depend slightly on how a prompt is
         split into batches, as in llama.cpp."""
         config = sampler or SamplerConfig(temperature=0.0)
-        chooser = Sampler(config)
-        is_end = self.tokenizer.is_eog if stop_at_eog else (lambda _: False)
         if not reuse_cache:
             self.engine.reset()
+        if config.temperature == 0 and config.repeat_penalty == 1 and hasattr(self.transformer, "generate_iter"):
+            # greedy on the GPU: the CUDA-graph decode loop picks the tokens on the device
+            stop = self.tokenizer.vocab.eog_ids if stop_at_eog else frozenset()
+            return self.engine.generate_on_device(self._ids(prompt), max_tokens, stop)
+        chooser = Sampler(config)
+        is_end = self.tokenizer.is_eog if stop_at_eog else (lambda _: False)
         return self.engine.generate(self._ids(prompt), max_tokens, chooser.sample, is_end)
 
     def generate(self, prompt: str | Sequence[int], max_tokens: int = 128, temperature: float = 0.8,

@@ -12,7 +12,7 @@ in their planar quantized formats.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import cupy
@@ -448,11 +448,23 @@ class GpuTransformer:
         """Prefill the prompt, then decode up to n_new tokens with the captured decode graph; stops
         after a token in `stop`. The last sampled token is not yet in the cache (cache.length counts
         the tokens processed)."""
+        out: list[int] = []
+        for fresh in self.generate_iter(prompt, cache, n_new, temperature, seed, stop, check_every):
+            out.extend(fresh)
+            if on_tokens:
+                on_tokens(fresh)
+        return out
+
+    def generate_iter(self, prompt: np.ndarray, cache: GpuKVCache, n_new: int, temperature: float = 0.0,
+                      seed: int = 0, stop: set[int] | frozenset[int] = frozenset(),
+                      check_every: int = 16) -> Iterator[list[int]]:
+        """generate() as it goes: yields the new tokens in lists of up to `check_every` (the graph
+        replays between two looks at the sampled ids). cache.length is final once exhausted."""
         prompt = self._check(prompt, cache)
         if len(prompt) == 0:
             raise ValueError("generate needs at least one prompt token")
         if n_new <= 0:
-            return []
+            return
         if cache.length + len(prompt) + n_new - 1 > cache.max_tokens:
             raise ValueError(f"context full: {cache.length} + {len(prompt)} + {n_new} tokens exceed "
                              f"{cache.max_tokens}")
@@ -463,24 +475,22 @@ class GpuTransformer:
             cache.pos.set(np.array([start - 1], np.int32), stream=self.stream)
             ops.sample_token(self.logits, self.args.vocab_size, temperature, seed, cache.tok, cache.pos, cache.tokens)
             graph = self._decode_graph(cache, temperature, seed) if n_new > 1 else None
-        out: list[int] = []
+        produced = 0
         done = 0  # decode steps launched
         while True:
             batch = min(check_every, n_new - 1 - done)
             for _ in range(batch):
                 graph.launch(self.stream)  # type: ignore[attr-defined]
             done += batch
-            have = len(out)
-            new = cupy.asnumpy(cache.tokens[start + have : start + done + 1], stream=self.stream)
+            new = cupy.asnumpy(cache.tokens[start + produced : start + done + 1], stream=self.stream)
             self.stream.synchronize()
             fresh = [int(t) for t in new]
             cut = next((j + 1 for j, t in enumerate(fresh) if t in stop), None)
             if cut is not None:
                 fresh = fresh[:cut]
-            out.extend(fresh)
-            if on_tokens and fresh:
-                on_tokens(fresh)
+            produced += len(fresh)
+            cache.length = start + produced - 1
+            if fresh:
+                yield fresh
             if cut is not None or done >= n_new - 1:
-                break
-        cache.length = start + len(out) - 1
-        return out
+                return

@@ -253,6 +253,34 @@ def test_engine_runs_on_the_gpu_transformer(pair: Pair) -> None:
     assert len(out) == 6 and engine.cache.length == 9 + 5
 
 
+def test_engine_generate_on_device_is_the_greedy_loop(pair: Pair) -> None:
+    """Engine.generate_on_device (graph decode, sampling on the GPU) yields what Engine.generate
+    with host-side greedy sampling yields, stops after a stop id and at the context's end, and
+    leaves the engine's tokens and cache as generate() does."""
+    gpu, prompt = pair.gpu, list(_prompt(9, 7))
+    gpu.gemv_prefill_max = 16  # both prompts on the decode kernels, so both paths run the same arithmetic
+    try:
+        reference = Engine(gpu, 64)
+        want = list(reference.generate(prompt, 12, greedy))
+        engine = Engine(gpu, 64)
+        got = list(engine.generate_on_device(prompt, 12))
+        assert got == want
+        assert engine.tokens == prompt + got[:-1] and engine.cache.length == len(prompt) + 11
+        assert engine.stats.generated_tokens == 12 and engine.stats.stop_reason == "length"
+        assert engine.stats.prompt_tokens == len(prompt)
+        stop = got[5]
+        cut = Engine(gpu, 64)
+        assert list(cut.generate_on_device(prompt, 12, frozenset({stop}))) == got[: got.index(stop) + 1]
+        assert cut.stats.stop_reason == "eog"
+        short = Engine(gpu, 16)
+        assert list(short.generate_on_device(prompt, 12)) == got[:8] and short.stats.stop_reason == "context"
+        # a second call continues from the cache like generate() does (shared prefix reused)
+        again = list(engine.generate_on_device(prompt + got[:3], 4))
+        assert again == got[3:7]
+    finally:
+        gpu.gemv_prefill_max = 4
+
+
 def test_context_full_is_refused(pair: Pair) -> None:
     with pytest.raises(ValueError, match="context full"):
         pair.gpu.forward(_prompt(40, 8), pair.gpu.new_cache(32))
@@ -281,6 +309,11 @@ def test_real_model_matches_cpu(path: str) -> None:
     exact = gpu.forward(ids, gpu.new_cache(256), all_logits=True)  # float32 GEMV path
     exact_agreement = float(np.mean(exact.argmax(1) == want.argmax(1)))
     print(f"  GEMV path: top-1 agreement {exact_agreement:.4f}, relative error {_rel(exact, want):.2e}")
+    # context for a miss: the CPU engine against itself, the same tokens one at a time (docs/GPU.md)
+    step_cache = cpu.new_cache(256)
+    cpu_steps = np.stack([cpu.forward(ids[i : i + 1], step_cache) for i in range(len(ids))])
+    print(f"  CPU vs itself token by token: top-1 agreement {np.mean(cpu_steps.argmax(1) == want.argmax(1)):.4f}, "
+          f"relative difference {_rel(cpu_steps, want):.2e}")
     assert agreement >= 0.99 and exact_agreement >= 0.99
     types = {info.type_name for info in model.tensors.values() if len(info.shape) == 2}
     if types <= {"F16", "F32", "BF16"} or types <= {"Q8_0", "F32"}:
