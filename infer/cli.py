@@ -89,7 +89,7 @@ def _load(model: str | None, ctx_size: int, device: str, vram_budget: str | None
         _fail(str(err), EXIT_BAD_INPUT)
     except TokenizerError as err:
         _fail(f"{model}: tokenizer: {err}", EXIT_BAD_INPUT)
-    warm = getattr(llm.transformer.weights, "warm", None)
+    warm = getattr(getattr(llm.transformer, "weights", None), "warm", None)  # CPU weights only
     if warm is not None:  # dequantize now, so that the speeds reported later measure inference only
         warm()
     a = llm.args
