@@ -10,7 +10,7 @@ the VM: on the host that folder is not collected (NVMEDIRECT_VM_GUEST marks the 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -64,21 +64,43 @@ def guest_pytest(vm_assets: Path, tmp_path: Path) -> Callable:
     return run
 
 
+def shared_boot_modes(items: Sequence[pytest.Item]) -> list[str]:
+    """The VFIO modes the selected tests ask `shared_boot` for (their vm_mode/mode parameter)."""
+    modes = set()
+    for item in items:
+        callspec = getattr(item, "callspec", None)
+        if "shared_boot" in getattr(item, "fixturenames", ()) and callspec is not None:
+            modes |= {v for k, v in callspec.params.items() if k in ("vm_mode", "mode") and v in VFIO_MODES}
+    return sorted(modes)
+
+
 @pytest.fixture(scope="session")
-def shared_boot(vm_assets: Path, tmp_path_factory: pytest.TempPathFactory) -> Callable:
-    """`shared_boot(mode)` → shared_boot.SharedBoot: the one boot per VFIO mode that runs the rig,
-    driver and system guest modules together (see tests/vm/shared_boot.py). The first host test
-    that asks for a mode boots it; the others inspect the same result."""
+def shared_boot(vm_assets: Path, tmp_path_factory: pytest.TempPathFactory,
+                request: pytest.FixtureRequest) -> Iterator[Callable]:
+    """`shared_boot(mode)` → shared_boot.SharedBoot: the one boot per VFIO mode that runs the guest
+    modules of the rig, driver, store, system and QMP tests together (see tests/vm/shared_boot.py).
+    The first host test that asks boots every mode the selected tests need, side by side (each guest
+    session is mostly one busy vCPU; NVMEDIRECT_VM_PARALLEL=0 boots one at a time), and waits for
+    its own; the others inspect the same results."""
     import shared_boot as shared
 
-    boots: dict[str, shared.SharedBoot] = {}
+    parallel = os.environ.get("NVMEDIRECT_VM_PARALLEL", "1") != "0"
+    wanted = shared_boot_modes(request.session.items)
+    pending: dict[str, shared.PendingSharedBoot] = {}
+    done: dict[str, shared.SharedBoot] = {}
 
     def get(mode: str) -> shared.SharedBoot:
-        if mode not in boots:
-            boots[mode] = shared.boot(mode, tmp_path_factory.mktemp(f"shared-{mode}"))
-        return boots[mode]
+        if mode not in done:
+            if mode not in pending:
+                for other in [mode] + ([m for m in wanted if m not in pending and m not in done] if parallel else []):
+                    if other not in pending:
+                        pending[other] = shared.start(other, tmp_path_factory.mktemp(f"shared-{other}"))
+            done[mode] = pending.pop(mode).finish()
+        return done[mode]
 
-    return get
+    yield get
+    for unfinished in pending.values():
+        unfinished.abandon()
 
 
 @pytest.fixture

@@ -55,12 +55,13 @@ class VmError(Exception):
 
 
 PR_SET_PDEATHSIG = 1
+_LIBC = ctypes.CDLL(None, use_errno=True)  # loaded here, not in the forked child (no dlopen there)
 
 
 def _die_with_parent() -> None:
     """Runs in QEMU's child before exec: the kernel sends it SIGTERM if the test process dies, so a
     killed pytest leaves no VM behind (the `with Vm` cleanup never runs then)."""
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    _LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 # -- assets ------------------------------------------------------------------------------------------

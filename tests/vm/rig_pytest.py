@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from rig import GUEST_RESULTS, REPO, Vm, VmConfig, VmResult, run_in_vm
+from rig import GUEST_RESULTS, REPO, Vm, VmConfig, VmResult
 
 JUNIT_NAME = "junit.xml"
 
@@ -107,12 +107,45 @@ def guest_pytest_command(files: Sequence[str | Path], pytest_args: Sequence[str]
     return shlex.join(argv)
 
 
+class PendingGuestPytest:
+    """A guest pytest session that is running: `start_guest_pytest` boots and returns at once, so
+    several VMs can run side by side; `result()` waits for this one (and powers it off)."""
+
+    def __init__(self, vm: Vm, timeout: float):
+        self.vm = vm
+        self.timeout = timeout
+        self._result: GuestPytestResult | None = None
+
+    def result(self) -> GuestPytestResult:
+        if self._result is None:
+            with self.vm:
+                vm_result = self.vm.wait(self.timeout)
+            junit = vm_result.results_dir / JUNIT_NAME
+            self._result = GuestPytestResult(vm_result, parse_junit(junit) if junit.exists() else [])
+        return self._result
+
+    def abandon(self) -> None:
+        """Kill the VM without a result (a session ending early)."""
+        self.vm.__exit__(None, None, None)
+
+
+def start_guest_pytest(config: VmConfig, files: Sequence[str | Path], workdir: Path, timeout: float = 600,
+                       pytest_args: Sequence[str] = (), env: dict[str, str] | None = None, repo: Path = REPO,
+                       on_console: Sequence[tuple[str, Callable[[Vm], None]]] = ()) -> PendingGuestPytest:
+    """Boot `config` running pytest on guest-side test `files` (relative to `repo`); do not wait."""
+    vm = Vm(config, workdir)
+    for marker, action in on_console:
+        vm.on_console(marker, action)
+    try:
+        vm.start(guest_pytest_command(files, pytest_args, repo, timeout), env=env, cwd=repo)
+    except BaseException:
+        vm.__exit__(None, None, None)
+        raise
+    return PendingGuestPytest(vm, timeout)
+
+
 def run_guest_pytest(config: VmConfig, files: Sequence[str | Path], workdir: Path, timeout: float = 600,
                      pytest_args: Sequence[str] = (), env: dict[str, str] | None = None, repo: Path = REPO,
                      on_console: Sequence[tuple[str, Callable[[Vm], None]]] = ()) -> GuestPytestResult:
     """Boot `config` and run pytest on guest-side test `files` (relative to `repo`) in it."""
-    command = guest_pytest_command(files, pytest_args, repo, timeout)
-    vm = run_in_vm(config, command, workdir, timeout=timeout, env=env, cwd=repo, on_console=on_console)
-    junit = vm.results_dir / JUNIT_NAME
-    tests = parse_junit(junit) if junit.exists() else []
-    return GuestPytestResult(vm, tests)
+    return start_guest_pytest(config, files, workdir, timeout, pytest_args, env, repo, on_console).result()

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 from rig import MIB, NvmeSpec, Vm, VmConfig, controller_id
-from rig_pytest import GuestPytestResult, run_guest_pytest
+from rig_pytest import GuestPytestResult, PendingGuestPytest, start_guest_pytest
 
 REPO = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 2400  # the five modules' own limits were 600 (rig, faults, system), 900 (driver, store) s
@@ -190,7 +190,8 @@ def system_part(directory: Path) -> Part:
 PARTS: list[Callable[[Path], Part]] = [rig_part, faults_part, driver_part, store_part, system_part]
 # Others join both modes. The unplug runs in the no-IOMMU boot: the iommu one carries the store's
 # controllers, and q35 has room for 15 (rig_config.MAX_CONTROLLERS).
-PART_MODES = {"faults": ["noiommu"], "store": STORE_MODES}
+FAULTS_MODES = ["noiommu"]
+PART_MODES = {"faults": FAULTS_MODES, "store": STORE_MODES}
 
 
 def part_name(make: Callable[[Path], Part]) -> str:
@@ -216,8 +217,25 @@ class SharedBoot:
         return self.whole.select(guest_module_name(m) for m in self.parts[part].guest_modules)
 
 
-def boot(mode: str, workdir: Path) -> SharedBoot:
-    """Build every part's images under `workdir`, boot once in `mode`, run all guest modules."""
+@dataclass
+class PendingSharedBoot:
+    mode: str
+    parts: dict[str, Part]
+    pending: PendingGuestPytest
+
+    def finish(self) -> SharedBoot:
+        """Wait for the guest session (the VM powers off) and return its result."""
+        whole = self.pending.result()
+        print(f"shared guest pytest ({self.mode}): {whole.summary()}")
+        return SharedBoot(self.mode, self.parts, whole)
+
+    def abandon(self) -> None:
+        self.pending.abandon()
+
+
+def start(mode: str, workdir: Path) -> PendingSharedBoot:
+    """Build every part's images under `workdir` and boot `mode`, running all its parts' guest
+    modules; returns while the VM runs."""
     parts = {}
     for make in PARTS:
         if mode not in PART_MODES.get(part_name(make), ["iommu", "noiommu"]):
@@ -238,6 +256,10 @@ def boot(mode: str, workdir: Path) -> SharedBoot:
     run_dir.mkdir()
     modules = [m for p in parts.values() for m in p.guest_modules]
     on_console = [watch for p in parts.values() for watch in p.on_console]
-    whole = run_guest_pytest(config, modules, run_dir, timeout=TIMEOUT_S, env=env, on_console=on_console)
-    print(f"shared guest pytest ({mode}): {whole.summary()}")
-    return SharedBoot(mode, parts, whole)
+    pending = start_guest_pytest(config, modules, run_dir, timeout=TIMEOUT_S, env=env, on_console=on_console)
+    return PendingSharedBoot(mode, parts, pending)
+
+
+def boot(mode: str, workdir: Path) -> SharedBoot:
+    """`start` and wait."""
+    return start(mode, workdir).finish()

@@ -6,7 +6,7 @@ import os
 
 import pytest
 from rig import Vm, VmConfig, VmError, run_in_vm
-from shared_boot import UNPLUG_SERIAL
+from shared_boot import FAULTS_MODES, UNPLUG_SERIAL
 
 
 @pytest.mark.vm
@@ -41,10 +41,11 @@ def test_rig_failure_before_the_job_is_reported(vm_workdir):
 
 
 @pytest.mark.vm
-def test_qmp_from_guest_request_and_console_marker(shared_boot):
+@pytest.mark.parametrize("mode", FAULTS_MODES)
+def test_qmp_from_guest_request_and_console_marker(mode, shared_boot):
     """Runs in the no-IOMMU boot the VM tests share (tests/vm/shared_boot.py: faults_part, whose
     console action unplugs nvd-fault-b with device_del and waits for QEMU's DEVICE_DELETED)."""
-    boot = shared_boot("noiommu")
+    boot = shared_boot(mode)
     result = boot.result("faults")
     result.assert_passed()
     assert boot.parts["faults"].record["unplugged"] == [UNPLUG_SERIAL], "no DEVICE_DELETED event for nvd-fault-b"
