@@ -56,7 +56,7 @@ grep -q FAILED "$OUT/compile.txt" && note "compile: FAILED (compile.txt)" || not
 if [ -z "${GPU_CHECK_SKIP_TESTS:-}" ]; then
     section "GPU tests"
     timeout 300 python3 -m pytest -q --timeout 150 -p no:cacheprovider --tb=short --durations=10 \
-        tests/gpu/test_kernels.py tests/gpu/test_model.py tests/infer/test_gpu_layout.py \
+        tests/gpu/test_kernels.py tests/gpu/test_model.py tests/gpu/test_cli_gpu.py tests/infer/test_gpu_layout.py \
         tests/infer/test_synth.py tests/infer/test_kernels_compile.py \
         --junitxml="$OUT/pytest.xml" > "$OUT/pytest.log" 2>&1
     rc=$?
