@@ -87,14 +87,24 @@ def shared_boot(vm_assets: Path, tmp_path_factory: pytest.TempPathFactory,
     parallel = os.environ.get("NVMEDIRECT_VM_PARALLEL", "1") != "0"
     wanted = shared_boot_modes(request.session.items)
     pending: dict[str, shared.PendingSharedBoot] = {}
+    failed: dict[str, Exception] = {}  # a mode started early whose setup failed: its own tests report it
     done: dict[str, shared.SharedBoot] = {}
 
+    def start(mode: str) -> None:
+        pending[mode] = shared.start(mode, tmp_path_factory.mktemp(f"shared-{mode}"))
+
     def get(mode: str) -> shared.SharedBoot:
+        if mode in failed:
+            raise failed.pop(mode)
         if mode not in done:
             if mode not in pending:
-                for other in [mode] + ([m for m in wanted if m not in pending and m not in done] if parallel else []):
-                    if other not in pending:
-                        pending[other] = shared.start(other, tmp_path_factory.mktemp(f"shared-{other}"))
+                start(mode)
+                for other in wanted if parallel else []:
+                    if other not in pending and other not in done:
+                        try:
+                            start(other)
+                        except Exception as exc:
+                            failed[other] = exc
             done[mode] = pending.pop(mode).finish()
         return done[mode]
 
