@@ -8,7 +8,7 @@ import textwrap
 
 import pytest
 from rig import MIB, NamespaceSpec, NvmeSpec, Vm, VmConfig, VmResult, assets_problem, controller_bdf
-from rig_pytest import GuestPytestResult, parse_junit
+from rig_pytest import GuestPytestResult, GuestTest, parse_junit
 
 
 def device_args(argv: list[str], kind: str) -> list[str]:
@@ -146,3 +146,33 @@ def test_a_session_without_results_fails(tmp_path):
                   failure="the guest stopped without reporting the job's exit code (kernel panic?)")
     with pytest.raises(AssertionError, match="did not finish: the guest stopped"):
         GuestPytestResult(vm, []).assert_passed()
+
+
+def test_a_shared_session_is_judged_per_part(tmp_path):
+    """shared_boot's parts: each host test sees only its own guest modules' outcomes."""
+    vm = VmResult(rc=1, console="", results_dir=tmp_path, run_dir=tmp_path, elapsed=1)
+    whole = GuestPytestResult(vm, [
+        GuestTest("tests.vm.guest.test_a_guest::test_one", "passed", "", 0.1),
+        GuestTest("tests.vm.guest.x.test_b_guest::test_two", "failed", "boom", 0.1),
+    ])
+    part_a = whole.select(["tests.vm.guest.test_a_guest"])
+    assert [t.nodeid for t in part_a.tests] == ["tests.vm.guest.test_a_guest::test_one"]
+    part_a.assert_passed()  # pytest's exit code 1 is the other part's failure
+    with pytest.raises(AssertionError, match="test_two FAILED: boom"):
+        whole.select(["tests.vm.guest.x.test_b_guest"]).assert_passed()
+    with pytest.raises(AssertionError, match="no guest test ran"):
+        whole.select(["tests.vm.guest.test_c_guest"]).assert_passed()
+    # Every test passed yet pytest failed (e.g. an error outside any test): every part fails.
+    clean = GuestPytestResult(vm, whole.tests[:1])
+    with pytest.raises(AssertionError, match="pytest exited 1 although every test passed"):
+        clean.select(["tests.vm.guest.test_a_guest"]).assert_passed()
+    finished_early = VmResult(rc=None, console="", results_dir=tmp_path, run_dir=tmp_path, elapsed=1,
+                              failure="the VM was killed after the 2400 s timeout")
+    with pytest.raises(AssertionError, match="did not finish"):
+        GuestPytestResult(finished_early, whole.tests[:1]).select(["tests.vm.guest.test_a_guest"]).assert_passed()
+
+
+def test_shared_boot_names_guest_modules_as_junit_does():
+    from shared_boot import guest_module_name
+
+    assert guest_module_name("tests/vm/guest/driver/test_driver_guest.py") == "tests.vm.guest.driver.test_driver_guest"
