@@ -99,10 +99,13 @@ BENCH_SLOTS = 8
 SLOTS = BENCH_SLOTS  # ring slots (--slots)
 
 
-def _session(model: Path, vram: str, ram: str | None, tier_c: str, ctx: int, batch: int):  # noqa: ANN202
+def _session(model: Path, vram: str, ram: str | None, tier_c: str, ctx: int, batch: int,  # noqa: ANN202
+             **extra: Any):
+    """A streaming session; `extra`: more StreamingConfig fields (tier C reader settings)."""
     from infer.tiers.options import StreamingConfig, build_streaming_engine
 
-    config = StreamingConfig(enabled=True, vram_budget=vram, ram_budget=ram, tier_c=tier_c, batch=batch, slots=SLOTS)
+    config = StreamingConfig(enabled=True, vram_budget=vram, ram_budget=ram, tier_c=tier_c, batch=batch, slots=SLOTS,
+                             **extra)
     return build_streaming_engine(str(model), config, ctx, device=DEVICE, measure=True)
 
 
@@ -260,13 +263,10 @@ def _tierc_configs(text: str) -> list[tuple[int, int]]:
 
 def _tierc_run(out: Path, model: Path, args: argparse.Namespace, depth: int, staging: int) -> tuple[dict, list]:
     """One streaming session with tier C from the file: a prompt pass, then timed decode passes."""
-    from infer.tiers.options import StreamingConfig, build_streaming_engine
     from infer.tiers.plan import Tier
 
-    config = StreamingConfig(enabled=True, vram_budget=args.tierc_vram_budget or args.vram_budget,
-                             ram_budget=args.tierc_ram_budget, tier_c="file", batch=1, slots=SLOTS,
-                             read_queue_depth=depth, staging_buffers=staging)
-    s = build_streaming_engine(str(model), config, 64, device=DEVICE, measure=True)
+    s = _session(model, args.tierc_vram_budget or args.vram_budget, args.tierc_ram_budget, "file", 64, 1,
+                 read_queue_depth=depth, staging_buffers=staging)
     try:
         (out / "plan_tierc.txt").write_text(s.report() + "\n")
         c_tensors = s.plan.tensors_in(Tier.STORAGE)

@@ -121,11 +121,11 @@ class Engine:
         if len(prompt) > self.ctx_size:
             raise ContextFullError(f"a prompt of {len(prompt)} tokens exceeds the context size {self.ctx_size} "
                                    "(raise -c/--ctx-size)")
+        self.stats = GenerationStats()
         if len(prompt) > 1:
             self.prefill(list(prompt[:-1]))  # reuses a shared prefix; sets the prompt's stats
         else:
             self.reset()
-            self.stats = GenerationStats()
         self.stats.prompt_tokens += 1
         n_new = min(max_new_tokens, self.ctx_size - len(prompt) + 1)  # the last token needs no room
         self.stats.stop_reason = "length" if n_new == max_new_tokens else "context"

@@ -82,7 +82,7 @@ bench() {  # spec, timeout
 import json, sys
 r = json.load(open(sys.argv[1]))
 print(f"bench {sys.argv[2]:<10} pp512 {r['pp_tok_s']:>8} tok/s  tg128 {r['tg_tok_s']:>7} tok/s "
-      f"({r['tg_kernels']}; {r.get('tg_variants_tok_s')})  "
+      f"(float {r['tg_float_tok_s']}, int8 {r['tg_int8_tok_s']})  "
       f"{r['achieved_GBps']} GB/s ({r['fraction_of_copy']:.0%} of copy {r['copy_GBps']})  "
       f"VRAM {r['vram_used_bytes'] / 2**30:.1f} GiB  step {r['step_us']} us (kernels {r.get('kernel_sum_us')} us)")
 EOF

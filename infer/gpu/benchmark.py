@@ -98,31 +98,12 @@ def kernel_timings(gpu, n_layers_cycle: int = 8) -> list[dict[str, object]]:  # 
         mats = [L.qkv[j][0] for L in layers if len(L.qkv) > j]
         add(f"gemv qkv[{j}] {label(mats)} {mats[0].rows}x{mats[0].cols}", a.n_layers,
             sum(m.nbytes for m in mats) // len(mats), [gemv(m) for m in mats])
-    norm_act = layers[0].w_gate.act  # what the fused norm after wo rounds to (and, alike, after w_down)
     for attr in ("wo", "w_down"):
         mats = [getattr(L, attr) for L in layers]
-        name = f"gemv {attr} {label(mats)} {mats[0].rows}x{mats[0].cols}"
-        if integer(mats[0]) and ops.norm_epilogue_fits(a.dim, norm_act):
-            add(f"{name} + residual + norm (fused)", a.n_layers if gpu.fuse_norm else 0,
-                sum(m.nbytes for m in mats) // len(mats),
-                [lambda m=m: ops.gemv8_norm(m, x8(m.cols, m.act), outs[: m.rows], outs[: m.rows], layers[0].ffn_norm,
-                                            a.norm_eps, norm_act, x[: m.rows], x8(m.rows, norm_act), gpu._counters[:1])
-                 for m in mats])
-            add(f"{name}, no epilogue", 0 if gpu.fuse_norm else a.n_layers, sum(m.nbytes for m in mats) // len(mats),
-                [gemv(m) for m in mats])
-        else:
-            add(name, a.n_layers, sum(m.nbytes for m in mats) // len(mats), [gemv(m) for m in mats])
+        add(f"gemv {attr} {label(mats)} {mats[0].rows}x{mats[0].cols}", a.n_layers,
+            sum(m.nbytes for m in mats) // len(mats), [gemv(m) for m in mats])
     g0 = layers[0].w_gate
-    act_n, act_w, act_f = g0.act, layers[0].wo.act, layers[0].w_down.act
-    fused_round = integer(g0) and integer(layers[0].w_down)
-    if fused_round:
-        add(f"gemv_swiglu {g0.fmt} int8 2x{g0.rows}x{g0.cols} + round ({act_f}, fused)",
-            a.n_layers if gpu.fuse_round else 0, 2 * g0.nbytes,
-            [lambda L=L: ops.gemv8_swiglu_round(L.w_gate, L.w_up, x8(a.dim, g0.act), outs[: a.ffn_dim], act_f,
-                                                x8(a.ffn_dim, act_f), gpu._counters[1:]) for L in layers])
-        add(f"gemv_swiglu {g0.fmt} int8, no epilogue", 0 if gpu.fuse_round else a.n_layers, 2 * g0.nbytes,
-            [lambda L=L: ops.gemv8_swiglu(L.w_gate, L.w_up, x8(a.dim, g0.act), outs[: a.ffn_dim]) for L in layers])
-    elif integer(g0):
+    if integer(g0):
         add(f"gemv_swiglu {g0.fmt} int8 2x{g0.rows}x{g0.cols}", a.n_layers, 2 * g0.nbytes,
             [lambda L=L: ops.gemv8_swiglu(L.w_gate, L.w_up, x8(a.dim, g0.act), outs[: a.ffn_dim]) for L in layers])
     else:
@@ -148,9 +129,9 @@ def kernel_timings(gpu, n_layers_cycle: int = 8) -> list[dict[str, object]]:  # 
                 [lambda m=m, d=d: ops.gemv8(m, x8(m.cols, m.act), outs[: a.dim], defines=d) for m in downs])
     embed_cache = gpu.new_cache(1)
     add("embed", 1, 0, [lambda: ops.embed(gpu.token_embd, embed_cache.tok, 1, outs[: a.dim])])
+    act_n, act_w, act_f = layers[0].w_gate.act, layers[0].wo.act, layers[0].w_down.act
     eight = gpu.int8_dot and act_n in ("q8_0", "q8_k")
-    norm_fused = gpu.fuse_norm and integer(layers[0].wo) and ops.norm_epilogue_fits(a.dim, act_n)
-    add(f"rmsnorm+round ({act_n}{', int8' if eight else ''})", 1 if norm_fused else 2 * a.n_layers + 1, 0,
+    add(f"rmsnorm+round ({act_n}{', int8' if eight else ''})", 2 * a.n_layers + 1, 0,
         [lambda: ops.rmsnorm(x[: a.dim], layers[0].attn_norm, a.norm_eps, 1, a.dim, y=outs[: a.dim], act=act_n,
                              int8=x8(a.dim, act_n) if eight else None)])
     for ctx in (128, 4096):
@@ -166,7 +147,7 @@ def kernel_timings(gpu, n_layers_cycle: int = 8) -> list[dict[str, object]]:  # 
     cache = gpu.new_cache(256)
     if act_f != "f32":  # an f32 input is used as it is
         eight_f = integer(layers[0].w_down)
-        add(f"round_act ffn ({act_f}{', int8' if eight_f else ''})", 0 if gpu.fuse_round and fused_round else a.n_layers, 0,
+        add(f"round_act ffn ({act_f}{', int8' if eight_f else ''})", a.n_layers, 0,
             [lambda: ops.round_act(x[: a.ffn_dim], outs[: a.ffn_dim], 1, a.ffn_dim, act_f,
                                    int8=x8(a.ffn_dim, act_f) if eight_f else None)])
     add("sample (argmax)", 1, 0,
@@ -216,27 +197,15 @@ def measure(gpu, pp: int = 512, tg: int = 128, with_kernels: bool = True) -> dic
         tokens = cupy.asnumpy(cache.tokens[1 : tg + 1], stream=stream).tolist()
         return ms, tokens
 
-    # the variants: float GEMVs; integer GEMVs without and with each fused epilogue (norm in the
-    # residual GEMVs, rounding in the SwiGLU GEMV); the fastest is reported as tg and left on
-    variants = {"float": (False, False, False), "int8": (True, False, False), "int8+norm": (True, True, False),
-                "int8+round": (True, False, True), "int8+norm+round": (True, True, True)}
-    timed: dict[str, tuple[float, list[int]]] = {}
-    for name, (int8, norm, round_ffn) in variants.items():
-        gpu.set_fused_epilogues(norm, round_ffn)
-        timed[name] = decode_ms(int8)
-    result["tg_variants_tok_s"] = {name: round(tg / (ms * 1e-3), 1) for name, (ms, _) in timed.items()}
-    result["tg_float_tok_s"] = result["tg_variants_tok_s"]["float"]
-    result["tg_int8_unfused_tok_s"] = result["tg_variants_tok_s"]["int8"]
-    result["tg_int8_tok_s"] = result["tg_variants_tok_s"]["int8+norm+round"]
-    # the kernels compute the same numbers up to float32 summation order
-    base = np.array(timed["float"][1])
-    result["tg_same_tokens_as_float"] = {name: float(np.mean(np.array(ids) == base)) for name, (_, ids) in timed.items()}
-    result["tg_int8_same_tokens"] = result["tg_same_tokens_as_float"]["int8"]
-    best = min(timed, key=lambda name: timed[name][0])
-    tg_ms = timed[best][0]
-    gpu.set_int8_dot(variants[best][0])
-    gpu.set_fused_epilogues(variants[best][1], variants[best][2])
-    result["tg_kernels"] = best
+    float_ms, float_tokens = decode_ms(False)
+    int8_ms, int8_tokens = decode_ms(True)
+    result["tg_float_tok_s"] = round(tg / (float_ms * 1e-3), 1)
+    result["tg_int8_tok_s"] = round(tg / (int8_ms * 1e-3), 1)
+    # the two kernels compute the same numbers up to float32 summation order
+    result["tg_int8_same_tokens"] = float(np.mean(np.array(float_tokens) == np.array(int8_tokens)))
+    tg_ms = min(float_ms, int8_ms)
+    gpu.set_int8_dot(int8_ms < float_ms)
+    result["tg_kernels"] = "int8" if int8_ms < float_ms else "float"
     tok_s = tg / (tg_ms * 1e-3)
     result["tg_tokens"] = tg
     result["tg_tok_s"] = round(tok_s, 1)
@@ -261,10 +230,8 @@ def render(result: dict[str, object]) -> str:
     """The result as a short human-readable report (kernel table included when measured)."""
     lines = [f"{result.get('model', 'model')} on {result['device']}",
              f"  pp{result['pp_tokens']}: {result['pp_tok_s']} tok/s   tg{result['tg_tokens']}: {result['tg_tok_s']} tok/s "
-             f"({result['step_us']} us/token, {result['tg_kernels']})",
-             "  tg variants: " + ", ".join(f"{k} {v}" for k, v in result["tg_variants_tok_s"].items())  # type: ignore[union-attr]
-             + "; same tokens as float: "
-             + ", ".join(f"{v:.0%}" for v in result["tg_same_tokens_as_float"].values()),  # type: ignore[union-attr]
+             f"({result['step_us']} us/token; float GEMVs {result['tg_float_tok_s']}, int8 {result['tg_int8_tok_s']}, "
+             f"same tokens {result['tg_int8_same_tokens']:.0%})",
              f"  weights read per token: {result['vram_bytes_per_token'] / 1e9:.2f} GB (GGUF "  # type: ignore[operator]
              f"{result['gguf_bytes_per_token'] / 1e9:.2f} GB) -> {result['achieved_GBps']} GB/s = "  # type: ignore[operator]
              f"{result['fraction_of_copy']:.0%} of the {result['copy_GBps']} GB/s copy",
@@ -272,7 +239,7 @@ def render(result: dict[str, object]) -> str:
              + (f", load {result['load_seconds']} s" if "load_seconds" in result else "")]
     for row in result.get("kernels", []):  # type: ignore[union-attr]
         bw = f"{row['GBps']} GB/s" if row["GBps"] else ""
-        lines.append(f"    {row['kernel']:<60} x{row['per_token']:<4} {row['us']:>9} us  {bw}")
+        lines.append(f"    {row['kernel']:<56} x{row['per_token']:<4} {row['us']:>9} us  {bw}")
     if "kernel_sum_us" in result:
         lines.append(f"  kernels sum {result['kernel_sum_us']} us per token vs {result['step_us']} us measured")
     return "\n".join(lines)

@@ -43,7 +43,7 @@ class GpuKVCache:
     part_o: cupy.ndarray
     part_ml: cupy.ndarray
     length: int = 0
-    graphs: dict[tuple[float, int, bool, bool, bool], object] = field(default_factory=dict)
+    graphs: dict[tuple[float, int, bool], object] = field(default_factory=dict)
 
 
 class GpuTransformer:
@@ -58,13 +58,6 @@ class GpuTransformer:
         # kernels read x as float32, each lane its own 128-byte piece: 32 L1 wavefronts per load
         # instruction, which bounded them to ~0.5-0.8 TB/s on the H200 (run 1); int8 x is 4x smaller.
         self.int8_dot = int8_dot
-        # decode, off by default: the residual GEMVs normalise their output for the next matrix
-        # product and the SwiGLU GEMV rounds its output for the down projection, in the same launch
-        # (ops.gemv8_norm, ops.gemv8_swiglu_round). Correct, but slower on the H200 (run 10: 8B
-        # Q4_K_M 295.8 tok/s with both against 328.3 without): the fences and counters that order
-        # the blocks cost more (+9 us a launch) than the launches they save (5-7 us).
-        self.fuse_norm = False
-        self.fuse_round = False
         self.prefill_chunk = prefill_chunk
         # prompts up to this many tokens run through the decode kernels (no weight dequantization,
         # float32 products): cheaper for a few tokens, and the CPU's exact numerics where a test needs them
@@ -89,20 +82,11 @@ class GpuTransformer:
             self._act: dict[tuple[str, str], cupy.ndarray] = {}  # (input, activation format) -> buffer
             self._act8: dict[tuple[str, str], ops.Int8Act] = {}  # the same inputs' 8-bit forms
             self._plan_act_buffers()
-            # fused epilogues' counters: [0] the norm's blocks, [1:] the SwiGLU output's 8-bit groups
-            self._counters = ops.epilogue_counters(1 + a.ffn_dim // 32)
             self._scratch16: cupy.ndarray | None = None
             self._keep16: bool | None = None  # keep float16 copies of the weights for prompts (decided once)
             self._copies16: dict[int, cupy.ndarray] = {}
             self._rope_tables = (cupy.zeros((0, self.rope.n_pairs), F32),) * 2
         self.stream.synchronize()
-
-    def set_fused_epilogues(self, norm: bool, round_ffn: bool | None = None) -> None:
-        """Switches the fused GEMV epilogues of the decode step: the next RMSNorm in the residual
-        GEMVs (`norm`), the down projection's input rounding in the SwiGLU GEMV (`round_ffn`,
-        default: as `norm`)."""
-        self.fuse_norm = norm
-        self.fuse_round = norm if round_ffn is None else round_ffn
 
     def set_int8_dot(self, enabled: bool) -> None:
         """Switches the decode GEMVs between the float and the integer (dp4a) kernels."""
@@ -206,40 +190,15 @@ class GpuTransformer:
             ops.gemv(m, x, y, bias=bias, residual=residual)
 
     # ------------------------------------------------------------------ decode (one token)
-    def _norm_target(self, weight: cupy.ndarray, key: str, acts: list[str]) -> tuple | None:
-        """(weight, act, y, int8) when the norm of input `key` can run as a fused GEMV epilogue: one
-        8-bit activation format and the integer kernels on."""
-        unique = set(acts)
-        if not self.fuse_norm or len(unique) != 1:
-            return None
-        act = unique.pop()
-        int8 = self._int8(key, act)
-        if act not in ("q8_0", "q8_k") or int8 is None or not ops.norm_epilogue_fits(self.args.dim, act):
-            return None
-        return weight, act, self._act[(key, act)], int8
-
-    def _residual_gemv(self, m: GpuMatrix, key: str, x: cupy.ndarray, norm: tuple | None) -> bool:
-        """h += W x; with `norm` (a _norm_target) also the next norm in the same launch. True if fused."""
-        int8 = self._int8(key, m.act) if m.fmt in ops.INT8_FORMATS else None
-        if norm is None or int8 is None:
-            self._gemv(m, key, x, self.h, residual=self.h)
-            return False
-        weight, act, y, y8 = norm
-        ops.gemv8_norm(m, int8, self.h, self.h, weight, self.args.norm_eps, act, y, y8, self._counters[:1])
-        return True
-
     def _decode_launches(self, cache: GpuKVCache, mark: Callable[[str], None] | None = None) -> None:
         """Kernels of one decode step: token cache.tok at position cache.pos -> self.logits."""
         a, done = self.args, mark or (lambda _name: None)
         cos, sin = self._rope_tables
         ops.embed(self.token_embd, cache.tok, 1, self.h)
         done("embed")
-        xs: dict[str, cupy.ndarray] | None = None  # the attention input, when the last GEMV made it
         for i, L in enumerate(self.layers):
-            qkv_acts = [m.act for m, _ in L.qkv]
-            if xs is None:
-                xs = self._normed(self.h, L.attn_norm, "attn", qkv_acts)
-                done("rmsnorm")
+            xs = self._normed(self.h, L.attn_norm, "attn", [m.act for m, _ in L.qkv])
+            done("rmsnorm")
             for m, row in L.qkv:
                 self._gemv(m, "attn", xs[m.act], self.qkv[row : row + m.rows],
                            bias=None if L.bqkv is None else L.bqkv[row : row + m.rows])
@@ -251,23 +210,13 @@ class GpuTransformer:
                                  rope=(self.k, self.v, cos, sin, self.rope.n_pairs, a.rope_neox),
                                  int8=self._int8("att", L.wo.act) if L.wo.fmt in ops.INT8_FORMATS else None)
             done("attention")
-            ffn_acts = [L.w_gate.act, L.w_up.act]
-            fused = self._residual_gemv(L.wo, "att", self.att, self._norm_target(L.ffn_norm, "ffn", ffn_acts))
+            self._gemv(L.wo, "att", self.att, self.h, residual=self.h)
             done("gemv_o")
-            if fused:
-                xs = {ffn_acts[0]: self._act[("ffn", ffn_acts[0])]}
-            else:
-                xs = self._normed(self.h, L.ffn_norm, "ffn", ffn_acts)
-                done("rmsnorm")
-            down_int8 = self._int8("ff", L.w_down.act) if L.w_down.fmt in ops.INT8_FORMATS else None
-            ff_rounded = False  # the 8-bit form of SiLU(gate)*up made by the SwiGLU GEMV itself
+            xs = self._normed(self.h, L.ffn_norm, "ffn", [L.w_gate.act, L.w_up.act])
+            done("rmsnorm")
             if L.w_gate.fmt == L.w_up.fmt and L.w_gate.act == L.w_up.act:
                 int8 = self._int8("ffn", L.w_gate.act) if L.w_gate.fmt in ops.INT8_FORMATS else None
-                if int8 is not None and down_int8 is not None and self.fuse_round:
-                    ops.gemv8_swiglu_round(L.w_gate, L.w_up, int8, self.ff, L.w_down.act, down_int8,
-                                           self._counters[1:])
-                    ff_rounded = True
-                elif int8 is not None:
+                if int8 is not None:
                     ops.gemv8_swiglu(L.w_gate, L.w_up, int8, self.ff)
                 else:
                     ops.gemv_swiglu(L.w_gate, L.w_up, xs[L.w_gate.act], self.ff)
@@ -276,17 +225,9 @@ class GpuTransformer:
                 self._gemv(L.w_up, "ffn", xs[L.w_up.act], self.up)
                 ops.swiglu(self.gate, self.up, self.ff, a.ffn_dim)
             done("gemv_gate_up")
-            if i + 1 < len(self.layers):
-                nxt = self.layers[i + 1]
-                key, acts, norm_w = "attn", [m.act for m, _ in nxt.qkv], nxt.attn_norm
-            else:
-                key, acts, norm_w = "out", [self.output.act], self.w.output_norm
-            ff_in = self.ff if ff_rounded else self._rounded(self.ff, "ff", L.w_down.act)
-            fused = self._residual_gemv(L.w_down, "ff", ff_in, self._norm_target(norm_w, key, acts))
-            xs = {acts[0]: self._act[(key, acts[0])]} if fused else None
+            self._gemv(L.w_down, "ff", self._rounded(self.ff, "ff", L.w_down.act), self.h, residual=self.h)
             done("gemv_down")
-        if xs is None:
-            xs = self._normed(self.h, self.w.output_norm, "out", [self.output.act])
+        xs = self._normed(self.h, self.w.output_norm, "out", [self.output.act])
         self._gemv(self.output, "out", xs[self.output.act], self.logits)
         done("output")
 
@@ -295,7 +236,7 @@ class GpuTransformer:
         cache.pos.set(np.array([position], np.int32), stream=self.stream)
 
     def _decode_graph(self, cache: GpuKVCache, temperature: float, seed: int) -> object:
-        key = (float(temperature), int(seed), self.int8_dot, self.fuse_norm, self.fuse_round)
+        key = (float(temperature), int(seed), self.int8_dot)
         if key not in cache.graphs:
             with self.stream:
                 self.stream.begin_capture()

@@ -197,54 +197,6 @@ def gemv8_swiglu(gate: GpuMatrix, up: GpuMatrix, int8: Int8Act, y: cupy.ndarray,
        (*gate.planes(), *up.planes(), np.int32(gate.rows), np.int32(gate.cols), *int8, y))
 
 
-_NORM_CHUNKS = 4  # act.cuh NORM_CHUNKS: runs of 8 values per thread in the fused norm's last block
-
-
-def norm_epilogue_fits(n: int, act: str, defines: dict[str, int] | None = None) -> bool:
-    """Whether gemv8_norm can normalise a row of n values into `act` (its last block holds the row
-    in registers: at most 8 * NORM_CHUNKS values per thread)."""
-    return (act in ("q8_0", "q8_k") and n % (256 if act == "q8_k" else 32) == 0
-            and n <= _NORM_CHUNKS * 8 * 32 * _gemv_config(defines))
-
-
-def gemv8_norm(m: GpuMatrix, int8: Int8Act, y: cupy.ndarray, residual: cupy.ndarray | None, norm_weight: cupy.ndarray,
-               eps: float, act: str, norm_y: cupy.ndarray | None, norm_int8: Int8Act, counter: cupy.ndarray,
-               bias: cupy.ndarray | None = None, defines: dict[str, int] | None = None) -> None:
-    """y = W x (+ bias) (+ residual), then in the same launch norm_y and norm_int8 = RMSNorm(y) *
-    norm_weight rounded to `act` (q8_0 or q8_k) and its 8-bit form: the last block to finish does
-    the norm. counter: one uint32, 0 before the call and left at 0 after it (epilogue_counters())."""
-    if not norm_epilogue_fits(m.rows, act, defines):
-        raise ValueError(f"the fused norm rounds q8_0/q8_k rows of whole groups of at most "
-                         f"{_NORM_CHUNKS * 256 * _gemv_config(defines)} values, not {act} of {m.rows}")
-    warps = _gemv_config(defines)
-    fn = kernels.function("gemv", f"gemv8_norm_{m.fmt}", defines)
-    fn((_blocks(m.rows, warps),), (32 * warps,),
-       (*m.planes(), np.int32(m.rows), np.int32(m.cols), *int8, y, _ptr(bias), _ptr(residual), norm_weight,
-        np.float32(eps), np.int32(ACT_CODES[act]), _ptr(norm_y), *norm_int8, counter))
-
-
-def gemv8_swiglu_round(gate: GpuMatrix, up: GpuMatrix, int8: Int8Act, y: cupy.ndarray, act: str, out_int8: Int8Act,
-                       counters: cupy.ndarray, defines: dict[str, int] | None = None) -> None:
-    """y = SiLU(Wg x) * (Wu x), and in the same launch out_int8 = the 8-bit form of y rounded to
-    `act` (q8_0/q8_k: the input of the down projection's integer GEMV). counters: a uint32 per
-    8-bit group of y, all 0 before the call and left at 0 after it (epilogue_counters())."""
-    group = 256 if act == "q8_k" else 32
-    if act not in ("q8_0", "q8_k") or gate.rows % group:
-        raise ValueError(f"the fused rounding needs q8_0/q8_k and whole groups, not {act} of {gate.rows} rows")
-    if counters.size < gate.rows // group:
-        raise ValueError(f"{counters.size} counters for {gate.rows // group} groups")
-    warps = _gemv_config(defines)
-    fn = kernels.function("gemv", f"gemv8_swiglu_round_{gate.fmt}", defines)
-    fn((_blocks(gate.rows, warps),), (32 * warps,),
-       (*gate.planes(), *up.planes(), np.int32(gate.rows), np.int32(gate.cols), *int8, y, np.int32(ACT_CODES[act]),
-        *out_int8, counters))
-
-
-def epilogue_counters(n: int) -> cupy.ndarray:
-    """Zeroed uint32 counters for the fused epilogues (gemv8_norm: 1, gemv8_swiglu_round: one per group)."""
-    return cupy.zeros(n, dtype=cupy.uint32)
-
-
 def rope_store(q: cupy.ndarray, k: cupy.ndarray, v: cupy.ndarray, cos: cupy.ndarray, sin: cupy.ndarray,
                pos: cupy.ndarray, n_tokens: int, n_heads: int, n_kv_heads: int, head_dim: int, n_pairs: int,
                neox: bool, k_cache: cupy.ndarray, v_cache: cupy.ndarray, max_ctx: int) -> None:

@@ -1,7 +1,6 @@
-// Reductions and the rounding of activations to the formats llama.cpp feeds its matrix products
-// (float16, bfloat16, and the 8-bit q8_0 / q8_k blocks with their integer form for the dp4a GEMVs),
-// shared by ops.cu (RMSNorm, activation rounding, attention output) and gemv.cu (the fused epilogues
-// that normalise or round a GEMV's output in the same launch).
+// Reductions (shared by ops.cu and gemv.cu) and the rounding of activations to the formats llama.cpp
+// feeds its matrix products (float16, bfloat16, and the 8-bit q8_0 / q8_k blocks with their integer
+// form for the dp4a GEMVs), used by ops.cu's RMSNorm, activation rounding and attention output.
 #include "formats.cuh"
 
 __device__ __forceinline__ float warp_sum(float v) {
@@ -71,7 +70,17 @@ __device__ __forceinline__ void group_scale(int fmt, float best, int best_i, flo
     }
 }
 
-// One warp per group of 32*PER values (PER = 1: q8_0, 8: q8_k)
+// Eight int8 values (from ints in [-128, 127]) packed for one 8-byte store
+__device__ __forceinline__ uint2 pack_int8x8(const int* q) {
+    uint32_t lo = 0, hi = 0;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+        lo |= (uint32_t)(q[k] & 0xFF) << (8 * k);
+        hi |= (uint32_t)(q[k + 4] & 0xFF) << (8 * k);
+    }
+    return make_uint2(lo, hi);
+}
+
 // The 8-bit form of q8_0/q8_k activations for the integer (dp4a) GEMVs: xq the int8 values, xs the
 // float scale per group (32 or 256 values), xsum the sum of xq per 32 values. Null xq: not wanted.
 struct Int8Out {
@@ -87,22 +96,9 @@ __device__ __forceinline__ Int8Out int8_row(signed char* xq, float* xs, int* xsu
     return Int8Out{xq + row * n, xs + row * (n / group), xsum + row * (n / 32)};
 }
 
-// Loads that bypass L1 (`FROM_L2`): for values other blocks of the same launch wrote (fused
-// epilogues), which this SM's L1 may not have seen.
-template <bool FROM_L2>
-__device__ __forceinline__ float4 load4(const float4* p) {
-    if (FROM_L2) return __ldcg(p);
-    return *p;
-}
-template <bool FROM_L2>
-__device__ __forceinline__ float load1(const float* p) {
-    if (FROM_L2) return __ldcg(p);
-    return *p;
-}
-
-// Groups first, first + stride, ... of src go to y (y may be src; null: only the 8-bit form and
-// y16 are written): each warp reads its whole group before it writes it.
-template <int PER, bool FROM_L2 = false>
+// Groups first, first + stride, ... of src go to y (y may be src): each warp reads its whole group
+// before it writes it.
+template <int PER>
 __device__ void round_groups(const float* src, float* y, __half* y16, int n, int fmt, Int8Out o8, int first,
                              int stride) {
     const int lane = threadIdx.x & 31;
@@ -114,12 +110,12 @@ __device__ void round_groups(const float* src, float* y, __half* y16, int n, int
         float best = -1.f, extreme = 0.f;
         int best_i = 0x7fffffff;
         if (PER == 8) {  // 32 bytes per lane: two 16-byte loads
-            const float4 a0 = load4<FROM_L2>(reinterpret_cast<const float4*>(in) + lane * 2);
-            const float4 a1 = load4<FROM_L2>(reinterpret_cast<const float4*>(in) + lane * 2 + 1);
+            const float4 a0 = reinterpret_cast<const float4*>(in)[lane * 2];
+            const float4 a1 = reinterpret_cast<const float4*>(in)[lane * 2 + 1];
             v[0] = a0.x, v[1 % PER] = a0.y, v[2 % PER] = a0.z, v[3 % PER] = a0.w;
             v[4 % PER] = a1.x, v[5 % PER] = a1.y, v[6 % PER] = a1.z, v[7 % PER] = a1.w;
         } else {
-            v[0] = load1<FROM_L2>(in + lane);
+            v[0] = in[lane];
         }
 #pragma unroll
         for (int k = 0; k < PER; ++k) {
@@ -144,21 +140,11 @@ __device__ void round_groups(const float* src, float* y, __half* y16, int n, int
             qsum += q[k];
         }
         if (PER == 8) {  // 16-byte stores of the values, one 8-byte store of the int8 form
-            if (y) {
-                reinterpret_cast<float4*>(b)[lane * 2] = make_float4(r[0], r[1 % PER], r[2 % PER], r[3 % PER]);
-                reinterpret_cast<float4*>(b)[lane * 2 + 1] = make_float4(r[4 % PER], r[5 % PER], r[6 % PER], r[7 % PER]);
-            }
-            if (o8.xq) {
-                uint32_t w0 = 0, w1 = 0;
-#pragma unroll
-                for (int k = 0; k < 4; ++k) {
-                    w0 |= (uint32_t)(q[k % PER] & 0xFF) << (8 * k);
-                    w1 |= (uint32_t)(q[(k + 4) % PER] & 0xFF) << (8 * k);
-                }
-                reinterpret_cast<uint2*>(o8.xq + (long long)g * group)[lane] = make_uint2(w0, w1);
-            }
+            reinterpret_cast<float4*>(b)[lane * 2] = make_float4(r[0], r[1 % PER], r[2 % PER], r[3 % PER]);
+            reinterpret_cast<float4*>(b)[lane * 2 + 1] = make_float4(r[4 % PER], r[5 % PER], r[6 % PER], r[7 % PER]);
+            if (o8.xq) reinterpret_cast<uint2*>(o8.xq + (long long)g * group)[lane] = pack_int8x8(q);
         } else {
-            if (y) b[lane] = r[0];
+            b[lane] = r[0];
             if (o8.xq) o8.xq[(long long)g * group + lane] = (signed char)q[0];
         }
         if (y16) {
@@ -195,86 +181,4 @@ __device__ void round_row(float* y, __half* y16, int n, int fmt, Int8Out o8 = In
     const int warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
     if (fmt == ACT_Q8_0) round_groups<1>(y, y, y16, n, fmt, o8, warp, warps);
     else round_groups<8>(y, y, y16, n, fmt, o8, warp, warps);
-}
-
-
-// One block normalises a row that other blocks of the same launch have just written (the fused
-// epilogue of the GEMVs that add the residual): y = x / sqrt(mean(x^2) + eps) * w, rounded to q8_0
-// or q8_k, with its 8-bit form. n a multiple of 256 (q8_k) or 32 (q8_0), at most
-// 8 * NORM_CHUNKS * blockDim.x. Same arithmetic as rmsnorm8 (ops.cu): each thread rounds runs of 8
-// consecutive values, so a warp covers one q8_k group or eight q8_0 groups per step; only the order
-// of the sum of squares differs. The row is read once, through L2 (other SMs wrote it), every
-// thread's loads issued together: this tail is on the critical path of the step, and a loop of
-// dependent loads made the first version (run 9) slower than the separate rmsnorm launch.
-#define NORM_CHUNKS 4
-__device__ void norm_row_block(const float* x, const float* w, int n, float eps, int fmt, float* y, Int8Out o8) {
-    const int t = threadIdx.x, lane = t & 31, chunks = n / 8;
-    float v[NORM_CHUNKS][8];
-#pragma unroll
-    for (int k = 0; k < NORM_CHUNKS; ++k) {  // chunk t + k * blockDim.x: values 8c .. 8c+7
-        const int c = t + k * blockDim.x;
-        float4 a0 = make_float4(0.f, 0.f, 0.f, 0.f), a1 = a0;
-        if (c < chunks) {
-            a0 = __ldcg(reinterpret_cast<const float4*>(x) + 2 * c);
-            a1 = __ldcg(reinterpret_cast<const float4*>(x) + 2 * c + 1);
-        }
-        v[k][0] = a0.x, v[k][1] = a0.y, v[k][2] = a0.z, v[k][3] = a0.w;
-        v[k][4] = a1.x, v[k][5] = a1.y, v[k][6] = a1.z, v[k][7] = a1.w;
-    }
-    float ss = 0.f;
-#pragma unroll
-    for (int k = 0; k < NORM_CHUNKS; ++k)
-#pragma unroll
-        for (int e = 0; e < 8; ++e) ss += v[k][e] * v[k][e];
-    ss = block_sum(ss);
-    const float s = sqrtf(ss / (float)n + eps);
-#pragma unroll
-    for (int k = 0; k < NORM_CHUNKS; ++k) {
-        const int c = t + k * blockDim.x;
-        if (c - lane >= chunks) break;  // warp-uniform: the warp's first chunk is past the end
-        const bool on = c < chunks;
-        float best = -1.f, extreme = 0.f;
-        int best_i = 0x7fffffff;
-        if (on) {
-            const float4 w0 = reinterpret_cast<const float4*>(w)[2 * c], w1 = reinterpret_cast<const float4*>(w)[2 * c + 1];
-            const float wv[8] = {w0.x, w0.y, w0.z, w0.w, w1.x, w1.y, w1.z, w1.w};
-#pragma unroll
-            for (int e = 0; e < 8; ++e) {
-                v[k][e] = (v[k][e] / s) * wv[e];
-                const float a = fabsf(v[k][e]);
-                if (a > best) {
-                    best = a;
-                    best_i = lane * 8 + e;
-                    extreme = v[k][e];
-                }
-            }
-        }
-        float inv, scale, hi;  // xor distances: 4 lanes (32 values) or the warp (256)
-        group_scale(fmt, best, best_i, extreme, fmt == ACT_Q8_0 ? 2 : 16, inv, scale, hi);
-        int q[8], qsum = 0;
-#pragma unroll
-        for (int e = 0; e < 8; ++e) {
-            const float qf = fminf(rintf(v[k][e] * inv), hi);
-            v[k][e] = qf * scale;
-            q[e] = (int)qf;
-            qsum += q[e];
-        }
-        qsum += __shfl_xor_sync(0xffffffffu, qsum, 1);
-        qsum += __shfl_xor_sync(0xffffffffu, qsum, 2);
-        if (!on) continue;
-        const int first = 8 * c;  // first value of this thread's chunk
-        if ((lane & 3) == 0) o8.xsum[first / 32] = qsum;
-        if (fmt == ACT_Q8_0 ? (lane & 3) == 0 : lane == 0) o8.xs[first / (fmt == ACT_Q8_0 ? 32 : 256)] = scale;
-        uint32_t lo = 0, hi8 = 0;
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            lo |= (uint32_t)(q[e] & 0xFF) << (8 * e);
-            hi8 |= (uint32_t)(q[e + 4] & 0xFF) << (8 * e);
-        }
-        reinterpret_cast<uint2*>(o8.xq + first)[0] = make_uint2(lo, hi8);
-        if (y) {
-            reinterpret_cast<float4*>(y + first)[0] = make_float4(v[k][0], v[k][1], v[k][2], v[k][3]);
-            reinterpret_cast<float4*>(y + first)[1] = make_float4(v[k][4], v[k][5], v[k][6], v[k][7]);
-        }
-    }
 }

@@ -15,20 +15,27 @@
 
 __device__ __forceinline__ float silu(float g) { return g / (1.f + expf(-g)); }
 
-template <class F>
-__device__ __forceinline__ float row_dot(const Planes& p, long long base, int nsb, int lane, const float* x) {
+// Sum over one row's sub-blocks sb = lane, lane + 32, ... of dot(raw sub-block, sb): GEMV_UNROLL
+// sub-blocks' loads are issued before the first is used.
+template <class F, class Dot>
+__device__ __forceinline__ float row_sum(const Planes& p, long long base, int nsb, int lane, Dot dot) {
     float acc = 0.f;
     int sb = lane;
-    // GEMV_UNROLL sub-blocks' loads issued before the first is used
     for (; sb + 32 * (GEMV_UNROLL - 1) < nsb; sb += 32 * GEMV_UNROLL) {
         typename F::Raw r[GEMV_UNROLL];
 #pragma unroll
         for (int u = 0; u < GEMV_UNROLL; ++u) r[u] = F::load(p, base + sb + 32 * u);
 #pragma unroll
-        for (int u = 0; u < GEMV_UNROLL; ++u) acc += F::dot(r[u], x + ((sb + 32 * u) << 5));
+        for (int u = 0; u < GEMV_UNROLL; ++u) acc += dot(r[u], sb + 32 * u);
     }
-    for (; sb < nsb; sb += 32) acc += F::dot(F::load(p, base + sb), x + (sb << 5));
+    for (; sb < nsb; sb += 32) acc += dot(F::load(p, base + sb), sb);
     return acc;
+}
+
+template <class F>
+__device__ __forceinline__ float row_dot(const Planes& p, long long base, int nsb, int lane, const float* x) {
+    return row_sum<F>(p, base, nsb, lane,
+                      [x](const typename F::Raw& r, int s) { return F::dot(r, x + (s << 5)); });
 }
 
 // The same with 8-bit activations: xq int8 values, xs their scales (one per 32 or per 256 values,
@@ -36,25 +43,10 @@ __device__ __forceinline__ float row_dot(const Planes& p, long long base, int ns
 template <class F>
 __device__ __forceinline__ float row_dot8(const Planes& p, long long base, int nsb, int lane, const signed char* xq,
                                           const float* xs, const int* xsum) {
-    float acc = 0.f;
-    int sb = lane;
-    for (; sb + 32 * (GEMV_UNROLL - 1) < nsb; sb += 32 * GEMV_UNROLL) {
-        typename F::Raw r[GEMV_UNROLL];
-#pragma unroll
-        for (int u = 0; u < GEMV_UNROLL; ++u) r[u] = F::load(p, base + sb + 32 * u);
-#pragma unroll
-        for (int u = 0; u < GEMV_UNROLL; ++u) {
-            const int s = sb + 32 * u;
-            const int4* xv = reinterpret_cast<const int4*>(xq + (s << 5));
-            acc += F::dot8(r[u], __ldg(xv), __ldg(xv + 1), __ldg(xs + (s >> F::XS_SHIFT)), __ldg(xsum + s));
-        }
-    }
-    for (; sb < nsb; sb += 32) {
-        const int4* xv = reinterpret_cast<const int4*>(xq + (sb << 5));
-        acc += F::dot8(F::load(p, base + sb), __ldg(xv), __ldg(xv + 1), __ldg(xs + (sb >> F::XS_SHIFT)),
-                       __ldg(xsum + sb));
-    }
-    return acc;
+    return row_sum<F>(p, base, nsb, lane, [xq, xs, xsum](const typename F::Raw& r, int s) {
+        const int4* xv = reinterpret_cast<const int4*>(xq + (s << 5));
+        return F::dot8(r, __ldg(xv), __ldg(xv + 1), __ldg(xs + (s >> F::XS_SHIFT)), __ldg(xsum + s));
+    });
 }
 
 // Two rows of two matrices (gate and up) against the same 8-bit activations: both rows' loads are
@@ -171,77 +163,6 @@ __device__ __forceinline__ void gemv8_swiglu_quant(Planes g, Planes u, int rows,
     if (lane == 0) y[row] = silu(a) * b;
 }
 
-// Fused epilogues (decode): the GEMV's output feeds the next step in the same launch, which saves
-// a launch and its gap per step (run 5: about 100 small launches a token).
-//
-// gemv8_norm: y = W x + residual, then RMSNorm(y) * nw rounded to q8_0/q8_k (the next matrix
-// product's input, with its 8-bit form), done by the block that finishes last: every row's writer
-// fences its store, each block takes a ticket from `counter` after all its rows are stored, and the
-// block with the last ticket normalises (reading y through L2) and puts the counter back to 0.
-struct NormEpilogue {
-    const float* w;
-    float eps;
-    int fmt;
-    float* y;
-    Int8Out o8;
-    unsigned int* counter;
-};
-
-template <class F>
-__device__ __forceinline__ void gemv8_norm_quant(Planes p, int rows, int K, const signed char* xq, const float* xs,
-                                                 const int* xsum, float* y, const float* bias, const float* residual,
-                                                 NormEpilogue ne) {
-    __shared__ bool last;
-    const int lane = threadIdx.x & 31;
-    const int row = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5);
-    if (row < rows) {  // no early return: every thread reaches the barriers below
-        const int nsb = K >> 5;
-        const float acc = warp_sum(row_dot8<F>(p, (long long)row * nsb, nsb, lane, xq, xs, xsum));
-        if (lane == 0) {
-            store_row(acc, row, y, bias, residual);
-            __threadfence();
-        }
-    }
-    __syncthreads();
-    if (threadIdx.x == 0) last = atomicAdd(ne.counter, 1u) == gridDim.x - 1;
-    __syncthreads();
-    if (!last) return;
-    __threadfence();
-    norm_row_block(y, ne.w, rows, ne.eps, ne.fmt, ne.y, ne.o8);
-    if (threadIdx.x == 0) *ne.counter = 0u;
-}
-
-// gemv8_swiglu_round: y = SiLU(Wg x) * (Wu x), then each 8-bit group of y (32 or 256 rows) rounded
-// to `fmt`, only its 8-bit form o8 (what the integer GEMV after it reads), by the warp that stores
-// the group's last row: a counter per group (left at 0 again), so the rounding stays spread over
-// the whole grid.
-template <class F>
-__device__ __forceinline__ void gemv8_swiglu_round_quant(Planes g, Planes u, int rows, int K, const signed char* xq,
-                                                         const float* xs, const int* xsum, float* y, int fmt,
-                                                         Int8Out o8, unsigned int* counters) {
-    const int lane = threadIdx.x & 31;
-    const int row = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5);
-    if (row >= rows) return;
-    const int nsb = K >> 5;
-    float a, b;
-    row_dot8_pair<F>(g, u, (long long)row * nsb, nsb, lane, xq, xs, xsum, a, b);
-    a = warp_sum(a);
-    b = warp_sum(b);
-    const int group = fmt == ACT_Q8_0 ? 32 : 256, grp = row / group;
-    unsigned int ticket = 0;
-    if (lane == 0) {
-        y[row] = silu(a) * b;
-        __threadfence();
-        ticket = atomicAdd(counters + grp, 1u);
-    }
-    ticket = __shfl_sync(0xffffffffu, ticket, 0);
-    if (ticket != (unsigned int)group - 1) return;
-    __threadfence();
-    if (fmt == ACT_Q8_0) round_groups<1, true>(y, nullptr, nullptr, rows, fmt, o8, grp, rows);
-    else round_groups<8, true>(y, nullptr, nullptr, rows, fmt, o8, grp, rows);
-    if (lane == 0) counters[grp] = 0u;
-}
-
 template <typename T>
 __device__ __forceinline__ void gemv_float(const T* w, int rows, int K, const float* x, float* y, const float* bias,
                                            const float* residual) {
@@ -289,23 +210,6 @@ __device__ __forceinline__ void gemv_swiglu_float(const T* wg, const T* wu, int 
                             const uint8_t* uqs, const uint8_t* uhi, const uint8_t* usm, const uint8_t* udm,   \
                             int rows, int K, const signed char* xq, const float* xs, const int* xsum, float* y) { \
         gemv8_swiglu_quant<F>(Planes{gqs, ghi, gsm, gdm}, Planes{uqs, uhi, usm, udm}, rows, K, xq, xs, xsum, y); \
-    }                                                                                                         \
-    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)                                             \
-        gemv8_norm_##NAME(const uint8_t* qs, const uint8_t* hi, const uint8_t* sm, const uint8_t* dm, int rows,  \
-                          int K, const signed char* xq, const float* xs, const int* xsum, float* y,           \
-                          const float* bias, const float* residual, const float* nw, float eps, int fmt,      \
-                          float* ny, signed char* nq, float* ns, int* nsum, unsigned int* counter) {         \
-        gemv8_norm_quant<F>(Planes{qs, hi, sm, dm}, rows, K, xq, xs, xsum, y, bias, residual,                 \
-                            NormEpilogue{nw, eps, fmt, ny, Int8Out{nq, ns, nsum}, counter});                  \
-    }                                                                                                         \
-    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)                                             \
-        gemv8_swiglu_round_##NAME(const uint8_t* gqs, const uint8_t* ghi, const uint8_t* gsm,                \
-                                  const uint8_t* gdm, const uint8_t* uqs, const uint8_t* uhi,                \
-                                  const uint8_t* usm, const uint8_t* udm, int rows, int K,                   \
-                                  const signed char* xq, const float* xs, const int* xsum, float* y, int fmt, \
-                                  signed char* rq, float* rs, int* rsum, unsigned int* counters) {          \
-        gemv8_swiglu_round_quant<F>(Planes{gqs, ghi, gsm, gdm}, Planes{uqs, uhi, usm, udm}, rows, K, xq, xs,  \
-                                    xsum, y, fmt, Int8Out{rq, rs, rsum}, counters);                           \
     }
 
 #define GEMV_FLOAT(NAME, T)                                                                                   \

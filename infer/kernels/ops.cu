@@ -96,13 +96,7 @@ extern "C" __global__ void __launch_bounds__(1024)
             const long long e = row * n + 8 * t;  // first value of this thread
             if ((lane & 3) == 0) xsum[e / 32] = qsum;
             if (fmt == ACT_Q8_0 ? (lane & 3) == 0 : lane == 0) xs[e / (fmt == ACT_Q8_0 ? 32 : 256)] = scale;
-            uint32_t lo = 0, hi8 = 0;
-#pragma unroll
-            for (int k = 0; k < 4; ++k) {
-                lo |= (uint32_t)(q[k] & 0xFF) << (8 * k);
-                hi8 |= (uint32_t)(q[k + 4] & 0xFF) << (8 * k);
-            }
-            reinterpret_cast<uint2*>(xq + e)[0] = make_uint2(lo, hi8);
+            reinterpret_cast<uint2*>(xq + e)[0] = pack_int8x8(q);
         }
     }
     if (y) {

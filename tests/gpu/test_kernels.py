@@ -47,6 +47,13 @@ def _poisoned(shape: tuple[int, ...] | int, dtype: object = np.float32) -> cupy.
     return cupy.full(shape, np.nan, dtype=dtype)
 
 
+def _matrix(rng: np.random.Generator, ggml_type: int, rows: int, cols: int) -> tuple[ops.GpuMatrix, np.ndarray]:
+    """A random matrix on the GPU and its weights as GGUF defines them (float64, for references)."""
+    raw = _tensor(rng, ggml_type, rows, cols)
+    m = ops.upload_matrix(raw, ggml_type, rows, cols)
+    return m, layout.reconstruct(layout.repack(raw, ggml_type, rows, cols), m.fmt, rows, cols).astype(np.float64)
+
+
 @pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: T(t).name)
 def test_repack_matches_numpy_layout(rng: np.random.Generator, ggml_type: int) -> None:
     rows, cols = 48, 1024
@@ -64,9 +71,7 @@ def test_repack_matches_numpy_layout(rng: np.random.Generator, ggml_type: int) -
 @pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: T(t).name)
 def test_gemv(rng: np.random.Generator, ggml_type: int, shape: tuple[int, int]) -> None:
     rows, cols = shape
-    raw = _tensor(rng, ggml_type, rows, cols)
-    m = ops.upload_matrix(raw, ggml_type, rows, cols)
-    w = layout.reconstruct(layout.repack(raw, ggml_type, rows, cols), m.fmt, rows, cols).astype(np.float64)
+    m, w = _matrix(rng, ggml_type, rows, cols)
     x = rng.standard_normal(cols).astype(np.float32)
     y = _poisoned(rows)
     ops.gemv(m, cupy.asarray(x), y)
@@ -85,10 +90,7 @@ def test_gemv(rng: np.random.Generator, ggml_type: int, shape: tuple[int, int]) 
 @pytest.mark.parametrize("ggml_type", [T.F16, T.Q8_0, T.Q4_K, T.Q6_K, T.Q5_0], ids=lambda t: T(t).name)
 def test_gemv_swiglu(rng: np.random.Generator, ggml_type: int) -> None:
     rows, cols = 300, 2048
-    raws = [_tensor(rng, ggml_type, rows, cols) for _ in range(2)]
-    gate, up = (ops.upload_matrix(r, ggml_type, rows, cols) for r in raws)
-    wg, wu = (layout.reconstruct(layout.repack(r, ggml_type, rows, cols), gate.fmt, rows, cols).astype(np.float64)
-              for r in raws)
+    (gate, wg), (up, wu) = (_matrix(rng, ggml_type, rows, cols) for _ in range(2))
     x = rng.standard_normal(cols).astype(np.float32)
     y = _poisoned(rows)
     ops.gemv_swiglu(gate, up, cupy.asarray(x), y)
@@ -416,80 +418,13 @@ def test_round_act_int8_form(rng: np.random.Generator, act: str) -> None:
 INT8_TYPES = [T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q4_K, T.Q5_K, T.Q6_K]
 
 
-FUSED_TYPES = [T.Q8_0, T.Q4_0, T.Q5_1, T.Q4_K, T.Q5_K, T.Q6_K]
-
-
-@pytest.mark.parametrize("act", ["q8_0", "q8_k"])
-@pytest.mark.parametrize("ggml_type", FUSED_TYPES, ids=lambda t: T(t).name)
-def test_gemv8_norm_epilogue(rng: np.random.Generator, ggml_type: int, act: str) -> None:
-    """y = W x + residual, then RMSNorm(y) * w rounded to `act` by the last block, in one launch:
-    y as the plain integer GEMV gives it, the norm as rmsnorm (within its ulp criterion), the 8-bit
-    form equal to the floats, the counter back at 0; twice in a row (the counter is reused)."""
-    from infer.quants import activation_format
-
-    rows, cols = 4096, 2048
-    raw = _tensor(rng, ggml_type, rows, cols)
-    m = ops.upload_matrix(raw, ggml_type, rows, cols)
-    int8 = ops.int8_buffers(cols, activation_format(ggml_type))
-    counter = ops.epilogue_counters(1)
-    w = rng.standard_normal(rows).astype(np.float32)
-    for _ in range(2):
-        x = rng.standard_normal(cols).astype(np.float32)
-        ops.round_act(cupy.asarray(x), cupy.empty(cols, cupy.float32), 1, cols, m.act, int8=int8)
-        residual = (rng.standard_normal(rows) * 4).astype(np.float32)
-        want = cupy.asarray(residual)
-        ops.gemv8(m, int8, want, residual=want)
-        y, norm_y, norm8 = cupy.asarray(residual), _poisoned(rows), ops.int8_buffers(rows, act)
-        ops.gemv8_norm(m, int8, y, y, cupy.asarray(w), 1e-5, act, norm_y, norm8, counter)
-        got_y = cupy.asnumpy(y)
-        assert _rel(got_y, cupy.asnumpy(want)) < 1e-6
-        got = cupy.asnumpy(norm_y)
-        assert not np.isnan(got).any()
-        assert _rows_are_rmsnorm_rounded(got[None], got_y[None], w, 1e-5, act)
-        q, scale, qsum = (cupy.asnumpy(a) for a in norm8)
-        np.testing.assert_array_equal(q.astype(np.float32) * np.repeat(scale, rows // scale.size), got)
-        np.testing.assert_array_equal(qsum, q.astype(np.int32).reshape(-1, 32).sum(1))
-        assert int(counter[0]) == 0
-
-
-@pytest.mark.parametrize("act", ["q8_0", "q8_k"])
-@pytest.mark.parametrize("ggml_type", FUSED_TYPES, ids=lambda t: T(t).name)
-def test_gemv8_swiglu_round_epilogue(rng: np.random.Generator, ggml_type: int, act: str) -> None:
-    """SiLU(Wg x) * (Wu x) and its 8-bit form (rounded group by group by the warp that finishes the
-    group) in one launch: the floats as the plain fused SwiGLU GEMV gives them, the 8-bit form bit for bit the
-    rounding of those floats, every counter back at 0; twice in a row."""
-    from infer.quants import activation_format
-
-    rows, cols = 14336, 1024
-    gate = ops.upload_matrix(_tensor(rng, ggml_type, rows, cols), ggml_type, rows, cols)
-    up = ops.upload_matrix(_tensor(rng, ggml_type, rows, cols), ggml_type, rows, cols)
-    int8 = ops.int8_buffers(cols, activation_format(ggml_type))
-    counters = ops.epilogue_counters(rows // 32)
-    for _ in range(2):
-        x = rng.standard_normal(cols).astype(np.float32)
-        ops.round_act(cupy.asarray(x), cupy.empty(cols, cupy.float32), 1, cols, gate.act, int8=int8)
-        want = _poisoned(rows)
-        ops.gemv8_swiglu(gate, up, int8, want)
-        y, out8 = _poisoned(rows), tuple(cupy.full(a.shape, 77, a.dtype) for a in ops.int8_buffers(rows, act))
-        ops.gemv8_swiglu_round(gate, up, int8, y, act, out8, counters)
-        got_y = cupy.asnumpy(y)
-        assert _rel(got_y, cupy.asnumpy(want)) < 1e-6
-        q, scale, qsum = _int8_reference(got_y, act)
-        np.testing.assert_array_equal(cupy.asnumpy(out8[0]), q)
-        np.testing.assert_array_equal(cupy.asnumpy(out8[1]), scale)
-        np.testing.assert_array_equal(cupy.asnumpy(out8[2]), qsum)
-        assert not cupy.asnumpy(counters).any()
-
-
 @pytest.mark.parametrize("shape", [(257, 4096), (64, 14336)], ids=str)
 @pytest.mark.parametrize("ggml_type", INT8_TYPES, ids=lambda t: T(t).name)
 def test_gemv8_on_8bit_activations(rng: np.random.Generator, ggml_type: int, shape: tuple[int, int]) -> None:
     from infer.quants import activation_format, round_activations
 
     rows, cols = shape
-    raw = _tensor(rng, ggml_type, rows, cols)
-    m = ops.upload_matrix(raw, ggml_type, rows, cols)
-    w = layout.reconstruct(layout.repack(raw, ggml_type, rows, cols), m.fmt, rows, cols).astype(np.float64)
+    m, w = _matrix(rng, ggml_type, rows, cols)
     act = activation_format(ggml_type)
     x = rng.standard_normal(cols).astype(np.float32)
     int8 = ops.int8_buffers(cols, act)
@@ -499,9 +434,7 @@ def test_gemv8_on_8bit_activations(rng: np.random.Generator, ggml_type: int, sha
     ops.gemv8(m, int8, y)
     assert _rel(cupy.asnumpy(y), want) < GEMV_BOUND
     # the fused SwiGLU form, this matrix as the gate and another as up (loaded in pairs: a swap shows)
-    raw_up = _tensor(rng, ggml_type, rows, cols)
-    m_up = ops.upload_matrix(raw_up, ggml_type, rows, cols)
-    w_up = layout.reconstruct(layout.repack(raw_up, ggml_type, rows, cols), m.fmt, rows, cols).astype(np.float64)
+    m_up, w_up = _matrix(rng, ggml_type, rows, cols)
     want_up = w_up @ round_activations(x, act).astype(np.float64)
     out = _poisoned(rows)
     ops.gemv8_swiglu(m, m_up, int8, out)

@@ -11,7 +11,7 @@ import ctypes, time, types
 import numpy as np
 from gguf.constants import GGMLQuantizationType as T
 
-float16, float32, int32, uint8, uint16, uint32, int64, int8 = np.float16, np.float32, np.int32, np.uint8, np.uint16, np.uint32, np.int64, np.int8
+float16, float32, int32, uint8, uint16, int64, int8 = np.float16, np.float32, np.int32, np.uint8, np.uint16, np.int64, np.int8
 
 class _Data:
     def __init__(self, a): self.ptr = a.ctypes.data
@@ -125,17 +125,6 @@ class RawKernel:
             lay = layout.plane_layout(fmt, r_, c_)
             for p, o, s in zip((qs, hi, sm, dm), lay.offsets, lay.sizes):
                 if s: _arr(p, np.uint8, s)[:] = planar[o:o+s]
-        elif n.startswith("gemv8_norm_"):
-            fmt = n[11:]
-            qs, hi, sm, dm, rows, K, xq, xs8, xsum, y, bias, res, nw, eps, act, ny, nq, ns, nsum, cnt = args
-            RawKernel("gemv8_" + fmt)._run(grid, block, (qs, hi, sm, dm, rows, K, xq, xs8, xsum, y, bias, res))
-            assert _arr(cnt, np.uint32, 1)[0] == 0, "epilogue counter not left at 0"
-            RawKernel("rmsnorm8")._run((1,), block, (y, nw, ny, 0, rows, eps, act, nq, ns, nsum))
-        elif n.startswith("gemv8_swiglu_round_"):
-            fmt = n[19:]
-            gqs, ghi, gsm, gdm, uqs, uhi, usm, udm, rows, K, xq, xs8, xsum, y, act, rq, rs, rsum, cnt = args
-            RawKernel("gemv8_swiglu_" + fmt)._run(grid, block, (gqs, ghi, gsm, gdm, uqs, uhi, usm, udm, rows, K, xq, xs8, xsum, y))
-            _write_int8(rq, rs, rsum, _arr(y, np.float32, int(rows)).copy(), ACTS[int(act)])
         elif n.startswith("gemv8_swiglu_"):
             fmt = n[13:]
             gqs, ghi, gsm, gdm, uqs, uhi, usm, udm, rows, K, xq, xs8, xsum, y = args
