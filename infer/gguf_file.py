@@ -38,9 +38,9 @@ class TensorInfo:
     def type_name(self) -> str:
         return quants.type_name(self.ggml_type)
 
-    def dequantize(self) -> np.ndarray:
-        """The whole tensor as float32 (a new array)."""
-        return quants.dequantize(self.data, self.ggml_type, self.shape)
+    def dequantize(self, dtype: type = np.float32) -> np.ndarray:
+        """The whole tensor as float32 (a new array), or exactly as float64 (quants.dequantize)."""
+        return quants.dequantize(self.data, self.ggml_type, self.shape, dtype)
 
 
 class _CheckedReader(GGUFReader):

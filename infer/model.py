@@ -3,7 +3,18 @@ behind a small provider interface, and the forward pass over a KV cache.
 
 The forward pass follows llama.cpp's CPU numerics where that costs nothing: the KV cache is float16,
 and the query and the attention probabilities are rounded to float16 before they meet it (llama.cpp
-converts the other operand of an f16 matrix product to f16). Weights are dequantized to float32.
+converts the other operand of an f16 matrix product to f16), and the inputs of matrix products are
+rounded to the 8-bit (or f16) form llama.cpp gives them.
+
+Two numerics. The default computes in float32 with float32 weights, as llama.cpp's CPU does (its
+sums run in another order, so results agree to float rounding, not bit for bit). `exact=True` takes
+every sum in float64 over exact terms and rounds it to float32 once: matrix products use the weights
+dequantized exactly (float64) and the rounded activations exactly; RMSNorm's sum of squares,
+attention's dot products, exponentials and weighted values, and SiLU are float64. A result then does
+not depend on the order of summation (one batch or token by token, CPU or the GPU decode kernels,
+which compute the same in double), so the 8-bit rounding of the next layer sees the same inputs
+everywhere. With float32 sums a value on a rounding boundary can round either way, and on SmolLM2,
+whose activations have large outliers, one such flip moves logits by percents (docs/GPU.md).
 """
 
 from __future__ import annotations
@@ -99,16 +110,21 @@ class ModelArgs:
 
 
 class Linear:
-    """y = x @ W.T for W (out_features, in_features) float32, made of row segments stacked in order.
+    """y = x @ W.T for W (out_features, in_features), made of row segments stacked in order; y is
+    float32. With `exact`, the float64 product of the exact weights (give them as float64:
+    quants.dequantize with dtype=np.float64) and the exactly rounded activations, rounded once; else
+    a float32 product.
 
     Each segment remembers the activation format llama.cpp would convert x to for the weight's
     GGML type (see quants.round_activations); consecutive segments of one format are merged, so
     Q, K and V (or gate and up) usually become one matrix product.
     """
 
-    def __init__(self, parts: list[tuple[np.ndarray, str]]) -> None:
+    def __init__(self, parts: list[tuple[np.ndarray, str]], exact: bool = False) -> None:
+        self.exact = exact
         merged: list[tuple[np.ndarray, str]] = []
         for weight, fmt in parts:
+            weight = np.asarray(weight, dtype=np.float64 if exact else np.float32)
             if merged and merged[-1][1] == fmt:
                 merged[-1] = (np.concatenate([merged[-1][0], weight]), fmt)
             else:
@@ -120,7 +136,8 @@ class Linear:
         return sum(w.nbytes for w, _ in self.segments)
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
-        outs = [quants.round_activations(x, fmt) @ w.T for w, fmt in self.segments]
+        outs = [(quants.round_activations(x, fmt, self.exact) @ w.T).astype(np.float32, copy=False)
+                for w, fmt in self.segments]
         return outs[0] if len(outs) == 1 else np.concatenate(outs, axis=-1)
 
 
@@ -160,9 +177,10 @@ class DequantizedWeights:
     (least recently used layers are dropped first; a dropped layer is dequantized again on use)."""
 
     def __init__(self, model: GGUFModel, args: ModelArgs, budget_bytes: int = 8 << 30,
-                 match_llama_cpp: bool = True) -> None:
+                 match_llama_cpp: bool = True, exact: bool = False) -> None:
         self.model = model
         self.match_llama_cpp = match_llama_cpp  # round activations as llama.cpp does (else plain f32)
+        self.exact = exact  # matrices as exact float64 (Linear's exact numerics)
         self.args = args
         self.budget_bytes = budget_bytes
         self._cache: OrderedDict[object, Any] = OrderedDict()
@@ -224,8 +242,8 @@ class DequantizedWeights:
         for name in names:
             info = self.model.tensor(name)
             fmt = quants.activation_format(info.ggml_type) if self.match_llama_cpp else "f32"
-            parts.append((info.dequantize(), fmt))
-        return Linear(parts)
+            parts.append((info.dequantize(np.float64 if self.exact else np.float32), fmt))
+        return Linear(parts, self.exact)
 
     def _build_layer(self, i: int) -> LayerWeights:
         p = f"blk.{i}."
@@ -292,13 +310,15 @@ class KVCache:
         return self.keys[layer, :end], self.values[layer, :end]
 
 
-def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
-    mean_square = np.mean(np.square(x, dtype=np.float32), axis=-1, keepdims=True)
+def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float, exact: bool = False) -> np.ndarray:
+    """x / sqrt(mean(x^2) + eps) * weight in float32; with `exact` the sum of squares is taken in
+    float64 and rounded to float32 once (the GPU's rmsnorm kernels compute the same steps)."""
+    if exact:
+        x64 = x.astype(np.float64)
+        mean_square = np.sum(x64 * x64, axis=-1, keepdims=True).astype(np.float32) / np.float32(x.shape[-1])
+    else:
+        mean_square = np.mean(np.square(x, dtype=np.float32), axis=-1, keepdims=True)
     return (x / np.sqrt(mean_square + np.float32(eps))) * weight
-
-
-def _round_f16(x: np.ndarray) -> np.ndarray:
-    return x.astype(np.float16).astype(np.float32)
 
 
 class Rope:
@@ -343,10 +363,12 @@ class Transformer:
     """forward(tokens, start) runs tokens at positions start.. through all layers, extends the KV
     cache and returns logits: (T, vocab) with all_logits, else (vocab,) of the last token."""
 
-    def __init__(self, args: ModelArgs, weights: WeightProvider, rope_freq_factors: np.ndarray | None = None):
+    def __init__(self, args: ModelArgs, weights: WeightProvider, rope_freq_factors: np.ndarray | None = None,
+                 exact: bool = False):
         self.args = args
         self.weights = weights
         self.rope = Rope(args, rope_freq_factors)
+        self.exact = exact  # float64 sums (module docstring); the weights' Linears must be exact too
 
     def new_cache(self, max_tokens: int) -> KVCache:
         return KVCache(self.args, max_tokens)
@@ -360,13 +382,16 @@ class Transformer:
         x = self.weights.embed(tokens)  # (T, dim)
         for i in range(self.args.n_layers):
             layer = self.weights.layer(i)
-            x = x + self._attention(rms_norm(x, layer.attn_norm, self.args.norm_eps), layer, cache, i, start, cos, sin)
-            x = x + self._feed_forward(rms_norm(x, layer.ffn_norm, self.args.norm_eps), layer)
+            x = x + self._attention(self.norm(x, layer.attn_norm), layer, cache, i, start, cos, sin)
+            x = x + self._feed_forward(self.norm(x, layer.ffn_norm), layer)
         cache.length = start + n
         if not all_logits:
             x = x[-1:]
-        logits = self.weights.output()(rms_norm(x, self.weights.output_norm(), self.args.norm_eps))
+        logits = self.weights.output()(self.norm(x, self.weights.output_norm()))
         return logits if all_logits else logits[0]
+
+    def norm(self, x: np.ndarray, weight: np.ndarray) -> np.ndarray:
+        return rms_norm(x, weight, self.args.norm_eps, self.exact)
 
     def _attention(self, h: np.ndarray, layer: LayerWeights, cache: KVCache, index: int, start: int,
                    cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
@@ -380,27 +405,31 @@ class Transformer:
         q, k = self.rope.apply(q, cos, sin), self.rope.apply(k, cos, sin)
         keys, values = cache.store(index, start, k, v)  # (S, kv_heads, head_dim) float16
         group = a.n_heads // a.n_kv_heads  # query heads per KV head (GQA): head h reads KV head h // group
-        q = _round_f16(q).reshape(n, a.n_kv_heads, group, a.head_dim).transpose(1, 2, 0, 3)  # (kv, g, T, hd)
-        keys = keys.astype(np.float32).transpose(1, 2, 0)[:, None]  # (kv, 1, hd, S)
-        values = values.astype(np.float32).transpose(1, 0, 2)[:, None]  # (kv, 1, S, hd)
-        scores = (q @ keys) * np.float32(1.0 / np.sqrt(a.head_dim))  # (kv, g, T, S)
+        # float16 operands; float32 products, or float64 ones (exact) with `exact`
+        wide = np.float64 if self.exact else np.float32
+        q = q.astype(np.float16).astype(wide).reshape(n, a.n_kv_heads, group, a.head_dim).transpose(1, 2, 0, 3)
+        keys = keys.astype(wide).transpose(1, 2, 0)[:, None]  # (kv, 1, hd, S)
+        values = values.astype(wide).transpose(1, 0, 2)[:, None]  # (kv, 1, S, hd)
+        scores = (q @ keys).astype(np.float32) * np.float32(1.0 / np.sqrt(a.head_dim))  # (kv, g, T, S)
         if n > 1:  # causal mask: query t (position start + t) sees keys 0..start + t
             future = np.arange(start + n)[None, :] > np.arange(start, start + n)[:, None]
             scores[..., future] = -np.inf
-        scores -= scores.max(axis=-1, keepdims=True)
-        probs = np.exp(scores)
-        probs /= probs.sum(axis=-1, keepdims=True)
-        out = _round_f16(probs) @ values  # (kv, g, T, hd)
+        exps = np.exp(scores.astype(wide) - scores.max(axis=-1, keepdims=True))
+        probs = (exps / exps.sum(axis=-1, keepdims=True)).astype(np.float32).astype(np.float16)
+        out = (probs.astype(wide) @ values).astype(np.float32)  # (kv, g, T, hd)
         return layer.wo(out.transpose(2, 0, 1, 3).reshape(n, a.q_dim))
 
     def _feed_forward(self, h: np.ndarray, layer: LayerWeights) -> np.ndarray:
         gate_up = layer.gate_up(h)  # (T, 2 ffn)
         gate, up = gate_up[:, : self.args.ffn_dim], gate_up[:, self.args.ffn_dim :]
-        return layer.down(gate / (1.0 + np.exp(-gate)) * up)  # SwiGLU
+        if self.exact:  # evaluated in float64, rounded once
+            gate = gate.astype(np.float64)
+        return layer.down((gate / (1.0 + np.exp(-gate)) * up).astype(np.float32, copy=False))  # SwiGLU
 
 
-def load_transformer(model: GGUFModel, budget_bytes: int = 8 << 30, match_llama_cpp: bool = True) -> Transformer:
+def load_transformer(model: GGUFModel, budget_bytes: int = 8 << 30, match_llama_cpp: bool = True,
+                     exact: bool = False) -> Transformer:
     """ModelArgs, weights (checked for presence, shape and type) and the forward pass for a file."""
     args = ModelArgs.from_gguf(model)
-    weights = DequantizedWeights(model, args, budget_bytes, match_llama_cpp)
-    return Transformer(args, weights, weights.rope_freq_factors())
+    weights = DequantizedWeights(model, args, budget_bytes, match_llama_cpp, exact)
+    return Transformer(args, weights, weights.rope_freq_factors(), exact)

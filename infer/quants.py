@@ -1,8 +1,9 @@
 """Dequantization of GGML tensor types to float32, vectorized over blocks with NumPy.
 
 Each quantized type stores a row as a sequence of fixed-size blocks. The block layouts below are the
-public GGML formats (ggml-common.h); every function takes an (n_blocks, type_size) uint8 array and
-returns (n_blocks, block_size) float32 values. `dequantize` splits a tensor into row chunks so the
+public GGML formats (ggml-common.h); every function takes an (n_blocks, type_size) uint8 array and a
+float dtype and returns (n_blocks, block_size) values computed in that dtype: float32 rounds as
+llama.cpp's dequantization does, float64 gives every GGML weight exactly (the CPU engine's matrices). `dequantize` splits a tensor into row chunks so the
 temporaries stay small even for a 150k-row embedding matrix.
 """
 
@@ -18,9 +19,9 @@ from infer.errors import UnsupportedTensorTypeError
 QK_K = 256  # elements per K-quant super-block
 
 
-def _f16(blocks: np.ndarray, offset: int) -> np.ndarray:
-    """The float16 field at byte `offset` of each block, as an (n, 1) float32 column."""
-    return blocks[:, offset : offset + 2].copy().view(np.float16).astype(np.float32)
+def _f16(blocks: np.ndarray, offset: int, dtype: type = np.float32) -> np.ndarray:
+    """The float16 field at byte `offset` of each block, as an (n, 1) column of `dtype`."""
+    return blocks[:, offset : offset + 2].copy().view(np.float16).astype(dtype)
 
 
 def _low_high_nibbles(packed: np.ndarray) -> np.ndarray:
@@ -34,37 +35,37 @@ def _fifth_bits(blocks: np.ndarray, offset: int) -> np.ndarray:
     return ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)
 
 
-def _dequant_q8_0(blocks: np.ndarray) -> np.ndarray:
+def _dequant_q8_0(blocks: np.ndarray, dtype: type) -> np.ndarray:
     # d: f16 | qs: 32 x int8
-    return _f16(blocks, 0) * blocks[:, 2:34].view(np.int8).astype(np.float32)
+    return _f16(blocks, 0, dtype) * blocks[:, 2:34].view(np.int8).astype(dtype)
 
 
-def _dequant_q4_0(blocks: np.ndarray) -> np.ndarray:
+def _dequant_q4_0(blocks: np.ndarray, dtype: type) -> np.ndarray:
     # d: f16 | qs: 16 bytes of nibbles, value = (q - 8) * d
-    q = _low_high_nibbles(blocks[:, 2:18]).astype(np.float32) - 8.0
-    return _f16(blocks, 0) * q
+    q = _low_high_nibbles(blocks[:, 2:18]).astype(dtype) - 8.0
+    return _f16(blocks, 0, dtype) * q
 
 
-def _dequant_q4_1(blocks: np.ndarray) -> np.ndarray:
+def _dequant_q4_1(blocks: np.ndarray, dtype: type) -> np.ndarray:
     # d: f16 | m: f16 | qs: 16 bytes of nibbles, value = q * d + m
-    q = _low_high_nibbles(blocks[:, 4:20]).astype(np.float32)
-    return _f16(blocks, 0) * q + _f16(blocks, 2)
+    q = _low_high_nibbles(blocks[:, 4:20]).astype(dtype)
+    return _f16(blocks, 0, dtype) * q + _f16(blocks, 2, dtype)
 
 
-def _dequant_q5_0(blocks: np.ndarray) -> np.ndarray:
+def _dequant_q5_0(blocks: np.ndarray, dtype: type) -> np.ndarray:
     # d: f16 | qh: u32 fifth bits | qs: 16 bytes of nibbles, value = (q - 16) * d
     q = _low_high_nibbles(blocks[:, 6:22]) | (_fifth_bits(blocks, 2) << 4)
-    return _f16(blocks, 0) * (q.astype(np.float32) - 16.0)
+    return _f16(blocks, 0, dtype) * (q.astype(dtype) - 16.0)
 
 
-def _dequant_q5_1(blocks: np.ndarray) -> np.ndarray:
+def _dequant_q5_1(blocks: np.ndarray, dtype: type) -> np.ndarray:
     # d: f16 | m: f16 | qh: u32 fifth bits | qs: 16 bytes of nibbles, value = q * d + m
     q = _low_high_nibbles(blocks[:, 8:24]) | (_fifth_bits(blocks, 4) << 4)
-    return _f16(blocks, 0) * q.astype(np.float32) + _f16(blocks, 2)
+    return _f16(blocks, 0, dtype) * q.astype(dtype) + _f16(blocks, 2, dtype)
 
 
-def _k_scales_mins(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """12 bytes -> eight 6-bit scales and eight 6-bit mins (Q4_K/Q5_K), each (n, 8) float32.
+def _k_scales_mins(packed: np.ndarray, dtype: type) -> tuple[np.ndarray, np.ndarray]:
+    """12 bytes -> eight 6-bit scales and eight 6-bit mins (Q4_K/Q5_K), each (n, 8) of `dtype`.
 
     Bytes 0-3 hold scales 0-3 (low 6 bits), bytes 4-7 mins 0-3; bytes 8-11 hold the low 4 bits of
     scales/mins 4-7, whose top 2 bits sit in the spare top bits of bytes 0-7.
@@ -72,7 +73,7 @@ def _k_scales_mins(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     low, mid, high = packed[:, 0:4], packed[:, 4:8], packed[:, 8:12]
     scales = np.concatenate([low & 63, (high & 0x0F) | ((low >> 6) << 4)], axis=1)
     mins = np.concatenate([mid & 63, (high >> 4) | ((mid >> 6) << 4)], axis=1)
-    return scales.astype(np.float32), mins.astype(np.float32)
+    return scales.astype(dtype), mins.astype(dtype)
 
 
 def _k_nibbles(qs: np.ndarray) -> np.ndarray:
@@ -81,27 +82,27 @@ def _k_nibbles(qs: np.ndarray) -> np.ndarray:
     return np.concatenate([groups & 0x0F, groups >> 4], axis=2).reshape(-1, 8, 32)
 
 
-def _dequant_q4_k(blocks: np.ndarray) -> np.ndarray:
+def _dequant_q4_k(blocks: np.ndarray, dtype: type) -> np.ndarray:
     # d: f16 | dmin: f16 | scales: 12 bytes | qs: 128 bytes; 8 sub-blocks of 32
-    scales, mins = _k_scales_mins(blocks[:, 4:16])
-    q = _k_nibbles(blocks[:, 16:144]).astype(np.float32)
-    d, dmin = _f16(blocks, 0), _f16(blocks, 2)
+    scales, mins = _k_scales_mins(blocks[:, 4:16], dtype)
+    q = _k_nibbles(blocks[:, 16:144]).astype(dtype)
+    d, dmin = _f16(blocks, 0, dtype), _f16(blocks, 2, dtype)
     out = (d * scales)[:, :, None] * q - (dmin * mins)[:, :, None]
     return out.reshape(-1, QK_K)
 
 
-def _dequant_q5_k(blocks: np.ndarray) -> np.ndarray:
+def _dequant_q5_k(blocks: np.ndarray, dtype: type) -> np.ndarray:
     # d: f16 | dmin: f16 | scales: 12 | qh: 32 | qs: 128; bit k of qh[l] is the 5th bit of sub-block k
-    scales, mins = _k_scales_mins(blocks[:, 4:16])
+    scales, mins = _k_scales_mins(blocks[:, 4:16], dtype)
     qh = blocks[:, 16:48]
     fifth = (qh[:, None, :] >> np.arange(8, dtype=np.uint8)[None, :, None]) & 1
-    q = (_k_nibbles(blocks[:, 48:176]) | (fifth << 4)).astype(np.float32)
-    d, dmin = _f16(blocks, 0), _f16(blocks, 2)
+    q = (_k_nibbles(blocks[:, 48:176]) | (fifth << 4)).astype(dtype)
+    d, dmin = _f16(blocks, 0, dtype), _f16(blocks, 2, dtype)
     out = (d * scales)[:, :, None] * q - (dmin * mins)[:, :, None]
     return out.reshape(-1, QK_K)
 
 
-def _dequant_q6_k(blocks: np.ndarray) -> np.ndarray:
+def _dequant_q6_k(blocks: np.ndarray, dtype: type) -> np.ndarray:
     # ql: 128 | qh: 64 | scales: 16 x int8 | d: f16; two halves of 128 elements, 16 elements per scale
     ql = blocks[:, 0:128].reshape(-1, 2, 64)
     qh = blocks[:, 128:192].reshape(-1, 2, 1, 32)
@@ -109,27 +110,27 @@ def _dequant_q6_k(blocks: np.ndarray) -> np.ndarray:
         [ql[:, :, 0:32] & 0x0F, ql[:, :, 32:64] & 0x0F, ql[:, :, 0:32] >> 4, ql[:, :, 32:64] >> 4], axis=2
     )  # (n, 2, 4, 32)
     high = (qh >> np.array([0, 2, 4, 6], dtype=np.uint8)[None, None, :, None]) & 3
-    q = (nibbles | (high << 4)).astype(np.float32).reshape(-1, 16, 16) - 32.0
-    scales = blocks[:, 192:208].view(np.int8).astype(np.float32)
-    out = (_f16(blocks, 208) * scales)[:, :, None] * q
+    q = (nibbles | (high << 4)).astype(dtype).reshape(-1, 16, 16) - 32.0
+    scales = blocks[:, 192:208].view(np.int8).astype(dtype)
+    out = (_f16(blocks, 208, dtype) * scales)[:, :, None] * q
     return out.reshape(-1, QK_K)
 
 
-def _dequant_f16(blocks: np.ndarray) -> np.ndarray:
-    return blocks.view(np.float16).astype(np.float32)
+def _dequant_f16(blocks: np.ndarray, dtype: type) -> np.ndarray:
+    return blocks.view(np.float16).astype(dtype)
 
 
-def _dequant_bf16(blocks: np.ndarray) -> np.ndarray:
+def _dequant_bf16(blocks: np.ndarray, dtype: type) -> np.ndarray:
     # bfloat16 is the top half of a float32
-    return (blocks.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+    return (blocks.view(np.uint16).astype(np.uint32) << 16).view(np.float32).astype(dtype, copy=False)
 
 
-def _dequant_f32(blocks: np.ndarray) -> np.ndarray:
-    return blocks.view(np.float32).copy()
+def _dequant_f32(blocks: np.ndarray, dtype: type) -> np.ndarray:
+    return blocks.view(np.float32).astype(dtype)
 
 
 T = GGMLQuantizationType
-_DEQUANTIZERS: dict[GGMLQuantizationType, Callable[[np.ndarray], np.ndarray]] = {
+_DEQUANTIZERS: dict[GGMLQuantizationType, Callable[[np.ndarray, type], np.ndarray]] = {
     T.F32: _dequant_f32,
     T.F16: _dequant_f16,
     T.BF16: _dequant_bf16,
@@ -181,8 +182,9 @@ def row_nbytes(ggml_type: int, n_cols: int) -> int:
     return n_cols // block_size * type_size
 
 
-def dequantize(raw: np.ndarray, ggml_type: int, shape: tuple[int, ...]) -> np.ndarray:
-    """Raw tensor bytes (any uint8 array, e.g. a view into a memory map) -> float32 array of `shape`.
+def dequantize(raw: np.ndarray, ggml_type: int, shape: tuple[int, ...], dtype: type = np.float32) -> np.ndarray:
+    """Raw tensor bytes (any uint8 array, e.g. a view into a memory map) -> array of `shape`:
+    float32 as llama.cpp rounds it, or with dtype=np.float64 every weight exactly.
 
     `shape` is in NumPy order: the last axis is the contiguous row (GGUF's first dimension).
     """
@@ -195,11 +197,11 @@ def dequantize(raw: np.ndarray, ggml_type: int, shape: tuple[int, ...]) -> np.nd
         raise ValueError(f"{rows.size} bytes given for {n_rows}x{n_cols} {type_name(ggml_type)} values")
     rows = rows.reshape(n_rows, row_bytes)
     func = _DEQUANTIZERS[GGMLQuantizationType(ggml_type)]
-    out = np.empty((n_rows, n_cols), dtype=np.float32)
+    out = np.empty((n_rows, n_cols), dtype=dtype)
     step = max(1, _CHUNK_ELEMENTS // n_cols)
     for start in range(0, n_rows, step):
         chunk = np.ascontiguousarray(rows[start : start + step]).reshape(-1, type_size)
-        out[start : start + step] = func(chunk).reshape(-1, n_cols)
+        out[start : start + step] = func(chunk, dtype).reshape(-1, n_cols)
     return out.reshape(shape)
 
 
@@ -228,16 +230,19 @@ def activation_format(ggml_type: int) -> str:
     return _ACTIVATION_FORMAT[GGMLQuantizationType(ggml_type)]
 
 
-def round_activations(x: np.ndarray, fmt: str) -> np.ndarray:
-    """x (..., n) float32 -> the values llama.cpp would see after converting x to `fmt`."""
+def round_activations(x: np.ndarray, fmt: str, exact: bool = False) -> np.ndarray:
+    """x (..., n) float32 -> the values llama.cpp would see after converting x to `fmt`: float32
+    as llama.cpp's CPU would, or with `exact` as float64 holding each value exactly (an 8-bit value
+    times a float32 scale needs up to 32 bits)."""
+    out_type = np.float64 if exact else np.float32
     if fmt == "f32":
-        return x
+        return x.astype(out_type, copy=False)
     if fmt == "f16":
-        return x.astype(np.float16).astype(np.float32)
+        return x.astype(np.float16).astype(out_type)
     if fmt == "bf16":
         bits = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
         rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16  # round to nearest even
-        return rounded.astype(np.uint32).view(np.float32)
+        return rounded.astype(np.uint32).view(np.float32).astype(out_type, copy=False)
     block = 32 if fmt == "q8_0" else QK_K
     blocks = x.reshape(-1, block)
     if fmt == "q8_0":
@@ -245,14 +250,15 @@ def round_activations(x: np.ndarray, fmt: str) -> np.ndarray:
         with np.errstate(divide="ignore"):
             inv = np.where(amax > 0, np.float32(127.0) / amax, np.float32(0.0))
         scale = (amax / np.float32(127.0)).astype(np.float16).astype(np.float32)  # stored as f16
-        out = np.rint(blocks * inv) * scale
+        q = np.rint(blocks * inv)
     elif fmt == "q8_k":
         # the scale comes from the signed value of largest magnitude and stays float32
         extreme = np.take_along_axis(blocks, np.abs(blocks).argmax(axis=1)[:, None], axis=1)
         with np.errstate(divide="ignore"):
             inv = np.where(extreme != 0, np.float32(-127.0) / extreme, np.float32(0.0))
             scale = np.where(extreme != 0, np.float32(1.0) / inv, np.float32(0.0))
-        out = np.minimum(np.rint(blocks * inv), np.float32(127.0)) * scale
+        q = np.minimum(np.rint(blocks * inv), np.float32(127.0))
     else:
         raise ValueError(f"unknown activation format {fmt!r}")
-    return out.astype(np.float32).reshape(x.shape)
+    out = q.astype(out_type) * scale.astype(out_type)
+    return out.astype(out_type, copy=False).reshape(x.shape)

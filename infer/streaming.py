@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from infer.engine import Throughput
-from infer.model import KVCache, Transformer, rms_norm
+from infer.model import KVCache, Transformer
 
 PREFILL_CHUNK = 512  # prompt rows per pass, shared by the sequences still in their prompt
 Chooser = Callable[[np.ndarray, list[int]], int]
@@ -55,16 +55,16 @@ def forward_batch(model: Transformer, batch: Sequence[tuple[np.ndarray, KVCache]
     x = model.weights.embed(np.concatenate([np.asarray(t, np.int64) for t, _ in batch]))  # (rows, dim)
     for i in range(a.n_layers):
         layer = model.weights.layer(i)  # fetched once for the whole batch
-        h = rms_norm(x, layer.attn_norm, a.norm_eps)
+        h = model.norm(x, layer.attn_norm)
         for s, (_, cache) in enumerate(batch):
             rows = slice(bounds[s], bounds[s + 1])
             cos, sin = angles[s]
             x[rows] += model._attention(h[rows], layer, cache, i, cache.length, cos, sin)
-        x = x + model._feed_forward(rms_norm(x, layer.ffn_norm, a.norm_eps), layer)
+        x = x + model._feed_forward(model.norm(x, layer.ffn_norm), layer)
     for (_, cache), n in zip(batch, sizes, strict=True):
         cache.length += n
     picked = x if all_logits else x[bounds[1:] - 1]
-    logits = model.weights.output()(rms_norm(picked, model.weights.output_norm(), a.norm_eps))
+    logits = model.weights.output()(model.norm(picked, model.weights.output_norm()))
     if all_logits:
         return [logits[bounds[s]:bounds[s + 1]] for s in range(len(batch))]
     return [logits[s] for s in range(len(batch))]

@@ -123,12 +123,11 @@ class GpuTransformer:
         with self.stream:
             self._ensure_rope(max_tokens)
             shape = (a.n_layers, a.n_kv_heads, max_tokens, a.head_dim)
+            scores, part_o, part_ml = ops.attention_work(a.n_heads, a.head_dim, max_tokens)
             cache = GpuKVCache(
                 keys=cupy.zeros(shape, F16), values=cupy.zeros(shape, F16), max_tokens=max_tokens,
                 n_splits=n_splits, tok=cupy.zeros(1, cupy.int32), pos=cupy.zeros(1, cupy.int32),
-                tokens=cupy.zeros(max_tokens + 1, cupy.int32), scores=cupy.zeros(a.n_heads * max_tokens, F32),
-                part_o=cupy.zeros(a.n_heads * n_splits * a.head_dim, F32),
-                part_ml=cupy.zeros(a.n_heads * n_splits * 2, F32),
+                tokens=cupy.zeros(max_tokens + 1, cupy.int32), scores=scores, part_o=part_o, part_ml=part_ml,
             )
         self.stream.synchronize()
         return cache

@@ -221,16 +221,27 @@ def attention_splits(max_ctx: int) -> int:
     return -(-max_ctx // kernels.DEFAULT_DEFINES["ATTN_CHUNK"])
 
 
+def attention_work(n_heads: int, head_dim: int, max_ctx: int) -> tuple[cupy.ndarray, cupy.ndarray, cupy.ndarray]:
+    """Zeroed work buffers of attention_decode for a cache of max_ctx positions: scores (float32),
+    part_o and part_ml (float64: the kernels keep partial sums in double)."""
+    n_splits = attention_splits(max_ctx)
+    return (cupy.zeros(n_heads * max_ctx, cupy.float32), cupy.zeros(n_heads * n_splits * head_dim, cupy.float64),
+            cupy.zeros(n_heads * n_splits * 2, cupy.float64))
+
+
 def attention_decode(q: cupy.ndarray, k_cache: cupy.ndarray, v_cache: cupy.ndarray, pos: cupy.ndarray,
                      n_heads: int, n_kv_heads: int, head_dim: int, max_ctx: int, n_splits: int,
                      scores: cupy.ndarray, part_o: cupy.ndarray, part_ml: cupy.ndarray, out: cupy.ndarray,
                      act: str = "f32", rope: tuple | None = None, int8: Int8Act | None = None) -> None:
     """Attention of one query token at position pos[0] over cache positions 0..pos[0]; `out` is
     rounded to activation format `act` (the output projection's input). Work buffers: scores
-    (n_heads * max_ctx), part_o (n_heads * n_splits * head_dim), part_ml (n_heads * n_splits * 2),
-    float32. rope = (k, v, cos, sin, n_pairs, neox): q, k and v are the new token's raw projections;
+    (n_heads * max_ctx) float32, part_o (n_heads * n_splits * head_dim) and part_ml
+    (n_heads * n_splits * 2) float64 (attention_work). rope = (k, v, cos, sin, n_pairs, neox): q, k and v are the new token's raw projections;
     the kernel rotates q and k and stores k and v at pos[0] (else q is rotated and the cache filled)."""
     group = n_heads // n_kv_heads
+    if scores.dtype != cupy.float32 or part_o.dtype != cupy.float64 or part_ml.dtype != cupy.float64:
+        raise ValueError(f"attention work buffers are {scores.dtype}, {part_o.dtype}, {part_ml.dtype}; the kernels "
+                         "want float32 scores and float64 part_o and part_ml (ops.attention_work)")
     if n_splits < attention_splits(max_ctx):  # else positions past n_splits splits would be left out
         raise ValueError(f"{n_splits} attention splits do not cover {max_ctx} cache positions "
                          f"(need {attention_splits(max_ctx)}: ops.attention_splits)")

@@ -9,6 +9,12 @@ __device__ __forceinline__ float warp_sum(float v) {
     return v;
 }
 
+__device__ __forceinline__ double warp_sum(double v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
 __device__ __forceinline__ float warp_max(float v) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
@@ -16,15 +22,15 @@ __device__ __forceinline__ float warp_max(float v) {
 }
 
 // Sum over the block (blockDim.x a multiple of 32, at most 1024); every thread gets the result.
-__device__ float block_sum(float v) {
-    __shared__ float part[32];
-    __shared__ float total;
+__device__ double block_sum(double v) {
+    __shared__ double part[32];
+    __shared__ double total;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     v = warp_sum(v);
     if (lane == 0) part[warp] = v;
     __syncthreads();
     if (warp == 0) {
-        float s = lane < (int)(blockDim.x >> 5) ? part[lane] : 0.f;
+        double s = lane < (int)(blockDim.x >> 5) ? part[lane] : 0.0;
         s = warp_sum(s);
         if (lane == 0) total = s;
     }

@@ -16,6 +16,12 @@
 //
 // Integers become floats without the slow I2F unit: a byte b placed under the exponent of 2^23
 // (0x4B0000bb) is the float 2^23 + b, and one FADD removes the 2^23.
+//
+// Every dot product returns a double: the products of a sub-block (exact integers from dp4a, or
+// float products that are exact in double) are scaled and summed in double precision, so a row's
+// sum carries ~1e-16 relative error in whatever order the lanes add it. Rounded to float32 at the
+// end, it is then (almost always) the float32 nearest the exact sum, the value the CPU engine's
+// float64 products give too: the next layer's 8-bit rounding sees identical inputs on both sides.
 #pragma once
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
@@ -49,20 +55,27 @@ __device__ __forceinline__ float4 ldg4(const float* p) { return __ldg(reinterpre
 
 __device__ __forceinline__ uint4 ldg_u4(const uint8_t* p) { return __ldg(reinterpret_cast<const uint4*>(p)); }
 
-// 8 weights held in two words (lo: weights 4t..4t+3, hi: weights 16+4t..16+4t+3) dotted with x.
-__device__ __forceinline__ void dot_lohi(uint32_t lo, uint32_t hi, float bias, float4 xa, float4 xb,
-                                         float& acc_lo, float& acc_hi) {
-    acc_lo = fmaf(byte_as_float(lo, 0, bias), xa.x, acc_lo);
-    acc_lo = fmaf(byte_as_float(lo, 1, bias), xa.y, acc_lo);
-    acc_lo = fmaf(byte_as_float(lo, 2, bias), xa.z, acc_lo);
-    acc_lo = fmaf(byte_as_float(lo, 3, bias), xa.w, acc_lo);
-    acc_hi = fmaf(byte_as_float(hi, 0, bias), xb.x, acc_hi);
-    acc_hi = fmaf(byte_as_float(hi, 1, bias), xb.y, acc_hi);
-    acc_hi = fmaf(byte_as_float(hi, 2, bias), xb.z, acc_hi);
-    acc_hi = fmaf(byte_as_float(hi, 3, bias), xb.w, acc_hi);
+// int -> double, exactly, without the slow conversion unit: the double 2^52 + 2^31 + v has v + 2^31
+// as its low word; one DADD removes the offset
+__device__ __forceinline__ double int_as_double(int v) {
+    return __hiloint2double(0x43300000, v ^ 0x80000000) - 4503601774854144.0;
 }
 
-__device__ __forceinline__ float sum4(float4 a) { return (a.x + a.y) + (a.z + a.w); }
+// 8 weights held in two words (lo: weights 4t..4t+3, hi: weights 16+4t..16+4t+3) dotted with x, in
+// double: each float product is exact in double
+__device__ __forceinline__ void dot_lohi(uint32_t lo, uint32_t hi, float bias, float4 xa, float4 xb,
+                                           double& acc_lo, double& acc_hi) {
+    acc_lo = fma((double)byte_as_float(lo, 0, bias), (double)xa.x, acc_lo);
+    acc_lo = fma((double)byte_as_float(lo, 1, bias), (double)xa.y, acc_lo);
+    acc_lo = fma((double)byte_as_float(lo, 2, bias), (double)xa.z, acc_lo);
+    acc_lo = fma((double)byte_as_float(lo, 3, bias), (double)xa.w, acc_lo);
+    acc_hi = fma((double)byte_as_float(hi, 0, bias), (double)xb.x, acc_hi);
+    acc_hi = fma((double)byte_as_float(hi, 1, bias), (double)xb.y, acc_hi);
+    acc_hi = fma((double)byte_as_float(hi, 2, bias), (double)xb.z, acc_hi);
+    acc_hi = fma((double)byte_as_float(hi, 3, bias), (double)xb.w, acc_hi);
+}
+
+__device__ __forceinline__ double sum4(float4 a) { return ((double)a.x + (double)a.y) + ((double)a.z + (double)a.w); }
 
 // Planes of one tensor; unused planes are null.
 struct Planes {
@@ -83,19 +96,19 @@ struct FmtQ8 {
         return r;
     }
     // q ^ 0x80 turns int8 into a biased byte (q + 128)
-    static __device__ __forceinline__ float dot(const Raw& r, const float* x) {
+    static __device__ __forceinline__ double dot(const Raw& r, const float* x) {
         const uint32_t w[8] = {r.a.x, r.a.y, r.a.z, r.a.w, r.b.x, r.b.y, r.b.z, r.b.w};
-        float acc0 = 0.f, acc1 = 0.f;
+        double acc0 = 0.0, acc1 = 0.0;
 #pragma unroll
         for (int t = 0; t < 4; ++t) {
             dot_lohi(w[t] ^ 0x80808080u, w[t + 4] ^ 0x80808080u, 128.f, ldg4(x + 4 * t), ldg4(x + 16 + 4 * t),
-                     acc0, acc1);
+                       acc0, acc1);
         }
-        return r.s * (acc0 + acc1);
+        return (double)r.s * (acc0 + acc1);
     }
     // with 8-bit activations (q8_0: scale xs per 32): one integer dot product
     static constexpr int XS_SHIFT = 0;
-    static __device__ __forceinline__ float dot8(const Raw& r, int4 xa, int4 xb, float xs, int xsum) {
+    static __device__ __forceinline__ double dot8(const Raw& r, int4 xa, int4 xb, float xs, int xsum) {
         int acc = __dp4a((int)r.a.x, xa.x, 0);
         acc = __dp4a((int)r.a.y, xa.y, acc);
         acc = __dp4a((int)r.a.z, xa.z, acc);
@@ -104,7 +117,7 @@ struct FmtQ8 {
         acc = __dp4a((int)r.b.y, xb.y, acc);
         acc = __dp4a((int)r.b.z, xb.z, acc);
         acc = __dp4a((int)r.b.w, xb.w, acc);
-        return xs * (r.s * (float)acc);
+        return (double)xs * ((double)r.s * int_as_double(acc));
     }
     static __device__ __forceinline__ void dequant(const Raw& r, float* out) {
         const uint32_t w[8] = {r.a.x, r.a.y, r.a.z, r.a.w, r.b.x, r.b.y, r.b.z, r.b.w};
@@ -159,9 +172,9 @@ struct FmtNib {
             hi |= spread_2bit4((r.h.y >> (8 * t)) & 0xFFu);
         }
     }
-    static __device__ __forceinline__ float dot(const Raw& r, const float* x) {
+    static __device__ __forceinline__ double dot(const Raw& r, const float* x) {
         const float bias = BITS == 6 ? 32.f : 0.f;
-        float acc_lo = 0.f, acc_hi = 0.f, xsum = 0.f;
+        double acc_lo = 0.0, acc_hi = 0.0, xsum = 0.0;
 #pragma unroll
         for (int t = 0; t < 4; ++t) {
             uint32_t lo, hi;
@@ -170,14 +183,14 @@ struct FmtNib {
             dot_lohi(lo, hi, bias, xa, xb, acc_lo, acc_hi);
             if (BITS != 6) xsum += sum4(xa) + sum4(xb);
         }
-        if (BITS == 6) return r.sm.x * acc_lo + r.sm.y * acc_hi;
-        return r.sm.x * (acc_lo + acc_hi) + r.sm.y * xsum;
+        if (BITS == 6) return (double)r.sm.x * acc_lo + (double)r.sm.y * acc_hi;
+        return (double)r.sm.x * (acc_lo + acc_hi) + (double)r.sm.y * xsum;
     }
     // with 8-bit activations (q8_0 for g4/g5: scale per 32; q8_k for k4/k5/k6: scale per 256):
     // integer dot products of the weights' byte values with the activations' int8 values; the
     // offset term uses the activations' sum per 32 (xsum)
     static constexpr int XS_SHIFT = K ? 3 : 0;
-    static __device__ __forceinline__ float dot8(const Raw& r, int4 xa, int4 xb, float xs, int xsum) {
+    static __device__ __forceinline__ double dot8(const Raw& r, int4 xa, int4 xb, float xs, int xsum) {
         const int xav[4] = {xa.x, xa.y, xa.z, xa.w}, xbv[4] = {xb.x, xb.y, xb.z, xb.w};
         int acc_lo = 0, acc_hi = 0;
 #pragma unroll
@@ -191,8 +204,10 @@ struct FmtNib {
             acc_lo = __dp4a((int)lo, xav[t], acc_lo);
             acc_hi = __dp4a((int)hi, xbv[t], acc_hi);
         }
-        if (BITS == 6) return xs * (r.sm.x * (float)acc_lo + r.sm.y * (float)acc_hi);
-        return xs * (r.sm.x * (float)(acc_lo + acc_hi) + r.sm.y * (float)xsum);
+        // sm.x and sm.y are exact float products (an f16 scale times a 6- or 8-bit one), so each
+        // product below is exact in double and only the sum and the activation scale round
+        if (BITS == 6) return (double)xs * fma((double)r.sm.x, int_as_double(acc_lo), (double)r.sm.y * int_as_double(acc_hi));
+        return (double)xs * fma((double)r.sm.x, int_as_double(acc_lo + acc_hi), (double)r.sm.y * int_as_double(xsum));
     }
     static __device__ __forceinline__ void dequant(const Raw& r, float* out) {
 #pragma unroll
@@ -226,17 +241,20 @@ __device__ __forceinline__ float to_float(float v) { return v; }
 
 // 16 bytes of T -> floats, dotted with x (x holds 16/sizeof(T) floats, 16-byte aligned)
 template <typename T>
-__device__ __forceinline__ float dot16(uint4 v, const float* x) {
-    float acc = 0.f;
+__device__ __forceinline__ double dot16(uint4 v, const float* x) {
+    double acc = 0.0;
     if (sizeof(T) == 4) {
         const float4 xa = ldg4(x);
-        acc = __uint_as_float(v.x) * xa.x + __uint_as_float(v.y) * xa.y + __uint_as_float(v.z) * xa.z +
-              __uint_as_float(v.w) * xa.w;
+        acc = fma((double)__uint_as_float(v.x), (double)xa.x, acc);
+        acc = fma((double)__uint_as_float(v.y), (double)xa.y, acc);
+        acc = fma((double)__uint_as_float(v.z), (double)xa.z, acc);
+        acc = fma((double)__uint_as_float(v.w), (double)xa.w, acc);
     } else {
         const T* e = reinterpret_cast<const T*>(&v);
         const float4 xa = ldg4(x), xb = ldg4(x + 4);
-        acc = to_float(e[0]) * xa.x + to_float(e[1]) * xa.y + to_float(e[2]) * xa.z + to_float(e[3]) * xa.w;
-        acc += to_float(e[4]) * xb.x + to_float(e[5]) * xb.y + to_float(e[6]) * xb.z + to_float(e[7]) * xb.w;
+        const float xv[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
+#pragma unroll
+        for (int k = 0; k < 8; ++k) acc = fma((double)to_float(e[k]), (double)xv[k], acc);
     }
     return acc;
 }

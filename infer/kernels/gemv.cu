@@ -1,8 +1,9 @@
 // Matrix-vector products y = W x for decode, one warp per output row, weights read straight from
 // the planar formats of formats.cuh. Each lane takes every 32nd sub-block of its row and issues four
 // sub-blocks' (GEMV_UNROLL) loads before using any of them, so a warp keeps ~2 KB of weights in flight; x (float32)
-// is re-read from L1/L2 by every warp. Fused epilogues: + bias, + residual (y may alias residual:
-// each element is read and written by the same lane), and SiLU(gate)*up for the FFN.
+// is re-read from L1/L2 by every warp. Sums are kept in double (formats.cuh says why) and rounded to
+// float32 once per row. Fused epilogues: + bias, + residual (y may alias residual: each element is
+// read and written by the same lane), and SiLU(gate)*up for the FFN.
 #include "formats.cuh"
 #include "act.cuh"
 
@@ -13,13 +14,18 @@
 #define GEMV_UNROLL 4  // sub-blocks (16-byte pieces for float formats) in flight per lane
 #endif
 
-__device__ __forceinline__ float silu(float g) { return g / (1.f + expf(-g)); }
+// SiLU(gate) * up of two float32 outputs, evaluated in double and rounded once, as the CPU engine
+// does: both sides round the same float32 inputs to the same float32 result
+__device__ __forceinline__ float swiglu(float gate, float up) {
+    const double g = gate;
+    return (float)(g / (1.0 + exp(-g)) * (double)up);
+}
 
 // Sum over one row's sub-blocks sb = lane, lane + 32, ... of dot(raw sub-block, sb): GEMV_UNROLL
 // sub-blocks' loads are issued before the first is used.
 template <class F, class Dot>
-__device__ __forceinline__ float row_sum(const Planes& p, long long base, int nsb, int lane, Dot dot) {
-    float acc = 0.f;
+__device__ __forceinline__ double row_sum(const Planes& p, long long base, int nsb, int lane, Dot dot) {
+    double acc = 0.0;
     int sb = lane;
     for (; sb + 32 * (GEMV_UNROLL - 1) < nsb; sb += 32 * GEMV_UNROLL) {
         typename F::Raw r[GEMV_UNROLL];
@@ -33,7 +39,7 @@ __device__ __forceinline__ float row_sum(const Planes& p, long long base, int ns
 }
 
 template <class F>
-__device__ __forceinline__ float row_dot(const Planes& p, long long base, int nsb, int lane, const float* x) {
+__device__ __forceinline__ double row_dot(const Planes& p, long long base, int nsb, int lane, const float* x) {
     return row_sum<F>(p, base, nsb, lane,
                       [x](const typename F::Raw& r, int s) { return F::dot(r, x + (s << 5)); });
 }
@@ -41,7 +47,7 @@ __device__ __forceinline__ float row_dot(const Planes& p, long long base, int ns
 // The same with 8-bit activations: xq int8 values, xs their scales (one per 32 or per 256 values,
 // F::XS_SHIFT), xsum the sums of xq per 32
 template <class F>
-__device__ __forceinline__ float row_dot8(const Planes& p, long long base, int nsb, int lane, const signed char* xq,
+__device__ __forceinline__ double row_dot8(const Planes& p, long long base, int nsb, int lane, const signed char* xq,
                                           const float* xs, const int* xsum) {
     return row_sum<F>(p, base, nsb, lane, [xq, xs, xsum](const typename F::Raw& r, int s) {
         const int4* xv = reinterpret_cast<const int4*>(xq + (s << 5));
@@ -53,10 +59,10 @@ __device__ __forceinline__ float row_dot8(const Planes& p, long long base, int n
 // issued together (twice the bytes in flight per lane) and each x piece is read once for both.
 template <class F>
 __device__ __forceinline__ void row_dot8_pair(const Planes& pg, const Planes& pu, long long base, int nsb, int lane,
-                                              const signed char* xq, const float* xs, const int* xsum, float& a,
-                                              float& b) {
-    a = 0.f;
-    b = 0.f;
+                                              const signed char* xq, const float* xs, const int* xsum, double& a,
+                                              double& b) {
+    a = 0.0;
+    b = 0.0;
     int sb = lane;
     for (; sb + 32 * (GEMV_UNROLL - 1) < nsb; sb += 32 * GEMV_UNROLL) {
         typename F::Raw rg[GEMV_UNROLL], ru[GEMV_UNROLL];
@@ -87,8 +93,8 @@ __device__ __forceinline__ void row_dot8_pair(const Planes& pg, const Planes& pu
 }
 
 template <typename T>
-__device__ __forceinline__ float row_dot_float(const T* w, int K, int lane, const float* x) {
-    float acc = 0.f;
+__device__ __forceinline__ double row_dot_float(const T* w, int K, int lane, const float* x) {
+    double acc = 0.0;
     constexpr int VEC = 16 / sizeof(T);
     if (K % VEC == 0) {
         const uint4* w4 = reinterpret_cast<const uint4*>(w);
@@ -103,15 +109,17 @@ __device__ __forceinline__ float row_dot_float(const T* w, int K, int lane, cons
         }
         for (; c < n; c += 32) acc += dot16<T>(__ldg(w4 + c), x + c * VEC);
     } else {
-        for (int k = lane; k < K; k += 32) acc += to_float(w[k]) * x[k];
+        for (int k = lane; k < K; k += 32) acc = fma((double)to_float(w[k]), (double)x[k], acc);
     }
     return acc;
 }
 
-__device__ __forceinline__ void store_row(float acc, int row, float* y, const float* bias, const float* residual) {
-    if (bias) acc += bias[row];
-    if (residual) acc += residual[row];
-    y[row] = acc;
+// the row's sum rounded to float32, then + bias, + residual in float32 (the CPU engine's order)
+__device__ __forceinline__ void store_row(double acc, int row, float* y, const float* bias, const float* residual) {
+    float v = (float)acc;
+    if (bias) v += bias[row];
+    if (residual) v += residual[row];
+    y[row] = v;
 }
 
 template <class F>
@@ -121,7 +129,7 @@ __device__ __forceinline__ void gemv_quant(Planes p, int rows, int K, const floa
     const int row = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5);
     if (row >= rows) return;
     const int nsb = K >> 5;
-    const float acc = warp_sum(row_dot<F>(p, (long long)row * nsb, nsb, lane, x));
+    const double acc = warp_sum(row_dot<F>(p, (long long)row * nsb, nsb, lane, x));
     if (lane == 0) store_row(acc, row, y, bias, residual);
 }
 
@@ -132,9 +140,9 @@ __device__ __forceinline__ void gemv_swiglu_quant(Planes g, Planes u, int rows, 
     if (row >= rows) return;
     const int nsb = K >> 5;
     const long long base = (long long)row * nsb;
-    const float a = warp_sum(row_dot<F>(g, base, nsb, lane, x));
-    const float b = warp_sum(row_dot<F>(u, base, nsb, lane, x));
-    if (lane == 0) y[row] = silu(a) * b;
+    const double a = warp_sum(row_dot<F>(g, base, nsb, lane, x));
+    const double b = warp_sum(row_dot<F>(u, base, nsb, lane, x));
+    if (lane == 0) y[row] = swiglu((float)a, (float)b);
 }
 
 template <class F>
@@ -144,7 +152,7 @@ __device__ __forceinline__ void gemv8_quant(Planes p, int rows, int K, const sig
     const int row = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5);
     if (row >= rows) return;
     const int nsb = K >> 5;
-    const float acc = warp_sum(row_dot8<F>(p, (long long)row * nsb, nsb, lane, xq, xs, xsum));
+    const double acc = warp_sum(row_dot8<F>(p, (long long)row * nsb, nsb, lane, xq, xs, xsum));
     if (lane == 0) store_row(acc, row, y, bias, residual);
 }
 
@@ -156,11 +164,11 @@ __device__ __forceinline__ void gemv8_swiglu_quant(Planes g, Planes u, int rows,
     if (row >= rows) return;
     const int nsb = K >> 5;
     const long long base = (long long)row * nsb;
-    float a, b;
+    double a, b;
     row_dot8_pair<F>(g, u, base, nsb, lane, xq, xs, xsum, a, b);
     a = warp_sum(a);
     b = warp_sum(b);
-    if (lane == 0) y[row] = silu(a) * b;
+    if (lane == 0) y[row] = swiglu((float)a, (float)b);
 }
 
 template <typename T>
@@ -169,7 +177,7 @@ __device__ __forceinline__ void gemv_float(const T* w, int rows, int K, const fl
     const int lane = threadIdx.x & 31;
     const int row = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5);
     if (row >= rows) return;
-    const float acc = warp_sum(row_dot_float<T>(w + (long long)row * K, K, lane, x));
+    const double acc = warp_sum(row_dot_float<T>(w + (long long)row * K, K, lane, x));
     if (lane == 0) store_row(acc, row, y, bias, residual);
 }
 
@@ -178,9 +186,9 @@ __device__ __forceinline__ void gemv_swiglu_float(const T* wg, const T* wu, int 
     const int lane = threadIdx.x & 31;
     const int row = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5);
     if (row >= rows) return;
-    const float a = warp_sum(row_dot_float<T>(wg + (long long)row * K, K, lane, x));
-    const float b = warp_sum(row_dot_float<T>(wu + (long long)row * K, K, lane, x));
-    if (lane == 0) y[row] = silu(a) * b;
+    const double a = warp_sum(row_dot_float<T>(wg + (long long)row * K, K, lane, x));
+    const double b = warp_sum(row_dot_float<T>(wu + (long long)row * K, K, lane, x));
+    if (lane == 0) y[row] = swiglu((float)a, (float)b);
 }
 
 // One signature for every format, so the Python side launches them alike: (qs, hi, sm, dm) are the

@@ -16,16 +16,18 @@
 #endif
 #define ATTN_THREADS 128
 
-// y = x / sqrt(mean(x^2) + eps) * w, one block per row, then rounded to activation format `fmt`;
+// y = x / sqrt(mean(x^2) + eps) * w, one block per row, then rounded to activation format `fmt`. The
+// sum of squares is taken in double and rounded once to float32 (then / n, + eps, sqrt in float32),
+// as the CPU engine does, so both get the same scale whatever order the threads add in;
 // writes float32 (y, required unless fmt is ACT_F32 and only y16 is wanted) and/or float16 (y16)
 extern "C" __global__ void rmsnorm(const float* x, const float* w, float* y, __half* y16, int n, float eps,
                                    int fmt, signed char* xq, float* xs, int* xsum) {
     const long long row = blockIdx.x;
     const float* xr = x + row * n;
-    float ss = 0.f;
-    for (int i = threadIdx.x; i < n; i += blockDim.x) ss += xr[i] * xr[i];
+    double ss = 0.0;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) ss = fma((double)xr[i], (double)xr[i], ss);
     ss = block_sum(ss);
-    const float s = sqrtf(ss / (float)n + eps);
+    const float s = sqrtf((float)ss / (float)n + eps);
     float* yr = y ? y + row * n : nullptr;
     __half* y16r = y16 ? y16 + row * n : nullptr;
     for (int i = threadIdx.x; i < n; i += blockDim.x) {
@@ -55,11 +57,11 @@ extern "C" __global__ void __launch_bounds__(1024)
     const float4* wr = reinterpret_cast<const float4*>(w) + 2 * t;
     const float4 w0 = wr[0], w1 = wr[1];  // loaded before the reduction: their latency overlaps it
     float v[8] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
-    float ss = 0.f;
+    double ss = 0.0;
 #pragma unroll
-    for (int k = 0; k < 8; ++k) ss += v[k] * v[k];
+    for (int k = 0; k < 8; ++k) ss = fma((double)v[k], (double)v[k], ss);
     ss = block_sum(ss);
-    const float s = sqrtf(ss / (float)n + eps);
+    const float s = sqrtf((float)ss / (float)n + eps);
     const float wv[8] = {w0.x, w0.y, w0.z, w0.w, w1.x, w1.y, w1.z, w1.w};
 #pragma unroll
     for (int k = 0; k < 8; ++k) v[k] = (v[k] / s) * wv[k];
@@ -184,6 +186,10 @@ extern "C" __global__ void rope_store(float* q, const float* k, const float* v, 
 //   attention_values: global max M and sum L from all splits, p = f16(exp(s - M) / L) (normalised and
 //                     rounded to float16 as llama.cpp and the CPU engine do), partial sum of p * v;
 //   attention_sum:    out = sum of the splits' partials.
+// Dot products, sums of exponentials and the weighted sum of values are kept in double (the float16
+// products are exact there) and exponentials taken in double, so scores and probabilities round to
+// the same float32/float16 values as the CPU engine's float64 attention; part_ml holds (max, sum)
+// and part_o the partial outputs, both double.
 // kv_len = pos[0] + 1. q: (n_heads, D) float32, head h uses KV head h / G; q is rounded to float16
 // first, as llama.cpp multiplies it with the float16 cache. scores: (n_heads, max_ctx).
 // With `rope` (decode): q, and the new token's k and v (float32, not yet rotated or stored) are
@@ -203,8 +209,9 @@ struct RopeArgs {
 template <int MAXG>
 __device__ __forceinline__ void attention_scores(const float* q, __half* kc, const int* pos, int G, int D,
                                                  int max_ctx, float scale, int n_splits, float* scores,
-                                                 float* part_ml, RopeArgs rope) {
-    __shared__ __align__(16) float q_s[ATTN_MAX_GROUP * ATTN_MAX_HEAD_DIM];
+                                                 double* part_ml, RopeArgs rope) {
+    // the group's queries: float32 values through the rotation, then float16 values, held as double
+    __shared__ __align__(16) double q_s[ATTN_MAX_GROUP * ATTN_MAX_HEAD_DIM];
     __shared__ float p_s[ATTN_MAX_GROUP * ATTN_CHUNK];
     const int kvh = blockIdx.x, split = blockIdx.y, tid = threadIdx.x;
     const int p = pos[0];
@@ -214,7 +221,7 @@ __device__ __forceinline__ void attention_scores(const float* q, __half* kc, con
     if (n <= 0) {
         if (tid < G) {
             part_ml[((h0 + tid) * n_splits + split) * 2] = NEG_INF;
-            part_ml[((h0 + tid) * n_splits + split) * 2 + 1] = 0.f;
+            part_ml[((h0 + tid) * n_splits + split) * 2 + 1] = 0.0;
         }
         return;
     }
@@ -226,7 +233,10 @@ __device__ __forceinline__ void attention_scores(const float* q, __half* kc, con
         for (int i = tid; i < G * rope.n_pairs; i += ATTN_THREADS) {
             const int g = i / rope.n_pairs, j = i % rope.n_pairs;
             const int ia = rope.neox ? j : 2 * j, ib = rope.neox ? j + rope.n_pairs : 2 * j + 1;
-            rotate(q_s[g * D + ia], q_s[g * D + ib], c[j], sn[j], q_s[g * D + ia], q_s[g * D + ib]);
+            float ra, rb;
+            rotate((float)q_s[g * D + ia], (float)q_s[g * D + ib], c[j], sn[j], ra, rb);
+            q_s[g * D + ia] = ra;
+            q_s[g * D + ib] = rb;
         }
         if (split == p / ATTN_CHUNK) {  // this block's split holds the new position: store k and v
             const float* kn = rope.k + (long long)kvh * D;
@@ -245,7 +255,7 @@ __device__ __forceinline__ void attention_scores(const float* q, __half* kc, con
     }
     __syncthreads();
     // the query rounded to float16, as llama.cpp multiplies it with the float16 cache
-    for (int i = tid; i < G * D; i += ATTN_THREADS) q_s[i] = __half2float(__float2half_rn(q_s[i]));
+    for (int i = tid; i < G * D; i += ATTN_THREADS) q_s[i] = __half2float(__float2half_rn((float)q_s[i]));
     __syncthreads();
     const __half* kbase = kc + ((long long)kvh * max_ctx + start) * D;
     // TPP neighbouring threads share a position, each taking every TPP-th 16-byte piece of its key
@@ -254,16 +264,16 @@ __device__ __forceinline__ void attention_scores(const float* q, __half* kc, con
     constexpr int TPP = ATTN_THREADS / ATTN_CHUNK;
     static_assert(TPP >= 1 && TPP <= 32 && (TPP & (TPP - 1)) == 0, "ATTN_CHUNK: a power of two up to ATTN_THREADS");
     const int t = tid / TPP, piece = tid % TPP;
-    float acc[MAXG];
+    double acc[MAXG];
 #pragma unroll
-    for (int g = 0; g < MAXG; ++g) acc[g] = 0.f;
+    for (int g = 0; g < MAXG; ++g) acc[g] = 0.0;
     if (t < n) {
         const uint4* krow = reinterpret_cast<const uint4*>(kbase + (long long)t * D);
 #pragma unroll 8
         for (int c = piece; c < D / 8; c += TPP) {
             const uint4 raw = krow[c];
             const __half2* kh = reinterpret_cast<const __half2*>(&raw);
-            float kf[8];
+            double kf[8];
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const float2 f = __half22float2(kh[e]);
@@ -273,10 +283,13 @@ __device__ __forceinline__ void attention_scores(const float* q, __half* kc, con
 #pragma unroll
             for (int g = 0; g < MAXG; ++g) {
                 if (g < G) {
-                    const float4 qa = *reinterpret_cast<const float4*>(q_s + g * D + 8 * c);
-                    const float4 qb = *reinterpret_cast<const float4*>(q_s + g * D + 8 * c + 4);
-                    acc[g] += qa.x * kf[0] + qa.y * kf[1] + qa.z * kf[2] + qa.w * kf[3] + qb.x * kf[4] +
-                              qb.y * kf[5] + qb.z * kf[6] + qb.w * kf[7];
+                    const double2* qd = reinterpret_cast<const double2*>(q_s + g * D + 8 * c);
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const double2 qq = qd[e];
+                        acc[g] = fma(qq.x, kf[2 * e], acc[g]);
+                        acc[g] = fma(qq.y, kf[2 * e + 1], acc[g]);
+                    }
                 }
             }
         }
@@ -290,7 +303,7 @@ __device__ __forceinline__ void attention_scores(const float* q, __half* kc, con
 #pragma unroll
         for (int g = 0; g < MAXG; ++g) {
             if (g < G) {
-                const float sc = acc[g] * scale;
+                const float sc = (float)acc[g] * scale;
                 p_s[g * ATTN_CHUNK + t] = sc;
                 scores[(long long)(h0 + g) * max_ctx + start + t] = sc;
             }
@@ -302,8 +315,8 @@ __device__ __forceinline__ void attention_scores(const float* q, __half* kc, con
         float m = NEG_INF;
         for (int t = lane; t < n; t += 32) m = fmaxf(m, p_s[g * ATTN_CHUNK + t]);
         m = warp_max(m);
-        float l = 0.f;
-        for (int t = lane; t < n; t += 32) l += expf(p_s[g * ATTN_CHUNK + t] - m);
+        double l = 0.0;
+        for (int t = lane; t < n; t += 32) l += exp((double)p_s[g * ATTN_CHUNK + t] - (double)m);
         l = warp_sum(l);
         if (lane == 0) {
             part_ml[((h0 + g) * n_splits + split) * 2] = m;
@@ -314,33 +327,33 @@ __device__ __forceinline__ void attention_scores(const float* q, __half* kc, con
 
 template <int MAXG>
 __device__ __forceinline__ void attention_values(const __half* vc, const int* pos, int G, int D, int max_ctx,
-                                                 int n_splits, const float* scores, const float* part_ml,
-                                                 float* part_o) {
-    __shared__ float p_s[ATTN_MAX_GROUP * ATTN_CHUNK];
-    __shared__ float M_s[ATTN_MAX_GROUP], L_s[ATTN_MAX_GROUP];
+                                                 int n_splits, const float* scores, const double* part_ml,
+                                                 double* part_o) {
+    __shared__ double p_s[ATTN_MAX_GROUP * ATTN_CHUNK];
+    __shared__ double M_s[ATTN_MAX_GROUP], L_s[ATTN_MAX_GROUP];
     const int kvh = blockIdx.x, split = blockIdx.y, tid = threadIdx.x;
     const int start = split * ATTN_CHUNK;
     const int n = min(ATTN_CHUNK, pos[0] + 1 - start);
     const int h0 = kvh * G;
     if (n <= 0) {
         for (int i = tid; i < G * D; i += ATTN_THREADS)
-            part_o[((long long)(h0 + i / D) * n_splits + split) * D + i % D] = 0.f;
+            part_o[((long long)(h0 + i / D) * n_splits + split) * D + i % D] = 0.0;
         return;
     }
     if (tid < G) {  // the global max and sum over all splits of this head
-        const float* ml = part_ml + (long long)(h0 + tid) * n_splits * 2;
-        float M = NEG_INF;
-        for (int s = 0; s < n_splits; ++s) M = fmaxf(M, ml[2 * s]);
-        float L = 0.f;
+        const double* ml = part_ml + (long long)(h0 + tid) * n_splits * 2;
+        double M = -INFINITY;
+        for (int s = 0; s < n_splits; ++s) M = fmax(M, ml[2 * s]);
+        double L = 0.0;
         for (int s = 0; s < n_splits; ++s)
-            if (ml[2 * s + 1] > 0.f) L += ml[2 * s + 1] * expf(ml[2 * s] - M);
+            if (ml[2 * s + 1] > 0.0) L += ml[2 * s + 1] * exp(ml[2 * s] - M);
         M_s[tid] = M;
         L_s[tid] = L;
     }
     __syncthreads();
     for (int i = tid; i < G * n; i += ATTN_THREADS) {
         const int g = i / n, t = i % n;
-        const float e = expf(scores[(long long)(h0 + g) * max_ctx + start + t] - M_s[g]) / L_s[g];
+        const float e = (float)(exp((double)scores[(long long)(h0 + g) * max_ctx + start + t] - M_s[g]) / L_s[g]);
         p_s[g * ATTN_CHUNK + t] = __half2float(__float2half_rn(e));
     }
     __syncthreads();
@@ -348,30 +361,31 @@ __device__ __forceinline__ void attention_values(const __half* vc, const int* po
     // thread = (pair of dimensions, phase): the `phases` threads of a pair take every phases-th
     // position (half2 loads, a short chain of dependent loads per thread); phase 0 adds the others'
     // sums from shared memory in phase order (deterministic).
-    __shared__ __align__(16) float o_s[ATTN_THREADS * 2 * MAXG];
+    __shared__ __align__(16) double2 o_s[ATTN_THREADS * MAXG];
     const int pairs = D / 2, phases = ATTN_THREADS / pairs;
     const int dp = tid % pairs, ph = tid / pairs;
-    float2 acc[MAXG];
+    double2 acc[MAXG];
 #pragma unroll
-    for (int g = 0; g < MAXG; ++g) acc[g] = make_float2(0.f, 0.f);
+    for (int g = 0; g < MAXG; ++g) acc[g] = make_double2(0.0, 0.0);
     if (ph < phases) {
         const __half2* vb = reinterpret_cast<const __half2*>(vbase) + dp;
 #pragma unroll 8
         for (int t = ph; t < n; t += phases) {
             const float2 vv = __half22float2(vb[(long long)t * pairs]);
+            const double vx = vv.x, vy = vv.y;
 #pragma unroll
             for (int g = 0; g < MAXG; ++g) {
                 if (g < G) {
-                    const float pr = p_s[g * ATTN_CHUNK + t];
-                    acc[g].x += pr * vv.x;
-                    acc[g].y += pr * vv.y;
+                    const double pr = p_s[g * ATTN_CHUNK + t];
+                    acc[g].x = fma(pr, vx, acc[g].x);
+                    acc[g].y = fma(pr, vy, acc[g].y);
                 }
             }
         }
         if (ph > 0) {
 #pragma unroll
             for (int g = 0; g < MAXG; ++g)
-                if (g < G) reinterpret_cast<float2*>(o_s)[((ph - 1) * MAXG + g) * pairs + dp] = acc[g];
+                if (g < G) o_s[((ph - 1) * MAXG + g) * pairs + dp] = acc[g];
         }
     }
     __syncthreads();
@@ -380,7 +394,7 @@ __device__ __forceinline__ void attention_values(const __half* vc, const int* po
 #pragma unroll
             for (int g = 0; g < MAXG; ++g) {
                 if (g < G) {
-                    const float2 o = reinterpret_cast<const float2*>(o_s)[((q - 1) * MAXG + g) * pairs + dp];
+                    const double2 o = o_s[((q - 1) * MAXG + g) * pairs + dp];
                     acc[g].x += o.x;
                     acc[g].y += o.y;
                 }
@@ -389,7 +403,7 @@ __device__ __forceinline__ void attention_values(const __half* vc, const int* po
 #pragma unroll
         for (int g = 0; g < MAXG; ++g)
             if (g < G)
-                reinterpret_cast<float2*>(part_o + ((long long)(h0 + g) * n_splits + split) * D)[dp] = acc[g];
+                reinterpret_cast<double2*>(part_o + ((long long)(h0 + g) * n_splits + split) * D)[dp] = acc[g];
     }
 }
 
@@ -397,7 +411,7 @@ __device__ __forceinline__ void attention_values(const __half* vc, const int* po
 #define ATTENTION_DECODE(MAXG)                                                                                 \
     extern "C" __global__ void __launch_bounds__(ATTN_THREADS)                                                 \
         attention_scores_g##MAXG(const float* q, __half* kc, const int* pos, int G, int D, int max_ctx,        \
-                                 float scale, int n_splits, float* scores, float* part_ml, const float* k_new, \
+                                 float scale, int n_splits, float* scores, double* part_ml, const float* k_new, \
                                  const float* v_new, const float* cos_t, const float* sin_t, int n_pairs,      \
                                  int neox, __half* vc) {                                                       \
         attention_scores<MAXG>(q, kc, pos, G, D, max_ctx, scale, n_splits, scores, part_ml,                   \
@@ -405,7 +419,7 @@ __device__ __forceinline__ void attention_values(const __half* vc, const int* po
     }                                                                                                          \
     extern "C" __global__ void __launch_bounds__(ATTN_THREADS)                                                 \
         attention_values_g##MAXG(const __half* vc, const int* pos, int G, int D, int max_ctx, int n_splits,    \
-                                 const float* scores, const float* part_ml, float* part_o) {                   \
+                                 const float* scores, const double* part_ml, double* part_o) {                 \
         attention_values<MAXG>(vc, pos, G, D, max_ctx, n_splits, scores, part_ml, part_o);                    \
     }
 ATTENTION_DECODE(4)
@@ -416,15 +430,16 @@ ATTENTION_DECODE(16)
 // split order: deterministic), then rounded to activation format `fmt` for the output projection.
 // Spread over blocks of 256 threads: for q8_0/q8_k a warp sums one 8-bit group's values, then rounds
 // that group (run 3: one block of 1024 threads for the whole vector was a serial tail per layer).
-extern "C" __global__ void __launch_bounds__(256)
-    attention_sum(const float* part_o, const int* pos, int n_splits, int n, int D, float* out, int fmt,
+extern "C" __global__ void __launch_bounds__(256, 1)  // (, 1): ptxas otherwise caps it at 32 registers and spills
+    attention_sum(const double* part_o, const int* pos, int n_splits, int n, int D, float* out, int fmt,
                   signed char* xq, float* xs, int* xsum) {
     const int active = min(n_splits, pos[0] / ATTN_CHUNK + 1);
     if (fmt == ACT_F32 || fmt == ACT_F16 || fmt == ACT_BF16) {
         for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
             const int h = i / D, d = i % D;
-            float acc = 0.f;
-            for (int s = 0; s < active; ++s) acc += part_o[((long long)h * n_splits + s) * D + d];
+            double sum = 0.0;
+            for (int s = 0; s < active; ++s) sum += part_o[((long long)h * n_splits + s) * D + d];
+            float acc = (float)sum;
             if (fmt == ACT_F16) acc = __half2float(__float2half_rn(acc));
             if (fmt == ACT_BF16) acc = __bfloat162float(__float2bfloat16_rn(acc));
             out[i] = acc;
@@ -436,9 +451,9 @@ extern "C" __global__ void __launch_bounds__(256)
     for (int g = first; g < n / group; g += stride) {  // this warp's groups, summed before rounding
         for (int i = g * group + lane; i < (g + 1) * group; i += 32) {
             const int h = i / D, d = i % D;
-            float acc = 0.f;
-            for (int s = 0; s < active; ++s) acc += part_o[((long long)h * n_splits + s) * D + d];
-            out[i] = acc;
+            double sum = 0.0;
+            for (int s = 0; s < active; ++s) sum += part_o[((long long)h * n_splits + s) * D + d];
+            out[i] = (float)sum;
         }
     }
     __syncwarp();  // the warp rounds the groups it wrote: its lanes read each other's sums
@@ -447,10 +462,14 @@ extern "C" __global__ void __launch_bounds__(256)
     else round_groups<8>(out, out, nullptr, n, fmt, o8, first, stride);
 }
 
-// out = SiLU(gate) * up, float32 (decode, when gate and up have different formats)
+// out = SiLU(gate) * up, float32 (decode, when gate and up have different formats), evaluated in
+// double and rounded once as the CPU engine does
 extern "C" __global__ void swiglu_f32(const float* gate, const float* up, float* out, int n) {
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < n) out[i] = gate[i] / (1.f + expf(-gate[i])) * up[i];
+    if (i < n) {
+        const double g = gate[i];
+        out[i] = (float)(g / (1.0 + exp(-g)) * (double)up[i]);
+    }
 }
 
 __device__ __forceinline__ uint32_t mix32(uint32_t x) {

@@ -72,9 +72,7 @@ class GpuStreamingModel:
         shape = (a.n_layers, a.n_kv_heads, max_tokens, a.head_dim)
         with self.stream:
             cache = StreamKVCache(cupy.zeros(shape, F16), cupy.zeros(shape, F16), max_tokens, n_splits,
-                                  cupy.zeros(a.n_heads * max_tokens, F32),
-                                  cupy.zeros(a.n_heads * n_splits * a.head_dim, F32),
-                                  cupy.zeros(a.n_heads * n_splits * 2, F32))
+                                  *ops.attention_work(a.n_heads, a.head_dim, max_tokens))
         self.stream.synchronize()
         return cache
 

@@ -254,7 +254,7 @@ def test_attention_decode(rng: np.random.Generator, kv_len: int, heads: tuple[in
     q = (rng.standard_normal((n_heads, hd)) * 2).astype(np.float32)
     out = _poisoned(n_heads * hd)
     scores = _poisoned(n_heads * max_ctx)
-    part_o, part_ml = _poisoned(n_heads * n_splits * hd), _poisoned(n_heads * n_splits * 2)
+    part_o, part_ml = _poisoned(n_heads * n_splits * hd, np.float64), _poisoned(n_heads * n_splits * 2, np.float64)
     ops.attention_decode(cupy.asarray(q), cupy.asarray(keys), cupy.asarray(values),
                          cupy.asarray(np.array([kv_len - 1], np.int32)), n_heads, n_kv, hd, max_ctx, n_splits,
                          scores, part_o, part_ml, out)
@@ -370,7 +370,7 @@ def test_attention_decode_rotates_and_stores_the_new_token(rng: np.random.Genera
     q, k, v = (rng.standard_normal((1, h, hd)).astype(np.float32) for h in (n_heads, n_kv, n_kv))
     kc, vc = cupy.asarray(keys), cupy.asarray(values)
     out, scores = _poisoned(n_heads * hd), _poisoned(n_heads * max_ctx)
-    part_o, part_ml = _poisoned(n_heads * n_splits * hd), _poisoned(n_heads * n_splits * 2)
+    part_o, part_ml = _poisoned(n_heads * n_splits * hd, np.float64), _poisoned(n_heads * n_splits * 2, np.float64)
     ops.attention_decode(cupy.asarray(q), kc, vc, cupy.asarray(np.array([p], np.int32)), n_heads, n_kv, hd, max_ctx,
                          n_splits, scores, part_o, part_ml, out,
                          rope=(cupy.asarray(k), cupy.asarray(v), cupy.asarray(cos), cupy.asarray(sin), hd // 2, neox))
