@@ -139,7 +139,9 @@ def kernel_timings(gpu, n_layers_cycle: int = 8) -> list[dict[str, object]]:  # 
         cache.pos.set(np.array([ctx - 1], np.int32), stream=stream)
         rope = (x[: a.kv_dim], x[: a.kv_dim], gpu._rope_tables[0], gpu._rope_tables[1], gpu.rope.n_pairs, a.rope_neox)
         att8 = x8(a.q_dim, act_w) if integer(layers[0].wo) else None
-        add(f"attention (scores+values+sum, rope fused) ctx={ctx}", a.n_layers if ctx == 128 else 0, 0,
+        kind = "one kernel" if ops.attention_fused_fits(a.n_heads, a.n_kv_heads, a.head_dim, ctx, act_w) else \
+            "scores+values+sum"
+        add(f"attention ({kind}, rope fused) ctx={ctx}", a.n_layers if ctx == 128 else 0, 0,
             [lambda c=cache, rope=rope, att8=att8: ops.attention_decode(
                 x[: a.q_dim], c.keys[0], c.values[0], c.pos, a.n_heads, a.n_kv_heads, a.head_dim, c.max_tokens,
                 c.n_splits, c.scores, c.part_o, c.part_ml, outs[: a.q_dim], act=act_w, rope=rope, int8=att8)])

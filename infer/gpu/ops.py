@@ -229,15 +229,39 @@ def attention_work(n_heads: int, head_dim: int, max_ctx: int) -> tuple[cupy.ndar
             cupy.zeros(n_heads * n_splits * 2, cupy.float64))
 
 
+ATTN_FUSED_THREADS = 256
+_STATIC_SHARED_LIMIT = 48 * 1024 - 512  # less the kernel's static shared memory
+
+
+def attention_fused_bytes(n_heads: int, n_kv_heads: int, head_dim: int, max_ctx: int) -> int:
+    """Dynamic shared memory of attention_fused for a cache of max_ctx positions: the group's
+    queries and a row of scores per head (doubles); the rows also take the partial sums of the
+    weighted values, (threads / (head_dim / 2) - 1) * head_dim per head."""
+    group, phases = n_heads // n_kv_heads, ATTN_FUSED_THREADS // (head_dim // 2)
+    return 8 * group * (head_dim + max(max_ctx, (phases - 1) * head_dim))
+
+
+def attention_fused_fits(n_heads: int, n_kv_heads: int, head_dim: int, max_ctx: int, act: str) -> bool:
+    """Whether one block per KV head can do the whole decode attention: its shared memory fits and
+    its G * head_dim outputs are whole 8-bit groups of `act`."""
+    group = {"q8_0": 32, "q8_k": 256}.get(act, 1)
+    return (attention_fused_bytes(n_heads, n_kv_heads, head_dim, max_ctx) <= _STATIC_SHARED_LIMIT
+            and (n_heads // n_kv_heads * head_dim) % group == 0)
+
+
 def attention_decode(q: cupy.ndarray, k_cache: cupy.ndarray, v_cache: cupy.ndarray, pos: cupy.ndarray,
                      n_heads: int, n_kv_heads: int, head_dim: int, max_ctx: int, n_splits: int,
                      scores: cupy.ndarray, part_o: cupy.ndarray, part_ml: cupy.ndarray, out: cupy.ndarray,
-                     act: str = "f32", rope: tuple | None = None, int8: Int8Act | None = None) -> None:
+                     act: str = "f32", rope: tuple | None = None, int8: Int8Act | None = None,
+                     fused: bool | None = None) -> None:
     """Attention of one query token at position pos[0] over cache positions 0..pos[0]; `out` is
     rounded to activation format `act` (the output projection's input). Work buffers: scores
     (n_heads * max_ctx) float32, part_o (n_heads * n_splits * head_dim) and part_ml
-    (n_heads * n_splits * 2) float64 (attention_work). rope = (k, v, cos, sin, n_pairs, neox): q, k and v are the new token's raw projections;
-    the kernel rotates q and k and stores k and v at pos[0] (else q is rotated and the cache filled)."""
+    (n_heads * n_splits * 2) float64 (attention_work). rope = (k, v, cos, sin, n_pairs, neox): q, k
+    and v are the new token's raw projections; the kernel rotates q and k and stores k and v at pos[0]
+    (else q is rotated and the cache filled). `fused` (default: when attention_fused_fits) does it
+    all in one kernel, a block per KV head (short caches); else three kernels split the sequence.
+    The choice depends on max_ctx, not on pos, so a captured graph stays valid."""
     group = n_heads // n_kv_heads
     if scores.dtype != cupy.float32 or part_o.dtype != cupy.float64 or part_ml.dtype != cupy.float64:
         raise ValueError(f"attention work buffers are {scores.dtype}, {part_o.dtype}, {part_ml.dtype}; the kernels "
@@ -254,6 +278,18 @@ def attention_decode(q: cupy.ndarray, k_cache: cupy.ndarray, v_cache: cupy.ndarr
     else:
         k, v, cos, sin, n_pairs, neox = rope
         rope_args = (k, v, cos, sin, np.int32(n_pairs), np.int32(1 if neox else 0), v_cache)
+    if fused is None:
+        fused = attention_fused_fits(n_heads, n_kv_heads, head_dim, max_ctx, act)
+    if fused:
+        if not attention_fused_fits(n_heads, n_kv_heads, head_dim, max_ctx, act):
+            raise ValueError(f"the fused attention kernel does not fit {n_heads}/{n_kv_heads} heads of {head_dim} "
+                             f"over {max_ctx} positions with {act} output")
+        kernels.function("ops", f"attention_fused_g{g}")(
+            (n_kv_heads,), (ATTN_FUSED_THREADS,),
+            (q, k_cache, v_cache, pos, np.int32(group), np.int32(head_dim), np.int32(max_ctx),
+             np.float32(1.0 / np.sqrt(head_dim)), out, np.int32(ACT_CODES[act]), *_int8_args(int8), *rope_args[:6]),
+            shared_mem=attention_fused_bytes(n_heads, n_kv_heads, head_dim, max_ctx))
+        return
     kernels.function("ops", f"attention_scores_g{g}")(
         grid, (128,), (q, k_cache, pos, np.int32(group), np.int32(head_dim), np.int32(max_ctx),
                        np.float32(1.0 / np.sqrt(head_dim)), np.int32(n_splits), scores, part_ml, *rope_args))

@@ -206,6 +206,46 @@ struct RopeArgs {
     __half* vc;
 };
 
+// The G queries of KV head kvh (heads h0 = kvh*G ..) into q_s as double: rotated when `rope` carries
+// the new token's raw k and v, and then, if `store`, k rotated and k and v stored into the cache at
+// position p (the caller's block is the only one reading that position); finally rounded to
+// float16, as llama.cpp multiplies the query with the float16 cache. Ends with a barrier.
+__device__ void group_queries(const float* q, double* q_s, __half* kc, int kvh, int G, int D, int p, int max_ctx,
+                              RopeArgs rope, bool store, int nthreads) {
+    const int tid = threadIdx.x;
+    for (int i = tid; i < G * D; i += nthreads) q_s[i] = q[(long long)kvh * G * D + i];
+    if (rope.k) {
+        const float* c = rope.cos_t + (long long)p * rope.n_pairs;
+        const float* sn = rope.sin_t + (long long)p * rope.n_pairs;
+        __syncthreads();
+        for (int i = tid; i < G * rope.n_pairs; i += nthreads) {
+            const int g = i / rope.n_pairs, j = i % rope.n_pairs;
+            const int ia = rope.neox ? j : 2 * j, ib = rope.neox ? j + rope.n_pairs : 2 * j + 1;
+            float ra, rb;
+            rotate((float)q_s[g * D + ia], (float)q_s[g * D + ib], c[j], sn[j], ra, rb);
+            q_s[g * D + ia] = ra;
+            q_s[g * D + ib] = rb;
+        }
+        if (store) {
+            const float* kn = rope.k + (long long)kvh * D;
+            __half* kd = kc + ((long long)kvh * max_ctx + p) * D;
+            for (int j = tid; j < rope.n_pairs; j += nthreads) {
+                const int ia = rope.neox ? j : 2 * j, ib = rope.neox ? j + rope.n_pairs : 2 * j + 1;
+                float ra, rb;
+                rotate(kn[ia], kn[ib], c[j], sn[j], ra, rb);
+                kd[ia] = __float2half_rn(ra);
+                kd[ib] = __float2half_rn(rb);
+            }
+            for (int d = 2 * rope.n_pairs + tid; d < D; d += nthreads) kd[d] = __float2half_rn(kn[d]);
+            __half* vd = rope.vc + ((long long)kvh * max_ctx + p) * D;
+            for (int d = tid; d < D; d += nthreads) vd[d] = __float2half_rn(rope.v[(long long)kvh * D + d]);
+        }
+    }
+    __syncthreads();
+    for (int i = tid; i < G * D; i += nthreads) q_s[i] = __half2float(__float2half_rn((float)q_s[i]));
+    __syncthreads();
+}
+
 template <int MAXG>
 __device__ __forceinline__ void attention_scores(const float* q, __half* kc, const int* pos, int G, int D,
                                                  int max_ctx, float scale, int n_splits, float* scores,
@@ -225,38 +265,7 @@ __device__ __forceinline__ void attention_scores(const float* q, __half* kc, con
         }
         return;
     }
-    for (int i = tid; i < G * D; i += ATTN_THREADS) q_s[i] = q[(long long)h0 * D + i];
-    if (rope.k) {
-        const float* c = rope.cos_t + (long long)p * rope.n_pairs;
-        const float* sn = rope.sin_t + (long long)p * rope.n_pairs;
-        __syncthreads();
-        for (int i = tid; i < G * rope.n_pairs; i += ATTN_THREADS) {
-            const int g = i / rope.n_pairs, j = i % rope.n_pairs;
-            const int ia = rope.neox ? j : 2 * j, ib = rope.neox ? j + rope.n_pairs : 2 * j + 1;
-            float ra, rb;
-            rotate((float)q_s[g * D + ia], (float)q_s[g * D + ib], c[j], sn[j], ra, rb);
-            q_s[g * D + ia] = ra;
-            q_s[g * D + ib] = rb;
-        }
-        if (split == p / ATTN_CHUNK) {  // this block's split holds the new position: store k and v
-            const float* kn = rope.k + (long long)kvh * D;
-            __half* kd = kc + ((long long)kvh * max_ctx + p) * D;
-            for (int j = tid; j < rope.n_pairs; j += ATTN_THREADS) {
-                const int ia = rope.neox ? j : 2 * j, ib = rope.neox ? j + rope.n_pairs : 2 * j + 1;
-                float ra, rb;
-                rotate(kn[ia], kn[ib], c[j], sn[j], ra, rb);
-                kd[ia] = __float2half_rn(ra);
-                kd[ib] = __float2half_rn(rb);
-            }
-            for (int d = 2 * rope.n_pairs + tid; d < D; d += ATTN_THREADS) kd[d] = __float2half_rn(kn[d]);
-            __half* vd = rope.vc + ((long long)kvh * max_ctx + p) * D;
-            for (int d = tid; d < D; d += ATTN_THREADS) vd[d] = __float2half_rn(rope.v[(long long)kvh * D + d]);
-        }
-    }
-    __syncthreads();
-    // the query rounded to float16, as llama.cpp multiplies it with the float16 cache
-    for (int i = tid; i < G * D; i += ATTN_THREADS) q_s[i] = __half2float(__float2half_rn((float)q_s[i]));
-    __syncthreads();
+    group_queries(q, q_s, kc, kvh, G, D, p, max_ctx, rope, split == p / ATTN_CHUNK, ATTN_THREADS);
     const __half* kbase = kc + ((long long)kvh * max_ctx + start) * D;
     // TPP neighbouring threads share a position, each taking every TPP-th 16-byte piece of its key
     // (all threads busy, and a thread's loads are few enough to be in flight together), then add
@@ -407,6 +416,153 @@ __device__ __forceinline__ void attention_values(const __half* vc, const int* po
     }
 }
 
+
+// Short caches: the whole decode attention of a KV head in one block (grid: n_kv_heads, 256
+// threads): the group's queries and the new key and value as above, the scores of every position,
+// their softmax, the weighted values, and the output rounded to `fmt` (its G*D values are whole
+// 8-bit groups). One launch instead of three; the same numbers as the split kernels (sums in
+// double, probabilities normalised with the global max and sum before their float16 rounding).
+// Dynamic shared memory: G*D + G*max_ctx doubles (ops.attention_fused_fits).
+#define ATTN_FUSED_THREADS 256
+template <int MAXG>
+__device__ __forceinline__ void attention_fused(const float* q, __half* kc, __half* vc, const int* pos, int G, int D,
+                                                int max_ctx, float scale, float* out, int fmt, signed char* xq,
+                                                float* xs, int* xsum, RopeArgs rope) {
+    extern __shared__ double fused_smem[];
+    double* q_s = fused_smem;          // G*D
+    double* p_s = fused_smem + G * D;  // G rows of max_ctx: scores, then probabilities
+    __shared__ double M_s[ATTN_MAX_GROUP], L_s[ATTN_MAX_GROUP];
+    const int kvh = blockIdx.x, tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int p = pos[0], n = p + 1, h0 = kvh * G;
+    group_queries(q, q_s, kc, kvh, G, D, p, max_ctx, rope, true, ATTN_FUSED_THREADS);
+    // scores: TPP threads per position, each every TPP-th 16-byte piece of the key; the key's
+    // float16 values are converted once for the whole group
+    constexpr int TPP = 4;
+    const int tl = tid / TPP, piece = tid % TPP;
+    const __half* kbase = kc + (long long)kvh * max_ctx * D;
+    for (int t0 = 0; t0 < n; t0 += ATTN_FUSED_THREADS / TPP) {
+        const int t = t0 + tl;
+        double acc[MAXG];
+#pragma unroll
+        for (int g = 0; g < MAXG; ++g) acc[g] = 0.0;
+        if (t < n) {
+            const uint4* krow = reinterpret_cast<const uint4*>(kbase + (long long)t * D);
+            for (int c = piece; c < D / 8; c += TPP) {
+                const uint4 raw = krow[c];
+                const __half2* kh = reinterpret_cast<const __half2*>(&raw);
+                double kf[8];
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const float2 f = __half22float2(kh[e]);
+                    kf[2 * e] = f.x;
+                    kf[2 * e + 1] = f.y;
+                }
+#pragma unroll
+                for (int g = 0; g < MAXG; ++g) {
+                    if (g < G) {
+                        const double2* qd = reinterpret_cast<const double2*>(q_s + g * D + 8 * c);
+#pragma unroll
+                        for (int e = 0; e < 4; ++e) {
+                            const double2 qq = qd[e];
+                            acc[g] = fma(qq.x, kf[2 * e], acc[g]);
+                            acc[g] = fma(qq.y, kf[2 * e + 1], acc[g]);
+                        }
+                    }
+                }
+            }
+        }
+#pragma unroll
+        for (int o = 1; o < TPP; o <<= 1) {
+#pragma unroll
+            for (int g = 0; g < MAXG; ++g) acc[g] += __shfl_xor_sync(0xffffffffu, acc[g], o);
+        }
+        if (t < n && piece == 0) {
+#pragma unroll
+            for (int g = 0; g < MAXG; ++g)
+                if (g < G) p_s[g * max_ctx + t] = (double)((float)acc[g] * scale);
+        }
+    }
+    __syncthreads();
+    for (int g = warp; g < G; g += ATTN_FUSED_THREADS / 32) {  // max and sum of exp per head
+        double m = -INFINITY;
+        for (int t = lane; t < n; t += 32) m = fmax(m, p_s[g * max_ctx + t]);
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) m = fmax(m, __shfl_xor_sync(0xffffffffu, m, o));
+        double l = 0.0;
+        for (int t = lane; t < n; t += 32) l += exp(p_s[g * max_ctx + t] - m);
+        l = warp_sum(l);
+        if (lane == 0) {
+            M_s[g] = m;
+            L_s[g] = l;
+        }
+    }
+    __syncthreads();
+    for (int i = tid; i < G * n; i += ATTN_FUSED_THREADS) {
+        const int g = i / n, t = i % n;
+        double* e = p_s + g * max_ctx + t;
+        *e = __half2float(__float2half_rn((float)(exp(*e - M_s[g]) / L_s[g])));
+    }
+    __syncthreads();
+    // weighted values: a thread per dimension pair (all G heads: each value converted once), the
+    // positions split between the threads of a pair when there are more threads than pairs
+    const int pairs = D / 2, phases = ATTN_FUSED_THREADS / pairs;
+    const int dp = tid % pairs, ph = tid / pairs;
+    const __half2* vb = reinterpret_cast<const __half2*>(vc + (long long)kvh * max_ctx * D) + dp;
+    double2 acc[MAXG];
+#pragma unroll
+    for (int g = 0; g < MAXG; ++g) acc[g] = make_double2(0.0, 0.0);
+    if (ph < phases) {
+        for (int t = ph; t < n; t += phases) {
+            const float2 vv = __half22float2(vb[(long long)t * pairs]);
+            const double vx = vv.x, vy = vv.y;
+#pragma unroll
+            for (int g = 0; g < MAXG; ++g) {
+                if (g < G) {
+                    const double pr = p_s[g * max_ctx + t];
+                    acc[g].x = fma(pr, vx, acc[g].x);
+                    acc[g].y = fma(pr, vy, acc[g].y);
+                }
+            }
+        }
+    }
+    __syncthreads();  // the probabilities are read: their space takes the phases' partial sums
+    double2* o_s = reinterpret_cast<double2*>(p_s);  // (phases - 1) * G * pairs: fits (attention_fused_fits)
+    if (ph > 0 && ph < phases) {
+#pragma unroll
+        for (int g = 0; g < MAXG; ++g)
+            if (g < G) o_s[((ph - 1) * G + g) * pairs + dp] = acc[g];
+    }
+    __syncthreads();
+    float* ob = out + (long long)h0 * D;
+    if (ph == 0) {
+#pragma unroll
+        for (int g = 0; g < MAXG; ++g) {
+            if (g < G) {
+                double2 o = acc[g];
+                for (int r = 1; r < phases; ++r) {
+                    const double2 other = o_s[((r - 1) * G + g) * pairs + dp];
+                    o.x += other.x;
+                    o.y += other.y;
+                }
+                float2 v = make_float2((float)o.x, (float)o.y);
+                if (fmt == ACT_F16) v = make_float2(__half2float(__float2half_rn(v.x)), __half2float(__float2half_rn(v.y)));
+                if (fmt == ACT_BF16)
+                    v = make_float2(__bfloat162float(__float2bfloat16_rn(v.x)), __bfloat162float(__float2bfloat16_rn(v.y)));
+                reinterpret_cast<float2*>(ob + g * D)[dp] = v;
+            }
+        }
+    }
+    if (fmt == ACT_Q8_0 || fmt == ACT_Q8_K) {
+        __syncthreads();  // the block's G*D outputs are written: round them by 8-bit groups
+        const int group = fmt == ACT_Q8_0 ? 32 : 256;
+        const long long first = (long long)h0 * D;
+        const Int8Out o8 = xq ? Int8Out{xq + first, xs + first / group, xsum + first / 32}
+                              : Int8Out{nullptr, nullptr, nullptr};
+        if (fmt == ACT_Q8_0) round_groups<1>(ob, ob, nullptr, G * D, fmt, o8, warp, ATTN_FUSED_THREADS / 32);
+        else round_groups<8>(ob, ob, nullptr, G * D, fmt, o8, warp, ATTN_FUSED_THREADS / 32);
+    }
+}
+
 // instantiations by group size (query heads per KV head): the smallest that holds G
 #define ATTENTION_DECODE(MAXG)                                                                                 \
     extern "C" __global__ void __launch_bounds__(ATTN_THREADS)                                                 \
@@ -421,6 +577,14 @@ __device__ __forceinline__ void attention_values(const __half* vc, const int* po
         attention_values_g##MAXG(const __half* vc, const int* pos, int G, int D, int max_ctx, int n_splits,    \
                                  const float* scores, const double* part_ml, double* part_o) {                 \
         attention_values<MAXG>(vc, pos, G, D, max_ctx, n_splits, scores, part_ml, part_o);                    \
+    }                                                                                                          \
+    extern "C" __global__ void __launch_bounds__(ATTN_FUSED_THREADS)                                           \
+        attention_fused_g##MAXG(const float* q, __half* kc, __half* vc, const int* pos, int G, int D,           \
+                                int max_ctx, float scale, float* out, int fmt, signed char* xq, float* xs,       \
+                                int* xsum, const float* k_new, const float* v_new, const float* cos_t,          \
+                                const float* sin_t, int n_pairs, int neox) {                                    \
+        attention_fused<MAXG>(q, kc, vc, pos, G, D, max_ctx, scale, out, fmt, xq, xs, xsum,                   \
+                              RopeArgs{k_new, v_new, cos_t, sin_t, n_pairs, neox, vc});                        \
     }
 ATTENTION_DECODE(4)
 ATTENTION_DECODE(8)

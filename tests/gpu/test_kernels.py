@@ -243,11 +243,15 @@ def _attention_ref(q: np.ndarray, keys: np.ndarray, values: np.ndarray, group: i
 CHUNK = kernels.DEFAULT_DEFINES["ATTN_CHUNK"]  # positions per attention split
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["split", "fused"])
 @pytest.mark.parametrize("kv_len", [1, 63, 64, 65, 255, 256, 257, 1000, 2048])
 @pytest.mark.parametrize("heads", [(8, 8), (9, 3), (32, 8), (14, 2), (64, 8), (32, 2)], ids=str)
-def test_attention_decode(rng: np.random.Generator, kv_len: int, heads: tuple[int, int]) -> None:
+def test_attention_decode(rng: np.random.Generator, kv_len: int, heads: tuple[int, int], fused: bool) -> None:
     n_heads, n_kv = heads
-    hd, max_ctx = {9: 64, 14: 96}.get(n_heads, 128), 2048  # 96: dimension pairs that do not divide the threads
+    hd = {9: 64, 14: 96}.get(n_heads, 128)  # 96: dimension pairs that do not divide the threads
+    max_ctx = 512 if fused else 2048
+    if kv_len > max_ctx or (fused and not ops.attention_fused_fits(n_heads, n_kv, hd, max_ctx, "f32")):
+        pytest.skip("beyond the fused kernel's cache size")
     n_splits = -(-max_ctx // CHUNK)
     keys = rng.standard_normal((n_kv, max_ctx, hd)).astype(np.float16)
     values = rng.standard_normal((n_kv, max_ctx, hd)).astype(np.float16)
@@ -257,7 +261,7 @@ def test_attention_decode(rng: np.random.Generator, kv_len: int, heads: tuple[in
     part_o, part_ml = _poisoned(n_heads * n_splits * hd, np.float64), _poisoned(n_heads * n_splits * 2, np.float64)
     ops.attention_decode(cupy.asarray(q), cupy.asarray(keys), cupy.asarray(values),
                          cupy.asarray(np.array([kv_len - 1], np.int32)), n_heads, n_kv, hd, max_ctx, n_splits,
-                         scores, part_o, part_ml, out)
+                         scores, part_o, part_ml, out, fused=fused)
     got = cupy.asnumpy(out).reshape(n_heads, hd)
     want = _attention_ref(q, keys[:, :kv_len], values[:, :kv_len], n_heads // n_kv)
     assert np.isfinite(got).all()
@@ -266,7 +270,8 @@ def test_attention_decode(rng: np.random.Generator, kv_len: int, heads: tuple[in
 
 
 @pytest.mark.parametrize("act", ["f16", "q8_0", "q8_k"])
-def test_attention_decode_rounds_its_output(rng: np.random.Generator, act: str) -> None:
+@pytest.mark.parametrize("fused", [False, True], ids=["split", "fused"])
+def test_attention_decode_rounds_its_output(rng: np.random.Generator, act: str, fused: bool) -> None:
     """The output rounded for the output projection (and its 8-bit form) is the float32 output of
     the same kernels rounded as infer.quants does (the split sums are deterministic)."""
     from infer.quants import round_activations
@@ -282,8 +287,8 @@ def test_attention_decode_rounds_its_output(rng: np.random.Generator, act: str) 
     for fmt in ("f32", act):
         outs[fmt] = _poisoned(n_heads * hd)
         ops.attention_decode(q, keys, values, pos, n_heads, n_kv, hd, max_ctx, n_splits, _poisoned(n_heads * max_ctx),
-                             _poisoned(n_heads * n_splits * hd), _poisoned(n_heads * n_splits * 2), outs[fmt],
-                             act=fmt, int8=int8 if fmt == act else None)
+                             _poisoned(n_heads * n_splits * hd, np.float64), _poisoned(n_heads * n_splits * 2, np.float64),
+                             outs[fmt], act=fmt, int8=int8 if fmt == act else None, fused=fused)
     got, base = cupy.asnumpy(outs[act]), cupy.asnumpy(outs["f32"])
     np.testing.assert_array_equal(got, round_activations(base[None], act)[0])
     if int8 is not None:
@@ -358,9 +363,11 @@ def test_stacked_upload_is_the_concatenated_matrix(rng: np.random.Generator, ggm
     assert _rel(cupy.asnumpy(y), w.astype(np.float64) @ x) < GEMV_BOUND
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["split", "fused"])
 @pytest.mark.parametrize("neox", [False, True], ids=["adjacent", "neox"])
 @pytest.mark.parametrize("kv_len", [1, 256, 300])
-def test_attention_decode_rotates_and_stores_the_new_token(rng: np.random.Generator, neox: bool, kv_len: int) -> None:
+def test_attention_decode_rotates_and_stores_the_new_token(rng: np.random.Generator, neox: bool, kv_len: int,
+                                                           fused: bool) -> None:
     n_heads, n_kv, hd, max_ctx = 8, 2, 64, 512
     n_splits, p = -(-max_ctx // CHUNK), kv_len - 1
     rope = Rope(_args(neox, n_heads, n_kv, hd), None)
@@ -372,7 +379,7 @@ def test_attention_decode_rotates_and_stores_the_new_token(rng: np.random.Genera
     out, scores = _poisoned(n_heads * hd), _poisoned(n_heads * max_ctx)
     part_o, part_ml = _poisoned(n_heads * n_splits * hd, np.float64), _poisoned(n_heads * n_splits * 2, np.float64)
     ops.attention_decode(cupy.asarray(q), kc, vc, cupy.asarray(np.array([p], np.int32)), n_heads, n_kv, hd, max_ctx,
-                         n_splits, scores, part_o, part_ml, out,
+                         n_splits, scores, part_o, part_ml, out, fused=fused,
                          rope=(cupy.asarray(k), cupy.asarray(v), cupy.asarray(cos), cupy.asarray(sin), hd // 2, neox))
     c, s = cos[[p]], sin[[p]]
     keys[:, p] = rope.apply(k, c, s)[0].astype(np.float16)
@@ -383,6 +390,34 @@ def test_attention_decode_rotates_and_stores_the_new_token(rng: np.random.Genera
     np.testing.assert_array_equal(np.delete(got_k, p, axis=1), np.delete(keys, p, axis=1))  # nothing else
     want = _attention_ref(rope.apply(q, c, s)[0], keys[:, :kv_len], values[:, :kv_len], n_heads // n_kv)
     assert _rel(cupy.asnumpy(out).reshape(n_heads, hd), want) < 2e-4
+
+
+@pytest.mark.parametrize("act", ["f32", "f16", "q8_0", "q8_k"])
+@pytest.mark.parametrize("heads", [(8, 8, 128), (32, 8, 128), (9, 3, 64), (14, 2, 96), (64, 8, 128)], ids=str)
+def test_fused_attention_equals_the_split_kernels(rng: np.random.Generator, act: str, heads: tuple[int, int, int]) -> None:
+    """Both compute every sum in double and normalise before the float16 rounding of the
+    probabilities, so their outputs (and 8-bit forms) are the same floats."""
+    n_heads, n_kv, hd = heads
+    max_ctx = 384
+    if not ops.attention_fused_fits(n_heads, n_kv, hd, max_ctx, act):
+        pytest.skip("the fused kernel does not take this shape and format")
+    n_splits = -(-max_ctx // CHUNK)
+    keys = cupy.asarray(rng.standard_normal((n_kv, max_ctx, hd)).astype(np.float16))
+    values = cupy.asarray(rng.standard_normal((n_kv, max_ctx, hd)).astype(np.float16))
+    q = cupy.asarray((rng.standard_normal((n_heads, hd)) * 2).astype(np.float32))
+    for kv_len in (1, 70, 384):
+        pos = cupy.asarray(np.array([kv_len - 1], np.int32))
+        results = []
+        for fused in (False, True):
+            out = _poisoned(n_heads * hd)
+            int8 = ops.int8_buffers(n_heads * hd, act) if act in ("q8_0", "q8_k") else None
+            ops.attention_decode(q, keys, values, pos, n_heads, n_kv, hd, max_ctx, n_splits, *ops.attention_work(
+                n_heads, hd, max_ctx)[:3], out, act=act, int8=int8, fused=fused)
+            results.append([cupy.asnumpy(out)] + ([cupy.asnumpy(a) for a in int8] if int8 else []))
+        split, fused_result = results
+        assert np.isfinite(fused_result[0]).all()
+        for a, b in zip(split, fused_result, strict=True):
+            np.testing.assert_array_equal(a, b)
 
 
 def _int8_reference(x: np.ndarray, act: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
