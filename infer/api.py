@@ -52,9 +52,10 @@ class LLM:
 
     @classmethod
     def load(cls, path: str | Path, ctx_size: int | None = None, device: str = "cpu",
-             weight_budget_bytes: int = 8 << 30) -> LLM:
+             weight_budget_bytes: int = 8 << 30, exact: bool = False) -> LLM:
         """Opens and checks `path`. ctx_size: tokens of context (default: the model's, at most 4096).
-        device: "cpu", "gpu" (CuPy; a ValueError when no GPU is visible) or "auto" (GPU if present)."""
+        device: "cpu", "gpu" (CuPy; a ValueError when no GPU is visible) or "auto" (GPU if present).
+        exact: on the CPU, float64 sums (infer.model; the GPU's decode kernels always compute so)."""
         from infer.gpu import resolve_device
 
         where = resolve_device(device)  # ValueError with one line for 'gpu' without a GPU
@@ -64,7 +65,7 @@ class LLM:
 
             transformer = load_gpu_transformer(gguf)
         else:
-            transformer = load_transformer(gguf, weight_budget_bytes)
+            transformer = load_transformer(gguf, weight_budget_bytes, exact=exact)
         tokenizer = Tokenizer.from_gguf(gguf.metadata)
         ctx = ctx_size or min(transformer.args.context_length, DEFAULT_CTX)
         return cls(gguf, transformer, tokenizer, ctx)

@@ -63,7 +63,7 @@ def _resolve_device(device: str) -> str:
         _fail(str(err), EXIT_NOT_AVAILABLE)
 
 
-def _load(model: str | None, ctx_size: int, device: str, vram_budget: str | None = None) -> LLM:
+def _load(model: str | None, ctx_size: int, device: str, vram_budget: str | None = None, exact: bool = False) -> LLM:
     if not model:
         _fail("no model given: use -m/--model FILE.gguf", EXIT_BAD_INPUT)
     from infer.api import LLM
@@ -78,7 +78,7 @@ def _load(model: str | None, ctx_size: int, device: str, vram_budget: str | None
             from infer.tiers.options import require_resident_fit
 
             require_resident_fit(GGUFModel(model), ctx_size or 4096, 1, vram_budget=vram_budget)
-        llm = LLM.load(model, ctx_size=ctx_size or None, device=where)
+        llm = LLM.load(model, ctx_size=ctx_size or None, device=where, exact=exact)
     except CliError:
         raise
     except click.ClickException as err:  # does not fit the VRAM budget: the message suggests --streaming
@@ -217,12 +217,15 @@ def _chat(llm: LLM, sampler: Any, n_predict: int, system: str | None) -> None:
               help="Where to run; auto = the GPU when CuPy sees one, else the CPU.")
 @streaming_options
 @click.option("--threads", type=click.IntRange(min=1), default=None, help="BLAS threads (default: all cores).")
+@click.option("--exact", is_flag=True,
+              help="CPU: take every sum in float64 and round once (results independent of batching, the same "
+                   "logits as the GPU's decode kernels; about 2x slower, 2x the memory). Default: float32 as llama.cpp.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")
 @click.pass_context
 def main(ctx: click.Context, model: str | None, prompt: str | None, n_predict: int, chat: bool, system: str | None,
          benchmark: bool, temp: float, top_k: int, top_p: float, min_p: float, repeat_penalty: float,
          ctx_size: int, seed: int | None, device: str, streaming: StreamingConfig, threads: int | None,
-         as_json: bool) -> None:
+         exact: bool, as_json: bool) -> None:
     """Run a GGUF language model (Llama or Qwen2 architecture) on the GPU or the CPU.
 
     With --streaming, weights that do not fit the VRAM budget are streamed each pass from pinned RAM
@@ -239,7 +242,7 @@ def main(ctx: click.Context, model: str | None, prompt: str | None, n_predict: i
     if streaming.enabled or streaming.batch > 1 or streaming.prompts_file:
         _run_streaming(model, streaming, ctx_size, device, prompt, n_predict, sampler, chat, benchmark, as_json)
         return
-    llm = _load(model, ctx_size, device, streaming.vram_budget)
+    llm = _load(model, ctx_size, device, streaming.vram_budget, exact)
     if benchmark:
         _benchmark(llm, prompt, n_predict, as_json)
     elif chat:
@@ -274,10 +277,11 @@ def _run_streaming(model: str | None, streaming: StreamingConfig, ctx_size: int,
               help="Tokens per chunk (the second half of each is scored).")
 @click.option("--chunks", type=click.IntRange(min=1), default=None, help="Score at most this many chunks.")
 @click.option("--threads", type=click.IntRange(min=1), default=None, help="BLAS threads (default: all cores).")
+@click.option("--exact", is_flag=True, help="Float64 sums on the CPU (see ntransformer --help).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @click.pass_context
 def perplexity_command(ctx: click.Context, model: str | None, text_file: str, ctx_size: int, chunks: int | None,
-                       threads: int | None, as_json: bool) -> None:
+                       threads: int | None, exact: bool, as_json: bool) -> None:
     """Perplexity of a text, computed as llama.cpp's llama-perplexity does."""
     _set_threads(threads)
     if model is None and ctx.parent is not None:  # `ntransformer -m MODEL perplexity ...` works too
@@ -291,7 +295,7 @@ def perplexity_command(ctx: click.Context, model: str | None, text_file: str, ct
         _fail(f"{text_file}: not UTF-8 text ({err.reason} at byte {err.start})", EXIT_BAD_INPUT)
     if ctx_size % 2:
         _fail(f"-c/--ctx-size must be even, not {ctx_size}", EXIT_BAD_INPUT)
-    llm = _load(model, ctx_size, "cpu")
+    llm = _load(model, ctx_size, "cpu", exact=exact)
     from infer.perplexity import perplexity
 
     tokens = llm.tokenize(text)

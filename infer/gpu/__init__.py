@@ -39,7 +39,8 @@ def load_gpu_transformer(model: GGUFModel, prefill_chunk: int = 512, match_llama
     The result has the CPU Transformer's calls (new_cache, forward), so infer.engine.Engine runs it.
     match_llama_cpp: round the inputs of matrix products as llama.cpp's CPU does (the CPU engine's
     default), else keep them float32. int8_dot: decode GEMVs with integer dot products on those
-    rounded inputs (the same numbers up to summation order; False: the float kernels)."""
+    rounded inputs (the same numbers; False: the float kernels). The decode kernels sum in double:
+    their logits are those of load_transformer(..., exact=True) (docs/GPU.md)."""
     from infer.errors import UnsupportedModelError
     from infer.gpu.layout import format_of
     from infer.gpu.model import GpuTransformer

@@ -36,6 +36,30 @@ def test_capital_of_france(smollm2: Path) -> None:
     assert "tok/s" in err and "loaded" in err  # informational lines stay on stderr
 
 
+def test_exact_numerics_generate_the_same_greedy_text_batched_or_not(smollm2: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--exact loads the CPU engine with float64 sums; its greedy ids do not depend on how the
+    prompt is batched (the default float32 numerics may)."""
+    from infer import api
+
+    loaded = []
+    real_load = api.LLM.load
+
+    def spy(*args: object, **kwargs: object) -> api.LLM:
+        llm = real_load(*args, **kwargs)
+        loaded.append(llm)
+        return llm
+
+    monkeypatch.setattr(api.LLM, "load", spy)
+    code, out, err = invoke(["-m", str(smollm2), "-p", "1, 2, 3, 4,", "-n", "8", "-t", "0", "--json", "--exact"])
+    assert code == 0, err
+    assert loaded and loaded[-1].transformer.exact
+    ids = json.loads(out)["ids"]
+    llm = loaded[-1]
+    llm.engine.prefill_batch = 1  # the prompt token by token this time
+    again = list(llm.generate_ids(llm.tokenize("1, 2, 3, 4,"), 8, stop_at_eog=False))
+    assert again == ids
+
+
 def test_json_output_carries_text_and_ids(smollm2: Path) -> None:
     code, out, _ = invoke(["-m", str(smollm2), "-p", "1, 2, 3, 4,", "-n", "8", "-t", "0", "--json"])
     assert code == 0

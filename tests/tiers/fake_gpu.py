@@ -97,7 +97,7 @@ def make_cupy() -> types.SimpleNamespace:
     cuda = types.SimpleNamespace(Stream=_Stream, Event=_Event, runtime=runtime, get_current_stream=_Stream,
                                  Device=lambda *a: types.SimpleNamespace(synchronize=lambda: None, id=0))
     return types.SimpleNamespace(
-        ndarray=FakeArray, float16=np.float16, float32=np.float32, int32=np.int32, uint8=np.uint8, cuda=cuda,
+        ndarray=FakeArray, float16=np.float16, float32=np.float32, float64=np.float64, int32=np.int32, uint8=np.uint8, cuda=cuda,
         empty=lambda shape, dtype=np.float64: _fake(np.empty(shape, dtype)),
         zeros=lambda shape, dtype=np.float64: _fake(np.zeros(shape, dtype)),
         empty_like=lambda a: _fake(np.empty_like(a)),
@@ -244,6 +244,7 @@ def install(monkeypatch: Any) -> None:
     monkeypatch.setattr(pipeline.kernels, "function", fake_kernel_function)
     fake_ops = make_ops()
     fake_ops.attention_splits = real_ops.attention_splits  # buffer sizing is the real kernels' rule
+    fake_ops.attention_work = real_ops.attention_work
     monkeypatch.setattr(gpu_forward, "ops", fake_ops)
     monkeypatch.setattr(gpu_forward, "F32", np.float32)
     monkeypatch.setattr(gpu_forward, "F16", np.float16)
