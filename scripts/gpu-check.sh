@@ -10,7 +10,9 @@
 #   NVMEDIRECT_GPU_MODELS=a.gguf:b.gguf                   # real models for tests/gpu/test_model.py
 #   GPU_CHECK_ALL_GPU_TESTS=1                             # also `pytest -m gpu tests/` (every area)
 #
-# Carry: .whl (gguf, cffi, pycparser, pyudev wheels from /work/shared/device/fetch-wheels.sh).
+# Carry: .whl (gguf, cffi, pycparser, pyudev wheels from /work/shared/device/fetch-wheels.sh), and
+# for GPU_CHECK_ALL_GPU_TESTS also nvmedirect/_vfio_cffi.abi3.so (built here by scripts/bootstrap.sh;
+# without it the pinned-DMA and reader tests fail to import).
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu-check}
