@@ -246,38 +246,17 @@ __device__ void group_queries(const float* q, double* q_s, __half* kc, int kvh, 
     __syncthreads();
 }
 
-template <int MAXG>
-__device__ __forceinline__ void attention_scores(const float* q, __half* kc, const int* pos, int G, int D,
-                                                 int max_ctx, float scale, int n_splits, float* scores,
-                                                 double* part_ml, RopeArgs rope) {
-    // the group's queries: float32 values through the rotation, then float16 values, held as double
-    __shared__ __align__(16) double q_s[ATTN_MAX_GROUP * ATTN_MAX_HEAD_DIM];
-    __shared__ float p_s[ATTN_MAX_GROUP * ATTN_CHUNK];
-    const int kvh = blockIdx.x, split = blockIdx.y, tid = threadIdx.x;
-    const int p = pos[0];
-    const int start = split * ATTN_CHUNK;
-    const int n = min(ATTN_CHUNK, p + 1 - start);
-    const int h0 = kvh * G;
-    if (n <= 0) {
-        if (tid < G) {
-            part_ml[((h0 + tid) * n_splits + split) * 2] = NEG_INF;
-            part_ml[((h0 + tid) * n_splits + split) * 2 + 1] = 0.0;
-        }
-        return;
-    }
-    group_queries(q, q_s, kc, kvh, G, D, p, max_ctx, rope, split == p / ATTN_CHUNK, ATTN_THREADS);
-    const __half* kbase = kc + ((long long)kvh * max_ctx + start) * D;
-    // TPP neighbouring threads share a position, each taking every TPP-th 16-byte piece of its key
-    // (all threads busy, and a thread's loads are few enough to be in flight together), then add
-    // their partial dot products by shuffles.
-    constexpr int TPP = ATTN_THREADS / ATTN_CHUNK;
-    static_assert(TPP >= 1 && TPP <= 32 && (TPP & (TPP - 1)) == 0, "ATTN_CHUNK: a power of two up to ATTN_THREADS");
-    const int t = tid / TPP, piece = tid % TPP;
-    double acc[MAXG];
+// q.k of one cached key (D float16 values) with the G queries in q_s (double, float16 values):
+// this thread takes every TPP-th 16-byte piece from `piece` (the key's values converted once for
+// the group, products exact in double), then the TPP neighbouring threads add their sums by
+// shuffles; every lane of the warp must call it, `active` says whether this one has a key.
+template <int MAXG, int TPP>
+__device__ __forceinline__ void key_dots(const __half* key, const double* q_s, int G, int D, int piece, bool active,
+                                         double* acc) {
 #pragma unroll
     for (int g = 0; g < MAXG; ++g) acc[g] = 0.0;
-    if (t < n) {
-        const uint4* krow = reinterpret_cast<const uint4*>(kbase + (long long)t * D);
+    if (active) {
+        const uint4* krow = reinterpret_cast<const uint4*>(key);
 #pragma unroll 8
         for (int c = piece; c < D / 8; c += TPP) {
             const uint4 raw = krow[c];
@@ -308,6 +287,61 @@ __device__ __forceinline__ void attention_scores(const float* q, __half* kc, con
 #pragma unroll
         for (int g = 0; g < MAXG; ++g) acc[g] += __shfl_xor_sync(0xffffffffu, acc[g], o);
     }
+}
+
+// sum over positions t = ph, ph + phases, .. < n of p[g][t] * v[t] for one pair of dimensions (vb:
+// its half2 in position 0, `pairs` half2 per position) and the G heads (p: p_stride doubles per
+// head, float16 values); each value converted once for the group, products exact in double
+template <int MAXG>
+__device__ __forceinline__ void value_sums(const __half2* vb, int pairs, const double* p, int p_stride, int G, int n,
+                                           int ph, int phases, double2* acc) {
+#pragma unroll
+    for (int g = 0; g < MAXG; ++g) acc[g] = make_double2(0.0, 0.0);
+    if (ph >= phases) return;
+#pragma unroll 8
+    for (int t = ph; t < n; t += phases) {
+        const float2 vv = __half22float2(vb[(long long)t * pairs]);
+        const double vx = vv.x, vy = vv.y;
+#pragma unroll
+        for (int g = 0; g < MAXG; ++g) {
+            if (g < G) {
+                const double pr = p[g * p_stride + t];
+                acc[g].x = fma(pr, vx, acc[g].x);
+                acc[g].y = fma(pr, vy, acc[g].y);
+            }
+        }
+    }
+}
+
+template <int MAXG>
+__device__ __forceinline__ void attention_scores(const float* q, __half* kc, const int* pos, int G, int D,
+                                                 int max_ctx, float scale, int n_splits, float* scores,
+                                                 double* part_ml, RopeArgs rope) {
+    // the group's queries: float32 values through the rotation, then float16 values, held as double
+    __shared__ __align__(16) double q_s[ATTN_MAX_GROUP * ATTN_MAX_HEAD_DIM];
+    __shared__ float p_s[ATTN_MAX_GROUP * ATTN_CHUNK];
+    const int kvh = blockIdx.x, split = blockIdx.y, tid = threadIdx.x;
+    const int p = pos[0];
+    const int start = split * ATTN_CHUNK;
+    const int n = min(ATTN_CHUNK, p + 1 - start);
+    const int h0 = kvh * G;
+    if (n <= 0) {
+        if (tid < G) {
+            part_ml[((h0 + tid) * n_splits + split) * 2] = NEG_INF;
+            part_ml[((h0 + tid) * n_splits + split) * 2 + 1] = 0.0;
+        }
+        return;
+    }
+    group_queries(q, q_s, kc, kvh, G, D, p, max_ctx, rope, split == p / ATTN_CHUNK, ATTN_THREADS);
+    const __half* kbase = kc + ((long long)kvh * max_ctx + start) * D;
+    // TPP neighbouring threads share a position, each taking every TPP-th 16-byte piece of its key
+    // (all threads busy, and a thread's loads are few enough to be in flight together), then add
+    // their partial dot products by shuffles.
+    constexpr int TPP = ATTN_THREADS / ATTN_CHUNK;
+    static_assert(TPP >= 1 && TPP <= 32 && (TPP & (TPP - 1)) == 0, "ATTN_CHUNK: a power of two up to ATTN_THREADS");
+    const int t = tid / TPP, piece = tid % TPP;
+    double acc[MAXG];
+    key_dots<MAXG, TPP>(kbase + (long long)t * D, q_s, G, D, piece, t < n, acc);
     if (t < n && piece == 0) {
 #pragma unroll
         for (int g = 0; g < MAXG; ++g) {
@@ -374,23 +408,8 @@ __device__ __forceinline__ void attention_values(const __half* vc, const int* po
     const int pairs = D / 2, phases = ATTN_THREADS / pairs;
     const int dp = tid % pairs, ph = tid / pairs;
     double2 acc[MAXG];
-#pragma unroll
-    for (int g = 0; g < MAXG; ++g) acc[g] = make_double2(0.0, 0.0);
+    value_sums<MAXG>(reinterpret_cast<const __half2*>(vbase) + dp, pairs, p_s, ATTN_CHUNK, G, n, ph, phases, acc);
     if (ph < phases) {
-        const __half2* vb = reinterpret_cast<const __half2*>(vbase) + dp;
-#pragma unroll 8
-        for (int t = ph; t < n; t += phases) {
-            const float2 vv = __half22float2(vb[(long long)t * pairs]);
-            const double vx = vv.x, vy = vv.y;
-#pragma unroll
-            for (int g = 0; g < MAXG; ++g) {
-                if (g < G) {
-                    const double pr = p_s[g * ATTN_CHUNK + t];
-                    acc[g].x = fma(pr, vx, acc[g].x);
-                    acc[g].y = fma(pr, vy, acc[g].y);
-                }
-            }
-        }
         if (ph > 0) {
 #pragma unroll
             for (int g = 0; g < MAXG; ++g)
@@ -443,39 +462,7 @@ __device__ __forceinline__ void attention_fused(const float* q, __half* kc, __ha
     for (int t0 = 0; t0 < n; t0 += ATTN_FUSED_THREADS / TPP) {
         const int t = t0 + tl;
         double acc[MAXG];
-#pragma unroll
-        for (int g = 0; g < MAXG; ++g) acc[g] = 0.0;
-        if (t < n) {
-            const uint4* krow = reinterpret_cast<const uint4*>(kbase + (long long)t * D);
-            for (int c = piece; c < D / 8; c += TPP) {
-                const uint4 raw = krow[c];
-                const __half2* kh = reinterpret_cast<const __half2*>(&raw);
-                double kf[8];
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const float2 f = __half22float2(kh[e]);
-                    kf[2 * e] = f.x;
-                    kf[2 * e + 1] = f.y;
-                }
-#pragma unroll
-                for (int g = 0; g < MAXG; ++g) {
-                    if (g < G) {
-                        const double2* qd = reinterpret_cast<const double2*>(q_s + g * D + 8 * c);
-#pragma unroll
-                        for (int e = 0; e < 4; ++e) {
-                            const double2 qq = qd[e];
-                            acc[g] = fma(qq.x, kf[2 * e], acc[g]);
-                            acc[g] = fma(qq.y, kf[2 * e + 1], acc[g]);
-                        }
-                    }
-                }
-            }
-        }
-#pragma unroll
-        for (int o = 1; o < TPP; o <<= 1) {
-#pragma unroll
-            for (int g = 0; g < MAXG; ++g) acc[g] += __shfl_xor_sync(0xffffffffu, acc[g], o);
-        }
+        key_dots<MAXG, TPP>(kbase + (long long)t * D, q_s, G, D, piece, t < n, acc);
         if (t < n && piece == 0) {
 #pragma unroll
             for (int g = 0; g < MAXG; ++g)
@@ -509,22 +496,7 @@ __device__ __forceinline__ void attention_fused(const float* q, __half* kc, __ha
     const int dp = tid % pairs, ph = tid / pairs;
     const __half2* vb = reinterpret_cast<const __half2*>(vc + (long long)kvh * max_ctx * D) + dp;
     double2 acc[MAXG];
-#pragma unroll
-    for (int g = 0; g < MAXG; ++g) acc[g] = make_double2(0.0, 0.0);
-    if (ph < phases) {
-        for (int t = ph; t < n; t += phases) {
-            const float2 vv = __half22float2(vb[(long long)t * pairs]);
-            const double vx = vv.x, vy = vv.y;
-#pragma unroll
-            for (int g = 0; g < MAXG; ++g) {
-                if (g < G) {
-                    const double pr = p_s[g * max_ctx + t];
-                    acc[g].x = fma(pr, vx, acc[g].x);
-                    acc[g].y = fma(pr, vy, acc[g].y);
-                }
-            }
-        }
-    }
+    value_sums<MAXG>(vb, pairs, p_s, max_ctx, G, n, ph, phases, acc);
     __syncthreads();  // the probabilities are read: their space takes the phases' partial sums
     double2* o_s = reinterpret_cast<double2*>(p_s);  // (phases - 1) * G * pairs: fits (attention_fused_fits)
     if (ph > 0 && ph < phases) {
@@ -573,12 +545,12 @@ __device__ __forceinline__ void attention_fused(const float* q, __half* kc, __ha
         attention_scores<MAXG>(q, kc, pos, G, D, max_ctx, scale, n_splits, scores, part_ml,                   \
                                RopeArgs{k_new, v_new, cos_t, sin_t, n_pairs, neox, vc});                      \
     }                                                                                                          \
-    extern "C" __global__ void __launch_bounds__(ATTN_THREADS)                                                 \
+    extern "C" __global__ void __launch_bounds__(ATTN_THREADS, 1)                                              \
         attention_values_g##MAXG(const __half* vc, const int* pos, int G, int D, int max_ctx, int n_splits,    \
                                  const float* scores, const double* part_ml, double* part_o) {                 \
         attention_values<MAXG>(vc, pos, G, D, max_ctx, n_splits, scores, part_ml, part_o);                    \
     }                                                                                                          \
-    extern "C" __global__ void __launch_bounds__(ATTN_FUSED_THREADS)                                           \
+    extern "C" __global__ void __launch_bounds__(ATTN_FUSED_THREADS, 1)                                        \
         attention_fused_g##MAXG(const float* q, __half* kc, __half* vc, const int* pos, int G, int D,           \
                                 int max_ctx, float scale, float* out, int fmt, signed char* xq, float* xs,       \
                                 int* xsum, const float* k_new, const float* v_new, const float* cos_t,          \
