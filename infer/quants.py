@@ -1,10 +1,11 @@
-"""Dequantization of GGML tensor types to float32, vectorized over blocks with NumPy.
+"""Dequantization of GGML tensor types to float32 (or exactly, to float64), vectorized over blocks with NumPy.
 
 Each quantized type stores a row as a sequence of fixed-size blocks. The block layouts below are the
 public GGML formats (ggml-common.h); every function takes an (n_blocks, type_size) uint8 array and a
 float dtype and returns (n_blocks, block_size) values computed in that dtype: float32 rounds as
-llama.cpp's dequantization does, float64 gives every GGML weight exactly (the CPU engine's matrices). `dequantize` splits a tensor into row chunks so the
-temporaries stay small even for a 150k-row embedding matrix.
+llama.cpp's dequantization does, float64 gives every GGML weight exactly (the CPU engine's exact
+matrices). `dequantize` splits a tensor into row chunks so the temporaries stay small even for a
+150k-row embedding matrix.
 """
 
 from __future__ import annotations
@@ -260,5 +261,4 @@ def round_activations(x: np.ndarray, fmt: str, exact: bool = False) -> np.ndarra
         q = np.minimum(np.rint(blocks * inv), np.float32(127.0))
     else:
         raise ValueError(f"unknown activation format {fmt!r}")
-    out = q.astype(out_type) * scale.astype(out_type)
-    return out.astype(out_type, copy=False).reshape(x.shape)
+    return (q.astype(out_type) * scale.astype(out_type)).reshape(x.shape)

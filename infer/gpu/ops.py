@@ -278,10 +278,11 @@ def attention_decode(q: cupy.ndarray, k_cache: cupy.ndarray, v_cache: cupy.ndarr
     else:
         k, v, cos, sin, n_pairs, neox = rope
         rope_args = (k, v, cos, sin, np.int32(n_pairs), np.int32(1 if neox else 0), v_cache)
+    fits = attention_fused_fits(n_heads, n_kv_heads, head_dim, max_ctx, act)
     if fused is None:
-        fused = attention_fused_fits(n_heads, n_kv_heads, head_dim, max_ctx, act)
+        fused = fits
     if fused:
-        if not attention_fused_fits(n_heads, n_kv_heads, head_dim, max_ctx, act):
+        if not fits:
             raise ValueError(f"the fused attention kernel does not fit {n_heads}/{n_kv_heads} heads of {head_dim} "
                              f"over {max_ctx} positions with {act} output")
         kernels.function("ops", f"attention_fused_g{g}")(

@@ -48,6 +48,13 @@ __device__ double block_sum(double v) {
 #define ACT_Q8_0 3
 #define ACT_Q8_K 4
 
+// v rounded to a float format (ACT_F16 / ACT_BF16; ACT_F32 and the 8-bit formats leave it)
+__device__ __forceinline__ float round_float(float v, int fmt) {
+    if (fmt == ACT_F16) return __half2float(__float2half_rn(v));
+    if (fmt == ACT_BF16) return __bfloat162float(__float2bfloat16_rn(v));
+    return v;
+}
+
 // One 8-bit group's scale from each lane's largest |x| (`best`, at index `best_i`, signed value
 // `extreme`): reduced over xor distances up to `span` (ties to the lower index, as NumPy's argmax),
 // then Q8_0's float16 scale (amax / 127) or Q8_K's (-127 / the signed extreme) with the clamp bound.
@@ -171,20 +178,23 @@ __device__ void round_groups(const float* src, float* y, __half* y16, int n, int
     }
 }
 
+// round_groups for q8_0 (a lane per value) or q8_k (8 values per lane)
+__device__ __forceinline__ void round_groups_8bit(const float* src, float* y, __half* y16, int n, int fmt, Int8Out o8,
+                                                  int first, int stride) {
+    if (fmt == ACT_Q8_0) round_groups<1>(src, y, y16, n, fmt, o8, first, stride);
+    else round_groups<8>(src, y, y16, n, fmt, o8, first, stride);
+}
+
 // Rounds row y (n floats, written by this block before a __syncthreads) in place to `fmt`; y16, if
 // given, receives the rounded values as float16. Called by every thread of the block.
 __device__ void round_row(float* y, __half* y16, int n, int fmt, Int8Out o8 = Int8Out{nullptr, nullptr, nullptr}) {
     if (fmt == ACT_F32 || fmt == ACT_F16 || fmt == ACT_BF16) {
         for (int i = threadIdx.x; i < n; i += blockDim.x) {
-            float v = y[i];
-            if (fmt == ACT_F16) v = __half2float(__float2half_rn(v));
-            if (fmt == ACT_BF16) v = __bfloat162float(__float2bfloat16_rn(v));
+            const float v = round_float(y[i], fmt);
             y[i] = v;
             if (y16) y16[i] = __float2half_rn(v);
         }
         return;
     }
-    const int warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
-    if (fmt == ACT_Q8_0) round_groups<1>(y, y, y16, n, fmt, o8, warp, warps);
-    else round_groups<8>(y, y, y16, n, fmt, o8, warp, warps);
+    round_groups_8bit(y, y, y16, n, fmt, o8, threadIdx.x >> 5, blockDim.x >> 5);
 }

@@ -68,8 +68,7 @@ extern "C" __global__ void __launch_bounds__(1024)
     int q[8];
     if (fmt == ACT_F16 || fmt == ACT_BF16) {
 #pragma unroll
-        for (int k = 0; k < 8; ++k)
-            v[k] = fmt == ACT_F16 ? __half2float(__float2half_rn(v[k])) : __bfloat162float(__float2bfloat16_rn(v[k]));
+        for (int k = 0; k < 8; ++k) v[k] = round_float(v[k], fmt);
     } else if (fmt == ACT_Q8_0 || fmt == ACT_Q8_K) {
         float best = -1.f, extreme = 0.f;
         int best_i = 0x7fffffff;
@@ -123,9 +122,7 @@ extern "C" __global__ void round_act(const float* x, float* y, __half* y16, int 
     __half* y16r = y16 ? y16 + row * n : nullptr;
     if (fmt == ACT_F32 || fmt == ACT_F16 || fmt == ACT_BF16) {
         for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
-            float v = xr[i];
-            if (fmt == ACT_F16) v = __half2float(__float2half_rn(v));
-            if (fmt == ACT_BF16) v = __bfloat162float(__float2bfloat16_rn(v));
+            const float v = round_float(xr[i], fmt);
             yr[i] = v;
             if (y16r) y16r[i] = __float2half_rn(v);
         }
@@ -133,8 +130,7 @@ extern "C" __global__ void round_act(const float* x, float* y, __half* y16, int 
     }
     const int warps = blockDim.x >> 5, first = blockIdx.x * warps + (threadIdx.x >> 5), stride = gridDim.x * warps;
     const Int8Out o8 = int8_row(xq, xs, xsum, row, n, fmt);
-    if (fmt == ACT_Q8_0) round_groups<1>(xr, yr, y16r, n, fmt, o8, first, stride);
-    else round_groups<8>(xr, yr, y16r, n, fmt, o8, first, stride);
+    round_groups_8bit(xr, yr, y16r, n, fmt, o8, first, stride);
 }
 
 // (a, b) rotated by the angle with cosine c and sine s, rounded as NumPy computes a*c - b*s and
@@ -516,11 +512,8 @@ __device__ __forceinline__ void attention_fused(const float* q, __half* kc, __ha
                     o.x += other.x;
                     o.y += other.y;
                 }
-                float2 v = make_float2((float)o.x, (float)o.y);
-                if (fmt == ACT_F16) v = make_float2(__half2float(__float2half_rn(v.x)), __half2float(__float2half_rn(v.y)));
-                if (fmt == ACT_BF16)
-                    v = make_float2(__bfloat162float(__float2bfloat16_rn(v.x)), __bfloat162float(__float2bfloat16_rn(v.y)));
-                reinterpret_cast<float2*>(ob + g * D)[dp] = v;
+                reinterpret_cast<float2*>(ob + g * D)[dp] =
+                    make_float2(round_float((float)o.x, fmt), round_float((float)o.y, fmt));
             }
         }
     }
@@ -530,8 +523,7 @@ __device__ __forceinline__ void attention_fused(const float* q, __half* kc, __ha
         const long long first = (long long)h0 * D;
         const Int8Out o8 = xq ? Int8Out{xq + first, xs + first / group, xsum + first / 32}
                               : Int8Out{nullptr, nullptr, nullptr};
-        if (fmt == ACT_Q8_0) round_groups<1>(ob, ob, nullptr, G * D, fmt, o8, warp, ATTN_FUSED_THREADS / 32);
-        else round_groups<8>(ob, ob, nullptr, G * D, fmt, o8, warp, ATTN_FUSED_THREADS / 32);
+        round_groups_8bit(ob, ob, nullptr, G * D, fmt, o8, warp, ATTN_FUSED_THREADS / 32);
     }
 }
 
@@ -575,10 +567,7 @@ extern "C" __global__ void __launch_bounds__(256, 1)  // (, 1): ptxas otherwise 
             const int h = i / D, d = i % D;
             double sum = 0.0;
             for (int s = 0; s < active; ++s) sum += part_o[((long long)h * n_splits + s) * D + d];
-            float acc = (float)sum;
-            if (fmt == ACT_F16) acc = __half2float(__float2half_rn(acc));
-            if (fmt == ACT_BF16) acc = __bfloat162float(__float2bfloat16_rn(acc));
-            out[i] = acc;
+            out[i] = round_float((float)sum, fmt);
         }
         return;
     }
@@ -594,8 +583,7 @@ extern "C" __global__ void __launch_bounds__(256, 1)  // (, 1): ptxas otherwise 
     }
     __syncwarp();  // the warp rounds the groups it wrote: its lanes read each other's sums
     const Int8Out o8 = int8_row(xq, xs, xsum, 0, n, fmt);
-    if (fmt == ACT_Q8_0) round_groups<1>(out, out, nullptr, n, fmt, o8, first, stride);
-    else round_groups<8>(out, out, nullptr, n, fmt, o8, first, stride);
+    round_groups_8bit(out, out, nullptr, n, fmt, o8, first, stride);
 }
 
 // out = SiLU(gate) * up, float32 (decode, when gate and up have different formats), evaluated in

@@ -13,6 +13,7 @@ from gguf.constants import GGMLQuantizationType as T
 from infer import quants
 from infer.gguf_file import GGUFModel
 from infer.model import load_transformer
+from infer.tokenizer import Tokenizer
 from tests.oracle.fixtures import botchan_text, model_path
 
 
@@ -23,8 +24,6 @@ def _rel(a: np.ndarray, b: np.ndarray) -> float:
 @pytest.mark.parametrize("name", ["smollm2-Q8_0", "smollm2-Q4_K_M", "smollm2-Q6_K"])
 def test_exact_logits_do_not_depend_on_batching(name: str) -> None:
     model = load_transformer(GGUFModel(model_path(name)), exact=True)
-    from infer.tokenizer import Tokenizer
-
     ids = np.array(Tokenizer.from_gguf(model.weights.model.metadata).encode(botchan_text()[5000:7000])[:48])
     batch = model.forward(ids, model.new_cache(64), all_logits=True)
     cache = model.new_cache(64)
