@@ -12,7 +12,7 @@ from functools import cache
 from pathlib import Path
 
 KERNEL_DIR = Path(__file__).resolve().parent.parent / "kernels"
-SOURCES = ("gemv", "dequant", "repack", "ops")
+SOURCES = ("gemv", "dequant", "repack", "ops", "attention")
 # ATTN_CHUNK: cache positions per decode-attention block; short enough that a short context still
 # spreads over several blocks per KV head (their loads in flight at once). GEMV_UNROLL 2: run 3 on the
 # H200 timed the int8 SwiGLU GEMV at 24.7 us (k4) and 32.7 us (q8) against 27.3 and 33.8 with 4;

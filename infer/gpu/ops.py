@@ -36,6 +36,7 @@ class GpuMatrix:
     buffer: cupy.ndarray  # uint8, layout.nbytes
     source_nbytes: int  # bytes of the GGUF tensor it came from
     act: str = "f32"  # activation format its input is rounded to (infer.quants.activation_format)
+    streamed: bool = False  # lives in the streaming scratch (its bytes change every pass)
 
     @property
     def nbytes(self) -> int:
@@ -201,7 +202,7 @@ def rope_store(q: cupy.ndarray, k: cupy.ndarray, v: cupy.ndarray, cos: cupy.ndar
                pos: cupy.ndarray, n_tokens: int, n_heads: int, n_kv_heads: int, head_dim: int, n_pairs: int,
                neox: bool, k_cache: cupy.ndarray, v_cache: cupy.ndarray, max_ctx: int) -> None:
     threads = min(128, max(32, -(-head_dim // 2 // 32) * 32))
-    kernels.function("ops", "rope_store")(
+    kernels.function("attention", "rope_store")(
         (n_tokens, n_heads + n_kv_heads), (threads,),
         (q, k, v, cos, sin, pos, np.int32(n_heads), np.int32(n_kv_heads), np.int32(head_dim), np.int32(n_pairs),
          np.int32(1 if neox else 0), k_cache, v_cache, np.int32(max_ctx)))
@@ -285,21 +286,21 @@ def attention_decode(q: cupy.ndarray, k_cache: cupy.ndarray, v_cache: cupy.ndarr
         if not fits:
             raise ValueError(f"the fused attention kernel does not fit {n_heads}/{n_kv_heads} heads of {head_dim} "
                              f"over {max_ctx} positions with {act} output")
-        kernels.function("ops", f"attention_fused_g{g}")(
+        kernels.function("attention", f"attention_fused_g{g}")(
             (n_kv_heads,), (ATTN_FUSED_THREADS,),
             (q, k_cache, v_cache, pos, np.int32(group), np.int32(head_dim), np.int32(max_ctx),
              np.float32(1.0 / np.sqrt(head_dim)), out, np.int32(ACT_CODES[act]), *_int8_args(int8), *rope_args[:6]),
             shared_mem=attention_fused_bytes(n_heads, n_kv_heads, head_dim, max_ctx))
         return
-    kernels.function("ops", f"attention_scores_g{g}")(
+    kernels.function("attention", f"attention_scores_g{g}")(
         grid, (128,), (q, k_cache, pos, np.int32(group), np.int32(head_dim), np.int32(max_ctx),
                        np.float32(1.0 / np.sqrt(head_dim)), np.int32(n_splits), scores, part_ml, *rope_args))
-    kernels.function("ops", f"attention_values_g{g}")(
+    kernels.function("attention", f"attention_values_g{g}")(
         grid, (128,), (v_cache, pos, np.int32(group), np.int32(head_dim), np.int32(max_ctx), np.int32(n_splits),
                        scores, part_ml, part_o))
     n = n_heads * head_dim
     per_block = 8 * {"q8_0": 32, "q8_k": 256}.get(act, 128)  # 8 warps, a warp per 8-bit group
-    kernels.function("ops", "attention_sum")(
+    kernels.function("attention", "attention_sum")(
         (-(-n // per_block),), (256,), (part_o, pos, np.int32(n_splits), np.int32(n), np.int32(head_dim), out,
                                         np.int32(ACT_CODES[act]), *_int8_args(int8)))
 
@@ -340,7 +341,7 @@ def matmul_f16(x16: cupy.ndarray, w16: cupy.ndarray, out: cupy.ndarray, accumula
             _gemm_ex_works[:] = [False]
             if out_before is not None:
                 out[...] = out_before
-    product = cupy.matmul(x16, w16.T).astype(cupy.float32)
+    product = cupy.matmul(x16.astype(cupy.float32), w16.astype(cupy.float32).T)  # float32 sums, as GemmEx
     if accumulate:
         out += product
     else:

@@ -33,7 +33,8 @@ def test_source_compiles(tmp_path: Path, name: str) -> None:
 
 
 @pytest.mark.parametrize(("name", "variant"), [("gemv", None), ("gemv", "swiglu"), ("dequant", None),
-                                               ("repack", None), ("ops", None)])
+                                               ("repack", None), ("ops", None),
+                                               ("attention", None)])
 def test_hot_kernels_do_not_spill(tmp_path: Path, name: str, variant: str | None) -> None:
     """Each module as the decode step compiles it (the SwiGLU GEMV with its own unrolling too)."""
     defines = kernels.SWIGLU_DEFINES if variant == "swiglu" else None
