@@ -102,7 +102,7 @@ SLOTS = BENCH_SLOTS  # ring slots (--slots)
 def _session(model: Path, vram: str, ram: str | None, tier_c: str, ctx: int, batch: int,  # noqa: ANN202
              **extra: Any):
     """A streaming session; `extra`: more StreamingConfig fields (tier C reader settings)."""
-    from infer.tiers.options import StreamingConfig, build_streaming_engine
+    from infer.tiers.session import StreamingConfig, build_streaming_engine
 
     config = StreamingConfig(enabled=True, vram_budget=vram, ram_budget=ram, tier_c=tier_c, batch=batch, slots=SLOTS,
                              **extra)
@@ -110,10 +110,7 @@ def _session(model: Path, vram: str, ram: str | None, tier_c: str, ctx: int, bat
 
 
 def _pass(model, batch: list) -> list:  # noqa: ANN001
-    from infer.streaming import forward_batch
-
-    own = getattr(model, "forward_batch", None)
-    return own(batch) if own is not None else forward_batch(model, batch)
+    return model.forward_batch(batch)
 
 
 def _timed_decode(model, caches: list, steps: int) -> float:  # noqa: ANN001

@@ -16,10 +16,11 @@ from pathlib import Path
 
 import numpy as np
 
+from infer.arch import ModelArgs
 from infer.chat import ChatSession, ChatTemplate
-from infer.engine import Engine, GenerationStats
+from infer.engine import DeviceGreedy, Engine, GenerationStats, Model
 from infer.gguf_file import GGUFModel
-from infer.model import ModelArgs, Transformer, load_transformer
+from infer.model import load_transformer
 from infer.perplexity import PerplexityResult, perplexity
 from infer.sampler import Sampler, SamplerConfig
 from infer.tokenizer import StreamDecoder, Tokenizer
@@ -44,7 +45,7 @@ def _sampler_config(temperature: float, top_k: int, top_p: float, min_p: float, 
 class LLM:
     """A loaded model with its tokenizer and one sequence (KV cache), on the CPU or the GPU."""
 
-    def __init__(self, gguf: GGUFModel, transformer: Transformer, tokenizer: Tokenizer, ctx_size: int) -> None:
+    def __init__(self, gguf: GGUFModel, transformer: Model, tokenizer: Tokenizer, ctx_size: int) -> None:
         self.gguf = gguf
         self.transformer = transformer
         self.tokenizer = tokenizer
@@ -52,21 +53,26 @@ class LLM:
 
     @classmethod
     def load(cls, path: str | Path, ctx_size: int | None = None, device: str = "cpu",
-             weight_budget_bytes: int = 8 << 30, exact: bool = False) -> LLM:
+             weight_budget_bytes: int = 8 << 30, exact: bool = False, vram_budget: str | int | None = None,
+             enforce_budget: bool = False) -> LLM:
         """Opens and checks `path`. ctx_size: tokens of context (default: the model's, at most 4096).
         device: "cpu", "gpu" (CuPy; a ValueError when no GPU is visible) or "auto" (GPU if present).
-        exact: on the CPU, float64 sums (infer.model; the GPU's decode kernels always compute so)."""
+        exact: on the CPU, float64 sums (infer.model; the GPU's decode kernels always compute so).
+        vram_budget (GPU): device memory the engine may use (default: the free memory less a margin);
+        a model that does not fit raises infer.tiers.budget.VramBudgetError. enforce_budget: cap the
+        device memory pool at it (process-wide)."""
         from infer.gpu import resolve_device
 
         where = resolve_device(device)  # ValueError with one line for 'gpu' without a GPU
         gguf = GGUFModel(path)
+        tokenizer = Tokenizer.from_gguf(gguf.metadata)
+        transformer: Model
         if where == "gpu":
             from infer.gpu import load_gpu_transformer
 
-            transformer = load_gpu_transformer(gguf)
+            transformer = load_gpu_transformer(gguf, ctx_size, vram_budget, enforce_budget=enforce_budget)
         else:
             transformer = load_transformer(gguf, weight_budget_bytes, exact=exact)
-        tokenizer = Tokenizer.from_gguf(gguf.metadata)
         ctx = ctx_size or min(transformer.args.context_length, DEFAULT_CTX)
         return cls(gguf, transformer, tokenizer, ctx)
 
@@ -117,7 +123,7 @@ class LLM:
         config = sampler or SamplerConfig(temperature=0.0)
         if not reuse_cache:
             self.engine.reset()
-        if config.temperature == 0 and config.repeat_penalty == 1 and hasattr(self.transformer, "generate_iter"):
+        if config.temperature == 0 and config.repeat_penalty == 1 and isinstance(self.transformer, DeviceGreedy):
             # greedy on the GPU: the CUDA-graph decode loop picks the tokens on the device
             stop = self.tokenizer.vocab.eog_ids if stop_at_eog else frozenset()
             return self.engine.generate_on_device(self._ids(prompt), max_tokens, stop)

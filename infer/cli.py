@@ -12,23 +12,25 @@ Informational lines go to stderr so stdout carries only the generated text (or J
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import click
 
-from infer.tiers.flags import StreamingConfig, streaming_options
+from infer.cli_options import streaming_options
+from infer.tiers.config import StreamingConfig
 
 if TYPE_CHECKING:
     from infer.api import LLM
 
 EXIT_FAILED, EXIT_BAD_INPUT, EXIT_NOT_AVAILABLE = 1, 2, 4
 BENCHMARK_PROMPT = "The three most useful things to know about NVMe are"
-BENCHMARK_PROMPT_TOKENS = 128
 
 
 class CliError(click.ClickException):
@@ -72,23 +74,13 @@ def _load(model: str | None, ctx_size: int, device: str, vram_budget: str | None
 
     where = _resolve_device(device)
     started = time.perf_counter()
-    try:
-        if where == "gpu":  # a model too large for the card stops here with a hint to use --streaming
-            from infer.gguf_file import GGUFModel
-            from infer.tiers.options import require_resident_fit
-
-            require_resident_fit(GGUFModel(model), ctx_size or 4096, 1, vram_budget=vram_budget)
-        llm = LLM.load(model, ctx_size=ctx_size or None, device=where, exact=exact)
-    except CliError:
-        raise
-    except click.ClickException as err:  # does not fit the VRAM budget: the message suggests --streaming
-        _fail(err.message, EXIT_BAD_INPUT)
-    except ValueError as err:
-        _fail(str(err), EXIT_BAD_INPUT)
-    except ModelError as err:
-        _fail(str(err), EXIT_BAD_INPUT)
-    except TokenizerError as err:
+    try:  # a model too large for the VRAM budget stops here with a hint to use --streaming
+        llm = LLM.load(model, ctx_size=ctx_size or None, device=where, exact=exact, vram_budget=vram_budget,
+                       enforce_budget=where == "gpu")
+    except TokenizerError as err:  # before ValueError, which it is
         _fail(f"{model}: tokenizer: {err}", EXIT_BAD_INPUT)
+    except (ValueError, ModelError) as err:  # bad file, bad size, budget too small (BudgetError)
+        _fail(str(err), EXIT_BAD_INPUT)
     warm = getattr(getattr(llm.transformer, "weights", None), "warm", None)  # CPU weights only
     if warm is not None:  # dequantize now, so that the speeds reported later measure inference only
         warm()
@@ -96,7 +88,28 @@ def _load(model: str | None, ctx_size: int, device: str, vram_budget: str | None
     _note(f"loaded {Path(model).name} on the {where.upper()}: {a.arch}, {a.n_layers} layers, width {a.dim}, "
           f"{a.n_heads}/{a.n_kv_heads} heads, vocab {a.vocab_size}, context {llm.engine.ctx_size} "
           f"({time.perf_counter() - started:.1f} s)")
+    account = getattr(llm.transformer, "account", None)
+    if account is not None:
+        _note(account.render())
     return llm
+
+
+@contextlib.contextmanager
+def _device_errors(device: str, measure_peak: bool = False) -> Iterator[Any]:
+    """Device memory that runs out under the budget becomes a one-line error (exit 2); with
+    measure_peak the peak device memory of the block is sampled (the monitor is yielded, else None)."""
+    if device != "gpu":
+        yield None
+        return
+    from infer.gpu import memory
+
+    try:
+        with memory.PeakMonitor() if measure_peak else contextlib.nullcontext() as monitor:
+            yield monitor
+    except Exception as err:
+        if memory.is_out_of_memory(err):
+            _fail(str(memory.over_budget(err, memory.current_account())), EXIT_BAD_INPUT)
+        raise
 
 
 def _sampler(temp: float, top_k: int, top_p: float, min_p: float, repeat_penalty: float, seed: int | None) -> Any:
@@ -141,34 +154,14 @@ def _generate(llm: LLM, prompt: str, n_predict: int, sampler: Any, as_json: bool
               f"generated {stats.generated_tokens} tokens {stats.decode_tokens_per_second:.1f} tok/s")
 
 
-def _benchmark(llm: LLM, prompt: str | None, n_predict: int, as_json: bool) -> None:
-    from infer.sampler import SamplerConfig
+def _benchmark(llm: LLM, n_predict: int, as_json: bool, peak: Any = None) -> None:
+    from infer.benchmark import measure, render
 
-    if prompt is None:  # a fixed prose prompt of BENCHMARK_PROMPT_TOKENS tokens
-        ids = llm.tokenize(" ".join([BENCHMARK_PROMPT] * 64))[:BENCHMARK_PROMPT_TOKENS]
-    else:
-        ids = llm.tokenize(prompt)
-    llm.engine.reset()
-    for _ in llm.generate_ids(ids, n_predict, SamplerConfig(temperature=0.0), stop_at_eog=False):
-        pass
-    s = llm.stats
-    device = "gpu" if type(llm.transformer).__name__ == "GpuTransformer" else "cpu"
-    result = {"model": str(llm.gguf.path), "device": device, **s.as_dict()}
-    if device == "gpu":  # pp512/tg with GB/s against the device copy roofline measured now
-        from infer.gpu.benchmark import measure, render
-
-        report = measure(llm.transformer, 512, n_predict, with_kernels=False)
-        if as_json:
-            result["gpu"] = report
-        else:
-            click.echo(render(report))
-    if as_json:
-        click.echo(json.dumps(result))
-    else:
-        click.echo(f"prompt: {s.prompt_tokens} tokens in {s.prompt_seconds:.3f} s = "
-                   f"{s.prompt_tokens_per_second:.2f} tok/s")
-        click.echo(f"decode: {s.generated_tokens} tokens in {s.decode_seconds:.3f} s = "
-                   f"{s.decode_tokens_per_second:.2f} tok/s")
+    result = {"model": str(llm.gguf.path), **measure(llm.transformer, n_predict)}
+    if peak is not None:  # load and the measurement
+        peak.sample()
+        result["peak_vram_bytes"] = peak.peak
+    click.echo(json.dumps(result) if as_json else render(result))
 
 
 def _chat(llm: LLM, sampler: Any, n_predict: int, system: str | None) -> None:
@@ -204,7 +197,8 @@ def _chat(llm: LLM, sampler: Any, n_predict: int, system: str | None) -> None:
 @click.option("--chat", is_flag=True, help="Conversation: one user message per stdin line (template from the file).")
 @click.option("--system", help="System message for --chat.")
 @click.option("--benchmark", is_flag=True,
-              help="Measure prompt and decode speed: a 128-token prompt (or -p) and -n greedy tokens.")
+              help="Measure prompt and decode speed (pp512 on the GPU, pp128 on the CPU, then -n greedy tokens; "
+                   "warmed up first), with peak memory; the same measurement as bench/gpu_bench.py.")
 @click.option("-t", "--temp", type=float, default=0.8, show_default=True, help="Temperature; 0 = greedy.")
 @click.option("--top-k", type=int, default=40, show_default=True, help="Keep the k most likely tokens; 0 = off.")
 @click.option("--top-p", type=float, default=0.95, show_default=True, help="Nucleus sampling; 1 = off.")
@@ -242,13 +236,15 @@ def main(ctx: click.Context, model: str | None, prompt: str | None, n_predict: i
     if streaming.enabled or streaming.batch > 1 or streaming.prompts_file:
         _run_streaming(model, streaming, ctx_size, device, prompt, n_predict, sampler, chat, benchmark, as_json)
         return
-    llm = _load(model, ctx_size, device, streaming.vram_budget, exact)
-    if benchmark:
-        _benchmark(llm, prompt, n_predict, as_json)
-    elif chat:
-        _chat(llm, sampler, n_predict, system)
-    else:
-        _generate(llm, prompt or "", n_predict, sampler, as_json)
+    where = _resolve_device(device)
+    with _device_errors(where, measure_peak=benchmark or as_json) as peak:
+        llm = _load(model, ctx_size, where, streaming.vram_budget, exact)
+        if benchmark:
+            _benchmark(llm, n_predict, as_json, peak)
+        elif chat:
+            _chat(llm, sampler, n_predict, system)
+        else:
+            _generate(llm, prompt or "", n_predict, sampler, as_json)
 
 
 def _run_streaming(model: str | None, streaming: StreamingConfig, ctx_size: int, device: str, prompt: str | None,
@@ -262,12 +258,12 @@ def _run_streaming(model: str | None, streaming: StreamingConfig, ctx_size: int,
 
     where = _resolve_device(device)
     try:
-        run_streaming(model, streaming, ctx_size, where, prompt or (BENCHMARK_PROMPT if benchmark else None),
-                      n_predict, sampler, benchmark=benchmark, as_json=as_json, echo=click.echo, note=_note)
-    except (ValueError, ModelError) as err:
+        with _device_errors(where, measure_peak=benchmark or as_json) as peak:
+            run_streaming(model, streaming, ctx_size, where, prompt or (BENCHMARK_PROMPT if benchmark else None),
+                          n_predict, sampler, benchmark=benchmark, as_json=as_json, echo=click.echo, note=_note,
+                          peak=peak)
+    except (ValueError, ModelError) as err:  # bad file, budgets too small (BudgetError)
         _fail(str(err), EXIT_BAD_INPUT)
-    except click.ClickException as err:
-        _fail(err.message, EXIT_BAD_INPUT)
 
 
 @main.command("perplexity")

@@ -9,10 +9,44 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 
-from infer.model import Transformer
+from infer.arch import ModelArgs
+
+
+class Cache(Protocol):
+    """One sequence's keys and values: positions [0, length) are filled."""
+
+    length: int
+    max_tokens: int
+
+
+class Model(Protocol):
+    """A forward pass over a KV cache: infer.model.Transformer (CPU) and infer.gpu.model.GpuTransformer
+    (GPU), over resident or streamed weights."""
+
+    args: ModelArgs
+    device: str  # "cpu" or "gpu"
+
+    def new_cache(self, max_tokens: int) -> Cache: ...
+
+    def forward(self, tokens: np.ndarray, cache: Cache, all_logits: bool = False) -> np.ndarray: ...
+
+    def forward_batch(self, batch: Sequence[tuple[np.ndarray, Cache]], all_logits: bool = False
+                      ) -> list[np.ndarray]: ...
+
+
+@runtime_checkable
+class DeviceGreedy(Protocol):
+    """A model that decodes greedily on its own device (the GPU: CUDA-graph steps, only token ids
+    come back to the host)."""
+
+    def generate_iter(self, prompt: np.ndarray, cache: Cache, n_new: int, temperature: float = 0.0,
+                      seed: int = 0, stop: frozenset[int] = frozenset(), check_every: int = 16
+                      ) -> Iterator[list[int]]: ...
+
 
 # Prompt tokens per forward pass: bounds the attention score buffer (heads x batch x context).
 PREFILL_BATCH = 512
@@ -56,7 +90,7 @@ class GenerationStats(Throughput):
 class Engine:
     """One sequence on one Transformer with a context of `ctx_size` tokens."""
 
-    model: Transformer
+    model: Model
     ctx_size: int
     prefill_batch: int = PREFILL_BATCH
     tokens: list[int] = field(default_factory=list)  # ids whose keys/values are in the cache
@@ -111,8 +145,8 @@ class Engine:
 
     def generate_on_device(self, prompt: Sequence[int], max_new_tokens: int,
                            stop_ids: frozenset[int] = frozenset()) -> Iterator[int]:
-        """generate() with greedy sampling done by the model itself (a model with generate_iter,
-        i.e. GpuTransformer: CUDA-graph decode, only token ids come back): the tokens of
+        """generate() with greedy sampling done by the model itself (a DeviceGreedy model: the
+        GPU's CUDA-graph decode, only token ids come back): the tokens of
         generate(prompt, n, greedy, stop_ids.__contains__) up to float32 rounding, without a
         logits copy and a Python launch sequence per token. The last prompt token runs with the
         first decode steps, so its time counts as decode time."""
@@ -132,8 +166,9 @@ class Engine:
         decode_started = time.perf_counter()
         out: list[int] = []
         try:
-            for fresh in self.model.generate_iter(np.asarray(prompt[-1:]), self.cache, n_new,  # type: ignore[attr-defined]
-                                                  stop=stop_ids):
+            if not isinstance(self.model, DeviceGreedy):
+                raise TypeError(f"{type(self.model).__name__} does not decode on its device")
+            for fresh in self.model.generate_iter(np.asarray(prompt[-1:]), self.cache, n_new, stop=stop_ids):
                 for token in fresh:
                     out.append(token)
                     self.stats.generated_tokens = len(out)

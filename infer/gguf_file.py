@@ -140,6 +140,11 @@ class GGUFModel:
         self._reader = reader  # keeps the memory map alive
 
     @property
+    def data(self) -> np.ndarray:
+        """The whole file as a read-only uint8 memory map (tensor data are views into it)."""
+        return self._reader.data.view(np.ndarray)
+
+    @property
     def architecture(self) -> str:
         return str(self.require("general.architecture", str))
 

@@ -20,93 +20,24 @@ whose activations have large outliers, one such flip moves logits by percents (d
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
 
 from infer import quants
-from infer.errors import UnsupportedModelError
-from infer.gguf_file import GGUFModel, TensorInfo
-
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
-# GGUF stores Llama's Q/K rows permuted so rotary pairs are adjacent (x[2i], x[2i+1]); Qwen2 keeps
-# the Hugging Face order, where dimension i pairs with i + d/2 (NeoX style). Checked against llama.cpp
-# by tests/infer/test_oracle_logits.py.
-NEOX_ROPE = {"llama": False, "qwen2": True}
-
-
-@dataclass(frozen=True)
-class ModelArgs:
-    arch: str
-    n_layers: int
-    dim: int
-    ffn_dim: int
-    n_heads: int
-    n_kv_heads: int
-    head_dim: int
-    vocab_size: int
-    context_length: int
-    norm_eps: float
-    rope_base: float
-    rope_dim: int  # leading dimensions of each head that are rotated
-    rope_neox: bool
-    rope_linear_scale: float  # positions are divided by this ("linear" rope scaling)
-
-    @property
-    def q_dim(self) -> int:
-        return self.n_heads * self.head_dim
-
-    @property
-    def kv_dim(self) -> int:
-        return self.n_kv_heads * self.head_dim
-
-    @classmethod
-    def from_gguf(cls, model: GGUFModel) -> ModelArgs:
-        arch = model.architecture
-        if arch not in SUPPORTED_ARCHITECTURES:
-            raise UnsupportedModelError(
-                model.path, f"architecture '{arch}' is not supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})",
-                "key general.architecture")
-
-        def key(name: str, kind: type, default: object = None) -> object:
-            full = f"{arch}.{name}"
-            if default is not None and full not in model.metadata:
-                return default
-            return model.require(full, kind)
-
-        n_heads = int(key("attention.head_count", int))
-        dim = int(key("embedding_length", int))
-        if n_heads <= 0 or dim % n_heads:
-            raise UnsupportedModelError(model.path, f"{n_heads} heads do not divide width {dim}",
-                                        f"key {arch}.attention.head_count")
-        n_kv_heads = int(key("attention.head_count_kv", int, n_heads))
-        if n_kv_heads <= 0 or n_heads % n_kv_heads:
-            raise UnsupportedModelError(model.path, f"{n_kv_heads} KV heads do not divide {n_heads} heads",
-                                        f"key {arch}.attention.head_count_kv")
-        head_dim = int(key("attention.key_length", int, dim // n_heads))
-        scaling = str(key("rope.scaling.type", str, "none"))
-        if scaling not in ("none", "linear"):
-            raise UnsupportedModelError(model.path, f"rope scaling '{scaling}' is not supported",
-                                        f"key {arch}.rope.scaling.type")
-        embd = model.tensor("token_embd.weight")
-        return cls(
-            arch=arch,
-            n_layers=int(key("block_count", int)),
-            dim=dim,
-            ffn_dim=int(key("feed_forward_length", int)),
-            n_heads=n_heads,
-            n_kv_heads=n_kv_heads,
-            head_dim=head_dim,
-            vocab_size=int(embd.shape[0]),
-            context_length=int(key("context_length", int)),
-            norm_eps=float(key("attention.layer_norm_rms_epsilon", float)),
-            rope_base=float(key("rope.freq_base", float, 10000.0)),
-            rope_dim=int(key("rope.dimension_count", int, head_dim)),
-            rope_neox=NEOX_ROPE[arch],
-            rope_linear_scale=float(key("rope.scaling.factor", float, 1.0)) if scaling == "linear" else 1.0,
-        )
+from infer.arch import (  # noqa: F401 - ModelArgs re-exported: the model's description lives in infer.arch
+    OUTPUT_NORM,
+    TOKEN_EMBD,
+    ModelArgs,
+    check_model,
+    has_qkv_bias,
+    output_name,
+    rope_freq_factors,
+    tensor_name,
+)
+from infer.gguf_file import GGUFModel
 
 
 class Linear:
@@ -173,8 +104,9 @@ class WeightProvider(Protocol):
 
 
 class DequantizedWeights:
-    """Dequantizes each layer on first use and keeps it while the float32 total fits `budget_bytes`
-    (least recently used layers are dropped first; a dropped layer is dequantized again on use)."""
+    """The resident CPU weights: each layer dequantized on first use and kept while the float32
+    total fits `budget_bytes` (least recently used layers are dropped first; a dropped layer is
+    dequantized again on use). The file is assumed checked (infer.arch.check_model)."""
 
     def __init__(self, model: GGUFModel, args: ModelArgs, budget_bytes: int = 8 << 30,
                  match_llama_cpp: bool = True, exact: bool = False) -> None:
@@ -185,40 +117,6 @@ class DequantizedWeights:
         self.budget_bytes = budget_bytes
         self._cache: OrderedDict[object, Any] = OrderedDict()
         self._cached_bytes = 0
-        self._check_shapes()
-
-    def _tensor(self, name: str, shape: tuple[int, ...]) -> TensorInfo:
-        info = self.model.tensor(name)
-        if info.shape != shape:
-            raise UnsupportedModelError(self.model.path, f"shape {list(info.shape)} where {list(shape)} "
-                                        "was expected from the metadata", f"tensor {name}")
-        self.model.check_tensor_supported(info)
-        return info
-
-    def _check_shapes(self) -> None:
-        """Every tensor the forward pass will touch exists, has the shape the metadata implies and a
-        supported type, so a bad file fails at load with its name, not mid-generation."""
-        a = self.args
-        self._tensor("token_embd.weight", (a.vocab_size, a.dim))
-        self._tensor("output_norm.weight", (a.dim,))
-        if "output.weight" in self.model.tensors:
-            self._tensor("output.weight", (a.vocab_size, a.dim))
-        for i in range(a.n_layers):
-            for name, shape in self._layer_shapes(i).items():
-                if name.endswith(".bias") and name not in self.model.tensors:
-                    continue
-                self._tensor(name, shape)
-
-    def _layer_shapes(self, i: int) -> dict[str, tuple[int, ...]]:
-        a, p = self.args, f"blk.{i}."
-        return {
-            p + "attn_norm.weight": (a.dim,), p + "attn_q.weight": (a.q_dim, a.dim),
-            p + "attn_k.weight": (a.kv_dim, a.dim), p + "attn_v.weight": (a.kv_dim, a.dim),
-            p + "attn_q.bias": (a.q_dim,), p + "attn_k.bias": (a.kv_dim,), p + "attn_v.bias": (a.kv_dim,),
-            p + "attn_output.weight": (a.dim, a.q_dim), p + "ffn_norm.weight": (a.dim,),
-            p + "ffn_gate.weight": (a.ffn_dim, a.dim), p + "ffn_up.weight": (a.ffn_dim, a.dim),
-            p + "ffn_down.weight": (a.dim, a.ffn_dim),
-        }
 
     def _cached(self, key: object, build: Callable[[], Any]) -> Any:
         if key in self._cache:
@@ -246,21 +144,22 @@ class DequantizedWeights:
         return Linear(parts, self.exact)
 
     def _build_layer(self, i: int) -> LayerWeights:
-        p = f"blk.{i}."
-        biases = [p + f"attn_{x}.bias" for x in "qkv"]
-        has_bias = any(b in self.model.tensors for b in biases)
-        if has_bias:
+        def name(kind: str) -> str:
+            return tensor_name(i, kind)
+
+        bqkv = None
+        if has_qkv_bias(self.model, i):
             sizes = (self.args.q_dim, self.args.kv_dim, self.args.kv_dim)
-            bqkv = np.concatenate([self._f32(b) if b in self.model.tensors else np.zeros(n, np.float32)
-                                   for b, n in zip(biases, sizes, strict=True)])
+            bqkv = np.concatenate([self._f32(name(f"attn_{x}.bias")) if name(f"attn_{x}.bias") in self.model.tensors
+                                   else np.zeros(n, np.float32) for x, n in zip("qkv", sizes, strict=True)])
         return LayerWeights(
-            attn_norm=self._f32(p + "attn_norm.weight"),
-            qkv=self._linear(*(p + f"attn_{x}.weight" for x in "qkv")),
-            bqkv=bqkv if has_bias else None,
-            wo=self._linear(p + "attn_output.weight"),
-            ffn_norm=self._f32(p + "ffn_norm.weight"),
-            gate_up=self._linear(p + "ffn_gate.weight", p + "ffn_up.weight"),
-            down=self._linear(p + "ffn_down.weight"),
+            attn_norm=self._f32(name("attn_norm")),
+            qkv=self._linear(*(name(f"attn_{x}") for x in "qkv")),
+            bqkv=bqkv,
+            wo=self._linear(name("attn_output")),
+            ffn_norm=self._f32(name("ffn_norm")),
+            gate_up=self._linear(name("ffn_gate"), name("ffn_up")),
+            down=self._linear(name("ffn_down")),
         )
 
     def layer(self, index: int) -> LayerWeights:
@@ -274,22 +173,14 @@ class DequantizedWeights:
         self.output_norm()
 
     def embed(self, tokens: np.ndarray) -> np.ndarray:
-        info = self.model.tensor("token_embd.weight")
+        info = self.model.tensor(TOKEN_EMBD)
         return quants.dequantize_rows(info.data, info.ggml_type, self.args.dim, tokens)
 
     def output_norm(self) -> np.ndarray:
-        return self._cached("output_norm", lambda: self._f32("output_norm.weight"))  # type: ignore[return-value]
+        return self._cached("output_norm", lambda: self._f32(OUTPUT_NORM))  # type: ignore[return-value]
 
     def output(self) -> Linear:
-        # Without output.weight the output projection is tied to the token embeddings (SmolLM2).
-        name = "output.weight" if "output.weight" in self.model.tensors else "token_embd.weight"
-        return self._cached("output", lambda: self._linear(name))  # type: ignore[return-value]
-
-    def rope_freq_factors(self) -> np.ndarray | None:
-        """Per-pair divisors of the rotary frequencies (Llama 3.1 `rope_freqs.weight`), if present."""
-        if "rope_freqs.weight" not in self.model.tensors:
-            return None
-        return self._tensor("rope_freqs.weight", (self.args.rope_dim // 2,)).dequantize()
+        return self._cached("output", lambda: self._linear(output_name(self.model)))  # type: ignore[return-value]
 
 
 class KVCache:
@@ -359,9 +250,31 @@ class Rope:
         return out
 
 
+Batch = Sequence[tuple[np.ndarray, KVCache]]
+
+
+def check_batch(batch: Batch, vocab_size: int) -> list[int]:
+    """Token counts of a pass's sequences, after checking each has tokens that fit its cache and
+    lie in the vocabulary."""
+    sizes = []
+    for tokens, cache in batch:
+        n = len(tokens)
+        if n == 0:
+            raise ValueError("every sequence in a pass needs at least one token")
+        if cache.length + n > cache.max_tokens:
+            raise ValueError(f"context full: {cache.length} + {n} tokens exceed the context size {cache.max_tokens}")
+        if np.min(tokens) < 0 or np.max(tokens) >= vocab_size:
+            raise ValueError(f"token id outside the vocabulary of {vocab_size}")
+        sizes.append(n)
+    return sizes
+
+
 class Transformer:
-    """forward(tokens, start) runs tokens at positions start.. through all layers, extends the KV
-    cache and returns logits: (T, vocab) with all_logits, else (vocab,) of the last token."""
+    """The decoder on the CPU. forward_batch runs each (tokens, cache) pair at its cache's next
+    positions in ONE pass over the layers (each layer's weights fetched once for all rows; attention
+    per sequence over its own cache) and extends the caches; forward is a batch of one."""
+
+    device = "cpu"
 
     def __init__(self, args: ModelArgs, weights: WeightProvider, rope_freq_factors: np.ndarray | None = None,
                  exact: bool = False):
@@ -374,22 +287,30 @@ class Transformer:
         return KVCache(self.args, max_tokens)
 
     def forward(self, tokens: np.ndarray, cache: KVCache, all_logits: bool = False) -> np.ndarray:
-        tokens = np.asarray(tokens, dtype=np.int64)
-        start, n = cache.length, len(tokens)
-        if start + n > cache.max_tokens:
-            raise ValueError(f"context full: {start} + {n} tokens exceed the context size {cache.max_tokens}")
-        cos, sin = self.rope.angles(np.arange(start, start + n))
-        x = self.weights.embed(tokens)  # (T, dim)
-        for i in range(self.args.n_layers):
-            layer = self.weights.layer(i)
-            x = x + self._attention(self.norm(x, layer.attn_norm), layer, cache, i, start, cos, sin)
-            x = x + self._feed_forward(self.norm(x, layer.ffn_norm), layer)
-        cache.length = start + n
-        if not all_logits:
-            x = x[-1:]
-        logits = self.weights.output()(self.norm(x, self.weights.output_norm()))
-        return logits if all_logits else logits[0]
+        """Logits: (T, vocab) with all_logits, else (vocab,) of the last token."""
+        return self.forward_batch([(np.asarray(tokens, dtype=np.int64), cache)], all_logits)[0]
 
+    def forward_batch(self, batch: Batch, all_logits: bool = False) -> list[np.ndarray]:
+        """Per sequence the logits of its last token (vocab,) or of every token (T, vocab)."""
+        sizes = check_batch(batch, self.args.vocab_size)
+        bounds = np.cumsum([0, *sizes])
+        angles = [self.rope.angles(np.arange(c.length, c.length + n)) for (_, c), n in zip(batch, sizes, strict=True)]
+        x = self.weights.embed(np.concatenate([np.asarray(t, np.int64) for t, _ in batch]))  # (rows, dim)
+        for i in range(self.args.n_layers):
+            layer = self.weights.layer(i)  # fetched once for the whole batch
+            h = self.norm(x, layer.attn_norm)
+            for s, (_, cache) in enumerate(batch):
+                rows = slice(bounds[s], bounds[s + 1])
+                cos, sin = angles[s]
+                x[rows] += self._attention(h[rows], layer, cache, i, cache.length, cos, sin)
+            x = x + self._feed_forward(self.norm(x, layer.ffn_norm), layer)
+        for (_, cache), n in zip(batch, sizes, strict=True):
+            cache.length += n
+        picked = x if all_logits else x[bounds[1:] - 1]
+        logits = self.weights.output()(self.norm(picked, self.weights.output_norm()))
+        if all_logits:
+            return [logits[bounds[s]:bounds[s + 1]] for s in range(len(batch))]
+        return [logits[s] for s in range(len(batch))]
     def norm(self, x: np.ndarray, weight: np.ndarray) -> np.ndarray:
         return rms_norm(x, weight, self.args.norm_eps, self.exact)
 
@@ -429,7 +350,7 @@ class Transformer:
 
 def load_transformer(model: GGUFModel, budget_bytes: int = 8 << 30, match_llama_cpp: bool = True,
                      exact: bool = False) -> Transformer:
-    """ModelArgs, weights (checked for presence, shape and type) and the forward pass for a file."""
-    args = ModelArgs.from_gguf(model)
+    """The CPU forward pass for a checked file (every tensor present, with its shape and type)."""
+    args = check_model(model)
     weights = DequantizedWeights(model, args, budget_bytes, match_llama_cpp, exact)
-    return Transformer(args, weights, weights.rope_freq_factors(), exact)
+    return Transformer(args, weights, rope_freq_factors(model, args), exact)

@@ -9,8 +9,8 @@ paid once per step of the whole batch, which is where streaming wins (ANCHORS.md
     engine = StreamingEngine(transformer, ctx_size=2048)
     outputs = engine.generate([prompt_a, prompt_b], max_new_tokens=32, choose=greedy)
 
-Works with any WeightProvider: the resident CPU weights, the CPU streaming simulation, or (through
-`forward_batch` of a GPU model) the GPU pipeline.
+Works with any model (infer.engine.Model): the CPU Transformer or the GPU one, over resident or
+streamed weights.
 """
 
 from __future__ import annotations
@@ -18,12 +18,10 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 
-from infer.engine import Throughput
-from infer.model import KVCache, Transformer
+from infer.engine import Cache, Model, Throughput
 
 PREFILL_CHUNK = 512  # prompt rows per pass, shared by the sequences still in their prompt
 Chooser = Callable[[np.ndarray, list[int]], int]
@@ -39,41 +37,10 @@ class BatchStats(Throughput):
     bytes_moved: dict[str, int] = field(default_factory=dict)  # per tier label, whole run
 
 
-def forward_batch(model: Transformer, batch: Sequence[tuple[np.ndarray, KVCache]],
-                  all_logits: bool = False) -> list[np.ndarray]:
-    """Runs each (tokens, cache) pair at its cache's next positions in ONE pass over the layers;
-    returns per sequence the logits of its last token (vocab,) or of every token (T, vocab)."""
-    a = model.args
-    sizes = [len(tokens) for tokens, _ in batch]
-    for (_, cache), n in zip(batch, sizes, strict=True):
-        if n == 0:
-            raise ValueError("every sequence in a pass needs at least one token")
-        if cache.length + n > cache.max_tokens:
-            raise ValueError(f"context full: {cache.length} + {n} tokens exceed the context size {cache.max_tokens}")
-    bounds = np.cumsum([0, *sizes])
-    angles = [model.rope.angles(np.arange(c.length, c.length + n)) for (_, c), n in zip(batch, sizes, strict=True)]
-    x = model.weights.embed(np.concatenate([np.asarray(t, np.int64) for t, _ in batch]))  # (rows, dim)
-    for i in range(a.n_layers):
-        layer = model.weights.layer(i)  # fetched once for the whole batch
-        h = model.norm(x, layer.attn_norm)
-        for s, (_, cache) in enumerate(batch):
-            rows = slice(bounds[s], bounds[s + 1])
-            cos, sin = angles[s]
-            x[rows] += model._attention(h[rows], layer, cache, i, cache.length, cos, sin)
-        x = x + model._feed_forward(model.norm(x, layer.ffn_norm), layer)
-    for (_, cache), n in zip(batch, sizes, strict=True):
-        cache.length += n
-    picked = x if all_logits else x[bounds[1:] - 1]
-    logits = model.weights.output()(model.norm(picked, model.weights.output_norm()))
-    if all_logits:
-        return [logits[bounds[s]:bounds[s + 1]] for s in range(len(batch))]
-    return [logits[s] for s in range(len(batch))]
-
-
 class StreamingEngine:
-    """Many sequences on one Transformer; every pass serves all of them."""
+    """Many sequences on one model; every pass serves all of them."""
 
-    def __init__(self, model: Transformer | Any, ctx_size: int, prefill_chunk: int = PREFILL_CHUNK,
+    def __init__(self, model: Model, ctx_size: int, prefill_chunk: int = PREFILL_CHUNK,
                  bytes_moved: Callable[[], dict[str, int]] | None = None) -> None:
         if ctx_size <= 0:
             raise ValueError(f"context size must be positive, not {ctx_size}")
@@ -83,12 +50,10 @@ class StreamingEngine:
         self._bytes_moved = bytes_moved
         self.stats = BatchStats()
 
-    def _pass(self, batch: list[tuple[np.ndarray, KVCache]]) -> list[np.ndarray]:
-        """One pass: the model's own batched forward (the GPU streaming model) or the CPU one."""
-        own = getattr(self.model, "forward_batch", None)
-        return own(batch) if own is not None else forward_batch(self.model, batch)
+    def _pass(self, batch: list[tuple[np.ndarray, Cache]]) -> list[np.ndarray]:
+        return self.model.forward_batch(batch)
 
-    def prefill(self, prompts: Sequence[Sequence[int]]) -> tuple[list[KVCache], list[np.ndarray]]:
+    def prefill(self, prompts: Sequence[Sequence[int]]) -> tuple[list[Cache], list[np.ndarray]]:
         """New caches holding each prompt; the logits after each prompt's last token. The prompts
         share passes: each pass takes about `prefill_chunk` rows, split evenly between the
         sequences whose prompt is not finished (it bounds the activations a pass needs)."""

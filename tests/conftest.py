@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.fake_cupy import fake_cupy  # noqa: F401 - the NumPy stand-in for CuPy, a fixture for every test
+
 REPO = Path(__file__).resolve().parents[1]
 
 

@@ -11,6 +11,7 @@ launches that cycle through the matrices of several layers, so their weights are
 from __future__ import annotations
 
 import statistics
+import time
 from collections.abc import Callable
 
 import numpy as np
@@ -30,8 +31,17 @@ def _events_ms(stream, run: Callable[[], None], reps: int = 5) -> float:  # noqa
     return statistics.median(times)
 
 
-def copy_bandwidth(nbytes: int = 2 << 30) -> float:
-    """Device-to-device copy in GB/s, bytes read plus bytes written."""
+def copy_bandwidth(nbytes: int = 256 << 20) -> float:
+    """Device-to-device copy in GB/s, bytes read plus bytes written (256 MiB: several times the L2,
+    small enough for any VRAM budget; freed afterwards)."""
+    import cupy
+
+    ms = _copy_ms(nbytes)
+    cupy.get_default_memory_pool().free_all_blocks()
+    return 2 * nbytes / (ms * 1e-3) / 1e9
+
+
+def _copy_ms(nbytes: int) -> float:
     import cupy
 
     src = cupy.random.random(nbytes // 4, dtype=cupy.float32)
@@ -43,8 +53,7 @@ def copy_bandwidth(nbytes: int = 2 << 30) -> float:
         rt.memcpyAsync(dst.data.ptr, src.data.ptr, src.nbytes, rt.memcpyDeviceToDevice, stream.ptr)
 
     copy()
-    ms = _events_ms(stream, copy, reps=10)
-    return 2 * nbytes / (ms * 1e-3) / 1e9
+    return _events_ms(stream, copy, reps=10)
 
 
 def _graph(stream, launches: Callable[[], None]):  # noqa: ANN001, ANN202
@@ -158,8 +167,10 @@ def kernel_timings(gpu, n_layers_cycle: int = 8) -> list[dict[str, object]]:  # 
 
 
 def measure(gpu, pp: int = 512, tg: int = 128, with_kernels: bool = True) -> dict[str, object]:  # noqa: ANN001
-    """Prompt (pp tokens) and decode (tg tokens, CUDA graph) speed of a loaded GpuTransformer, the
-    copy bandwidth of this device, bytes per token, VRAM; per-kernel timings with `with_kernels`."""
+    """Prompt (pp tokens) and decode (tg tokens) speed of a loaded GpuTransformer (resident or
+    streamed weights), each warmed up first, against the copy bandwidth of this device; bytes per
+    token, VRAM; per-kernel timings with `with_kernels` (resident models). Decode runs the CUDA-graph
+    step on the device (sampling included), like llama-bench's tg from an empty context."""
     import cupy
 
     result: dict[str, object] = {"device": cupy.cuda.runtime.getDeviceProperties(0)["name"].decode()}
@@ -173,28 +184,24 @@ def measure(gpu, pp: int = 512, tg: int = 128, with_kernels: bool = True) -> dic
 
     def prefill() -> None:
         cache.length = 0
-        gpu.forward_device(prompt, cache)
+        gpu.forward(prompt, cache)
 
-    with stream:
-        prefill()  # warm-up: compiles, cuBLAS handles, scratch buffers
-        pp_ms = _events_ms(stream, prefill, reps=3)
+    prefill()  # warm-up: compiles, cuBLAS handles, scratch buffers, float16 copies
+    pp_s = min(_host_seconds(prefill) for _ in range(3))
     result["pp_tokens"] = pp
-    result["pp_tok_s"] = round(pp / (pp_ms * 1e-3), 1)
+    result["pp_tok_s"] = round(pp / pp_s, 1)
 
-    # decode: tg tokens from an empty cache, one graph replay per token; float GEMVs and, where the
-    # formats have them, integer (dp4a) GEMVs; the faster is reported as tg
+    # decode: tg tokens from an empty cache, one step per token on the device; float GEMVs and,
+    # where the formats have them, integer (dp4a) GEMVs; the faster is reported as tg
     def decode_ms(int8: bool) -> tuple[float, list[int]]:
         gpu.set_int8_dot(int8)
-        graph = gpu._decode_graph(cache, 0.0, 0)
 
         def decode() -> None:
-            cache.tok.set(np.array([int(prompt[0])], np.int32), stream=stream)
-            cache.pos.set(np.array([0], np.int32), stream=stream)
-            for _ in range(tg):
-                graph.launch(stream)
+            cache.length = 0
+            gpu.queue_steps(cache, int(prompt[0]), tg)
 
         with stream:
-            decode()
+            decode()  # warm-up: captures the graphs
             ms = _events_ms(stream, decode, reps=3)
         tokens = cupy.asnumpy(cache.tokens[1 : tg + 1], stream=stream).tolist()
         return ms, tokens
@@ -221,11 +228,21 @@ def measure(gpu, pp: int = 512, tg: int = 128, with_kernels: bool = True) -> dic
     free, total = cupy.cuda.runtime.memGetInfo()
     result["vram_used_bytes"] = int(total - free)
     result["vram_pool_bytes"] = int(cupy.get_default_memory_pool().total_bytes())
-    if with_kernels:
+    if gpu.account is not None:
+        result["vram_budget_bytes"] = gpu.account.budget
+        result["vram_budget_source"] = gpu.account.source
+        result["vram_plan"] = {**gpu.account.planned, **gpu.account.reserved}
+    if with_kernels and all(gpu.weights.is_resident(i) for i in range(a.n_layers)):
         rows = kernel_timings(gpu)
         result["kernels"] = rows
         result["kernel_sum_us"] = round(sum(r["us"] * r["per_token"] for r in rows), 1)  # type: ignore[operator]
     return result
+
+
+def _host_seconds(run: Callable[[], None]) -> float:
+    began = time.perf_counter()
+    run()  # returns with the logits on the host: the device work is done
+    return time.perf_counter() - began
 
 
 def render(result: dict[str, object]) -> str:
@@ -237,7 +254,10 @@ def render(result: dict[str, object]) -> str:
              f"  weights read per token: {result['vram_bytes_per_token'] / 1e9:.2f} GB (GGUF "  # type: ignore[operator]
              f"{result['gguf_bytes_per_token'] / 1e9:.2f} GB) -> {result['achieved_GBps']} GB/s = "  # type: ignore[operator]
              f"{result['fraction_of_copy']:.0%} of the {result['copy_GBps']} GB/s copy",
-             f"  VRAM used {result['vram_used_bytes'] / 2**30:.1f} GiB"  # type: ignore[operator]
+             f"  VRAM used {result['vram_used_bytes'] / 2**30:.2f} GiB"  # type: ignore[operator]
+             + (f", peak {result['peak_vram_bytes'] / 2**30:.2f} GiB" if "peak_vram_bytes" in result else "")  # type: ignore[operator]
+             + (f" of the {result['vram_budget_bytes'] / 2**30:.2f} GiB budget ({result['vram_budget_source']})"  # type: ignore[operator]
+                if "vram_budget_bytes" in result else "")
              + (f", load {result['load_seconds']} s" if "load_seconds" in result else "")]
     for row in result.get("kernels", []):  # type: ignore[union-attr]
         bw = f"{row['GBps']} GB/s" if row["GBps"] else ""

@@ -1,31 +1,37 @@
 """The Llama/Qwen2 forward pass on the GPU: the same function as infer.model.Transformer (same
-ModelArgs, rotary tables from the same infer.model.Rope, float16 KV cache, and by default the
-inputs of every matrix product rounded as llama.cpp's CPU rounds them), with weights resident in VRAM
-in their planar quantized formats.
+ModelArgs, rotary tables from the same infer.model.Rope, float16 KV cache, and by default the inputs
+of every matrix product rounded as llama.cpp's CPU rounds them), over weights from a provider
+(infer.gpu.weights): all resident in VRAM, or streamed through the 3-tier pipeline.
 
-- decode (one token): quantized GEMVs and fused kernels, all buffers preallocated, token and position
-  read from device memory, so the whole step (sampling included) is captured once as a CUDA graph
-  and replayed; only token ids come back to the host.
-- prefill (many tokens): per layer, each matrix is dequantized to float16 and multiplied with cuBLAS
-  (float32 accumulation and result); prompts run in chunks of `prefill_chunk` tokens.
+- one row (a sequence's next token): quantized GEMVs (integer dp4a kernels on 8-bit activations
+  where the format has one) and fused kernels summing in double, all buffers preallocated, token and
+  position read from device memory. Runs of resident layers, with the embedding and the output head
+  and sampling, are captured once as CUDA graphs and replayed; streamed layers run between them.
+  Only token ids come back to the host when generating.
+- many rows (a prompt chunk, or one token of each of many sequences): each matrix as float16 (a kept
+  copy when the VRAM budget has room for it, else dequantized into a scratch) multiplied with cuBLAS
+  (float32 accumulation); attention per sequence over its own cache.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import cupy
 import numpy as np
 
-from infer.gguf_file import GGUFModel
-from infer.gpu import kernels, ops
+from infer.arch import ModelArgs
+from infer.gpu import ops
+from infer.gpu.attention import rows_attention
 from infer.gpu.ops import GpuMatrix
-from infer.gpu.weights import GpuWeights
-from infer.model import ModelArgs, Rope
+from infer.gpu.weights import GpuLayer, GpuWeightSource
+from infer.model import Rope, check_batch
+from infer.tiers.budget import LOGITS_ROWS, VramAccount
 
-ATTN_CHUNK = kernels.DEFAULT_DEFINES["ATTN_CHUNK"]  # cache positions per decode-attention split
 F32, F16 = cupy.float32, cupy.float16
+HEAD = -1  # segment item: the output norm and head (and sampling); EMBED: the token embedding
+EMBED = -2
 
 
 @dataclass
@@ -43,31 +49,71 @@ class GpuKVCache:
     part_o: cupy.ndarray
     part_ml: cupy.ndarray
     length: int = 0
-    graphs: dict[tuple[float, int, bool], object] = field(default_factory=dict)
+    graphs: dict[tuple, object] = field(default_factory=dict)
+
+
+class HalfCopies:
+    """float16 copies of resident matrices for cuBLAS, made at first use while their bytes fit
+    `allowance` (the VRAM budget's room; None or 0: none); a matrix without a copy is dequantized
+    into one scratch each time it is used (streamed matrices always are)."""
+
+    def __init__(self, allowance: int | None) -> None:
+        self.allowance = allowance
+        self.kept_bytes = 0
+        self._copies: dict[int, tuple[GpuMatrix, cupy.ndarray]] = {}  # the matrix is held: ids stay unique
+        self._scratch: cupy.ndarray | None = None
+
+    def get(self, m: GpuMatrix, scratch_elems: int) -> cupy.ndarray:
+        half = m.as_half()
+        if half is not None:
+            return half
+        kept = self._copies.get(id(m))
+        if kept is not None:
+            return kept[1]
+        n = m.rows * m.cols
+        if not m.streamed and self.allowance and self.kept_bytes + 2 * n <= self.allowance:
+            copy = cupy.empty(n, F16)
+            ops.dequantize(m, copy)
+            self._copies[id(m)] = (m, copy.reshape(m.rows, m.cols))
+            self.kept_bytes += 2 * n
+            return self._copies[id(m)][1]
+        if self._scratch is None:
+            self._scratch = cupy.empty(max(n, scratch_elems), F16)
+        out = self._scratch[:n]
+        ops.dequantize(m, out)
+        return out.reshape(m.rows, m.cols)
 
 
 class GpuTransformer:
-    """Same calls as infer.model.Transformer: new_cache(max_tokens), forward(tokens, cache, all_logits)
-    -> NumPy logits; plus generate() that decodes with a CUDA graph."""
+    """new_cache(max_tokens), forward(tokens, cache, all_logits) and forward_batch(batch) -> NumPy
+    logits, as infer.model.Transformer; generate_iter decodes greedily (or sampling on the device)
+    with CUDA graphs."""
 
-    def __init__(self, model: GGUFModel, args: ModelArgs, rope_freq_factors: np.ndarray | None = None,
-                 prefill_chunk: int = 512, match_llama_cpp: bool = True, int8_dot: bool = True) -> None:
+    device = "gpu"
+
+    def __init__(self, args: ModelArgs, weights: GpuWeightSource, rope_freq_factors: np.ndarray | None,
+                 max_context: int, prefill_chunk: int = 512, int8_dot: bool = True,
+                 half_copies: int | None = None) -> None:
         self.args = args
+        self.weights = weights
         # decode GEMVs on the 8-bit form of q8_0/q8_k activations (dp4a integer dot products) where
-        # the weight format has such a kernel; same numbers up to float32 summation order. The float
-        # kernels read x as float32, each lane its own 128-byte piece: 32 L1 wavefronts per load
-        # instruction, which bounded them to ~0.5-0.8 TB/s on the H200 (run 1); int8 x is 4x smaller.
+        # the weight format has such a kernel; the same numbers (both sum in double). The float
+        # kernels read x as float32, 4x the bytes (docs/GPU.md).
         self.int8_dot = int8_dot
         self.prefill_chunk = prefill_chunk
-        # prompts up to this many tokens run through the decode kernels (no weight dequantization,
-        # float32 products): cheaper for a few tokens, and the CPU's exact numerics where a test needs them
+        # prompts up to this many tokens run through the decode kernels (no dequantization, exact
+        # sums): cheaper for a few tokens, and the CPU's exact numerics where a test needs them
         self.gemv_prefill_max = 4
+        self.max_context = max_context
         self.rope = Rope(args, rope_freq_factors)
+        self.half = HalfCopies(half_copies)
+        self.account: VramAccount | None = None  # the VRAM budget it was planned in, when loaded with one
         self.stream = cupy.cuda.Stream(non_blocking=True)
+        self._segments = self._plan_segments()
         a = args
+        cos, sin = self.rope.angles(np.arange(max_context))
         with self.stream:
-            self.w = GpuWeights(model, args, match_llama_cpp)
-            self.layers, self.token_embd, self.output = self.w.layers, self.w.token_embd, self.w.output
+            self._rope_tables = (cupy.asarray(cos.astype(np.float32)), cupy.asarray(sin.astype(np.float32)))
             # decode activations (one token)
             self.h = cupy.zeros(a.dim, F32)
             self.qkv = cupy.zeros(a.q_dim + 2 * a.kv_dim, F32)
@@ -82,11 +128,20 @@ class GpuTransformer:
             self._act: dict[tuple[str, str], cupy.ndarray] = {}  # (input, activation format) -> buffer
             self._act8: dict[tuple[str, str], ops.Int8Act] = {}  # the same inputs' 8-bit forms
             self._plan_act_buffers()
-            self._scratch16: cupy.ndarray | None = None
-            self._keep16: bool | None = None  # keep float16 copies of the weights for prompts (decided once)
-            self._copies16: dict[int, cupy.ndarray] = {}
-            self._rope_tables = (cupy.zeros((0, self.rope.n_pairs), F32),) * 2
         self.stream.synchronize()
+
+    @property
+    def token_embd(self) -> GpuMatrix:
+        return self.weights.token_embd
+
+    @property
+    def output(self) -> GpuMatrix:
+        return self.weights.output
+
+    @property
+    def layers(self) -> list[GpuLayer]:
+        """The resident layers (kernel timings and tests); streamed layers exist one at a time."""
+        return [self.weights.layer(i) for i in range(self.args.n_layers) if self.weights.is_resident(i)]
 
     def set_int8_dot(self, enabled: bool) -> None:
         """Switches the decode GEMVs between the float and the integer (dp4a) kernels."""
@@ -104,24 +159,20 @@ class GpuTransformer:
 
     def weight_bytes_per_token(self) -> int:
         """Bytes of weights one decode step reads from VRAM (all layer matrices and the output)."""
-        return self.w.bytes_per_token()[0]
+        return self.weights.bytes_per_token()[0]
 
     def source_bytes_per_token(self) -> int:
         """The same in GGUF bytes (what llama.cpp reads per token)."""
-        return self.w.bytes_per_token()[1]
+        return self.weights.bytes_per_token()[1]
 
     # ------------------------------------------------------------------ cache
-    def _ensure_rope(self, n: int) -> None:
-        if self._rope_tables[0].shape[0] >= n:
-            return
-        cos, sin = self.rope.angles(np.arange(n))
-        self._rope_tables = (cupy.asarray(cos.astype(np.float32)), cupy.asarray(sin.astype(np.float32)))
-
     def new_cache(self, max_tokens: int) -> GpuKVCache:
         a = self.args
+        if max_tokens > self.max_context:
+            raise ValueError(f"a cache of {max_tokens} positions exceeds the model's context of {self.max_context} "
+                             "(raise -c/--ctx-size)")
         n_splits = ops.attention_splits(max_tokens)
         with self.stream:
-            self._ensure_rope(max_tokens)
             shape = (a.n_layers, a.n_kv_heads, max_tokens, a.head_dim)
             scores, part_o, part_ml = ops.attention_work(a.n_heads, a.head_dim, max_tokens)
             cache = GpuKVCache(
@@ -135,13 +186,14 @@ class GpuTransformer:
     # ------------------------------------------------------------------ activation rounding (decode)
     def _plan_act_buffers(self) -> None:
         """Allocates now every rounded-input buffer the decode step uses (none may be allocated
-        while a CUDA graph is being captured)."""
+        while a CUDA graph is being captured), from the formats of every layer."""
         a = self.args
-        for L in self.layers:
-            self._norm_buffers("attn", [m.act for m, _ in L.qkv], a.dim)
-            self._norm_buffers("ffn", [L.w_gate.act, L.w_up.act], a.dim)
-            self._act_buffer("ff", L.w_down.act, a.ffn_dim)
-            self._act_buffer("att", L.wo.act, a.q_dim)  # only its 8-bit form is used (att holds the floats)
+        for i in range(a.n_layers):
+            f = self.weights.formats(i)
+            self._norm_buffers("attn", [f[k].act for k in ("attn_q", "attn_k", "attn_v")], a.dim)
+            self._norm_buffers("ffn", [f["ffn_gate"].act, f["ffn_up"].act], a.dim)
+            self._act_buffer("ff", f["ffn_down"].act, a.ffn_dim)
+            self._act_buffer("att", f["attn_output"].act, a.q_dim)  # only its 8-bit form is used
         self._norm_buffers("out", [self.output.act], a.dim)
 
     def _act_buffer(self, key: str, act: str, n: int) -> cupy.ndarray:
@@ -188,102 +240,126 @@ class GpuTransformer:
         else:
             ops.gemv(m, x, y, bias=bias, residual=residual)
 
-    # ------------------------------------------------------------------ decode (one token)
-    def _decode_launches(self, cache: GpuKVCache, mark: Callable[[str], None] | None = None) -> None:
-        """Kernels of one decode step: token cache.tok at position cache.pos -> self.logits."""
-        a, done = self.args, mark or (lambda _name: None)
+    # ------------------------------------------------------------------ one row (decode)
+    def _decode_layer(self, i: int, L: GpuLayer, cache: GpuKVCache, mark: Callable[[str], None] | None = None) -> None:
+        """The kernels of layer i for token cache.tok at position cache.pos: self.h in place.
+        `mark(stage)` after each stage (tests inspect the buffers there; eager runs only)."""
+        a, done = self.args, mark or (lambda _stage: None)
         cos, sin = self._rope_tables
-        ops.embed(self.token_embd, cache.tok, 1, self.h)
-        done("embed")
-        for i, L in enumerate(self.layers):
-            xs = self._normed(self.h, L.attn_norm, "attn", [m.act for m, _ in L.qkv])
-            done("rmsnorm")
-            for m, row in L.qkv:
-                self._gemv(m, "attn", xs[m.act], self.qkv[row : row + m.rows],
-                           bias=None if L.bqkv is None else L.bqkv[row : row + m.rows])
-            done("gemv_qkv")
-            # rotary embedding and the KV store happen inside the attention kernels
-            ops.attention_decode(self.q, cache.keys[i], cache.values[i], cache.pos, a.n_heads, a.n_kv_heads,
-                                 a.head_dim, cache.max_tokens, cache.n_splits, cache.scores, cache.part_o, cache.part_ml,
-                                 self.att, act=L.wo.act,  # the output is wo's rounded input
-                                 rope=(self.k, self.v, cos, sin, self.rope.n_pairs, a.rope_neox),
-                                 int8=self._int8("att", L.wo.act) if L.wo.fmt in ops.INT8_FORMATS else None)
-            done("attention")
-            self._gemv(L.wo, "att", self.att, self.h, residual=self.h)
-            done("gemv_o")
-            xs = self._normed(self.h, L.ffn_norm, "ffn", [L.w_gate.act, L.w_up.act])
-            done("rmsnorm")
-            if L.w_gate.fmt == L.w_up.fmt and L.w_gate.act == L.w_up.act:
-                int8 = self._int8("ffn", L.w_gate.act) if L.w_gate.fmt in ops.INT8_FORMATS else None
-                if int8 is not None:
-                    ops.gemv8_swiglu(L.w_gate, L.w_up, int8, self.ff)
-                else:
-                    ops.gemv_swiglu(L.w_gate, L.w_up, xs[L.w_gate.act], self.ff)
+        xs = self._normed(self.h, L.attn_norm, "attn", [m.act for m, _ in L.qkv])
+        done("rmsnorm")
+        for m, row in L.qkv:
+            self._gemv(m, "attn", xs[m.act], self.qkv[row : row + m.rows],
+                       bias=None if L.bqkv is None else L.bqkv[row : row + m.rows])
+        done("gemv_qkv")
+        # rotary embedding and the KV store happen inside the attention kernels
+        ops.attention_decode(self.q, cache.keys[i], cache.values[i], cache.pos, a.n_heads, a.n_kv_heads,
+                             a.head_dim, cache.max_tokens, cache.n_splits, cache.scores, cache.part_o, cache.part_ml,
+                             self.att, act=L.wo.act,  # the output is wo's rounded input
+                             rope=(self.k, self.v, cos, sin, self.rope.n_pairs, a.rope_neox),
+                             int8=self._int8("att", L.wo.act) if L.wo.fmt in ops.INT8_FORMATS else None)
+        done("attention")
+        self._gemv(L.wo, "att", self.att, self.h, residual=self.h)
+        done("gemv_o")
+        xs = self._normed(self.h, L.ffn_norm, "ffn", [L.w_gate.act, L.w_up.act])
+        done("rmsnorm")
+        if L.w_gate.fmt == L.w_up.fmt and L.w_gate.act == L.w_up.act:
+            int8 = self._int8("ffn", L.w_gate.act) if L.w_gate.fmt in ops.INT8_FORMATS else None
+            if int8 is not None:
+                ops.gemv8_swiglu(L.w_gate, L.w_up, int8, self.ff)
             else:
-                self._gemv(L.w_gate, "ffn", xs[L.w_gate.act], self.gate)
-                self._gemv(L.w_up, "ffn", xs[L.w_up.act], self.up)
-                ops.swiglu(self.gate, self.up, self.ff, a.ffn_dim)
-            done("gemv_gate_up")
-            self._gemv(L.w_down, "ff", self._rounded(self.ff, "ff", L.w_down.act), self.h, residual=self.h)
-            done("gemv_down")
-        xs = self._normed(self.h, self.w.output_norm, "out", [self.output.act])
+                ops.gemv_swiglu(L.w_gate, L.w_up, xs[L.w_gate.act], self.ff)
+        else:
+            self._gemv(L.w_gate, "ffn", xs[L.w_gate.act], self.gate)
+            self._gemv(L.w_up, "ffn", xs[L.w_up.act], self.up)
+            ops.swiglu(self.gate, self.up, self.ff, a.ffn_dim)
+        done("gemv_gate_up")
+        self._gemv(L.w_down, "ff", self._rounded(self.ff, "ff", L.w_down.act), self.h, residual=self.h)
+        done("gemv_down")
+
+    def _head(self) -> None:
+        xs = self._normed(self.h, self.weights.output_norm, "out", [self.output.act])
         self._gemv(self.output, "out", xs[self.output.act], self.logits)
-        done("output")
+
+    def _plan_segments(self) -> list[tuple[bool, list[int]]]:
+        """The decode step as (capturable, items): runs of the embedding, resident layers and the
+        head, which replay as CUDA graphs, and single streamed layers run as they arrive."""
+        items = [EMBED, *range(self.args.n_layers), HEAD]
+        segments: list[tuple[bool, list[int]]] = []
+        for item in items:
+            resident = item < 0 or self.weights.is_resident(item)
+            if resident and segments and segments[-1][0]:
+                segments[-1][1].append(item)
+            else:
+                segments.append((resident, [item]))
+        return segments
+
+    def _launch_items(self, items: list[int], cache: GpuKVCache, sample: tuple[float, int] | None,
+                      mark: Callable[[str], None] | None = None) -> None:
+        for item in items:
+            if item == EMBED:
+                ops.embed(self.token_embd, cache.tok, 1, self.h)
+            elif item == HEAD:
+                self._head()
+                if mark:
+                    mark("output")
+                if sample is not None:
+                    ops.sample_token(self.logits, self.args.vocab_size, sample[0], sample[1], cache.tok, cache.pos,
+                                     cache.tokens)
+            else:
+                self._decode_layer(item, self.weights.layer(item), cache, mark)
+
+    def _decode_launches(self, cache: GpuKVCache, mark: Callable[[str], None] | None = None) -> None:
+        """One decode step launched eagerly (no graph), `mark(stage)` after each stage."""
+        self._launch_items([item for _, items in self._segments for item in items], cache, None, mark)
+
+    def _decode_step(self, cache: GpuKVCache, sample: tuple[float, int] | None = None) -> None:
+        """One token through every layer on self.stream (queued, not waited for): token cache.tok at
+        position cache.pos -> self.logits; with `sample` (temperature, seed) the next token is drawn
+        into cache.tok and cache.tokens and cache.pos advances (all on the device)."""
+        last = len(self._segments) - 1
+        for s, (capturable, items) in enumerate(self._segments):
+            step_sample = sample if s == last else None
+            if not capturable:
+                self._launch_items(items, cache, None)
+                continue
+            key = (s, self.int8_dot, step_sample)
+            graph = cache.graphs.get(key)
+            if graph is None:
+                self.stream.begin_capture()
+                try:
+                    self._launch_items(items, cache, step_sample)
+                finally:
+                    graph = self.stream.end_capture()
+                cache.graphs[key] = graph
+            graph.launch(self.stream)  # type: ignore[attr-defined]
+
+    def queue_steps(self, cache: GpuKVCache, token: int, n: int, temperature: float = 0.0, seed: int = 0) -> None:
+        """Queues n decode steps from `token` at position cache.length, each sampling the next token on
+        the device (cache.tokens[p + 1] for the step at position p); nothing is waited for and
+        cache.length is not advanced (the caller reads cache.tokens)."""
+        with self.stream:
+            self._set_position(cache, token, cache.length)
+            for _ in range(n):
+                self._decode_step(cache, (float(temperature), int(seed)))
 
     def _set_position(self, cache: GpuKVCache, token: int, position: int) -> None:
         cache.tok.set(np.array([token], np.int32), stream=self.stream)
         cache.pos.set(np.array([position], np.int32), stream=self.stream)
 
-    def _decode_graph(self, cache: GpuKVCache, temperature: float, seed: int) -> object:
-        key = (float(temperature), int(seed), self.int8_dot)
-        if key not in cache.graphs:
-            with self.stream:
-                self.stream.begin_capture()
-                try:
-                    self._decode_launches(cache)
-                    ops.sample_token(self.logits, self.args.vocab_size, temperature, seed, cache.tok, cache.pos,
-                                     cache.tokens)
-                finally:
-                    graph = self.stream.end_capture()
-            cache.graphs[key] = graph
-        return cache.graphs[key]
+    # ------------------------------------------------------------------ many rows
+    def _mm(self, x16: cupy.ndarray, w16: cupy.ndarray, out: cupy.ndarray | None = None,
+            accumulate: bool = False) -> cupy.ndarray:
+        """(R, cols) float16 @ W16.T -> (R, rows) float32, into `out` (added to it with accumulate)."""
+        target = cupy.empty((x16.shape[0], w16.shape[0]), F32) if out is None else out
+        ops.matmul_f16(x16, w16, target, accumulate=accumulate)
+        return target
 
-    # ------------------------------------------------------------------ prefill (many tokens)
-    def _half_weights(self, m: GpuMatrix) -> cupy.ndarray:
-        """The matrix as float16 (rows, cols) for cuBLAS: its own data (F16), a kept copy (when all
-        layers' float16 copies fit in a third of the free VRAM: dequantized once, at the first
-        prompt), or a scratch buffer dequantized now."""
-        half = m.as_half()
-        if half is not None:
-            return half
-        if self._keep16 is None:
-            total = sum(2 * x.rows * x.cols for layer in self.layers for x in layer.matrices())
-            self._keep16 = total < cupy.cuda.runtime.memGetInfo()[0] // 3
-        if self._keep16:
-            if id(m) not in self._copies16:
-                copy = cupy.empty(m.rows * m.cols, F16)
-                ops.dequantize(m, copy)
-                self._copies16[id(m)] = copy.reshape(m.rows, m.cols)
-            return self._copies16[id(m)]
-        n = m.rows * m.cols
-        if self._scratch16 is None or self._scratch16.size < n:
-            biggest = max(x.rows * x.cols for layer in self.layers for x in layer.matrices())
-            self._scratch16 = cupy.empty(max(n, biggest), F16)
-        out = self._scratch16[:n]
-        ops.dequantize(m, out)
-        return out.reshape(m.rows, m.cols)
-
-    def _mm(self, x16: cupy.ndarray, m: GpuMatrix, out: cupy.ndarray | None = None) -> cupy.ndarray:
-        """(T, cols) float16 @ W.T -> (T, rows) float32; with `out`, added into it."""
-        if out is None:
-            result = cupy.empty((x16.shape[0], m.rows), F32)
-            ops.matmul_f16(x16, self._half_weights(m), result)
-            return result
-        ops.matmul_f16(x16, self._half_weights(m), out, accumulate=True)
-        return out
+    def _half(self, m: GpuMatrix) -> cupy.ndarray:
+        return self.half.get(m, self.args.largest_matrix)
 
     def _normed16(self, h: cupy.ndarray, weight: cupy.ndarray, acts: list[str]) -> dict[str, cupy.ndarray]:
-        """Per row RMSNorm(h) * weight, rounded to each activation format, as float16 (T, dim)."""
+        """Per row RMSNorm(h) * weight, rounded to each activation format, as float16 (R, dim)."""
         a, n, unique = self.args, h.shape[0], sorted(set(acts))
         base = cupy.empty((n, a.dim), F32)
         if len(unique) == 1:
@@ -295,99 +371,133 @@ class GpuTransformer:
 
     @staticmethod
     def _rounded16(x: cupy.ndarray, act: str) -> cupy.ndarray:
-        """(T, n) float32 -> rounded to `act`, as float16."""
+        """(R, n) float32 -> rounded to `act`, as float16."""
         y16 = cupy.empty(x.shape, F16)
         ops.round_act(x, cupy.empty_like(x), x.shape[0], x.shape[1], act, y16=y16)
         return y16
 
-    def _prefill_chunk(self, ids: np.ndarray, cache: GpuKVCache, all_logits: bool) -> cupy.ndarray:
-        a, n, start = self.args, len(ids), cache.length
-        cos, sin = self._rope_tables
-        ids_d = cupy.asarray(ids.astype(np.int32))
-        pos_d = cupy.arange(start, start + n, dtype=cupy.int32)
-        h = cupy.empty((n, a.dim), F32)
-        ops.embed(self.token_embd, ids_d, n, h)
-        group, end = a.n_heads // a.n_kv_heads, start + n
-        future = cupy.arange(end)[None, :] > cupy.arange(start, end)[:, None]  # (T, S)
-        for i, L in enumerate(self.layers):
-            xs = self._normed16(h, L.attn_norm, [m.act for m, _ in L.qkv])
-            parts = [self._mm(xs[m.act], m) for m, _ in L.qkv]
-            qkv = parts[0] if len(parts) == 1 else cupy.concatenate(parts, axis=1)  # (T, q_dim + 2 kv_dim)
+    def _qkv_rows(self, L: GpuLayer, xs16: dict[str, cupy.ndarray]) -> list[cupy.ndarray]:
+        """Q, K and V of every row, each its own (R, n) float32 product. A stacked matrix is
+        multiplied part by part, so a resident and a streamed layer run the same cuBLAS shapes."""
+        a, rows = self.args, next(iter(xs16.values())).shape[0]
+        outs = []
+        halves: dict[int, cupy.ndarray] = {}
+        for start, n in ((0, a.q_dim), (a.q_dim, a.kv_dim), (a.q_dim + a.kv_dim, a.kv_dim)):
+            m, row0 = next((m, r) for m, r in L.qkv if r <= start < r + m.rows)
+            if id(m) not in halves:
+                halves[id(m)] = self._half(m)
+            out = self._mm(xs16[m.act], halves[id(m)][start - row0 : start - row0 + n], cupy.empty((rows, n), F32))
             if L.bqkv is not None:
-                qkv += L.bqkv
-            q = cupy.ascontiguousarray(qkv[:, : a.q_dim])
-            k = cupy.ascontiguousarray(qkv[:, a.q_dim : a.q_dim + a.kv_dim])
-            v = cupy.ascontiguousarray(qkv[:, a.q_dim + a.kv_dim :])
-            ops.rope_store(q, k, v, cos, sin, pos_d, n, a.n_heads, a.n_kv_heads, a.head_dim, self.rope.n_pairs,
-                           a.rope_neox, cache.keys[i], cache.values[i], cache.max_tokens)
-            keys = cache.keys[i, :, :end].astype(F32)  # (kv, S, hd)
-            values = cache.values[i, :, :end].astype(F32)
-            qg = q.astype(F16).astype(F32).reshape(n, a.n_kv_heads, group, a.head_dim)
-            qg = qg.transpose(1, 2, 0, 3).reshape(a.n_kv_heads, group * n, a.head_dim)
-            scores = cupy.matmul(qg, keys.transpose(0, 2, 1)) * np.float32(1.0 / np.sqrt(a.head_dim))
-            scores = cupy.where(future, np.float32(-np.inf), scores.reshape(a.n_kv_heads, group, n, end))
-            scores -= scores.max(axis=-1, keepdims=True)
-            probs = cupy.exp(scores)
-            probs /= probs.sum(axis=-1, keepdims=True)
-            probs = probs.astype(F16).astype(F32)  # as the CPU engine (llama.cpp) rounds them
-            out = cupy.matmul(probs.reshape(a.n_kv_heads, group * n, end), values)  # (kv, g*T, hd)
-            out = out.reshape(a.n_kv_heads, group, n, a.head_dim).transpose(2, 0, 1, 3).reshape(n, a.q_dim)
-            self._mm(self._rounded16(cupy.ascontiguousarray(out), L.wo.act), L.wo, out=h)
-            xs = self._normed16(h, L.ffn_norm, [L.w_gate.act, L.w_up.act])
-            g, u = self._mm(xs[L.w_gate.act], L.w_gate), self._mm(xs[L.w_up.act], L.w_up)
-            ops.swiglu(g, u, g, g.size)  # in place: one kernel instead of a chain of elementwise ones
-            self._mm(self._rounded16(g, L.w_down.act), L.w_down, out=h)
-        cache.length = end
-        rows = range(n) if all_logits else [n - 1]
-        logits = cupy.empty((len(rows), a.vocab_size), F32)
-        for j, t in enumerate(rows):
-            xs = self._normed(h[t], self.w.output_norm, "out", [self.output.act])
-            ops.gemv(self.output, xs[self.output.act], logits[j])
-        return logits
+                out += L.bqkv[start : start + n]
+            outs.append(out)
+        return outs
+
+    def _rows_layer(self, i: int, L: GpuLayer, x: cupy.ndarray, batch: Sequence[tuple[np.ndarray, GpuKVCache]],
+                    bounds: list[int], positions: list[cupy.ndarray]) -> None:
+        a = self.args
+        xs16 = self._normed16(x, L.attn_norm, [m.act for m, _ in L.qkv])
+        q, k, v = self._qkv_rows(L, xs16)
+        del xs16
+        att = cupy.empty((x.shape[0], a.q_dim), F32)
+        cos, sin = self._rope_tables
+        for s, (_, cache) in enumerate(batch):
+            r0, r1 = bounds[s], bounds[s + 1]
+            n, start = r1 - r0, cache.length
+            ops.rope_store(q[r0:r1], k[r0:r1], v[r0:r1], cos, sin, positions[s], n, a.n_heads, a.n_kv_heads,
+                           a.head_dim, self.rope.n_pairs, a.rope_neox, cache.keys[i], cache.values[i],
+                           cache.max_tokens)
+            if n == 1:  # one new token of this sequence: the decode kernels
+                ops.attention_decode(q[r0], cache.keys[i], cache.values[i], positions[s], a.n_heads, a.n_kv_heads,
+                                     a.head_dim, cache.max_tokens, cache.n_splits, cache.scores, cache.part_o,
+                                     cache.part_ml, att[r0])
+            else:
+                rows_attention(q[r0:r1], cache.keys[i], cache.values[i], start + n, a.n_kv_heads, a.head_dim,
+                               att[r0:r1], start=start)
+        del q, k, v
+        self._mm(self._rounded16(att, L.wo.act), self._half(L.wo), out=x, accumulate=True)
+        del att
+        xs16 = self._normed16(x, L.ffn_norm, [L.w_gate.act, L.w_up.act])
+        g = self._mm(xs16[L.w_gate.act], self._half(L.w_gate))
+        u = self._mm(xs16[L.w_up.act], self._half(L.w_up))
+        del xs16
+        ops.swiglu(g, u, g, g.size)  # in place, evaluated in double as the decode kernels do
+        del u
+        self._mm(self._rounded16(g, L.w_down.act), self._half(L.w_down), out=x, accumulate=True)
+
+    def _rows_pass(self, batch: Sequence[tuple[np.ndarray, GpuKVCache]], sizes: list[int],
+                   all_logits: bool) -> list[np.ndarray]:
+        """One pass over the layers for every row of the batch; logits to the host."""
+        a = self.args
+        bounds = np.cumsum([0, *sizes]).tolist()
+        rows = bounds[-1]
+        ids = cupy.asarray(np.concatenate([np.asarray(t, np.int64) for t, _ in batch]).astype(np.int32))
+        positions = [cupy.arange(c.length, c.length + n, dtype=cupy.int32) for (_, c), n in zip(batch, sizes,
+                                                                                               strict=True)]
+        x = cupy.empty((rows, a.dim), F32)
+        ops.embed(self.token_embd, ids, rows, x)
+        for i in range(a.n_layers):
+            self._rows_layer(i, self.weights.layer(i), x, batch, bounds, positions)
+        for (_, cache), n in zip(batch, sizes, strict=True):
+            cache.length += n
+        picked = list(range(rows)) if all_logits else [b - 1 for b in bounds[1:]]
+        host = np.empty((len(picked), a.vocab_size), np.float32)
+        block = cupy.empty((min(LOGITS_ROWS, len(picked)), a.vocab_size), F32)
+        for j0 in range(0, len(picked), LOGITS_ROWS):  # a bounded block of logits at a time
+            part = picked[j0 : j0 + LOGITS_ROWS]
+            for j, r in enumerate(part):
+                xs = self._normed(x[r], self.weights.output_norm, "out", [self.output.act])
+                self._gemv(self.output, "out", xs[self.output.act], block[j])
+            host[j0 : j0 + len(part)] = cupy.asnumpy(block[: len(part)], stream=self.stream)
+        if all_logits:
+            return [host[bounds[s] : bounds[s + 1]] for s in range(len(batch))]
+        return [host[s] for s in range(len(batch))]
 
     # ------------------------------------------------------------------ public calls
-    def _check(self, tokens: np.ndarray, cache: GpuKVCache) -> np.ndarray:
-        tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
-        if cache.length + len(tokens) > cache.max_tokens:
-            raise ValueError(f"context full: {cache.length} + {len(tokens)} tokens exceed the context size "
-                             f"{cache.max_tokens}")
-        if len(tokens) and (tokens.min() < 0 or tokens.max() >= self.args.vocab_size):
-            raise ValueError(f"token id outside the vocabulary of {self.args.vocab_size}")
-        return tokens
-
-    def forward_device(self, tokens: np.ndarray, cache: GpuKVCache, all_logits: bool = False) -> cupy.ndarray:
-        """Logits on the device: (T, vocab) with all_logits, else (vocab,) of the last token."""
-        tokens = self._check(tokens, cache)
-        with self.stream:
-            if len(tokens) <= self.gemv_prefill_max:  # token by token on the float32 GEMV path
-                rows = []
-                for token in tokens:
-                    self._set_position(cache, int(token), cache.length)
-                    self._decode_launches(cache)
-                    cache.length += 1
-                    if all_logits:
-                        rows.append(self.logits.copy())
-                return cupy.stack(rows) if all_logits else self.logits.copy()
-            parts = []
-            for at in range(0, len(tokens), self.prefill_chunk):
-                parts.append(self._prefill_chunk(tokens[at : at + self.prefill_chunk], cache, all_logits))
-            if not all_logits:
-                return parts[-1][0]
-            return cupy.concatenate(parts)
-
     def forward(self, tokens: np.ndarray, cache: GpuKVCache, all_logits: bool = False) -> np.ndarray:
-        """As infer.model.Transformer.forward: NumPy float32 logits."""
-        logits = self.forward_device(tokens, cache, all_logits)
-        out = cupy.asnumpy(logits, stream=self.stream)
+        """As infer.model.Transformer.forward: NumPy float32 logits, (T, vocab) with all_logits,
+        else (vocab,) of the last token."""
+        return self.forward_batch([(np.asarray(tokens, dtype=np.int64).reshape(-1), cache)], all_logits)[0]
+
+    def forward_batch(self, batch: Sequence[tuple[np.ndarray, GpuKVCache]],
+                      all_logits: bool = False) -> list[np.ndarray]:
+        """Each (tokens, cache) at its cache's next positions; per sequence the logits of its last
+        token (vocab,) or of every token (T, vocab). A few tokens of one sequence run token by token
+        on the decode kernels; otherwise passes of at most prefill_chunk rows (or one row per
+        sequence) over the batched products."""
+        sizes = check_batch(batch, self.args.vocab_size)
+        with self.stream:
+            if len(batch) == 1 and sizes[0] <= self.gemv_prefill_max:
+                tokens, cache = batch[0]
+                rows = []
+                for j, token in enumerate(tokens):
+                    self._set_position(cache, int(token), cache.length)
+                    self._decode_step(cache)
+                    cache.length += 1
+                    if all_logits or j == sizes[0] - 1:
+                        rows.append(cupy.asnumpy(self.logits, stream=self.stream))
+                self.stream.synchronize()
+                return [np.stack(rows) if all_logits else rows[-1]]
+            outputs: list[list[np.ndarray]] = [[] for _ in batch]
+            done = [0] * len(batch)
+            while True:  # the rows of a pass, shared evenly by the sequences with tokens left
+                live = [s for s in range(len(batch)) if done[s] < sizes[s]]
+                if not live:
+                    break
+                share = max(1, self.prefill_chunk // len(live))
+                part = [(np.asarray(batch[s][0])[done[s] : done[s] + share], batch[s][1]) for s in live]
+                part_sizes = [len(t) for t, _ in part]
+                for s, n, logits in zip(live, part_sizes, self._rows_pass(part, part_sizes, all_logits), strict=True):
+                    outputs[s].append(logits)
+                    done[s] += n
         self.stream.synchronize()
-        return out
+        return [np.concatenate(out) if all_logits else out[-1] for out in outputs]
 
     def generate(self, prompt: np.ndarray, cache: GpuKVCache, n_new: int, temperature: float = 0.0, seed: int = 0,
                  stop: set[int] | frozenset[int] = frozenset(), check_every: int = 16,
                  on_tokens: Callable[[list[int]], None] | None = None) -> list[int]:
-        """Prefill the prompt, then decode up to n_new tokens with the captured decode graph; stops
-        after a token in `stop`. The last sampled token is not yet in the cache (cache.length counts
-        the tokens processed)."""
+        """Prefill the prompt, then decode up to n_new tokens on the device; stops after a token in
+        `stop`. The last sampled token is not yet in the cache (cache.length counts the tokens
+        processed)."""
         out: list[int] = []
         for fresh in self.generate_iter(prompt, cache, n_new, temperature, seed, stop, check_every):
             out.extend(fresh)
@@ -398,29 +508,30 @@ class GpuTransformer:
     def generate_iter(self, prompt: np.ndarray, cache: GpuKVCache, n_new: int, temperature: float = 0.0,
                       seed: int = 0, stop: set[int] | frozenset[int] = frozenset(),
                       check_every: int = 16) -> Iterator[list[int]]:
-        """generate() as it goes: yields the new tokens in lists of up to `check_every` (the graph
-        replays between two looks at the sampled ids). cache.length is final once exhausted."""
-        prompt = self._check(prompt, cache)
+        """generate() as it goes: yields the new tokens in lists of up to `check_every` (the steps
+        queued between two looks at the sampled ids). cache.length is final once exhausted."""
+        prompt = np.asarray(prompt, dtype=np.int64).reshape(-1)
         if len(prompt) == 0:
             raise ValueError("generate needs at least one prompt token")
+        check_batch([(prompt, cache)], self.args.vocab_size)
         if n_new <= 0:
             return
         if cache.length + len(prompt) + n_new - 1 > cache.max_tokens:
             raise ValueError(f"context full: {cache.length} + {len(prompt)} + {n_new} tokens exceed "
                              f"{cache.max_tokens}")
         start = cache.length + len(prompt)  # position of the first new token
+        if len(prompt) > 1:
+            self.forward(prompt[:-1], cache)
         with self.stream:
-            logits = self.forward_device(prompt, cache)
-            self.logits[...] = logits
-            cache.pos.set(np.array([start - 1], np.int32), stream=self.stream)
-            ops.sample_token(self.logits, self.args.vocab_size, temperature, seed, cache.tok, cache.pos, cache.tokens)
-            graph = self._decode_graph(cache, temperature, seed) if n_new > 1 else None
+            self._set_position(cache, int(prompt[-1]), start - 1)
+            self._decode_step(cache, (float(temperature), int(seed)))  # the last prompt token samples the first
         produced = 0
-        done = 0  # decode steps launched
+        done = 0  # decode steps launched after the first token
         while True:
             batch = min(check_every, n_new - 1 - done)
-            for _ in range(batch):
-                graph.launch(self.stream)  # type: ignore[attr-defined]
+            with self.stream:
+                for _ in range(batch):
+                    self._decode_step(cache, (float(temperature), int(seed)))
             done += batch
             new = cupy.asnumpy(cache.tokens[start + produced : start + done + 1], stream=self.stream)
             self.stream.synchronize()

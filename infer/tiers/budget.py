@@ -12,10 +12,10 @@ cudaMemGetInfo and the RAM from psutil, capped by the cgroup v2 memory limit whe
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from infer.model import ModelArgs
+from infer.arch import ModelArgs
 from infer.tiers.plan import format_bytes
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([kmgt]?i?b?)\s*$", re.IGNORECASE)
@@ -28,6 +28,58 @@ HOST_MARGIN = 2 << 30  # the interpreter, tokenizer, page tables; never plan the
 
 class BudgetError(ValueError):
     """A budget string that does not parse, or a budget too small for the run."""
+
+
+class VramBudgetError(BudgetError):
+    """The run needs more device memory than its VRAM budget (planned, or hit while running)."""
+
+
+@dataclass
+class VramAccount:
+    """Every device allocation of a run against the VRAM budget: what lies outside CuPy's memory pool
+    (`reserved`: the CUDA context and whatever else held device memory when the engine started, the
+    cuBLAS workspace, kernel modules and graphs) and what the pool holds (`planned`: weights, KV
+    cache, activations, ring slots, layer scratch, float16 copies). The pool's limit is the budget
+    less the reserved part (infer.gpu.memory.enforce), so an overrun is an error, not a silent
+    overshoot."""
+
+    budget: int
+    source: str
+    reserved: dict[str, int]
+    planned: dict[str, int] = field(default_factory=dict)
+    what: str = "the run"  # the subject of the error message ("SmolLM2.gguf on the GPU")
+
+    @property
+    def pool_limit(self) -> int:
+        return self.budget - sum(self.reserved.values())
+
+    @property
+    def planned_total(self) -> int:
+        return sum(self.planned.values())
+
+    @property
+    def room(self) -> int:
+        """Pool bytes not yet planned."""
+        return self.pool_limit - self.planned_total
+
+    def plan(self, name: str, nbytes: int) -> None:
+        self.planned[name] = self.planned.get(name, 0) + int(nbytes)
+
+    def check(self, hint: str = "") -> None:
+        """Raises VramBudgetError (one line, with what each part takes) when the plan exceeds the budget."""
+        if self.room >= 0:
+            return
+        need = self.planned_total + sum(self.reserved.values())
+        raise VramBudgetError(f"{self.what} needs {format_bytes(need)} of VRAM ({self.breakdown()}) but the budget "
+                              f"is {format_bytes(self.budget)} ({self.source}){hint}")
+
+    def breakdown(self) -> str:
+        parts = {**self.planned, **self.reserved}
+        return ", ".join(f"{name} {format_bytes(n)}" for name, n in parts.items() if n)
+
+    def render(self) -> str:
+        return (f"VRAM budget {format_bytes(self.budget)} ({self.source}): " + self.breakdown()
+                + f"; {format_bytes(max(self.room, 0))} left")
 
 
 def parse_size(text: str) -> int:
@@ -48,16 +100,33 @@ def kv_cache_nbytes(args: ModelArgs, ctx_size: int, batch: int, itemsize: int = 
     return 2 * args.n_layers * batch * ctx_size * args.kv_dim * itemsize
 
 
-def activation_nbytes(args: ModelArgs, tokens_per_pass: int, ctx_size: int, batch: int) -> int:
-    """An upper estimate of the device work buffers of one pass: float32 hidden states, QKV,
-    gate/up, float16 copies for the matrix products, attention scores of a prompt chunk, and logits.
-    Planning with it keeps the weights from taking memory the forward pass will ask for later."""
+ATTENTION_SCORES_BYTES = 32 << 20  # prompt attention computes scores in blocks of query rows of about this size
+LOGITS_ROWS = 64  # logits of many rows (a scored prompt) are computed this many rows at a time
+
+
+def attention_work_nbytes(args: ModelArgs, ctx_size: int) -> int:
+    """Per sequence, the decode attention kernels' work buffers (float32 scores, double partials)."""
+    splits = -(-ctx_size // 64)
+    return 4 * args.n_heads * ctx_size + 8 * args.n_heads * splits * (args.head_dim + 2)
+
+
+def activation_nbytes(args: ModelArgs, tokens_per_pass: int, ctx_size: int, batch: int,
+                      largest_matrix: int | None = None) -> int:
+    """An upper bound of the device work buffers of one pass (infer/gpu/model.py allocates no more):
+    the decode step's vectors, and for a pass of many rows the float32 hidden states, Q/K/V, gate/up
+    and their float16 inputs, the prompt attention of one sequence (float32 keys and values, one
+    block of scores), a block of logits, and one matrix dequantized to float16 for cuBLAS
+    (`largest_matrix` elements; default the largest of a block). Planning with it keeps the weights
+    from taking memory the forward pass asks for later."""
     rows = max(tokens_per_pass, batch)
-    per_row = 4 * (3 * args.dim + args.q_dim + 2 * args.kv_dim + 3 * args.ffn_dim + args.vocab_size)
-    per_row += 2 * (args.dim + 2 * args.ffn_dim)
-    scores = 4 * args.n_heads * tokens_per_pass * ctx_size
-    dequant_scratch = 2 * args.ffn_dim * args.dim  # one matrix as float16 for a batched product
-    return rows * per_row + scores + dequant_scratch
+    a = args
+    decode = 4 * (4 * a.dim + 2 * (a.q_dim + 2 * a.kv_dim) + 4 * a.ffn_dim + a.vocab_size) + 2 * (a.dim + a.ffn_dim)
+    hidden = 4 * a.dim + 16 * a.dim + 4 * (a.q_dim + 2 * a.kv_dim) + 10 * a.q_dim + 14 * a.ffn_dim
+    scores = min(ATTENTION_SCORES_BYTES, 4 * a.n_heads * rows * ctx_size)  # one block of query rows
+    attention = 8 * a.kv_dim * ctx_size + 4 * scores + 16 * rows * a.q_dim
+    logits = 4 * min(rows, LOGITS_ROWS) * a.vocab_size
+    biggest = largest_matrix if largest_matrix is not None else a.largest_matrix
+    return decode + rows * hidden + attention + logits + 2 * biggest
 
 
 @dataclass(frozen=True)
@@ -73,6 +142,7 @@ class Budgets:
     staging: int
     vram_source: str  # "--vram-budget", "cudaMemGetInfo" or "cpu simulation"
     ram_source: str
+    vram_reserved: int = DEVICE_MARGIN  # taken off vram_total besides KV cache and activations
 
 
 def free_vram() -> int:
@@ -106,11 +176,13 @@ def available_ram() -> int:
 
 def compute_budgets(args: ModelArgs, ctx_size: int, batch: int, tokens_per_pass: int, staging_nbytes: int,
                     vram_budget: str | int | None = None, ram_budget: str | int | None = None,
-                    device: bool = True) -> Budgets:
+                    device: bool = True, device_reserved: int | None = None,
+                    largest_matrix: int | None = None) -> Budgets:
     """The bytes left for weights after the run's own needs. `device=False` (the CPU simulation)
-    requires both budgets to be given."""
-    kv = kv_cache_nbytes(args, ctx_size, batch)
-    act = activation_nbytes(args, tokens_per_pass, ctx_size, batch)
+    requires both budgets to be given. device_reserved: device bytes outside the memory pool
+    (measured by infer.gpu.memory; default DEVICE_MARGIN)."""
+    kv = kv_cache_nbytes(args, ctx_size, batch) + batch * attention_work_nbytes(args, ctx_size)
+    act = activation_nbytes(args, tokens_per_pass, ctx_size, batch, largest_matrix)
     if vram_budget is not None:
         vram_total = parse_size(vram_budget) if isinstance(vram_budget, str) else int(vram_budget)
         vram_source = "--vram-budget"
@@ -123,7 +195,7 @@ def compute_budgets(args: ModelArgs, ctx_size: int, batch: int, tokens_per_pass:
         ram_source = "--ram-budget"
     else:
         ram_total, ram_source = max(0, available_ram() - HOST_MARGIN), "available RAM (psutil/cgroup)"
-    margin = DEVICE_MARGIN if device else 0
+    margin = (DEVICE_MARGIN if device_reserved is None else device_reserved) if device else 0
     vram_weights = vram_total - kv - act - margin
     if vram_weights <= 0:
         raise BudgetError(
@@ -131,4 +203,4 @@ def compute_budgets(args: ModelArgs, ctx_size: int, batch: int, tokens_per_pass:
             f"{batch} x {ctx_size} positions) and activations ({format_bytes(act)}): give more than "
             f"{format_bytes(kv + act + margin)} plus the weights' working set, or lower -c/--batch")
     return Budgets(vram_total, vram_weights, ram_total, max(0, ram_total - staging_nbytes), kv, act,
-                   staging_nbytes, vram_source, ram_source)
+                   staging_nbytes, vram_source, ram_source, margin)

@@ -1,20 +1,9 @@
-"""The streaming command-line options as one reusable click decorator. Importing this module pulls
-in neither NumPy nor CuPy, so a command line can use the decorator and still set BLAS threads
-before NumPy loads.
-
-    @click.command()
-    @streaming_options
-    def main(..., streaming: StreamingConfig) -> None: ...
-"""
+"""The settings of a streaming run (what `ntransformer --streaming ...` gives, see infer/cli_options.py).
+Importing this module pulls in neither NumPy nor CuPy."""
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
-
-import click
 
 from infer.tiers.plan import DEFAULT_SLOTS
 
@@ -39,48 +28,3 @@ class StreamingConfig:
     # (docs/PERFORMANCE.md); the defaults stay 8 x 4, which the small-budget placements assume.
     read_queue_depth: int | None = None
     staging_buffers: int = 4
-
-
-_OPTION_NAMES = ("streaming", "vram_budget", "ram_budget", "tier_c", "nvme_device", "nvme_lba", "tier_b", "slots",
-                 "batch", "prompts_file")
-
-
-def streaming_options(func: Callable[..., Any]) -> Callable[..., Any]:
-    """Adds --streaming, --vram-budget, --ram-budget, --tier-c, --nvme-device, --tier-b, --slots,
-    --batch and --prompts; the command receives them as one `streaming: StreamingConfig`."""
-
-    @functools.wraps(func)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        values = {name: kwargs.pop(name) for name in _OPTION_NAMES}
-        kwargs["streaming"] = StreamingConfig(
-            enabled=values["streaming"], vram_budget=values["vram_budget"], ram_budget=values["ram_budget"],
-            tier_c=values["tier_c"], nvme_device=values["nvme_device"], nvme_lba=values["nvme_lba"],
-            tier_b=values["tier_b"],
-            slots=values["slots"], batch=values["batch"], prompts_file=values["prompts_file"])
-        return func(*args, **kwargs)
-
-    options = [
-        click.option("--streaming", is_flag=True, help="Stream weights that do not fit in VRAM through a 3-tier "
-                     "cache (VRAM, pinned RAM, storage)."),
-        click.option("--vram-budget", metavar="SIZE", help="Device memory the engine may use, e.g. 24GB "
-                     "(default: free VRAM)."),
-        click.option("--ram-budget", metavar="SIZE", help="Host memory for tier B and staging, e.g. 48GiB "
-                     "(default: available RAM)."),
-        click.option("--tier-c", type=click.Choice(SOURCES), default="file", show_default=True,
-                     help="Where tier C weights are read from: the file with O_DIRECT, the NVMe copy written by "
-                     "`nvmedirect write-gguf`, or the naive mmap baseline."),
-        click.option("--nvme-device", metavar="BDF|DEV", help="Device holding the model for --tier-c nvme."),
-        click.option("--nvme-lba", type=click.IntRange(min=0), help="LBA of the model's header on --nvme-device "
-                     "(default: the first model stored from LBA 0)."),
-        click.option("--tier-b", type=click.Choice(["auto", "pinned", "registered"]), default="auto",
-                     show_default=True, help="Tier B as a pinned copy or the registered file mapping."),
-        click.option("--slots", type=click.IntRange(2, 64), default=DEFAULT_SLOTS, show_default=True,
-                     help="Device slots in the streaming ring."),
-        click.option("--batch", type=click.IntRange(1, 4096), default=1, show_default=True,
-                     help="Sequences decoded together (copies of the prompt unless --prompts is given)."),
-        click.option("--prompts", "prompts_file", type=click.Path(exists=True, dir_okay=False),
-                     help="File with one prompt per line; each becomes a sequence of the batch."),
-    ]
-    for option in reversed(options):
-        wrapper = option(wrapper)
-    return wrapper

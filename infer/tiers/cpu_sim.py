@@ -19,8 +19,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import numpy as np
 
 from infer import quants
+from infer.arch import OUTPUT_NORM, TOKEN_EMBD, ModelArgs, output_name
 from infer.gguf_file import GGUFModel
-from infer.model import LayerWeights, Linear, ModelArgs
+from infer.model import LayerWeights, Linear
 from infer.tiers.plan import Plan, Tensor, Tier
 from infer.tiers.ring import StagingReader, StreamRing
 from infer.tiers.tier_b import HostTier
@@ -95,6 +96,7 @@ class StreamingCpuWeights:
             if t.layer is not None:
                 self._by_layer.setdefault(t.layer, []).append(t)
         self._resident: dict[str, np.ndarray] = {}
+        self._output: Linear | None = None
         self.passes = 0
         self.ring.start()
 
@@ -112,13 +114,13 @@ class StreamingCpuWeights:
         finally:
             self.ring.release(slot)
 
-    def _fmt(self, t: Tensor) -> str:
-        return quants.activation_format(t.ggml_type) if self.match_llama_cpp else "f32"
+    def _fmt_of(self, ggml_type: int) -> str:
+        return quants.activation_format(ggml_type) if self.match_llama_cpp else "f32"
 
     def layer(self, index: int) -> LayerWeights:
         if index == 0:
             self.passes += 1
-        values = {t.kind: (self._values(t), self._fmt(t)) for t in self._by_layer[index]}  # pass order
+        values = {t.kind: (self._values(t), self._fmt_of(t.ggml_type)) for t in self._by_layer[index]}  # pass order
         a = self.args
         has_bias = any(f"attn_{x}.bias" in values for x in "qkv")
         bqkv = None
@@ -137,27 +139,19 @@ class StreamingCpuWeights:
         )
 
     def embed(self, tokens: np.ndarray) -> np.ndarray:
-        info = self.model.tensor("token_embd.weight")
+        info = self.model.tensor(TOKEN_EMBD)
         return quants.dequantize_rows(info.data, info.ggml_type, self.args.dim, tokens)
 
     def output_norm(self) -> np.ndarray:
-        return self._global("output_norm.weight")
+        if OUTPUT_NORM not in self._resident:
+            self._resident[OUTPUT_NORM] = self.model.tensor(OUTPUT_NORM).dequantize()
+        return self._resident[OUTPUT_NORM]
 
     def output(self) -> Linear:
-        name = "output.weight" if "output.weight" in self.model.tensors else "token_embd.weight"
-        if ("linear", name) not in self._resident:
-            info = self.model.tensor(name)
-            fmt = quants.activation_format(info.ggml_type) if self.match_llama_cpp else "f32"
-            self._resident[("linear", name)] = Linear([(info.dequantize(), fmt)])  # type: ignore[index]
-        return self._resident[("linear", name)]  # type: ignore[index,return-value]
-
-    def _global(self, name: str) -> np.ndarray:
-        if name not in self._resident:
-            self._resident[name] = self.model.tensor(name).dequantize()
-        return self._resident[name]
-
-    def rope_freq_factors(self) -> np.ndarray | None:
-        return self._global("rope_freqs.weight") if "rope_freqs.weight" in self.model.tensors else None
+        if self._output is None:
+            info = self.model.tensor(output_name(self.model))
+            self._output = Linear([(info.dequantize(), self._fmt_of(info.ggml_type))])
+        return self._output
 
     def bytes_moved(self) -> dict[Tier, int]:
         return dict(self.ring.moved)

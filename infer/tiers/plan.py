@@ -29,13 +29,13 @@ the link in its GGUF form and is repacked into a slot on arrival.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
-LAYER_NAME = re.compile(r"^blk\.(\d+)\.(.+)\.(weight|bias)$")
+from infer.arch import LAYER_KINDS, parse_tensor_name
+
 ATTENTION_KINDS = ("attn_q", "attn_k", "attn_v", "attn_output")
 FFN_KINDS = ("ffn_gate", "ffn_up", "ffn_down")
 DEFAULT_SLOTS = 4  # small models and small budgets; bench/streaming_bench.py uses 8 (see BENCH_SLOTS there)
@@ -73,15 +73,11 @@ class Tensor:
 
     @property
     def layer(self) -> int | None:
-        match = LAYER_NAME.match(self.name)
-        return int(match.group(1)) if match else None
+        return parse_tensor_name(self.name)[0]
 
     @property
     def kind(self) -> str:
-        match = LAYER_NAME.match(self.name)
-        if match:
-            return match.group(2) + ("" if match.group(3) == "weight" else ".bias")
-        return self.name.removesuffix(".weight")
+        return parse_tensor_name(self.name)[1]
 
     @property
     def is_vector(self) -> bool:
@@ -139,12 +135,28 @@ def tensors_from(infos: Iterable[Any], device_nbytes: Callable[[Any], int] | Non
                    int(device_nbytes(i)) if device_nbytes else i.nbytes) for i in infos]
 
 
+def gpu_nbytes(info: Any) -> int:
+    """Device bytes of a GGUF tensor on the GPU: its planar form for a matrix, float32 for a vector."""
+    from infer.gpu.layout import format_of, plane_layout
+
+    shape = tuple(info.shape)
+    if len(shape) == 1:
+        return int(shape[0]) * 4
+    rows = 1
+    for d in shape[:-1]:
+        rows *= int(d)
+    return plane_layout(format_of(info.ggml_type), rows, int(shape[-1])).nbytes
+
+
+def planner_tensors(model: Any, device: str) -> list[Tensor]:
+    """A GGUFModel's tensors with their device sizes for `device` (planar forms on the GPU)."""
+    return tensors_from(model.tensors.values(), gpu_nbytes if device == "gpu" else None)
+
+
 def pass_order(tensors: Iterable[Tensor]) -> list[Tensor]:
     """Globals that come before the layers (embeddings), the layers in order with their tensors in
     the order the forward pass uses them, then the head."""
-    kind_rank = {k: i for i, k in enumerate(
-        ("attn_norm", "attn_q", "attn_q.bias", "attn_k", "attn_k.bias", "attn_v", "attn_v.bias",
-         "attn_output", "ffn_norm", "ffn_gate", "ffn_up", "ffn_down"))}
+    kind_rank = {k: i for i, k in enumerate(LAYER_KINDS)}
 
     def key(t: Tensor) -> tuple[int, int, int, str]:
         if t.layer is not None:

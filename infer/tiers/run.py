@@ -15,7 +15,7 @@ from typing import Any
 
 from infer.gguf_file import GGUFModel
 from infer.streaming import read_prompts_file
-from infer.tiers.options import StreamingConfig, build_streaming_engine
+from infer.tiers.session import StreamingConfig, StreamingSession, build_streaming_engine
 
 DEFAULT_CTX = 4096
 
@@ -30,11 +30,14 @@ def streaming_prompts(config: StreamingConfig, prompt: str | None) -> list[str]:
 
 def run_streaming(model_path: str, config: StreamingConfig, ctx_size: int, device: str, prompt: str | None,
                   n_predict: int, sampler_config: Any, benchmark: bool = False, as_json: bool = False,
-                  echo: Callable[[str], None] = print, note: Callable[[str], None] = print) -> dict[str, Any]:
+                  echo: Callable[[str], None] = print, note: Callable[[str], None] = print,
+                  peak: Any = None) -> dict[str, Any]:
     """Generates for every prompt in one batch; prints each sequence's text (or one JSON object)
     with `echo` and the plan and statistics with `note`; returns the JSON-able result.
     ctx_size 0: the model's context, at most 4096 (per sequence: the KV cache is that times the
-    number of sequences)."""
+    number of sequences). benchmark with one sequence: the resident engine's measurement
+    (infer.benchmark) on the streamed model, beside the plan's link roofline; `peak`: a
+    PeakMonitor running around the call (GPU)."""
     from infer.sampler import Sampler
     from infer.tokenizer import StreamDecoder, Tokenizer
 
@@ -42,15 +45,17 @@ def run_streaming(model_path: str, config: StreamingConfig, ctx_size: int, devic
     gguf = GGUFModel(model_path)
     tokenizer = Tokenizer.from_gguf(gguf.metadata)
     if ctx_size <= 0:  # the model's context, at most DEFAULT_CTX (as the resident CLI)
-        from infer.model import ModelArgs
+        from infer.arch import ModelArgs
 
         ctx_size = min(ModelArgs.from_gguf(gguf).context_length, DEFAULT_CTX)
     ids = [tokenizer.encode(t) for t in texts]
     if any(not x for x in ids):
         raise ValueError("a prompt is empty after tokenization")
-    session = build_streaming_engine(model_path, replace(config, batch=len(texts)), ctx_size, device)
+    session = build_streaming_engine(gguf, replace(config, batch=len(texts)), ctx_size, device, enforce_budget=True)
     try:
         note(session.report())
+        if benchmark and len(ids) == 1:
+            return _benchmark_one(session, model_path, n_predict, as_json, echo, peak)
         seed = getattr(sampler_config, "seed", None)
         samplers = [Sampler(replace(sampler_config, seed=None if seed is None else seed + s)) for s in range(len(ids))]
         is_end = (lambda _: False) if benchmark else tokenizer.is_eog
@@ -67,6 +72,11 @@ def run_streaming(model_path: str, config: StreamingConfig, ctx_size: int, devic
             "decode_passes": stats.decode_passes, "generated_tokens": stats.generated_tokens,
             "decode_tokens_per_second": round(stats.decode_tokens_per_second, 3), "bytes_moved": stats.bytes_moved,
         }
+        if peak is not None:
+            peak.sample()
+            result["peak_vram_bytes"] = peak.peak
+        if session.account is not None:
+            result["vram_budget_bytes"] = session.account.budget
         if as_json:
             echo(json.dumps(result))
         else:
@@ -80,3 +90,27 @@ def run_streaming(model_path: str, config: StreamingConfig, ctx_size: int, devic
         return result
     finally:
         session.close()
+
+
+def _benchmark_one(session: StreamingSession, model_path: str, n_predict: int, as_json: bool,
+                   echo: Callable[[str], None], peak: Any) -> dict[str, Any]:
+    """One sequence: pp and tg as `ntransformer --benchmark` measures them, beside the roofline of
+    the link (bytes streamed per pass / host-to-device bandwidth measured at start-up)."""
+    from infer.benchmark import measure, render
+
+    result: dict[str, Any] = {"model": model_path, **measure(session.engine.model, n_predict)}
+    streamed = session.plan.streamed_nbytes
+    link = session.bandwidths.host_to_device if session.bandwidths else 0.0
+    result["streamed_bytes_per_pass"] = streamed
+    if streamed and link:
+        result["roofline_tok_s"] = round(link / streamed, 3)
+        result["decode_fraction_of_roofline"] = round(result["tg_tok_s"] / (link / streamed), 3)
+    if peak is not None:
+        peak.sample()
+        result["peak_vram_bytes"] = peak.peak
+    text = render(result)
+    if "roofline_tok_s" in result:
+        text += (f"\n  streamed {streamed / 1e9:.2f} GB a pass at {link / 1e9:.1f} GB/s: roofline "
+                 f"{result['roofline_tok_s']} tok/s, decode at {result['decode_fraction_of_roofline']:.0%} of it")
+    echo(json.dumps(result) if as_json else text)
+    return result

@@ -1,28 +1,29 @@
-"""The entry point that turns the streaming options (flags.py: `@streaming_options` gives a
-`StreamingConfig`) into a ready engine: `build_streaming_engine(model_path, config, ctx_size, device)`.
+"""A ready streaming engine from a parsed model and a StreamingConfig:
+`build_streaming_engine(model, config, ctx_size, device)`.
 
-    @click.command()
-    @streaming_options
-    def main(..., streaming: StreamingConfig) -> None:
-        session = build_streaming_engine(model, streaming, ctx_size=2048, device="gpu")
-        print(session.report())
-        outputs = session.engine.generate(prompts, 32, greedy)
+    session = build_streaming_engine(GGUFModel(path), StreamingConfig(enabled=True, vram_budget="24GB"),
+                                     ctx_size=2048, device="gpu")
+    print(session.report())
+    outputs = session.engine.generate(prompts, 32, greedy)
+    session.close()
+
+Budget problems raise infer.tiers.budget.BudgetError with one line giving the minimum (the CLI
+turns it into exit code 2).
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
-import click
-
+from infer.arch import check_model, rope_freq_factors
 from infer.gguf_file import GGUFModel
-from infer.model import ModelArgs, Transformer
 from infer.streaming import StreamingEngine
-from infer.tiers.budget import DEVICE_MARGIN, BudgetError, Budgets, compute_budgets
-from infer.tiers.flags import StreamingConfig, streaming_options  # noqa: F401 - re-exported for callers
-from infer.tiers.plan import (
+from infer.tiers.budget import DEVICE_MARGIN, BudgetError, Budgets, VramAccount, compute_budgets, free_vram
+from infer.tiers.config import StreamingConfig
+from infer.tiers.plan import (  # noqa: F401 - planner_tensors re-exported for callers
     Plan,
     PlanError,
     Tensor,
@@ -30,11 +31,13 @@ from infer.tiers.plan import (
     format_bytes,
     make_plan,
     minimum_vram,
-    tensors_from,
+    planner_tensors,
 )
 from infer.tiers.report import Bandwidths, render_moved, render_plan
 from infer.tiers.tier_b import HostTier, choose_mode
 from infer.tiers.tier_c import StorageSource, open_source
+
+__all__ = ["StreamingConfig", "StreamingSession", "build_streaming_engine", "planner_tensors"]
 
 DEMO_RESIDENT_SHARE = 0.4  # --streaming on a model that fits: share of layer bytes kept in tier A
 DEMO_RAM_SHARE = 0.3  # ... and in tier B; the rest goes to tier C
@@ -51,12 +54,15 @@ class StreamingSession:
     weights: Any
     paths: dict[str, str]
     bandwidths: Bandwidths | None
+    account: VramAccount | None = None  # the device's (GPU runs)
     closers: list[Callable[[], None]] = field(default_factory=list)
 
     def report(self) -> str:
         head = (f"budgets: VRAM {format_bytes(self.budgets.vram_total)} ({self.budgets.vram_source}) - KV cache "
                 f"{format_bytes(self.budgets.kv_cache)} - activations {format_bytes(self.budgets.activations)}; "
                 f"RAM {format_bytes(self.budgets.ram_total)} ({self.budgets.ram_source})")
+        if self.account is not None:
+            head += "\n" + self.account.render()
         return head + "\n" + render_plan(self.plan, self.bandwidths, self.paths)
 
     def moved_report(self) -> str:
@@ -70,49 +76,6 @@ class StreamingSession:
         self.closers = []
 
 
-def gpu_nbytes(info: Any) -> int:
-    """Device bytes of a GGUF tensor on the GPU: its planar form for a matrix, float32 for a vector."""
-    from infer.gpu.layout import format_of, plane_layout
-
-    shape = tuple(info.shape)
-    if len(shape) == 1:
-        return int(shape[0]) * 4
-    rows = 1
-    for d in shape[:-1]:
-        rows *= int(d)
-    return plane_layout(format_of(info.ggml_type), rows, int(shape[-1])).nbytes
-
-
-def planner_tensors(model: GGUFModel, device: str) -> list[Tensor]:
-    """The model's tensors with device sizes for `device` (planar forms on the GPU)."""
-    return tensors_from(model.tensors.values(), gpu_nbytes if device == "gpu" else None)
-
-
-def require_resident_fit(model: GGUFModel, ctx_size: int, batch: int = 1, vram_budget: str | None = None) -> None:
-    """For runs without --streaming on the GPU: stops with a one-line message suggesting
-    --streaming when the weights, KV cache and activations exceed the VRAM budget (or free VRAM)."""
-    args = ModelArgs.from_gguf(model)
-    weights = sum(t.device_nbytes for t in planner_tensors(model, "gpu"))
-    try:
-        budgets = compute_budgets(args, ctx_size, batch, min(ctx_size, 512), 0, vram_budget or 10**18, "0")
-    except BudgetError as err:
-        raise click.ClickException(str(err)) from None
-    overhead = budgets.vram_total - budgets.vram_for_weights
-    available = budgets.vram_total if vram_budget else _free_vram()
-    if weights + overhead > available:
-        raise click.ClickException(
-            f"{model.path.name} needs {format_bytes(weights + overhead)} of VRAM ({format_bytes(weights)} weights + "
-            f"{format_bytes(overhead)} KV cache, activations and workspace) but "
-            f"{'the budget is' if vram_budget else 'the GPU has'} {format_bytes(available)}: run with --streaming "
-            "(or lower -c/--ctx-size)")
-
-
-def _free_vram() -> int:
-    from infer.tiers.budget import free_vram
-
-    return free_vram()
-
-
 def _demo_budgets(tensors: list[Tensor], slots: int, scratch: bool) -> tuple[int, int]:
     """Weight budgets that put some layers in each tier (--streaming on a model that would fit)."""
     layer_bytes = sum(t.device_nbytes for t in tensors if t.layer is not None and not t.is_vector)
@@ -121,88 +84,121 @@ def _demo_budgets(tensors: list[Tensor], slots: int, scratch: bool) -> tuple[int
     return vram, int(DEMO_RAM_SHARE * raw_layer_bytes)
 
 
-def build_streaming_engine(model_path: str, config: StreamingConfig, ctx_size: int, device: str = "cpu",
-                           prefill_chunk: int = 512, measure: bool = True, match_llama_cpp: bool = True
-                           ) -> StreamingSession:
-    """Plans, opens the tiers and returns a session whose engine streams as the plan says.
-    Budget problems become click.ClickException with the minimum that would work."""
-    if device not in ("cpu", "gpu"):
-        raise ValueError(f"unknown device '{device}' (cpu, gpu)")
-    model = GGUFModel(model_path)
-    args = ModelArgs.from_gguf(model)
-    tensors = planner_tensors(model, device)
-    on_gpu = device == "gpu"
+def _budgets(args: Any, tensors: list[Tensor], config: StreamingConfig, ctx_size: int, prefill_chunk: int,
+             on_gpu: bool, account: VramAccount | None) -> tuple[Budgets, Plan]:
     staging = config.staging_buffers * max((t.nbytes for t in tensors if t.layer is not None), default=0)
     tokens_per_pass = max(prefill_chunk, config.batch)  # prefill passes share prefill_chunk rows (streaming.py)
-    demo = config.vram_budget is None and config.ram_budget is None and not on_gpu
-    try:
-        if demo or (on_gpu and config.vram_budget is None and config.ram_budget is None and _fits(model, tensors)):
-            weights_vram, weights_ram = _demo_budgets(tensors, config.slots, on_gpu)
-            budgets = compute_budgets(args, ctx_size, config.batch, tokens_per_pass, staging, 10**15, 10**15,
-                                      device=on_gpu)
-            overhead = budgets.vram_total - budgets.vram_for_weights
-            budgets = Budgets(weights_vram + overhead, weights_vram, weights_ram + staging, weights_ram,
-                              budgets.kv_cache, budgets.activations, staging,
-                              "demo: the model fits, small budgets exercise every tier", "demo")
-        else:
-            budgets = compute_budgets(args, ctx_size, config.batch, tokens_per_pass, staging,
-                                      config.vram_budget, config.ram_budget, device=on_gpu)
-        plan = make_plan(tensors, args.n_layers, budgets.vram_for_weights, budgets.ram_for_weights,
-                         config.slots, layer_scratch=on_gpu)
-    except BudgetError as err:
-        raise click.ClickException(str(err)) from None
-    except PlanError as err:
-        overhead = budgets.kv_cache + budgets.activations + (DEVICE_MARGIN if on_gpu else 0)
-        raise click.ClickException(
-            f"{err}; with the KV cache and activations the VRAM budget must be at least "
-            f"{format_bytes(err.minimum + overhead)} (or lower -c/--batch)") from None
-    session_closers: list[Callable[[], None]] = []
-    b_tensors = plan.tensors_in(Tier.RAM)
-    mode = choose_mode(b_tensors, budgets.ram_for_weights, config.tier_b)
-    host = None
-    if b_tensors:
-        try:
-            host = HostTier(model_path, b_tensors, mode)
-        except Exception as err:  # registration refused (limits, driver): the pinned copy always works
-            if config.tier_b != "auto" or mode != "registered":
-                raise
-            plan.notes.append(f"registering the file mapping failed ({type(err).__name__}: {err}); tier B pinned")
-            mode = "pinned"
-            host = HostTier(model_path, b_tensors, mode)
-    if host is not None:
-        session_closers.append(host.close)
-    c_tensors = plan.tensors_in(Tier.STORAGE)
-    source: StorageSource | None = None
-    if c_tensors:
-        options: dict[str, Any] = {"lba": config.nvme_lba} if config.tier_c == "nvme" and config.nvme_lba is not None else {}
-        if config.read_queue_depth is not None and config.tier_c != "mmap":
-            options["queue_depth"] = config.read_queue_depth
-        source = open_source(config.tier_c, model_path, c_tensors, config.nvme_device, **options)
-        session_closers.append(source.close)
-    paths = {t.name: _path(plan, t.name, mode, config.tier_c) for t in plan.tensors}
-    bandwidths = _measure(on_gpu, source, c_tensors) if measure else None
-    if on_gpu:
-        from infer.tiers.gpu_forward import GpuStreamingModel
-        from infer.tiers.pipeline import GpuStreamingWeights
-
-        weights: Any = GpuStreamingWeights(model, args, plan, host, source, n_staging=config.staging_buffers)
-        transformer: Any = GpuStreamingModel(args, weights, ctx_size)
+    reserved = sum(account.reserved.values()) if account is not None else None
+    vram_total = account.budget if account is not None else config.vram_budget
+    demo = config.vram_budget is None and config.ram_budget is None and (
+        not on_gpu or sum(t.device_nbytes for t in tensors) < free_vram() - DEVICE_MARGIN)
+    if demo:
+        weights_vram, weights_ram = _demo_budgets(tensors, config.slots, on_gpu)
+        big = compute_budgets(args, ctx_size, config.batch, tokens_per_pass, staging, 10**15, 10**15,
+                              device=on_gpu, device_reserved=reserved)
+        overhead = big.vram_total - big.vram_for_weights
+        budgets = Budgets(weights_vram + overhead, weights_vram, weights_ram + staging, weights_ram, big.kv_cache,
+                          big.activations, staging, "demo: the model fits, small budgets exercise every tier",
+                          "demo", big.vram_reserved)
     else:
-        from infer.tiers.cpu_sim import StreamingCpuWeights
+        budgets = compute_budgets(args, ctx_size, config.batch, tokens_per_pass, staging, vram_total,
+                                  config.ram_budget, device=on_gpu, device_reserved=reserved)
+        if account is not None:
+            budgets = replace(budgets, vram_source=account.source)
+    try:
+        plan = make_plan(tensors, args.n_layers, budgets.vram_for_weights, budgets.ram_for_weights, config.slots,
+                         layer_scratch=on_gpu)
+    except PlanError as err:
+        overhead = budgets.vram_total - budgets.vram_for_weights
+        raise BudgetError(f"{err}; with the KV cache, activations and device reserve the VRAM budget must be at "
+                          f"least {format_bytes(err.minimum + overhead)} (or lower -c/--batch)") from None
+    return budgets, plan
 
-        weights = StreamingCpuWeights(model, args, plan, host, source, n_staging=config.staging_buffers,
-                                      match_llama_cpp=match_llama_cpp)
-        transformer = Transformer(args, weights, weights.rope_freq_factors())
-    session_closers.append(weights.close)
+
+def build_streaming_engine(model: GGUFModel | str | os.PathLike, config: StreamingConfig, ctx_size: int,
+                           device: str = "cpu", prefill_chunk: int = 512, measure: bool = True,
+                           match_llama_cpp: bool = True, enforce_budget: bool = False) -> StreamingSession:
+    """Plans, opens the tiers and returns a session whose engine streams as the plan says. `model`:
+    the parsed file (a path is parsed here). enforce_budget (GPU): cap the device memory pool at the
+    budget (one engine per process)."""
+    if device not in ("cpu", "gpu"):
+        raise ValueError(f"unknown device '{device}' (cpu, gpu)")
+    if not isinstance(model, GGUFModel):
+        model = GGUFModel(model)
+    args = check_model(model)
+    tensors = planner_tensors(model, device)
+    on_gpu = device == "gpu"
+    account = None
+    if on_gpu:
+        from infer.gpu import memory
+
+        demo = config.vram_budget is None and config.ram_budget is None
+        account = memory.new_account(None if demo else config.vram_budget, f"{model.path.name} streamed on the GPU")
+    budgets, plan = _budgets(args, tensors, config, ctx_size, prefill_chunk, on_gpu, account)
+    if account is not None:
+        account.budget = budgets.vram_total
+        for name, nbytes in (("weights (tier A)", plan.bytes_in(Tier.VRAM)),
+                             ("ring slots", plan.n_slots * plan.slot_nbytes), ("layer scratch", plan.scratch_nbytes),
+                             ("KV cache", budgets.kv_cache), ("activations", budgets.activations)):
+            account.plan(name, nbytes)
+        account.check(": lower -c/--ctx-size or --batch")
+    closers: list[Callable[[], None]] = []
+    try:
+        host, mode = _open_tier_b(model, plan, budgets, config)
+        if host is not None:
+            closers.append(host.close)
+        c_tensors = plan.tensors_in(Tier.STORAGE)
+        source: StorageSource | None = None
+        if c_tensors:
+            options: dict[str, Any] = {"lba": config.nvme_lba} if config.tier_c == "nvme" and config.nvme_lba is not None else {}
+            if config.read_queue_depth is not None and config.tier_c != "mmap":
+                options["queue_depth"] = config.read_queue_depth
+            source = open_source(config.tier_c, model.path, c_tensors, config.nvme_device, **options)
+            closers.append(source.close)
+        paths = {t.name: _path(plan, t.name, mode, config.tier_c) for t in plan.tensors}
+        bandwidths = _measure(on_gpu, source, c_tensors) if measure else None
+        factors = rope_freq_factors(model, args)
+        if on_gpu:
+            from infer.gpu import memory
+            from infer.gpu.model import GpuTransformer
+            from infer.tiers.pipeline import StreamedWeights
+
+            if enforce_budget:
+                memory.enforce(account)  # type: ignore[arg-type]
+            weights: Any = StreamedWeights(model, args, plan, host, source, config.staging_buffers, match_llama_cpp)
+            closers.append(weights.close)
+            room = max(account.room, 0)  # type: ignore[union-attr]
+            transformer: Any = GpuTransformer(args, weights, factors, ctx_size, prefill_chunk, half_copies=room)
+        else:
+            from infer.model import Transformer
+            from infer.tiers.cpu_sim import StreamingCpuWeights
+
+            weights = StreamingCpuWeights(model, args, plan, host, source, n_staging=config.staging_buffers,
+                                          match_llama_cpp=match_llama_cpp)
+            closers.append(weights.close)
+            transformer = Transformer(args, weights, factors)
+    except BaseException:
+        for close in reversed(closers):
+            close()
+        raise
     engine = StreamingEngine(transformer, ctx_size, prefill_chunk,
                              bytes_moved=lambda: {k.value: v for k, v in weights.bytes_moved().items()})
-    return StreamingSession(engine, plan, budgets, weights, paths, bandwidths, session_closers)
+    return StreamingSession(engine, plan, budgets, weights, paths, bandwidths, account, closers)
 
 
-def _fits(model: GGUFModel, tensors: list[Tensor]) -> bool:
-    from infer.tiers.budget import free_vram
-
-    return sum(t.device_nbytes for t in tensors) < free_vram() - DEVICE_MARGIN
+def _open_tier_b(model: GGUFModel, plan: Plan, budgets: Budgets, config: StreamingConfig
+                 ) -> tuple[HostTier | None, str]:
+    b_tensors = plan.tensors_in(Tier.RAM)
+    mode = choose_mode(b_tensors, budgets.ram_for_weights, config.tier_b)
+    if not b_tensors:
+        return None, mode
+    try:
+        return HostTier(model, b_tensors, mode), mode
+    except Exception as err:  # registration refused (limits, driver): the pinned copy always works
+        if config.tier_b != "auto" or mode != "registered":
+            raise
+        plan.notes.append(f"registering the file mapping failed ({type(err).__name__}: {err}); tier B pinned")
+        return HostTier(model, b_tensors, "pinned"), "pinned"
 
 
 def _path(plan: Plan, name: str, tier_b_mode: str, tier_c_kind: str) -> str:

@@ -12,12 +12,11 @@ plain memory map: the same bytes through the same code.
 
 from __future__ import annotations
 
-import mmap
-import os
 from collections.abc import Sequence
 
 import numpy as np
 
+from infer.gguf_file import GGUFModel
 from infer.tiers.plan import Tensor
 from nvmedirect.reader.host_memory import PAGE, address_of, gpu_present, pinned_empty
 
@@ -47,23 +46,22 @@ def file_span(tensors: Sequence[Tensor]) -> tuple[int, int]:
 class HostTier:
     """Host-resident bytes of the tier B tensors: `view(name)` is a uint8 array of the tensor."""
 
-    def __init__(self, path: str | os.PathLike, tensors: Sequence[Tensor], mode: str) -> None:
+    def __init__(self, model: GGUFModel, tensors: Sequence[Tensor], mode: str) -> None:
         self.mode = mode
         self.pinned = False
         self._views: dict[str, np.ndarray] = {}
         self._registered_ptr: int | None = None
-        self._map: mmap.mmap | None = None
         self.nbytes = 0
         if not tensors:
             return
         if mode == "registered":
-            self._register(path, tensors)
+            self._register(model.data, tensors)
         elif mode == "pinned":
-            self._fill_arena(path, tensors)
+            self._fill_arena(model.data, tensors)
         else:
             raise ValueError(f"unknown tier B mode '{mode}'")
 
-    def _fill_arena(self, path: str | os.PathLike, tensors: Sequence[Tensor]) -> None:
+    def _fill_arena(self, whole: np.ndarray, tensors: Sequence[Tensor]) -> None:
         offsets, at = {}, 0
         for t in tensors:
             offsets[t.name] = at
@@ -71,24 +69,14 @@ class HostTier:
         self.arena = pinned_empty(at)
         self.pinned = gpu_present()
         self.nbytes = at
-        # Filled once with plain reads in file order (the arena is written, never read, by the CPU).
-        with open(path, "rb", buffering=0) as f:
-            for t in sorted(tensors, key=lambda t: t.offset):
-                view = self.arena[offsets[t.name]: offsets[t.name] + t.nbytes]
-                f.seek(t.offset)
-                got = 0
-                while got < t.nbytes:
-                    n = f.readinto(memoryview(view[got:]))
-                    if not n:
-                        raise OSError(f"{os.fspath(path)}: short read of tensor {t.name}")
-                    got += n
-                self._views[t.name] = view
+        # Filled once in file order from the model's memory map (the arena is written, never read, by the CPU).
+        for t in sorted(tensors, key=lambda t: t.offset):
+            view = self.arena[offsets[t.name]: offsets[t.name] + t.nbytes]
+            view[:] = whole[t.offset: t.offset + t.nbytes]
+            self._views[t.name] = view
 
-    def _register(self, path: str | os.PathLike, tensors: Sequence[Tensor]) -> None:
+    def _register(self, whole: np.ndarray, tensors: Sequence[Tensor]) -> None:
         start, length = file_span(tensors)
-        with open(path, "rb") as f:
-            self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-        whole = np.frombuffer(self._map, dtype=np.uint8)
         span = whole[start: start + length] if start + length <= whole.size else whole[start:]
         self.nbytes = int(span.size)
         if gpu_present():
@@ -114,6 +102,3 @@ class HostTier:
             cupy.cuda.runtime.hostUnregister(self._registered_ptr)
             self._registered_ptr = None
         self._views = {}
-        # the memory map closes once no view refers to it (closing it here would fail while
-        # callers still hold arrays)
-        self._map = None

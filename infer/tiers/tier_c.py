@@ -19,7 +19,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from infer.tiers.flags import SOURCES
+from infer.tiers.config import SOURCES
 from infer.tiers.plan import Tensor
 
 
@@ -37,7 +37,8 @@ class StorageSource(Protocol):
 
 
 class ReaderSource:
-    """nvmedirect's reader: a plain file (O_DIRECT) or a GGUF stored on a device."""
+    """nvmedirect's reader on a GGUF stored on a device (found by its header, checked to be the
+    model being run)."""
 
     def __init__(self, source: str | os.PathLike, kind: str, tensors: Sequence[Tensor], **options: Any) -> None:
         from nvmedirect.reader import open_model
@@ -106,11 +107,30 @@ class MmapSource:
         self._data = None  # type: ignore[assignment]
 
 
+class FileSource:
+    """The model's own file read with O_DIRECT by nvmedirect's FileBackend (the GGUF is already
+    parsed: offsets are the planner's)."""
+
+    def __init__(self, path: str | os.PathLike, **options: Any) -> None:
+        from nvmedirect.reader.file_backend import FileBackend
+
+        self.name = "file"
+        self.backend = FileBackend(path, **options)
+        self.direct = bool(self.backend.direct)
+        self.description = f"file: {self.backend!r} ({'O_DIRECT' if self.direct else 'buffered'})"
+
+    def read_async(self, ranges: Sequence[tuple[int, int]], buffers: Sequence[Any]) -> ReadHandleLike:
+        return self.backend.read_async(ranges, buffers)
+
+    def close(self) -> None:
+        self.backend.close()
+
+
 def open_source(kind: str, model_path: str | os.PathLike, tensors: Sequence[Tensor],
                 device: str | None = None, **options: Any) -> StorageSource:
     """The tier C source `kind` for the model at `model_path` (`device`: where nvme reads from)."""
     if kind == "file":
-        return ReaderSource(model_path, "file", tensors, **options)
+        return FileSource(model_path, **options)
     if kind == "nvme":
         if not device:
             raise ValueError("--tier-c nvme needs the device holding the model (--nvme-device BDF or /dev/nvmeXnY)")

@@ -47,5 +47,6 @@ def test_gpu_generation_is_the_greedy_loop(tiny: Path) -> None:
 
 def test_gpu_benchmark_reports_decode_and_the_roofline(tiny: Path) -> None:
     result = _run("-m", str(tiny), "--device", "gpu", "--benchmark", "-n", "16", "--json")
-    assert result["device"] == "gpu" and result["generated_tokens"] == 16
-    assert result["gpu"]["tg_tok_s"] > 0 and result["gpu"]["copy_GBps"] > 0
+    assert result["tg_tokens"] == 16 and result["pp_tokens"] == 512
+    assert result["tg_tok_s"] > 0 and result["pp_tok_s"] > 0 and result["copy_GBps"] > 0
+    assert 0 < result["peak_vram_bytes"] <= result["vram_budget_bytes"]

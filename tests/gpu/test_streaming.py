@@ -22,8 +22,8 @@ from infer.gguf_file import GGUFModel
 from infer.model import ModelArgs, load_transformer
 from infer.synth import Shape, write_model
 from infer.tiers.budget import compute_budgets
-from infer.tiers.options import StreamingConfig, build_streaming_engine, planner_tensors
 from infer.tiers.plan import Tier, minimum_vram
+from infer.tiers.session import StreamingConfig, build_streaming_engine, planner_tensors
 
 cupy = pytest.importorskip("cupy")
 pytestmark = pytest.mark.gpu
@@ -38,6 +38,13 @@ def model_path(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
     return path
 
 
+def device_reserve() -> int:
+    """Device bytes outside the memory pool, as the session measures them."""
+    from infer.gpu import memory
+
+    return sum(memory.new_account(None, "test").reserved.values())
+
+
 def budgets(path: Path, resident: float, ram: float, batch: int = 1, slots: int = 4) -> tuple[int, int]:
     model = GGUFModel(path)
     args = ModelArgs.from_gguf(model)
@@ -45,7 +52,8 @@ def budgets(path: Path, resident: float, ram: float, batch: int = 1, slots: int 
     layers = sum(t.device_nbytes for t in tensors if t.layer is not None and not t.is_vector)
     raw_layers = sum(t.nbytes for t in tensors if t.layer is not None and not t.is_vector)
     staging = 4 * max(t.nbytes for t in tensors if t.layer is not None)
-    big = compute_budgets(args, CTX, batch, max(512, batch), staging, 10**15, 10**15, device=True)
+    big = compute_budgets(args, CTX, batch, max(512, batch), staging, 10**15, 10**15, device=True,
+                          device_reserved=device_reserve())
     vram = minimum_vram(tensors, slots, True) + int(resident * layers) + big.vram_total - big.vram_for_weights
     return vram, int(ram * raw_layers) + staging
 
@@ -53,7 +61,7 @@ def budgets(path: Path, resident: float, ram: float, batch: int = 1, slots: int 
 def open_session(path: Path, resident: float | None, ram: float = 0.3, tier_c: str = "file", tier_b: str = "auto",
                  batch: int = 1):
     if resident is None:  # everything resident
-        vram_budget, ram_budget = "100GB", "1GB"
+        vram_budget, ram_budget = "10GB", "1GB"
     else:
         v, r = budgets(path, resident, ram, batch)
         vram_budget, ram_budget = str(v), str(r)

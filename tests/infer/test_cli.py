@@ -82,13 +82,14 @@ def test_chat_holds_a_two_turn_conversation(smollm2: Path) -> None:
 
 
 def test_benchmark_reports_tokens_per_second(smollm2: Path) -> None:
-    code, out, _ = invoke(["-m", str(smollm2), "--benchmark", "-n", "8", "--json"])
+    code, out, _ = invoke(["-m", str(smollm2), "--benchmark", "-n", "8", "--json", "--device", "cpu"])
     assert code == 0
     record = json.loads(out)
-    assert record["generated_tokens"] == 8 and record["prompt_tokens"] > 1
-    assert record["decode_tokens_per_second"] > 0 and record["prompt_tokens_per_second"] > 0
-    code, out, _ = invoke(["-m", str(smollm2), "--benchmark", "-n", "4"])
-    assert code == 0 and "prompt:" in out and "decode:" in out and "tok/s" in out
+    assert record["tg_tokens"] == 8 and record["pp_tokens"] == 128
+    assert record["tg_tok_s"] > 0 and record["pp_tok_s"] > 0 and record["peak_rss_bytes"] > 0
+    code, out, _ = invoke(["-m", str(smollm2), "--benchmark", "-n", "4", "--device", "cpu"])
+    # one table: one figure per measurement (the old output printed two different speeds)
+    assert code == 0 and out.count("tok/s") == 2 and "pp128:" in out and "tg4:" in out
 
 
 def test_streaming_prints_the_same_text_as_resident(smollm2: Path) -> None:

@@ -13,8 +13,8 @@ from click.testing import CliRunner
 from infer.gguf_file import GGUFModel
 from infer.model import load_transformer
 from infer.synth import SHAPES, Shape, write_model
-from infer.tiers.options import StreamingConfig, build_streaming_engine
 from infer.tiers.plan import Tier
+from infer.tiers.session import StreamingConfig, build_streaming_engine
 from nvmedirect.cli import main as nvmedirect_main
 
 CTX = 64

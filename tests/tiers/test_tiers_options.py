@@ -9,16 +9,12 @@ import click
 import pytest
 from click.testing import CliRunner
 
+from infer.cli_options import streaming_options
 from infer.engine import greedy
 from infer.gguf_file import GGUFModel
 from infer.streaming import read_prompts_file
-from infer.tiers.flags import streaming_options
-from infer.tiers.options import (
-    StreamingConfig,
-    build_streaming_engine,
-    require_resident_fit,
-)
 from infer.tiers.plan import Tier
+from infer.tiers.session import StreamingConfig, build_streaming_engine
 
 
 def test_decorator_collects_the_options(tmp_path: Path) -> None:
@@ -61,18 +57,36 @@ def test_streaming_without_budgets_exercises_every_tier(tiny_model: Path) -> Non
         session.close()
 
 
-def test_model_that_does_not_fit_suggests_streaming(tiny_model: Path) -> None:
-    from infer.model import ModelArgs
-    from infer.tiers.budget import compute_budgets
-    from infer.tiers.options import planner_tensors
+def test_model_that_does_not_fit_suggests_streaming(tiny_model: Path, fake_cupy: object) -> None:
+    """The resident GPU engine plans every allocation against the VRAM budget before uploading: one
+    byte short of its plan is a one-line VramBudgetError naming each part and suggesting --streaming
+    (run on the NumPy stand-in for CuPy; the real device runs the same in tests/gpu/test_budget.py)."""
+    from infer.gpu import load_gpu_transformer
+    from infer.tiers.budget import VramBudgetError
 
     model = GGUFModel(tiny_model)
-    weights = sum(t.device_nbytes for t in planner_tensors(model, "gpu"))
-    b = compute_budgets(ModelArgs.from_gguf(model), 64, 1, 64, 0, 10**15, "0")
-    need = weights + b.vram_total - b.vram_for_weights
-    with pytest.raises(click.ClickException, match="run with --streaming") as info:
-        require_resident_fit(model, 64, 1, vram_budget=str(need - 1))
-    assert "\n" not in info.value.message
-    require_resident_fit(model, 64, 1, vram_budget=str(need))
-    with pytest.raises(click.ClickException, match="cannot hold the KV cache"):
-        require_resident_fit(model, 64, 1, vram_budget="10MB")
+    fits = load_gpu_transformer(model, 64, vram_budget="1GB")
+    account = fits.account
+    assert account is not None and account.room >= 0
+    need = account.budget - account.room - account.planned["float16 copies for prompts"]
+    load_gpu_transformer(model, 64, vram_budget=need)
+    with pytest.raises(VramBudgetError, match="run with --streaming") as info:
+        load_gpu_transformer(model, 64, vram_budget=need - 1)
+    message = str(info.value)
+    assert "\n" not in message and "weights" in message and "KV cache" in message and "CUDA context" in message
+    small = load_gpu_transformer(model, 64, vram_budget=need + 1000)
+    assert small.account.planned["float16 copies for prompts"] == 1000  # copies only as far as the budget allows
+
+
+def test_over_budget_requests_exit_2_with_one_line(tiny_model: Path, fake_cupy: object) -> None:
+    """`ntransformer` turns a VRAM budget the run cannot hold into exit code 2 and one line on stderr:
+    the resident GPU engine (on the NumPy stand-in for CuPy) and the streaming CPU simulation."""
+    from infer.cli import main
+
+    runner = CliRunner()
+    for args in (["--device", "gpu", "--vram-budget", "50MB"],
+                 ["--device", "cpu", "--streaming", "--vram-budget", "100KB", "--ram-budget", "1MB"]):
+        result = runner.invoke(main, ["-m", str(tiny_model), "-p", "hello", "-n", "2", *args])
+        lines = [line for line in result.stderr.splitlines() if line.startswith("Error")]
+        assert result.exit_code == 2, (args, result.output)
+        assert len(lines) == 1 and "VRAM" in lines[0] and "Traceback" not in result.output, result.output

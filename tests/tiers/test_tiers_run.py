@@ -10,8 +10,8 @@ import pytest
 
 from infer.api import LLM
 from infer.sampler import SamplerConfig
-from infer.tiers.options import StreamingConfig
 from infer.tiers.run import run_streaming
+from infer.tiers.session import StreamingConfig
 
 
 @pytest.mark.slow

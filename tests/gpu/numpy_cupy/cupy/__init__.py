@@ -11,7 +11,7 @@ import ctypes, time, types
 import numpy as np
 from gguf.constants import GGMLQuantizationType as T
 
-float16, float32, int32, uint8, uint16, int64, int8 = np.float16, np.float32, np.int32, np.uint8, np.uint16, np.int64, np.int8
+float16, float32, float64, int32, uint8, uint16, int64, int8 = np.float16, np.float32, np.float64, np.int32, np.uint8, np.uint16, np.int64, np.int8
 
 class _Data:
     def __init__(self, a): self.ptr = a.ctypes.data
@@ -27,10 +27,17 @@ for _n in ["zeros", "empty", "full", "arange", "concatenate", "stack", "where", 
 def empty(shape, dtype=np.float32): return _w(np.full(shape, np.nan if np.dtype(dtype).kind == 'f' else 0x5A, dtype))
 random = types.SimpleNamespace(random=lambda n, dtype=np.float64: _w(np.random.random(n).astype(dtype)))
 linalg = types.SimpleNamespace(norm=lambda a: np.linalg.norm(np.asarray(a)))
+class OutOfMemoryError(MemoryError): pass
 class _Pool:
+    limit = 0
     def total_bytes(self): return 0
     def used_bytes(self): return 0
-def get_default_memory_pool(): return _Pool()
+    def free_all_blocks(self, stream=None): pass
+    def set_limit(self, size=None, fraction=None): _Pool.limit = size or 0
+    def get_limit(self): return _Pool.limit
+_POOL = _Pool()
+def get_default_memory_pool(): return _POOL
+def get_default_pinned_memory_pool(): return _POOL
 
 _capturing = []
 class _Graph:
@@ -39,25 +46,35 @@ class _Graph:
         for k, g, b, a in self.calls: k._run(g, b, a)
 class Stream:
     def __init__(self, non_blocking=False): self.ptr = 0; self._rec = None
-    def __enter__(self): return self
-    def __exit__(self, *e): return False
+    def __enter__(self): _current.append(self); return self
+    def __exit__(self, *e): _current.pop(); return False
+    def wait_event(self, event): pass
+    def record(self, event=None): return event or Event()
     def begin_capture(self): self._rec = []; _capturing.append(self)
     def end_capture(self): _capturing.remove(self); g = _Graph(self._rec); self._rec = None; return g
     def synchronize(self): pass
+_current = []
 class Event:
+    def __init__(self, block=False, disable_timing=False, interprocess=False): self.t = 0.0
     def record(self, stream=None): self.t = time.perf_counter()
     def synchronize(self): pass
 class _Device:
     def __init__(self, i=0): self.id = 0
     def __enter__(self): return self
     def __exit__(self, *e): return False
+    def synchronize(self): pass
 def _no_cublas(): raise RuntimeError("no cuBLAS in the fake")
+def _no_attributes(ptr): raise RuntimeError("no pointer attributes in the fake")
+MEM_INFO = ((16 << 30) - (512 << 20), 16 << 30)  # (free, total): a 16 GiB card with a context; tests may change it
 class CompileException(Exception): pass
 cuda = types.SimpleNamespace(
     Stream=Stream, Event=Event, Device=_Device, get_elapsed_time=lambda a, b: (b.t - a.t) * 1e3,
-    get_current_stream=lambda: Stream(), device=types.SimpleNamespace(get_cublas_handle=_no_cublas),
+    get_current_stream=lambda: _current[-1] if _current else Stream(), device=types.SimpleNamespace(get_cublas_handle=_no_cublas),
+    memory=types.SimpleNamespace(OutOfMemoryError=OutOfMemoryError),
     compiler=types.SimpleNamespace(CompileException=CompileException),
-    runtime=types.SimpleNamespace(getDeviceCount=lambda: 1, memGetInfo=lambda: (1 << 30, 2 << 30), memcpyDeviceToDevice=3,
+    runtime=types.SimpleNamespace(getDeviceCount=lambda: 1, memGetInfo=lambda: MEM_INFO, memcpyDeviceToDevice=3,
+                                  memcpyHostToDevice=1, hostRegister=lambda *a: None, hostUnregister=lambda *a: None,
+                                  pointerGetAttributes=_no_attributes,
                                   memcpyAsync=lambda d, s, n, k, st: ctypes.memmove(d, s, n),
                                   getDeviceProperties=lambda i: {"name": b"FakeGPU", "major": 9, "minor": 0,
                                                                  "multiProcessorCount": 1, "l2CacheSize": 1}))
@@ -105,6 +122,20 @@ def _write_int8(xq, xs, xsum, v, act):
     _arr(xq, np.int8, q.size)[:] = q; _arr(xs, np.float32, sc.size)[:] = sc; _arr(xsum, np.int32, qs.size)[:] = qs
 
 ACTS = ["f32", "f16", "bf16", "q8_0", "q8_k"]
+
+def _chunk(): return __import__('infer.gpu.kernels', fromlist=['x']).DEFAULT_DEFINES['ATTN_CHUNK']
+def _rotate(x, c, s, npairs, neox):
+    out = x.copy()
+    if neox: a, b = x[..., :npairs], x[..., npairs:2*npairs]; out[..., :npairs] = a*c - b*s; out[..., npairs:2*npairs] = a*s + b*c
+    else: a, b = x[..., 0:2*npairs:2], x[..., 1:2*npairs:2]; out[..., 0:2*npairs:2] = a*c - b*s; out[..., 1:2*npairs:2] = a*s + b*c
+    return out
+def _probabilities(scores):
+    """float16-rounded softmax of float32 scores, with float64 exponentials and sums (the kernels')."""
+    e = np.exp(scores.astype(np.float64) - scores.max(1, keepdims=True))
+    return (e / e.sum(1, keepdims=True)).astype(np.float32).astype(np.float16).astype(np.float64)
+def _softmax_values(scores, VC, G, L):
+    p = _probabilities(scores)
+    return np.stack([p[h] @ VC[h // G, :L].astype(np.float64) for h in range(p.shape[0])]).astype(np.float32)
 
 class RawKernel:
     def __init__(self, name): self.name = name
@@ -180,11 +211,11 @@ class RawKernel:
             xv = _arr(x, np.float32, rows * nn).reshape(rows, nn)
             from infer.model import rms_norm
             from infer.quants import round_activations
-            v = rms_norm(xv.copy(), _arr(w, np.float32, nn).copy(), float(eps))
+            v = rms_norm(xv.copy(), _arr(w, np.float32, nn).copy(), float(eps), exact=True)
             if _ptr(y):
                 v = round_activations(v, ["f32", "f16", "bf16", "q8_0", "q8_k"][int(act)])
                 _arr(y, np.float32, rows * nn)[:] = v.reshape(-1)
-                if _ptr(xq): assert rows == 1; _write_int8(xq, xs8, xsum, _arr(x, np.float32, nn) * 0 + rms_norm(xv.copy(), _arr(w, np.float32, nn).copy(), float(eps)).reshape(-1), ACTS[int(act)])
+                if _ptr(xq): assert rows == 1; _write_int8(xq, xs8, xsum, rms_norm(xv.copy(), _arr(w, np.float32, nn).copy(), float(eps), exact=True).reshape(-1), ACTS[int(act)])
             if _ptr(y16): _arr(y16, np.float16, rows * nn)[:] = v.reshape(-1).astype(np.float16)
         elif n == "round_act":
             x, y, y16, nn, act, xq, xs8, xsum = args
@@ -202,65 +233,67 @@ class RawKernel:
             Q = _arr(q, np.float32, Tn * H * D).reshape(Tn, H, D); Kk = _arr(k, np.float32, Tn * Hkv * D).reshape(Tn, Hkv, D)
             V = _arr(v, np.float32, Tn * Hkv * D).reshape(Tn, Hkv, D)
             KC = _arr(kc, np.float16, Hkv * max_ctx * D).reshape(Hkv, max_ctx, D); VC = _arr(vc, np.float16, Hkv * max_ctx * D).reshape(Hkv, max_ctx, D)
-            def rot(x, c, s):
-                out = x.copy()
-                if neox: a, b = x[..., :npairs], x[..., npairs:2*npairs]; out[..., :npairs] = a*c - b*s; out[..., npairs:2*npairs] = a*s + b*c
-                else: a, b = x[..., 0:2*npairs:2], x[..., 1:2*npairs:2]; out[..., 0:2*npairs:2] = a*c - b*s; out[..., 1:2*npairs:2] = a*s + b*c
-                return out
             for t in range(Tn):
                 c, s = C[P[t]], S[P[t]]
-                Q[t] = rot(Q[t], c, s)
-                KC[:, P[t]] = rot(Kk[t], c, s).astype(np.float16); VC[:, P[t]] = V[t].astype(np.float16)
-        elif n.startswith("attention_scores_g"):
-            q, kc, pos, G, D, max_ctx, scale, n_splits, sc, pml, kn, vn, cos, sin, npairs, neox, vc = args
-            Hkv = grid[0]; G, D, max_ctx, n_splits = map(int, (G, D, max_ctx, n_splits)); CH = __import__('infer.gpu.kernels', fromlist=['x']).DEFAULT_DEFINES['ATTN_CHUNK']
-            assert grid[1] == n_splits and G <= int(n[18:])
+                Q[t] = _rotate(Q[t], c, s, npairs, neox)
+                KC[:, P[t]] = _rotate(Kk[t], c, s, npairs, neox).astype(np.float16); VC[:, P[t]] = V[t].astype(np.float16)
+        elif n.startswith("attention_scores_g") or n.startswith("attention_fused_g"):
+            fused = n.startswith("attention_fused_g")
+            if fused:
+                q, kc, vc, pos, G, D, max_ctx, scale, out, act, xq, xs8, xsum, kn, vn, cos, sin, npairs, neox = args
+            else:
+                q, kc, pos, G, D, max_ctx, scale, n_splits, sc, pml, kn, vn, cos, sin, npairs, neox, vc = args
+            Hkv = grid[0]; G, D, max_ctx = map(int, (G, D, max_ctx))
             L = int(_arr(pos, np.int32, 1)[0]) + 1
             Q = _arr(q, np.float32, Hkv * G * D).reshape(Hkv * G, D).copy()
             KC = _arr(kc, np.float16, Hkv * max_ctx * D).reshape(Hkv, max_ctx, D)
-            if _ptr(kn):
+            VC = _arr(vc, np.float16, Hkv * max_ctx * D).reshape(Hkv, max_ctx, D) if _ptr(vc) else None
+            if _ptr(kn):  # rope fused: rotate q, rotate and store the new k, store v
                 npairs, neox, P = int(npairs), int(neox), L - 1
                 C = _arr(cos, np.float32, L * npairs).reshape(L, npairs)[P]; S = _arr(sin, np.float32, L * npairs).reshape(L, npairs)[P]
-                def rot(x):
-                    out = x.copy()
-                    if neox: a_, b_ = x[..., :npairs], x[..., npairs:2*npairs]; out[..., :npairs] = a_*C - b_*S; out[..., npairs:2*npairs] = a_*S + b_*C
-                    else: a_, b_ = x[..., 0:2*npairs:2], x[..., 1:2*npairs:2]; out[..., 0:2*npairs:2] = a_*C - b_*S; out[..., 1:2*npairs:2] = a_*S + b_*C
-                    return out
-                Q = rot(Q)
-                KC[:, P] = rot(_arr(kn, np.float32, Hkv * D).reshape(Hkv, D)).astype(np.float16)
-                _arr(vc, np.float16, Hkv * max_ctx * D).reshape(Hkv, max_ctx, D)[:, P] = _arr(vn, np.float32, Hkv * D).reshape(Hkv, D).astype(np.float16)
-            Q = Q.astype(np.float16).astype(np.float32)
-            SC = _arr(sc, np.float32, Hkv * G * max_ctx).reshape(Hkv * G, max_ctx); PML = _arr(pml, np.float32, Hkv * G * n_splits * 2).reshape(Hkv * G, n_splits, 2)
-            for h in range(Hkv * G):
+                Q = _rotate(Q, C, S, npairs, neox)
+                KC[:, P] = _rotate(_arr(kn, np.float32, Hkv * D).reshape(Hkv, D), C, S, npairs, neox).astype(np.float16)
+                VC[:, P] = _arr(vn, np.float32, Hkv * D).reshape(Hkv, D).astype(np.float16)
+            q64 = Q.astype(np.float16).astype(np.float64)
+            scores = np.stack([(KC[h // G, :L].astype(np.float64) @ q64[h]).astype(np.float32) * np.float32(scale)
+                               for h in range(Hkv * G)])  # (H, L) float32, as the CPU's exact numerics
+            if fused:
+                o = _softmax_values(scores, VC, G, L)
+                from infer.quants import round_activations
+                _arr(out, np.float32, o.size)[:] = round_activations(o.reshape(1, -1), ACTS[int(act)]).reshape(-1)
+                _write_int8(xq, xs8, xsum, o.reshape(-1), ACTS[int(act)])
+            else:
+                n_splits = int(n_splits); CH = _chunk()
+                assert grid[1] == n_splits
+                SC = _arr(sc, np.float32, Hkv * G * max_ctx).reshape(Hkv * G, max_ctx); SC[:, :L] = scores
+                PML = _arr(pml, np.float64, Hkv * G * n_splits * 2).reshape(Hkv * G, n_splits, 2)
                 for sp in range(n_splits):
                     a_, b_ = sp * CH, min((sp + 1) * CH, L)
-                    if b_ <= a_: PML[h, sp] = (-np.inf, 0); continue
-                    s_ = (KC[h // G, a_:b_].astype(np.float32) @ Q[h]) * np.float32(scale); SC[h, a_:b_] = s_
-                    m = s_.max(); PML[h, sp] = (m, np.exp(s_ - m).sum())
+                    if b_ <= a_: PML[:, sp] = (-np.inf, 0); continue
+                    m = scores[:, a_:b_].max(1); PML[:, sp, 0] = m; PML[:, sp, 1] = np.exp(scores[:, a_:b_].astype(np.float64) - m[:, None]).sum(1)
         elif n.startswith("attention_values_g"):
             vc, pos, G, D, max_ctx, n_splits, sc, pml, po = args
-            Hkv = grid[0]; G, D, max_ctx, n_splits = map(int, (G, D, max_ctx, n_splits)); CH = __import__('infer.gpu.kernels', fromlist=['x']).DEFAULT_DEFINES['ATTN_CHUNK']
+            Hkv = grid[0]; G, D, max_ctx, n_splits = map(int, (G, D, max_ctx, n_splits)); CH = _chunk()
             L = int(_arr(pos, np.int32, 1)[0]) + 1
             VC = _arr(vc, np.float16, Hkv * max_ctx * D).reshape(Hkv, max_ctx, D)
-            SC = _arr(sc, np.float32, Hkv * G * max_ctx).reshape(Hkv * G, max_ctx); PML = _arr(pml, np.float32, Hkv * G * n_splits * 2).reshape(Hkv * G, n_splits, 2)
-            PO = _arr(po, np.float32, Hkv * G * n_splits * D).reshape(Hkv * G, n_splits, D)
-            for h in range(Hkv * G):
-                M = PML[h, :, 0].max(); Lsum = sum(PML[h, s_, 1] * np.exp(PML[h, s_, 0] - M) for s_ in range(n_splits) if PML[h, s_, 1] > 0)
-                for sp in range(n_splits):
-                    a_, b_ = sp * CH, min((sp + 1) * CH, L)
-                    if b_ <= a_: PO[h, sp] = 0; continue
-                    p_ = (np.exp(SC[h, a_:b_] - M) / np.float32(Lsum)).astype(np.float16).astype(np.float32)
-                    PO[h, sp] = p_ @ VC[h // G, a_:b_].astype(np.float32)
+            SC = _arr(sc, np.float32, Hkv * G * max_ctx).reshape(Hkv * G, max_ctx)
+            PO = _arr(po, np.float64, Hkv * G * n_splits * D).reshape(Hkv * G, n_splits, D)
+            probs = _probabilities(SC[:, :L])
+            for sp in range(n_splits):
+                a_, b_ = sp * CH, min((sp + 1) * CH, L)
+                PO[:, sp] = 0
+                if b_ > a_:
+                    for h in range(Hkv * G): PO[h, sp] = probs[h, a_:b_] @ VC[h // G, a_:b_].astype(np.float64)
         elif n == "attention_sum":
             po, pos, n_splits, nn, D, out, act, xq, xs8, xsum = args
             n_splits, nn, D = int(n_splits), int(nn), int(D); H = nn // D
             from infer.quants import round_activations
-            v = _arr(po, np.float32, H * n_splits * D).reshape(H, n_splits, D).sum(1).reshape(1, -1)
-            _arr(out, np.float32, nn)[:] = round_activations(v, ["f32", "f16", "bf16", "q8_0", "q8_k"][int(act)]).reshape(-1)
+            v = _arr(po, np.float64, H * n_splits * D).reshape(H, n_splits, D).sum(1).astype(np.float32).reshape(1, -1)
+            _arr(out, np.float32, nn)[:] = round_activations(v, ACTS[int(act)]).reshape(-1)
             _write_int8(xq, xs8, xsum, v, ACTS[int(act)])
         elif n == "swiglu_f32":
-            g, u, o, nn = args; nn = int(nn); gv = _arr(g, np.float32, nn)
-            _arr(o, np.float32, nn)[:] = gv / (1 + np.exp(-gv)) * _arr(u, np.float32, nn)
+            g, u, o, nn = args; nn = int(nn); gv = _arr(g, np.float32, nn).astype(np.float64)
+            _arr(o, np.float32, nn)[:] = gv / (1 + np.exp(-gv)) * _arr(u, np.float32, nn)  # in double, as the kernel
         elif n == "sample_token":
             lg, vocab, temp, seed, tok, pos, tokens = args
             p = int(_arr(pos, np.int32, 1)[0]); v = _arr(lg, np.float32, int(vocab)).astype(np.float64)

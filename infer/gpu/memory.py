@@ -1,0 +1,107 @@
+"""The VRAM budget on the device: what is outside CuPy's memory pool, the pool's limit, and the
+peak the driver reports.
+
+Everything the engine allocates (weights, KV cache, activations, ring slots, scratch, float16
+copies) goes through CuPy's default memory pool; `enforce` caps the pool at the budget less what
+lies outside it, so an overrun raises OutOfMemoryError (turned into a one-line VramBudgetError by
+`over_budget`) instead of growing past the budget. Outside the pool are the CUDA context and
+anything else on the device when the engine starts (measured), the cuBLAS workspace (fixed by
+CUBLAS_WORKSPACE_CONFIG, set when infer.gpu is imported), and kernel modules and CUDA graphs.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from types import TracebackType
+
+import cupy
+
+from infer.tiers.budget import VramAccount, VramBudgetError, format_bytes, parse_size
+
+CUBLAS_WORKSPACE_CONFIG = ":4096:8"  # cuBLAS keeps at most 8 workspaces of 4096 KiB
+CUBLAS_WORKSPACE_BYTES = 8 * 4096 * 1024
+MODULES_AND_GRAPHS = 128 << 20  # compiled kernel modules, instantiated graphs, library handles
+FREE_MARGIN = 512 << 20  # without --vram-budget: the free memory less this
+
+
+def device_memory() -> tuple[int, int]:
+    """(free, total) bytes of the current device, as the driver reports them."""
+    free, total = cupy.cuda.runtime.memGetInfo()
+    return int(free), int(total)
+
+
+def new_account(vram_budget: str | int | None, what: str) -> VramAccount:
+    """The account of a run starting now: its budget (the user's, or the free memory less a margin)
+    and the device memory outside the pool."""
+    free, total = device_memory()
+    pool = cupy.get_default_memory_pool()
+    in_use = total - free - int(pool.total_bytes())  # the context and other processes, not our pool
+    reserved = {"CUDA context and other processes": in_use, "cuBLAS workspace": CUBLAS_WORKSPACE_BYTES,
+                "kernels and graphs": MODULES_AND_GRAPHS}
+    if vram_budget is None:
+        return VramAccount(in_use + free - FREE_MARGIN, f"free memory less {format_bytes(FREE_MARGIN)}", reserved,
+                           what=what)
+    budget = parse_size(vram_budget) if isinstance(vram_budget, str) else int(vram_budget)
+    if budget > total:
+        raise VramBudgetError(f"VRAM budget {format_bytes(budget)} exceeds the GPU's {format_bytes(total)}")
+    return VramAccount(budget, "--vram-budget", reserved, what=what)
+
+
+_enforced: list[VramAccount] = []
+
+
+def enforce(account: VramAccount) -> None:
+    """Caps CuPy's pool at the account's pool limit (process-wide: one engine per process)."""
+    cupy.get_default_memory_pool().set_limit(size=max(account.pool_limit, 0))
+    _enforced[:] = [account]
+
+
+def current_account() -> VramAccount | None:
+    """The account last enforced in this process."""
+    return _enforced[0] if _enforced else None
+
+
+def is_out_of_memory(err: BaseException) -> bool:
+    return isinstance(err, cupy.cuda.memory.OutOfMemoryError)
+
+
+def over_budget(err: Exception, account: VramAccount | None) -> VramBudgetError:
+    """The one-line error for a device allocation that failed under the budget."""
+    pool = cupy.get_default_memory_pool()
+    where = f"the VRAM budget {format_bytes(account.budget)} ({account.source})" if account else "the GPU's memory"
+    return VramBudgetError(f"out of device memory: {format_bytes(pool.total_bytes())} held by the engine's pool "
+                           f"could not grow within {where} (lower -c/--ctx-size or --batch, or raise the budget)")
+
+
+class PeakMonitor:
+    """The largest device memory in use (total - free, as the driver and nvidia-smi count it) while
+    the block runs, sampled every `interval` seconds and at both ends."""
+
+    def __init__(self, interval: float = 0.002) -> None:
+        self.interval = interval
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="vram-peak", daemon=True)
+
+    def sample(self) -> int:
+        free, total = device_memory()
+        self.peak = max(self.peak, total - free)
+        return total - free
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            self.sample()
+
+    def __enter__(self) -> PeakMonitor:
+        self.sample()
+        self._thread.start()
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self._stop.set()
+        self._thread.join()
+        cupy.cuda.Device().synchronize()
+        time.sleep(self.interval)
+        self.sample()

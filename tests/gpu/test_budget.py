@@ -1,0 +1,99 @@
+"""The VRAM budget holds on every path: the resident engine, the streaming engine and a batch of
+sequences each run in a fresh process (`ntransformer ... --vram-budget B --json`) with a budget just
+above what the run plans, and the peak device memory the driver reports (total - free, sampled
+through the run: the pool, the CUDA context, cuBLAS, kernels and graphs) stays within B. One MiB
+below the plan the resident engine refuses with exit 2 and one line.
+
+Run on the H200:  .venv/bin/python -m pytest -v tests/gpu/test_budget.py
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from infer.synth import Shape, write_model
+
+pytest.importorskip("cupy")
+pytestmark = pytest.mark.gpu
+REPO = Path(__file__).resolve().parents[2]
+# ~370 MB of Q4_K_M: large enough that the float16 copies for prompts (~1.2 GB) do not fit a tight budget
+SHAPE = Shape(n_layers=8, dim=2048, ffn_dim=8192, n_heads=16, n_kv_heads=4, vocab_size=32000, context_length=2048)
+CTX = "1024"
+SLACK = 64 << 20  # the budget above the plan: room for a few float16 copies, no more
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("budget") / "m-q4_k_m.gguf"
+    write_model(path, SHAPE, "q4_k_m", seed=3)
+    return path
+
+
+def run(*args: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-c", "from infer.cli import main; main()", *args]
+    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+
+
+def record(*args: str) -> dict:
+    done = run(*args)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def planned(result: dict) -> int:
+    """Everything the run planned but the float16 copies (which take whatever room is left)."""
+    return sum(v for k, v in result["vram_plan"].items() if k != "float16 copies for prompts")
+
+
+@pytest.fixture(scope="module")
+def free(model: Path) -> dict:
+    """The resident run without a budget: its plan (weights, KV cache, activations, reserve)."""
+    return record("-m", str(model), "--device", "gpu", "-c", CTX, "--benchmark", "-n", "16", "--json")
+
+
+def streaming_budget(free: dict) -> int:
+    """Half of the weights off the device, plus room for the ring and the layer scratch."""
+    return planned(free) - free["vram_plan"]["weights"] // 2 + (128 << 20)
+
+
+def test_resident_engine_holds_its_budget(model: Path, free: dict) -> None:
+    need = planned(free)
+    assert free["vram_plan"]["float16 copies for prompts"] > 0  # without a budget: copies for prompts
+    budget = need + SLACK
+    tight = record("-m", str(model), "--device", "gpu", "-c", CTX, "--benchmark", "-n", "16", "--json",
+                   "--vram-budget", str(budget))
+    print(f"resident: plan {need / 2**30:.3f} GiB, budget {budget / 2**30:.3f} GiB, peak "
+          f"{tight['peak_vram_bytes'] / 2**30:.3f} GiB (no budget: peak {free['peak_vram_bytes'] / 2**30:.3f} GiB)")
+    assert tight["vram_budget_bytes"] == budget
+    assert 0 < tight["peak_vram_bytes"] <= budget
+    assert tight["vram_plan"]["float16 copies for prompts"] <= SLACK
+    assert tight["tg_tok_s"] > 0 and tight["pp_tok_s"] > 0
+    refused = run("-m", str(model), "--device", "gpu", "-c", CTX, "-p", "hi", "-n", "4",
+                  "--vram-budget", str(need - (1 << 20)))
+    assert refused.returncode == 2, refused.stderr
+    error = refused.stderr.strip().splitlines()[-1]
+    assert "run with --streaming" in error and "Traceback" not in refused.stderr
+
+
+def test_streaming_engine_holds_its_budget(model: Path, free: dict) -> None:
+    budget = streaming_budget(free)
+    result = record("-m", str(model), "--device", "gpu", "-c", CTX, "--streaming", "--vram-budget", str(budget),
+                    "--benchmark", "-n", "8", "--json")
+    print(f"streaming: budget {budget / 2**30:.3f} GiB, peak {result['peak_vram_bytes'] / 2**30:.3f} GiB, "
+          f"streamed {result['streamed_bytes_per_pass'] / 1e6:.0f} MB a pass")
+    assert result["streamed_bytes_per_pass"] > 0
+    assert 0 < result["peak_vram_bytes"] <= budget
+
+
+def test_batch_of_sequences_holds_its_budget(model: Path, free: dict) -> None:
+    budget = streaming_budget(free)
+    result = record("-m", str(model), "--device", "gpu", "-c", "256", "--streaming", "--vram-budget", str(budget),
+                    "--batch", "8", "-p", "hello there", "-n", "8", "--json", "-t", "0")
+    print(f"batch of 8: budget {budget / 2**30:.3f} GiB, peak {result['peak_vram_bytes'] / 2**30:.3f} GiB")
+    assert len(result["sequences"]) == 8 and all(len(s["ids"]) > 0 for s in result["sequences"])
+    assert 0 < result["peak_vram_bytes"] <= budget
