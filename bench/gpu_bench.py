@@ -1,9 +1,13 @@
 """GPU benchmark entry: a GGUF model (or a synthetic one, written if missing) on the GPU; prints
-prompt and decode speed, bytes per token against the copy bandwidth, VRAM and per-kernel timings
-(infer.gpu.benchmark).
+prompt and decode speed, bytes per token against the copy bandwidth, VRAM (peak, and the budget it
+was planned in) and per-kernel timings (infer.gpu.benchmark, the code `ntransformer --benchmark`
+runs).
 
     python -m bench.gpu_bench --synth 8b:q4_k_m --pp 512 --tg 128 [--json] [--out result.json]
-    python -m bench.gpu_bench --model file.gguf
+    python -m bench.gpu_bench --model file.gguf [--vram-budget 8GB] [--streaming] [--ctx 4096]
+
+--streaming loads the model through the streaming engine (everything that fits the budget stays
+resident, the rest streams from RAM) and measures the same figures on it.
 """
 
 from __future__ import annotations
@@ -15,16 +19,34 @@ import time
 from pathlib import Path
 
 
-def bench_model(path: Path, pp: int, tg: int, with_kernels: bool = True) -> dict[str, object]:
+def bench_model(path: Path, pp: int, tg: int, with_kernels: bool = True, vram_budget: str | None = None,
+                streaming: bool = False, ctx: int | None = None) -> dict[str, object]:
     from infer.gguf_file import GGUFModel
     from infer.gpu import load_gpu_transformer
     from infer.gpu.benchmark import measure
+    from infer.gpu.memory import PeakMonitor
 
-    started = time.perf_counter()
-    gpu = load_gpu_transformer(GGUFModel(path))
-    load_seconds = round(time.perf_counter() - started, 2)
-    result = measure(gpu, pp, tg, with_kernels)
-    return {"model": str(path), "gguf_bytes": path.stat().st_size, "load_seconds": load_seconds, **result}
+    context = ctx or pp + tg + 16
+    session = None
+    with PeakMonitor() as peak:  # load and measurement: the peak the budget must hold
+        started = time.perf_counter()
+        if streaming:
+            from infer.tiers.session import StreamingConfig, build_streaming_engine
+
+            config = StreamingConfig(enabled=True, vram_budget=vram_budget or "24GB", ram_budget="64GB")
+            session = build_streaming_engine(GGUFModel(path), config, context, device="gpu", enforce_budget=True)
+            gpu = session.engine.model
+        else:
+            gpu = load_gpu_transformer(GGUFModel(path), context, vram_budget, enforce_budget=True)
+        load_seconds = round(time.perf_counter() - started, 2)
+        result = measure(gpu, pp, tg, with_kernels and not streaming)
+    result["peak_vram_bytes"] = peak.peak
+    if session is not None:
+        result["streamed_bytes_per_pass"] = session.plan.streamed_nbytes
+        result["plan_notes"] = session.plan.notes
+        session.close()
+    return {"model": str(path), "gguf_bytes": path.stat().st_size, "load_seconds": load_seconds,
+            "engine": "streaming" if streaming else "resident", "context": context, **result}
 
 
 def synth_path(spec: str, directory: Path) -> Path:
@@ -53,12 +75,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pp", type=int, default=512)
     parser.add_argument("--tg", type=int, default=128)
     parser.add_argument("--no-kernels", action="store_true", help="skip the per-kernel timings")
+    parser.add_argument("--vram-budget", help="device memory the engine may use, e.g. 8GB (default: free less a margin)")
+    parser.add_argument("--streaming", action="store_true", help="load through the streaming engine")
+    parser.add_argument("--ctx", type=int, help="context (KV cache) to plan for (default: pp + tg + 16)")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
     parser.add_argument("--out", type=Path, help="also write the JSON result here")
     args = parser.parse_args(argv)
     try:
         path = args.model or synth_path(args.synth, args.synth_dir)
-        result = bench_model(path, args.pp, args.tg, with_kernels=not args.no_kernels)
+        result = bench_model(path, args.pp, args.tg, not args.no_kernels, args.vram_budget, args.streaming, args.ctx)
+        result["command"] = " ".join(["python3 -m bench.gpu_bench", *(argv if argv is not None else sys.argv[1:])])
     except (ValueError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

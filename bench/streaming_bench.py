@@ -106,7 +106,7 @@ def _session(model: Path, vram: str, ram: str | None, tier_c: str, ctx: int, bat
 
     config = StreamingConfig(enabled=True, vram_budget=vram, ram_budget=ram, tier_c=tier_c, batch=batch, slots=SLOTS,
                              **extra)
-    return build_streaming_engine(str(model), config, ctx, device=DEVICE, measure=True)
+    return build_streaming_engine(str(model), config, ctx, device=DEVICE, measure=True, enforce_budget=DEVICE == "gpu")
 
 
 def _pass(model, batch: list) -> list:  # noqa: ANN001
@@ -128,6 +128,18 @@ def _vocab(model) -> int:  # noqa: ANN001
 
 
 def stream_section(out: Path, model: Path, vram: str, decode_steps: int, batch_steps: int) -> dict[str, Any]:
+    if DEVICE != "gpu":
+        return _stream_section(out, model, vram, decode_steps, batch_steps)
+    from infer.gpu.memory import PeakMonitor
+
+    with PeakMonitor() as peak:  # set-up, decode, pp512 and the batch: the peak the budget must hold
+        res = _stream_section(out, model, vram, decode_steps, batch_steps)
+    res["peak_vram_bytes"] = peak.peak
+    res["peak_within_budget"] = peak.peak <= res["vram_budget_bytes"]
+    return res
+
+
+def _stream_section(out: Path, model: Path, vram: str, decode_steps: int, batch_steps: int) -> dict[str, Any]:
     from infer.tiers.plan import Tier
 
     began = time.perf_counter()
@@ -178,6 +190,8 @@ def stream_section(out: Path, model: Path, vram: str, decode_steps: int, batch_s
         # pp512, the batch prefill and the batch decode passes; prefetch for the next pass included
         res["bytes_moved_per_pass"] = {k.value: (moved[k] - moved_before[k]) // (2 + batch_steps) for k in moved}
         res["vram_budget_bytes"] = s.budgets.vram_total
+        if s.account is not None:
+            res["vram_plan"] = {**s.account.planned, **s.account.reserved}
         if DEVICE == "gpu":
             import cupy
 

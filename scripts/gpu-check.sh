@@ -1,12 +1,17 @@
 #!/bin/bash
 # The one script to run on the GPU machine (H200): sets up carried wheels, compiles the kernels,
-# runs the GPU tests, then benchmarks synthetic 8B models (Q4_K_M, Q8_0). Logs and JSON results go
-# under $OUT; a summary table is printed last. No section aborts the run.
+# runs the GPU tests, then benchmarks the synthetic 8B Q4_K_M: resident without a budget, resident
+# inside --vram-budget 8GB (bench and the CLI's own --benchmark), and through the streaming engine
+# inside the same budget. Logs and JSON results go under $OUT; a summary is printed last. No
+# section aborts the run.
 #
-#   OUT=/path/to/out bash scripts/gpu-check.sh            # tests + 8B benchmarks (~6-9 min)
-#   GPU_CHECK_SKIP_BENCH=1 bash scripts/gpu-check.sh      # call 1: compile + GPU tests (~3-5 min)
-#   GPU_CHECK_SKIP_TESTS=1 bash scripts/gpu-check.sh      # call 2: 8B Q4_K_M and Q8_0 benchmarks (~4-6 min)
-#   GPU_CHECK_70B=1 GPU_CHECK_SKIP_TESTS=1 ...            # also the 70B Q4_K_M (writes ~42 GB to disk)
+#   OUT=/path/to/out bash scripts/gpu-check.sh            # tests + 8B benchmarks (~7-9 min)
+#   GPU_CHECK_SKIP_BENCH=1 bash scripts/gpu-check.sh      # compile + GPU tests (~4-5 min)
+#   GPU_CHECK_SKIP_TESTS=1 bash scripts/gpu-check.sh      # the 8B benchmarks (~3-4 min)
+#   GPU_CHECK_Q8=1 ...                                    # also the 8B Q8_0 (resident, no budget)
+#   GPU_CHECK_70B=1 GPU_CHECK_SKIP_TESTS=1 GPU_CHECK_SKIP_BENCH=1 ...
+#                                                         # the 70B Q4_K_M streamed at --vram-budget 24GB
+#                                                         # (bench.streaming_bench; writes ~42 GB to disk)
 #   NVMEDIRECT_GPU_MODELS=a.gguf:b.gguf                   # real models for tests/gpu/test_model.py
 #   GPU_CHECK_ALL_GPU_TESTS=1                             # also `pytest -m gpu tests/` (every area)
 #
@@ -57,9 +62,9 @@ grep -q FAILED "$OUT/compile.txt" && note "compile: FAILED (compile.txt)" || not
 
 if [ -z "${GPU_CHECK_SKIP_TESTS:-}" ]; then
     section "GPU tests"
-    timeout 300 python3 -m pytest -q --timeout 150 -p no:cacheprovider --tb=short --durations=10 \
-        tests/gpu/test_kernels.py tests/gpu/test_model.py tests/gpu/test_cli_gpu.py tests/infer/test_gpu_layout.py \
-        tests/infer/test_synth.py tests/infer/test_kernels_compile.py \
+    timeout 420 python3 -m pytest -q -s --timeout 200 -p no:cacheprovider --tb=short --durations=10 \
+        tests/gpu/test_kernels.py tests/gpu/test_model.py tests/gpu/test_cli_gpu.py tests/gpu/test_streaming.py \
+        tests/gpu/test_budget.py tests/infer/test_gpu_layout.py tests/infer/test_synth.py \
         --junitxml="$OUT/pytest.xml" > "$OUT/pytest.log" 2>&1
     rc=$?
     grep -E "^(FAILED|ERROR)" "$OUT/pytest.log" | head -40
@@ -72,32 +77,66 @@ if [ -z "${GPU_CHECK_SKIP_TESTS:-}" ]; then
     fi
 fi
 
-bench() {  # spec, timeout
-    local spec=$1 limit=$2 name=${1/:/-}
-    section "benchmark $spec"
-    timeout "$limit" python3 -m bench.gpu_bench --synth "$spec" --synth-dir "$SYNTH_DIR" --pp 512 --tg 128 \
+bench() {  # name, timeout, bench.gpu_bench arguments...
+    local name=$1 limit=$2
+    shift 2
+    section "benchmark $name: $*"
+    timeout "$limit" python3 -m bench.gpu_bench --synth-dir "$SYNTH_DIR" --pp 512 --tg 128 --no-kernels "$@" \
         --out "$OUT/bench-$name.json" > "$OUT/bench-$name.txt" 2>&1
     local rc=$?
     cat "$OUT/bench-$name.txt"
-    if [ $rc -ne 0 ]; then note "bench $spec: FAILED (exit $rc, bench-$name.txt)"; return; fi
-    python3 - "$OUT/bench-$name.json" "$spec" <<'EOF' | tee -a "$SUMMARY"
+    if [ $rc -ne 0 ]; then note "bench $name: FAILED (exit $rc, bench-$name.txt)"; return; fi
+    python3 - "$OUT/bench-$name.json" "$name" <<'EOF' | tee -a "$SUMMARY"
 import json, sys
 r = json.load(open(sys.argv[1]))
-print(f"bench {sys.argv[2]:<10} pp512 {r['pp_tok_s']:>8} tok/s  tg128 {r['tg_tok_s']:>7} tok/s "
-      f"(float {r['tg_float_tok_s']}, int8 {r['tg_int8_tok_s']})  "
-      f"{r['achieved_GBps']} GB/s ({r['fraction_of_copy']:.0%} of copy {r['copy_GBps']})  "
-      f"VRAM {r['vram_used_bytes'] / 2**30:.1f} GiB  step {r['step_us']} us (kernels {r.get('kernel_sum_us')} us)")
+budget = f" of {r['vram_budget_bytes'] / 1e9:.2f} GB" if "vram_budget_bytes" in r else ""
+print(f"bench {sys.argv[2]:<14} pp512 {r['pp_tok_s']:>8} tok/s  tg128 {r['tg_tok_s']:>7} tok/s "
+      f"(float {r['tg_float_tok_s']}, int8 {r['tg_int8_tok_s']})  {r['achieved_GBps']} GB/s "
+      f"({r['fraction_of_copy']:.0%} of copy {r['copy_GBps']})  peak {r['peak_vram_bytes'] / 1e9:.2f} GB{budget}")
 EOF
     rm -f "$SYNTH_DIR"/*.part
 }
 
+cli_bench() {  # name, timeout, ntransformer arguments...: the CLI's own --benchmark --json
+    local name=$1 limit=$2
+    shift 2
+    section "ntransformer $*"
+    timeout "$limit" python3 -c "from infer.cli import main; main()" "$@" > "$OUT/cli-$name.json" 2> "$OUT/cli-$name.txt"
+    local rc=$?
+    tail -5 "$OUT/cli-$name.txt"
+    python3 - "$OUT/cli-$name.json" "$name" "$rc" <<'EOF' | tee -a "$SUMMARY"
+import json, sys
+try:
+    r = json.loads(open(sys.argv[1]).read().strip().splitlines()[-1])
+    print(f"cli {sys.argv[2]:<16} exit {sys.argv[3]}: pp{r['pp_tokens']} {r['pp_tok_s']} tok/s, tg{r['tg_tokens']} "
+          f"{r['tg_tok_s']} tok/s, peak {r['peak_vram_bytes'] / 1e9:.2f} GB of {r.get('vram_budget_bytes', 0) / 1e9:.2f}")
+except Exception as err:
+    print(f"cli {sys.argv[2]:<16} exit {sys.argv[3]}: no result ({err})")
+EOF
+}
+
 if [ -z "${GPU_CHECK_SKIP_BENCH:-}" ]; then
-    bench 8b:q4_k_m 200
-    bench 8b:q8_0 200
-    if [ -n "${GPU_CHECK_70B:-}" ]; then
-        rm -f "$SYNTH_DIR"/synth-8b-*.gguf  # disk: 64 GB in all
-        bench 70b:q4_k_m 500
-    fi
+    bench 8b-q4km 300 --synth 8b:q4_k_m
+    bench 8b-q4km-8GB 120 --synth 8b:q4_k_m --vram-budget 8GB --ctx 4096
+    bench 8b-q4km-stream 120 --synth 8b:q4_k_m --vram-budget 8GB --ctx 4096 --streaming
+    cli_bench 8b-8GB 120 -m "$SYNTH_DIR/synth-8b-q4_k_m.gguf" --device gpu --benchmark -n 64 --vram-budget 8GB --json
+    [ -n "${GPU_CHECK_Q8:-}" ] && bench 8b-q80 300 --synth 8b:q8_0
+fi
+
+if [ -n "${GPU_CHECK_70B:-}" ]; then
+    section "70B Q4_K_M streamed at --vram-budget 24GB"
+    rm -f "$SYNTH_DIR"/synth-8b-*.gguf  # disk: 64 GB in all
+    limit=${GPU_CHECK_70B_SECONDS:-560}
+    timeout "$limit" python3 -m bench.streaming_bench --out "$OUT" --sections model,h2d,stream \
+        --deadline "$((limit - 20))" > "$OUT/bench-70b.txt" 2>&1
+    note "70B streaming bench: exit $?"
+    python3 - "$OUT/results.json" <<'EOF' | tee -a "$SUMMARY"
+import json, sys
+r = json.load(open(sys.argv[1])).get("stream", {})
+keys = ("decode_tok_s", "roofline_tok_s", "decode_fraction_of_roofline", "pp512_tok_s", "batch32_aggregate_tok_s",
+        "peak_vram_bytes", "vram_budget_bytes", "peak_within_budget", "error")
+print("70B stream: " + ", ".join(f"{k} {r[k]}" for k in keys if k in r))
+EOF
 fi
 
 section "summary"

@@ -143,7 +143,7 @@ def kernel_timings(gpu, n_layers_cycle: int = 8) -> list[dict[str, object]]:  # 
     add(f"rmsnorm+round ({act_n}{', int8' if eight else ''})", 2 * a.n_layers + 1, 0,
         [lambda: ops.rmsnorm(x[: a.dim], layers[0].attn_norm, a.norm_eps, 1, a.dim, y=outs[: a.dim], act=act_n,
                              int8=x8(a.dim, act_n) if eight else None)])
-    for ctx in (128, 4096):
+    for ctx in sorted({min(128, gpu.max_context), min(4096, gpu.max_context)}):
         cache = gpu.new_cache(ctx)
         cache.pos.set(np.array([ctx - 1], np.int32), stream=stream)
         rope = (x[: a.kv_dim], x[: a.kv_dim], gpu._rope_tables[0], gpu._rope_tables[1], gpu.rope.n_pairs, a.rope_neox)

@@ -198,9 +198,10 @@ def compute_budgets(args: ModelArgs, ctx_size: int, batch: int, tokens_per_pass:
     margin = (DEVICE_MARGIN if device_reserved is None else device_reserved) if device else 0
     vram_weights = vram_total - kv - act - margin
     if vram_weights <= 0:
+        reserve = f", the device reserve ({format_bytes(margin)}: CUDA context, cuBLAS, kernels)" if margin else ""
         raise BudgetError(
             f"VRAM budget {format_bytes(vram_total)} cannot hold the KV cache ({format_bytes(kv)} for "
-            f"{batch} x {ctx_size} positions) and activations ({format_bytes(act)}): give more than "
+            f"{batch} x {ctx_size} positions) and activations ({format_bytes(act)}){reserve}: give more than "
             f"{format_bytes(kv + act + margin)} plus the weights' working set, or lower -c/--batch")
     return Budgets(vram_total, vram_weights, ram_total, max(0, ram_total - staging_nbytes), kv, act,
                    staging_nbytes, vram_source, ram_source, margin)

@@ -169,6 +169,7 @@ def build_streaming_engine(model: GGUFModel | str | os.PathLike, config: Streami
             closers.append(weights.close)
             room = max(account.room, 0)  # type: ignore[union-attr]
             transformer: Any = GpuTransformer(args, weights, factors, ctx_size, prefill_chunk, half_copies=room)
+            transformer.account = account
         else:
             from infer.model import Transformer
             from infer.tiers.cpu_sim import StreamingCpuWeights
