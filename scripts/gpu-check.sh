@@ -90,9 +90,10 @@ bench() {  # name, timeout, bench.gpu_bench arguments...
 import json, sys
 r = json.load(open(sys.argv[1]))
 budget = f" of {r['vram_budget_bytes'] / 1e9:.2f} GB" if "vram_budget_bytes" in r else ""
+copy = f"{r['fraction_of_copy']:.0%} of copy {r['copy_GBps']}" if r["copy_GBps"] else "copy not measured"
 print(f"bench {sys.argv[2]:<14} pp512 {r['pp_tok_s']:>8} tok/s  tg128 {r['tg_tok_s']:>7} tok/s "
-      f"(float {r['tg_float_tok_s']}, int8 {r['tg_int8_tok_s']})  {r['achieved_GBps']} GB/s "
-      f"({r['fraction_of_copy']:.0%} of copy {r['copy_GBps']})  peak {r['peak_vram_bytes'] / 1e9:.2f} GB{budget}")
+      f"(float {r['tg_float_tok_s']}, int8 {r['tg_int8_tok_s']})  {r['achieved_GBps']} GB/s ({copy})  "
+      f"peak {r['peak_vram_bytes'] / 1e9:.2f} GB{budget}")
 EOF
     rm -f "$SYNTH_DIR"/*.part
 }

@@ -31,13 +31,24 @@ def _events_ms(stream, run: Callable[[], None], reps: int = 5) -> float:  # noqa
     return statistics.median(times)
 
 
-def copy_bandwidth(nbytes: int = 256 << 20) -> float:
-    """Device-to-device copy in GB/s, bytes read plus bytes written (256 MiB: several times the L2,
-    small enough for any VRAM budget; freed afterwards)."""
+COPY_PROBE_BYTES = 256 << 20  # several times the H200's 60 MiB L2
+COPY_PROBE_MIN = 64 << 20
+
+
+def copy_bandwidth(nbytes: int = COPY_PROBE_BYTES) -> float | None:
+    """Device-to-device copy in GB/s, bytes read plus bytes written, of two buffers of `nbytes`, or
+    less when a capped memory pool (a VRAM budget) has not that much room left: the probe stays
+    inside the budget and is freed afterwards. None when not even COPY_PROBE_MIN fits."""
     import cupy
 
+    pool = cupy.get_default_memory_pool()
+    pool.free_all_blocks()
+    if pool.get_limit():
+        nbytes = min(nbytes, (pool.get_limit() - pool.used_bytes()) // 2 >> 20 << 20)
+        if nbytes < COPY_PROBE_MIN:
+            return None
     ms = _copy_ms(nbytes)
-    cupy.get_default_memory_pool().free_all_blocks()
+    pool.free_all_blocks()
     return 2 * nbytes / (ms * 1e-3) / 1e9
 
 
@@ -174,7 +185,8 @@ def measure(gpu, pp: int = 512, tg: int = 128, with_kernels: bool = True) -> dic
     import cupy
 
     result: dict[str, object] = {"device": cupy.cuda.runtime.getDeviceProperties(0)["name"].decode()}
-    result["copy_GBps"] = round(copy_bandwidth(), 1)
+    copy = copy_bandwidth()
+    result["copy_GBps"] = round(copy, 1) if copy else None
     a, stream = gpu.args, gpu.stream
     rng = np.random.default_rng(0)
     cache = gpu.new_cache(pp + tg + 16)
@@ -224,7 +236,7 @@ def measure(gpu, pp: int = 512, tg: int = 128, with_kernels: bool = True) -> dic
     result["vram_bytes_per_token"] = vram
     result["achieved_GBps"] = round(vram * tok_s / 1e9, 1)  # bytes the kernels actually read
     result["achieved_gguf_GBps"] = round(src * tok_s / 1e9, 1)  # as llama.cpp would count
-    result["fraction_of_copy"] = round(vram * tok_s / 1e9 / result["copy_GBps"], 3)  # type: ignore[operator]
+    result["fraction_of_copy"] = round(vram * tok_s / 1e9 / copy, 3) if copy else None
     free, total = cupy.cuda.runtime.memGetInfo()
     result["vram_used_bytes"] = int(total - free)
     result["vram_pool_bytes"] = int(cupy.get_default_memory_pool().total_bytes())
@@ -252,8 +264,9 @@ def render(result: dict[str, object]) -> str:
              f"({result['step_us']} us/token; float GEMVs {result['tg_float_tok_s']}, int8 {result['tg_int8_tok_s']}, "
              f"same tokens {result['tg_int8_same_tokens']:.0%})",
              f"  weights read per token: {result['vram_bytes_per_token'] / 1e9:.2f} GB (GGUF "  # type: ignore[operator]
-             f"{result['gguf_bytes_per_token'] / 1e9:.2f} GB) -> {result['achieved_GBps']} GB/s = "  # type: ignore[operator]
-             f"{result['fraction_of_copy']:.0%} of the {result['copy_GBps']} GB/s copy",
+             f"{result['gguf_bytes_per_token'] / 1e9:.2f} GB) -> {result['achieved_GBps']} GB/s"  # type: ignore[operator]
+             + (f" = {result['fraction_of_copy']:.0%} of the {result['copy_GBps']} GB/s copy" if result["copy_GBps"]
+                else " (no room in the budget to measure the copy bandwidth)"),
              f"  VRAM used {result['vram_used_bytes'] / 2**30:.2f} GiB"  # type: ignore[operator]
              + (f", peak {result['peak_vram_bytes'] / 2**30:.2f} GiB" if "peak_vram_bytes" in result else "")  # type: ignore[operator]
              + (f" of the {result['vram_budget_bytes'] / 2**30:.2f} GiB budget ({result['vram_budget_source']})"  # type: ignore[operator]

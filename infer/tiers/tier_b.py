@@ -12,6 +12,7 @@ plain memory map: the same bytes through the same code.
 
 from __future__ import annotations
 
+import mmap
 from collections.abc import Sequence
 
 import numpy as np
@@ -51,11 +52,16 @@ class HostTier:
         self.pinned = False
         self._views: dict[str, np.ndarray] = {}
         self._registered_ptr: int | None = None
+        self._map = None
         self.nbytes = 0
         if not tensors:
             return
         if mode == "registered":
-            self._register(model.data, tensors)
+            # a mapping of its own: CUDA refuses a copy from host memory partly inside a registered
+            # range, which the model's mapping would become for tensors at the span's edges
+            with open(model.path, "rb") as f:
+                self._map: mmap.mmap | None = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            self._register(np.frombuffer(self._map, dtype=np.uint8), tensors)
         elif mode == "pinned":
             self._fill_arena(model.data, tensors)
         else:
@@ -102,3 +108,6 @@ class HostTier:
             cupy.cuda.runtime.hostUnregister(self._registered_ptr)
             self._registered_ptr = None
         self._views = {}
+        # the memory map closes once no view refers to it (closing it here would fail while
+        # callers still hold arrays)
+        self._map = None
