@@ -43,8 +43,8 @@ def copy_bandwidth(nbytes: int = COPY_PROBE_BYTES) -> float | None:
 
     pool = cupy.get_default_memory_pool()
     pool.free_all_blocks()
-    if pool.get_limit():
-        nbytes = min(nbytes, (pool.get_limit() - pool.used_bytes()) // 2 >> 20 << 20)
+    if pool.get_limit():  # two buffers in a third of the room each: slack for the pool's rounding
+        nbytes = min(nbytes, (pool.get_limit() - pool.total_bytes()) // 3 >> 20 << 20)
         if nbytes < COPY_PROBE_MIN:
             return None
     ms = _copy_ms(nbytes)
@@ -55,7 +55,8 @@ def copy_bandwidth(nbytes: int = COPY_PROBE_BYTES) -> float | None:
 def _copy_ms(nbytes: int) -> float:
     import cupy
 
-    src = cupy.random.random(nbytes // 4, dtype=cupy.float32)
+    src = cupy.empty(nbytes // 4, dtype=cupy.float32)
+    src[...] = 0.5  # not zeros (METHOD.md), and no temporaries beyond the two buffers
     dst = cupy.empty_like(src)
     stream = cupy.cuda.Stream(non_blocking=True)
     rt = cupy.cuda.runtime
