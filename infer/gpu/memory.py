@@ -12,7 +12,6 @@ CUBLAS_WORKSPACE_CONFIG, set when infer.gpu is imported), and kernel modules and
 from __future__ import annotations
 
 import threading
-import time
 from types import TracebackType
 
 import cupy
@@ -79,7 +78,7 @@ class PeakMonitor:
     the block runs, sampled every `interval` seconds and at both ends."""
 
     def __init__(self, interval: float = 0.002) -> None:
-        self.interval = interval
+        self.interval = interval  # 0: no sampling thread, the two ends only
         self.peak = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="vram-peak", daemon=True)
@@ -95,13 +94,14 @@ class PeakMonitor:
 
     def __enter__(self) -> PeakMonitor:
         self.sample()
-        self._thread.start()
+        if self.interval:
+            self._thread.start()
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
         self._stop.set()
-        self._thread.join()
+        if self.interval:
+            self._thread.join()
         cupy.cuda.Device().synchronize()
-        time.sleep(self.interval)
         self.sample()
