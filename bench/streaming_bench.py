@@ -93,8 +93,8 @@ def h2d_figures(slot_bytes: int) -> dict[str, Any]:
 
 # ------------------------------------------------------------------------------------------ stream
 DEVICE = "gpu"  # --device cpu runs the same sections on the CPU simulation (a smoke test for CI)
-# H200, 70B Q4_K_M at 24 GB: 4 slots gave 57.7 tok/s for 32 sequences and pp512 834 tok/s; 8 slots
-# gave 69.7 and 1170 (copies run further ahead of the batched compute), single-sequence decode equal.
+# 8 slots let the copies run further ahead of the batched compute than the library's 4 (70B at 24 GB:
+# faster 32-sequence decode and pp512, single-sequence decode equal; docs/PERFORMANCE.md).
 BENCH_SLOTS = 8
 SLOTS = BENCH_SLOTS  # ring slots (--slots)
 

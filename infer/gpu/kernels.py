@@ -14,13 +14,11 @@ from pathlib import Path
 KERNEL_DIR = Path(__file__).resolve().parent.parent / "kernels"
 SOURCES = ("gemv", "dequant", "repack", "ops", "attention")
 # ATTN_CHUNK: cache positions per decode-attention block; short enough that a short context still
-# spreads over several blocks per KV head (their loads in flight at once). GEMV_UNROLL 2: run 3 on the
-# H200 timed the int8 SwiGLU GEMV at 24.7 us (k4) and 32.7 us (q8) against 27.3 and 33.8 with 4;
-# the float GEMVs did not change.
+# spreads over several blocks per KV head (their loads in flight at once). GEMV_UNROLL 2 and the
+# SwiGLU's 8 were chosen by timing the variants (docs/GPU.md, docs/PERFORMANCE.md).
 DEFAULT_DEFINES: dict[str, int] = {"GEMV_WARPS": 4, "GEMV_UNROLL": 2, "ATTN_CHUNK": 64}
-# The paired (gate, up) integer GEMV keeps 8 sub-blocks of each row in flight per lane: run 10 on the
-# H200 timed it at 20.0 us (k4) and 30.9 us (q8) against 21.0 and 32.8 with the default 2 (the
-# single-matrix GEMVs gained nothing from it).
+# The paired (gate, up) integer GEMV keeps 8 sub-blocks of each row in flight per lane (faster than
+# 2 for it; the single-matrix GEMVs gained nothing from it).
 SWIGLU_DEFINES: dict[str, int] = {"GEMV_UNROLL": 8}
 OPTIONS = ("-std=c++17",)
 _INCLUDE = re.compile(r'^#include "([\w.]+)"\s*$', re.MULTILINE)

@@ -439,7 +439,7 @@ ATTENTION_DECODE(16)
 // out (n_heads * D) = sum over the splits holding positions 0..pos[0] of their partial outputs (in
 // split order: deterministic), then rounded to activation format `fmt` for the output projection.
 // Spread over blocks of 256 threads: for q8_0/q8_k a warp sums one 8-bit group's values, then rounds
-// that group (run 3: one block of 1024 threads for the whole vector was a serial tail per layer).
+// that group (one block of 1024 threads for the whole vector was a serial tail per layer, docs/GPU.md).
 extern "C" __global__ void __launch_bounds__(256, 1)  // (, 1): ptxas otherwise caps it at 32 registers and spills
     attention_sum(const double* part_o, const int* pos, int n_splits, int n, int D, float* out, int fmt,
                   signed char* xq, float* xs, int* xsum) {

@@ -101,8 +101,8 @@ extern "C" __global__ void __launch_bounds__(1024)
 }
 
 // y (and/or y16) = x rounded to activation format `fmt`; grid (pieces of a row, rows of n); y may
-// alias x. The row is spread over blocks (run 3: one block per row took 13 us for the 14336 values
-// of an 8B FFN, one SM's latency-bound loop), a warp per 8-bit group, no copy before rounding.
+// alias x. The row is spread over blocks (one block per row is one SM's latency-bound loop: slow
+// for an 8B FFN's 14336 values, docs/GPU.md), a warp per 8-bit group, no copy before rounding.
 extern "C" __global__ void round_act(const float* x, float* y, __half* y16, int n, int fmt, signed char* xq,
                                      float* xs, int* xsum) {
     const long long row = blockIdx.y;

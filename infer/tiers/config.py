@@ -23,8 +23,7 @@ class StreamingConfig:
     batch: int = 1
     prompts_file: str | None = None
     # tier C reads: requests in flight in the reader (None: its default, 8) and host staging buffers
-    # (whole streamed tensors read ahead of the ring, counted in the RAM budget). Run 11 on the H200
-    # (70B, 20.5 GB of tier C a pass): 16 x 8 read at 1.55 GB/s, 8 x 4 at 1.40 GB/s
-    # (docs/PERFORMANCE.md); the defaults stay 8 x 4, which the small-budget placements assume.
+    # (whole streamed tensors read ahead of the ring, counted in the RAM budget). 16 x 8 reads faster
+    # on a large model (docs/PERFORMANCE.md); the defaults stay 8 x 4, which small budgets assume.
     read_queue_depth: int | None = None
     staging_buffers: int = 4
