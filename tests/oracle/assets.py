@@ -13,6 +13,7 @@ from pathlib import Path
 
 SMOLLM2_ORIGINAL = "SmolLM2-135M-Instruct.Q4_1.gguf"
 QWEN05B = "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
+QWEN15B = "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"
 # variant name -> llama.cpp file type it is requantized to
 SMOLLM2_VARIANTS = ("F16", "Q8_0", "Q4_0", "Q4_K_M", "Q5_K_M", "Q6_K")
 
@@ -33,6 +34,10 @@ def smollm2_path(variant: str = "Q4_1") -> Path:
 
 def qwen05b_path() -> Path:
     return models_dir() / QWEN05B
+
+
+def qwen15b_path() -> Path:
+    return models_dir() / QWEN15B
 
 
 def botchan_path() -> Path:

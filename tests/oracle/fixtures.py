@@ -21,9 +21,11 @@ def require_asset(path: Path) -> Path:
 
 
 def model_path(name: str) -> Path:
-    """'smollm2-F16', 'smollm2-Q4_1', ..., or 'qwen05b'."""
+    """'smollm2-F16', 'smollm2-Q4_1', ..., 'qwen05b' or 'qwen15b'."""
     if name == "qwen05b":
         return require_asset(assets.qwen05b_path())
+    if name == "qwen15b":
+        return require_asset(assets.qwen15b_path())
     return require_asset(assets.smollm2_path(name.split("-", 1)[1]))
 
 
