@@ -19,6 +19,8 @@ whose activations have large outliers, one such flip moves logits by percents (d
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -202,29 +204,73 @@ class KVCache:
 
 
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float, exact: bool = False) -> np.ndarray:
-    """x / sqrt(mean(x^2) + eps) * weight in float32; with `exact` the sum of squares is taken in
-    float64 and rounded to float32 once (the GPU's rmsnorm kernels compute the same steps)."""
+    """x / sqrt(mean(x^2) + eps) * weight in float32, rounded step by step as llama.cpp's CPU does:
+    float32 squares summed in double, the mean rounded to float32, scale = 1 / sqrt(mean + eps),
+    then x * scale * weight. With `exact` the sum of squares is taken in float64 over exact squares
+    and rounded to float32 once, then x / sqrt(...) * weight (the GPU's rmsnorm kernels compute the
+    same steps)."""
     if exact:
         x64 = x.astype(np.float64)
         mean_square = np.sum(x64 * x64, axis=-1, keepdims=True).astype(np.float32) / np.float32(x.shape[-1])
-    else:
-        mean_square = np.mean(np.square(x, dtype=np.float32), axis=-1, keepdims=True)
-    return (x / np.sqrt(mean_square + np.float32(eps))) * weight
+        return (x / np.sqrt(mean_square + np.float32(eps))) * weight
+    # Bit for bit llama.cpp's: inputs made from quantized weights land exactly on 8-bit rounding
+    # ties (x * 127 / amax = k + 1/2) often enough that the last bit of the norm decides them.
+    squares = np.sum(np.square(x, dtype=np.float32), axis=-1, keepdims=True, dtype=np.float64)
+    mean_square = (squares / x.shape[-1]).astype(np.float32)
+    scale = np.float32(1.0) / np.sqrt(mean_square + np.float32(eps))
+    return x * scale * weight
+
+
+def _c_math() -> tuple[Callable[[float], float], Callable[[float], float], Callable[[float, float], float]] | None:
+    """The C library's cosf, sinf and powf, if there is one to load."""
+    name = ctypes.util.find_library("m")
+    try:
+        libm = ctypes.CDLL(name or "libm.so.6")
+    except OSError:
+        return None
+    functions = []
+    for fn, nargs in (("cosf", 1), ("sinf", 1), ("powf", 2)):
+        f = getattr(libm, fn)
+        f.restype, f.argtypes = ctypes.c_float, [ctypes.c_float] * nargs
+        functions.append(f)
+    return tuple(functions)  # type: ignore[return-value]
+
+
+_C_MATH = _c_math()
 
 
 class Rope:
-    """Rotary position embedding over the first `rope_dim` dimensions of each head."""
+    """Rotary position embedding over the first `rope_dim` dimensions of each head.
 
-    def __init__(self, args: ModelArgs, freq_factors: np.ndarray | None) -> None:
+    The angles are llama.cpp's bit for bit: theta_scale = powf(base, -2/d), a running float32
+    product, cosf and sinf of the C library (NumPy's float32 cos and sin differ from them in the last
+    bit for about one angle in eight, and a rotated query or key one bit off rounds to another
+    float16 about once in 8000). With `fma` the rotation rounds as llama.cpp's compiled loop does,
+    which fuses the first product of each line: fma(a, c, -(b*s)) and fma(a, s, b*c); without it,
+    each product and the sum are rounded on their own (what the GPU kernels compute)."""
+
+    def __init__(self, args: ModelArgs, freq_factors: np.ndarray | None, fma: bool = False) -> None:
         self.args = args
         self.n_pairs = args.rope_dim // 2
-        self.theta_scale = np.float32(args.rope_base ** (-2.0 / args.rope_dim))
+        exponent = np.float32(-2.0) / np.float32(args.rope_dim)
+        self.theta_scale = np.float32(_C_MATH[2](args.rope_base, exponent) if _C_MATH
+                                      else np.float32(args.rope_base) ** np.float64(exponent))
         self.freq_factors = freq_factors
+        self.fma = fma
+        self._table = np.zeros((2, 0, self.n_pairs), np.float32)  # cos, sin of positions 0.. so far
 
     def angles(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """cos and sin, each (T, n_pairs). The angle of pair i is pos * theta_scale**i, computed as
         llama.cpp does (a running float32 product, then / freq_factor[i], then * 1/linear_scale) so
         both sides rotate by the same rounded angles."""
+        positions = np.asarray(positions, dtype=np.int64)
+        if len(positions) and positions.max() >= self._table.shape[1]:
+            known = self._table.shape[1]
+            more = np.arange(known, max(int(positions.max()) + 1, 2 * known))
+            self._table = np.concatenate([self._table, self._cos_sin(more)], axis=1)
+        return self._table[0, positions], self._table[1, positions]
+
+    def _cos_sin(self, positions: np.ndarray) -> np.ndarray:
         steps = np.full((len(positions), self.n_pairs), self.theta_scale, dtype=np.float32)
         steps[:, 0] = positions.astype(np.float32)
         theta = np.cumprod(steps, axis=1, dtype=np.float32)
@@ -232,7 +278,11 @@ class Rope:
             theta = theta / self.freq_factors
         if self.args.rope_linear_scale != 1.0:
             theta = theta * np.float32(1.0 / self.args.rope_linear_scale)
-        return np.cos(theta), np.sin(theta)
+        if _C_MATH is None:  # no C library: the correctly rounded values, almost always the same
+            return np.stack([np.cos(theta.astype(np.float64)), np.sin(theta.astype(np.float64))]).astype(np.float32)
+        cosf, sinf, _ = _C_MATH
+        flat = theta.ravel().tolist()
+        return np.stack([np.fromiter(map(f, flat), np.float32, len(flat)).reshape(theta.shape) for f in (cosf, sinf)])
 
     def apply(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
         """x: (T, heads, head_dim) -> rotated copy."""
@@ -241,12 +291,17 @@ class Rope:
         c, s = cos[:, None, :], sin[:, None, :]
         if self.args.rope_neox:
             a, b = x[..., :n], x[..., n : 2 * n]
-            out[..., :n] = a * c - b * s
-            out[..., n : 2 * n] = a * s + b * c
+            first, second = slice(0, n), slice(n, 2 * n)
         else:
             a, b = x[..., 0 : 2 * n : 2], x[..., 1 : 2 * n : 2]
-            out[..., 0 : 2 * n : 2] = a * c - b * s
-            out[..., 1 : 2 * n : 2] = a * s + b * c
+            first, second = slice(0, 2 * n, 2), slice(1, 2 * n, 2)
+        if self.fma:  # a float64 sum of an exact product and a float32 is one rounding away from fma's
+            wide = np.float64
+            out[..., first] = a.astype(wide) * c - b * s
+            out[..., second] = a.astype(wide) * s + b * c
+        else:
+            out[..., first] = a * c - b * s
+            out[..., second] = a * s + b * c
         return out
 
 
@@ -280,7 +335,7 @@ class Transformer:
                  exact: bool = False):
         self.args = args
         self.weights = weights
-        self.rope = Rope(args, rope_freq_factors)
+        self.rope = Rope(args, rope_freq_factors, fma=not exact)  # llama.cpp's rounding, or the GPU's
         self.exact = exact  # float64 sums (module docstring); the weights' Linears must be exact too
 
     def new_cache(self, max_tokens: int) -> KVCache:
