@@ -17,6 +17,7 @@ from infer.tiers.plan import Tier, minimum_vram
 from infer.tiers.session import StreamingConfig, build_streaming_engine, planner_tensors
 
 CTX = 96
+ONE_ULP = 2.0**-23  # relative: one float32 step
 
 
 def budgets_for(path: Path, resident_share: float, ram_share: float, slots: int = 4,
@@ -94,32 +95,38 @@ def test_tiny_generation_over_many_passes_equals_resident(tiny_model: Path) -> N
 
 
 def test_batch_of_sequences_equals_each_alone(tiny_model: Path) -> None:
+    """Batching is checked as an identity in the exact numerics (float64 sums of exact terms do not
+    depend on how many rows a product has; equal up to a float32 rounding tie, one ulp). In the
+    float32 numerics rows batched together are summed in another order than alone, and on this
+    q8_K-rounded model that moves logits by ~1e-3 (it differs between CPUs): there the tiered engine
+    is held to computing exactly what the resident engine computes for the same batch."""
     prompts = [[t % 1024 for t in PROMPT], [1, 7, 99, 5], [1, 3] * 9]
     s = session(tiny_model, 0.3, 0.3, batch=3)
     try:
         together = s.engine.generate(prompts, 10, greedy)
         assert s.engine.stats.decode_passes == 9  # one pass per step serves all three
-        alone = [s.engine.generate([p], 10, greedy)[0] for p in prompts]
     finally:
         s.close()
-    assert together == alone
-    model = load_transformer(GGUFModel(tiny_model))
-    caches = [model.new_cache(CTX) for _ in prompts]
-    batched = model.forward_batch([(np.asarray(p), c) for p, c in zip(prompts, caches, strict=True)], all_logits=True)
+    assert together == StreamingEngine(load_transformer(GGUFModel(tiny_model)), CTX).generate(prompts, 10, greedy)
+    exact = load_transformer(GGUFModel(tiny_model), exact=True)
+    engine = StreamingEngine(exact, CTX)
+    assert engine.generate(prompts, 10, greedy) == [engine.generate([p], 10, greedy)[0] for p in prompts]
+    caches = [exact.new_cache(CTX) for _ in prompts]
+    batched = exact.forward_batch([(np.asarray(p), c) for p, c in zip(prompts, caches, strict=True)], all_logits=True)
     for p, logits in zip(prompts, batched, strict=True):
-        single = model.forward(np.asarray(p), model.new_cache(CTX), all_logits=True)
-        np.testing.assert_allclose(logits, single, rtol=1e-4, atol=1e-4)
+        single = exact.forward(np.asarray(p), exact.new_cache(CTX), all_logits=True)
+        np.testing.assert_allclose(logits, single, rtol=ONE_ULP, atol=0)
 
 
 def test_prefill_chunks_share_passes(tiny_model: Path) -> None:
-    model = load_transformer(GGUFModel(tiny_model))
+    model = load_transformer(GGUFModel(tiny_model), exact=True)  # chunking as an identity (above)
     engine = StreamingEngine(model, CTX, prefill_chunk=5)
     caches, last = engine.prefill([[1] + list(range(2, 14)), [1, 2, 3]])
     # 5 rows a pass: 2 + 2, then 2 + 1 (the short prompt ends), then 5 and 4 for the long one
     assert engine.stats.prefill_passes == 4
     assert [c.length for c in caches] == [13, 3]
     whole = model.forward(np.asarray([1] + list(range(2, 14))), model.new_cache(CTX))
-    np.testing.assert_allclose(last[0], whole, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(last[0], whole, rtol=ONE_ULP, atol=0)
 
 
 @pytest.mark.slow
