@@ -56,16 +56,19 @@ class Reference:
             rows.append(np.array(self.llm.scores[self.llm.n_tokens - 1], dtype=np.float32))
         return np.stack(rows)
 
-    def greedy(self, prompt: Sequence[int], n: int) -> list[int]:
-        """n greedy ids after `prompt` (prompt as one batch, then one token per step)."""
+    def greedy(self, prompt: Sequence[int], n: int) -> tuple[list[int], np.ndarray]:
+        """n greedy ids after `prompt` (prompt as one batch, then one token per step) and the (n, vocab)
+        logits each was chosen from."""
         logits = self.logits(prompt)[-1]
         out: list[int] = []
+        rows = []
         for _ in range(n):
+            rows.append(logits)
             token = int(np.argmax(logits))
             out.append(token)
             self.llm.eval([token])
             logits = np.array(self.llm.scores[self.llm.n_tokens - 1], dtype=np.float32)
-        return out
+        return out, np.stack(rows)
 
     def close(self) -> None:
         self.llm.close()
