@@ -29,4 +29,7 @@ def test_streaming_bench_runs_on_the_cpu_simulation(tmp_path: Path) -> None:
     assert stream["bytes_moved_per_pass"]["B"] >= stream["tier_b_bytes"]
     assert tierc["tier_c_bytes_per_pass"] > 0 and tierc["dd_GBps"] > 0 and tierc["mmap_read_GBps"] > 0
     assert tierc["child_exit"] == 0
+    # each file run records whether its reads bypassed the page cache and how the cache was dropped
+    assert all(isinstance(r["o_direct"], bool) and r["page_cache_drop"] for r in tierc["file_runs"])
+    assert tierc["file_o_direct"] == all(r["o_direct"] for r in tierc["file_runs"])
     assert (tmp_path / "plan_stream.txt").read_text().startswith("budgets:")
