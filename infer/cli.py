@@ -310,3 +310,60 @@ def perplexity_command(ctx: click.Context, model: str | None, text_file: str, ct
     else:
         click.echo(f"perplexity: {result.perplexity:.4f} over {result.chunks} chunks of {ctx_size} tokens "
                    f"({result.scored_tokens} scored)")
+
+
+@main.command("serve")
+@click.option("-m", "--model", type=click.Path(), help="GGUF model file.")
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Address to listen on (127.0.0.1: this machine only; 0.0.0.0: every interface).")
+@click.option("--port", type=click.IntRange(0, 65535), default=8080, show_default=True)
+@click.option("--api-key", envvar="NTRANSFORMER_API_KEY",
+              help="Require `Authorization: Bearer KEY` on /v1 requests (or set NTRANSFORMER_API_KEY).")
+@click.option("--max-batch", type=click.IntRange(1, 4096), default=8, show_default=True,
+              help="Requests decoded together; each holds a KV cache of --ctx-size positions.")
+@click.option("--queue-size", type=click.IntRange(0, 1 << 20), default=64, show_default=True,
+              help="Requests that may wait for a slot; past that, 503 with Retry-After.")
+@click.option("-c", "--ctx-size", type=click.IntRange(min=0), default=0,
+              help="Context of each request in tokens; 0 = the model's, at most 4096.")
+@click.option("--device", type=click.Choice(["auto", "cpu", "gpu"]), default="auto", show_default=True)
+@streaming_options
+@click.option("--exact", is_flag=True, help="CPU: float64 sums (batching-independent results, see ntransformer --help).")
+@click.option("--threads", type=click.IntRange(min=1), default=None, help="BLAS threads (default: all cores).")
+@click.pass_context
+def serve_command(ctx: click.Context, model: str | None, host: str, port: int, api_key: str | None, max_batch: int,
+                  queue_size: int, ctx_size: int, device: str, streaming: StreamingConfig, exact: bool,
+                  threads: int | None) -> None:
+    """An OpenAI-compatible HTTP server: /v1/completions, /v1/chat/completions (stream: true for
+    server-sent events), /v1/models, /health, /metrics. Continuous batching: every pass over the
+    weights serves every active request (with --streaming, the streamed weights too).
+
+        ntransformer serve -m model.gguf --port 8080
+        curl http://127.0.0.1:8080/v1/completions -H 'Content-Type: application/json' \\
+             -d '{"prompt": "The capital of France is", "max_tokens": 16, "temperature": 0}'
+    """
+    _set_threads(threads)
+    if model is None and ctx.parent is not None:
+        model = ctx.parent.params.get("model")
+    if not model:
+        _fail("no model given: use -m/--model FILE.gguf", EXIT_BAD_INPUT)
+    if streaming.batch != 1 or streaming.prompts_file:
+        _fail("serve batches the requests it receives: use --max-batch instead of --batch/--prompts", EXIT_BAD_INPUT)
+    from infer.arch import check_model
+    from infer.errors import ModelError
+    from infer.gguf_file import GGUFModel
+    from infer.server.app import Server
+    from infer.server.run import loader, serve
+
+    where = _resolve_device(device)
+    try:  # a bad file stops here, before the server listens
+        args = check_model(GGUFModel(model))
+    except (ValueError, ModelError) as err:
+        _fail(str(err), EXIT_BAD_INPUT)
+    context = ctx_size or min(args.context_length, 4096)
+    server = Server(loader(model, where, context, max_batch, streaming, exact), context, max_batch, queue_size,
+                    api_key)
+    _note(f"serving {Path(model).name} on http://{host}:{port} ({where}, {max_batch} slots of {context} tokens"
+          f"{', API key required' if api_key else ''}); Ctrl-C stops after the requests in flight")
+    serve(server, host, port)
+    if server.status == "failed":
+        _fail(server.failure, EXIT_FAILED)
