@@ -248,3 +248,38 @@ def test_serve_refuses_bad_input_with_one_line(tmp_path: Path) -> None:
     done = subprocess.run([sys.executable, "-c", "from infer.cli import main; main()", "serve", "-m", str(bad),
                            "--device", "cpu"], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "Traceback" not in done.stderr and done.stderr.strip().count("\n") == 0
+
+
+def test_health_says_loading_until_the_model_is_ready(model: Path) -> None:
+    """The server answers while the model loads: /health 503 "loading", requests 503 with Retry-After."""
+    import uvicorn
+
+    from infer.server.app import Server, create_app
+    from infer.server.run import loader
+    from infer.tiers.config import StreamingConfig
+
+    release = threading.Event()
+    load = loader(str(model), "cpu", CTX, 1, StreamingConfig(), exact=True)
+    server = Server(lambda: (release.wait(60), load())[1], CTX, 1, 0)
+    port = _free_port()
+    web = uvicorn.Server(uvicorn.Config(create_app(server), host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=web.run, daemon=True)
+    thread.start()
+    try:
+        while not web.started:
+            time.sleep(0.02)
+        probe = Served.__new__(Served)
+        probe.port = port
+        assert probe.get("/health") == (503, b'{"status":"loading"}')
+        status, headers, body = probe.request("POST", "/v1/completions", json.dumps({"prompt": "Hi"}).encode(),
+                                              {"Content-Type": "application/json"})
+        assert status == 503 and headers.get("retry-after") and "loading" in json.loads(body)["error"]["message"]
+        release.set()
+        deadline = time.monotonic() + 60
+        while probe.get("/health")[0] != 200 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert json.loads(probe.get("/health")[1]) == {"status": "ready"}
+    finally:
+        release.set()
+        web.should_exit = True
+        thread.join(timeout=60)
