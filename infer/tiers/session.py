@@ -167,8 +167,11 @@ def build_streaming_engine(model: GGUFModel | str | os.PathLike, config: Streami
                 memory.enforce(account)  # type: ignore[arg-type]
             weights: Any = StreamedWeights(model, args, plan, host, source, config.staging_buffers, match_llama_cpp)
             closers.append(weights.close)
-            room = max(account.room, 0)  # type: ignore[union-attr]
-            transformer: Any = GpuTransformer(args, weights, factors, ctx_size, prefill_chunk, half_copies=room)
+            halves = sum(2 * t.shape[0] * t.shape[1] for t in plan.tensors_in(Tier.VRAM)
+                         if t.layer is not None and len(t.shape) == 2)
+            copies = max(0, min(halves, account.room))  # type: ignore[union-attr]
+            account.plan("float16 copies for prompts", copies)  # type: ignore[union-attr]
+            transformer: Any = GpuTransformer(args, weights, factors, ctx_size, prefill_chunk, half_copies=copies)
             transformer.account = account
         else:
             from infer.model import Transformer
