@@ -27,12 +27,21 @@ from infer.gpu.activations import RoundedInputs, normed16, rounded16
 from infer.gpu.attention import rows_attention
 from infer.gpu.ops import GpuMatrix
 from infer.gpu.weights import GpuLayer, GpuWeightSource, HalfCopies
-from infer.model import Rope, check_batch
+from infer.model import Rope, check_batch, tree_layout
 from infer.tiers.budget import LOGITS_ROWS, VramAccount
 
 F32, F16 = cupy.float32, cupy.float16
 HEAD = -1  # segment item: the output norm and head (and sampling); EMBED: the token embedding
 EMBED = -2
+
+
+@dataclass
+class Tree:
+    """A token tree's rows on the device: positions, cache slots, attention mask (N, start + N)."""
+
+    positions: cupy.ndarray
+    slots: cupy.ndarray
+    allowed: cupy.ndarray
 
 
 @dataclass
@@ -51,6 +60,19 @@ class GpuKVCache:
     part_ml: cupy.ndarray
     length: int = 0
     graphs: dict[tuple, object] = field(default_factory=dict)
+    stream: cupy.cuda.Stream | None = None  # the model's: work on the cache is ordered on it
+
+    def accept(self, nodes: Sequence[int]) -> None:
+        """After forward_tree: keep tree nodes `nodes` (a root-to-node path) as the positions after
+        `length`, and count them in (as infer.model.KVCache.accept)."""
+        src = self.length + np.asarray(nodes, dtype=np.int64)
+        dst = self.length + np.arange(len(nodes))
+        if (src != dst).any():
+            with self.stream or cupy.cuda.get_current_stream():
+                take, put = cupy.asarray(src), cupy.asarray(dst)
+                self.keys[:, :, put] = self.keys[:, :, take]  # the right side is gathered first
+                self.values[:, :, put] = self.values[:, :, take]
+        self.length += len(nodes)
 
 
 class GpuTransformer:
@@ -144,6 +166,7 @@ class GpuTransformer:
                 keys=cupy.zeros(shape, F16), values=cupy.zeros(shape, F16), max_tokens=max_tokens,
                 n_splits=n_splits, tok=cupy.zeros(1, cupy.int32), pos=cupy.zeros(1, cupy.int32),
                 tokens=cupy.zeros(max_tokens + 1, cupy.int32), scores=scores, part_o=part_o, part_ml=part_ml,
+                stream=self.stream,
             )
         self.stream.synchronize()
         return cache
@@ -283,7 +306,7 @@ class GpuTransformer:
         return outs
 
     def _rows_layer(self, i: int, L: GpuLayer, x: cupy.ndarray, batch: Sequence[tuple[np.ndarray, GpuKVCache]],
-                    bounds: list[int], positions: list[cupy.ndarray]) -> None:
+                    bounds: list[int], positions: list[cupy.ndarray], tree: Tree | None = None) -> None:
         a = self.args
         xs16 = normed16(self.args, x, L.attn_norm, [m.act for m, _ in L.qkv])
         q, k, v = self._qkv_rows(L, xs16)
@@ -295,8 +318,11 @@ class GpuTransformer:
             n, start = r1 - r0, cache.length
             ops.rope_store(q[r0:r1], k[r0:r1], v[r0:r1], cos, sin, positions[s], n, a.n_heads, a.n_kv_heads,
                            a.head_dim, self.rope.n_pairs, a.rope_neox, cache.keys[i], cache.values[i],
-                           cache.max_tokens)
-            if n == 1:  # one new token of this sequence: the decode kernels
+                           cache.max_tokens, slots=None if tree is None else tree.slots)
+            if tree is not None:  # a token tree: nodes in slots start.., each sees its ancestors
+                rows_attention(q, cache.keys[i], cache.values[i], start + n, a.n_kv_heads, a.head_dim, att,
+                               allowed=tree.allowed)
+            elif n == 1:  # one new token of this sequence: the decode kernels
                 ops.attention_decode(q[r0], cache.keys[i], cache.values[i], positions[s], a.n_heads, a.n_kv_heads,
                                      a.head_dim, cache.max_tokens, cache.n_splits, cache.scores, cache.part_o,
                                      cache.part_ml, att[r0])
@@ -315,20 +341,22 @@ class GpuTransformer:
         self._mm(rounded16(g, L.w_down.act), self._half(L.w_down), out=x, accumulate=True)
 
     def _rows_pass(self, batch: Sequence[tuple[np.ndarray, GpuKVCache]], sizes: list[int],
-                   all_logits: bool) -> list[np.ndarray]:
-        """One pass over the layers for every row of the batch; logits to the host."""
+                   all_logits: bool, tree: Tree | None = None) -> list[np.ndarray]:
+        """One pass over the layers for every row of the batch; logits to the host. With `tree` (one
+        sequence) the rows are a token tree's nodes and the cache's length stays."""
         a = self.args
         bounds = np.cumsum([0, *sizes]).tolist()
         rows = bounds[-1]
         ids = cupy.asarray(np.concatenate([np.asarray(t, np.int64) for t, _ in batch]).astype(np.int32))
-        positions = [cupy.arange(c.length, c.length + n, dtype=cupy.int32) for (_, c), n in zip(batch, sizes,
-                                                                                               strict=True)]
+        positions = [tree.positions] if tree is not None else [
+            cupy.arange(c.length, c.length + n, dtype=cupy.int32) for (_, c), n in zip(batch, sizes, strict=True)]
         x = cupy.empty((rows, a.dim), F32)
         ops.embed(self.token_embd, ids, rows, x)
         for i in range(a.n_layers):
-            self._rows_layer(i, self.weights.layer(i), x, batch, bounds, positions)
-        for (_, cache), n in zip(batch, sizes, strict=True):
-            cache.length += n
+            self._rows_layer(i, self.weights.layer(i), x, batch, bounds, positions, tree)
+        if tree is None:
+            for (_, cache), n in zip(batch, sizes, strict=True):
+                cache.length += n
         picked = list(range(rows)) if all_logits else [b - 1 for b in bounds[1:]]
         host = np.empty((len(picked), a.vocab_size), np.float32)
         block = cupy.empty((min(LOGITS_ROWS, len(picked)), a.vocab_size), F32)
@@ -343,6 +371,21 @@ class GpuTransformer:
         return [host[s] for s in range(len(batch))]
 
     # ------------------------------------------------------------------ public calls
+    def forward_tree(self, tokens: np.ndarray, parents: np.ndarray, cache: GpuKVCache) -> np.ndarray:
+        """As infer.model.Transformer.forward_tree: logits (N, vocab) of every node of a token tree
+        in one pass (batched products, tree attention mask, per-node positions; keys and values in
+        slots cache.length + node); cache.length stays, GpuKVCache.accept keeps a path."""
+        tokens, parents = np.asarray(tokens, dtype=np.int64).reshape(-1), np.asarray(parents, dtype=np.int64)
+        check_batch([(tokens, cache)], self.args.vocab_size)
+        depths, allowed = tree_layout(parents, cache.length)
+        n = len(tokens)
+        with self.stream:
+            tree = Tree(cupy.asarray((cache.length + depths).astype(np.int32)),
+                        cupy.arange(cache.length, cache.length + n, dtype=cupy.int32), cupy.asarray(allowed))
+            logits = self._rows_pass([(tokens, cache)], [n], True, tree)[0]
+        self.stream.synchronize()
+        return logits
+
     def forward(self, tokens: np.ndarray, cache: GpuKVCache, all_logits: bool = False) -> np.ndarray:
         """As infer.model.Transformer.forward: NumPy float32 logits, (T, vocab) with all_logits,
         else (vocab,) of the last token."""
