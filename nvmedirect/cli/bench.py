@@ -14,9 +14,9 @@ import click
 
 from nvmedirect.cli.common import BadInput, Refused, emit, output_option, wants_json
 from nvmedirect.errors import NvmeDirectError
+from nvmedirect.host_memory import gpu_present, pinned_empty
 from nvmedirect.reader.bandwidth import BenchRow, GpuSink, measure, measure_dd, window_bytes
 from nvmedirect.reader.file_backend import FileBackend
-from nvmedirect.reader.host_memory import gpu_present, pinned_empty
 from nvmedirect.store.routing import IMAGE, NVME, RouteError, route_device
 
 NAMESPACE_SETTLE_S = 15.0

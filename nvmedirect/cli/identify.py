@@ -22,7 +22,7 @@ class NotReady(click.ClickException):
 
 def describe(ctrl, bdf: str, noiommu: bool) -> dict:
     """What `identify` reports about a started controller."""
-    from nvmedirect.nvme.spec import version_string
+    from nvmedirect.spec.layout import version_string
 
     return {
         "bdf": bdf,

@@ -14,11 +14,12 @@ import logging
 import weakref
 
 from nvmedirect.errors import ControllerError, NvmeDirectError
-from nvmedirect.nvme import bringup, spec
-from nvmedirect.nvme import status as st
+from nvmedirect.nvme import bringup
 from nvmedirect.nvme.identify import ControllerInfo, NamespaceInfo
-from nvmedirect.nvme.spec import AdminOpcode, Cns, FeatureId, Reg
 from nvmedirect.queues.qpair import QueuePair
+from nvmedirect.spec import layout
+from nvmedirect.spec import status as st
+from nvmedirect.spec.layout import AdminOpcode, Cns, FeatureId, Reg
 from nvmedirect.vfio.dma import DmaAllocator, allocator_for
 
 log = logging.getLogger(__name__)
@@ -38,7 +39,7 @@ class Controller:
         self.bar = bar
         self.dma = dma
         self._owner = owner  # the VfioDevice when opened by `open()`; closed last
-        self.cap = spec.cap(bar.read64(Reg.CAP))
+        self.cap = layout.cap(bar.read64(Reg.CAP))
         if self.cap.raw == 0xFFFFFFFFFFFFFFFF:
             raise ControllerError("CAP reads as all ones: the controller is not responding")
         self.dstrd = int(self.cap.bits.dstrd)
@@ -84,7 +85,7 @@ class Controller:
     # -- bring-up ------------------------------------------------------------------------------
     def start(self, io_queues: int = 4) -> None:
         """Disable → admin queue → enable → Identify → Set Features (Number of Queues)."""
-        log.info("controller: NVMe %s, CAP %#x (MQES %d, DSTRD %d, TO %.1f s)", spec.version_string(
+        log.info("controller: NVMe %s, CAP %#x (MQES %d, DSTRD %d, TO %.1f s)", layout.version_string(
             self.version), self.cap.raw, self.max_queue_entries, self.dstrd, self.ready_timeout_s)
         if self.admin is None:
             self.admin = self._new_qpair(0, min(ADMIN_DEPTH, self.max_queue_entries), admin=True)
@@ -100,8 +101,8 @@ class Controller:
 
     def _new_qpair(self, qid: int, depth: int, admin: bool = False) -> QueuePair:
         qpair = QueuePair(qid, depth, self.dma,
-                          self.bar.doorbell(spec.sq_doorbell_offset(qid, self.dstrd)),
-                          self.bar.doorbell(spec.cq_doorbell_offset(qid, self.dstrd)),
+                          self.bar.doorbell(layout.sq_doorbell_offset(qid, self.dstrd)),
+                          self.bar.doorbell(layout.cq_doorbell_offset(qid, self.dstrd)),
                           max_transfer=4096 if admin else self.max_transfer,
                           timeout_s=ADMIN_TIMEOUT_S if admin else self.io_timeout_s, admin=admin)
         qpair.on_timeout = self._health_check

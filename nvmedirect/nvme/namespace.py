@@ -15,9 +15,9 @@ import numpy as np
 
 from nvmedirect.errors import NvmeDirectError, QueueFull
 from nvmedirect.nvme.identify import NamespaceInfo
-from nvmedirect.nvme.spec import IoOpcode
 from nvmedirect.queues.command import Command
 from nvmedirect.queues.qpair import QueuePair
+from nvmedirect.spec.layout import IoOpcode
 from nvmedirect.vfio.dma import DmaBuffer
 
 MAX_BLOCKS_PER_COMMAND = 1 << 16  # NLB is a 16-bit, 0-based field

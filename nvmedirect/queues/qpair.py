@@ -15,11 +15,11 @@ from collections.abc import Callable
 import numpy as np
 
 from nvmedirect.errors import NvmeDirectError, QueueFull
-from nvmedirect.nvme import status as st
-from nvmedirect.nvme.spec import CQE_SIZE, OPCODE_NAMES_ADMIN, OPCODE_NAMES_IO, SQE_SIZE, opcode_name
 from nvmedirect.queues.command import Command, Completion
 from nvmedirect.queues.doorbell import Doorbell
 from nvmedirect.queues.prp import PAGE_SIZE, list_pages_needed
+from nvmedirect.spec import status as st
+from nvmedirect.spec.layout import CQE_SIZE, OPCODE_NAMES_ADMIN, OPCODE_NAMES_IO, SQE_SIZE, opcode_name
 from nvmedirect.vfio._ffi import ffi, lib
 from nvmedirect.vfio.dma import DmaAllocator, DmaBuffer
 

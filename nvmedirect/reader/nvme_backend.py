@@ -19,8 +19,8 @@ from typing import Any
 
 import numpy as np
 
+from nvmedirect.host_memory import as_byte_array, gpu_present
 from nvmedirect.reader.base import ByteRange, OnceLock, ReadError, ReadHandle, StorageBackend
-from nvmedirect.reader.host_memory import as_byte_array, gpu_present
 
 DEFAULT_QUEUE_PAIRS = 2
 DEFAULT_QUEUE_DEPTH = 63  # + 1 free entry = 64 SQEs = one 4 KiB ring page (no-IOMMU needs no huge page)
@@ -40,7 +40,7 @@ class _Worker:
 
     def read_pieces(self, pieces: list[tuple[Any, int, int]]) -> None:
         """All (destination, byte offset, nbytes) pieces in one keep-the-queue-full run."""
-        from nvmedirect.nvme.spec import IoOpcode
+        from nvmedirect.spec.layout import IoOpcode
 
         segments = (seg for dest, offset, nbytes in pieces for seg in self._segments(dest, offset, nbytes))
         self.namespace.run(segments, IoOpcode.READ, qpair=self.qpair, max_in_flight=self.depth)

@@ -7,7 +7,7 @@ from typing import Any
 import numpy as np
 
 from nvmedirect.errors import NvmeDirectError
-from nvmedirect.reader.host_memory import aligned_empty
+from nvmedirect.host_memory import aligned_empty
 from nvmedirect.store.targets import TargetError
 
 BOUNCE_BYTES = 8 << 20  # one DMA buffer, reused for every chunk

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from nvmedirect.reader.host_memory import aligned_empty
+from nvmedirect.host_memory import aligned_empty
 from nvmedirect.store.catalog import overlapping, read_header, walk_chain
 from nvmedirect.store.header import (
     HeaderError,

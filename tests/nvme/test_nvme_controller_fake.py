@@ -13,7 +13,7 @@ from fake_nvme import FakeBar, FakeNvme, IdentityDma
 
 from nvmedirect.errors import ControllerFatal, InvalidNamespace, LbaOutOfRange
 from nvmedirect.nvme.controller import Controller
-from nvmedirect.nvme.spec import IoOpcode
+from nvmedirect.spec.layout import IoOpcode
 
 
 def test_bring_up_logs_each_state(fake, caplog):

@@ -3,7 +3,7 @@
 import pytest
 
 from nvmedirect.errors import CommandTimeout, QueueFull
-from nvmedirect.nvme.spec import IoOpcode
+from nvmedirect.spec.layout import IoOpcode
 
 
 def test_phase_tag_survives_many_laps(ns, qpair, image):

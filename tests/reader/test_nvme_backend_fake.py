@@ -88,7 +88,7 @@ def test_bad_requests(ctrl) -> None:
 
 
 def test_failed_command_is_a_read_error(ctrl, fake: FakeNvme) -> None:
-    from nvmedirect.nvme.spec import IoOpcode
+    from nvmedirect.spec.layout import IoOpcode
 
     fake.ignore_opcodes.add(IoOpcode.READ)  # never completed: the driver times out
     with NvmeBackend(ctrl, queue_pairs=1, queue_depth=4) as backend, pytest.raises(ReadError, match="failed"):
