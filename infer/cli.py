@@ -83,12 +83,12 @@ def _load(model: str | None, ctx_size: int, device: str, vram_budget: str | None
         raise
     except click.ClickException as err:  # does not fit the VRAM budget: the message suggests --streaming
         _fail(err.message, EXIT_BAD_INPUT)
+    except TokenizerError as err:  # a ValueError too: caught first, so the message names the file
+        _fail(f"{model}: tokenizer: {err}", EXIT_BAD_INPUT)
     except ValueError as err:
         _fail(str(err), EXIT_BAD_INPUT)
     except ModelError as err:
         _fail(str(err), EXIT_BAD_INPUT)
-    except TokenizerError as err:
-        _fail(f"{model}: tokenizer: {err}", EXIT_BAD_INPUT)
     warm = getattr(getattr(llm.transformer, "weights", None), "warm", None)  # CPU weights only
     if warm is not None:  # dequantize now, so that the speeds reported later measure inference only
         warm()

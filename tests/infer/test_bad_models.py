@@ -137,3 +137,8 @@ def _copy_without_key(source: Path, target: Path, key: str) -> None:
     at = data.find(key.encode())
     data[at : at + len(key)] = key.replace("embedding", "embeddinX").encode()
     target.write_bytes(bytes(data))
+
+
+def test_tokenizer_error_names_the_file(good_model: Path, tmp_path: Path) -> None:
+    path = write_copy(good_model, tmp_path / "badtok.gguf", metadata={"tokenizer.ggml.model": ("bogus", GGUFValueType.STRING)})
+    assert_one_line_error(path, "tokenizer", "unsupported tokenizer model")
