@@ -1,7 +1,7 @@
 """`bind` and `restore`: move an NVMe controller between the kernel's nvme driver and vfio-pci.
 
 The order is fixed so that an interruption never leaves the device without a known owner:
-1. the safety verdict is checked (refusals change nothing);
+1. the device is resolved and its safety verdict checked (`check_bind`; refusals change nothing);
 2. the state file records the original driver, override and names (so `restore` can always run);
 3. with SIGINT/SIGTERM/SIGHUP/SIGQUIT held back, set driver_override, unbind, probe, and wait for
    the new driver; if it does not appear, put the original driver back before re-raising;
@@ -20,8 +20,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from nvmedirect.system.devices import PCI_DEVICES, read_controller, resolve_target
-from nvmedirect.system.safety import VFIO, assess
+from nvmedirect.system.devices import PCI_DEVICES, Controller, read_controller, resolve_target
+from nvmedirect.system.safety import VFIO, Verdict, assess
 from nvmedirect.system.state import StateFile
 from nvmedirect.system.sysview import SystemView
 from nvmedirect.system.usage import UsageIndex
@@ -116,17 +116,40 @@ def _switch(view: SystemView, bdf: str, override: str | None, timeout_s: float, 
     return _wait_driver(view, bdf, want, timeout_s)
 
 
-def bind(view: SystemView, target: str, timeout_s: float = 5.0, power_up: bool = True) -> Outcome:
-    """Hand the controller named by `target` to vfio-pci, or refuse (BindRefused)."""
+@dataclass
+class BindCheck:
+    """What `bind` would take: the controller, as sysfs shows it now, and its verdict."""
+
+    bdf: str
+    ctrl: Controller
+    verdict: Verdict
+
+    @property
+    def already_bound(self) -> bool:
+        return self.verdict.state == VFIO
+
+
+def check_bind(view: SystemView, target: str) -> BindCheck:
+    """Resolve `target` and judge it, changing nothing: TargetError when it names no controller,
+    BindRefused when taking it is not safe. `bind` runs this first itself; a caller that asks the
+    user for confirmation runs it before asking."""
     state = StateFile(view)
     bdf = resolve_target(view, target, state.remembered_names())
     ctrl = read_controller(view, bdf)
     verdict = assess(ctrl, UsageIndex(view), state.get(bdf))
-    if verdict.state == VFIO:
+    if verdict.state != VFIO and not verdict.may_bind:
+        raise BindRefused(f"{bdf}: {verdict.summary()}")
+    return BindCheck(bdf, ctrl, verdict)
+
+
+def bind(view: SystemView, target: str, timeout_s: float = 5.0, power_up: bool = True) -> Outcome:
+    """Hand the controller named by `target` to vfio-pci, or refuse (BindRefused)."""
+    state = StateFile(view)
+    checked = check_bind(view, target)
+    bdf, ctrl = checked.bdf, checked.ctrl
+    if checked.already_bound:
         outcome = Outcome(bdf, "vfio-pci", already=True, notes=["already bound to vfio-pci"])
     else:
-        if not verdict.may_bind:
-            raise BindRefused(f"{bdf}: {verdict.summary()}")
         _ensure_driver_loaded(view, "vfio-pci", "vfio-pci")
         _check_iommu_group(view, bdf)
         record = {

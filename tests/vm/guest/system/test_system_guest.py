@@ -142,6 +142,8 @@ def test_bind_refuses_controllers_in_use(dev, stacks, role, word):
         proc = cli("bind", "--yes", target)
         assert proc.returncode == 3, proc.stdout + proc.stderr
         assert "refused:" in proc.stderr and word in proc.stderr
+    asked = cli("bind", dev[role]["bdf"])  # without --yes: refused before any question (no input here)
+    assert asked.returncode == 3 and "Take" not in asked.stdout + asked.stderr and word in asked.stderr
     assert driver(dev[role]["bdf"]) == "nvme"
     assert dev[role]["bdf"] not in (json.loads(STATE.read_text()) if STATE.exists() else {})
 
