@@ -20,6 +20,7 @@ from nvmedirect.store.routing import IMAGE, NVME, RouteError, route_device
 from nvmedirect.store.targets import BlockTarget, KernelBlockTarget, TargetBusy
 from nvmedirect.store.writer import (
     chain_end_lba,
+    check_fit,
     foreign_signatures,
     plan_write,
     sha256_file,
@@ -103,8 +104,12 @@ def write_gguf_cmd(model: Path, device: str, lba: int | None, append: bool, name
         if signatures and not force:  # before anything else: somebody's data is there
             raise Refused(f"{device} carries {', '.join(signatures)} data at its start "
                           "(partition table or filesystem): --force to overwrite it")
-        start = chain_end_lba(target) if append else (lba or 0)
         size = model.stat().st_size
+        try:  # size and LBA range before the minutes a large model's hash takes
+            start = chain_end_lba(target) if append else (lba or 0)
+            check_fit(target, size, start, name or model.name)
+        except (HeaderError, NvmeDirectError) as exc:
+            raise BadInput(str(exc)) from None
         with _bar("hashing", size) as bar:
             digest = sha256_file(model, bar.update)
         try:
