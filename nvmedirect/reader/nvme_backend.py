@@ -13,11 +13,9 @@ writable buffer (e.g. CuPy pinned memory) is filled from the worker's DMA stagin
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
-
-import numpy as np
 
 from nvmedirect.host_memory import as_byte_array, gpu_present
 from nvmedirect.reader.base import ByteRange, OnceLock, ReadError, ReadHandle, StorageBackend
@@ -39,50 +37,19 @@ class _Worker:
         self.executor = ThreadPoolExecutor(1, thread_name_prefix=f"nvme-qp{self.qpair.qid}")
 
     def read_pieces(self, pieces: list[tuple[Any, int, int]]) -> None:
-        """All (destination, byte offset, nbytes) pieces in one keep-the-queue-full run."""
-        from nvmedirect.spec.layout import IoOpcode
-
-        segments = (seg for dest, offset, nbytes in pieces for seg in self._segments(dest, offset, nbytes))
-        self.namespace.run(segments, IoOpcode.READ, qpair=self.qpair, max_in_flight=self.depth)
-
-    def _segments(self, dest: Any, offset: int, nbytes: int) -> Iterator[Any]:
-        """Commands for one piece: straight into `dest` when it is DMA memory and the piece covers
-        whole LBAs at a dword-aligned address; otherwise through the staging slots and a copy."""
-        from nvmedirect.nvme.namespace import Segment
-        from nvmedirect.vfio.dma import DmaBuffer
-
-        ns = self.namespace
-        lba_size, step = ns.lba_size, ns.max_blocks
-        first, end_lba = offset // lba_size, -(-(offset + nbytes) // lba_size)
-        if (isinstance(dest, DmaBuffer) and offset % lba_size == 0 and nbytes % lba_size == 0
-                and dest.address % 4 == 0):
-            for lba in range(first, end_lba, step):
-                count = min(step, end_lba - lba)
-                at = (lba - first) * lba_size
-                yield Segment(lba, count, dest[at:at + count * lba_size])
-            return
-        host = dest.view if isinstance(dest, DmaBuffer) else dest
-        for lba in range(first, end_lba, step):
-            count = min(step, end_lba - lba)
-            yield Segment(lba, count, None, _copy_out(host, offset, nbytes, lba * lba_size, count * lba_size))
+        """All (destination, byte offset, nbytes) pieces in one batch that the driver keeps in
+        flight: straight into `dest` where it is DMA memory and the bytes cover whole LBAs at a
+        dword-aligned address, otherwise through the staging slots and a copy (done in C)."""
+        batch = self.namespace.batch()
+        for dest, offset, nbytes in pieces:
+            self.namespace.read_batch(batch, dest, offset, nbytes)
+        self.namespace.run(batch, self.qpair, max_in_flight=self.depth)
 
     def close(self, ctrl: Any) -> None:
         self.executor.shutdown(wait=True)
         if not ctrl.dead:
             ctrl.delete_io_qpair(self.qpair)
-        staging = getattr(self.namespace, "_staging", None)  # the driver has no public release yet
-        if staging is not None and not staging.freed:
-            staging.free()
-
-
-def _copy_out(dest: np.ndarray, want_start: int, want_len: int, got_start: int, got_len: int):
-    """Copies the overlap of the wanted bytes and one staged chunk into `dest`."""
-    lo, hi = max(want_start, got_start), min(want_start + want_len, got_start + got_len)
-
-    def copy(staged: Any) -> None:
-        dest[lo - want_start:hi - want_start] = staged.view[lo - got_start:hi - got_start]
-
-    return copy
+        self.namespace.release_staging()
 
 
 class NvmeBackend(StorageBackend):

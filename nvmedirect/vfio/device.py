@@ -70,12 +70,11 @@ class MappedBar:
         self._check(offset, 8)
         self._u64[offset // 8] = value
 
-    def doorbell(self, offset: int):
-        """A doorbell register of this BAR, written through the native MMIO shim."""
-        from nvmedirect.queues.doorbell import Doorbell
-
+    def doorbell(self, offset: int) -> int:
+        """The address of a doorbell register of this BAR: the native hot path writes it directly
+        (the BAR must stay mapped while a queue pair uses it)."""
         self._check(offset, 4)
-        return Doorbell(self.address + offset, owner=self)
+        return self.address + offset
 
     def close(self) -> None:
         if self._mmap is not None:

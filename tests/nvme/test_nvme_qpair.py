@@ -72,12 +72,3 @@ def test_callbacks_run_on_completion(ns, qpair):
     qpair.drain()
     assert seen and seen[0][1]
 
-
-def test_native_doorbell_writes_one_aligned_word():
-    import numpy as np
-
-    from nvmedirect.queues.doorbell import Doorbell
-
-    registers = np.zeros(4, dtype=np.uint32)
-    Doorbell(registers.ctypes.data + 8).ring(0xDEADBEEF)
-    assert registers.tolist() == [0, 0, 0xDEADBEEF, 0]
