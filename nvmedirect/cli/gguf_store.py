@@ -34,7 +34,7 @@ device_option = click.option("--device", "-d", required=True, metavar="BDF|/dev/
 lba_size_option = click.option("--lba-size", type=click.Choice(["512", "4096"]), default=None,
                                help="LBA size for an image file (block devices report their own).")
 noiommu_option = click.option("--noiommu", is_flag=True,
-                              help="Userspace driver in VFIO no-IOMMU mode (unsafe: DMA is not isolated).")
+                              help="Force VFIO's no-IOMMU mode (default: the mode of the device's VFIO group).")
 
 
 @contextmanager
@@ -52,7 +52,7 @@ def open_target(device: str, lba_size: str | None, noiommu: bool, for_writing: b
         if route.kind == NVME:
             from nvmedirect.store.nvme_target import NvmeTarget
 
-            target_cm: Any = NvmeTarget.open(route.path, noiommu=noiommu, nsid=route.nsid)
+            target_cm: Any = NvmeTarget.open(route.path, noiommu=noiommu or None, nsid=route.nsid)
         else:
             target_cm = KernelBlockTarget(route.path, lba_size=int(lba_size) if lba_size else None,
                                           writable=for_writing)

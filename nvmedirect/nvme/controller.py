@@ -2,7 +2,7 @@
 
 Typical use::
 
-    with Controller.open("0000:00:04.0") as ctrl:      # or noiommu=True
+    with Controller.open("0000:00:04.0") as ctrl:      # IOMMU or no-IOMMU, as its VFIO group is
         ns = ctrl.namespace(1)
         ns.read_into(buffer, byte_offset=12345, nbytes=1000)
 """
@@ -55,6 +55,7 @@ class Controller:
         self.io_queue_limit = 0
         self.info: ControllerInfo | None = None
         self.dead = False
+        self.closed = False
         self._namespaces: dict[int, object] = {}
         self._default_qpair: QueuePair | None = None
         ref = weakref.ref(self)
@@ -62,8 +63,9 @@ class Controller:
         atexit.register(self._at_exit)
 
     @classmethod
-    def open(cls, bdf: str, noiommu: bool = False, io_queues: int = 4, **kwargs) -> Controller:
-        """Open a vfio-bound controller, map BAR0, set up DMA for the chosen mode, and start it."""
+    def open(cls, bdf: str, noiommu: bool | None = None, io_queues: int = 4, **kwargs) -> Controller:
+        """Open a vfio-bound controller, map BAR0, set up DMA for its group's VFIO mode (or the
+        one `noiommu` insists on), and start it."""
         from nvmedirect.vfio.device import VfioDevice
 
         device = VfioDevice.open(bdf, noiommu=noiommu)
@@ -218,7 +220,11 @@ class Controller:
 
     # -- lifetime ------------------------------------------------------------------------------
     def close(self) -> None:
-        """Delete I/O queues, shut the controller down, unmap all DMA, release the device."""
+        """Delete I/O queues, shut the controller down, unmap all DMA, release the device. A
+        second call does nothing."""
+        if self.closed:
+            return
+        self.closed = True
         atexit.unregister(self._at_exit)
         try:
             if not self.dead and self.admin is not None:

@@ -13,6 +13,7 @@ writable buffer (e.g. CuPy pinned memory) is filled from the worker's DMA stagin
 from __future__ import annotations
 
 import itertools
+import warnings
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -23,6 +24,10 @@ from nvmedirect.reader.base import ByteRange, OnceLock, ReadError, ReadHandle, S
 DEFAULT_QUEUE_PAIRS = 2
 DEFAULT_QUEUE_DEPTH = 63  # + 1 free entry = 64 SQEs = one 4 KiB ring page (no-IOMMU needs no huge page)
 DEFAULT_IO_SIZE = 4 << 20
+
+
+class FewerQueuePairs(UserWarning):
+    """The controller grants fewer I/O queue pairs than were asked for; the backend uses those."""
 
 
 class _Worker:
@@ -71,6 +76,13 @@ class NvmeBackend(StorageBackend):
         self.io_size = max(self.lba_size, io_size - io_size % self.lba_size)
         self._closing = OnceLock()
         self._workers: list[_Worker] = []
+        free = ctrl.io_queue_limit - len(ctrl.io_qpairs)
+        if free < 1:
+            raise ReadError(f"{self.name}: all {ctrl.io_queue_limit} I/O queue pairs of the controller are in use")
+        if free < queue_pairs:
+            warnings.warn(FewerQueuePairs(f"{self.name}: the controller grants {free} I/O queue pair(s), "
+                                          f"{queue_pairs} were asked for: reading with {free}"), stacklevel=2)
+            queue_pairs = free
         try:
             for _ in range(queue_pairs):
                 self._workers.append(_Worker(ctrl, self.info, queue_depth))
@@ -80,7 +92,7 @@ class NvmeBackend(StorageBackend):
         self._deal = itertools.count()  # round-robin position; next() on it is atomic in CPython
 
     @classmethod
-    def open(cls, bdf: str, *, noiommu: bool = False, nsid: int = 1,
+    def open(cls, bdf: str, *, noiommu: bool | None = None, nsid: int = 1,
              queue_pairs: int = DEFAULT_QUEUE_PAIRS, **options: Any) -> NvmeBackend:
         """Opens and starts the controller at `bdf` (bound to vfio-pci) and reads namespace `nsid`."""
         from nvmedirect.nvme.controller import Controller
@@ -91,7 +103,7 @@ class NvmeBackend(StorageBackend):
             return cls(ctrl, nsid=nsid, queue_pairs=queue_pairs, owns_controller=True,
                        name=f"{bdf} nsid {nsid}", **options)
         except BaseException:
-            ctrl.close()
+            ctrl.close()  # a backend that failed half-way closed it already: closing again is a no-op
             raise
 
     @property

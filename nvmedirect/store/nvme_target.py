@@ -28,7 +28,7 @@ class NvmeTarget:
         self._bounce = ctrl.dma.alloc(BOUNCE_BYTES)
 
     @classmethod
-    def open(cls, bdf: str, *, noiommu: bool = False, nsid: int = 1) -> NvmeTarget:
+    def open(cls, bdf: str, *, noiommu: bool | None = None, nsid: int = 1) -> NvmeTarget:
         from nvmedirect.nvme.controller import Controller
 
         ctrl = Controller.open(bdf, noiommu=noiommu, io_queues=1)

@@ -200,9 +200,7 @@ def power_up_check(view: SystemView, bdf: str) -> str:
     try:
         from nvmedirect.vfio import VfioDevice
 
-        group = view.link_name(f"{PCI_DEVICES}/{bdf}/iommu_group") or ""
-        noiommu = (view.read(f"/sys/kernel/iommu_groups/{group}/name") or "") == "vfio-noiommu"
-        with VfioDevice.open(bdf, noiommu=noiommu) as dev:
+        with VfioDevice.open(bdf) as dev:  # in the VFIO mode of its group
             dev.set_d0()
             dev.enable_bus_master()
             power = dev.power_state()

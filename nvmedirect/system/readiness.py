@@ -230,9 +230,7 @@ def probe_gpu_mmio(view: SystemView) -> Check:
 
         from nvmedirect.vfio import VfioDevice
 
-        group = bound[0].iommu_group or ""
-        noiommu = view.read(f"/sys/kernel/iommu_groups/{group}/name") == "vfio-noiommu"
-        with VfioDevice.open(bound[0].bdf, noiommu=noiommu) as dev:
+        with VfioDevice.open(bound[0].bdf) as dev:  # in the VFIO mode of its group
             bar = dev.map_bar(0)
             cupy.cuda.runtime.hostRegister(bar.address, bar.size, CUDA_HOST_REGISTER_IO_MEMORY)
             cupy.cuda.runtime.hostUnregister(bar.address)

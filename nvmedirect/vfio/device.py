@@ -106,11 +106,13 @@ class VfioDevice:
         self._bars: dict[int, MappedBar] = {}
 
     @classmethod
-    def open(cls, bdf: str, noiommu: bool = False) -> VfioDevice:
-        """Open `bdf` (e.g. "0000:00:04.0") in a fresh container of the chosen IOMMU mode."""
-        container = Container(noiommu=noiommu)
+    def open(cls, bdf: str, noiommu: bool | None = None) -> VfioDevice:
+        """Open `bdf` (e.g. "0000:00:04.0") in a fresh container of the IOMMU mode its group has
+        (`/dev/vfio/N` or `/dev/vfio/noiommu-N`), or of the mode `noiommu` insists on."""
+        number = group_number(bdf)
+        container = Container(noiommu=number.startswith("noiommu-") if noiommu is None else noiommu)
         try:
-            group = Group(group_number(bdf), container)
+            group = Group(number, container)
         except Exception:
             container.close()
             raise
