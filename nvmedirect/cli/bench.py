@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import re
 import subprocess
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -106,15 +105,16 @@ def kernel_compare(bdf: str, run_kernel) -> tuple[list[BenchRow], str]:
     """Hand the controller to the kernel nvme driver, measure, and bind it back to vfio-pci."""
     from nvmedirect.system.binding import bind, restore
     from nvmedirect.system.devices import read_controller
+    from nvmedirect.system.events import KernelEvents
     from nvmedirect.system.sysview import SystemView
 
     view = SystemView()
-    namespaces = restore(view, bdf).namespaces
+    with KernelEvents(view, "block") as events:
+        restore(view, bdf)
+        # restore waits for the namespaces bind recorded; without a record, for the first one
+        events.wait(lambda: bool(read_controller(view, bdf).block_devices), NAMESPACE_SETTLE_S)
     try:
-        deadline = time.monotonic() + NAMESPACE_SETTLE_S
-        while not namespaces and time.monotonic() < deadline:  # the nvme driver scans asynchronously
-            time.sleep(0.1)
-            namespaces = read_controller(view, bdf).block_devices
+        namespaces = read_controller(view, bdf).block_devices
         if not namespaces:
             raise click.ClickException(f"{bdf}: the kernel found no namespace after restore")
         device = f"/dev/{sorted(namespaces)[0]}"

@@ -21,6 +21,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from nvmedirect.system.devices import PCI_DEVICES, Controller, read_controller, resolve_target
+from nvmedirect.system.events import KernelEvents
 from nvmedirect.system.safety import VFIO, Verdict, assess
 from nvmedirect.system.state import StateFile
 from nvmedirect.system.sysview import SystemView
@@ -82,16 +83,6 @@ def current_driver(view: SystemView, bdf: str) -> str | None:
     return view.link_name(f"{PCI_DEVICES}/{bdf}/driver")
 
 
-def _wait_driver(view: SystemView, bdf: str, want: str, timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        if current_driver(view, bdf) == want:
-            return True
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(0.05)
-
-
 def _ensure_driver_loaded(view: SystemView, driver: str, module: str) -> None:
     if view.exists(f"/sys/bus/pci/drivers/{driver}"):
         return
@@ -106,14 +97,15 @@ def _switch(view: SystemView, bdf: str, override: str | None, timeout_s: float, 
     """Set the override, detach the current driver and let the kernel probe again. Caller holds
     signals back. Returns whether `want` now owns the device."""
     base = f"{PCI_DEVICES}/{bdf}"
-    view.write(f"{base}/driver_override", override if override else "\n")
-    if current_driver(view, bdf) is not None:
-        view.write(f"{base}/driver/unbind", bdf)
-    if pause := float(os.environ.get(_PAUSE_ENV, "0") or 0):
-        time.sleep(pause)
-    with contextlib.suppress(OSError):  # probe errors (e.g. -ENODEV) surface as "no driver" below
-        view.write("/sys/bus/pci/drivers_probe", bdf)
-    return _wait_driver(view, bdf, want, timeout_s)
+    with KernelEvents(view, "pci") as events:  # listening before the kernel can answer
+        view.write(f"{base}/driver_override", override if override else "\n")
+        if current_driver(view, bdf) is not None:
+            view.write(f"{base}/driver/unbind", bdf)
+        if pause := float(os.environ.get(_PAUSE_ENV, "0") or 0):
+            time.sleep(pause)
+        with contextlib.suppress(OSError):  # probe errors (e.g. -ENODEV) surface as "no driver" below
+            view.write("/sys/bus/pci/drivers_probe", bdf)
+        return events.wait(lambda: current_driver(view, bdf) == want, timeout_s)
 
 
 @dataclass
@@ -256,10 +248,10 @@ def restore(view: SystemView, target: str, timeout_s: float = 5.0, settle_s: flo
 def _wait_namespaces(view: SystemView, bdf: str, expected: int, timeout_s: float) -> list[str]:
     """The nvme driver scans namespaces asynchronously after probe: wait for as many as were
     recorded at bind time (or, with no record, for the controller to show up at all)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
+    def done() -> bool:
         ctrl = read_controller(view, bdf)
-        done = len(ctrl.block_devices) >= expected if expected else ctrl.name is not None
-        if done or time.monotonic() >= deadline:
-            return ctrl.block_devices
-        time.sleep(0.1)
+        return len(ctrl.block_devices) >= expected if expected else ctrl.name is not None
+
+    with KernelEvents(view, "block") as events:
+        events.wait(done, timeout_s)
+    return read_controller(view, bdf).block_devices

@@ -209,6 +209,20 @@ def test_bind_then_restore_round_trips(dev, stacks, vm_config):
     assert bdf not in json.loads(STATE.read_text())
 
 
+def test_bind_and_restore_wait_for_kernel_events_without_polling(dev, stacks, monkeypatch):
+    """The waits for vfio-pci, for nvme's asynchronous probe and for the namespace to reappear end
+    on the kernel's uevents (pyudev's Monitor), not in a sleep loop."""
+    bdf = dev["free"]["bdf"]
+    slept = []
+    monkeypatch.setattr(time, "sleep", lambda seconds: slept.append(seconds))
+    assert cli("bind", "--yes", bdf).returncode == 0 and driver(bdf) == "vfio-pci"
+    proc = cli("restore", "--json", bdf)
+    assert proc.returncode == 0, proc.stderr
+    assert len(json.loads(proc.stdout)["namespaces"]) == 1 and driver(bdf) == "nvme"
+    monkeypatch.undo()
+    assert slept == []
+
+
 def _start_bind_paused(bdf: str, pause: float) -> subprocess.Popen:
     proc = subprocess.Popen(["nvmedirect", "bind", "--yes", bdf], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env={**ENV, "NVMEDIRECT_TEST_CRITICAL_PAUSE": str(pause)})
