@@ -8,6 +8,9 @@ only our code is timed; the completions are posted into the CQ before they are r
 CIDs the free stack will hand out.
 
     python bench/nvme_hotpath.py [--depth 64] [--io-kib 128] [--repeats 20]
+
+A third figure is the cost of one `run()` of a reused one-command batch: what a request adds to its
+commands when requests go one at a time.
 """
 
 from __future__ import annotations
@@ -89,6 +92,24 @@ def time_batch(qpair: QueuePair, buffer, count: int, repeats: int) -> tuple[floa
     return min(build_us), min(run_us)
 
 
+def time_one_command_runs(qpair: QueuePair, buffer, count: int, repeats: int) -> float:
+    """us per `run()` of a reused one-extent, one-command batch (posting its CQE included): what a
+    request costs beyond its commands when requests go one at a time."""
+    blocks = buffer.nbytes // LBA
+    batch = Batch(0x02, 1, LBA, blocks)
+    batch.add_direct(0, blocks, buffer)
+    extent = batch.extents[0]
+    best = float("inf")
+    for _ in range(repeats):
+        started = time.perf_counter()
+        for i in range(count):
+            post_completions(qpair, next_cids(qpair, 1))
+            extent.slba = i * blocks
+            qpair.run(batch, 1)
+        best = min(best, (time.perf_counter() - started) / count * 1e6)
+    return best
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--depth", type=int, default=64, help="queue entries (depth - 1 commands per round)")
@@ -103,10 +124,12 @@ def main() -> None:
     count = args.depth - 1
     submit, poll = time_single(qpair, buffer, count, args.repeats)
     build, run = time_batch(qpair, buffer, count, args.repeats)
+    per_request = time_one_command_runs(qpair, buffer, count, args.repeats)
     print(f"{args.io_kib} KiB commands, best of {args.repeats} rounds of {count}:")
     print(f"  single commands: submit {submit:.2f} us + poll/deliver {poll:.2f} us = {submit + poll:.2f} us per command")
     print(f"  batch:           build {build:.2f} us per extent + run {run:.2f} us per command "
           f"(PRPs, SQE, doorbell, reap in C)")
+    print(f"  one-command batches, reused: {per_request:.2f} us per run() (posting its CQE included)")
     qpair.free()
     dma.close()
 

@@ -67,6 +67,8 @@ def ours(ns, qpair, slots: list, block: int, total: int, depth: int | None) -> d
     commands in flight together."""
     lbas_per_block = block // ns.lba_size
     requests = total // block
+    doorbells = qpair.doorbell_writes
+    commands = 0
     started_cpu, started_guest = time.process_time(), guest_cpu_s()
     started = time.monotonic()
     if depth is None:
@@ -75,18 +77,20 @@ def ours(ns, qpair, slots: list, block: int, total: int, depth: int | None) -> d
         for slot in slots:  # one batch per slot, reused: only the LBA changes
             batch = ns.batch()
             batch.add_direct(0, lbas_per_block, slot)
-            batches.append(batch)
+            batches.append((batch, batch.extents[0]))
         for index in range(requests):
-            batch = batches[index % len(slots)]
-            batch.extents[0].slba = index * lbas_per_block
-            qpair.run(batch, per_request)
+            batch, extent = batches[index % len(slots)]
+            extent.slba = index * lbas_per_block
+            commands += qpair.run(batch, per_request)
     else:
         batch = ns.batch()
         for index in range(requests):
             batch.add_direct(index * lbas_per_block, lbas_per_block, slots[index % len(slots)])
-        qpair.run(batch, depth)
-    return {"wall_s": time.monotonic() - started, "cpu_s": time.process_time() - started_cpu,
-            "guest_cpu_s": guest_cpu_s() - started_guest}
+        commands = qpair.run(batch, depth)
+    wall, cpu, guest = time.monotonic() - started, time.process_time() - started_cpu, guest_cpu_s() - started_guest
+    sq, cq = (after - before for after, before in zip(qpair.doorbell_writes, doorbells, strict=True))
+    return {"wall_s": wall, "cpu_s": cpu, "guest_cpu_s": guest, "commands": commands, "sq_doorbells": sq,
+            "cq_doorbells": cq}
 
 
 def namespace_device(bdf: str, timeout_s: float = 30.0) -> str:
@@ -164,16 +168,18 @@ def describe(results: dict) -> str:
     lines = [f"NVMe read bandwidth in the TCG guest ({results['mode']} mode, {total >> 20} MiB per run, "
              f"idle sleep {results.get('idle_sleep_us', 0):g} us, best of {results['repeats']})",
              f"{'MDTS':>4} {'max xfer':>8} {'block':>7} {'path':<18} {'GB/s':>7} {'vs kernel':>9} "
-             f"{'CPU s/GB':>8} {'guest CPU s/GB':>14}"]
+             f"{'CPU s/GB':>8} {'guest CPU s/GB':>14} {'doorbells/cmd':>13}"]
     for entry in results["sweep"]:
         for row in entry["rows"]:
             kernel_rate = gb / row["kernel"]["wall_s"]
             for path in PATHS:
                 run = row[path]
                 rate = gb / run["wall_s"]
+                mmio = (f"{(run['sq_doorbells'] + run['cq_doorbells']) / run['commands']:>13.2f}"
+                        if run.get("commands") else f"{'':>13}")
                 lines.append(f"{entry['mdts']:>4} {row['max_transfer'] >> 10:>6}Ki {row['block'] >> 10:>5}Ki "
                              f"{labels[path]:<18} {rate:>7.3f} {rate / kernel_rate:>8.2f}x "
-                             f"{run['cpu_s'] / gb:>8.2f} {run['guest_cpu_s'] / gb:>14.2f}")
+                             f"{run['cpu_s'] / gb:>8.2f} {run['guest_cpu_s'] / gb:>14.2f} {mmio}")
     return "\n".join(lines)
 
 

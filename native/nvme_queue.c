@@ -70,7 +70,7 @@ _Static_assert(sizeof(union nvd_reg_cc) == 4, "CC is a 32-bit register");
 #define NVD_MAX_SLOTS 64
 #define NVD_FOREIGN_MAX 64
 
-enum { NVD_RUN_DONE = 0, NVD_RUN_AGAIN = 1, NVD_RUN_TIMEOUT = 2, NVD_RUN_FOREIGN = 3 };
+enum { NVD_RUN_DONE = 0, NVD_RUN_AGAIN = 1, NVD_RUN_TIMEOUT = 2, NVD_RUN_FOREIGN = 3, NVD_RUN_FAILED = 4 };
 
 /* One contiguous LBA range of a batch. Direct: the data lands in (or comes from) the device pages
  * `pages` from byte `offset`. Staged (reads into memory the device cannot reach, or at addresses
@@ -92,7 +92,6 @@ struct nvd_run {
     const struct nvd_extent *extents;
     uint32_t count;
     uint32_t opcode, nsid, lba_size, max_blocks, max_in_flight;
-    uint64_t timeout_ns;
     /* staging slots for staged extents: host view, device pages, slot size */
     uint8_t *staging;
     const uint64_t *staging_pages;
@@ -117,10 +116,14 @@ struct nvd_qpair {
     struct nvd_cqe *cq;
     volatile uint32_t *sq_doorbell, *cq_doorbell;   /* NULL: notify `hook` instead (test fakes) */
     void *hook;
-    uint32_t depth, sq_tail, sq_head, cq_head, phase, unrung;
+    uint32_t depth, sq_tail, sq_head, unrung;     /* SQ entries; the SQ holds depth - 1 commands */
+    uint32_t cq_depth, cq_head, phase;
+    uint32_t cq_unannounced;                /* CQEs consumed since the last CQ head doorbell */
     uint32_t nfree, quarantined;
     uint64_t late_completions;
+    uint64_t sq_doorbells, cq_doorbells;    /* MMIO writes so far (each is a VM exit when emulated) */
     uint64_t idle_sleep_ns;                 /* 0: pure polling; else sleep this long when idle */
+    uint64_t timeout_ns;                    /* a run's commands older than this have timed out */
     uint16_t *free_cids;                    /* a stack: low CIDs on top */
     uint32_t *tags;                         /* run extent index, or NVD_TAG_* */
     uint64_t *submitted_ns;                 /* when each run command was submitted */
@@ -179,12 +182,23 @@ static void nvd_doorbell(struct nvd_qpair *qp, volatile uint32_t *doorbell, uint
         nvd_doorbell_hook(qp->hook, which, value);
 }
 
+/* Tell the controller which CQ entries it may reuse. */
+static void nvd_ring_cq(struct nvd_qpair *qp)
+{
+    if (qp->cq_unannounced) {
+        nvd_doorbell(qp, qp->cq_doorbell, 1, qp->cq_head);
+        qp->cq_unannounced = 0;
+        qp->cq_doorbells++;
+    }
+}
+
 /* Announce every SQE written since the last ring with one tail doorbell write. */
 static void nvd_ring_sq(struct nvd_qpair *qp)
 {
     if (qp->unrung) {
         nvd_doorbell(qp, qp->sq_doorbell, 0, qp->sq_tail);
         qp->unrung = 0;
+        qp->sq_doorbells++;
     }
 }
 
@@ -243,6 +257,12 @@ static int nvd_push(struct nvd_qpair *qp, uint32_t tag, uint8_t opcode, uint32_t
         if (rc)
             return rc;
     }
+    /* The CQ head doorbell waits until the entries are needed: every command in flight (this one
+     * included) must find a CQ slot the controller knows to be free. Consuming a CQE frees a CID
+     * as it adds an unannounced entry, so this check at submission is the only one needed. */
+    uint32_t outstanding = qp->depth - 1 - qp->nfree;
+    if (qp->cq_unannounced + outstanding + 1 > qp->cq_depth - 1)
+        nvd_ring_cq(qp);
     qp->nfree--;
     qp->tags[cid] = tag;
     struct nvd_sqe *sqe = &qp->sq[qp->sq_tail];
@@ -312,7 +332,8 @@ static void nvd_run_complete(struct nvd_qpair *qp, struct nvd_run *run, uint16_t
     nvd_release(qp, cid);
 }
 
-/* Copy out every new CQE (phase tag matches), write the CQ head doorbell once. Completions of run
+/* Copy out every new CQE (phase tag matches); the CQ head doorbell is written lazily (nvd_push).
+ * Completions of run
  * commands are finished here; those of Python's commands go to `out` (or, inside a run, to the
  * qpair's foreign buffer). Returns how many CQEs were consumed. */
 static int nvd_reap_into(struct nvd_qpair *qp, struct nvd_cqe *out, int max_out, int *nout)
@@ -327,11 +348,12 @@ static int nvd_reap_into(struct nvd_qpair *qp, struct nvd_cqe *out, int max_out,
         nvd_load_barrier();
         struct nvd_cqe cqe;
         memcpy(&cqe, (const void *)entry, sizeof(cqe));
-        if (++qp->cq_head == qp->depth) {
+        if (++qp->cq_head == qp->cq_depth) {
             qp->cq_head = 0;
             qp->phase ^= 1u;
         }
         consumed++;
+        qp->cq_unannounced++;
         qp->sq_head = cqe.sq_head;
         uint32_t tag = cqe.cid < qp->depth - 1 ? qp->tags[cqe.cid] : NVD_TAG_FREE;
         if (tag == NVD_TAG_PYTHON) {
@@ -349,8 +371,6 @@ static int nvd_reap_into(struct nvd_qpair *qp, struct nvd_cqe *out, int max_out,
             out[(*nout)++] = cqe;
         }
     }
-    if (consumed)
-        nvd_doorbell(qp, qp->cq_doorbell, 1, qp->cq_head);
     return consumed;
 }
 
@@ -432,8 +452,8 @@ static void nvd_run_fill(struct nvd_qpair *qp, struct nvd_run *run)
     nvd_ring_sq(qp);
 }
 
-/* Start a run whose extents and limits are filled in: nothing done yet, every staging slot free. */
-void nvd_run_prepare(struct nvd_run *run)
+/* A run whose extents are filled in starts over: nothing done yet, every staging slot free. */
+static void nvd_run_prepare(struct nvd_run *run)
 {
     run->next_extent = 0;
     run->next_block = 0;
@@ -461,8 +481,8 @@ static int nvd_run_timed_out(const struct nvd_qpair *qp, uint64_t now, uint64_t 
 }
 
 /* Keep the queue full with the run's commands, reaping as they finish, for at most `budget_ns`.
- * Returns NVD_RUN_DONE once everything was submitted and completed (or, after a failure, once
- * nothing is left in flight), NVD_RUN_AGAIN when the budget ran out (call again), NVD_RUN_TIMEOUT
+ * Returns NVD_RUN_DONE once everything was submitted and completed, NVD_RUN_FAILED once nothing
+ * is left in flight after a failure (failed_extent, failed_status, error say which), NVD_RUN_AGAIN when the budget ran out (call again), NVD_RUN_TIMEOUT
  * when a command is older than the run's timeout (Python checks the controller, then calls
  * nvd_run_expire), NVD_RUN_FOREIGN when completions for Python's own commands are waiting. */
 int nvd_run(struct nvd_qpair *qp, struct nvd_run *run, uint64_t budget_ns)
@@ -474,7 +494,7 @@ int nvd_run(struct nvd_qpair *qp, struct nvd_run *run, uint64_t budget_ns)
         nvd_run_fill(qp, run);
         if (run->in_flight == 0 && (run->stop || run->next_extent == run->count)) {
             qp->run = NULL;
-            return NVD_RUN_DONE;
+            return run->failed_extent >= 0 || run->error ? NVD_RUN_FAILED : NVD_RUN_DONE;
         }
         int nout = (int)qp->nforeign;
         int consumed = nvd_reap_into(qp, qp->foreign, NVD_FOREIGN_MAX, &nout);
@@ -488,7 +508,7 @@ int nvd_run(struct nvd_qpair *qp, struct nvd_run *run, uint64_t budget_ns)
         if (++idle % 64)
             continue;
         now = nvd_now_ns();
-        if (nvd_run_timed_out(qp, now, run->timeout_ns))
+        if (nvd_run_timed_out(qp, now, qp->timeout_ns))
             return NVD_RUN_TIMEOUT;
         if (now - start >= budget_ns)
             return NVD_RUN_AGAIN;
@@ -501,6 +521,14 @@ int nvd_run(struct nvd_qpair *qp, struct nvd_run *run, uint64_t budget_ns)
     }
 }
 
+/* Start `run` with at most `max_in_flight` commands in flight; the same outcomes as nvd_run. */
+int nvd_run_start(struct nvd_qpair *qp, struct nvd_run *run, uint32_t max_in_flight, uint64_t budget_ns)
+{
+    run->max_in_flight = max_in_flight;
+    nvd_run_prepare(run);
+    return nvd_run(qp, run, budget_ns);
+}
+
 /* Fail the run's commands older than its timeout with a host status; their CIDs stay quarantined
  * (the device may still write their buffers or post their CQEs) until they complete late or the
  * queue is reset. Returns how many expired. */
@@ -510,7 +538,7 @@ uint32_t nvd_run_expire(struct nvd_qpair *qp, struct nvd_run *run, uint32_t host
     uint32_t expired = 0;
     for (uint32_t cid = 0; cid + 1 < qp->depth; cid++) {
         uint32_t tag = qp->tags[cid];
-        if (tag >= NVD_TAG_QUARANTINED || now - qp->submitted_ns[cid] <= run->timeout_ns)
+        if (tag >= NVD_TAG_QUARANTINED || now - qp->submitted_ns[cid] <= qp->timeout_ns)
             continue;
         nvd_run_fail(run, tag, NVD_HOST_STATUS | host_status);
         if (qp->slot[cid] != NVD_MAX_SLOTS) {  /* the slot too stays out of use: the device may write it */
@@ -553,6 +581,6 @@ void nvd_reset(struct nvd_qpair *qp, uint32_t host_status)
     }
     qp->quarantined = 0;
     qp->nforeign = 0;
-    qp->sq_tail = qp->sq_head = qp->cq_head = qp->unrung = 0;
+    qp->sq_tail = qp->sq_head = qp->cq_head = qp->unrung = qp->cq_unannounced = 0;
     qp->phase = 1;  /* the controller writes phase 1 on its first pass */
 }

@@ -27,6 +27,7 @@ log = logging.getLogger(__name__)
 DEFAULT_MAX_TRANSFER = 2 << 20  # per command; MDTS may lower it
 ADMIN_DEPTH = 32
 ADMIN_TIMEOUT_S = 5.0
+IO_CQ_MIN_ENTRIES = 256  # 4 KiB of 16-byte CQEs
 CAP_TO_UNIT_S = 0.5  # CAP.TO counts 500 ms units
 
 
@@ -102,11 +103,14 @@ class Controller:
                  self.io_queue_limit)
 
     def _new_qpair(self, qid: int, depth: int, admin: bool = False) -> QueuePair:
+        # An I/O CQ of at least one page (256 entries, still one page in no-IOMMU mode): the CQ head
+        # doorbell, an emulated MMIO write in a VM, is then written every few hundred completions.
+        cq_depth = depth if admin else min(self.max_queue_entries, max(depth, IO_CQ_MIN_ENTRIES))
         qpair = QueuePair(qid, depth, self.dma,
                           self.bar.doorbell(layout.sq_doorbell_offset(qid, self.dstrd)),
                           self.bar.doorbell(layout.cq_doorbell_offset(qid, self.dstrd)),
                           max_transfer=4096 if admin else self.max_transfer,
-                          timeout_s=ADMIN_TIMEOUT_S if admin else self.io_timeout_s, admin=admin)
+                          timeout_s=ADMIN_TIMEOUT_S if admin else self.io_timeout_s, admin=admin, cq_depth=cq_depth)
         qpair.on_timeout = self._health_check
         qpair.idle_sleep_s = 0.0 if admin else self.poll_idle_sleep_s
         return qpair
@@ -154,11 +158,12 @@ class Controller:
         return qpair
 
     def _create_io_queues_on_device(self, qpair: QueuePair) -> None:
-        size = (qpair.depth - 1) << 16 | qpair.qid
-        # CDW11 bit 0: physically contiguous; interrupts stay off (we poll).
-        self.admin.execute(AdminOpcode.CREATE_IO_CQ, prp1=qpair.cq_ring.iova, cdw10=size, cdw11=1)
-        self.admin.execute(AdminOpcode.CREATE_IO_SQ, prp1=qpair.sq_ring.iova, cdw10=size,
-                           cdw11=1 | qpair.qid << 16)
+        # CDW10: 0-based size << 16 | queue id. CDW11 bit 0: physically contiguous; interrupts stay
+        # off (we poll); the SQ names its CQ.
+        self.admin.execute(AdminOpcode.CREATE_IO_CQ, prp1=qpair.cq_ring.iova,
+                           cdw10=(qpair.cq_depth - 1) << 16 | qpair.qid, cdw11=1)
+        self.admin.execute(AdminOpcode.CREATE_IO_SQ, prp1=qpair.sq_ring.iova,
+                           cdw10=(qpair.depth - 1) << 16 | qpair.qid, cdw11=1 | qpair.qid << 16)
 
     def delete_io_qpair(self, qpair: QueuePair) -> None:
         """Delete the SQ before its CQ (the spec's order), then free the rings."""

@@ -41,23 +41,26 @@ Doorbell = int | DoorbellStandIn  # a mapped register's address, or a stand-in (
 
 
 class QueuePair:
-    """Queue `qid`'s SQ and CQ (`depth` entries each). `depth - 1` commands can be in flight: a
-    full SQ keeps one slot empty so head == tail means empty."""
+    """Queue `qid`'s SQ (`depth` entries) and CQ (`cq_depth`, default the same). `depth - 1`
+    commands can be in flight: a full SQ keeps one slot empty so head == tail means empty. A CQ
+    larger than the SQ lets the CQ head doorbell wait longer (it is written only when the entries
+    are needed, see nvd_push)."""
 
     def __init__(self, qid: int, depth: int, dma: DmaAllocator, sq_doorbell: Doorbell, cq_doorbell: Doorbell,
-                 max_transfer: int, timeout_s: float = 5.0, admin: bool = False):
-        if not 2 <= depth <= 65536:
-            raise NvmeDirectError(f"queue depth must be 2..65536, got {depth}")
+                 max_transfer: int, timeout_s: float = 5.0, admin: bool = False, cq_depth: int | None = None):
+        cq_depth = depth if cq_depth is None else cq_depth
+        if not 2 <= depth <= 65536 or not depth <= cq_depth <= 65536:
+            raise NvmeDirectError(f"queue depths must be 2 <= SQ {depth} <= CQ {cq_depth} <= 65536")
         self.qid = qid
         self.depth = depth
+        self.cq_depth = cq_depth
         self.admin = admin
         self.timeout_s = timeout_s
-        self._timeout_ns = int(timeout_s * 1e9)
         self.max_transfer = max_transfer
         self.closed = False
         self.sq_ring = dma.alloc(depth * SQE_SIZE, contiguous=True)
         try:
-            self.cq_ring = dma.alloc(depth * CQE_SIZE, contiguous=True)
+            self.cq_ring = dma.alloc(cq_depth * CQE_SIZE, contiguous=True)
         except BaseException:
             self.sq_ring.free()
             raise
@@ -79,7 +82,8 @@ class QueuePair:
         (q.free_cids, q.tags, q.submitted_ns, q.copy_dst, q.copy_src, q.copy_len, q.slot) = self._arrays
         q.sq = ffi.cast("struct nvd_sqe *", self.sq_ring.address)
         q.cq = ffi.cast("struct nvd_cqe *", self.cq_ring.address)
-        q.depth = depth
+        q.depth, q.cq_depth = depth, cq_depth
+        q.timeout_ns = int(timeout_s * 1e9)
         if self._prp_lists is not None:
             q.prp_list_host = ffi.cast("uint64_t *", self._prp_lists.address)
             q.prp_list_pages = self._prp_lists._allocation.page_pointer
@@ -93,7 +97,6 @@ class QueuePair:
         self._late_seen = 0
         self._next_timeout_check = 0.0
         self.on_timeout: Callable[[QueuePair], None] | None = None  # controller health check hook
-        self.idle_sleep_s = 0.0  # 0: pure polling; else sleep this long after an empty spin
 
     def _connect_doorbells(self, sq: Doorbell, cq: Doorbell) -> StandIns | None:
         q = self._native
@@ -113,6 +116,16 @@ class QueuePair:
 
     # -- state ---------------------------------------------------------------------------------
     @property
+    def idle_sleep_s(self) -> float:
+        """0: pure polling; else sleep this long whenever a wait finds nothing (Python's polls and
+        the native loop alike), so a shared host's other work (a VM's device emulation) gets the core."""
+        return self._native.idle_sleep_ns / 1e9
+
+    @idle_sleep_s.setter
+    def idle_sleep_s(self, seconds: float) -> None:
+        self._native.idle_sleep_ns = int(seconds * 1e9)
+
+    @property
     def outstanding(self) -> int:
         return self.depth - 1 - self._native.nfree - self._native.quarantined
 
@@ -120,6 +133,11 @@ class QueuePair:
     def free_slots(self) -> int:
         """Commands that can be submitted now; 0 is the "queue full" signal."""
         return self._native.nfree
+
+    @property
+    def doorbell_writes(self) -> tuple[int, int]:
+        """(SQ tail, CQ head) doorbell writes so far: each is a VM exit on an emulated controller."""
+        return self._native.sq_doorbells, self._native.cq_doorbells
 
     @property
     def sq_tail(self) -> int:
@@ -239,28 +257,27 @@ class QueuePair:
         if batch.count == 0:
             return 0
         run = batch.native_run()
-        run.max_in_flight = max(1, min(max_in_flight or self.depth - 1, self.depth - 1))
-        run.timeout_ns = self._timeout_ns
-        lib.nvd_run_prepare(run)
+        limit = self.depth - 1 if max_in_flight is None or max_in_flight >= self.depth else max(1, max_in_flight)
         try:
-            if lib.nvd_run(self._native, run, RUN_SLICE_NS) != lib.NVD_RUN_DONE or self._stand_ins is not None:
-                self._drive(run)  # not done in one slice (or a test fake's doorbell ran Python)
+            outcome = lib.nvd_run_start(self._native, run, limit, RUN_SLICE_NS)
+            if outcome > lib.NVD_RUN_DONE or self._stand_ins is not None:
+                outcome = self._drive(run, outcome)  # not done in one slice, failed, or a test fake
         except BaseException:
             run.stop = 1  # an interruption: nothing new goes out, what is in flight must land first
-            self._drive(run)
+            self._drive(run, lib.NVD_RUN_AGAIN)
             raise
-        if run.error:
-            raise NvmeDirectError(_BUILD_ERRORS.get(run.error, f"command build failed ({run.error})"))
-        if run.failed_extent >= 0:
+        if outcome == lib.NVD_RUN_FAILED:
+            if run.error:
+                raise NvmeDirectError(_BUILD_ERRORS.get(run.error, f"command build failed ({run.error})"))
             raise self._run_failure(batch, run)
         return run.submitted
 
-    def _drive(self, run) -> None:
+    def _drive(self, run, outcome: int) -> int:
+        """Go on with a run until it is done or failed; returns that outcome."""
         while True:
-            outcome = lib.nvd_run(self._native, run, RUN_SLICE_NS)
             self._check_stand_ins()
-            if outcome == lib.NVD_RUN_DONE:
-                return
+            if outcome in (lib.NVD_RUN_DONE, lib.NVD_RUN_FAILED):
+                return outcome
             if outcome == lib.NVD_RUN_FOREIGN:
                 self.poll()  # completions of single commands submitted before the batch
             elif outcome == lib.NVD_RUN_TIMEOUT:
@@ -272,6 +289,7 @@ class QueuePair:
                               self.timeout_s)
             elif any(c is not None for c in self._commands):
                 self._expire(time.monotonic())
+            outcome = lib.nvd_run(self._native, run, RUN_SLICE_NS)
 
     def _run_failure(self, batch: Batch, run) -> NvmeDirectError:
         status_word = run.failed_status
