@@ -92,7 +92,7 @@ class Batch:
     def native_run(self) -> Any:
         """The `struct nvd_run` describing this batch, made once and refilled only after extents
         were added (a batch run again with other LBAs, `extents[i].slba = ...`, costs nothing here)."""
-        if self._run is None or self._run_count != self.count:
+        if self._run_count != self.count:
             self._run = ffi.new("struct nvd_run *")
             self._fill_run(self._run)
             self._run_count = self.count

@@ -36,6 +36,7 @@ _BUILD_ERRORS = {-1: "transfer outside the DMA buffer", -2: "PRP1 is not dword a
                  -3: "transfer needs more PRP list pages than the command has",
                  lib.NVD_NO_STAGING: "a staged read without staging slots"}
 _HOST_STATUSES = {s.sc: s for s in (st.HOST_TIMEOUT, st.HOST_CONTROLLER_RESET, st.HOST_QUEUE_CLOSED)}
+_run_start, _DONE = lib.nvd_run_start, lib.NVD_RUN_DONE
 
 Doorbell = int | DoorbellStandIn  # a mapped register's address, or a stand-in (test fakes)
 
@@ -53,6 +54,7 @@ class QueuePair:
             raise NvmeDirectError(f"queue depths must be 2 <= SQ {depth} <= CQ {cq_depth} <= 65536")
         self.qid = qid
         self.depth = depth
+        self._usable = depth - 1
         self.cq_depth = cq_depth
         self.admin = admin
         self.timeout_s = timeout_s
@@ -252,25 +254,26 @@ class QueuePair:
         """Move every extent of `batch`, keeping up to `max_in_flight` commands in flight (default:
         as many as the queue holds). Raises the first failure once nothing is left in flight (so no
         DMA still targets the caller's memory). Returns the number of commands."""
+        # Kept short: a caller reading one request at a time pays this per request.
         if self.closed:
             raise NvmeDirectError(f"queue {self.qid} is closed")
-        if batch.count == 0:
+        if not batch.count:
             return 0
         run = batch.native_run()
-        limit = self.depth - 1 if max_in_flight is None or max_in_flight >= self.depth else max(1, max_in_flight)
+        limit = self._usable if max_in_flight is None or max_in_flight > self._usable else max(1, max_in_flight)
         try:
-            outcome = lib.nvd_run_start(self._native, run, limit, RUN_SLICE_NS)
-            if outcome > lib.NVD_RUN_DONE or self._stand_ins is not None:
+            outcome = _run_start(self._native, run, limit, RUN_SLICE_NS)
+            if outcome != _DONE or self._stand_ins is not None:
                 outcome = self._drive(run, outcome)  # not done in one slice, failed, or a test fake
         except BaseException:
             run.stop = 1  # an interruption: nothing new goes out, what is in flight must land first
             self._drive(run, lib.NVD_RUN_AGAIN)
             raise
-        if outcome == lib.NVD_RUN_FAILED:
+        if outcome != _DONE:
             if run.error:
                 raise NvmeDirectError(_BUILD_ERRORS.get(run.error, f"command build failed ({run.error})"))
             raise self._run_failure(batch, run)
-        return run.submitted
+        return batch.commands
 
     def _drive(self, run, outcome: int) -> int:
         """Go on with a run until it is done or failed; returns that outcome."""
