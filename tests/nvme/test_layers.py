@@ -28,9 +28,11 @@ def imports_of(package: str) -> dict[str, set[str]]:
     return {str(p.relative_to(PACKAGE)): imported_modules(p) for p in (PACKAGE / package).glob("*.py")}
 
 
-@pytest.mark.parametrize("lower,upper", [("queues", "nvmedirect.nvme"), ("spec", "nvmedirect.nvme"),
-                                         ("spec", "nvmedirect.queues"), ("store", "nvmedirect.reader"),
-                                         ("vfio", "nvmedirect.queues"), ("vfio", "nvmedirect.nvme")])
+ORDER = ["cli", "reader", "store", "system", "nvme", "queues", "spec", "vfio"]  # docs/ARCHITECTURE.md, top down
+
+
+@pytest.mark.parametrize("lower,upper", [(low, f"nvmedirect.{high}") for i, high in enumerate(ORDER)
+                                         for low in ORDER[i + 1:]])
 def test_lower_layers_do_not_import_upper_ones(lower, upper):
     offenders = {f: sorted(m for m in mods if m == upper or m.startswith(upper + "."))
                  for f, mods in imports_of(lower).items()}
@@ -60,3 +62,7 @@ def test_importing_the_store_loads_no_reader():
     code = ("import sys, nvmedirect.store.writer, nvmedirect.store.targets, nvmedirect.store.nvme_target; "
             "sys.exit(any(m.startswith('nvmedirect.reader') for m in sys.modules))")
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+def test_host_memory_is_the_bottom():
+    assert not [m for m in imported_modules(PACKAGE / "host_memory.py") if m.startswith("nvmedirect")]
