@@ -76,7 +76,12 @@ class QueuePair:
                     f"of at most {PAGE_SIZE // SQE_SIZE} or reserve huge pages (vm.nr_hugepages)")
         usable = depth - 1
         list_pages = list_pages_needed(max_transfer)
-        self._prp_lists = dma.alloc(usable * list_pages * PAGE_SIZE) if list_pages else None
+        try:
+            self._prp_lists = dma.alloc(usable * list_pages * PAGE_SIZE) if list_pages else None
+        except BaseException:
+            self.sq_ring.free()
+            self.cq_ring.free()
+            raise
         q = self._native = ffi.new("struct nvd_qpair *")
         # The per-CID arrays C works on; kept here so they live as long as the queue pair.
         self._arrays = [ffi.new(f"{kind}[]", usable) for kind in
