@@ -41,6 +41,21 @@ class CliError(click.ClickException):
         self.exit_code = exit_code
 
 
+class _Main(click.Group):
+    """The `ntransformer` group: a model that turns out broken while generating (NaN logits) ends
+    in one line naming it, not a traceback."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except ValueError as err:
+            from infer.sampler import NonFiniteLogits  # NumPy is loaded by now: the BLAS threads are set
+
+            if not isinstance(err, NonFiniteLogits):
+                raise
+            raise CliError(f"{ctx.params.get('model') or 'the model'}: {err}", EXIT_BAD_INPUT) from None
+
+
 def _fail(message: str, code: int) -> NoReturn:
     raise CliError(message, code)
 
@@ -189,7 +204,7 @@ def _chat(llm: LLM, sampler: Any, n_predict: int, system: str | None) -> None:
         click.echo()
 
 
-@click.group(invoke_without_command=True, context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=_Main, invoke_without_command=True, context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("-m", "--model", type=click.Path(), help="GGUF model file.")
 @click.option("-p", "--prompt", help="Text to continue.")
 @click.option("-n", "--n-predict", type=click.IntRange(min=1), default=128, show_default=True,
@@ -255,6 +270,7 @@ def _run_streaming(model: str | None, streaming: StreamingConfig, ctx_size: int,
         _fail("no model given: use -m/--model FILE.gguf", EXIT_BAD_INPUT)
     from infer.errors import ModelError
     from infer.tiers.run import run_streaming
+    from infer.tokenizer import TokenizerError
 
     where = _resolve_device(device)
     try:
@@ -262,6 +278,8 @@ def _run_streaming(model: str | None, streaming: StreamingConfig, ctx_size: int,
             run_streaming(model, streaming, ctx_size, where, prompt or (BENCHMARK_PROMPT if benchmark else None),
                           n_predict, sampler, benchmark=benchmark, as_json=as_json, echo=click.echo, note=_note,
                           peak=peak)
+    except TokenizerError as err:  # before ValueError, which it is
+        _fail(f"{model}: tokenizer: {err}", EXIT_BAD_INPUT)
     except (ValueError, ModelError) as err:  # bad file, budgets too small (BudgetError)
         _fail(str(err), EXIT_BAD_INPUT)
 
