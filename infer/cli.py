@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import click
 
 from infer.cli_options import streaming_options
+from infer.cli_spec import SpecOptions, spec_options
 from infer.tiers.config import StreamingConfig
 
 if TYPE_CHECKING:
@@ -80,7 +81,8 @@ def _resolve_device(device: str) -> str:
         _fail(str(err), EXIT_NOT_AVAILABLE)
 
 
-def _load(model: str | None, ctx_size: int, device: str, vram_budget: str | None = None, exact: bool = False) -> LLM:
+def _load(model: str | None, ctx_size: int, device: str, vram_budget: str | None = None, exact: bool = False,
+          planned: dict[str, int] | None = None, half_copies: bool = True) -> LLM:
     if not model:
         _fail("no model given: use -m/--model FILE.gguf", EXIT_BAD_INPUT)
     from infer.api import LLM
@@ -91,7 +93,7 @@ def _load(model: str | None, ctx_size: int, device: str, vram_budget: str | None
     started = time.perf_counter()
     try:  # a model too large for the VRAM budget stops here with a hint to use --streaming
         llm = LLM.load(model, ctx_size=ctx_size or None, device=where, exact=exact, vram_budget=vram_budget,
-                       enforce_budget=where == "gpu")
+                       enforce_budget=where == "gpu", planned=planned, half_copies=half_copies)
     except TokenizerError as err:  # before ValueError, which it is
         _fail(f"{model}: tokenizer: {err}", EXIT_BAD_INPUT)
     except (ValueError, ModelError) as err:  # bad file, bad size, budget too small (BudgetError)
@@ -225,6 +227,7 @@ def _chat(llm: LLM, sampler: Any, n_predict: int, system: str | None) -> None:
 @click.option("--device", type=click.Choice(["auto", "cpu", "gpu"]), default="auto", show_default=True,
               help="Where to run; auto = the GPU when CuPy sees one, else the CPU.")
 @streaming_options
+@spec_options
 @click.option("--threads", type=click.IntRange(min=1), default=None, help="BLAS threads (default: all cores).")
 @click.option("--exact", is_flag=True,
               help="CPU: take every sum in float64 and round once (results independent of batching, the same "
@@ -233,8 +236,8 @@ def _chat(llm: LLM, sampler: Any, n_predict: int, system: str | None) -> None:
 @click.pass_context
 def main(ctx: click.Context, model: str | None, prompt: str | None, n_predict: int, chat: bool, system: str | None,
          benchmark: bool, temp: float, top_k: int, top_p: float, min_p: float, repeat_penalty: float,
-         ctx_size: int, seed: int | None, device: str, streaming: StreamingConfig, threads: int | None,
-         exact: bool, as_json: bool) -> None:
+         ctx_size: int, seed: int | None, device: str, streaming: StreamingConfig, spec: SpecOptions,
+         threads: int | None, exact: bool, as_json: bool) -> None:
     """Run a GGUF language model (Llama or Qwen2 architecture) on the GPU or the CPU.
 
     With --streaming, weights that do not fit the VRAM budget are streamed each pass from pinned RAM
@@ -248,6 +251,12 @@ def main(ctx: click.Context, model: str | None, prompt: str | None, n_predict: i
     if not chat and not benchmark and prompt is None:
         _fail("nothing to do: give -p/--prompt TEXT, --chat or --benchmark", EXIT_BAD_INPUT)
     sampler = _sampler(temp, top_k, top_p, min_p, repeat_penalty, seed)
+    if spec.active:
+        from infer.cli_spec import run as run_speculative
+
+        run_speculative(model, spec, streaming, ctx_size, device, prompt or BENCHMARK_PROMPT, n_predict, sampler,
+                        chat, benchmark, exact, as_json)
+        return
     if streaming.enabled or streaming.batch > 1 or streaming.prompts_file:
         _run_streaming(model, streaming, ctx_size, device, prompt, n_predict, sampler, chat, benchmark, as_json)
         return
