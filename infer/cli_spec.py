@@ -59,19 +59,23 @@ def check_vocabulary(target: Any, draft: Any, draft_path: str) -> None:
                          f"tokens, first difference at id {first}): it cannot draft for this model")
 
 
-def drafter(spec: SpecOptions, draft_model: Any, ctx: int, tree: int) -> Any:
+def drafter(spec: SpecOptions, draft: Any, ctx: int, tree: int) -> Any:
+    """The drafter for a tree of `tree` nodes; `draft` an LLM whose KV cache (counted in the budget)
+    the drafter uses."""
     from infer.speculative import LookupDrafter, ModelDrafter
 
     if spec.draft_model:
         depth = max(1, min(16, (tree - 1) // 2 if tree <= 9 else (tree - 1) // 4))
         width = max(1, (tree - 1) // depth)
-        return ModelDrafter(draft_model, ctx, depth=depth, width=width)
+        return ModelDrafter(draft.transformer, ctx, depth=depth, width=width, cache=draft.engine.cache)
     return LookupDrafter(max_ngram=3, depth=max(1, tree - 1))
 
 
-def generate(target: Any, tokenizer: Any, spec: SpecOptions, draft_model: Any, ctx: int, tree: int, prompt: str,
-             n_predict: int, sampler_config: Any, benchmark: bool, as_json: bool, note: Any) -> dict[str, Any]:
-    """Generates with a Speculator and prints the text (or JSON), then its statistics."""
+def generate(target: Any, cache: Any, tokenizer: Any, spec: SpecOptions, draft: Any, ctx: int, tree: int,
+             prompt: str, n_predict: int, sampler_config: Any, benchmark: bool, as_json: bool,
+             note: Any) -> dict[str, Any]:
+    """Generates with a Speculator on the target's KV cache `cache` (the one its budget planned) and
+    prints the text (or JSON), then its statistics."""
     from infer.sampler import Sampler
     from infer.speculative import Speculator
     from infer.tokenizer import StreamDecoder
@@ -79,13 +83,13 @@ def generate(target: Any, tokenizer: Any, spec: SpecOptions, draft_model: Any, c
     ids = tokenizer.encode(prompt)
     if not ids:
         raise ValueError("the prompt is empty after tokenization")
-    spec_run = Speculator(target, drafter(spec, draft_model, ctx, tree), tree, ctx)
+    spec_run = Speculator(target, drafter(spec, draft, ctx, tree), tree, ctx)
     decoder = StreamDecoder(tokenizer)
     is_end = (lambda _: False) if benchmark else tokenizer.is_eog
     out: list[int] = []
     pieces: list[str] = []
     began = time.perf_counter()
-    for token in spec_run.generate(ids, n_predict, Sampler(sampler_config).sample, is_end):
+    for token in spec_run.generate(ids, n_predict, Sampler(sampler_config).sample, is_end, cache):
         if is_end(token):
             break
         out.append(token)
@@ -155,13 +159,14 @@ def run(model: str | None, spec: SpecOptions, streaming: Any, ctx_size: int, dev
                 session = build_streaming_engine(gguf, streaming, context, where, prefill_chunk=max(512, tree),
                                                  enforce_budget=where == "gpu", planned=planned)
                 c._note(session.report())
-                target, closer = session.engine.model, session.close
+                target, cache, closer = session.engine.model, None, session.close
             else:
                 llm = c._load(model, ctx_size, where, streaming.vram_budget, exact, planned=planned)
                 target, tokenizer, context, closer = llm.transformer, llm.tokenizer, llm.engine.ctx_size, None
+                cache = llm.engine.cache  # the one cache its budget planned
             try:
-                generate(target, tokenizer, spec, None if draft is None else draft.transformer, context, tree,
-                         prompt, n_predict, sampler, benchmark, as_json, c._note)
+                generate(target, cache, tokenizer, spec, draft, context, tree, prompt, n_predict, sampler, benchmark,
+                         as_json, c._note)
             finally:
                 if closer is not None:
                     closer()

@@ -99,14 +99,17 @@ class Speculator:
         self.stats = SpecStats()
 
     def generate(self, prompt: Sequence[int], max_new_tokens: int, choose: Chooser,
-                 is_end: Callable[[int], bool] = lambda _: False) -> Iterator[int]:
-        """Up to `max_new_tokens` ids after `prompt` (an end id is yielded, then generation stops)."""
+                 is_end: Callable[[int], bool] = lambda _: False, cache: Cache | None = None) -> Iterator[int]:
+        """Up to `max_new_tokens` ids after `prompt` (an end id is yielded, then generation stops).
+        `cache`: the target's KV cache to use (emptied first; default a new one)."""
         if not prompt:
             raise ValueError("the prompt has no tokens")
         if len(prompt) > self.ctx_size:
             raise ValueError(f"a prompt of {len(prompt)} tokens exceeds the context size {self.ctx_size}")
         self.stats = SpecStats()
-        cache: Cache = self.target.new_cache(self.ctx_size)
+        if cache is None:
+            cache = self.target.new_cache(self.ctx_size)
+        cache.length = 0
         context = list(prompt[:-1])
         if context:
             self.target.forward(np.asarray(context), cache)
@@ -143,11 +146,12 @@ class ModelDrafter:
     tokens are leaf siblings of the chain node (a tree of 1 + depth * width nodes). The draft keeps
     its own cache in step with what the target accepted (rolled back to the common prefix)."""
 
-    def __init__(self, draft: Model, ctx_size: int, depth: int = 4, width: int = 2) -> None:
+    def __init__(self, draft: Model, ctx_size: int, depth: int = 4, width: int = 2, cache: Cache | None = None) -> None:
         if depth < 1 or width < 1:
             raise ValueError(f"draft depth and width must be >= 1, not {depth} and {width}")
         self.draft, self.depth, self.width = draft, depth, width
-        self.cache: Cache = draft.new_cache(ctx_size)
+        self.cache: Cache = cache if cache is not None else draft.new_cache(ctx_size)  # the draft's own KV cache
+        self.cache.length = 0
         self.fed: list[int] = []  # the tokens in the draft's cache
 
     def shape(self, size: int) -> tuple[int, int]:
