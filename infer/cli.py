@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import click
 
 from infer.cli_options import streaming_options
+from infer.cli_spec import SpecOptions, spec_options
 from infer.tiers.config import StreamingConfig
 
 if TYPE_CHECKING:
@@ -39,6 +40,21 @@ class CliError(click.ClickException):
     def __init__(self, message: str, exit_code: int = EXIT_FAILED) -> None:
         super().__init__(message)
         self.exit_code = exit_code
+
+
+class _Main(click.Group):
+    """The `ntransformer` group: a model that turns out broken while generating (NaN logits) ends
+    in one line naming it, not a traceback."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except ValueError as err:
+            from infer.sampler import NonFiniteLogits  # NumPy is loaded by now: the BLAS threads are set
+
+            if not isinstance(err, NonFiniteLogits):
+                raise
+            raise CliError(f"{ctx.params.get('model') or 'the model'}: {err}", EXIT_BAD_INPUT) from None
 
 
 def _fail(message: str, code: int) -> NoReturn:
@@ -65,7 +81,8 @@ def _resolve_device(device: str) -> str:
         _fail(str(err), EXIT_NOT_AVAILABLE)
 
 
-def _load(model: str | None, ctx_size: int, device: str, vram_budget: str | None = None, exact: bool = False) -> LLM:
+def _load(model: str | None, ctx_size: int, device: str, vram_budget: str | None = None, exact: bool = False,
+          planned: dict[str, int] | None = None, half_copies: bool = True) -> LLM:
     if not model:
         _fail("no model given: use -m/--model FILE.gguf", EXIT_BAD_INPUT)
     from infer.api import LLM
@@ -76,7 +93,7 @@ def _load(model: str | None, ctx_size: int, device: str, vram_budget: str | None
     started = time.perf_counter()
     try:  # a model too large for the VRAM budget stops here with a hint to use --streaming
         llm = LLM.load(model, ctx_size=ctx_size or None, device=where, exact=exact, vram_budget=vram_budget,
-                       enforce_budget=where == "gpu")
+                       enforce_budget=where == "gpu", planned=planned, half_copies=half_copies)
     except TokenizerError as err:  # before ValueError, which it is
         _fail(f"{model}: tokenizer: {err}", EXIT_BAD_INPUT)
     except (ValueError, ModelError) as err:  # bad file, bad size, budget too small (BudgetError)
@@ -189,7 +206,7 @@ def _chat(llm: LLM, sampler: Any, n_predict: int, system: str | None) -> None:
         click.echo()
 
 
-@click.group(invoke_without_command=True, context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=_Main, invoke_without_command=True, context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("-m", "--model", type=click.Path(), help="GGUF model file.")
 @click.option("-p", "--prompt", help="Text to continue.")
 @click.option("-n", "--n-predict", type=click.IntRange(min=1), default=128, show_default=True,
@@ -210,6 +227,7 @@ def _chat(llm: LLM, sampler: Any, n_predict: int, system: str | None) -> None:
 @click.option("--device", type=click.Choice(["auto", "cpu", "gpu"]), default="auto", show_default=True,
               help="Where to run; auto = the GPU when CuPy sees one, else the CPU.")
 @streaming_options
+@spec_options
 @click.option("--threads", type=click.IntRange(min=1), default=None, help="BLAS threads (default: all cores).")
 @click.option("--exact", is_flag=True,
               help="CPU: take every sum in float64 and round once (results independent of batching, the same "
@@ -218,8 +236,8 @@ def _chat(llm: LLM, sampler: Any, n_predict: int, system: str | None) -> None:
 @click.pass_context
 def main(ctx: click.Context, model: str | None, prompt: str | None, n_predict: int, chat: bool, system: str | None,
          benchmark: bool, temp: float, top_k: int, top_p: float, min_p: float, repeat_penalty: float,
-         ctx_size: int, seed: int | None, device: str, streaming: StreamingConfig, threads: int | None,
-         exact: bool, as_json: bool) -> None:
+         ctx_size: int, seed: int | None, device: str, streaming: StreamingConfig, spec: SpecOptions,
+         threads: int | None, exact: bool, as_json: bool) -> None:
     """Run a GGUF language model (Llama or Qwen2 architecture) on the GPU or the CPU.
 
     With --streaming, weights that do not fit the VRAM budget are streamed each pass from pinned RAM
@@ -233,6 +251,12 @@ def main(ctx: click.Context, model: str | None, prompt: str | None, n_predict: i
     if not chat and not benchmark and prompt is None:
         _fail("nothing to do: give -p/--prompt TEXT, --chat or --benchmark", EXIT_BAD_INPUT)
     sampler = _sampler(temp, top_k, top_p, min_p, repeat_penalty, seed)
+    if spec.active:
+        from infer.cli_spec import run as run_speculative
+
+        run_speculative(model, spec, streaming, ctx_size, device, prompt or BENCHMARK_PROMPT, n_predict, sampler,
+                        chat, benchmark, exact, as_json)
+        return
     if streaming.enabled or streaming.batch > 1 or streaming.prompts_file:
         _run_streaming(model, streaming, ctx_size, device, prompt, n_predict, sampler, chat, benchmark, as_json)
         return
@@ -255,6 +279,7 @@ def _run_streaming(model: str | None, streaming: StreamingConfig, ctx_size: int,
         _fail("no model given: use -m/--model FILE.gguf", EXIT_BAD_INPUT)
     from infer.errors import ModelError
     from infer.tiers.run import run_streaming
+    from infer.tokenizer import TokenizerError
 
     where = _resolve_device(device)
     try:
@@ -262,6 +287,8 @@ def _run_streaming(model: str | None, streaming: StreamingConfig, ctx_size: int,
             run_streaming(model, streaming, ctx_size, where, prompt or (BENCHMARK_PROMPT if benchmark else None),
                           n_predict, sampler, benchmark=benchmark, as_json=as_json, echo=click.echo, note=_note,
                           peak=peak)
+    except TokenizerError as err:  # before ValueError, which it is
+        _fail(f"{model}: tokenizer: {err}", EXIT_BAD_INPUT)
     except (ValueError, ModelError) as err:  # bad file, budgets too small (BudgetError)
         _fail(str(err), EXIT_BAD_INPUT)
 
@@ -310,3 +337,60 @@ def perplexity_command(ctx: click.Context, model: str | None, text_file: str, ct
     else:
         click.echo(f"perplexity: {result.perplexity:.4f} over {result.chunks} chunks of {ctx_size} tokens "
                    f"({result.scored_tokens} scored)")
+
+
+@main.command("serve")
+@click.option("-m", "--model", type=click.Path(), help="GGUF model file.")
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Address to listen on (127.0.0.1: this machine only; 0.0.0.0: every interface).")
+@click.option("--port", type=click.IntRange(0, 65535), default=8080, show_default=True)
+@click.option("--api-key", envvar="NTRANSFORMER_API_KEY",
+              help="Require `Authorization: Bearer KEY` on /v1 requests (or set NTRANSFORMER_API_KEY).")
+@click.option("--max-batch", type=click.IntRange(1, 4096), default=8, show_default=True,
+              help="Requests decoded together; each holds a KV cache of --ctx-size positions.")
+@click.option("--queue-size", type=click.IntRange(0, 1 << 20), default=64, show_default=True,
+              help="Requests that may wait for a slot; past that, 503 with Retry-After.")
+@click.option("-c", "--ctx-size", type=click.IntRange(min=0), default=0,
+              help="Context of each request in tokens; 0 = the model's, at most 4096.")
+@click.option("--device", type=click.Choice(["auto", "cpu", "gpu"]), default="auto", show_default=True)
+@streaming_options
+@click.option("--exact", is_flag=True, help="CPU: float64 sums (batching-independent results, see ntransformer --help).")
+@click.option("--threads", type=click.IntRange(min=1), default=None, help="BLAS threads (default: all cores).")
+@click.pass_context
+def serve_command(ctx: click.Context, model: str | None, host: str, port: int, api_key: str | None, max_batch: int,
+                  queue_size: int, ctx_size: int, device: str, streaming: StreamingConfig, exact: bool,
+                  threads: int | None) -> None:
+    """An OpenAI-compatible HTTP server: /v1/completions, /v1/chat/completions (stream: true for
+    server-sent events), /v1/models, /health, /metrics. Continuous batching: every pass over the
+    weights serves every active request (with --streaming, the streamed weights too).
+
+        ntransformer serve -m model.gguf --port 8080
+        curl http://127.0.0.1:8080/v1/completions -H 'Content-Type: application/json' \\
+             -d '{"prompt": "The capital of France is", "max_tokens": 16, "temperature": 0}'
+    """
+    _set_threads(threads)
+    if model is None and ctx.parent is not None:
+        model = ctx.parent.params.get("model")
+    if not model:
+        _fail("no model given: use -m/--model FILE.gguf", EXIT_BAD_INPUT)
+    if streaming.batch != 1 or streaming.prompts_file:
+        _fail("serve batches the requests it receives: use --max-batch instead of --batch/--prompts", EXIT_BAD_INPUT)
+    from infer.arch import check_model
+    from infer.errors import ModelError
+    from infer.gguf_file import GGUFModel
+    from infer.server.app import Server
+    from infer.server.run import loader, serve
+
+    where = _resolve_device(device)
+    try:  # a bad file stops here, before the server listens
+        args = check_model(GGUFModel(model))
+    except (ValueError, ModelError) as err:
+        _fail(str(err), EXIT_BAD_INPUT)
+    context = ctx_size or min(args.context_length, 4096)
+    server = Server(loader(model, where, context, max_batch, streaming, exact), context, max_batch, queue_size,
+                    api_key)
+    _note(f"serving {Path(model).name} on http://{host}:{port} ({where}, {max_batch} slots of {context} tokens"
+          f"{', API key required' if api_key else ''}); Ctrl-C stops after the requests in flight")
+    serve(server, host, port)
+    if server.status == "failed":
+        _fail(server.failure, EXIT_FAILED)

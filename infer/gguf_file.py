@@ -63,6 +63,11 @@ class _CheckedReader(GGUFReader):
         return arr.view(arr.dtype.newbyteorder(self.byte_order if override_order is None else override_order))
 
     def _build_tensors(self, start_offs: int, fields: list) -> None:  # type: ignore[override]
+        # GGUFReader keeps general.alignment as the field's NumPy uint32 and derives the data offset
+        # from it, so every sum with either stays 32-bit: a tensor past 4 GiB would overflow, or
+        # wrap around to the file's first bytes. Plain Python ints from here on.
+        self.alignment = int(self.alignment)
+        self.data_offset = start_offs = int(start_offs)
         file_size = int(self.data.size)
         self.checked: dict[str, TensorInfo] = {}
         for field in fields:

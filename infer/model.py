@@ -202,6 +202,16 @@ class KVCache:
         self.values[layer, start:end] = v
         return self.keys[layer, :end], self.values[layer, :end]
 
+    def accept(self, nodes: Sequence[int]) -> None:
+        """After forward_tree: keep the keys and values of tree nodes `nodes` (a root-to-node path,
+        indices increasing) as the positions after `length`, and count them in."""
+        start = self.length
+        for j, node in enumerate(nodes):
+            if node != j:
+                self.keys[:, start + j] = self.keys[:, start + node]
+                self.values[:, start + j] = self.values[:, start + node]
+        self.length = start + len(nodes)
+
 
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float, exact: bool = False) -> np.ndarray:
     """x / sqrt(mean(x^2) + eps) * weight in float32, rounded step by step as llama.cpp's CPU does:
@@ -308,6 +318,23 @@ class Rope:
 Batch = Sequence[tuple[np.ndarray, KVCache]]
 
 
+def tree_layout(parents: np.ndarray, start: int) -> tuple[np.ndarray, np.ndarray]:
+    """Depths (N,) of the nodes of a token tree (parents[i] < i, -1 for a root), and the attention
+    mask (N, start + N): node i sees positions 0 .. start - 1 and the slots of its ancestors and itself."""
+    n = len(parents)
+    depths = np.zeros(n, np.int64)
+    allowed = np.zeros((n, start + n), bool)
+    allowed[:, :start] = True
+    for i, parent in enumerate(parents):
+        if not -1 <= parent < i:
+            raise ValueError(f"tree node {i} has parent {parent}: parents must come before their children")
+        if parent >= 0:
+            depths[i] = depths[parent] + 1
+            allowed[i, start : start + i] = allowed[parent, start : start + i]
+        allowed[i, start + i] = True
+    return depths, allowed
+
+
 def check_batch(batch: Batch, vocab_size: int) -> list[int]:
     """Token counts of a pass's sequences, after checking each has tokens that fit its cache and
     lie in the vocabulary."""
@@ -366,11 +393,27 @@ class Transformer:
         if all_logits:
             return [logits[bounds[s]:bounds[s + 1]] for s in range(len(batch))]
         return [logits[s] for s in range(len(batch))]
+    def forward_tree(self, tokens: np.ndarray, parents: np.ndarray, cache: KVCache) -> np.ndarray:
+        """Logits (N, vocab) of every node of a token tree after the cache's positions, in one pass:
+        node i (parents[i] < i, or -1 for a root that follows the cache) sits at position
+        cache.length + its depth and sees the cache and its ancestors. Its keys and values go to cache
+        slot cache.length + i; cache.length does not move (KVCache.accept keeps a path)."""
+        tokens, parents = np.asarray(tokens, dtype=np.int64), np.asarray(parents, dtype=np.int64)
+        check_batch([(tokens, cache)], self.args.vocab_size)
+        depths, allowed = tree_layout(parents, cache.length)
+        cos, sin = self.rope.angles(cache.length + depths)
+        x = self.weights.embed(tokens)
+        for i in range(self.args.n_layers):
+            layer = self.weights.layer(i)
+            x = x + self._attention(self.norm(x, layer.attn_norm), layer, cache, i, cache.length, cos, sin, allowed)
+            x = x + self._feed_forward(self.norm(x, layer.ffn_norm), layer)
+        return self.weights.output()(self.norm(x, self.weights.output_norm()))
+
     def norm(self, x: np.ndarray, weight: np.ndarray) -> np.ndarray:
         return rms_norm(x, weight, self.args.norm_eps, self.exact)
 
     def _attention(self, h: np.ndarray, layer: LayerWeights, cache: KVCache, index: int, start: int,
-                   cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+                   cos: np.ndarray, sin: np.ndarray, allowed: np.ndarray | None = None) -> np.ndarray:
         a, n = self.args, h.shape[0]
         qkv = layer.qkv(h)  # (T, q_dim + 2 kv_dim)
         if layer.bqkv is not None:
@@ -387,7 +430,9 @@ class Transformer:
         keys = keys.astype(wide).transpose(1, 2, 0)[:, None]  # (kv, 1, hd, S)
         values = values.astype(wide).transpose(1, 0, 2)[:, None]  # (kv, 1, S, hd)
         scores = (q @ keys).astype(np.float32) * np.float32(1.0 / np.sqrt(a.head_dim))  # (kv, g, T, S)
-        if n > 1:  # causal mask: query t (position start + t) sees keys 0..start + t
+        if allowed is not None:  # a token tree: each node sees the cache and its ancestors
+            scores[..., ~allowed] = -np.inf
+        elif n > 1:  # causal mask: query t (position start + t) sees keys 0..start + t
             future = np.arange(start + n)[None, :] > np.arange(start, start + n)[:, None]
             scores[..., future] = -np.inf
         exps = np.exp(scores.astype(wide) - scores.max(axis=-1, keepdims=True))

@@ -84,6 +84,15 @@ def min_p_filter(ids: np.ndarray, logits: np.ndarray, min_p: float) -> tuple[np.
     return ids[:keep], logits[:keep]
 
 
+class NonFiniteLogits(ValueError):
+    """The model produced NaN or +inf logits: its weights (or how they were read) are broken."""
+
+    def __init__(self, logits: np.ndarray) -> None:
+        nan, inf = int(np.isnan(logits).sum()), int(np.isposinf(logits).sum())
+        super().__init__(f"the model produced non-finite logits ({nan} NaN and {inf} +inf of {logits.size}): "
+                         "its weights are damaged or were read from the wrong place")
+
+
 def _softmax(logits: np.ndarray) -> np.ndarray:
     shifted = np.exp(logits.astype(np.float64) - logits.max())
     return shifted / shifted.sum()
@@ -125,6 +134,6 @@ class Sampler:
         logits = np.asarray(logits)
         if logits.ndim != 1 or logits.size == 0:
             raise ValueError(f"logits must be a non-empty vector, not an array of shape {logits.shape}")
-        if np.isnan(logits).any():
-            raise ValueError("logits contain NaN")
+        if np.isnan(logits).any() or np.isposinf(logits).any():  # -inf is a masked token, not a fault
+            raise NonFiniteLogits(logits)
         return apply_repeat_penalty(logits, history, self.config.repeat_penalty, self.config.repeat_last_n)

@@ -35,7 +35,6 @@ static const unsigned long VFIO_GROUP_GET_DEVICE_FD;
 static const unsigned long VFIO_DEVICE_GET_INFO;
 static const unsigned long VFIO_DEVICE_GET_REGION_INFO;
 static const unsigned long VFIO_DEVICE_RESET;
-static const unsigned long VFIO_IOMMU_GET_INFO;
 static const unsigned long VFIO_IOMMU_MAP_DMA;
 static const unsigned long VFIO_IOMMU_UNMAP_DMA;
 
@@ -51,7 +50,6 @@ struct vfio_region_info {
     uint32_t argsz; uint32_t flags; uint32_t index; uint32_t cap_offset;
     uint64_t size; uint64_t offset; ...;
 };
-struct vfio_iommu_type1_info { uint32_t argsz; uint32_t flags; uint64_t iova_pgsizes; ...; };
 struct vfio_iommu_type1_dma_map {
     uint32_t argsz; uint32_t flags; uint64_t vaddr; uint64_t iova; uint64_t size; ...;
 };

@@ -20,10 +20,6 @@ class DeviceNotFound(NvmeDirectError):
     """No PCI device at the given address, or it has no IOMMU group."""
 
 
-class WrongDriver(NvmeDirectError):
-    """The device is bound to a driver other than the one the operation needs."""
-
-
 class DmaError(NvmeDirectError):
     """DMA memory could not be allocated, pinned, translated or mapped for the device."""
 

@@ -9,6 +9,9 @@
 #   GPU_CHECK_SKIP_BENCH=1 bash scripts/gpu-check.sh      # compile + GPU tests (~4-5 min)
 #   GPU_CHECK_SKIP_TESTS=1 bash scripts/gpu-check.sh      # the 8B benchmarks (~3-4 min)
 #   GPU_CHECK_Q8=1 ...                                    # also the 8B Q8_0 (resident, no budget)
+#   GPU_CHECK_SPEC=1 ...                                  # speculative decoding: the CLI with a draft model on
+#                                                         # synthetic 8B/1B, and (with GPU_CHECK_70B) the time of
+#                                                         # one verification pass per tree size on the streamed 70B
 #   GPU_CHECK_70B=1 GPU_CHECK_SKIP_TESTS=1 GPU_CHECK_SKIP_BENCH=1 ...
 #                                                         # the 70B Q4_K_M streamed at --vram-budget 24GB
 #                                                         # (bench.streaming_bench; writes ~42 GB to disk)
@@ -64,7 +67,7 @@ if [ -z "${GPU_CHECK_SKIP_TESTS:-}" ]; then
     section "GPU tests"
     timeout 420 python3 -m pytest -q -s --timeout 200 -p no:cacheprovider --tb=short --durations=10 \
         tests/gpu/test_kernels.py tests/gpu/test_model.py tests/gpu/test_cli_gpu.py tests/gpu/test_streaming.py \
-        tests/gpu/test_budget.py tests/infer/test_gpu_layout.py tests/infer/test_synth.py \
+        tests/gpu/test_budget.py tests/gpu/test_speculative_gpu.py tests/infer/test_gpu_layout.py tests/infer/test_synth.py \
         --junitxml="$OUT/pytest.xml" > "$OUT/pytest.log" 2>&1
     rc=$?
     grep -E "^(FAILED|ERROR)" "$OUT/pytest.log" | head -40
@@ -124,7 +127,27 @@ if [ -z "${GPU_CHECK_SKIP_BENCH:-}" ]; then
     [ -n "${GPU_CHECK_Q8:-}" ] && bench 8b-q80 300 --synth 8b:q8_0
 fi
 
-if [ -n "${GPU_CHECK_70B:-}" ]; then
+if [ -n "${GPU_CHECK_SPEC:-}" ]; then
+    section "speculative decoding through the CLI (synthetic 8B target, 1B draft: same vocabulary)"
+    python3 -m infer.synth --shape 1b --type q4_k_m -o "$SYNTH_DIR/synth-1b-q4_k_m.gguf" > /dev/null 2>&1 || true
+    [ -f "$SYNTH_DIR/synth-8b-q4_k_m.gguf" ] || python3 -m infer.synth --shape 8b --type q4_k_m \
+        -o "$SYNTH_DIR/synth-8b-q4_k_m.gguf" > /dev/null 2>&1
+    for extra in "" "--streaming"; do
+        timeout 150 python3 -c "from infer.cli import main; main()" -m "$SYNTH_DIR/synth-8b-q4_k_m.gguf" --device gpu \
+            --draft-model "$SYNTH_DIR/synth-1b-q4_k_m.gguf" --vram-budget 8GB -p "hello world" -n 32 -t 0 --json \
+            $extra > "$OUT/spec-cli$extra.json" 2> "$OUT/spec-cli$extra.txt"
+        note "spec cli ${extra:-resident}: exit $?; $(grep -o 'speculation (.*' "$OUT/spec-cli$extra.txt" | tail -1)"
+    done
+fi
+
+if [ -n "${GPU_CHECK_70B:-}" ] && [ -n "${GPU_CHECK_SPEC:-}" ]; then
+    section "70B Q4_K_M streamed at 24GB: one verification pass per tree size"
+    rm -f "$SYNTH_DIR"/synth-8b-*.gguf "$SYNTH_DIR"/synth-1b-*.gguf
+    timeout 300 python3 -m bench.spec_bench verify --synth 70b:q4_k_m --synth-dir /tmp/nvmd-bench --streaming \
+        --vram-budget 24GB --out "$OUT/spec-verify-70b.json" > "$OUT/spec-verify-70b.txt" 2>&1
+    note "70B verify passes: exit $?; $(python3 -c "import json,sys; r=json.load(open(sys.argv[1])); \
+print(' '.join(f\"{p['nodes']}:{p['pass_seconds']}s\" for p in r['passes']))" "$OUT/spec-verify-70b.json" 2>&1 | tail -1)"
+elif [ -n "${GPU_CHECK_70B:-}" ]; then
     section "70B Q4_K_M streamed at --vram-budget 24GB"
     rm -f "$SYNTH_DIR"/synth-8b-*.gguf  # disk: 64 GB in all
     limit=${GPU_CHECK_70B_SECONDS:-560}

@@ -40,14 +40,17 @@ def resolve_device(device: str) -> str:
 
 def load_gpu_transformer(model: GGUFModel, max_context: int | None = None, vram_budget: str | int | None = None,
                          prefill_chunk: int = 512, match_llama_cpp: bool = True, int8_dot: bool = True,
-                         batch: int = 1, enforce_budget: bool = False) -> GpuTransformer:
+                         batch: int = 1, enforce_budget: bool = False,
+                         planned: dict[str, int] | None = None, half_copies: bool = True) -> GpuTransformer:
     """The model checked as infer.model.load_transformer checks it, its weights resident on the
     current GPU, planned against the VRAM budget (`vram_budget`, default the free memory less a
     margin): weights, the KV cache of `batch` sequences of `max_context` positions (default the
     model's, at most 4096), activations of prompt chunks of `prefill_chunk` rows; float16 copies of
     the matrices for prompts only as far as the budget has room. A model that does not fit raises
     VramBudgetError (one line, what each part takes, a hint to use --streaming). enforce_budget: cap
-    CuPy's memory pool at the budget (process-wide). match_llama_cpp: round the inputs of matrix
+    CuPy's memory pool at the budget (process-wide). planned: device memory already taken in the same
+    budget (e.g. {"draft model": bytes}), shown in the plan. half_copies: False keeps no float16
+    copies (a draft model leaves the room to its target). match_llama_cpp: round the inputs of matrix
     products as llama.cpp's CPU does (the CPU engine's default), else keep them float32. int8_dot:
     decode GEMVs with integer dot products on those rounded inputs (the same numbers). The decode
     kernels sum in double: their logits are those of load_transformer(..., exact=True) (docs/GPU.md)."""
@@ -76,10 +79,12 @@ def load_gpu_transformer(model: GGUFModel, max_context: int | None = None, vram_
     account.plan("KV cache", batch * (kv_cache_nbytes(args, context, 1) + attention_work_nbytes(args, context)))
     account.plan("activations", activation_nbytes(args, prefill_chunk, context, batch)
                  + 8 * context * (args.rope_dim // 2))  # + the rotary tables
+    for name, nbytes in (planned or {}).items():
+        account.plan(name, nbytes)
     account.check(": run with --streaming (or lower -c/--ctx-size)")
     halves = sum(2 * t.shape[0] * t.shape[1] for t in tensors  # f16 matrices are used as they are
                  if t.layer is not None and len(t.shape) == 2 and format_of(t.ggml_type) != "f16")
-    copies = min(halves, account.room)  # float16 copies for prompts: as far as the budget has room
+    copies = min(halves, account.room) if half_copies else 0  # float16 copies for prompts: as far as there is room
     account.plan("float16 copies for prompts", copies)
     if enforce_budget:
         memory.enforce(account)

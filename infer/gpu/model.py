@@ -23,15 +23,25 @@ import numpy as np
 
 from infer.arch import ModelArgs
 from infer.gpu import ops
+from infer.gpu.activations import RoundedInputs, normed16, rounded16
 from infer.gpu.attention import rows_attention
 from infer.gpu.ops import GpuMatrix
-from infer.gpu.weights import GpuLayer, GpuWeightSource
-from infer.model import Rope, check_batch
+from infer.gpu.weights import GpuLayer, GpuWeightSource, HalfCopies
+from infer.model import Rope, check_batch, tree_layout
 from infer.tiers.budget import LOGITS_ROWS, VramAccount
 
 F32, F16 = cupy.float32, cupy.float16
 HEAD = -1  # segment item: the output norm and head (and sampling); EMBED: the token embedding
 EMBED = -2
+
+
+@dataclass
+class Tree:
+    """A token tree's rows on the device: positions, cache slots, attention mask (N, start + N)."""
+
+    positions: cupy.ndarray
+    slots: cupy.ndarray
+    allowed: cupy.ndarray
 
 
 @dataclass
@@ -50,38 +60,19 @@ class GpuKVCache:
     part_ml: cupy.ndarray
     length: int = 0
     graphs: dict[tuple, object] = field(default_factory=dict)
+    stream: cupy.cuda.Stream | None = None  # the model's: work on the cache is ordered on it
 
-
-class HalfCopies:
-    """float16 copies of resident matrices for cuBLAS, made at first use while their bytes fit
-    `allowance` (the VRAM budget's room; None or 0: none); a matrix without a copy is dequantized
-    into one scratch each time it is used (streamed matrices always are)."""
-
-    def __init__(self, allowance: int | None) -> None:
-        self.allowance = allowance
-        self.kept_bytes = 0
-        self._copies: dict[int, tuple[GpuMatrix, cupy.ndarray]] = {}  # the matrix is held: ids stay unique
-        self._scratch: cupy.ndarray | None = None
-
-    def get(self, m: GpuMatrix, scratch_elems: int) -> cupy.ndarray:
-        half = m.as_half()
-        if half is not None:
-            return half
-        kept = self._copies.get(id(m))
-        if kept is not None:
-            return kept[1]
-        n = m.rows * m.cols
-        if not m.streamed and self.allowance and self.kept_bytes + 2 * n <= self.allowance:
-            copy = cupy.empty(n, F16)
-            ops.dequantize(m, copy)
-            self._copies[id(m)] = (m, copy.reshape(m.rows, m.cols))
-            self.kept_bytes += 2 * n
-            return self._copies[id(m)][1]
-        if self._scratch is None:
-            self._scratch = cupy.empty(max(n, scratch_elems), F16)
-        out = self._scratch[:n]
-        ops.dequantize(m, out)
-        return out.reshape(m.rows, m.cols)
+    def accept(self, nodes: Sequence[int]) -> None:
+        """After forward_tree: keep tree nodes `nodes` (a root-to-node path) as the positions after
+        `length`, and count them in (as infer.model.KVCache.accept)."""
+        src = self.length + np.asarray(nodes, dtype=np.int64)
+        dst = self.length + np.arange(len(nodes))
+        if (src != dst).any():
+            with self.stream or cupy.cuda.get_current_stream():
+                take, put = cupy.asarray(src), cupy.asarray(dst)
+                self.keys[:, :, put] = self.keys[:, :, take]  # the right side is gathered first
+                self.values[:, :, put] = self.values[:, :, take]
+        self.length += len(nodes)
 
 
 class GpuTransformer:
@@ -96,10 +87,6 @@ class GpuTransformer:
                  half_copies: int | None = None) -> None:
         self.args = args
         self.weights = weights
-        # decode GEMVs on the 8-bit form of q8_0/q8_k activations (dp4a integer dot products) where
-        # the weight format has such a kernel; the same numbers (both sum in double). The float
-        # kernels read x as float32, 4x the bytes (docs/GPU.md).
-        self.int8_dot = int8_dot
         self.prefill_chunk = prefill_chunk
         # prompts up to this many tokens run through the decode kernels (no dequantization, exact
         # sums): cheaper for a few tokens, and the CPU's exact numerics where a test needs them
@@ -125,9 +112,13 @@ class GpuTransformer:
             self.up = cupy.zeros(a.ffn_dim, F32)
             self.ff = cupy.zeros(a.ffn_dim, F32)
             self.logits = cupy.zeros(a.vocab_size, F32)
-            self._act: dict[tuple[str, str], cupy.ndarray] = {}  # (input, activation format) -> buffer
-            self._act8: dict[tuple[str, str], ops.Int8Act] = {}  # the same inputs' 8-bit forms
-            self._plan_act_buffers()
+            # decode GEMVs on the 8-bit form of q8_0/q8_k activations (dp4a integer dot products)
+            # where the weight format has such a kernel; the same numbers (both sum in double). The
+            # float kernels read x as float32, 4x the bytes (docs/GPU.md).
+            self.inputs = RoundedInputs(args, int8_dot)
+            for i in range(a.n_layers):
+                self.inputs.plan_layer(weights.formats(i))
+            self.inputs.plan("out", [self.output.act], a.dim)
         self.stream.synchronize()
 
     @property
@@ -143,19 +134,15 @@ class GpuTransformer:
         """The resident layers (kernel timings and tests); streamed layers exist one at a time."""
         return [self.weights.layer(i) for i in range(self.args.n_layers) if self.weights.is_resident(i)]
 
+    @property
+    def int8_dot(self) -> bool:
+        return self.inputs.int8_dot
+
     def set_int8_dot(self, enabled: bool) -> None:
         """Switches the decode GEMVs between the float and the integer (dp4a) kernels."""
-        self.int8_dot = enabled
-        if enabled:  # buffers stay allocated once made: captured graphs may refer to them
-            with self.stream:
-                for key, act in list(self._act):
-                    if act in ("q8_0", "q8_k") and (key, act) not in self._act8:
-                        self._act8[(key, act)] = ops.int8_buffers(self._act[(key, act)].size, act)
-            self.stream.synchronize()
-
-    def _int8(self, key: str, act: str) -> ops.Int8Act | None:
-        """The 8-bit form buffers of input `key` in format `act`, when the integer kernels are on."""
-        return self._act8.get((key, act)) if self.int8_dot else None
+        with self.stream:
+            self.inputs.set_int8(enabled)
+        self.stream.synchronize()
 
     def weight_bytes_per_token(self) -> int:
         """Bytes of weights one decode step reads from VRAM (all layer matrices and the output)."""
@@ -179,66 +166,10 @@ class GpuTransformer:
                 keys=cupy.zeros(shape, F16), values=cupy.zeros(shape, F16), max_tokens=max_tokens,
                 n_splits=n_splits, tok=cupy.zeros(1, cupy.int32), pos=cupy.zeros(1, cupy.int32),
                 tokens=cupy.zeros(max_tokens + 1, cupy.int32), scores=scores, part_o=part_o, part_ml=part_ml,
+                stream=self.stream,
             )
         self.stream.synchronize()
         return cache
-
-    # ------------------------------------------------------------------ activation rounding (decode)
-    def _plan_act_buffers(self) -> None:
-        """Allocates now every rounded-input buffer the decode step uses (none may be allocated
-        while a CUDA graph is being captured), from the formats of every layer."""
-        a = self.args
-        for i in range(a.n_layers):
-            f = self.weights.formats(i)
-            self._norm_buffers("attn", [f[k].act for k in ("attn_q", "attn_k", "attn_v")], a.dim)
-            self._norm_buffers("ffn", [f["ffn_gate"].act, f["ffn_up"].act], a.dim)
-            self._act_buffer("ff", f["ffn_down"].act, a.ffn_dim)
-            self._act_buffer("att", f["attn_output"].act, a.q_dim)  # only its 8-bit form is used
-        self._norm_buffers("out", [self.output.act], a.dim)
-
-    def _act_buffer(self, key: str, act: str, n: int) -> cupy.ndarray:
-        if (key, act) not in self._act:
-            self._act[(key, act)] = cupy.zeros(n, F32)
-            if self.int8_dot and act in ("q8_0", "q8_k"):
-                self._act8[(key, act)] = ops.int8_buffers(n, act)
-        return self._act[(key, act)]
-
-    def _norm_buffers(self, key: str, acts: list[str], n: int) -> None:
-        for act in set(acts) | ({"f32"} if len(set(acts)) > 1 else set()):
-            self._act_buffer(key, act, n)
-
-    def _normed(self, src: cupy.ndarray, weight: cupy.ndarray, key: str, acts: list[str]) -> dict[str, cupy.ndarray]:
-        """RMSNorm(src) * weight, rounded to each activation format in `acts` (one launch for one)."""
-        a, unique = self.args, sorted(set(acts))
-        if len(unique) == 1:
-            y = self._act[(key, unique[0])]
-            ops.rmsnorm(src, weight, a.norm_eps, 1, a.dim, y=y, act=unique[0], int8=self._int8(key, unique[0]))
-            return {unique[0]: y}
-        base = self._act[(key, "f32")]
-        ops.rmsnorm(src, weight, a.norm_eps, 1, a.dim, y=base)
-        out = {"f32": base}
-        for act in unique:
-            if act != "f32":
-                out[act] = self._act[(key, act)]
-                ops.round_act(base, out[act], 1, a.dim, act, int8=self._int8(key, act))
-        return out
-
-    def _rounded(self, x: cupy.ndarray, key: str, act: str) -> cupy.ndarray:
-        if act == "f32":
-            return x
-        y = self._act[(key, act)]
-        ops.round_act(x, y, 1, x.size, act, int8=self._int8(key, act))
-        return y
-
-    def _gemv(self, m: GpuMatrix, key: str, x: cupy.ndarray, y: cupy.ndarray, bias: cupy.ndarray | None = None,
-              residual: cupy.ndarray | None = None) -> None:
-        """y = W x (+bias, +residual) where x is input `key` rounded for m: the integer kernel when
-        its 8-bit form exists, else the float one."""
-        int8 = self._int8(key, m.act) if m.fmt in ops.INT8_FORMATS else None
-        if int8 is not None:
-            ops.gemv8(m, int8, y, bias=bias, residual=residual)
-        else:
-            ops.gemv(m, x, y, bias=bias, residual=residual)
 
     # ------------------------------------------------------------------ one row (decode)
     def _decode_layer(self, i: int, L: GpuLayer, cache: GpuKVCache, mark: Callable[[str], None] | None = None) -> None:
@@ -246,10 +177,10 @@ class GpuTransformer:
         `mark(stage)` after each stage (tests inspect the buffers there; eager runs only)."""
         a, done = self.args, mark or (lambda _stage: None)
         cos, sin = self._rope_tables
-        xs = self._normed(self.h, L.attn_norm, "attn", [m.act for m, _ in L.qkv])
+        xs = self.inputs.normed(self.h, L.attn_norm, "attn", [m.act for m, _ in L.qkv])
         done("rmsnorm")
         for m, row in L.qkv:
-            self._gemv(m, "attn", xs[m.act], self.qkv[row : row + m.rows],
+            self.inputs.gemv(m, "attn", xs[m.act], self.qkv[row : row + m.rows],
                        bias=None if L.bqkv is None else L.bqkv[row : row + m.rows])
         done("gemv_qkv")
         # rotary embedding and the KV store happen inside the attention kernels
@@ -257,29 +188,29 @@ class GpuTransformer:
                              a.head_dim, cache.max_tokens, cache.n_splits, cache.scores, cache.part_o, cache.part_ml,
                              self.att, act=L.wo.act,  # the output is wo's rounded input
                              rope=(self.k, self.v, cos, sin, self.rope.n_pairs, a.rope_neox),
-                             int8=self._int8("att", L.wo.act) if L.wo.fmt in ops.INT8_FORMATS else None)
+                             int8=self.inputs.int8_of("att", L.wo.act) if L.wo.fmt in ops.INT8_FORMATS else None)
         done("attention")
-        self._gemv(L.wo, "att", self.att, self.h, residual=self.h)
+        self.inputs.gemv(L.wo, "att", self.att, self.h, residual=self.h)
         done("gemv_o")
-        xs = self._normed(self.h, L.ffn_norm, "ffn", [L.w_gate.act, L.w_up.act])
+        xs = self.inputs.normed(self.h, L.ffn_norm, "ffn", [L.w_gate.act, L.w_up.act])
         done("rmsnorm")
         if L.w_gate.fmt == L.w_up.fmt and L.w_gate.act == L.w_up.act:
-            int8 = self._int8("ffn", L.w_gate.act) if L.w_gate.fmt in ops.INT8_FORMATS else None
+            int8 = self.inputs.int8_of("ffn", L.w_gate.act) if L.w_gate.fmt in ops.INT8_FORMATS else None
             if int8 is not None:
                 ops.gemv8_swiglu(L.w_gate, L.w_up, int8, self.ff)
             else:
                 ops.gemv_swiglu(L.w_gate, L.w_up, xs[L.w_gate.act], self.ff)
         else:
-            self._gemv(L.w_gate, "ffn", xs[L.w_gate.act], self.gate)
-            self._gemv(L.w_up, "ffn", xs[L.w_up.act], self.up)
+            self.inputs.gemv(L.w_gate, "ffn", xs[L.w_gate.act], self.gate)
+            self.inputs.gemv(L.w_up, "ffn", xs[L.w_up.act], self.up)
             ops.swiglu(self.gate, self.up, self.ff, a.ffn_dim)
         done("gemv_gate_up")
-        self._gemv(L.w_down, "ff", self._rounded(self.ff, "ff", L.w_down.act), self.h, residual=self.h)
+        self.inputs.gemv(L.w_down, "ff", self.inputs.rounded(self.ff, "ff", L.w_down.act), self.h, residual=self.h)
         done("gemv_down")
 
     def _head(self) -> None:
-        xs = self._normed(self.h, self.weights.output_norm, "out", [self.output.act])
-        self._gemv(self.output, "out", xs[self.output.act], self.logits)
+        xs = self.inputs.normed(self.h, self.weights.output_norm, "out", [self.output.act])
+        self.inputs.gemv(self.output, "out", xs[self.output.act], self.logits)
 
     def _plan_segments(self) -> list[tuple[bool, list[int]]]:
         """The decode step as (capturable, items): runs of the embedding, resident layers and the
@@ -358,24 +289,6 @@ class GpuTransformer:
     def _half(self, m: GpuMatrix) -> cupy.ndarray:
         return self.half.get(m, self.args.largest_matrix)
 
-    def _normed16(self, h: cupy.ndarray, weight: cupy.ndarray, acts: list[str]) -> dict[str, cupy.ndarray]:
-        """Per row RMSNorm(h) * weight, rounded to each activation format, as float16 (R, dim)."""
-        a, n, unique = self.args, h.shape[0], sorted(set(acts))
-        base = cupy.empty((n, a.dim), F32)
-        if len(unique) == 1:
-            y16 = cupy.empty((n, a.dim), F16)
-            ops.rmsnorm(h, weight, a.norm_eps, n, a.dim, y=base, y16=y16, act=unique[0])
-            return {unique[0]: y16}
-        ops.rmsnorm(h, weight, a.norm_eps, n, a.dim, y=base)
-        return {act: self._rounded16(base, act) for act in unique}
-
-    @staticmethod
-    def _rounded16(x: cupy.ndarray, act: str) -> cupy.ndarray:
-        """(R, n) float32 -> rounded to `act`, as float16."""
-        y16 = cupy.empty(x.shape, F16)
-        ops.round_act(x, cupy.empty_like(x), x.shape[0], x.shape[1], act, y16=y16)
-        return y16
-
     def _qkv_rows(self, L: GpuLayer, xs16: dict[str, cupy.ndarray]) -> list[cupy.ndarray]:
         """Q, K and V of every row, each its own (R, n) float32 product. A stacked matrix is
         multiplied part by part, so a resident and a streamed layer run the same cuBLAS shapes."""
@@ -393,9 +306,9 @@ class GpuTransformer:
         return outs
 
     def _rows_layer(self, i: int, L: GpuLayer, x: cupy.ndarray, batch: Sequence[tuple[np.ndarray, GpuKVCache]],
-                    bounds: list[int], positions: list[cupy.ndarray]) -> None:
+                    bounds: list[int], positions: list[cupy.ndarray], tree: Tree | None = None) -> None:
         a = self.args
-        xs16 = self._normed16(x, L.attn_norm, [m.act for m, _ in L.qkv])
+        xs16 = normed16(self.args, x, L.attn_norm, [m.act for m, _ in L.qkv])
         q, k, v = self._qkv_rows(L, xs16)
         del xs16
         att = cupy.empty((x.shape[0], a.q_dim), F32)
@@ -405,8 +318,11 @@ class GpuTransformer:
             n, start = r1 - r0, cache.length
             ops.rope_store(q[r0:r1], k[r0:r1], v[r0:r1], cos, sin, positions[s], n, a.n_heads, a.n_kv_heads,
                            a.head_dim, self.rope.n_pairs, a.rope_neox, cache.keys[i], cache.values[i],
-                           cache.max_tokens)
-            if n == 1:  # one new token of this sequence: the decode kernels
+                           cache.max_tokens, slots=None if tree is None else tree.slots)
+            if tree is not None:  # a token tree: nodes in slots start.., each sees its ancestors
+                rows_attention(q, cache.keys[i], cache.values[i], start + n, a.n_kv_heads, a.head_dim, att,
+                               allowed=tree.allowed)
+            elif n == 1:  # one new token of this sequence: the decode kernels
                 ops.attention_decode(q[r0], cache.keys[i], cache.values[i], positions[s], a.n_heads, a.n_kv_heads,
                                      a.head_dim, cache.max_tokens, cache.n_splits, cache.scores, cache.part_o,
                                      cache.part_ml, att[r0])
@@ -414,45 +330,62 @@ class GpuTransformer:
                 rows_attention(q[r0:r1], cache.keys[i], cache.values[i], start + n, a.n_kv_heads, a.head_dim,
                                att[r0:r1], start=start)
         del q, k, v
-        self._mm(self._rounded16(att, L.wo.act), self._half(L.wo), out=x, accumulate=True)
+        self._mm(rounded16(att, L.wo.act), self._half(L.wo), out=x, accumulate=True)
         del att
-        xs16 = self._normed16(x, L.ffn_norm, [L.w_gate.act, L.w_up.act])
+        xs16 = normed16(self.args, x, L.ffn_norm, [L.w_gate.act, L.w_up.act])
         g = self._mm(xs16[L.w_gate.act], self._half(L.w_gate))
         u = self._mm(xs16[L.w_up.act], self._half(L.w_up))
         del xs16
         ops.swiglu(g, u, g, g.size)  # in place, evaluated in double as the decode kernels do
         del u
-        self._mm(self._rounded16(g, L.w_down.act), self._half(L.w_down), out=x, accumulate=True)
+        self._mm(rounded16(g, L.w_down.act), self._half(L.w_down), out=x, accumulate=True)
 
     def _rows_pass(self, batch: Sequence[tuple[np.ndarray, GpuKVCache]], sizes: list[int],
-                   all_logits: bool) -> list[np.ndarray]:
-        """One pass over the layers for every row of the batch; logits to the host."""
+                   all_logits: bool, tree: Tree | None = None) -> list[np.ndarray]:
+        """One pass over the layers for every row of the batch; logits to the host. With `tree` (one
+        sequence) the rows are a token tree's nodes and the cache's length stays."""
         a = self.args
         bounds = np.cumsum([0, *sizes]).tolist()
         rows = bounds[-1]
         ids = cupy.asarray(np.concatenate([np.asarray(t, np.int64) for t, _ in batch]).astype(np.int32))
-        positions = [cupy.arange(c.length, c.length + n, dtype=cupy.int32) for (_, c), n in zip(batch, sizes,
-                                                                                               strict=True)]
+        positions = [tree.positions] if tree is not None else [
+            cupy.arange(c.length, c.length + n, dtype=cupy.int32) for (_, c), n in zip(batch, sizes, strict=True)]
         x = cupy.empty((rows, a.dim), F32)
         ops.embed(self.token_embd, ids, rows, x)
         for i in range(a.n_layers):
-            self._rows_layer(i, self.weights.layer(i), x, batch, bounds, positions)
-        for (_, cache), n in zip(batch, sizes, strict=True):
-            cache.length += n
+            self._rows_layer(i, self.weights.layer(i), x, batch, bounds, positions, tree)
+        if tree is None:
+            for (_, cache), n in zip(batch, sizes, strict=True):
+                cache.length += n
         picked = list(range(rows)) if all_logits else [b - 1 for b in bounds[1:]]
         host = np.empty((len(picked), a.vocab_size), np.float32)
         block = cupy.empty((min(LOGITS_ROWS, len(picked)), a.vocab_size), F32)
         for j0 in range(0, len(picked), LOGITS_ROWS):  # a bounded block of logits at a time
             part = picked[j0 : j0 + LOGITS_ROWS]
             for j, r in enumerate(part):
-                xs = self._normed(x[r], self.weights.output_norm, "out", [self.output.act])
-                self._gemv(self.output, "out", xs[self.output.act], block[j])
+                xs = self.inputs.normed(x[r], self.weights.output_norm, "out", [self.output.act])
+                self.inputs.gemv(self.output, "out", xs[self.output.act], block[j])
             host[j0 : j0 + len(part)] = cupy.asnumpy(block[: len(part)], stream=self.stream)
         if all_logits:
             return [host[bounds[s] : bounds[s + 1]] for s in range(len(batch))]
         return [host[s] for s in range(len(batch))]
 
     # ------------------------------------------------------------------ public calls
+    def forward_tree(self, tokens: np.ndarray, parents: np.ndarray, cache: GpuKVCache) -> np.ndarray:
+        """As infer.model.Transformer.forward_tree: logits (N, vocab) of every node of a token tree
+        in one pass (batched products, tree attention mask, per-node positions; keys and values in
+        slots cache.length + node); cache.length stays, GpuKVCache.accept keeps a path."""
+        tokens, parents = np.asarray(tokens, dtype=np.int64).reshape(-1), np.asarray(parents, dtype=np.int64)
+        check_batch([(tokens, cache)], self.args.vocab_size)
+        depths, allowed = tree_layout(parents, cache.length)
+        n = len(tokens)
+        with self.stream:
+            tree = Tree(cupy.asarray((cache.length + depths).astype(np.int32)),
+                        cupy.arange(cache.length, cache.length + n, dtype=cupy.int32), cupy.asarray(allowed))
+            logits = self._rows_pass([(tokens, cache)], [n], True, tree)[0]
+        self.stream.synchronize()
+        return logits
+
     def forward(self, tokens: np.ndarray, cache: GpuKVCache, all_logits: bool = False) -> np.ndarray:
         """As infer.model.Transformer.forward: NumPy float32 logits, (T, vocab) with all_logits,
         else (vocab,) of the last token."""

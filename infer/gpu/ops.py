@@ -200,12 +200,15 @@ def gemv8_swiglu(gate: GpuMatrix, up: GpuMatrix, int8: Int8Act, y: cupy.ndarray,
 
 def rope_store(q: cupy.ndarray, k: cupy.ndarray, v: cupy.ndarray, cos: cupy.ndarray, sin: cupy.ndarray,
                pos: cupy.ndarray, n_tokens: int, n_heads: int, n_kv_heads: int, head_dim: int, n_pairs: int,
-               neox: bool, k_cache: cupy.ndarray, v_cache: cupy.ndarray, max_ctx: int) -> None:
+               neox: bool, k_cache: cupy.ndarray, v_cache: cupy.ndarray, max_ctx: int,
+               slots: cupy.ndarray | None = None) -> None:
+    """Rotates q (in place) and k by their positions `pos` and stores k and v in the cache at `pos`,
+    or at `slots` (int32, a token tree's node slots) when given."""
     threads = min(128, max(32, -(-head_dim // 2 // 32) * 32))
     kernels.function("attention", "rope_store")(
         (n_tokens, n_heads + n_kv_heads), (threads,),
-        (q, k, v, cos, sin, pos, np.int32(n_heads), np.int32(n_kv_heads), np.int32(head_dim), np.int32(n_pairs),
-         np.int32(1 if neox else 0), k_cache, v_cache, np.int32(max_ctx)))
+        (q, k, v, cos, sin, pos, _ptr(slots), np.int32(n_heads), np.int32(n_kv_heads), np.int32(head_dim),
+         np.int32(n_pairs), np.int32(1 if neox else 0), k_cache, v_cache, np.int32(max_ctx)))
 
 
 def attention_group_size(group: int) -> int:

@@ -19,6 +19,7 @@ import numpy as np
 
 from infer.arch import OUTPUT_NORM, QKV_KINDS, TOKEN_EMBD, ModelArgs, has_qkv_bias, output_name, tensor_name
 from infer.gguf_file import GGUFModel, TensorInfo
+from infer.gpu import ops
 from infer.gpu.ops import GpuMatrix, upload_stacked
 from infer.quants import activation_format
 
@@ -164,3 +165,35 @@ class ResidentWeights:
 
     def bytes_per_token(self) -> tuple[int, int]:
         return layer_bytes(self.layers, self.output)
+
+
+class HalfCopies:
+    """float16 copies of resident matrices for cuBLAS, made at first use while their bytes fit
+    `allowance` (the VRAM budget's room; None or 0: none); a matrix without a copy is dequantized
+    into one scratch each time it is used (streamed matrices always are)."""
+
+    def __init__(self, allowance: int | None) -> None:
+        self.allowance = allowance
+        self.kept_bytes = 0
+        self._copies: dict[int, tuple[GpuMatrix, cupy.ndarray]] = {}  # the matrix is held: ids stay unique
+        self._scratch: cupy.ndarray | None = None
+
+    def get(self, m: GpuMatrix, scratch_elems: int) -> cupy.ndarray:
+        half = m.as_half()
+        if half is not None:
+            return half
+        kept = self._copies.get(id(m))
+        if kept is not None:
+            return kept[1]
+        n = m.rows * m.cols
+        if not m.streamed and self.allowance and self.kept_bytes + 2 * n <= self.allowance:
+            copy = cupy.empty(n, cupy.float16)
+            ops.dequantize(m, copy)
+            self._copies[id(m)] = (m, copy.reshape(m.rows, m.cols))
+            self.kept_bytes += 2 * n
+            return self._copies[id(m)][1]
+        if self._scratch is None:
+            self._scratch = cupy.empty(max(n, scratch_elems), cupy.float16)
+        out = self._scratch[:n]
+        ops.dequantize(m, out)
+        return out.reshape(m.rows, m.cols)

@@ -22,21 +22,23 @@ __device__ __forceinline__ void rotate(float a, float b, float c, float s, float
     rb = __fadd_rn(__fmul_rn(a, s), __fmul_rn(b, c));
 }
 
-// Rotary embedding of q (in place) and k, then k and v stored into the cache at their positions.
+// Rotary embedding of q (in place) and k, then k and v stored into the cache at their positions, or
+// at slot[t] when slot is given (a token tree: its nodes' positions repeat, their slots do not).
 // grid (T, n_heads + n_kv_heads). q: (T, n_heads, D); k, v: (T, n_kv_heads, D) float32;
 // cos/sin tables: (max_ctx, n_pairs); caches: (n_kv_heads, max_ctx, D) float16.
 // Pair i is (2i, 2i+1) for Llama (GGUF permutes Q/K so pairs are adjacent), (i, i + n_pairs) for NeoX.
 extern "C" __global__ void rope_store(float* q, const float* k, const float* v, const float* cos_t,
-                                      const float* sin_t, const int* pos, int n_heads, int n_kv_heads, int D,
-                                      int n_pairs, int neox, __half* kc, __half* vc, int max_ctx) {
+                                      const float* sin_t, const int* pos, const int* slot, int n_heads,
+                                      int n_kv_heads, int D, int n_pairs, int neox, __half* kc, __half* vc,
+                                      int max_ctx) {
     const int t = blockIdx.x, h = blockIdx.y;
-    const int p = pos[t];
+    const int p = pos[t], at = slot ? slot[t] : p;
     const float* c = cos_t + (long long)p * n_pairs;
     const float* s = sin_t + (long long)p * n_pairs;
     const bool is_q = h < n_heads;
     const int kh = h - n_heads;
     const float* src = is_q ? q + ((long long)t * n_heads + h) * D : k + ((long long)t * n_kv_heads + kh) * D;
-    __half* kdst = is_q ? nullptr : kc + ((long long)kh * max_ctx + p) * D;
+    __half* kdst = is_q ? nullptr : kc + ((long long)kh * max_ctx + at) * D;
     for (int i = threadIdx.x; i < n_pairs; i += blockDim.x) {
         const int ia = neox ? i : 2 * i, ib = neox ? i + n_pairs : 2 * i + 1;
         float ra, rb;
@@ -53,7 +55,7 @@ extern "C" __global__ void rope_store(float* q, const float* k, const float* v, 
     if (is_q) return;
     for (int d = 2 * n_pairs + threadIdx.x; d < D; d += blockDim.x) kdst[d] = __float2half_rn(src[d]);
     const float* vs = v + ((long long)t * n_kv_heads + kh) * D;
-    __half* vdst = vc + ((long long)kh * max_ctx + p) * D;
+    __half* vdst = vc + ((long long)kh * max_ctx + at) * D;
     for (int d = threadIdx.x; d < D; d += blockDim.x) vdst[d] = __float2half_rn(vs[d]);
 }
 

@@ -68,7 +68,7 @@ def measure_host_copy(nbytes: int = 64 << 20) -> float:
 
 def measure_storage_read(source: object, ranges: list[tuple[int, int]]) -> float:
     """Read bandwidth of a tier C source over `ranges`, all in flight together (B/s)."""
-    from nvmedirect.reader.host_memory import pinned_empty
+    from nvmedirect.host_memory import pinned_empty
 
     total = sum(n for _, n in ranges)
     buffer = pinned_empty(total)

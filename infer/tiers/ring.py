@@ -31,7 +31,7 @@ import numpy as np
 from infer.tiers.plan import Plan, Tensor, Tier
 from infer.tiers.tier_b import HostTier
 from infer.tiers.tier_c import ReadHandleLike, StorageSource
-from nvmedirect.reader.host_memory import pinned_empty
+from nvmedirect.host_memory import pinned_empty
 
 
 class Transport(Protocol):

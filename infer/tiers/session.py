@@ -88,7 +88,7 @@ def _budgets(args: Any, tensors: list[Tensor], config: StreamingConfig, ctx_size
              on_gpu: bool, account: VramAccount | None) -> tuple[Budgets, Plan]:
     staging = config.staging_buffers * max((t.nbytes for t in tensors if t.layer is not None), default=0)
     tokens_per_pass = max(prefill_chunk, config.batch)  # prefill passes share prefill_chunk rows (streaming.py)
-    reserved = sum(account.reserved.values()) if account is not None else None
+    reserved = sum(account.reserved.values()) + account.planned_total if account is not None else None
     vram_total = account.budget if account is not None else config.vram_budget
     demo = config.vram_budget is None and config.ram_budget is None and (
         not on_gpu or sum(t.device_nbytes for t in tensors) < free_vram() - DEVICE_MARGIN)
@@ -117,10 +117,12 @@ def _budgets(args: Any, tensors: list[Tensor], config: StreamingConfig, ctx_size
 
 def build_streaming_engine(model: GGUFModel | str | os.PathLike, config: StreamingConfig, ctx_size: int,
                            device: str = "cpu", prefill_chunk: int = 512, measure: bool = True,
-                           match_llama_cpp: bool = True, enforce_budget: bool = False) -> StreamingSession:
+                           match_llama_cpp: bool = True, enforce_budget: bool = False,
+                           planned: dict[str, int] | None = None) -> StreamingSession:
     """Plans, opens the tiers and returns a session whose engine streams as the plan says. `model`:
     the parsed file (a path is parsed here). enforce_budget (GPU): cap the device memory pool at the
-    budget (one engine per process)."""
+    budget (one engine per process). planned: device memory already taken in the same budget (e.g.
+    {"draft model": bytes}): the plan leaves it out and shows it."""
     if device not in ("cpu", "gpu"):
         raise ValueError(f"unknown device '{device}' (cpu, gpu)")
     if not isinstance(model, GGUFModel):
@@ -134,6 +136,8 @@ def build_streaming_engine(model: GGUFModel | str | os.PathLike, config: Streami
 
         demo = config.vram_budget is None and config.ram_budget is None
         account = memory.new_account(None if demo else config.vram_budget, f"{model.path.name} streamed on the GPU")
+        for name, nbytes in (planned or {}).items():
+            account.plan(name, nbytes)  # in the pool, not this engine's: taken off before placing weights
     budgets, plan = _budgets(args, tensors, config, ctx_size, prefill_chunk, on_gpu, account)
     if account is not None:
         account.budget = budgets.vram_total
@@ -167,8 +171,11 @@ def build_streaming_engine(model: GGUFModel | str | os.PathLike, config: Streami
                 memory.enforce(account)  # type: ignore[arg-type]
             weights: Any = StreamedWeights(model, args, plan, host, source, config.staging_buffers, match_llama_cpp)
             closers.append(weights.close)
-            room = max(account.room, 0)  # type: ignore[union-attr]
-            transformer: Any = GpuTransformer(args, weights, factors, ctx_size, prefill_chunk, half_copies=room)
+            halves = sum(2 * t.shape[0] * t.shape[1] for t in plan.tensors_in(Tier.VRAM)
+                         if t.layer is not None and len(t.shape) == 2)
+            copies = max(0, min(halves, account.room))  # type: ignore[union-attr]
+            account.plan("float16 copies for prompts", copies)  # type: ignore[union-attr]
+            transformer: Any = GpuTransformer(args, weights, factors, ctx_size, prefill_chunk, half_copies=copies)
             transformer.account = account
         else:
             from infer.model import Transformer

@@ -19,7 +19,7 @@ import numpy as np
 
 from infer.gguf_file import GGUFModel
 from infer.tiers.plan import Tensor
-from nvmedirect.reader.host_memory import PAGE, address_of, gpu_present, pinned_empty
+from nvmedirect.host_memory import PAGE_SIZE, address_of, gpu_present, pinned_empty
 
 CUDA_HOST_REGISTER_READ_ONLY = 8
 ARENA_ALIGN = 4096  # every tensor starts page-aligned: full-speed DMA and O_DIRECT-friendly
@@ -39,9 +39,9 @@ def choose_mode(tensors: Sequence[Tensor], ram_budget: int, requested: str = "au
 
 def file_span(tensors: Sequence[Tensor]) -> tuple[int, int]:
     """(page-aligned start, length) of the file bytes covering `tensors`."""
-    start = min(t.offset for t in tensors) // PAGE * PAGE
+    start = min(t.offset for t in tensors) // PAGE_SIZE * PAGE_SIZE
     end = max(t.offset + t.nbytes for t in tensors)
-    return start, -(-(end - start) // PAGE) * PAGE
+    return start, -(-(end - start) // PAGE_SIZE) * PAGE_SIZE
 
 
 class HostTier:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import re
 import subprocess
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -14,9 +13,9 @@ import click
 
 from nvmedirect.cli.common import BadInput, Refused, emit, output_option, wants_json
 from nvmedirect.errors import NvmeDirectError
+from nvmedirect.host_memory import gpu_present, pinned_empty
 from nvmedirect.reader.bandwidth import BenchRow, GpuSink, measure, measure_dd, window_bytes
 from nvmedirect.reader.file_backend import FileBackend
-from nvmedirect.reader.host_memory import gpu_present, pinned_empty
 from nvmedirect.store.routing import IMAGE, NVME, RouteError, route_device
 
 NAMESPACE_SETTLE_S = 15.0
@@ -68,47 +67,54 @@ def sweep_kernel_path(path: str, *, size: int, offset: int, qds: list[int], ios:
     return rows
 
 
-def sweep_userspace(bdf: str, *, noiommu: bool, nsid: int, size: int, offset: int, qds: list[int],
-                    ios: list[int], qpairs: list[int], gpu: bool) -> list[BenchRow]:
-    """Our NVMe driver for every (queue pairs, queue depth, I/O size); DMA straight into the windows."""
+def sweep_userspace(bdf: str, *, noiommu: bool | None, nsid: int, size: int, offset: int, qds: list[int],
+                    ios: list[int], qpairs: list[int], gpu: bool, rows: list[BenchRow], notes: list[str]) -> None:
+    """Our NVMe driver for every (queue pairs, queue depth, I/O size); DMA straight into the windows.
+    Appends to `rows` as it goes, so the rows measured before a failure survive it; queue pair
+    counts the controller does not grant are skipped with a note."""
     from nvmedirect.nvme.controller import Controller
     from nvmedirect.reader.nvme_backend import NvmeBackend
 
     window = max(window_bytes(qd * qp, io) for qd in qds for io in ios for qp in qpairs)
-    rows: list[BenchRow] = []
     with Controller.open(bdf, noiommu=noiommu, io_queues=max(qpairs)) as ctrl:
+        granted = ctrl.io_queue_limit
+        if skipped := [qp for qp in qpairs if qp > granted]:
+            notes.append(f"--qpairs {','.join(map(str, skipped))} skipped: the controller grants {granted} "
+                         "I/O queue pair(s)")
         source = "cuda-pinned" if gpu else "anon"
         windows = [ctrl.dma.alloc(window, source=source), ctrl.dma.alloc(window, source=source)]
-        for qp in qpairs:
+        measured: list[BenchRow] = []
+        for qp in (qp for qp in qpairs if qp <= granted):
             for qd in qds:
                 for io in ios:
                     with NvmeBackend(ctrl, nsid=nsid, queue_pairs=qp, queue_depth=qd, io_size=io) as backend:
                         n = min(size, backend.size - offset)
-                        rows.append(measure(backend, windows, nbytes=n, io_size=backend.io_size,
-                                            path="userspace", queue_depth=qd, queue_pairs=qp, start=offset))
-        if gpu and rows:
-            best = max(rows, key=lambda r: r.gb_s)
+                        measured.append(measure(backend, windows, nbytes=n, io_size=backend.io_size,
+                                                path="userspace", queue_depth=qd, queue_pairs=qp, start=offset))
+                        rows.append(measured[-1])
+        if gpu and measured:
+            best = max(measured, key=lambda r: r.gb_s)
             with NvmeBackend(ctrl, nsid=nsid, queue_pairs=best.queue_pairs, queue_depth=best.queue_depth,
                              io_size=best.io_size) as backend, gpu_sink(True, window) as sink:
                 rows.append(measure(backend, windows, nbytes=min(size, backend.size - offset),
                                     io_size=best.io_size, path="userspace", queue_depth=best.queue_depth,
                                     queue_pairs=best.queue_pairs, gpu=sink, start=offset))
-    return rows
 
 
 def kernel_compare(bdf: str, run_kernel) -> tuple[list[BenchRow], str]:
     """Hand the controller to the kernel nvme driver, measure, and bind it back to vfio-pci."""
     from nvmedirect.system.binding import bind, restore
     from nvmedirect.system.devices import read_controller
+    from nvmedirect.system.events import KernelEvents
     from nvmedirect.system.sysview import SystemView
 
     view = SystemView()
-    namespaces = restore(view, bdf).namespaces
+    with KernelEvents(view, "block") as events:
+        restore(view, bdf)
+        # restore waits for the namespaces bind recorded; without a record, for the first one
+        events.wait(lambda: bool(read_controller(view, bdf).block_devices), NAMESPACE_SETTLE_S)
     try:
-        deadline = time.monotonic() + NAMESPACE_SETTLE_S
-        while not namespaces and time.monotonic() < deadline:  # the nvme driver scans asynchronously
-            time.sleep(0.1)
-            namespaces = read_controller(view, bdf).block_devices
+        namespaces = read_controller(view, bdf).block_devices
         if not namespaces:
             raise click.ClickException(f"{bdf}: the kernel found no namespace after restore")
         device = f"/dev/{sorted(namespaces)[0]}"
@@ -152,7 +158,8 @@ def summarize(rows: list[BenchRow]) -> dict[str, Any]:
 @click.option("--kernel-compare/--no-kernel-compare", default=True, show_default=True,
               help="With a BDF: also measure through the kernel nvme driver (rebinds the controller).")
 @click.option("--nsid", type=int, default=1, show_default=True)
-@click.option("--noiommu", is_flag=True, help="Userspace driver in VFIO no-IOMMU mode.")
+@click.option("--noiommu", is_flag=True,
+              help="Force VFIO's no-IOMMU mode (default: the mode of the device's VFIO group).")
 @output_option
 def bench_cmd(device: str | None, file_path: str | None, size: str, offset: str, qd_text: str, io_text: str,
               qp_text: str, gpu: bool | None, with_dd: bool, kernel_compare: bool, nsid: int, noiommu: bool,
@@ -202,21 +209,26 @@ def bench_cmd(device: str | None, file_path: str | None, size: str, offset: str,
             raise BadInput(f"{device} is a regular file: use --file")
         if kind == NVME and route.refusals:
             raise Refused(f"{device}: " + "; ".join(route.refusals))
+    rows: list[BenchRow] = []
+    failure = None
     if kind == NVME:
         try:
-            rows = sweep_userspace(source, noiommu=noiommu, nsid=nsid, size=nbytes, offset=start, qds=qds,
-                                   ios=ios, qpairs=qps, gpu=use_gpu)
-        except NvmeDirectError as exc:
-            raise click.ClickException(f"{device}: {exc}") from None
-        if kernel_compare:
-            kernel_rows, kernel_device = kernel_compare_rows(source, kernel_run)
-            rows += kernel_rows
-            notes.append(f"kernel path measured on {kernel_device}; {source} bound back to vfio-pci")
+            sweep_userspace(source, noiommu=noiommu or None, nsid=nsid, size=nbytes, offset=start, qds=qds,
+                            ios=ios, qpairs=qps, gpu=use_gpu, rows=rows, notes=notes)
+            if kernel_compare:
+                kernel_rows, kernel_device = kernel_compare_rows(source, kernel_run)
+                rows += kernel_rows
+                notes.append(f"kernel path measured on {kernel_device}; {source} bound back to vfio-pci")
+        except (NvmeDirectError, click.ClickException) as exc:  # report what was measured, then fail
+            failure = f"{device}: {exc.message if isinstance(exc, click.ClickException) else exc}"
+            notes.append(f"stopped early: {failure}")
     else:
         rows = kernel_run(source)
     result = {"source": source, "gpu": use_gpu, "rows": [r.to_dict() for r in rows],
               "summary": summarize(rows), "notes": notes}
     emit(result, as_json, _print)
+    if failure is not None:
+        raise click.ClickException(failure)
 
 
 def kernel_compare_rows(bdf: str, run_kernel) -> tuple[list[BenchRow], str]:

@@ -6,7 +6,7 @@ import click
 
 from nvmedirect.cli.common import EXIT_FAILED, BadInput, Refused, emit, output_option, root_option, wants_json
 from nvmedirect.system import SystemView, TargetError
-from nvmedirect.system.binding import BindFailed, BindRefused, Outcome, bind, restore
+from nvmedirect.system.binding import BindFailed, BindRefused, Outcome, bind, check_bind, restore
 
 
 class Failed(click.ClickException):
@@ -46,12 +46,27 @@ def bind_cmd(device: str, yes: bool, output: str, as_json: bool, root: str) -> N
     """Hand an NVMe controller (DEVICE: PCI address, /dev/nvmeX or /dev/nvmeXnY) to vfio-pci.
 
     Its namespaces disappear from the kernel until `nvmedirect restore`. Refused
-    (exit 3) for the boot device and for any controller with a mounted filesystem,
-    swap, holders (LVM, MD, dm-crypt) or open device files. The original driver is
+    (exit 3, before any question) for the boot device and for any controller with a
+    mounted filesystem, swap, holders (LVM, MD, dm-crypt) or open device files. Asks
+    for confirmation unless --yes (which --json needs). The original driver is
     recorded in /run/nvmedirect/bound.json first, so restore works after a crash.
     """
-    if not yes and not wants_json(output, as_json):
-        click.confirm(f"Take {device} away from the kernel? Its namespaces will be unusable until restore",
+    view = SystemView(root)
+    try:  # resolve and judge first: a device that does not exist or is refused gets no prompt
+        checked = check_bind(view, device)
+    except TargetError as exc:
+        raise BadInput(str(exc)) from None
+    except BindRefused as exc:
+        raise Refused(str(exc)) from None
+    except OSError as exc:
+        raise Failed(str(exc)) from None
+    if not yes and not checked.already_bound:
+        if wants_json(output, as_json):
+            raise BadInput("bind asks before it takes a device: add --yes to run it non-interactively (--json)")
+        ctrl = checked.ctrl
+        what = f"{checked.bdf} ({ctrl.model or 'NVMe controller'}" + (
+            f", namespaces {', '.join(ctrl.block_devices)})" if ctrl.block_devices else ")")
+        click.confirm(f"Take {what} away from the kernel? Its namespaces will be unusable until restore",
                       abort=True)
     _run(bind, "bound to", device, root, output, as_json)
 

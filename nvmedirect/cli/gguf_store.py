@@ -20,6 +20,7 @@ from nvmedirect.store.routing import IMAGE, NVME, RouteError, route_device
 from nvmedirect.store.targets import BlockTarget, KernelBlockTarget, TargetBusy
 from nvmedirect.store.writer import (
     chain_end_lba,
+    check_fit,
     foreign_signatures,
     plan_write,
     sha256_file,
@@ -33,7 +34,7 @@ device_option = click.option("--device", "-d", required=True, metavar="BDF|/dev/
 lba_size_option = click.option("--lba-size", type=click.Choice(["512", "4096"]), default=None,
                                help="LBA size for an image file (block devices report their own).")
 noiommu_option = click.option("--noiommu", is_flag=True,
-                              help="Userspace driver in VFIO no-IOMMU mode (unsafe: DMA is not isolated).")
+                              help="Force VFIO's no-IOMMU mode (default: the mode of the device's VFIO group).")
 
 
 @contextmanager
@@ -51,7 +52,7 @@ def open_target(device: str, lba_size: str | None, noiommu: bool, for_writing: b
         if route.kind == NVME:
             from nvmedirect.store.nvme_target import NvmeTarget
 
-            target_cm: Any = NvmeTarget.open(route.path, noiommu=noiommu, nsid=route.nsid)
+            target_cm: Any = NvmeTarget.open(route.path, noiommu=noiommu or None, nsid=route.nsid)
         else:
             target_cm = KernelBlockTarget(route.path, lba_size=int(lba_size) if lba_size else None,
                                           writable=for_writing)
@@ -103,8 +104,12 @@ def write_gguf_cmd(model: Path, device: str, lba: int | None, append: bool, name
         if signatures and not force:  # before anything else: somebody's data is there
             raise Refused(f"{device} carries {', '.join(signatures)} data at its start "
                           "(partition table or filesystem): --force to overwrite it")
-        start = chain_end_lba(target) if append else (lba or 0)
         size = model.stat().st_size
+        try:  # size and LBA range before the minutes a large model's hash takes
+            start = chain_end_lba(target) if append else (lba or 0)
+            check_fit(target, size, start, name or model.name)
+        except (HeaderError, NvmeDirectError) as exc:
+            raise BadInput(str(exc)) from None
         with _bar("hashing", size) as bar:
             digest = sha256_file(model, bar.update)
         try:

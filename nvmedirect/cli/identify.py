@@ -22,7 +22,7 @@ class NotReady(click.ClickException):
 
 def describe(ctrl, bdf: str, noiommu: bool) -> dict:
     """What `identify` reports about a started controller."""
-    from nvmedirect.nvme.spec import version_string
+    from nvmedirect.spec.layout import version_string
 
     return {
         "bdf": bdf,
@@ -40,7 +40,7 @@ def describe(ctrl, bdf: str, noiommu: bool) -> dict:
 def collect(bdf: str, noiommu: bool) -> dict:
     from nvmedirect.nvme.controller import Controller
 
-    with Controller.open(bdf, noiommu=noiommu, io_queues=1) as ctrl:
+    with Controller.open(bdf, noiommu=noiommu or None, io_queues=1) as ctrl:
         return describe(ctrl, bdf, noiommu)
 
 
@@ -61,7 +61,8 @@ def print_identify(data: dict) -> None:
 
 @click.command("identify")
 @click.argument("bdf")
-@click.option("--noiommu", is_flag=True, help="Use VFIO's unsafe no-IOMMU mode (the device sees physical memory).")
+@click.option("--noiommu", is_flag=True,
+              help="Force VFIO's unsafe no-IOMMU mode (default: the mode of the device's VFIO group).")
 @output_option
 def identify_cmd(bdf: str, noiommu: bool, output: str, as_json: bool) -> None:
     """Identify a vfio-bound controller and its namespaces (model, serial, firmware, MDTS, LBA formats)."""

@@ -1,22 +1,12 @@
-"""The NVMe layer on top of VFIO: spec structures, status codes, controller bring-up, namespaces, I/O.
+"""The NVMe layer on top of VFIO: controller bring-up, admin commands, namespaces, I/O.
 
-Layers, bottom up: `spec` (registers, entries, Identify layouts) → `nvmedirect.queues` (rings,
-trackers, PRPs) → `controller` (bring-up, admin commands, queue pairs) → `namespace` (builds I/O
-commands, byte-range reads). Submodules load on first use so the queue layer can import `status`
-without pulling in the controller.
+Layers, bottom up: `nvmedirect.spec` (registers, entries, Identify layouts, statuses) →
+`nvmedirect.queues` (rings, trackers, PRPs) → `controller` (bring-up, admin commands, queue pairs)
+→ `namespace` (builds I/O commands, byte-range reads).
 """
 
-from __future__ import annotations
+from nvmedirect.nvme.controller import Controller
+from nvmedirect.nvme.namespace import Namespace
+from nvmedirect.spec.status import NvmeStatus
 
-import importlib
-
-_EXPORTS = {"Controller": "controller", "Namespace": "namespace", "NvmeStatus": "status"}
-
-
-def __getattr__(name: str):
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(f"nvmedirect.nvme.{_EXPORTS[name]}"), name)
-    raise AttributeError(name)
-
-
-__all__ = list(_EXPORTS)
+__all__ = ["Controller", "Namespace", "NvmeStatus"]

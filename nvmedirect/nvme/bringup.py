@@ -12,8 +12,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from nvmedirect.errors import ControllerError
-from nvmedirect.nvme import spec
-from nvmedirect.nvme.spec import Reg
+from nvmedirect.spec import layout
+from nvmedirect.spec.layout import Reg
 
 log = logging.getLogger(__name__)
 
@@ -38,11 +38,11 @@ def read_csts(bar) -> int:
 
 
 def ready(bar) -> bool:
-    return bool(spec.csts(read_csts(bar)).bits.rdy)
+    return bool(layout.csts(read_csts(bar)).bits.rdy)
 
 
 def fatal(bar) -> bool:
-    return bool(spec.csts(read_csts(bar)).bits.cfs)
+    return bool(layout.csts(read_csts(bar)).bits.cfs)
 
 
 def run_states(states: list[State], bar, fail_on_fatal: set[str]) -> None:
@@ -78,12 +78,12 @@ def shutdown(bar, timeout_s: float) -> bool:
     """Normal shutdown (CC.SHN=01, wait CSTS.SHST=10) so a volatile write cache is flushed."""
     if bar.read32(Reg.CSTS) == ALL_ONES or not bar.read32(Reg.CC) & 1:
         return False
-    cc = spec.cc(bar.read32(Reg.CC))
+    cc = layout.cc(bar.read32(Reg.CC))
     cc.bits.shn = 1
     bar.write32(Reg.CC, cc.raw)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if spec.csts(read_csts(bar)).bits.shst == 2:
+        if layout.csts(read_csts(bar)).bits.shst == 2:
             log.info("controller: shutdown complete")
             return True
         time.sleep(0.0005)
@@ -94,7 +94,7 @@ def shutdown(bar, timeout_s: float) -> bool:
 def enable(bar, admin_sq_iova: int, admin_cq_iova: int, admin_depth: int, timeout_s: float) -> None:
     """Full bring-up from any state: disable, program the admin queue, enable, wait for ready."""
     def configure_admin() -> None:
-        aqa = spec.aqa()
+        aqa = layout.aqa()
         aqa.bits.asqs = admin_depth - 1  # sizes are 0-based
         aqa.bits.acqs = admin_depth - 1
         bar.write32(Reg.AQA, aqa.raw)
@@ -102,7 +102,7 @@ def enable(bar, admin_sq_iova: int, admin_cq_iova: int, admin_depth: int, timeou
         bar.write64(Reg.ACQ, admin_cq_iova)
 
     def set_enable() -> None:
-        cc = spec.cc()
+        cc = layout.cc()
         cc.bits.css = 0  # NVM command set
         cc.bits.mps = 0  # 4 KiB memory pages (2^(12+0))
         cc.bits.ams = 0  # round robin

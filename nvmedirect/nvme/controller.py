@@ -2,7 +2,7 @@
 
 Typical use::
 
-    with Controller.open("0000:00:04.0") as ctrl:      # or noiommu=True
+    with Controller.open("0000:00:04.0") as ctrl:      # IOMMU or no-IOMMU, as its VFIO group is
         ns = ctrl.namespace(1)
         ns.read_into(buffer, byte_offset=12345, nbytes=1000)
 """
@@ -14,11 +14,12 @@ import logging
 import weakref
 
 from nvmedirect.errors import ControllerError, NvmeDirectError
-from nvmedirect.nvme import bringup, spec
-from nvmedirect.nvme import status as st
+from nvmedirect.nvme import bringup
 from nvmedirect.nvme.identify import ControllerInfo, NamespaceInfo
-from nvmedirect.nvme.spec import AdminOpcode, Cns, FeatureId, Reg
 from nvmedirect.queues.qpair import QueuePair
+from nvmedirect.spec import layout
+from nvmedirect.spec import status as st
+from nvmedirect.spec.layout import AdminOpcode, Cns, FeatureId, Reg
 from nvmedirect.vfio.dma import DmaAllocator, allocator_for
 
 log = logging.getLogger(__name__)
@@ -26,6 +27,7 @@ log = logging.getLogger(__name__)
 DEFAULT_MAX_TRANSFER = 2 << 20  # per command; MDTS may lower it
 ADMIN_DEPTH = 32
 ADMIN_TIMEOUT_S = 5.0
+IO_CQ_MIN_ENTRIES = 256  # 4 KiB of 16-byte CQEs
 CAP_TO_UNIT_S = 0.5  # CAP.TO counts 500 ms units
 
 
@@ -38,7 +40,7 @@ class Controller:
         self.bar = bar
         self.dma = dma
         self._owner = owner  # the VfioDevice when opened by `open()`; closed last
-        self.cap = spec.cap(bar.read64(Reg.CAP))
+        self.cap = layout.cap(bar.read64(Reg.CAP))
         if self.cap.raw == 0xFFFFFFFFFFFFFFFF:
             raise ControllerError("CAP reads as all ones: the controller is not responding")
         self.dstrd = int(self.cap.bits.dstrd)
@@ -54,6 +56,7 @@ class Controller:
         self.io_queue_limit = 0
         self.info: ControllerInfo | None = None
         self.dead = False
+        self.closed = False
         self._namespaces: dict[int, object] = {}
         self._default_qpair: QueuePair | None = None
         ref = weakref.ref(self)
@@ -61,8 +64,9 @@ class Controller:
         atexit.register(self._at_exit)
 
     @classmethod
-    def open(cls, bdf: str, noiommu: bool = False, io_queues: int = 4, **kwargs) -> Controller:
-        """Open a vfio-bound controller, map BAR0, set up DMA for the chosen mode, and start it."""
+    def open(cls, bdf: str, noiommu: bool | None = None, io_queues: int = 4, **kwargs) -> Controller:
+        """Open a vfio-bound controller, map BAR0, set up DMA for its group's VFIO mode (or the
+        one `noiommu` insists on), and start it."""
         from nvmedirect.vfio.device import VfioDevice
 
         device = VfioDevice.open(bdf, noiommu=noiommu)
@@ -84,7 +88,7 @@ class Controller:
     # -- bring-up ------------------------------------------------------------------------------
     def start(self, io_queues: int = 4) -> None:
         """Disable → admin queue → enable → Identify → Set Features (Number of Queues)."""
-        log.info("controller: NVMe %s, CAP %#x (MQES %d, DSTRD %d, TO %.1f s)", spec.version_string(
+        log.info("controller: NVMe %s, CAP %#x (MQES %d, DSTRD %d, TO %.1f s)", layout.version_string(
             self.version), self.cap.raw, self.max_queue_entries, self.dstrd, self.ready_timeout_s)
         if self.admin is None:
             self.admin = self._new_qpair(0, min(ADMIN_DEPTH, self.max_queue_entries), admin=True)
@@ -99,11 +103,14 @@ class Controller:
                  self.io_queue_limit)
 
     def _new_qpair(self, qid: int, depth: int, admin: bool = False) -> QueuePair:
+        # An I/O CQ of at least one page (256 entries, still one page in no-IOMMU mode): the CQ head
+        # doorbell, an emulated MMIO write in a VM, is then written every few hundred completions.
+        cq_depth = depth if admin else min(self.max_queue_entries, max(depth, IO_CQ_MIN_ENTRIES))
         qpair = QueuePair(qid, depth, self.dma,
-                          self.bar.doorbell(spec.sq_doorbell_offset(qid, self.dstrd)),
-                          self.bar.doorbell(spec.cq_doorbell_offset(qid, self.dstrd)),
+                          self.bar.doorbell(layout.sq_doorbell_offset(qid, self.dstrd)),
+                          self.bar.doorbell(layout.cq_doorbell_offset(qid, self.dstrd)),
                           max_transfer=4096 if admin else self.max_transfer,
-                          timeout_s=ADMIN_TIMEOUT_S if admin else self.io_timeout_s, admin=admin)
+                          timeout_s=ADMIN_TIMEOUT_S if admin else self.io_timeout_s, admin=admin, cq_depth=cq_depth)
         qpair.on_timeout = self._health_check
         qpair.idle_sleep_s = 0.0 if admin else self.poll_idle_sleep_s
         return qpair
@@ -151,11 +158,12 @@ class Controller:
         return qpair
 
     def _create_io_queues_on_device(self, qpair: QueuePair) -> None:
-        size = (qpair.depth - 1) << 16 | qpair.qid
-        # CDW11 bit 0: physically contiguous; interrupts stay off (we poll).
-        self.admin.execute(AdminOpcode.CREATE_IO_CQ, prp1=qpair.cq_ring.iova, cdw10=size, cdw11=1)
-        self.admin.execute(AdminOpcode.CREATE_IO_SQ, prp1=qpair.sq_ring.iova, cdw10=size,
-                           cdw11=1 | qpair.qid << 16)
+        # CDW10: 0-based size << 16 | queue id. CDW11 bit 0: physically contiguous; interrupts stay
+        # off (we poll); the SQ names its CQ.
+        self.admin.execute(AdminOpcode.CREATE_IO_CQ, prp1=qpair.cq_ring.iova,
+                           cdw10=(qpair.cq_depth - 1) << 16 | qpair.qid, cdw11=1)
+        self.admin.execute(AdminOpcode.CREATE_IO_SQ, prp1=qpair.sq_ring.iova,
+                           cdw10=(qpair.depth - 1) << 16 | qpair.qid, cdw11=1 | qpair.qid << 16)
 
     def delete_io_qpair(self, qpair: QueuePair) -> None:
         """Delete the SQ before its CQ (the spec's order), then free the rings."""
@@ -217,7 +225,11 @@ class Controller:
 
     # -- lifetime ------------------------------------------------------------------------------
     def close(self) -> None:
-        """Delete I/O queues, shut the controller down, unmap all DMA, release the device."""
+        """Delete I/O queues, shut the controller down, unmap all DMA, release the device. A
+        second call does nothing."""
+        if self.closed:
+            return
+        self.closed = True
         atexit.unregister(self._at_exit)
         try:
             if not self.dead and self.admin is not None:

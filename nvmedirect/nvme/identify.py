@@ -6,7 +6,8 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from nvmedirect.nvme.spec import IDENTIFY_CONTROLLER, IDENTIFY_NAMESPACE, PAGE_SIZE
+from nvmedirect.host_memory import PAGE_SIZE
+from nvmedirect.spec.layout import IDENTIFY_CONTROLLER, IDENTIFY_NAMESPACE
 
 
 def _text(raw: bytes) -> str:

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-from nvmedirect.nvme.status import NvmeStatus
+from nvmedirect.spec.status import NvmeStatus
 
-if TYPE_CHECKING:
-    from nvmedirect.queues.qpair import QueuePair
+
+class Poller(Protocol):
+    """What a command needs from the queue it was submitted to (a `QueuePair`)."""
+
+    def wait_for(self, command: Command) -> None: ...
 
 
 @dataclass
@@ -43,7 +46,7 @@ class Command:
 
     __slots__ = ("qpair", "cid", "opcode", "context", "callback", "completion", "submitted_at", "deadline")
 
-    def __init__(self, qpair: QueuePair, cid: int, opcode: str, context: Any, callback, deadline: float,
+    def __init__(self, qpair: Poller, cid: int, opcode: str, context: Any, callback, deadline: float,
                  submitted_at: float | None = None):
         self.qpair = qpair
         self.cid = cid

@@ -1,22 +1,40 @@
-"""A doorbell register: one 32-bit MMIO store through the native shim.
-
-The shim takes a plain address, so the same call works for a BAR mapped by the CPU and, later, a
-BAR window mapped for the GPU (the GPU-MMIO doorbell path).
+"""Doorbells: the native hot path writes a mapped doorbell register itself (one aligned 32-bit
+store at an address, so a BAR window mapped for the GPU could serve as well). A stand-in without an
+address, such as a test fake's doorbell with `ring(value)`, is reached through a callback instead.
 """
 
 from __future__ import annotations
 
-from nvmedirect.vfio._ffi import lib
+from typing import Protocol
+
+from nvmedirect.vfio._ffi import ffi
 
 
-class Doorbell:
-    """A submission-tail or completion-head doorbell at a mapped address."""
+class DoorbellStandIn(Protocol):
+    def ring(self, value: int) -> None: ...
 
-    __slots__ = ("address", "_owner")
 
-    def __init__(self, address: int, owner: object = None):
-        self.address = address
-        self._owner = owner  # keeps the mapping alive while the doorbell exists
+class StandIns:
+    """The SQ tail (which 0) and CQ head (which 1) stand-ins of one queue pair. An exception a
+    stand-in raises is kept in `error` (a callback cannot raise through C) and re-raised by the
+    queue pair once the native call returns."""
 
-    def ring(self, value: int) -> None:
-        lib.nvd_doorbell_write(self.address, value)
+    def __init__(self, sq: DoorbellStandIn, cq: DoorbellStandIn):
+        self.doorbells = (sq, cq)
+        self.error: BaseException | None = None
+
+    def ring(self, which: int, value: int) -> None:
+        try:
+            self.doorbells[which].ring(value)
+        except BaseException as exc:  # noqa: BLE001 - handed back to the caller, see check()
+            self.error = self.error or exc
+
+    def check(self) -> None:
+        if self.error is not None:
+            error, self.error = self.error, None
+            raise error
+
+
+@ffi.def_extern()
+def nvd_doorbell_hook(hook, which: int, value: int) -> None:
+    ffi.from_handle(hook).ring(which, value)

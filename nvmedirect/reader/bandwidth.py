@@ -19,8 +19,8 @@ from typing import Any
 
 import psutil
 
+from nvmedirect.host_memory import address_of
 from nvmedirect.reader.base import StorageBackend
-from nvmedirect.reader.host_memory import address_of
 
 MIN_WINDOW = 64 << 20
 MAX_WINDOW = 1 << 30

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from nvmedirect.errors import NvmeDirectError
-from nvmedirect.reader.host_memory import as_byte_array
+from nvmedirect.host_memory import as_byte_array
 
 ByteRange = tuple[int, int]  # (byte offset, nbytes)
 
@@ -48,10 +48,6 @@ class ReadHandle:
             if isinstance(first, ReadError):
                 raise first
             raise ReadError(f"read failed: {first}") from first
-
-
-def completed_handle() -> ReadHandle:
-    return ReadHandle([])
 
 
 def prepare_destinations(ranges: Sequence[ByteRange], buffers: Sequence[Any],

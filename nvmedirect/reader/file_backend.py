@@ -14,11 +14,9 @@ through the page cache instead; `direct` says which mode is in use.
 from __future__ import annotations
 
 import errno
-import fcntl
 import os
 import queue
 import stat
-import struct
 import warnings
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -26,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from nvmedirect.host_memory import PAGE_SIZE, address_of, aligned_empty
 from nvmedirect.reader.base import (
     ByteRange,
     OnceLock,
@@ -34,23 +33,14 @@ from nvmedirect.reader.base import (
     StorageBackend,
     prepare_destinations,
 )
-from nvmedirect.reader.host_memory import PAGE, address_of, aligned_empty
+from nvmedirect.store.targets import block_device_geometry
 
-BLKSSZGET = 0x1268  # logical block size of a block device (int)
-BLKGETSIZE64 = 0x80081272  # size of a block device in bytes (u64)
 DEFAULT_QUEUE_DEPTH = 8
 DEFAULT_IO_SIZE = 4 << 20
 
 
 class DirectIOUnsupported(UserWarning):
     """O_DIRECT was refused; reads go through the page cache."""
-
-
-def block_device_geometry(fd: int) -> tuple[int, int]:
-    """(size in bytes, logical block size) of a block device."""
-    size = struct.unpack("Q", fcntl.ioctl(fd, BLKGETSIZE64, b"\0" * 8))[0]
-    lba = struct.unpack("i", fcntl.ioctl(fd, BLKSSZGET, b"\0" * 4))[0]
-    return size, lba
 
 
 def _align_down(value: int, alignment: int) -> int:
@@ -80,7 +70,7 @@ class FileBackend(StorageBackend):
             self.lba_size = lba_size or 512
         # O_DIRECT needs offsets, lengths and addresses aligned to the logical block size; a page
         # covers every block size up to 4096 and makes staging buffers mmap-friendly.
-        self.alignment = max(PAGE, self.lba_size)
+        self.alignment = max(PAGE_SIZE, self.lba_size)
         if self.direct and not self._probe_direct():
             os.close(self._fd)
             self._fd = self._open(False)

@@ -22,10 +22,10 @@ from typing import Any
 
 import numpy as np
 
+from nvmedirect.host_memory import aligned_empty
 from nvmedirect.reader.base import ByteRange, ReadError, ReadHandle, StorageBackend
 from nvmedirect.reader.file_backend import BlockDeviceBackend, FileBackend
 from nvmedirect.reader.gguf_index import GGUF_MAGIC, GGUFIndex, TensorInfo, parse_gguf_header
-from nvmedirect.reader.host_memory import aligned_empty
 from nvmedirect.store.catalog import find_model, read_header, walk_chain
 from nvmedirect.store.header import OFFSETS, HeaderError, StoredModelHeader, looks_like_header
 

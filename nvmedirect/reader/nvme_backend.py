@@ -13,18 +13,21 @@ writable buffer (e.g. CuPy pinned memory) is filled from the worker's DMA stagin
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator, Sequence
+import warnings
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-import numpy as np
-
+from nvmedirect.host_memory import as_byte_array, gpu_present
 from nvmedirect.reader.base import ByteRange, OnceLock, ReadError, ReadHandle, StorageBackend
-from nvmedirect.reader.host_memory import as_byte_array, gpu_present
 
 DEFAULT_QUEUE_PAIRS = 2
 DEFAULT_QUEUE_DEPTH = 63  # + 1 free entry = 64 SQEs = one 4 KiB ring page (no-IOMMU needs no huge page)
 DEFAULT_IO_SIZE = 4 << 20
+
+
+class FewerQueuePairs(UserWarning):
+    """The controller grants fewer I/O queue pairs than were asked for; the backend uses those."""
 
 
 class _Worker:
@@ -39,50 +42,19 @@ class _Worker:
         self.executor = ThreadPoolExecutor(1, thread_name_prefix=f"nvme-qp{self.qpair.qid}")
 
     def read_pieces(self, pieces: list[tuple[Any, int, int]]) -> None:
-        """All (destination, byte offset, nbytes) pieces in one keep-the-queue-full run."""
-        from nvmedirect.nvme.spec import IoOpcode
-
-        segments = (seg for dest, offset, nbytes in pieces for seg in self._segments(dest, offset, nbytes))
-        self.namespace.run(segments, IoOpcode.READ, qpair=self.qpair, max_in_flight=self.depth)
-
-    def _segments(self, dest: Any, offset: int, nbytes: int) -> Iterator[Any]:
-        """Commands for one piece: straight into `dest` when it is DMA memory and the piece covers
-        whole LBAs at a dword-aligned address; otherwise through the staging slots and a copy."""
-        from nvmedirect.nvme.namespace import Segment
-        from nvmedirect.vfio.dma import DmaBuffer
-
-        ns = self.namespace
-        lba_size, step = ns.lba_size, ns.max_blocks
-        first, end_lba = offset // lba_size, -(-(offset + nbytes) // lba_size)
-        if (isinstance(dest, DmaBuffer) and offset % lba_size == 0 and nbytes % lba_size == 0
-                and dest.address % 4 == 0):
-            for lba in range(first, end_lba, step):
-                count = min(step, end_lba - lba)
-                at = (lba - first) * lba_size
-                yield Segment(lba, count, dest[at:at + count * lba_size])
-            return
-        host = dest.view if isinstance(dest, DmaBuffer) else dest
-        for lba in range(first, end_lba, step):
-            count = min(step, end_lba - lba)
-            yield Segment(lba, count, None, _copy_out(host, offset, nbytes, lba * lba_size, count * lba_size))
+        """All (destination, byte offset, nbytes) pieces in one batch that the driver keeps in
+        flight: straight into `dest` where it is DMA memory and the bytes cover whole LBAs at a
+        dword-aligned address, otherwise through the staging slots and a copy (done in C)."""
+        batch = self.namespace.batch()
+        for dest, offset, nbytes in pieces:
+            self.namespace.read_batch(batch, dest, offset, nbytes)
+        self.namespace.run(batch, self.qpair, max_in_flight=self.depth)
 
     def close(self, ctrl: Any) -> None:
         self.executor.shutdown(wait=True)
         if not ctrl.dead:
             ctrl.delete_io_qpair(self.qpair)
-        staging = getattr(self.namespace, "_staging", None)  # the driver has no public release yet
-        if staging is not None and not staging.freed:
-            staging.free()
-
-
-def _copy_out(dest: np.ndarray, want_start: int, want_len: int, got_start: int, got_len: int):
-    """Copies the overlap of the wanted bytes and one staged chunk into `dest`."""
-    lo, hi = max(want_start, got_start), min(want_start + want_len, got_start + got_len)
-
-    def copy(staged: Any) -> None:
-        dest[lo - want_start:hi - want_start] = staged.view[lo - got_start:hi - got_start]
-
-    return copy
+        self.namespace.release_staging()
 
 
 class NvmeBackend(StorageBackend):
@@ -104,6 +76,13 @@ class NvmeBackend(StorageBackend):
         self.io_size = max(self.lba_size, io_size - io_size % self.lba_size)
         self._closing = OnceLock()
         self._workers: list[_Worker] = []
+        free = ctrl.io_queue_limit - len(ctrl.io_qpairs)
+        if free < 1:
+            raise ReadError(f"{self.name}: all {ctrl.io_queue_limit} I/O queue pairs of the controller are in use")
+        if free < queue_pairs:
+            warnings.warn(FewerQueuePairs(f"{self.name}: the controller grants {free} I/O queue pair(s), "
+                                          f"{queue_pairs} were asked for: reading with {free}"), stacklevel=2)
+            queue_pairs = free
         try:
             for _ in range(queue_pairs):
                 self._workers.append(_Worker(ctrl, self.info, queue_depth))
@@ -113,7 +92,7 @@ class NvmeBackend(StorageBackend):
         self._deal = itertools.count()  # round-robin position; next() on it is atomic in CPython
 
     @classmethod
-    def open(cls, bdf: str, *, noiommu: bool = False, nsid: int = 1,
+    def open(cls, bdf: str, *, noiommu: bool | None = None, nsid: int = 1,
              queue_pairs: int = DEFAULT_QUEUE_PAIRS, **options: Any) -> NvmeBackend:
         """Opens and starts the controller at `bdf` (bound to vfio-pci) and reads namespace `nsid`."""
         from nvmedirect.nvme.controller import Controller
@@ -124,7 +103,7 @@ class NvmeBackend(StorageBackend):
             return cls(ctrl, nsid=nsid, queue_pairs=queue_pairs, owns_controller=True,
                        name=f"{bdf} nsid {nsid}", **options)
         except BaseException:
-            ctrl.close()
+            ctrl.close()  # a backend that failed half-way closed it already: closing again is a no-op
             raise
 
     @property

@@ -7,7 +7,7 @@ from typing import Any
 import numpy as np
 
 from nvmedirect.errors import NvmeDirectError
-from nvmedirect.reader.host_memory import aligned_empty
+from nvmedirect.host_memory import aligned_empty
 from nvmedirect.store.targets import TargetError
 
 BOUNCE_BYTES = 8 << 20  # one DMA buffer, reused for every chunk
@@ -28,7 +28,7 @@ class NvmeTarget:
         self._bounce = ctrl.dma.alloc(BOUNCE_BYTES)
 
     @classmethod
-    def open(cls, bdf: str, *, noiommu: bool = False, nsid: int = 1) -> NvmeTarget:
+    def open(cls, bdf: str, *, noiommu: bool | None = None, nsid: int = 1) -> NvmeTarget:
         from nvmedirect.nvme.controller import Controller
 
         ctrl = Controller.open(bdf, noiommu=noiommu, io_queues=1)

@@ -7,15 +7,19 @@ NVMe target (`nvme_target.NvmeTarget`) offers the same methods through the drive
 from __future__ import annotations
 
 import errno
+import fcntl
 import os
 import stat
+import struct
 from typing import Protocol
 
 import numpy as np
 
 from nvmedirect.errors import NvmeDirectError
-from nvmedirect.reader.file_backend import block_device_geometry
-from nvmedirect.reader.host_memory import aligned_empty
+from nvmedirect.host_memory import aligned_empty
+
+BLKSSZGET = 0x1268  # logical block size of a block device (int)
+BLKGETSIZE64 = 0x80081272  # size of a block device in bytes (u64)
 
 
 class TargetError(NvmeDirectError):
@@ -41,6 +45,13 @@ class BlockTarget(Protocol):
     def flush(self) -> None: ...
 
     def close(self) -> None: ...
+
+
+def block_device_geometry(fd: int) -> tuple[int, int]:
+    """(size in bytes, logical block size) of a block device."""
+    size = struct.unpack("Q", fcntl.ioctl(fd, BLKGETSIZE64, b"\0" * 8))[0]
+    lba = struct.unpack("i", fcntl.ioctl(fd, BLKSSZGET, b"\0" * 4))[0]
+    return size, lba
 
 
 class KernelBlockTarget:

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from nvmedirect.reader.host_memory import aligned_empty
+from nvmedirect.host_memory import aligned_empty
 from nvmedirect.store.catalog import overlapping, read_header, walk_chain
 from nvmedirect.store.header import (
     HeaderError,
@@ -69,9 +69,27 @@ def foreign_signatures(target: BlockTarget) -> list[str]:
 
 
 def chain_end_lba(target: BlockTarget) -> int:
-    """Where `--append` writes: after the last model of the chain from LBA 0 (0 if none)."""
+    """Where `--append` writes: after the last model of the chain from LBA 0 (0 if none). Raises
+    TargetError when that model reaches the end of the device (its `next_lba` lies past it)."""
     chain = walk_chain(target_reader(target), target.lba_size, 0, target.capacity_bytes)
-    return chain[-1].next_lba if chain else 0
+    if not chain:
+        return 0
+    last = chain[-1]
+    if target.capacity_bytes is not None and last.next_lba * target.lba_size >= target.capacity_bytes:
+        raise TargetError(f"nothing can be appended: the last stored model ({last.model_name!r} at LBA "
+                          f"{last.start_lba}) reaches the end of the device")
+    return last.next_lba
+
+
+def check_fit(target: BlockTarget, nbytes: int, lba: int, name: str) -> None:
+    """Raises TargetError unless a model of `nbytes` bytes (its header included) fits at `lba`:
+    cheap, so it runs before the model is hashed."""
+    draft = StoredModelHeader(lba_size=target.lba_size, start_lba=lba, gguf_nbytes=nbytes, sha256=bytes(32),
+                              model_name=name)
+    if target.capacity_bytes is not None and draft.end_lba * target.lba_size > target.capacity_bytes:
+        last = target.capacity_bytes // target.lba_size
+        where = f"the device ends at LBA {last}" if lba < last else f"LBA {lba} is past the device's end (LBA {last})"
+        raise TargetError(f"{name} ({nbytes} bytes) does not fit at LBA {lba}: {where}")
 
 
 def plan_write(target: BlockTarget, gguf_path: str | os.PathLike, *, lba: int, sha256: bytes,
@@ -79,6 +97,7 @@ def plan_write(target: BlockTarget, gguf_path: str | os.PathLike, *, lba: int, s
     """Everything the CLI must show or confirm before writing; raises TargetError if it cannot fit."""
     size = Path(gguf_path).stat().st_size
     name = name if name is not None else Path(gguf_path).name
+    check_fit(target, size, lba, name)
     read = target_reader(target)
     signatures = foreign_signatures(target)
     try:
@@ -95,9 +114,6 @@ def plan_write(target: BlockTarget, gguf_path: str | os.PathLike, *, lba: int, s
 
     draft = StoredModelHeader(lba_size=target.lba_size, start_lba=lba, gguf_nbytes=size, sha256=sha256,
                               model_name=name)
-    if target.capacity_bytes is not None and draft.end_lba * target.lba_size > target.capacity_bytes:
-        raise TargetError(f"{name} ({size} bytes) does not fit at LBA {lba}: the device ends at LBA "
-                          f"{target.capacity_bytes // target.lba_size}")
     # Keep the chain reaching the models stored after this one: point at the first of them that
     # starts at or beyond our end, instead of at our own end.
     later = sorted(m.start_lba for m in known.values() if m.start_lba >= draft.end_lba)

@@ -1,7 +1,7 @@
 """`bind` and `restore`: move an NVMe controller between the kernel's nvme driver and vfio-pci.
 
 The order is fixed so that an interruption never leaves the device without a known owner:
-1. the safety verdict is checked (refusals change nothing);
+1. the device is resolved and its safety verdict checked (`check_bind`; refusals change nothing);
 2. the state file records the original driver, override and names (so `restore` can always run);
 3. with SIGINT/SIGTERM/SIGHUP/SIGQUIT held back, set driver_override, unbind, probe, and wait for
    the new driver; if it does not appear, put the original driver back before re-raising;
@@ -20,8 +20,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from nvmedirect.system.devices import PCI_DEVICES, read_controller, resolve_target
-from nvmedirect.system.safety import VFIO, assess
+from nvmedirect.system.devices import PCI_DEVICES, Controller, read_controller, resolve_target
+from nvmedirect.system.events import KernelEvents
+from nvmedirect.system.safety import VFIO, Verdict, assess
 from nvmedirect.system.state import StateFile
 from nvmedirect.system.sysview import SystemView
 from nvmedirect.system.usage import UsageIndex
@@ -82,16 +83,6 @@ def current_driver(view: SystemView, bdf: str) -> str | None:
     return view.link_name(f"{PCI_DEVICES}/{bdf}/driver")
 
 
-def _wait_driver(view: SystemView, bdf: str, want: str, timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        if current_driver(view, bdf) == want:
-            return True
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(0.05)
-
-
 def _ensure_driver_loaded(view: SystemView, driver: str, module: str) -> None:
     if view.exists(f"/sys/bus/pci/drivers/{driver}"):
         return
@@ -106,27 +97,51 @@ def _switch(view: SystemView, bdf: str, override: str | None, timeout_s: float, 
     """Set the override, detach the current driver and let the kernel probe again. Caller holds
     signals back. Returns whether `want` now owns the device."""
     base = f"{PCI_DEVICES}/{bdf}"
-    view.write(f"{base}/driver_override", override if override else "\n")
-    if current_driver(view, bdf) is not None:
-        view.write(f"{base}/driver/unbind", bdf)
-    if pause := float(os.environ.get(_PAUSE_ENV, "0") or 0):
-        time.sleep(pause)
-    with contextlib.suppress(OSError):  # probe errors (e.g. -ENODEV) surface as "no driver" below
-        view.write("/sys/bus/pci/drivers_probe", bdf)
-    return _wait_driver(view, bdf, want, timeout_s)
+    with KernelEvents(view, "pci") as events:  # listening before the kernel can answer
+        view.write(f"{base}/driver_override", override if override else "\n")
+        if current_driver(view, bdf) is not None:
+            view.write(f"{base}/driver/unbind", bdf)
+        if pause := float(os.environ.get(_PAUSE_ENV, "0") or 0):
+            time.sleep(pause)
+        with contextlib.suppress(OSError):  # probe errors (e.g. -ENODEV) surface as "no driver" below
+            view.write("/sys/bus/pci/drivers_probe", bdf)
+        return events.wait(lambda: current_driver(view, bdf) == want, timeout_s)
+
+
+@dataclass
+class BindCheck:
+    """What `bind` would take: the controller, as sysfs shows it now, and its verdict."""
+
+    bdf: str
+    ctrl: Controller
+    verdict: Verdict
+
+    @property
+    def already_bound(self) -> bool:
+        return self.verdict.state == VFIO
+
+
+def check_bind(view: SystemView, target: str) -> BindCheck:
+    """Resolve `target` and judge it, changing nothing: TargetError when it names no controller,
+    BindRefused when taking it is not safe. `bind` runs this first itself; a caller that asks the
+    user for confirmation runs it before asking."""
+    state = StateFile(view)
+    bdf = resolve_target(view, target, state.remembered_names())
+    ctrl = read_controller(view, bdf)
+    verdict = assess(ctrl, UsageIndex(view), state.get(bdf))
+    if verdict.state != VFIO and not verdict.may_bind:
+        raise BindRefused(f"{bdf}: {verdict.summary()}")
+    return BindCheck(bdf, ctrl, verdict)
 
 
 def bind(view: SystemView, target: str, timeout_s: float = 5.0, power_up: bool = True) -> Outcome:
     """Hand the controller named by `target` to vfio-pci, or refuse (BindRefused)."""
     state = StateFile(view)
-    bdf = resolve_target(view, target, state.remembered_names())
-    ctrl = read_controller(view, bdf)
-    verdict = assess(ctrl, UsageIndex(view), state.get(bdf))
-    if verdict.state == VFIO:
+    checked = check_bind(view, target)
+    bdf, ctrl = checked.bdf, checked.ctrl
+    if checked.already_bound:
         outcome = Outcome(bdf, "vfio-pci", already=True, notes=["already bound to vfio-pci"])
     else:
-        if not verdict.may_bind:
-            raise BindRefused(f"{bdf}: {verdict.summary()}")
         _ensure_driver_loaded(view, "vfio-pci", "vfio-pci")
         _check_iommu_group(view, bdf)
         record = {
@@ -177,9 +192,7 @@ def power_up_check(view: SystemView, bdf: str) -> str:
     try:
         from nvmedirect.vfio import VfioDevice
 
-        group = view.link_name(f"{PCI_DEVICES}/{bdf}/iommu_group") or ""
-        noiommu = (view.read(f"/sys/kernel/iommu_groups/{group}/name") or "") == "vfio-noiommu"
-        with VfioDevice.open(bdf, noiommu=noiommu) as dev:
+        with VfioDevice.open(bdf) as dev:  # in the VFIO mode of its group
             dev.set_d0()
             dev.enable_bus_master()
             power = dev.power_state()
@@ -235,10 +248,10 @@ def restore(view: SystemView, target: str, timeout_s: float = 5.0, settle_s: flo
 def _wait_namespaces(view: SystemView, bdf: str, expected: int, timeout_s: float) -> list[str]:
     """The nvme driver scans namespaces asynchronously after probe: wait for as many as were
     recorded at bind time (or, with no record, for the controller to show up at all)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
+    def done() -> bool:
         ctrl = read_controller(view, bdf)
-        done = len(ctrl.block_devices) >= expected if expected else ctrl.name is not None
-        if done or time.monotonic() >= deadline:
-            return ctrl.block_devices
-        time.sleep(0.1)
+        return len(ctrl.block_devices) >= expected if expected else ctrl.name is not None
+
+    with KernelEvents(view, "block") as events:
+        events.wait(done, timeout_s)
+    return read_controller(view, bdf).block_devices

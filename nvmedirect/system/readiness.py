@@ -76,9 +76,12 @@ def check_iommu(view: SystemView) -> list[Check]:
     detail = {"on": "on (unsafe, taints the kernel)", "off": "off",
               "unavailable": "not built into this kernel (CONFIG_VFIO_NOIOMMU)",
               "unknown": "unknown until vfio is loaded"}[noiommu]
-    status = WARN if noiommu == "on" else (OK if groups or noiommu != "unavailable" else FAIL)
-    fix = "" if status == OK else ("only for machines without a usable IOMMU" if noiommu == "on"
-                                   else "enable the IOMMU, or use a kernel built with CONFIG_VFIO_NOIOMMU")
+    if noiommu == "unknown":
+        status = UNKNOWN  # not ok: nobody can tell until vfio is loaded
+    else:
+        status = WARN if noiommu == "on" else (OK if groups or noiommu != "unavailable" else FAIL)
+    fix = {OK: "", WARN: "only for machines without a usable IOMMU", UNKNOWN: "",
+           FAIL: "enable the IOMMU, or use a kernel built with CONFIG_VFIO_NOIOMMU"}[status]
     return [iommu, Check("noiommu", status, detail, fix)]
 
 
@@ -227,9 +230,7 @@ def probe_gpu_mmio(view: SystemView) -> Check:
 
         from nvmedirect.vfio import VfioDevice
 
-        group = bound[0].iommu_group or ""
-        noiommu = view.read(f"/sys/kernel/iommu_groups/{group}/name") == "vfio-noiommu"
-        with VfioDevice.open(bound[0].bdf, noiommu=noiommu) as dev:
+        with VfioDevice.open(bound[0].bdf) as dev:  # in the VFIO mode of its group
             bar = dev.map_bar(0)
             cupy.cuda.runtime.hostRegister(bar.address, bar.size, CUDA_HOST_REGISTER_IO_MEMORY)
             cupy.cuda.runtime.hostUnregister(bar.address)

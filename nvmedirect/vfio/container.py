@@ -79,13 +79,6 @@ class Container:
             ioctl_int(self.fd, lib.VFIO_SET_IOMMU, self.iommu_type, "VFIO_SET_IOMMU")
             self._iommu_set = True
 
-    def iova_page_sizes(self) -> int:
-        """Bitmap of IOMMU page sizes (type1 only)."""
-        info = ffi.new("struct vfio_iommu_type1_info *")
-        info.argsz = ffi.sizeof("struct vfio_iommu_type1_info")
-        ioctl_ptr(self.fd, lib.VFIO_IOMMU_GET_INFO, info, "VFIO_IOMMU_GET_INFO")
-        return int(info.iova_pgsizes)
-
     def close(self) -> None:
         if getattr(self, "_finalizer", None) is not None:
             self._finalizer.detach()

@@ -70,12 +70,11 @@ class MappedBar:
         self._check(offset, 8)
         self._u64[offset // 8] = value
 
-    def doorbell(self, offset: int):
-        """A doorbell register of this BAR, written through the native MMIO shim."""
-        from nvmedirect.queues.doorbell import Doorbell
-
+    def doorbell(self, offset: int) -> int:
+        """The address of a doorbell register of this BAR: the native hot path writes it directly
+        (the BAR must stay mapped while a queue pair uses it)."""
         self._check(offset, 4)
-        return Doorbell(self.address + offset, owner=self)
+        return self.address + offset
 
     def close(self) -> None:
         if self._mmap is not None:
@@ -107,11 +106,13 @@ class VfioDevice:
         self._bars: dict[int, MappedBar] = {}
 
     @classmethod
-    def open(cls, bdf: str, noiommu: bool = False) -> VfioDevice:
-        """Open `bdf` (e.g. "0000:00:04.0") in a fresh container of the chosen IOMMU mode."""
-        container = Container(noiommu=noiommu)
+    def open(cls, bdf: str, noiommu: bool | None = None) -> VfioDevice:
+        """Open `bdf` (e.g. "0000:00:04.0") in a fresh container of the IOMMU mode its group has
+        (`/dev/vfio/N` or `/dev/vfio/noiommu-N`), or of the mode `noiommu` insists on."""
+        number = group_number(bdf)
+        container = Container(noiommu=number.startswith("noiommu-") if noiommu is None else noiommu)
         try:
-            group = Group(group_number(bdf), container)
+            group = Group(number, container)
         except Exception:
             container.close()
             raise

@@ -17,11 +17,11 @@ import resource
 import numpy as np
 
 from nvmedirect.errors import DmaError, MemlockLimit
+from nvmedirect.host_memory import PAGE_SIZE
 from nvmedirect.vfio._ffi import ffi
 
 log = logging.getLogger(__name__)
 
-PAGE_SIZE = 4096
 HUGE_PAGE_SIZE = 2 << 20
 MAP_HUGETLB = 0x40000  # <linux/mman.h>; Python's mmap module does not export it
 CAP_IPC_LOCK = 14

@@ -149,7 +149,7 @@ def _int8_stage_checker(gpu: object) -> tuple[object, list[tuple[str, float]]]:
     state: dict[str, object] = {"layer": -1}
 
     def act(key: str, fmt: str) -> cupy.ndarray:
-        return gpu._act[(key, fmt)] if fmt != "f32" else None
+        return gpu.inputs.buffers[(key, fmt)] if fmt != "f32" else None
 
     def mark(stage: str) -> None:
         a = gpu.args
@@ -160,12 +160,12 @@ def _int8_stage_checker(gpu: object) -> tuple[object, list[tuple[str, float]]]:
         if stage == "gemv_qkv":
             for m, row in L.qkv:
                 want = cupy.empty(m.rows, cupy.float32)
-                ops.gemv(m, gpu._act[("attn", m.act)], want, bias=None if L.bqkv is None else L.bqkv[row : row + m.rows])
+                ops.gemv(m, gpu.inputs.buffers[("attn", m.act)], want, bias=None if L.bqkv is None else L.bqkv[row : row + m.rows])
                 errors.append((f"qkv{i}", _rel(cupy.asnumpy(gpu.qkv[row : row + m.rows]), cupy.asnumpy(want))))
         elif stage == "attention":
             state["h"] = gpu.h.copy()
-            if ("att", L.wo.act) in gpu._act8:  # the 8-bit form is the float output, exactly
-                q, scale, _ = (cupy.asnumpy(x) for x in gpu._act8[("att", L.wo.act)])
+            if ("att", L.wo.act) in gpu.inputs.int8:  # the 8-bit form is the float output, exactly
+                q, scale, _ = (cupy.asnumpy(x) for x in gpu.inputs.int8[("att", L.wo.act)])
                 same = np.array_equal(q * np.repeat(scale, a.q_dim // scale.size), cupy.asnumpy(gpu.att))
                 errors.append((f"att8_{i}", 0.0 if same else np.inf))
         elif stage == "gemv_o":
@@ -176,13 +176,13 @@ def _int8_stage_checker(gpu: object) -> tuple[object, list[tuple[str, float]]]:
             state["h"] = gpu.h.copy()
             if L.w_gate.fmt == L.w_up.fmt and L.w_gate.act == L.w_up.act:
                 want = cupy.empty(a.ffn_dim, cupy.float32)
-                ops.gemv_swiglu(L.w_gate, L.w_up, gpu._act[("ffn", L.w_gate.act)], want)
+                ops.gemv_swiglu(L.w_gate, L.w_up, gpu.inputs.buffers[("ffn", L.w_gate.act)], want)
                 errors.append((f"swiglu{i}", _rel(cupy.asnumpy(gpu.ff), cupy.asnumpy(want))))
         elif stage == "gemv_down":
             want = state["h"].copy()
             ff = act("ff", L.w_down.act)
-            if ("ff", L.w_down.act) in gpu._act8:  # what the integer GEMV read: the 8-bit form
-                q, scale, _ = (cupy.asnumpy(x) for x in gpu._act8[("ff", L.w_down.act)])
+            if ("ff", L.w_down.act) in gpu.inputs.int8:  # what the integer GEMV read: the 8-bit form
+                q, scale, _ = (cupy.asnumpy(x) for x in gpu.inputs.int8[("ff", L.w_down.act)])
                 ff8 = (q * np.repeat(scale, a.ffn_dim // scale.size)).astype(np.float32)
                 from infer.quants import round_activations
                 rounded = round_activations(cupy.asnumpy(gpu.ff)[None], L.w_down.act)[0]
@@ -192,7 +192,7 @@ def _int8_stage_checker(gpu: object) -> tuple[object, list[tuple[str, float]]]:
             errors.append((f"down{i}", _rel(cupy.asnumpy(gpu.h), cupy.asnumpy(want))))
         elif stage == "output":
             want = cupy.empty(a.vocab_size, cupy.float32)
-            ops.gemv(gpu.output, gpu._act[("out", gpu.output.act)], want)
+            ops.gemv(gpu.output, gpu.inputs.buffers[("out", gpu.output.act)], want)
             errors.append(("output", _rel(cupy.asnumpy(gpu.logits), cupy.asnumpy(want))))
 
     return mark, errors

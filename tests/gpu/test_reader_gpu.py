@@ -17,8 +17,8 @@ import pytest
 from click.testing import CliRunner
 
 from nvmedirect.cli import main
+from nvmedirect.host_memory import is_pinned
 from nvmedirect.reader import FileBackend, open_model, pinned_empty
-from nvmedirect.reader.host_memory import is_pinned
 
 pytestmark = pytest.mark.gpu
 

@@ -137,3 +137,20 @@ def _copy_without_key(source: Path, target: Path, key: str) -> None:
     at = data.find(key.encode())
     data[at : at + len(key)] = key.replace("embedding", "embeddinX").encode()
     target.write_bytes(bytes(data))
+
+
+def test_tokenizer_error_names_the_file(good_model: Path, tmp_path: Path) -> None:
+    path = write_copy(good_model, tmp_path / "badtok.gguf", metadata={"tokenizer.ggml.model": ("bogus", GGUFValueType.STRING)})
+    assert_one_line_error(path, "tokenizer", "unsupported tokenizer model")
+
+
+def test_nan_weights_end_in_one_line_naming_the_model(model_copy: Path) -> None:
+    reader = GGUFReader(model_copy, "r+")
+    norm = next(t for t in reader.tensors if t.name == "output_norm.weight")
+    norm.data[...] = np.nan
+    reader.data.flush()
+    del reader
+    code, stdout, stderr = run_cli(model_copy)
+    assert code == 2 and stdout == "" and "Traceback" not in stderr, (code, stderr)
+    last = stderr.strip().splitlines()[-1]  # after the "loaded ..." note
+    assert str(model_copy) in last and "non-finite logits" in last and "NaN" in last, last

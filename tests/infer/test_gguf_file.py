@@ -3,11 +3,15 @@ and independence from the order in which the file stores its tensors."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import pytest
+from click.testing import CliRunner
+from gguf import GGUFReader, GGUFValueType
 
+from infer.cli import main as cli_main
 from infer.gguf_file import GGUFModel
 from infer.model import load_transformer
 from infer.synth import Shape, write_model
@@ -53,3 +57,50 @@ def test_tensor_order_in_the_file_does_not_matter(path: Path, tmp_path: Path) ->
         transformer = load_transformer(model)
         logits.append(transformer.forward(ids, transformer.new_cache(8), all_logits=True))
     np.testing.assert_array_equal(logits[0], logits[1])
+
+
+# -- tensor data past 4 GiB, with general.alignment set (sparse files: the gap costs no disk) ------
+FOUR_GIB = 1 << 32
+
+
+def _moved_data(source: Path, target: Path, shift_for: Callable[[int], int]) -> Path:
+    """A copy of `source` (general.alignment set) whose tensor data starts `shift_for(data_offset)`
+    bytes later: every tensor offset moves by that much and the gap is a hole."""
+    aligned = write_copy(source, target.with_suffix(".aligned"), metadata={"general.alignment": (32, GGUFValueType.UINT32)})
+    reader = GGUFReader(aligned, "r+")
+    data_offset = int(reader.data_offset)
+    shift = shift_for(data_offset)
+    for tensor in reader.tensors:
+        tensor.field.parts[5][0] += shift
+    reader.data.flush()
+    del reader
+    raw = aligned.read_bytes()
+    with open(target, "wb") as out:
+        out.write(raw[:data_offset])
+        out.seek(data_offset + shift)
+        out.write(raw[data_offset:])
+    return target
+
+
+def _same_tensors(moved: Path, original: Path) -> None:
+    want, got = GGUFModel(original), GGUFModel(moved)
+    assert got.tensors.keys() == want.tensors.keys()
+    for name, info in want.tensors.items():
+        assert got.tensors[name].offset > FOUR_GIB - 1 and bytes(got.tensors[name].data) == bytes(info.data), name
+
+
+def _greedy(path: Path) -> str:
+    result = CliRunner().invoke(cli_main, ["-m", str(path), "-p", "hello", "-n", "4", "-t", "0", "--device", "cpu"])
+    assert result.exit_code == 0, result.output
+    return result.stdout
+
+
+@pytest.mark.parametrize("case", ["past_4_gib", "exactly_at_4_gib"])
+def test_tensor_data_beyond_4_gib_with_alignment(path: Path, tmp_path: Path, case: str) -> None:
+    # (a) every tensor lies past 4 GiB; (b) the first starts at exactly 2^32, where a 32-bit sum
+    # wraps to 0 and the tensor would be read from the file's first bytes
+    shift = (lambda _: FOUR_GIB) if case == "past_4_gib" else (lambda data_offset: FOUR_GIB - data_offset)
+    moved = _moved_data(path, tmp_path / f"{case}.gguf", shift)
+    assert moved.stat().st_size > FOUR_GIB
+    _same_tensors(moved, path)
+    assert _greedy(moved) == _greedy(path)

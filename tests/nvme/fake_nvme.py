@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from nvmedirect.nvme.spec import IDENTIFY_CONTROLLER, IDENTIFY_NAMESPACE, Reg
+from nvmedirect.spec.layout import IDENTIFY_CONTROLLER, IDENTIFY_NAMESPACE, Reg
 from nvmedirect.vfio._ffi import ffi
 from nvmedirect.vfio.dma import DmaAllocator, _Allocation
 from nvmedirect.vfio.memory import PAGE_SIZE

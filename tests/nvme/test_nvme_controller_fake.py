@@ -13,7 +13,7 @@ from fake_nvme import FakeBar, FakeNvme, IdentityDma
 
 from nvmedirect.errors import ControllerFatal, InvalidNamespace, LbaOutOfRange
 from nvmedirect.nvme.controller import Controller
-from nvmedirect.nvme.spec import IoOpcode
+from nvmedirect.spec.layout import IoOpcode
 
 
 def test_bring_up_logs_each_state(fake, caplog):
@@ -45,7 +45,7 @@ def test_read_into_dma_buffer_reads_middle_directly(ns, image, fake):
     assert bytes(buf.view[:size]) == bytes(image[offset:offset + size])
     # 128 KiB transfer limit: LBAs 2..1172 (1171 whole ones) go direct in 5 commands; the partial
     # head and tail LBAs are staged.
-    assert [n for _, _, n in fake.commands_seen] == [1, 1, 256, 256, 256, 256, 147]
+    assert sorted(n for _, _, n in fake.commands_seen) == [1, 1, 147, 256, 256, 256, 256]
 
 
 def test_write_then_read_round_trip(ns, image):

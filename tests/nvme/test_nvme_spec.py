@@ -2,8 +2,8 @@
 
 import numpy as np
 
-from nvmedirect.nvme import spec
 from nvmedirect.nvme.identify import ControllerInfo, NamespaceInfo
+from nvmedirect.spec import layout
 from nvmedirect.vfio._ffi import ffi
 
 
@@ -18,34 +18,34 @@ def test_entry_sizes_and_offsets_match_the_spec():
 def test_cap_bits_decode():
     # MQES 2047, CQR, TO 15 (7.5 s), DSTRD 2, CSS NVM, MPSMIN 0, MPSMAX 4
     raw = 2047 | 1 << 16 | 15 << 24 | 2 << 32 | 1 << 37 | 4 << 52
-    cap = spec.cap(raw)
+    cap = layout.cap(raw)
     assert (cap.bits.mqes, cap.bits.cqr, cap.bits.to, cap.bits.dstrd, cap.bits.css, cap.bits.mpsmax) == (
         2047, 1, 15, 2, 1, 4)
 
 
 def test_cc_encoding_for_enable():
-    cc = spec.cc()
+    cc = layout.cc()
     cc.bits.en, cc.bits.iosqes, cc.bits.iocqes = 1, 6, 4
     assert cc.raw == 0x00460001
 
 
 def test_csts_and_aqa():
-    csts = spec.csts(0b1011)
+    csts = layout.csts(0b1011)
     assert (csts.bits.rdy, csts.bits.cfs, csts.bits.shst) == (1, 1, 2)
-    aqa = spec.aqa()
+    aqa = layout.aqa()
     aqa.bits.asqs, aqa.bits.acqs = 31, 63
     assert aqa.raw == 63 << 16 | 31
 
 
 def test_doorbell_offsets_honour_the_stride():
-    assert spec.sq_doorbell_offset(0, 0) == 0x1000
-    assert spec.cq_doorbell_offset(0, 0) == 0x1004
-    assert spec.sq_doorbell_offset(3, 0) == 0x1018
-    assert spec.cq_doorbell_offset(1, 2) == 0x1000 + 3 * 16
+    assert layout.sq_doorbell_offset(0, 0) == 0x1000
+    assert layout.cq_doorbell_offset(0, 0) == 0x1004
+    assert layout.sq_doorbell_offset(3, 0) == 0x1018
+    assert layout.cq_doorbell_offset(1, 2) == 0x1000 + 3 * 16
 
 
 def test_identify_controller_parse():
-    page = np.zeros(1, dtype=spec.IDENTIFY_CONTROLLER)
+    page = np.zeros(1, dtype=layout.IDENTIFY_CONTROLLER)
     page["sn"], page["mn"], page["fr"], page["mdts"], page["nn"] = b"SN123   ", b"QEMU NVMe Ctrl  ", b"8.2", 7, 2
     info = ControllerInfo.parse(page.tobytes())
     assert (info.serial, info.model, info.firmware, info.mdts, info.namespace_count) == (
@@ -56,7 +56,7 @@ def test_identify_controller_parse():
 
 
 def test_identify_namespace_with_4096_byte_lbas():
-    page = np.zeros(1, dtype=spec.IDENTIFY_NAMESPACE)
+    page = np.zeros(1, dtype=layout.IDENTIFY_NAMESPACE)
     page["nsze"], page["nlbaf"], page["flbas"] = 1000, 1, 1
     page["lbaf"][0][0]["lbads"], page["lbaf"][0][1]["lbads"] = 9, 12
     info = NamespaceInfo.parse(1, page.tobytes())

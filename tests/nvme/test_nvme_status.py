@@ -3,7 +3,7 @@
 import pytest
 
 from nvmedirect import errors
-from nvmedirect.nvme.status import HOST_TIMEOUT, NvmeStatus
+from nvmedirect.spec.status import HOST_TIMEOUT, NvmeStatus
 
 
 def cqe_status(sct, sc, dnr=False, phase=1):

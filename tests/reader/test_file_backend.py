@@ -10,8 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from nvmedirect.host_memory import address_of
 from nvmedirect.reader import DirectIOUnsupported, FileBackend, ReadError, aligned_empty
-from nvmedirect.reader.host_memory import address_of
 
 SIZE = (24 << 20) + 1234  # the file does not end on a block boundary
 

@@ -88,7 +88,7 @@ def test_bad_requests(ctrl) -> None:
 
 
 def test_failed_command_is_a_read_error(ctrl, fake: FakeNvme) -> None:
-    from nvmedirect.nvme.spec import IoOpcode
+    from nvmedirect.spec.layout import IoOpcode
 
     fake.ignore_opcodes.add(IoOpcode.READ)  # never completed: the driver times out
     with NvmeBackend(ctrl, queue_pairs=1, queue_depth=4) as backend, pytest.raises(ReadError, match="failed"):
@@ -120,3 +120,20 @@ def test_write_gguf_through_the_target_then_read_tensors(ctrl, tmp_path: Path) -
         for info in model.tensors.values():
             assert model.read_tensor(info.name).tobytes() == raw[info.offset:info.offset + info.nbytes]
         model.verify()
+
+
+def test_fewer_queue_pairs_than_asked_are_used_with_one_warning() -> None:
+    fake = FakeNvme(bytearray(os.urandom(IMAGE_BYTES)), max_io_queues=1)
+    controller = Controller(FakeBar(fake), IdentityDma(), io_timeout_s=2.0)
+    controller.start(io_queues=2)
+    assert controller.io_queue_limit == 1
+    with pytest.warns(UserWarning, match="grants 1 I/O queue pair"):
+        backend = NvmeBackend(controller, queue_pairs=2)
+    with backend:
+        assert backend.queue_pairs == 1
+        out = np.empty(300_001, dtype=np.uint8)
+        backend.read_into([(12345, out.nbytes)], [out])
+        assert out.tobytes() == bytes(fake.image[12345:12345 + out.nbytes])
+    controller.close()
+    controller.close()  # a second close is a no-op, not a shutdown of an unmapped BAR
+    assert controller.dma.live_mappings() == 0

@@ -138,3 +138,36 @@ def test_ls_on_an_empty_device(tmp_path: Path) -> None:
     dev = image(tmp_path, 4 << 20)
     result = run("ls-gguf", "-d", str(dev))
     assert result.exit_code == 0 and "no models stored" in result.output
+
+
+def test_size_and_lba_range_are_checked_before_hashing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import nvmedirect.cli.gguf_store as gguf_store
+
+    def no_hashing(*_args, **_kwargs):
+        raise AssertionError("hashed a model that cannot be written")
+
+    monkeypatch.setattr(gguf_store, "sha256_file", no_hashing)
+    dev = image(tmp_path, 8 << 20)
+    big = tmp_path / "big.gguf"
+    with open(big, "wb") as f:  # sparse: the size is what matters
+        f.truncate(64 << 20)
+    too_big = run("write-gguf", str(big), "-d", str(dev), "-y")
+    assert too_big.exit_code == EXIT_USAGE and "does not fit at LBA 0" in too_big.output
+    small = tmp_path / "small.gguf"
+    small.write_bytes(make_small_gguf(tmp_path))
+    past_end = run("write-gguf", str(small), "-d", str(dev), "--lba", str(1 << 20), "-y")
+    assert past_end.exit_code == EXIT_USAGE and "past the device's end" in past_end.output
+
+
+def test_append_after_a_model_at_the_end_of_the_device_refuses_cleanly(tmp_path: Path) -> None:
+    small = tmp_path / "small.gguf"
+    small.write_bytes(make_small_gguf(tmp_path))
+    dev = image(tmp_path, 7 << 19)  # 3.5 MiB: models start at each MiB, the fourth one's next LBA is past the end
+    for index in range(4):
+        written = run("write-gguf", str(small), "-d", str(dev), "--append", "--name", f"m{index}", "-y", "--json")
+        assert written.exit_code == 0, written.output
+    assert json.loads(written.output)["next_lba"] * 512 > 7 << 19
+    appended = run("write-gguf", str(small), "-d", str(dev), "--append", "-y")
+    assert appended.exit_code == EXIT_USAGE, appended.output
+    assert "nothing can be appended" in appended.output and "'m3' at LBA 6144" in appended.output
+    assert len(json.loads(run("ls-gguf", "-d", str(dev), "--json").output)["models"]) == 4

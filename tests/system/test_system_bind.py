@@ -46,6 +46,29 @@ def test_bind_refuses_with_exit_3_and_changes_nothing(fake, setup, word):
     assert snapshot(fake.root) == before  # no state file, no sysfs write
 
 
+def test_refusal_and_unknown_devices_come_before_the_question(fake):
+    fake.nvme(A, "nvme0", {"nvme0n1": ["nvme0n1p1"]})
+    fake.mount("nvme0n1p1", "/data")
+    asked = CliRunner().invoke(main, ["bind", "--root", str(fake.root), A], input="y\n")
+    assert asked.exit_code == 3 and "Take" not in asked.output and "mounted at /data" in asked.output
+    missing = CliRunner().invoke(main, ["bind", "--root", str(fake.root), "0000:99:00.0"], input="y\n")
+    assert missing.exit_code == 2 and "Take" not in missing.output
+
+
+def test_json_without_yes_is_a_usage_error_and_changes_nothing(fake):
+    _free_controller(fake)
+    before = snapshot(fake.root)
+    result = CliRunner().invoke(main, ["bind", "--root", str(fake.root), "--json", A])
+    assert result.exit_code == 2 and "--yes" in result.output
+    assert snapshot(fake.root) == before
+
+
+def test_the_question_names_the_resolved_controller(fake):
+    _free_controller(fake)
+    result = CliRunner().invoke(main, ["bind", "--root", str(fake.root), "/dev/nvme0n1"], input="n\n")
+    assert result.exit_code == 1 and f"Take {A}" in result.output and "nvme0n1" in result.output
+
+
 def test_bad_device_name_is_a_usage_error(fake):
     assert bind_cli(fake, "/dev/sda").exit_code == 2
     assert bind_cli(fake, "0000:99:00.0").exit_code == 2

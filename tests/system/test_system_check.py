@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 from click.testing import CliRunner
@@ -59,6 +60,16 @@ def test_noiommu_mode_on_is_a_warning(fake):
     assert code == 0
     assert checks["iommu"]["status"] == "warn" and "unrestricted" in checks["iommu"]["detail"]
     assert checks["noiommu"]["status"] == "warn"
+
+
+def test_noiommu_mode_unknown_before_vfio_loads_is_not_ok(fake):
+    ready_system(fake)
+    shutil.rmtree(fake.root / "sys/module/vfio")
+    code, checks = check(fake)
+    assert code == 0  # an IOMMU is there: the mode does not matter for readiness
+    assert checks["noiommu"]["status"] == "unknown" and "until vfio is loaded" in checks["noiommu"]["detail"]
+    text = CliRunner().invoke(main, ["check", "--root", str(fake.root), "--no-gpu"]).output
+    assert "[ ?? ] noiommu" in text and "[ ok ] noiommu" not in text
 
 
 def test_kernel_without_noiommu_support(fake):

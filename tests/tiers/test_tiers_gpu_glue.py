@@ -129,3 +129,36 @@ def test_gpu_glue_batch_of_sequences(model_path: Path, fake_cupy: object) -> Non
         assert [c.length for c in caches] == [6, 10, 2]
     finally:
         s.close()
+
+
+def test_gpu_glue_tree_pass_equals_each_path_alone(model_path: Path, fake_cupy: object) -> None:
+    """The GPU engine's token-tree pass over streamed weights (on the stand-in): every node's logits
+    are those of a plain pass over its path through the same batched products, within the bound of
+    the prompt path (float16 operands; a value on an 8-bit rounding boundary can round the other
+    way when the masked positions change a float32 sum's grouping: tests/gpu/test_model.py), and
+    accepting a path keeps those keys and values."""
+    from infer.speculative import Tree
+
+    s = gpu_session(model_path, 0.3, 0.3)
+    try:
+        m = s.engine.model
+        m.gemv_prefill_max = 0  # short paths too through the batched products: the same arithmetic
+        rng = np.random.default_rng(6)
+        prompt = rng.integers(3, SHAPE.vocab_size, 9)
+        tree = Tree([int(t) for t in rng.integers(3, SHAPE.vocab_size, 6)], [-1, 0, 0, 1, 3, 2])
+        cache = m.new_cache(CTX)
+        m.forward(prompt, cache)
+        got = m.forward_tree(np.array(tree.tokens), np.array(tree.parents), cache)
+        assert cache.length == len(prompt) and got.shape == (6, SHAPE.vocab_size)
+        for node, path in ((4, [0, 1, 3, 4]), (5, [0, 2, 5])):
+            ref = m.new_cache(CTX)
+            m.forward(prompt, ref)
+            want = m.forward(np.array([tree.tokens[i] for i in path]), ref)
+            assert float(np.linalg.norm(got[node] - want) / np.linalg.norm(want)) < 3e-2
+        cache.accept([0, 1, 3, 4])
+        nxt = m.forward(np.array([7]), cache)
+        ref = m.new_cache(CTX)
+        want = m.forward(np.concatenate([prompt, [tree.tokens[i] for i in (0, 1, 3, 4)], [7]]), ref)
+        assert float(np.linalg.norm(nxt - want) / np.linalg.norm(want)) < 3e-2
+    finally:
+        s.close()

@@ -1,6 +1,7 @@
 """Our NVMe driver against QEMU's emulated controller, in both VFIO modes: the guest modules under
 tests/vm/guest/driver/ (identify, byte ranges, queue depths, several queue pairs, 4096-byte LBAs,
-LBA out of range, writes, a command timeout and exit-time cleanup) run in the boot each mode shares
+LBA out of range, writes, command timeouts and exit-time cleanup, a controller granting one queue
+pair, tier C inference from it) run in the boot each mode shares
 with the rig and system tests (tests/vm/shared_boot.py: driver_part configures the controllers).
 """
 
@@ -25,6 +26,9 @@ MUST_PASS = {
     "test_close_unmaps_and_the_device_can_be_reopened",
     "test_command_timeout_is_named_and_exit_unmaps",
     "test_benchmark_measures_both_drivers",
+    "test_the_reader_uses_the_one_queue_pair_granted",
+    "test_bench_skips_queue_pairs_the_device_cannot_do",
+    "test_ntransformer_streams_tier_c_from_the_device_in_its_vfio_mode",
 }
 
 

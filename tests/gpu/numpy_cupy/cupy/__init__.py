@@ -226,9 +226,9 @@ class RawKernel:
             _arr(y, np.float32, rows * nn)[:] = v.reshape(-1)
             if _ptr(y16): _arr(y16, np.float16, rows * nn)[:] = v.reshape(-1).astype(np.float16)
         elif n == "rope_store":
-            q, k, v, cos, sin, pos, H, Hkv, D, npairs, neox, kc, vc, max_ctx = args
+            q, k, v, cos, sin, pos, slot, H, Hkv, D, npairs, neox, kc, vc, max_ctx = args
             Tn = grid[0]; H, Hkv, D, npairs, neox, max_ctx = map(int, (H, Hkv, D, npairs, neox, max_ctx))
-            P = _arr(pos, np.int32, Tn)
+            P = _arr(pos, np.int32, Tn); SL = _arr(slot, np.int32, Tn) if _ptr(slot) else P
             C = _arr(cos, np.float32, (P.max() + 1) * npairs).reshape(-1, npairs); S = _arr(sin, np.float32, (P.max() + 1) * npairs).reshape(-1, npairs)
             Q = _arr(q, np.float32, Tn * H * D).reshape(Tn, H, D); Kk = _arr(k, np.float32, Tn * Hkv * D).reshape(Tn, Hkv, D)
             V = _arr(v, np.float32, Tn * Hkv * D).reshape(Tn, Hkv, D)
@@ -236,7 +236,7 @@ class RawKernel:
             for t in range(Tn):
                 c, s = C[P[t]], S[P[t]]
                 Q[t] = _rotate(Q[t], c, s, npairs, neox)
-                KC[:, P[t]] = _rotate(Kk[t], c, s, npairs, neox).astype(np.float16); VC[:, P[t]] = V[t].astype(np.float16)
+                KC[:, SL[t]] = _rotate(Kk[t], c, s, npairs, neox).astype(np.float16); VC[:, SL[t]] = V[t].astype(np.float16)
         elif n.startswith("attention_scores_g") or n.startswith("attention_fused_g"):
             fused = n.startswith("attention_fused_g")
             if fused:

@@ -11,6 +11,7 @@ READ_SERIAL = "nvd-drv-read"  # 512-byte LBAs, random image, QEMU's default MDTS
 BIG_LBA_SERIAL = "nvd-drv-4k"  # 4096-byte LBAs, random image, no MDTS limit
 WRITE_SERIAL = "nvd-drv-write"  # blank image the host checks afterwards
 FAULT_SERIAL = "nvd-drv-fault"  # throttled through QMP to force a command timeout
+ONE_QPAIR_SERIAL = "nvd-drv-1qp"  # grants one I/O queue pair; holds a model stored by write-gguf
 HUGE_PAGES = 64  # 128 MiB of 2 MiB pages: contiguous DMA without an IOMMU
 
 

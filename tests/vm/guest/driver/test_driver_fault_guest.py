@@ -30,6 +30,9 @@ def test_command_timeout_is_named_and_exit_unmaps(bound, vm_mode):
     assert report["error"] == "CommandTimeout" and report["is_timeout"], report
     assert report["message"].startswith("ERROR status: 08/01 Command Timeout"), report
     assert TIMEOUT_S <= report["elapsed_s"] < TIMEOUT_S + SLACK_S, report
+    batch = report["batch"]
+    assert batch["error"] == "CommandTimeout" and batch["message"].startswith("ERROR status: 08/01"), batch
+    assert TIMEOUT_S <= batch["elapsed_s"] < TIMEOUT_S + SLACK_S, batch
     assert report["live_mappings_before_exit"] > 0
     # The interpreter-exit handler shut the controller down and unmapped everything.
     assert "controller: closed; 0 DMA mappings left" in run.stderr, run.stderr[-3000:]

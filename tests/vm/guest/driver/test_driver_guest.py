@@ -19,7 +19,6 @@ from driver_setup import BIG_LBA_SERIAL, READ_SERIAL, WRITE_SERIAL, image_bytes
 
 from nvmedirect.errors import LbaOutOfRange
 from nvmedirect.nvme.controller import Controller
-from nvmedirect.nvme.namespace import Segment
 
 QEMU_MODEL = "QEMU NVMe Ctrl"
 SIZES = [1, 2, 3, 511, 512, 513, 4095, 4096, 4097, 65_537, 300_001, (1 << 20) + 3, 3 << 20, 8 << 20]
@@ -74,8 +73,10 @@ def test_queue_depths(ctrl, ns, qpair, read_image, in_flight):
     segments = [(lba, chunk_blocks) for lba in range(0, (4 << 20) // 512, chunk_blocks)]
     rng = random.Random(in_flight)
     rng.shuffle(segments)
-    plan = (Segment(1000 + lba, n, buf[lba * 512:(lba + n) * 512]) for lba, n in segments)
-    issued = ns.run(plan, qpair=qpair, max_in_flight=in_flight)
+    batch = ns.batch()
+    for lba, n in segments:
+        batch.add_direct(1000 + lba, n, buf[lba * 512:(lba + n) * 512])
+    issued = ns.run(batch, qpair=qpair, max_in_flight=in_flight)
     assert issued == len(segments)
     assert sha(buf.view) == sha(read_image[1000 * 512:1000 * 512 + (4 << 20)])
     buf.free()
@@ -184,6 +185,7 @@ def test_benchmark_measures_both_drivers(bound, noiommu):
     bdf = bound(WRITE_SERIAL)
     rows = nvme_vm.measure(bdf, noiommu, [128 << 10], 8 << 20, depth=8, repeats=1)
     assert [row["block"] for row in rows] == [128 << 10]
-    for path in ("kernel", "ours_qd1", "ours"):
+    for path in nvme_vm.PATHS:
         assert rows[0][path]["wall_s"] > 0 and rows[0][path]["cpu_s"] >= 0, (path, rows[0][path])
-    print(nvme_vm.describe({"mode": "test", "total_bytes": 8 << 20, "depth": 8, "rows": rows}))
+    print(nvme_vm.describe({"mode": "test", "total_bytes": 8 << 20, "depth": 8, "repeats": 1,
+                            "sweep": [{"mdts": 7, "rows": rows}]}))

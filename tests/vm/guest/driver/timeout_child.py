@@ -1,5 +1,6 @@
 """Child process for the timeout fault test: throttle the controller's drive through QMP so a read
-cannot finish in time, report the CommandTimeout as JSON on stdout, lift the throttle, and exit
+cannot finish in time, report the CommandTimeout (of a single command, then of a batch) as JSON on
+stdout, lift the throttle, and exit
 WITHOUT closing the controller, so the interpreter-exit path must shut it down and unmap the DMA.
 
 Usage: python timeout_child.py BDF QEMU_DRIVE_ID {iommu,noiommu} TIMEOUT_S
@@ -14,7 +15,7 @@ import time
 
 import vmguest
 
-from nvmedirect.errors import CommandTimeout
+from nvmedirect.errors import CommandTimeout, NvmeDirectError
 from nvmedirect.nvme.controller import Controller
 
 THROTTLED_BYTES_PER_S = 100_000  # a 512 KiB read then needs ~5 s
@@ -46,6 +47,14 @@ def main() -> int:
                       "elapsed_s": time.monotonic() - started, "timeout_s": timeout_s,
                       "is_timeout": isinstance(exc, CommandTimeout)}
             break
+    # The same through a batch (the native loop's own deadline), while the throttle still holds.
+    big = ctrl.dma.alloc(4 * ctrl.max_transfer)
+    started = time.monotonic()
+    try:
+        ns.read(8192, big.nbytes // ns.lba_size, big)
+        report["batch"] = {"error": None}
+    except NvmeDirectError as exc:
+        report["batch"] = {"error": type(exc).__name__, "message": str(exc), "elapsed_s": time.monotonic() - started}
     throttle(drive, 0)
     report["live_mappings_before_exit"] = ctrl.dma.live_mappings()
     print(json.dumps(report), flush=True)

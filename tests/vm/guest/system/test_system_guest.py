@@ -142,6 +142,8 @@ def test_bind_refuses_controllers_in_use(dev, stacks, role, word):
         proc = cli("bind", "--yes", target)
         assert proc.returncode == 3, proc.stdout + proc.stderr
         assert "refused:" in proc.stderr and word in proc.stderr
+    asked = cli("bind", dev[role]["bdf"])  # without --yes: refused before any question (no input here)
+    assert asked.returncode == 3 and "Take" not in asked.stdout + asked.stderr and word in asked.stderr
     assert driver(dev[role]["bdf"]) == "nvme"
     assert dev[role]["bdf"] not in (json.loads(STATE.read_text()) if STATE.exists() else {})
 
@@ -205,6 +207,20 @@ def test_bind_then_restore_round_trips(dev, stacks, vm_config):
     assert Path(f"/sys/bus/pci/devices/{bdf}/driver_override").read_text().strip() == "(null)"
     assert digest(f"/dev/{out['namespaces'][0]}") == before
     assert bdf not in json.loads(STATE.read_text())
+
+
+def test_bind_and_restore_wait_for_kernel_events_without_polling(dev, stacks, monkeypatch):
+    """The waits for vfio-pci, for nvme's asynchronous probe and for the namespace to reappear end
+    on the kernel's uevents (pyudev's Monitor), not in a sleep loop."""
+    bdf = dev["free"]["bdf"]
+    slept = []
+    monkeypatch.setattr(time, "sleep", lambda seconds: slept.append(seconds))
+    assert cli("bind", "--yes", bdf).returncode == 0 and driver(bdf) == "vfio-pci"
+    proc = cli("restore", "--json", bdf)
+    assert proc.returncode == 0, proc.stderr
+    assert len(json.loads(proc.stdout)["namespaces"]) == 1 and driver(bdf) == "nvme"
+    monkeypatch.undo()
+    assert slept == []
 
 
 def _start_bind_paused(bdf: str, pause: float) -> subprocess.Popen:
@@ -284,6 +300,7 @@ def test_check_and_bind_without_vfio_loaded(dev, stacks, vm_mode):
     proc = cli("check", "--no-gpu", "--json")
     checks = {c["name"]: c for c in json.loads(proc.stdout)["checks"]}
     assert checks["vfio"]["status"] == "warn" and "not loaded" in checks["vfio"]["detail"]
+    assert checks["noiommu"]["status"] == "unknown", checks["noiommu"]
     if vm_mode == "iommu":
         assert proc.returncode == 0 and checks["iommu"]["status"] == "ok"
     else:

@@ -1,5 +1,6 @@
-"""Host buffers reads land in: page-aligned, and CUDA-pinned when a GPU is there.
+"""Host buffers reads and writes use: page-aligned, and CUDA-pinned when a GPU is there.
 
+The store, the reader and the VFIO layer all build on this module (it imports none of them).
 Every destination is handled as a 1-D writable `numpy.uint8` array; `as_byte_array` turns what callers
 pass (bytearray, memoryview, mmap, NumPy arrays of any dtype, CuPy pinned arrays) into that view
 without copying.
@@ -12,7 +13,9 @@ from typing import Any
 
 import numpy as np
 
-PAGE = mmap.PAGESIZE
+# The one page size of this package: the granularity of DMA mappings and PRP entries, the NVMe
+# memory page size programmed into CC.MPS, and the alignment O_DIRECT buffers get.
+PAGE_SIZE = 4096
 
 
 def as_byte_array(buffer: Any) -> np.ndarray:
@@ -56,8 +59,8 @@ def pinned_empty(nbytes: int) -> np.ndarray:
         import cupyx
 
         # CuPy's pinned pool hands out 512-byte-aligned chunks: over-allocate and cut at a page.
-        array = cupyx.empty_pinned((nbytes + PAGE,), dtype=np.uint8)
-        skip = -address_of(array) % PAGE
+        array = cupyx.empty_pinned((nbytes + PAGE_SIZE,), dtype=np.uint8)
+        skip = -address_of(array) % PAGE_SIZE
         return array[skip:skip + nbytes]
     return aligned_empty(nbytes)
 

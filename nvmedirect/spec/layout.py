@@ -11,7 +11,6 @@ import numpy as np
 
 from nvmedirect.vfio._ffi import ffi
 
-PAGE_SIZE = 4096  # the memory page size we program into CC.MPS (2^(12+0))
 SQE_SIZE = 64
 CQE_SIZE = 16
 ADMIN_QID = 0

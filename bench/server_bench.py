@@ -1,0 +1,186 @@
+"""Serving benchmark: N concurrent streaming clients against `ntransformer serve`'s app, and the
+offline batch of the same N sequences on the same loaded model in the same run.
+
+    python -m bench.server_bench --synth 70b:q4_k_m --streaming --vram-budget 24GB --clients 32 --tokens 64
+    python -m bench.server_bench --synth 8b:q4_k_m --clients 64 --tokens 64
+
+The model is loaded once. Offline: `StreamingEngine.generate` of the N prompts (what
+`ntransformer --batch N` runs), greedy. Online: the server app (infer/server) on uvicorn in this
+process, and an asyncio load generator (aiohttp) opening N streaming /v1/completions requests at
+once: time to first token per request (p50/p95), aggregate generated tokens per second of wall
+time from the first request to the last token. Prompts are random token ids (the same for both).
+Results: JSON to --out and stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import socket
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+
+def load(args: argparse.Namespace) -> tuple[Any, Any, Any]:
+    """(model, tokenizer, close) planned for `clients` sequences of `ctx` positions."""
+    from infer.gguf_file import GGUFModel
+    from infer.tokenizer import Tokenizer
+
+    path = args.model or _synth(args.synth, args.synth_dir)
+    gguf = GGUFModel(path)
+    tokenizer = Tokenizer.from_gguf(gguf.metadata)
+    if args.streaming:
+        from infer.tiers.session import StreamingConfig, build_streaming_engine
+
+        config = StreamingConfig(enabled=True, vram_budget=args.vram_budget, ram_budget=args.ram_budget,
+                                 batch=args.clients, slots=8)
+        session = build_streaming_engine(gguf, config, args.ctx, args.device, enforce_budget=args.device == "gpu")
+        print(session.report(), file=sys.stderr)
+        return session.engine.model, tokenizer, session.close
+    if args.device == "gpu":
+        from infer.gpu import load_gpu_transformer
+
+        gpu = load_gpu_transformer(gguf, args.ctx, args.vram_budget, batch=args.clients, enforce_budget=True)
+        print(gpu.account.render(), file=sys.stderr)  # type: ignore[union-attr]
+        return gpu, tokenizer, lambda: None
+    from infer.model import load_transformer
+
+    return load_transformer(gguf), tokenizer, lambda: None
+
+
+def _synth(spec: str, directory: Path) -> Path:
+    from bench.gpu_bench import synth_path
+
+    return synth_path(spec, directory)
+
+
+def offline(model: Any, prompts: list[list[int]], tokens: int, ctx: int) -> dict[str, Any]:
+    from infer.engine import greedy
+    from infer.streaming import StreamingEngine
+
+    engine = StreamingEngine(model, ctx)
+    engine.generate(prompts[:1], 2, greedy)  # warm-up: kernels, graphs, float16 scratch
+    began = time.perf_counter()
+    outputs = engine.generate(prompts, tokens, greedy)
+    wall = time.perf_counter() - began
+    s = engine.stats
+    generated = sum(len(o) for o in outputs)
+    return {"sequences": len(prompts), "generated_tokens": generated, "wall_seconds": round(wall, 3),
+            "aggregate_tok_s": round(generated / wall, 2), "decode_tok_s": round(s.decode_tokens_per_second, 2),
+            "prefill_passes": s.prefill_passes, "decode_passes": s.decode_passes}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def _clients(port: int, prompts: list[list[int]], tokens: int) -> dict[str, Any]:
+    import aiohttp
+
+    url = f"http://127.0.0.1:{port}/v1/completions"
+    began = time.perf_counter()
+
+    async def one(session: aiohttp.ClientSession, prompt: list[int]) -> tuple[float, int, float]:
+        sent = time.perf_counter()
+        first, count = None, 0
+        body = {"prompt": prompt, "max_tokens": tokens, "temperature": 0, "stream": True,
+                "stream_options": {"include_usage": True}}
+        async with session.post(url, json=body) as response:
+            if response.status != 200:
+                raise RuntimeError(f"HTTP {response.status}: {await response.text()}")
+            async for raw in response.content:
+                line = raw.decode().strip()
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[6:])
+                if event.get("usage"):
+                    count = event["usage"]["completion_tokens"]
+                elif event["choices"] and first is None:
+                    first = time.perf_counter()
+        return (first or time.perf_counter()) - sent, count, time.perf_counter()
+
+    timeout = aiohttp.ClientTimeout(total=3600)
+    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
+        results = await asyncio.gather(*(one(session, p) for p in prompts))
+    wall = max(r[2] for r in results) - began
+    ttft = sorted(r[0] for r in results)
+    generated = sum(r[1] for r in results)
+    return {"clients": len(prompts), "generated_tokens": generated, "wall_seconds": round(wall, 3),
+            "aggregate_tok_s": round(generated / wall, 2),
+            "ttft_p50_s": round(statistics.median(ttft), 3), "ttft_p95_s": round(ttft[int(0.95 * (len(ttft) - 1))], 3)}
+
+
+def online(model: Any, tokenizer: Any, prompts: list[list[int]], tokens: int, ctx: int) -> dict[str, Any]:
+    import uvicorn
+
+    from infer.server.app import Loaded, Server, create_app
+
+    server = Server(lambda: Loaded(model, tokenizer, None, "bench"), ctx, len(prompts), len(prompts))
+    port = _free_port()
+    web = uvicorn.Server(uvicorn.Config(create_app(server), host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=web.run, name="uvicorn", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 600
+    while server.status == "loading" and time.monotonic() < deadline:
+        time.sleep(0.05)
+    while not web.started and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if server.status != "ready":
+        raise RuntimeError(f"the server did not become ready: {server.status} {server.failure}")
+    try:
+        asyncio.run(_clients(port, prompts[:1], 2))  # warm-up through the server
+        result = asyncio.run(_clients(port, prompts, tokens))
+        result["passes"] = server.scheduler.stats.passes  # type: ignore[union-attr]
+        return result
+    finally:
+        web.should_exit = True
+        thread.join(timeout=120)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.server_bench", description=__doc__.splitlines()[0])
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--model", type=Path)
+    source.add_argument("--synth", help="synthetic model SHAPE:TYPE, e.g. 70b:q4_k_m (written if missing)")
+    parser.add_argument("--synth-dir", type=Path, default=Path("/tmp/nvmedirect-synth"))
+    parser.add_argument("--device", choices=["gpu", "cpu"], default="gpu")
+    parser.add_argument("--streaming", action="store_true")
+    parser.add_argument("--vram-budget")
+    parser.add_argument("--ram-budget")
+    parser.add_argument("--clients", type=int, default=32)
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--prompt-tokens", type=int, default=32)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args(argv)
+    args.ctx = args.prompt_tokens + args.tokens + 8
+    model, tokenizer, close = load(args)
+    try:
+        rng = np.random.default_rng(0)
+        prompts = [rng.integers(3, model.args.vocab_size, args.prompt_tokens).tolist() for _ in range(args.clients)]
+        result: dict[str, Any] = {"command": " ".join(["python -m bench.server_bench", *(argv or sys.argv[1:])]),
+                                  "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+        result["offline"] = offline(model, prompts, args.tokens, args.ctx)
+        print(json.dumps(result["offline"]), file=sys.stderr)
+        result["server"] = online(model, tokenizer, prompts, args.tokens, args.ctx)
+        result["server_vs_offline"] = round(result["server"]["aggregate_tok_s"] / result["offline"]["aggregate_tok_s"], 3)
+        result["server_vs_offline_decode"] = round(result["server"]["aggregate_tok_s"]
+                                                   / result["offline"]["decode_tok_s"], 3)
+    finally:
+        close()
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=1))
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

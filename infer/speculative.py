@@ -1,0 +1,216 @@
+"""Speculative decoding with token trees: a drafter proposes a tree of likely continuations, the
+target model scores every node of it in ONE pass (`forward_tree`: a tree attention mask, per-node
+positions), and the longest path the target agrees with is kept. A streamed pass costs the same for
+one token or hundreds (docs/STREAMING.md), so every token accepted beyond the first is free.
+
+Verification samples from the target at each node and follows the tree while the drawn token is
+one of the node's children (as SpecExec does for deterministic trees): the emitted tokens are
+exactly what the target would emit alone, greedy or sampled, whatever the drafter proposes; a good
+drafter only makes the paths longer. The target's KV cache keeps only the accepted path
+(`cache.accept`).
+
+Drafters: `ModelDrafter` (a small model with the same vocabulary: its greedy chain, each depth
+with its runners-up as leaf siblings) and `LookupDrafter` (n-gram matches in the prompt and the
+output so far, no model).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter, defaultdict
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+
+from infer.engine import Cache, Model
+
+Chooser = Callable[[np.ndarray, list[int]], int]
+
+
+@dataclass
+class Tree:
+    """Node 0 is the root: the token chosen last, not yet in the target's cache. parents[i] < i."""
+
+    tokens: list[int]
+    parents: list[int]
+
+    def children(self) -> dict[int, list[int]]:
+        out: dict[int, list[int]] = defaultdict(list)
+        for node, parent in enumerate(self.parents):
+            if parent >= 0:
+                out[parent].append(node)
+        return out
+
+
+class Drafter(Protocol):
+    def propose(self, context: Sequence[int], root: int, size: int) -> Tree:
+        """A tree of at most `size` nodes whose root is `root`; `context` is what the target's cache holds."""
+
+
+@dataclass
+class SpecStats:
+    """Passes, tokens per pass and acceptance of the last generate()."""
+
+    passes: int = 0
+    generated: int = 0
+    proposed: int = 0  # draft nodes offered (roots not counted)
+    accepted: int = 0  # draft tokens kept
+    accepted_at_depth: Counter = field(default_factory=Counter)  # depth -> paths reaching it
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+
+    @property
+    def tokens_per_pass(self) -> float:
+        """Accepted draft tokens + the one the target chose itself, per target pass."""
+        return self.generated / self.passes if self.passes else 0.0
+
+    def as_dict(self) -> dict[str, object]:
+        return {"passes": self.passes, "generated_tokens": self.generated, "tokens_per_pass": round(self.tokens_per_pass, 3),
+                "proposed": self.proposed, "accepted": self.accepted,
+                "acceptance_by_depth": {d: round(n / self.passes, 3) for d, n in sorted(self.accepted_at_depth.items())},
+                "draft_seconds": round(self.draft_seconds, 3), "verify_seconds": round(self.verify_seconds, 3)}
+
+
+def follow(tree: Tree, logits: np.ndarray, choose: Chooser, history: list[int]) -> tuple[list[int], int]:
+    """The path of nodes the target keeps (from the root) and the token it chose after the path's
+    end: at each node the target's choice is drawn; if it is a child's token, the walk goes on."""
+    children = tree.children()
+    path, node = [0], 0
+    seen = list(history) + [tree.tokens[0]]
+    while True:
+        token = int(choose(logits[node], seen))
+        nxt = next((c for c in children.get(node, []) if tree.tokens[c] == token), None)
+        if nxt is None:
+            return path, token
+        path.append(nxt)
+        seen.append(token)
+        node = nxt
+
+
+class Speculator:
+    """Generation on `target` with trees from `drafter` of up to `tree_size` nodes."""
+
+    def __init__(self, target: Model, drafter: Drafter, tree_size: int, ctx_size: int) -> None:
+        if tree_size < 1:
+            raise ValueError(f"the draft tree needs at least one node, not {tree_size}")
+        self.target, self.drafter, self.tree_size, self.ctx_size = target, drafter, tree_size, ctx_size
+        self.stats = SpecStats()
+
+    def generate(self, prompt: Sequence[int], max_new_tokens: int, choose: Chooser,
+                 is_end: Callable[[int], bool] = lambda _: False, cache: Cache | None = None) -> Iterator[int]:
+        """Up to `max_new_tokens` ids after `prompt` (an end id is yielded, then generation stops).
+        `cache`: the target's KV cache to use (emptied first; default a new one)."""
+        if not prompt:
+            raise ValueError("the prompt has no tokens")
+        if len(prompt) > self.ctx_size:
+            raise ValueError(f"a prompt of {len(prompt)} tokens exceeds the context size {self.ctx_size}")
+        self.stats = SpecStats()
+        if cache is None:
+            cache = self.target.new_cache(self.ctx_size)
+        cache.length = 0
+        context = list(prompt[:-1])
+        if context:
+            self.target.forward(np.asarray(context), cache)
+        root, produced = int(prompt[-1]), 0
+        while produced < max_new_tokens:
+            room = self.ctx_size - cache.length  # positions the tree may take
+            if room < 1:
+                return
+            began = time.perf_counter()
+            tree = self.drafter.propose(context, root, min(self.tree_size, room, max_new_tokens - produced + 1))
+            self.stats.draft_seconds += time.perf_counter() - began
+            began = time.perf_counter()
+            logits = self.target.forward_tree(np.asarray(tree.tokens), np.asarray(tree.parents), cache)  # type: ignore[attr-defined]
+            path, chosen = follow(tree, logits, choose, context)
+            cache.accept(path)  # type: ignore[attr-defined]
+            self.stats.verify_seconds += time.perf_counter() - began
+            self.stats.passes += 1
+            self.stats.proposed += len(tree.tokens) - 1
+            self.stats.accepted += len(path) - 1
+            for depth in range(1, len(path)):
+                self.stats.accepted_at_depth[depth] += 1
+            context.extend(tree.tokens[n] for n in path)
+            for token in [*(tree.tokens[n] for n in path[1:]), chosen]:
+                produced += 1
+                self.stats.generated += 1
+                yield token
+                if is_end(token) or produced >= max_new_tokens:
+                    return
+            root = chosen
+
+
+class ModelDrafter:
+    """A draft model's greedy chain of `depth` tokens; at each depth the next `width - 1` most likely
+    tokens are leaf siblings of the chain node (a tree of 1 + depth * width nodes). The draft keeps
+    its own cache in step with what the target accepted (rolled back to the common prefix)."""
+
+    def __init__(self, draft: Model, ctx_size: int, depth: int = 4, width: int = 2, cache: Cache | None = None) -> None:
+        if depth < 1 or width < 1:
+            raise ValueError(f"draft depth and width must be >= 1, not {depth} and {width}")
+        self.draft, self.depth, self.width = draft, depth, width
+        self.cache: Cache = cache if cache is not None else draft.new_cache(ctx_size)  # the draft's own KV cache
+        self.cache.length = 0
+        self.fed: list[int] = []  # the tokens in the draft's cache
+
+    def shape(self, size: int) -> tuple[int, int]:
+        """(depth, width) of the tree for a budget of `size` nodes."""
+        depth = min(self.depth, max(1, size - 1)) if size > 1 else 0
+        width = min(self.width, max(1, (size - 1) // depth)) if depth else 0
+        return depth, width
+
+    def propose(self, context: Sequence[int], root: int, size: int) -> Tree:
+        depth, width = self.shape(size)
+        tokens, parents = [root], [-1]
+        if depth == 0:
+            return Tree(tokens, parents)
+        want = [*context, root]
+        common = 0
+        for a, b in zip(self.fed, want, strict=False):
+            if a != b:
+                break
+            common += 1
+        common = min(common, len(want) - 1)  # the last token is always run: its logits are needed
+        self.cache.length = common
+        logits = self.draft.forward(np.asarray(want[common:]), self.cache)
+        self.fed = want
+        chain_parent = 0
+        for d in range(depth):
+            chain = len(tokens)  # the most likely token continues the chain, the others are leaves
+            for token in np.argsort(-logits, kind="stable")[:width]:
+                tokens.append(int(token))
+                parents.append(chain_parent)
+            if d + 1 < depth:
+                logits = self.draft.forward(np.asarray([tokens[chain]]), self.cache)
+                self.fed = [*self.fed, tokens[chain]]
+            chain_parent = chain
+        return Tree(tokens, parents)
+
+
+class LookupDrafter:
+    """Prompt lookup: the continuation of the latest earlier occurrence of the context's last
+    `n` tokens (longest n first, from `max_ngram` down to 1), as a chain below the root."""
+
+    def __init__(self, max_ngram: int = 3, depth: int = 8) -> None:
+        self.max_ngram, self.depth = max_ngram, depth
+
+    def propose(self, context: Sequence[int], root: int, size: int) -> Tree:
+        seq = [*context, root]
+        chain = lookup(seq, self.max_ngram, min(self.depth, size - 1))
+        return Tree([root, *chain], [-1, *range(len(chain))])
+
+
+def lookup(seq: Sequence[int], max_ngram: int, limit: int) -> list[int]:
+    """Up to `limit` tokens that followed the latest earlier occurrence of seq's last n tokens."""
+    if limit <= 0:
+        return []
+    arr = np.asarray(seq)
+    for n in range(min(max_ngram, len(seq) - 1), 0, -1):
+        tail = arr[-n:]
+        windows = np.lib.stride_tricks.sliding_window_view(arr[:-1], n)  # starts 0 .. len - 1 - n
+        hits = np.flatnonzero((windows == tail).all(axis=1))
+        if hits.size:
+            start = int(hits[-1]) + n
+            return [int(t) for t in arr[start : start + limit]]
+    return []

@@ -1,0 +1,62 @@
+"""`ntransformer --draft-model / --lookup` on the CPU: the text equals the plain run's (exact numerics),
+the statistics are reported, and bad input is one line with exit 2."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from infer.cli import main
+from tests.oracle.assets import qwen05b_path, smollm2_path
+
+
+@pytest.fixture(scope="module")
+def pair() -> tuple[Path, Path]:
+    target, draft = smollm2_path("Q8_0"), smollm2_path("Q4_0")
+    if not (target.exists() and draft.exists()):
+        pytest.skip("SmolLM2 Q8_0/Q4_0 missing: run scripts/fetch-models.sh")
+    return target, draft
+
+
+def run(*args: str) -> tuple[int, str, str]:
+    result = CliRunner().invoke(main, ["--device", "cpu", "-c", "256", *args])
+    return result.exit_code, result.stdout, result.stderr
+
+
+@pytest.mark.parametrize("how", [["--draft-model", "DRAFT"], ["--lookup"], ["--draft-model", "DRAFT", "--lookup"]])
+def test_speculative_text_is_the_plain_text(pair: tuple[Path, Path], how: list[str]) -> None:
+    target, draft = pair
+    common = ["-m", str(target), "-p", "1, 2, 3, 4, 5, 6,", "-n", "20", "-t", "0", "--exact"]
+    code, plain, _ = run(*common)
+    assert code == 0
+    code, spec, err = run(*common, *[str(draft) if a == "DRAFT" else a for a in how])
+    assert code == 0, err
+    assert spec == plain
+    assert "tokens per pass" in err and "target passes" in err
+
+
+def test_speculative_json_reports_the_statistics(pair: tuple[Path, Path]) -> None:
+    target, draft = pair
+    code, out, err = run("-m", str(target), "--draft-model", str(draft), "--draft-tree", "5", "--benchmark",
+                         "-n", "16", "--json")
+    assert code == 0, err
+    record = json.loads(out.strip().splitlines()[-1])
+    s = record["speculation"]
+    assert record["tree_nodes"] == 5 and s["generated_tokens"] == 16 and s["passes"] >= 1
+    assert s["tokens_per_pass"] == round(16 / s["passes"], 3) and s["verify_seconds"] > 0
+
+
+def test_bad_speculation_input_is_one_line_and_exit_2(pair: tuple[Path, Path]) -> None:
+    target, draft = pair
+    other = qwen05b_path()
+    cases = [["--draft-tree", "0", "--lookup"], ["--lookup", "--batch", "2"], ["--lookup", "--chat"]]
+    if other.exists():
+        cases.append(["--draft-model", str(other)])  # 151936 tokens against SmolLM2's 49152
+    cases.append(["--draft-model", str(target.with_name("missing.gguf"))])
+    for extra in cases:
+        code, out, err = run("-m", str(target), "-p", "hi", "-n", "2", *extra)
+        lines = [line for line in (err + out).splitlines() if line.startswith("Error")]
+        assert code == 2 and len(lines) == 1 and "Traceback" not in err, (extra, out, err)

@@ -1,0 +1,167 @@
+"""Speculative decoding on the CPU engine: tree attention against a reference computed path by
+path, keeping only the accepted path in the KV cache, greedy output identical to the engine's own,
+sampled output distributed as the target's, and prompt lookup.
+
+Identity claims run the target in exact numerics (float64 sums: a tree pass and a plain pass give
+the same bits whatever their shapes); float32 sums depend on the shape of the batch."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from infer.engine import Engine, greedy
+from infer.gguf_file import GGUFModel
+from infer.model import load_transformer, tree_layout
+from infer.sampler import Sampler, SamplerConfig
+from infer.speculative import LookupDrafter, ModelDrafter, Speculator, Tree, follow, lookup
+from infer.synth import SHAPES, Shape, write_model
+from tests.oracle.assets import smollm2_path
+
+CTX = 256
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("spec") / "tiny-q8.gguf"
+    write_model(path, Shape(**{**SHAPES["tiny"].__dict__, "n_layers": 3}), "q8_0", seed=4)
+    return path
+
+
+def random_tree(rng: np.random.Generator, n: int, vocab: int) -> Tree:
+    parents = [-1] + [int(rng.integers(0, i)) for i in range(1, n)]
+    return Tree([int(t) for t in rng.integers(3, vocab, n)], parents)
+
+
+def test_tree_layout_depths_and_mask() -> None:
+    depths, allowed = tree_layout(np.array([-1, 0, 0, 1, 3]), 2)
+    assert depths.tolist() == [0, 1, 1, 2, 3]
+    assert allowed.astype(int).tolist() == [[1, 1, 1, 0, 0, 0, 0], [1, 1, 1, 1, 0, 0, 0], [1, 1, 1, 0, 1, 0, 0],
+                                            [1, 1, 1, 1, 0, 1, 0], [1, 1, 1, 1, 0, 1, 1]]
+    with pytest.raises(ValueError, match="parents must come before"):
+        tree_layout(np.array([-1, 2, 0]), 0)
+
+
+@pytest.mark.parametrize("which", ["tiny", "smollm2"])
+def test_tree_pass_equals_each_path_alone(which: str, tiny: Path) -> None:
+    """Every node's logits from one tree pass equal those of a plain pass over the cache and the
+    node's root-to-node path (exact numerics: bit for bit), and accepting a path leaves the cache
+    as if the path had been run plainly."""
+    path = tiny if which == "tiny" else smollm2_path("Q8_0")
+    if not path.exists():
+        pytest.skip(f"{path} missing")
+    model = load_transformer(GGUFModel(path), exact=True)
+    rng = np.random.default_rng(1)
+    prompt = rng.integers(3, model.args.vocab_size, 9)
+    tree = random_tree(rng, 12, model.args.vocab_size)
+    cache = model.new_cache(CTX)
+    model.forward(prompt, cache)
+    got = model.forward_tree(np.array(tree.tokens), np.array(tree.parents), cache)
+    assert cache.length == len(prompt)
+    for node in range(len(tree.tokens)):
+        chain = [node]
+        while tree.parents[chain[-1]] >= 0:
+            chain.append(tree.parents[chain[-1]])
+        ref = model.new_cache(CTX)
+        model.forward(prompt, ref)
+        want = model.forward(np.array([tree.tokens[i] for i in reversed(chain)]), ref)
+        np.testing.assert_array_equal(got[node], want)
+    kept = [0, 1] + [i for i in range(2, 12) if tree.parents[i] == 1][:1]
+    cache.accept(kept)
+    nxt = model.forward(np.array([5]), cache)
+    ref = model.new_cache(CTX)
+    want_next = model.forward(np.concatenate([prompt, [tree.tokens[i] for i in kept], [5]]), ref)
+    np.testing.assert_array_equal(nxt, want_next)
+    assert cache.length == len(prompt) + len(kept) + 1
+
+
+def test_follow_keeps_the_path_the_target_chooses() -> None:
+    tree = Tree([7, 1, 2, 3, 4], [-1, 0, 0, 1, 1])
+    logits = np.zeros((5, 10), np.float32)
+    logits[0, 1] = logits[1, 4] = logits[4, 9] = 1.0  # 7 -> 1 -> 4 -> (9, not in the tree)
+    assert follow(tree, logits, greedy, []) == ([0, 1, 4], 9)
+    logits[0, 1], logits[0, 5] = 0.0, 1.0  # the target wants 5: nothing accepted
+    assert follow(tree, logits, greedy, []) == ([0], 5)
+
+
+def prompts_for(model: object, n: int) -> list[list[int]]:
+    rng = np.random.default_rng(3)
+    return [rng.integers(3, model.args.vocab_size, 12).tolist() for _ in range(n)]  # type: ignore[attr-defined]
+
+
+def test_greedy_speculation_is_the_engines_own_output() -> None:
+    """SmolLM2 Q4_0 drafting SmolLM2 Q8_0 (exact numerics): token for token what the target's own
+    greedy loop gives, with several tokens per target pass; sampled with a seed, the same text as
+    the target's own sampled loop with that seed."""
+    target_path, draft_path = smollm2_path("Q8_0"), smollm2_path("Q4_0")
+    if not (target_path.exists() and draft_path.exists()):
+        pytest.skip("SmolLM2 Q8_0/Q4_0 missing: run scripts/fetch-models.sh")
+    target = load_transformer(GGUFModel(target_path), exact=True)
+    draft = load_transformer(GGUFModel(draft_path))
+    from infer.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_gguf(GGUFModel(target_path).metadata)
+    texts = ["The capital of France is", "def add(a, b):\n    return", "1, 2, 3, 4, 5,"]
+    passes = generated = 0
+    for text in texts:
+        ids = tokenizer.encode(text)
+        want = list(Engine(target, CTX).generate(ids, 24, greedy))
+        spec = Speculator(target, ModelDrafter(draft, CTX, depth=4, width=2), 9, CTX)
+        got = list(spec.generate(ids, 24, greedy))
+        assert got == want, text
+        passes, generated = passes + spec.stats.passes, generated + spec.stats.generated
+        # sampled: the draws happen in the same order on the same logits, so a seed gives the same text
+        config = SamplerConfig(temperature=0.8, seed=11)
+        want = list(Engine(target, CTX).generate(ids, 16, Sampler(config).sample))
+        got = list(Speculator(target, ModelDrafter(draft, CTX), 9, CTX).generate(ids, 16, Sampler(config).sample))
+        assert got == want, text
+    print(f"SmolLM2 Q4_0 -> Q8_0: {generated / passes:.2f} tokens per target pass")
+    assert generated / passes > 1.5
+
+
+def test_lookup_finds_the_latest_continuation(tiny: Path) -> None:
+    assert lookup([5, 6, 7, 1, 5, 6, 8, 2, 5, 6], 3, 3) == [8, 2, 5]
+    assert lookup([1, 2, 3], 3, 4) == []
+    target = load_transformer(GGUFModel(tiny), exact=True)
+    prompt = [11, 12, 13, 14, 15] * 4 + [11, 12]
+    want = list(Engine(target, CTX).generate(prompt, 20, greedy))
+    spec = Speculator(target, LookupDrafter(max_ngram=3, depth=6), 7, CTX)
+    assert list(spec.generate(prompt, 20, greedy)) == want
+    assert spec.stats.passes <= 20
+
+
+def test_sampled_tokens_follow_the_targets_distribution(tiny: Path) -> None:
+    """Sampled (temperature 0.2, so that most draws share their first token), the second generated
+    token, drawn by following a draft tree, has the target's distribution given the first:
+    chi-square test of 1500 draws at significance 0.001 over the tokens the target gives at least
+    1% (the others pooled)."""
+    from scipy import stats
+
+    target = load_transformer(GGUFModel(tiny))
+    draft = load_transformer(GGUFModel(tiny), match_llama_cpp=False)  # close to the target, not equal
+    prompt = [5, 17, 33]
+    config = SamplerConfig(temperature=0.2, top_k=0, top_p=1.0, min_p=0.0)
+    counts: dict[int, dict[int, int]] = {}
+    accepted = 0
+    for seed in range(1500):
+        spec = Speculator(target, ModelDrafter(draft, 16, depth=2, width=3), 7, 16)
+        first, second = list(spec.generate(prompt, 2, Sampler(SamplerConfig(**{**config.__dict__, "seed": seed})).sample))
+        counts.setdefault(first, {}).setdefault(second, 0)
+        counts[first][second] += 1
+        accepted += spec.stats.accepted
+    first = max(counts, key=lambda t: sum(counts[t].values()))
+    cache = target.new_cache(CTX)
+    logits = target.forward(np.array([*prompt, first]), cache)
+    ids, probs = Sampler(config).distribution(logits)
+    p = dict(zip(ids.tolist(), probs.tolist(), strict=True))
+    n = sum(counts[first].values())
+    big = [t for t in p if p[t] >= 0.01]
+    observed = [counts[first].get(t, 0) for t in big] + [n - sum(counts[first].get(t, 0) for t in big)]
+    expected = [n * p[t] for t in big] + [n * (1 - sum(p[t] for t in big))]
+    result = stats.chisquare(observed, expected)
+    print(f"second token after {first}: {n} draws, {len(big)} tokens, chi-square p = {result.pvalue:.3f}; "
+          f"{accepted} draft tokens accepted over the 1500 runs")
+    assert n >= 300 and accepted > 100  # the walk went through the tree, not only past it
+    assert result.pvalue > 0.001
