@@ -3,6 +3,9 @@ many tokens a drafter gets accepted per pass, and the tok/s those two give toget
 
     # acceptance of a real draft/target pair on HumanEval prompts, per tree shape (any device)
     python -m bench.spec_bench acceptance --target qwen15b.gguf --draft qwen05b.gguf --prompts 40 --tokens 128
+    # the same curve for every shape at once: the target's plain greedy text and the draft's rank of
+    # each of its tokens, replayed through the drafter's tree walk (cross-checked on the real engine)
+    python -m bench.spec_bench curve --target qwen15b.gguf --draft qwen05b.gguf --prompts 40 --tokens 128
     # the time of one verification pass per tree size (here the synthetic 70B streamed at 24 GB)
     python -m bench.spec_bench verify --synth 70b:q4_k_m --streaming --vram-budget 24GB
     # combine the two: projected tok/s = tokens per pass(shape) / pass seconds(nodes), best shape
@@ -23,6 +26,7 @@ import sys
 import tempfile
 import time
 import zipfile
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -74,6 +78,84 @@ def acceptance(args: argparse.Namespace) -> dict[str, Any]:
         print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     return {"target": str(args.target), "draft": str(args.draft), "prompts": len(prompts), "tokens": args.tokens,
             "device": args.device, "shapes": rows}
+
+
+def draft_ranks(draft: Any, prompt: Sequence[int], text: Sequence[int]) -> np.ndarray:
+    """For each token of `text` (the target's output after `prompt`), its rank in the draft's
+    distribution given everything before it (0: the draft's top-1), ties ordered as the drafter
+    orders them (a stable sort: the lower id first). One teacher-forced pass of the draft."""
+    seq = np.asarray([*prompt, *text[:-1]])
+    logits = draft.forward(seq, draft.new_cache(len(seq)), all_logits=True)[len(prompt) - 1 :]
+    ranks = []
+    for row, token in zip(logits, text, strict=True):
+        ranks.append(int(np.sum(row > row[token]) + np.sum(row[:token] == row[token])))
+    return np.asarray(ranks)
+
+
+def simulate_passes(ranks: Sequence[int], depth: int, width: int) -> int:
+    """Target passes a ModelDrafter tree of `depth` x `width` (its greedy chain, the runners-up as
+    leaves) needs to produce the text whose draft ranks are `ranks`, at temperature 0. A pass keeps
+    chain nodes while the text's next token is the draft's top-1, one leaf if it is among the next
+    `width - 1`, then the target's own token: the walk `Speculator` does, with the tree shrunk as
+    `tree_shape` shrinks it near the end of the text."""
+    from infer.speculative import tree_shape
+
+    n, produced, passes = len(ranks), 0, 0
+    while produced < n:
+        d, w = tree_shape(depth, width, min(1 + depth * width, n - produced + 1))
+        accepted = 0
+        while accepted < d and produced + accepted < n:
+            rank = ranks[produced + accepted]
+            if rank >= w:
+                break
+            accepted += 1
+            if rank > 0:  # a leaf: its subtree is not drafted
+                break
+        produced += min(accepted + 1, n - produced)
+        passes += 1
+    return passes
+
+
+def curve(args: argparse.Namespace) -> dict[str, Any]:
+    """Tokens per pass for every tree shape, from one plain greedy generation of the target and one
+    teacher-forced pass of the draft per prompt (`simulate_passes`); the first `--check` prompts are
+    also run through the real Speculator at the first three shapes and both counts recorded."""
+    from infer.api import LLM
+    from infer.engine import greedy
+    from infer.speculative import ModelDrafter, Speculator
+
+    target = LLM.load(args.target, ctx_size=args.ctx, device="cpu")
+    draft = LLM.load(args.draft, ctx_size=args.ctx, device="cpu")
+    if target.tokenizer.vocab.tokens != draft.tokenizer.vocab.tokens:
+        raise SystemExit("the draft's vocabulary differs from the target's")
+    prompts = [target.tokenize(p) for p in humaneval_prompts(args.prompts)]
+    texts, ranks, checks = [], [], []
+    began = time.perf_counter()
+    for i, ids in enumerate(prompts):
+        text = list(target.generate_ids(ids, args.tokens))
+        texts.append(text)
+        ranks.append(draft_ranks(draft.transformer, ids, text))
+        print(json.dumps({"prompt": i, "tokens": len(text), "draft_top1": round(float(np.mean(ranks[-1] == 0)), 3),
+                          "seconds": round(time.perf_counter() - began, 1)}), file=sys.stderr, flush=True)
+        if i < args.check:
+            for depth, width in SHAPES[1:4]:
+                spec = Speculator(target.transformer, ModelDrafter(draft.transformer, args.ctx, depth, width),
+                                  1 + depth * width, args.ctx)
+                out = list(spec.generate(ids, args.tokens, greedy, is_end=target.tokenizer.is_eog))
+                checks.append({"prompt": i, "depth": depth, "width": width, "measured_passes": spec.stats.passes,
+                               "simulated_passes": simulate_passes(ranks[-1], depth, width),
+                               "same_text": out == text})
+                print(json.dumps(checks[-1]), file=sys.stderr, flush=True)
+    rows = []
+    for depth, width in SHAPES:
+        passes = sum(simulate_passes(r, depth, width) for r in ranks)
+        generated = sum(len(t) for t in texts)
+        rows.append({"depth": depth, "width": width, "nodes": 1 + depth * width, "passes": passes,
+                     "generated": generated, "tokens_per_pass": round(generated / passes, 3)})
+    return {"target": str(args.target), "draft": str(args.draft), "prompts": len(prompts), "tokens": args.tokens,
+            "device": "cpu", "method": "simulated from the draft's teacher-forced ranks along the target's greedy text",
+            "draft_top1": round(float(np.mean(np.concatenate(ranks) == 0)), 4), "checks": checks, "shapes": rows,
+            "seconds": round(time.perf_counter() - began, 1)}
 
 
 def verify(args: argparse.Namespace) -> dict[str, Any]:
@@ -149,6 +231,13 @@ def main(argv: list[str] | None = None) -> int:
     a.add_argument("--shapes", type=int, default=len(SHAPES), help="the first K tree shapes of the sweep")
     a.add_argument("--ctx", type=int, default=2048)
     a.add_argument("--device", default="auto")
+    c = sub.add_parser("curve", help="tokens per pass of every tree shape from one generation per prompt (CPU)")
+    c.add_argument("--target", type=Path, required=True)
+    c.add_argument("--draft", type=Path, required=True)
+    c.add_argument("--prompts", type=int, default=40)
+    c.add_argument("--tokens", type=int, default=128)
+    c.add_argument("--ctx", type=int, default=2048)
+    c.add_argument("--check", type=int, default=2, help="prompts also run through the real Speculator")
     v = sub.add_parser("verify")
     source = v.add_mutually_exclusive_group(required=True)
     source.add_argument("--model", type=Path)
@@ -162,10 +251,10 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("project")
     p.add_argument("--acceptance", required=True)
     p.add_argument("--verify", required=True)
-    for s in (a, v, p):
+    for s in (a, c, v, p):
         s.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
-    result = {"acceptance": acceptance, "verify": verify, "project": project}[args.what](args)
+    result = {"acceptance": acceptance, "curve": curve, "verify": verify, "project": project}[args.what](args)
     result["command"] = " ".join(["python -m bench.spec_bench", *(argv if argv is not None else sys.argv[1:])])
     if args.out:
         args.out.write_text(json.dumps(result, indent=1))

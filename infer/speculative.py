@@ -141,6 +141,14 @@ class Speculator:
             root = chosen
 
 
+def tree_shape(depth: int, width: int, size: int) -> tuple[int, int]:
+    """(depth, width) of a chain-with-siblings tree of at most `size` nodes (root included) for a
+    drafter asked for `depth` x `width`: depth first, then as many siblings as still fit."""
+    depth = min(depth, max(1, size - 1)) if size > 1 else 0
+    width = min(width, max(1, (size - 1) // depth)) if depth else 0
+    return depth, width
+
+
 class ModelDrafter:
     """A draft model's greedy chain of `depth` tokens; at each depth the next `width - 1` most likely
     tokens are leaf siblings of the chain node (a tree of 1 + depth * width nodes). The draft keeps
@@ -156,9 +164,7 @@ class ModelDrafter:
 
     def shape(self, size: int) -> tuple[int, int]:
         """(depth, width) of the tree for a budget of `size` nodes."""
-        depth = min(self.depth, max(1, size - 1)) if size > 1 else 0
-        width = min(self.width, max(1, (size - 1) // depth)) if depth else 0
-        return depth, width
+        return tree_shape(self.depth, self.width, size)
 
     def propose(self, context: Sequence[int], root: int, size: int) -> Tree:
         depth, width = self.shape(size)

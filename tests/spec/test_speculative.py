@@ -121,6 +121,34 @@ def test_greedy_speculation_is_the_engines_own_output() -> None:
     assert generated / passes > 1.5
 
 
+def test_simulated_passes_walk_the_tree_as_the_speculator_does() -> None:
+    """bench.spec_bench's curve replays the drafter's tree walk from the draft's rank of each token
+    of the target's text: by hand, and against the real Speculator on SmolLM2 Q4_0 drafting Q8_0
+    (both in exact numerics, so the draft's teacher-forced ranks are the ones it drafts with)."""
+    from bench.spec_bench import draft_ranks, simulate_passes
+
+    # depth 3, width 2: [top-1, top-1, runner-up leaf] + the target's token = 4, then a miss = 1,
+    # then two chain tokens and the last token of the text
+    assert simulate_passes([0, 0, 1, 0, 5, 0, 0, 7], 3, 2) == 3
+    assert simulate_passes([0] * 8, 1, 1) == 4  # one drafted token + the target's own per pass
+    assert simulate_passes([9] * 5, 4, 4) == 5  # nothing accepted: a token per pass
+    target_path, draft_path = smollm2_path("Q8_0"), smollm2_path("Q4_0")
+    if not (target_path.exists() and draft_path.exists()):
+        pytest.skip("SmolLM2 Q8_0/Q4_0 missing: run scripts/fetch-models.sh")
+    target = load_transformer(GGUFModel(target_path), exact=True)
+    draft = load_transformer(GGUFModel(draft_path), exact=True)
+    from infer.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_gguf(GGUFModel(target_path).metadata)
+    ids = tokenizer.encode("def add(a, b):\n    return")
+    want = list(Engine(target, CTX).generate(ids, 16, greedy))
+    ranks = draft_ranks(draft, ids, want)
+    for depth, width in [(1, 1), (4, 2), (3, 3)]:
+        spec = Speculator(target, ModelDrafter(draft, CTX, depth, width), 1 + depth * width, CTX)
+        assert list(spec.generate(ids, 16, greedy)) == want
+        assert simulate_passes(ranks, depth, width) == spec.stats.passes, (depth, width)
+
+
 def test_lookup_finds_the_latest_continuation(tiny: Path) -> None:
     assert lookup([5, 6, 7, 1, 5, 6, 8, 2, 5, 6], 3, 3) == [8, 2, 5]
     assert lookup([1, 2, 3], 3, 4) == []

@@ -143,7 +143,16 @@ def test_restore_refuses_while_a_process_has_the_vfio_group_open(fake):
     assert result.exit_code == 3 and "open through VFIO by pid 777 (python3)" in result.output
 
 
-def test_signals_are_held_back_until_the_window_closes():
+@pytest.fixture
+def sigint_raises():
+    """Python's own SIGINT handler for the test: a shell starts background jobs (`cmd &`, nohup) with
+    SIGINT ignored, and Python then leaves it ignored, so no KeyboardInterrupt would ever come."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+def test_signals_are_held_back_until_the_window_closes(sigint_raises):
     events = []
     try:
         with signals_deferred():
@@ -171,7 +180,7 @@ def test_bind_after_an_interrupted_bind_keeps_the_original_record(fake):
     assert record["name"] == "nvme0" and record["phase"] == "unbound"
 
 
-def test_a_signal_another_thread_receives_is_held_back_too():
+def test_a_signal_another_thread_receives_is_held_back_too(sigint_raises):
     """Process-directed signals may land on any thread that does not block them."""
     import threading
 
