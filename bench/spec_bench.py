@@ -206,12 +206,17 @@ def project(args: argparse.Namespace) -> dict[str, Any]:
         n = next((s for s in sizes if s >= shape["nodes"]), None)  # the verify pass that holds the tree
         if n is None:
             continue
+        seconds = times[n] + shape["depth"] * args.draft_step_seconds
+        # the draft's time per step that would still leave args.goal tok/s (negative: out of reach)
+        allowance = (shape["tokens_per_pass"] / args.goal - times[n]) / shape["depth"]
         rows.append({**shape, "verify_nodes": n, "pass_seconds": times[n],
-                     "projected_tok_s": round(shape["tokens_per_pass"] / times[n], 3)})
+                     "projected_tok_s": round(shape["tokens_per_pass"] / seconds, 3),
+                     f"draft_step_seconds_for_{args.goal:g}_tok_s": round(allowance, 4)})
     best = max(rows, key=lambda r: r["projected_tok_s"])
-    return {"label": "projection: verify-pass time of the target below x acceptance of the draft/target pair below",
+    return {"label": "projection: verify-pass time of the target below x acceptance of the draft/target pair below"
+                     f", plus {args.draft_step_seconds} s per draft step (depth steps per pass)",
             "verify_model": ver["model"], "pair": [acc["draft"], acc["target"]], "plain_tok_s": round(1 / times[1], 3),
-            "rows": rows, "best": best}
+            "draft_step_seconds": args.draft_step_seconds, "rows": rows, "best": best}
 
 
 def _synth(spec: str, directory: Path) -> Path:
@@ -251,6 +256,9 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("project")
     p.add_argument("--acceptance", required=True)
     p.add_argument("--verify", required=True)
+    p.add_argument("--draft-step-seconds", type=float, default=0.0,
+                   help="the draft's time per step on the verifying machine (default 0: verify passes only)")
+    p.add_argument("--goal", type=float, default=10.0, help="tok/s for which each shape's draft-step allowance is given")
     for s in (a, c, v, p):
         s.add_argument("--out", type=Path)
     args = parser.parse_args(argv)

@@ -193,3 +193,30 @@ def test_sampled_tokens_follow_the_targets_distribution(tiny: Path) -> None:
           f"{accepted} draft tokens accepted over the 1500 runs")
     assert n >= 300 and accepted > 100  # the walk went through the tree, not only past it
     assert result.pvalue > 0.001
+
+
+def test_projection_joins_acceptance_and_pass_time(tmp_path: Path) -> None:
+    """bench.spec_bench project: tokens per pass of each shape over the time of the smallest
+    measured verification pass that holds its tree, plus the draft's steps; the draft-step
+    allowance for the goal is what would leave exactly the goal."""
+    import json
+
+    from bench.spec_bench import main
+
+    (tmp_path / "a.json").write_text(json.dumps({"draft": "d", "target": "t", "shapes": [
+        {"depth": 2, "width": 2, "nodes": 5, "tokens_per_pass": 2.0},
+        {"depth": 8, "width": 4, "nodes": 33, "tokens_per_pass": 5.0},
+        {"depth": 64, "width": 16, "nodes": 1025, "tokens_per_pass": 9.0}]}))
+    (tmp_path / "v.json").write_text(json.dumps({"model": "m", "passes": [
+        {"nodes": 1, "pass_seconds": 0.4}, {"nodes": 8, "pass_seconds": 0.4}, {"nodes": 64, "pass_seconds": 0.5}]}))
+    out = tmp_path / "p.json"
+    assert main(["project", "--acceptance", str(tmp_path / "a.json"), "--verify", str(tmp_path / "v.json"),
+                 "--draft-step-seconds", "0.01", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["plain_tok_s"] == 2.5 and "projection" in result["label"]
+    rows = result["rows"]
+    assert [r["verify_nodes"] for r in rows] == [8, 64]  # no measured pass holds 1025 nodes
+    assert rows[0]["projected_tok_s"] == round(2.0 / (0.4 + 2 * 0.01), 3)
+    assert rows[1]["projected_tok_s"] == round(5.0 / (0.5 + 8 * 0.01), 3) == result["best"]["projected_tok_s"]
+    assert rows[1]["draft_step_seconds_for_10_tok_s"] == 0.0
+    assert rows[0]["draft_step_seconds_for_10_tok_s"] < 0  # 2 tokens per 0.4 s pass cannot reach 10 tok/s
