@@ -52,15 +52,25 @@ def humaneval_prompts(n: int) -> list[str]:
         return [json.loads(line)["prompt"] for line in io.StringIO(f.read()) if line.strip()][:n]
 
 
-def acceptance(args: argparse.Namespace) -> dict[str, Any]:
+def load_pair(args: argparse.Namespace, device: str) -> tuple[Any, Any]:
+    """The target and the draft (`--target`, `--draft`), after the CLI's vocabulary check."""
     from infer.api import LLM
+    from infer.cli_spec import check_vocabulary
+
+    target = LLM.load(args.target, ctx_size=args.ctx, device=device)
+    draft = LLM.load(args.draft, ctx_size=args.ctx, device=device)
+    try:
+        check_vocabulary(target.tokenizer, draft.tokenizer, str(args.draft))
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
+    return target, draft
+
+
+def acceptance(args: argparse.Namespace) -> dict[str, Any]:
     from infer.engine import greedy
     from infer.speculative import ModelDrafter, Speculator
 
-    target = LLM.load(args.target, ctx_size=args.ctx, device=args.device)
-    draft = LLM.load(args.draft, ctx_size=args.ctx, device=args.device)
-    if target.tokenizer.vocab.tokens != draft.tokenizer.vocab.tokens:
-        raise SystemExit("the draft's vocabulary differs from the target's")
+    target, draft = load_pair(args, args.device)
     prompts = [target.tokenize(p) for p in humaneval_prompts(args.prompts)]
     rows = []
     for depth, width in SHAPES[: args.shapes]:
@@ -86,10 +96,10 @@ def draft_ranks(draft: Any, prompt: Sequence[int], text: Sequence[int]) -> np.nd
     orders them (a stable sort: the lower id first). One teacher-forced pass of the draft."""
     seq = np.asarray([*prompt, *text[:-1]])
     logits = draft.forward(seq, draft.new_cache(len(seq)), all_logits=True)[len(prompt) - 1 :]
-    ranks = []
-    for row, token in zip(logits, text, strict=True):
-        ranks.append(int(np.sum(row > row[token]) + np.sum(row[:token] == row[token])))
-    return np.asarray(ranks)
+    tokens = np.asarray(text)
+    own = logits[np.arange(len(tokens)), tokens][:, None]
+    earlier = np.arange(logits.shape[1]) < tokens[:, None]  # equal logits of lower ids sort first
+    return np.sum(logits > own, axis=1) + np.sum((logits == own) & earlier, axis=1)
 
 
 def simulate_passes(ranks: Sequence[int], depth: int, width: int) -> int:
@@ -120,14 +130,10 @@ def curve(args: argparse.Namespace) -> dict[str, Any]:
     """Tokens per pass for every tree shape, from one plain greedy generation of the target and one
     teacher-forced pass of the draft per prompt (`simulate_passes`); the first `--check` prompts are
     also run through the real Speculator at the first three shapes and both counts recorded."""
-    from infer.api import LLM
     from infer.engine import greedy
     from infer.speculative import ModelDrafter, Speculator
 
-    target = LLM.load(args.target, ctx_size=args.ctx, device="cpu")
-    draft = LLM.load(args.draft, ctx_size=args.ctx, device="cpu")
-    if target.tokenizer.vocab.tokens != draft.tokenizer.vocab.tokens:
-        raise SystemExit("the draft's vocabulary differs from the target's")
+    target, draft = load_pair(args, "cpu")
     prompts = [target.tokenize(p) for p in humaneval_prompts(args.prompts)]
     texts, ranks, checks = [], [], []
     began = time.perf_counter()
