@@ -8,6 +8,9 @@ many tokens a drafter gets accepted per pass, and the tok/s those two give toget
     python -m bench.spec_bench curve --target qwen15b.gguf --draft qwen05b.gguf --prompts 40 --tokens 128
     # the time of one verification pass per tree size (here the synthetic 70B streamed at 24 GB)
     python -m bench.spec_bench verify --synth 70b:q4_k_m --streaming --vram-budget 24GB
+    # end to end on the GPU: target streamed (about half its layer bytes in tier B), draft resident,
+    # plain and speculative greedy generation in the same run, every output compared
+    python -m bench.spec_bench e2e --target qwen15b.gguf --draft qwen05b.gguf --prompts 40 --tokens 128 --shape 16x4
     # combine the two: projected tok/s = tokens per pass(shape) / pass seconds(nodes), best shape
     python -m bench.spec_bench project --acceptance a.json --verify v.json
 
@@ -190,17 +193,19 @@ def verify(args: argparse.Namespace) -> dict[str, Any]:
             model.forward(prompt, cache)
             parents = np.array([-1] + [int(rng.integers(max(0, i - 8), i)) for i in range(1, n)])
             tokens = rng.integers(3, model.args.vocab_size, n)
-            model.forward_tree(tokens, parents, cache)  # warm-up: this shape's kernels and buffers
+            tree_pass = model.verify_tree if args.exact else model.forward_tree
+            tree_pass(tokens, parents, cache)  # warm-up: this shape's kernels and buffers
             times = []
             for _ in range(args.reps):
                 began = time.perf_counter()
-                model.forward_tree(tokens, parents, cache)
+                tree_pass(tokens, parents, cache)
                 times.append(time.perf_counter() - began)
             rows.append({"nodes": n, "pass_seconds": round(float(np.median(times)), 4)})
             print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     finally:
         close()
-    return {"model": str(path), "streaming": args.streaming, "vram_budget": args.vram_budget, "passes": rows}
+    return {"model": str(path), "streaming": args.streaming, "vram_budget": args.vram_budget, "exact": args.exact,
+            "passes": rows}
 
 
 def project(args: argparse.Namespace) -> dict[str, Any]:
@@ -223,6 +228,121 @@ def project(args: argparse.Namespace) -> dict[str, Any]:
                      f", plus {args.draft_step_seconds} s per draft step (depth steps per pass)",
             "verify_model": ver["model"], "pair": [acc["draft"], acc["target"]], "plain_tok_s": round(1 / times[1], 3),
             "draft_step_seconds": args.draft_step_seconds, "rows": rows, "best": best}
+
+
+def half_resident_budget(gguf: Any, ctx: int, prefill_chunk: int, slots: int, planned: int, fraction: float) -> int:
+    """A --vram-budget (bytes) that leaves about `fraction` of the model's layer bytes in VRAM and
+    the rest streamed from tier B, besides `planned` bytes already taken (the draft)."""
+    from infer.arch import ModelArgs
+    from infer.gpu import memory
+    from infer.tiers.budget import compute_budgets
+    from infer.tiers.plan import minimum_vram
+    from infer.tiers.session import planner_tensors
+
+    tensors = planner_tensors(gguf, "gpu")
+    layers = sum(t.device_nbytes for t in tensors if t.layer is not None and not t.is_vector)
+    staging = 4 * max(t.nbytes for t in tensors if t.layer is not None)
+    reserved = sum(memory.new_account(None, "probe").reserved.values())
+    big = compute_budgets(ModelArgs.from_gguf(gguf), ctx, 1, prefill_chunk, staging, 10**15, 10**15,
+                          device_reserved=reserved)
+    return int(minimum_vram(tensors, slots, True) + fraction * layers + big.vram_total - big.vram_for_weights + planned)
+
+
+def e2e(args: argparse.Namespace) -> dict[str, Any]:
+    """Greedy generation on the real pair, the target streamed with about half its layer bytes in
+    tier B and the draft resident: plain and speculative in the same run, outputs compared."""
+    from infer.cli import _load
+    from infer.cli_spec import check_vocabulary
+    from infer.gguf_file import GGUFModel
+    from infer.speculative import ModelDrafter, Speculator
+    from infer.tiers.plan import Tier
+    from infer.tiers.session import StreamingConfig, build_streaming_engine
+    from infer.tokenizer import Tokenizer
+
+    gguf = GGUFModel(args.target)
+    tokenizer = Tokenizer.from_gguf(gguf.metadata)
+    try:
+        check_vocabulary(tokenizer, Tokenizer.from_gguf(GGUFModel(args.draft).metadata), str(args.draft))
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
+    from infer.gpu.memory import PeakMonitor
+
+    depth, width = (int(v) for v in args.shape.split("x"))
+    nodes = 1 + depth * width
+    monitor = PeakMonitor(0.05).__enter__()  # load and both runs: the peak the budget must hold
+    draft = _load(str(args.draft), args.ctx, "gpu", args.draft_budget, half_copies=False)
+    planned = draft.transformer.account.planned_total
+    chunk = max(512, nodes)
+    budget = half_resident_budget(gguf, args.ctx, chunk, args.slots, planned, args.resident_fraction)
+    config = StreamingConfig(enabled=True, vram_budget=str(budget), slots=args.slots)
+    session = build_streaming_engine(gguf, config, args.ctx, "gpu", prefill_chunk=chunk, enforce_budget=True,
+                                     planned={"draft model": planned})
+    print(session.report(), file=sys.stderr)
+    plan = session.plan
+    tiers = {t.name: plan.bytes_in(t) for t in Tier}
+    target = session.engine.model
+    prompts = [tokenizer.encode(p) for p in humaneval_prompts(args.prompts)]
+    greedy_choice = lambda logits, _seen: int(np.argmax(logits))  # noqa: E731 - the device sampler's arg-max
+    rows: list[dict[str, Any]] = []
+    try:
+        cache = target.new_cache(args.ctx)
+
+        def plain(ids: list[int]) -> tuple[list[int], float]:
+            cache.length = 0
+            began = time.perf_counter()
+            out = target.generate(np.asarray(ids), cache, args.tokens)
+            return out, time.perf_counter() - began
+
+        spec = Speculator(target, ModelDrafter(draft.transformer, args.ctx, depth, width, cache=draft.engine.cache),
+                          nodes, args.ctx)
+
+        def speculative(ids: list[int]) -> tuple[list[int], float]:
+            began = time.perf_counter()
+            out = list(spec.generate(ids, args.tokens, greedy_choice, cache=cache))
+            return out, time.perf_counter() - began
+
+        def prefill(ids: list[int]) -> float:
+            cache.length = 0
+            began = time.perf_counter()
+            target.forward(np.asarray(ids[:-1]), cache)
+            cache.stream.synchronize()
+            return time.perf_counter() - began
+
+        plain(prompts[0])  # warm-up: kernels compiled, graphs captured, buffers made
+        speculative(prompts[0])
+        for k, ids in enumerate(prompts):
+            want, plain_s = plain(ids)
+            got, spec_s = speculative(ids)
+            s = spec.stats
+            rows.append({"prompt": k, "prompt_tokens": len(ids), "plain_seconds": round(plain_s, 4),
+                         "spec_seconds": round(spec_s, 4), "prefill_seconds": round(prefill(ids), 4),
+                         "identical": got == want, "first_difference": next(
+                             (i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b), None),
+                         "passes": s.passes, "tokens_per_pass": round(s.tokens_per_pass, 3),
+                         "draft_seconds": round(s.draft_seconds, 4), "verify_seconds": round(s.verify_seconds, 4),
+                         "accepted_at_depth": dict(s.accepted_at_depth)})
+            print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+    finally:
+        monitor.__exit__(None, None, None)
+        session.close()
+    peak = monitor.peak
+    tokens = args.tokens * len(rows)
+    plain_s, spec_s = sum(r["plain_seconds"] for r in rows), sum(r["spec_seconds"] for r in rows)
+    prefill_s = sum(r["prefill_seconds"] for r in rows)
+    passes = sum(r["passes"] for r in rows)
+    return {"target": str(args.target), "draft": str(args.draft), "tree": {"depth": depth, "width": width, "nodes": nodes},
+            "vram_budget_bytes": budget, "resident_fraction_asked": args.resident_fraction, "plan_bytes_by_tier": tiers,
+            "prompts": len(rows), "tokens_per_prompt": args.tokens,
+            "plain_tok_s": round(tokens / plain_s, 3), "spec_tok_s": round(tokens / spec_s, 3),
+            "speedup": round(plain_s / spec_s, 3),
+            "plain_decode_tok_s": round(tokens / max(plain_s - prefill_s, 1e-9), 3),
+            "spec_decode_tok_s": round(tokens / max(spec_s - prefill_s, 1e-9), 3),
+            "decode_speedup": round((plain_s - prefill_s) / max(spec_s - prefill_s, 1e-9), 3),
+            "tokens_per_pass": round(tokens / passes, 3) if passes else None,
+            "draft_seconds": round(sum(r["draft_seconds"] for r in rows), 3),
+            "verify_seconds": round(sum(r["verify_seconds"] for r in rows), 3),
+            "all_identical": all(r["identical"] for r in rows), "identical_prompts": sum(r["identical"] for r in rows),
+            "peak_device_bytes": peak, "rows": rows}
 
 
 def _synth(spec: str, directory: Path) -> Path:
@@ -259,16 +379,29 @@ def main(argv: list[str] | None = None) -> int:
     v.add_argument("--ram-budget")
     v.add_argument("--device", default="gpu")
     v.add_argument("--reps", type=int, default=3)
+    e = sub.add_parser("e2e", help="the real pair on the GPU: target streamed (about half its layers in tier B), "
+                       "draft resident; plain vs speculative greedy, outputs compared")
+    e.add_argument("--target", type=Path, required=True)
+    e.add_argument("--draft", type=Path, required=True)
+    e.add_argument("--prompts", type=int, default=40)
+    e.add_argument("--tokens", type=int, default=128)
+    e.add_argument("--shape", default="16x4", help="draft tree depth x width (1 + depth*width nodes)")
+    e.add_argument("--resident-fraction", type=float, default=0.5, help="share of the target's layer bytes in VRAM")
+    e.add_argument("--draft-budget", default=None, help="--vram-budget for the draft alone (default: its own needs)")
+    e.add_argument("--ctx", type=int, default=1024)
+    e.add_argument("--slots", type=int, default=8, help="ring slots of the streamed layers")
     p = sub.add_parser("project")
     p.add_argument("--acceptance", required=True)
     p.add_argument("--verify", required=True)
     p.add_argument("--draft-step-seconds", type=float, default=0.0,
                    help="the draft's time per step on the verifying machine (default 0: verify passes only)")
     p.add_argument("--goal", type=float, default=10.0, help="tok/s for which each shape's draft-step allowance is given")
-    for s in (a, c, v, p):
+    v.add_argument("--exact", action="store_true", help="time verify_tree (the decode kernels per node) instead of "
+                   "forward_tree (float16 products)")
+    for s in (a, c, v, e, p):
         s.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
-    result = {"acceptance": acceptance, "curve": curve, "verify": verify, "project": project}[args.what](args)
+    result = {"acceptance": acceptance, "curve": curve, "verify": verify, "e2e": e2e, "project": project}[args.what](args)
     result["command"] = " ".join(["python -m bench.spec_bench", *(argv if argv is not None else sys.argv[1:])])
     if args.out:
         args.out.write_text(json.dumps(result, indent=1))

@@ -97,6 +97,9 @@ class Speculator:
             raise ValueError(f"the draft tree needs at least one node, not {tree_size}")
         self.target, self.drafter, self.tree_size, self.ctx_size = target, drafter, tree_size, ctx_size
         self.stats = SpecStats()
+        # the decode step's own numbers where the engine has them (GPU: verify_tree), so greedy
+        # output is the plain engine's token for token; else forward_tree (CPU: one function)
+        self._verify = getattr(target, "verify_tree", None) or target.forward_tree  # type: ignore[attr-defined]
 
     def generate(self, prompt: Sequence[int], max_new_tokens: int, choose: Chooser,
                  is_end: Callable[[int], bool] = lambda _: False, cache: Cache | None = None) -> Iterator[int]:
@@ -122,7 +125,7 @@ class Speculator:
             tree = self.drafter.propose(context, root, min(self.tree_size, room, max_new_tokens - produced + 1))
             self.stats.draft_seconds += time.perf_counter() - began
             began = time.perf_counter()
-            logits = self.target.forward_tree(np.asarray(tree.tokens), np.asarray(tree.parents), cache)  # type: ignore[attr-defined]
+            logits = self._verify(np.asarray(tree.tokens), np.asarray(tree.parents), cache)
             path, chosen = follow(tree, logits, choose, context)
             cache.accept(path)  # type: ignore[attr-defined]
             self.stats.verify_seconds += time.perf_counter() - began
@@ -179,19 +182,38 @@ class ModelDrafter:
             common += 1
         common = min(common, len(want) - 1)  # the last token is always run: its logits are needed
         self.cache.length = common
-        logits = self.draft.forward(np.asarray(want[common:]), self.cache)
-        self.fed = want
+        chain_step = getattr(self.draft, "draft_chain", None)
+        if chain_step is not None:  # the whole chain on the device (GpuTransformer.draft_chain)
+            ranked = chain_step(np.asarray(want[common:]), self.cache, depth, width)
+        else:
+            ranked = self._chain(np.asarray(want[common:]), depth, width)
+        self.fed = [*want, *(int(r[0]) for r in ranked[:-1])]
         chain_parent = 0
-        for d in range(depth):
+        for row in ranked:
             chain = len(tokens)  # the most likely token continues the chain, the others are leaves
-            for token in np.argsort(-logits, kind="stable")[:width]:
+            for token in row:
                 tokens.append(int(token))
                 parents.append(chain_parent)
-            if d + 1 < depth:
-                logits = self.draft.forward(np.asarray([tokens[chain]]), self.cache)
-                self.fed = [*self.fed, tokens[chain]]
             chain_parent = chain
         return Tree(tokens, parents)
+
+    def _chain(self, fresh: np.ndarray, depth: int, width: int) -> np.ndarray:
+        """(depth, width): the `width` most likely tokens at each step of the greedy chain after
+        `fresh` (fed from cache.length)."""
+        logits = self.draft.forward(fresh, self.cache)
+        rows = []
+        for d in range(depth):
+            rows.append(top_k(logits, width))
+            if d + 1 < depth:
+                logits = self.draft.forward(np.asarray([rows[-1][0]]), self.cache)
+        return np.stack(rows)
+
+
+def top_k(logits: np.ndarray, k: int) -> np.ndarray:
+    """Ids of the k largest logits, largest first (ties: lower id first), without sorting the vocabulary."""
+    k = min(k, logits.size)
+    part = np.argpartition(-logits, k - 1)[:k] if k < logits.size else np.arange(logits.size)
+    return part[np.lexsort((part, -logits[part]))]
 
 
 class LookupDrafter:

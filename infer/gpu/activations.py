@@ -22,11 +22,13 @@ EIGHT_BIT = ("q8_0", "q8_k")
 
 class RoundedInputs:
     """Inputs "attn" (the attention norm's output), "ffn" (the FFN norm's), "att" (attention's
-    output), "ff" (SwiGLU's) and "out" (the final norm's), each in the formats its matrices want."""
+    output), "ff" (SwiGLU's) and "out" (the final norm's), each in the formats its matrices want;
+    for `rows` rows at once (a token tree's nodes, each with the decode step's numbers)."""
 
-    def __init__(self, args: ModelArgs, int8_dot: bool) -> None:
+    def __init__(self, args: ModelArgs, int8_dot: bool, rows: int = 1) -> None:
         self.args = args
         self.int8_dot = int8_dot
+        self.rows = rows
         self.buffers: dict[tuple[str, str], cupy.ndarray] = {}  # (input, activation format) -> float32
         self.int8: dict[tuple[str, str], ops.Int8Act] = {}  # the same inputs' 8-bit forms
 
@@ -41,9 +43,9 @@ class RoundedInputs:
         """Buffers for input `key` (n values) in each format; with several, a float32 one to round from."""
         for act in set(acts) | ({"f32"} if len(set(acts)) > 1 else set()):
             if (key, act) not in self.buffers:
-                self.buffers[(key, act)] = cupy.zeros(n, F32)
+                self.buffers[(key, act)] = cupy.zeros(self.rows * n, F32)
                 if self.int8_dot and act in EIGHT_BIT:
-                    self.int8[(key, act)] = ops.int8_buffers(n, act)
+                    self.int8[(key, act)] = ops.int8_buffers(self.rows * n, act)
 
     def set_int8(self, enabled: bool) -> None:
         """Integer kernels on or off; buffers stay allocated once made (captured graphs may refer to them)."""
@@ -57,38 +59,42 @@ class RoundedInputs:
         """The 8-bit form buffers of input `key` in format `act`, when the integer kernels are on."""
         return self.int8.get((key, act)) if self.int8_dot else None
 
-    def normed(self, src: cupy.ndarray, weight: cupy.ndarray, key: str, acts: list[str]) -> dict[str, cupy.ndarray]:
-        """RMSNorm(src) * weight, rounded to each activation format in `acts` (one launch for one)."""
-        a, unique = self.args, sorted(set(acts))
+    def normed(self, src: cupy.ndarray, weight: cupy.ndarray, key: str, acts: list[str],
+               rows: int | None = None) -> dict[str, cupy.ndarray]:
+        """RMSNorm(src) * weight per row (the first `rows`, default all), rounded to each activation
+        format in `acts` (one launch for one)."""
+        a, unique, rows = self.args, sorted(set(acts)), self.rows if rows is None else rows
         if len(unique) == 1:
             y = self.buffers[(key, unique[0])]
-            ops.rmsnorm(src, weight, a.norm_eps, 1, a.dim, y=y, act=unique[0], int8=self.int8_of(key, unique[0]))
+            ops.rmsnorm(src, weight, a.norm_eps, rows, a.dim, y=y, act=unique[0], int8=self.int8_of(key, unique[0]))
             return {unique[0]: y}
         base = self.buffers[(key, "f32")]
-        ops.rmsnorm(src, weight, a.norm_eps, 1, a.dim, y=base)
+        ops.rmsnorm(src, weight, a.norm_eps, rows, a.dim, y=base)
         out = {"f32": base}
         for act in unique:
             if act != "f32":
                 out[act] = self.buffers[(key, act)]
-                ops.round_act(base, out[act], 1, a.dim, act, int8=self.int8_of(key, act))
+                ops.round_act(base, out[act], rows, a.dim, act, int8=self.int8_of(key, act))
         return out
 
     def rounded(self, x: cupy.ndarray, key: str, act: str) -> cupy.ndarray:
         if act == "f32":
             return x
         y = self.buffers[(key, act)]
-        ops.round_act(x, y, 1, x.size, act, int8=self.int8_of(key, act))
+        ops.round_act(x, y, self.rows, x.size // self.rows, act, int8=self.int8_of(key, act))
         return y
 
     def gemv(self, m: GpuMatrix, key: str, x: cupy.ndarray, y: cupy.ndarray, bias: cupy.ndarray | None = None,
-             residual: cupy.ndarray | None = None) -> None:
+             residual: cupy.ndarray | None = None, rows: int | None = None, ldy: int | None = None) -> None:
         """y = W x (+bias, +residual) where x is input `key` rounded for m: the integer kernel when
-        its 8-bit form exists, else the float one."""
+        its 8-bit form exists, else the float one. Rows: the first `rows` (default all), row v's
+        output at y[v * ldy] (default m.rows apart)."""
+        rows = self.rows if rows is None else rows
         int8 = self.int8_of(key, m.act) if m.fmt in ops.INT8_FORMATS else None
         if int8 is not None:
-            ops.gemv8(m, int8, y, bias=bias, residual=residual)
+            ops.gemv8(m, int8, y, bias=bias, residual=residual, vectors=rows, ldy=ldy)
         else:
-            ops.gemv(m, x, y, bias=bias, residual=residual)
+            ops.gemv(m, x, y, bias=bias, residual=residual, vectors=rows, ldy=ldy)
 
 
 def normed16(a: ModelArgs, h: cupy.ndarray, weight: cupy.ndarray, acts: list[str]) -> dict[str, cupy.ndarray]:

@@ -26,6 +26,7 @@ from infer.gpu import ops
 from infer.gpu.activations import RoundedInputs, normed16, rounded16
 from infer.gpu.attention import rows_attention
 from infer.gpu.ops import GpuMatrix
+from infer.gpu.tree import TreeLogits, verify_tree
 from infer.gpu.weights import GpuLayer, GpuWeightSource, HalfCopies
 from infer.model import Rope, check_batch, tree_layout
 from infer.tiers.budget import LOGITS_ROWS, VramAccount
@@ -385,6 +386,39 @@ class GpuTransformer:
             logits = self._rows_pass([(tokens, cache)], [n], True, tree)[0]
         self.stream.synchronize()
         return logits
+
+    def verify_tree(self, tokens: np.ndarray, parents: np.ndarray, cache: GpuKVCache) -> TreeLogits:
+        """forward_tree with the decode step's kernels (infer/gpu/tree.py): node i's logits are bit
+        for bit those of plain decoding along its path; rows fetched on demand."""
+        return verify_tree(self, tokens, parents, cache)
+
+    def draft_chain(self, tokens: np.ndarray, cache: GpuKVCache, depth: int, width: int) -> np.ndarray:
+        """The draft side of speculation, without a host round trip per token: `tokens` fed at
+        cache.length, then `depth` greedy steps on the device; returns (depth, width) ids, row d the
+        `width` most likely tokens after the chain's first d (row d's first id is the chain's d-th).
+        The cache then holds `tokens` and the chain's first depth - 1 tokens (cache.length counts them)."""
+        tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        if len(tokens) == 0 or depth < 1 or width < 1:
+            raise ValueError("draft_chain needs tokens, depth >= 1 and width >= 1")
+        if cache.length + len(tokens) + depth - 1 > cache.max_tokens:
+            raise ValueError(f"context full: {cache.length} + {len(tokens)} + {depth - 1} exceed {cache.max_tokens}")
+        top = cupy.empty((depth, width), cupy.int64)
+        with self.stream:
+            for token in tokens[:-1]:  # decode steps (queued, no dequantization): usually one or two tokens
+                self._set_position(cache, int(token), cache.length)
+                self._decode_step(cache)
+                cache.length += 1
+            self._set_position(cache, int(tokens[-1]), cache.length)
+            for d in range(depth):
+                self._decode_step(cache)
+                top[d] = cupy.argsort(-self.logits)[:width]
+                if d + 1 < depth:  # the most likely token is the next step's input (position + 1)
+                    cache.tok[...] = top[d, 0].astype(cupy.int32)
+                    cache.pos += 1
+            ids = cupy.asnumpy(top, stream=self.stream)
+        self.stream.synchronize()
+        cache.length += depth  # the last fed token and the chain's first depth - 1
+        return ids
 
     def forward(self, tokens: np.ndarray, cache: GpuKVCache, all_logits: bool = False) -> np.ndarray:
         """As infer.model.Transformer.forward: NumPy float32 logits, (T, vocab) with all_logits,

@@ -94,25 +94,39 @@ def _gemv_config(defines: dict[str, int] | None) -> int:
     return (defines or {}).get("GEMV_WARPS", kernels.DEFAULT_DEFINES["GEMV_WARPS"])
 
 
+GEMV_VECS = 8  # gemv.cu: input vectors a block takes one after another
+
+
+def _vector_grid(rows: int, warps: int, vectors: int) -> tuple[int, int]:
+    if vectors < 1 or vectors > 65535 * GEMV_VECS:
+        raise ValueError(f"a GEMV launch takes 1 to {65535 * GEMV_VECS} input vectors, not {vectors}")
+    return (_blocks(rows, warps), _blocks(vectors, GEMV_VECS))
+
+
 def gemv(m: GpuMatrix, x: cupy.ndarray, y: cupy.ndarray, bias: cupy.ndarray | None = None,
-         residual: cupy.ndarray | None = None, defines: dict[str, int] | None = None) -> None:
+         residual: cupy.ndarray | None = None, defines: dict[str, int] | None = None, vectors: int = 1,
+         ldy: int | None = None) -> None:
     """y = W x (+ bias) (+ residual); y may be the residual itself. `defines` picks a tuning variant
-    (GEMV_WARPS, GEMV_UNROLL) of the kernel module."""
+    (GEMV_WARPS, GEMV_UNROLL) of the kernel module. With `vectors` V, x is (V, cols) and row v of
+    the output is y[v * ldy :][: rows] (ldy default rows; the residual alike): each vector gets the
+    numbers it gets alone."""
     warps = _gemv_config(defines)
     fn = kernels.function("gemv", f"gemv_{m.fmt}", defines)
-    fn((_blocks(m.rows, warps),), (32 * warps,),
-       (*m.planes(), np.int32(m.rows), np.int32(m.cols), x, y, _ptr(bias), _ptr(residual)))
+    fn(_vector_grid(m.rows, warps, vectors), (32 * warps,),
+       (*m.planes(), np.int32(m.rows), np.int32(m.cols), x, y, _ptr(bias), _ptr(residual),
+        np.int32(m.rows if ldy is None else ldy), np.int32(vectors)))
 
 
 def gemv_swiglu(gate: GpuMatrix, up: GpuMatrix, x: cupy.ndarray, y: cupy.ndarray,
-                defines: dict[str, int] | None = None) -> None:
-    """y = SiLU(Wg x) * (Wu x); both matrices in one format."""
+                defines: dict[str, int] | None = None, vectors: int = 1) -> None:
+    """y = SiLU(Wg x) * (Wu x); both matrices in one format (`vectors` as gemv, y (V, rows))."""
     if gate.fmt != up.fmt or (gate.rows, gate.cols) != (up.rows, up.cols):
         raise ValueError("fused SwiGLU needs gate and up of one format and shape")
     warps = _gemv_config(defines)
     fn = kernels.function("gemv", f"gemv_swiglu_{gate.fmt}", defines)
-    fn((_blocks(gate.rows, warps),), (32 * warps,),
-       (*gate.planes(), *up.planes(), np.int32(gate.rows), np.int32(gate.cols), x, y))
+    fn(_vector_grid(gate.rows, warps, vectors), (32 * warps,),
+       (*gate.planes(), *up.planes(), np.int32(gate.rows), np.int32(gate.cols), x, y, np.int32(gate.rows),
+        np.int32(vectors)))
 
 
 def dequantize(m: GpuMatrix, out: cupy.ndarray) -> None:
@@ -144,6 +158,15 @@ def int8_buffers(n: int, act: str) -> Int8Act:
 
 def _int8_args(int8: Int8Act | None) -> tuple:
     return (NULL, NULL, NULL) if int8 is None else tuple(int8)
+
+
+def int8_rows(int8: Int8Act | None, n: int, act: str, r0: int, r1: int) -> Int8Act | None:
+    """Rows r0 .. r1 - 1 of the 8-bit form of rows of n activations of format `act`."""
+    if int8 is None:
+        return None
+    group = 32 if act == "q8_0" else 256
+    xq, xs, xsum = int8
+    return xq[r0 * n : r1 * n], xs[r0 * n // group : r1 * n // group], xsum[r0 * n // 32 : r1 * n // 32]
 
 
 def rmsnorm(x: cupy.ndarray, weight: cupy.ndarray, eps: float, rows: int, n: int, y: cupy.ndarray | None = None,
@@ -180,22 +203,26 @@ INT8_FORMATS = ("q8", "g4", "g5", "k4", "k5", "k6")  # formats with an integer (
 
 
 def gemv8(m: GpuMatrix, int8: Int8Act, y: cupy.ndarray, bias: cupy.ndarray | None = None,
-          residual: cupy.ndarray | None = None, defines: dict[str, int] | None = None) -> None:
-    """y = W x (+ bias) (+ residual) with x in its 8-bit form (dp4a integer dot products)."""
+          residual: cupy.ndarray | None = None, defines: dict[str, int] | None = None, vectors: int = 1,
+          ldy: int | None = None) -> None:
+    """y = W x (+ bias) (+ residual) with x in its 8-bit form (dp4a integer dot products); `vectors`
+    and `ldy` as gemv (the 8-bit forms of V rows, int8_buffers(V * cols))."""
     warps = _gemv_config(defines)
     fn = kernels.function("gemv", f"gemv8_{m.fmt}", defines)
-    fn((_blocks(m.rows, warps),), (32 * warps,),
-       (*m.planes(), np.int32(m.rows), np.int32(m.cols), *int8, y, _ptr(bias), _ptr(residual)))
+    fn(_vector_grid(m.rows, warps, vectors), (32 * warps,),
+       (*m.planes(), np.int32(m.rows), np.int32(m.cols), *int8, y, _ptr(bias), _ptr(residual),
+        np.int32(m.rows if ldy is None else ldy), np.int32(vectors)))
 
 
 def gemv8_swiglu(gate: GpuMatrix, up: GpuMatrix, int8: Int8Act, y: cupy.ndarray,
-                 defines: dict[str, int] | None = None) -> None:
+                 defines: dict[str, int] | None = None, vectors: int = 1) -> None:
     """y = SiLU(Wg x) * (Wu x) with x in its 8-bit form (`defines`: default kernels.SWIGLU_DEFINES)."""
     defines = kernels.SWIGLU_DEFINES if defines is None else defines
     warps = _gemv_config(defines)
     fn = kernels.function("gemv", f"gemv8_swiglu_{gate.fmt}", defines)
-    fn((_blocks(gate.rows, warps),), (32 * warps,),
-       (*gate.planes(), *up.planes(), np.int32(gate.rows), np.int32(gate.cols), *int8, y))
+    fn(_vector_grid(gate.rows, warps, vectors), (32 * warps,),
+       (*gate.planes(), *up.planes(), np.int32(gate.rows), np.int32(gate.cols), *int8, y, np.int32(gate.rows),
+        np.int32(vectors)))
 
 
 def rope_store(q: cupy.ndarray, k: cupy.ndarray, v: cupy.ndarray, cos: cupy.ndarray, sin: cupy.ndarray,
@@ -225,12 +252,45 @@ def attention_splits(max_ctx: int) -> int:
     return -(-max_ctx // kernels.DEFAULT_DEFINES["ATTN_CHUNK"])
 
 
-def attention_work(n_heads: int, head_dim: int, max_ctx: int) -> tuple[cupy.ndarray, cupy.ndarray, cupy.ndarray]:
-    """Zeroed work buffers of attention_decode for a cache of max_ctx positions: scores (float32),
-    part_o and part_ml (float64: the kernels keep partial sums in double)."""
+def attention_work(n_heads: int, head_dim: int, max_ctx: int,
+                   nodes: int = 1) -> tuple[cupy.ndarray, cupy.ndarray, cupy.ndarray]:
+    """Zeroed work buffers of attention_decode for a cache of max_ctx positions (for `nodes` query
+    rows of a token tree at once): scores (float32), part_o and part_ml (float64: the kernels keep
+    partial sums in double)."""
     n_splits = attention_splits(max_ctx)
-    return (cupy.zeros(n_heads * max_ctx, cupy.float32), cupy.zeros(n_heads * n_splits * head_dim, cupy.float64),
-            cupy.zeros(n_heads * n_splits * 2, cupy.float64))
+    return (cupy.zeros(nodes * n_heads * max_ctx, cupy.float32),
+            cupy.zeros(nodes * n_heads * n_splits * head_dim, cupy.float64),
+            cupy.zeros(nodes * n_heads * n_splits * 2, cupy.float64))
+
+
+@dataclass
+class TreeSpans:
+    """The attention spans of a token tree's nodes for attention_decode: node j attends to cache
+    slots 0 .. base - 1, then anc[j, 0 .. depth_j] (its ancestors' slots from the root, then its
+    own); its position is base + depth_j."""
+
+    anc: cupy.ndarray  # (nodes, stride) int32
+    stride: int
+    base: int
+    nodes: int
+
+
+def tree_spans(parents: np.ndarray, base: int) -> tuple[TreeSpans, np.ndarray]:
+    """TreeSpans of a tree (parents[i] < i, root -1) whose node i sits in cache slot base + i,
+    and the nodes' positions (base + depth) as int32."""
+    parents = np.asarray(parents, dtype=np.int64)
+    n = len(parents)
+    depth = np.zeros(n, np.int64)
+    for i in range(1, n):
+        depth[i] = depth[parents[i]] + 1
+    anc = np.zeros((n, int(depth.max()) + 1), np.int32)
+    for i in range(n):
+        node = i
+        for d in range(int(depth[i]), -1, -1):
+            anc[i, d] = base + node
+            node = int(parents[node])
+    positions = (base + depth).astype(np.int32)
+    return TreeSpans(cupy.asarray(anc), anc.shape[1], base, n), positions
 
 
 ATTN_FUSED_THREADS = 256
@@ -257,7 +317,7 @@ def attention_decode(q: cupy.ndarray, k_cache: cupy.ndarray, v_cache: cupy.ndarr
                      n_heads: int, n_kv_heads: int, head_dim: int, max_ctx: int, n_splits: int,
                      scores: cupy.ndarray, part_o: cupy.ndarray, part_ml: cupy.ndarray, out: cupy.ndarray,
                      act: str = "f32", rope: tuple | None = None, int8: Int8Act | None = None,
-                     fused: bool | None = None) -> None:
+                     fused: bool | None = None, tree: TreeSpans | None = None) -> None:
     """Attention of one query token at position pos[0] over cache positions 0..pos[0]; `out` is
     rounded to activation format `act` (the output projection's input). Work buffers: scores
     (n_heads * max_ctx) float32, part_o (n_heads * n_splits * head_dim) and part_ml
@@ -265,7 +325,12 @@ def attention_decode(q: cupy.ndarray, k_cache: cupy.ndarray, v_cache: cupy.ndarr
     and v are the new token's raw projections; the kernel rotates q and k and stores k and v at pos[0]
     (else q is rotated and the cache filled). `fused` (default: when attention_fused_fits) does it
     all in one kernel, a block per KV head (short caches); else three kernels split the sequence.
-    The choice depends on max_ctx, not on pos, so a captured graph stays valid."""
+    The choice depends on max_ctx, not on pos, so a captured graph stays valid.
+
+    `tree` (a token tree's nodes, keys and values already stored by rope_store, rope None): node j
+    is query row j of q at position pos[j], attending to the slots tree.slots(j) lists (grid z =
+    node; work buffers and out hold a node's after another's, attention_work(..., nodes)): each node
+    gets the numbers the decode step at its position gets."""
     group = n_heads // n_kv_heads
     if scores.dtype != cupy.float32 or part_o.dtype != cupy.float64 or part_ml.dtype != cupy.float64:
         raise ValueError(f"attention work buffers are {scores.dtype}, {part_o.dtype}, {part_ml.dtype}; the kernels "
@@ -276,7 +341,11 @@ def attention_decode(q: cupy.ndarray, k_cache: cupy.ndarray, v_cache: cupy.ndarr
     if head_dim % 8 or head_dim > ATTN_MAX_HEAD_DIM:
         raise ValueError(f"head dimension {head_dim} is not a multiple of 8 up to {ATTN_MAX_HEAD_DIM}")
     g = attention_group_size(group)
-    grid = (n_kv_heads, n_splits)
+    nodes = 1 if tree is None else tree.nodes
+    if tree is not None and rope is not None:
+        raise ValueError("a token tree's keys are stored by rope_store first: no rope in tree attention")
+    span = (NULL, np.int32(0), np.int32(0)) if tree is None else (tree.anc, np.int32(tree.stride), np.int32(tree.base))
+    grid = (n_kv_heads, n_splits, nodes)
     if rope is None:
         rope_args = (NULL, NULL, NULL, NULL, np.int32(0), np.int32(0), NULL)
     else:
@@ -290,21 +359,22 @@ def attention_decode(q: cupy.ndarray, k_cache: cupy.ndarray, v_cache: cupy.ndarr
             raise ValueError(f"the fused attention kernel does not fit {n_heads}/{n_kv_heads} heads of {head_dim} "
                              f"over {max_ctx} positions with {act} output")
         kernels.function("attention", f"attention_fused_g{g}")(
-            (n_kv_heads,), (ATTN_FUSED_THREADS,),
+            (n_kv_heads, 1, nodes), (ATTN_FUSED_THREADS,),
             (q, k_cache, v_cache, pos, np.int32(group), np.int32(head_dim), np.int32(max_ctx),
-             np.float32(1.0 / np.sqrt(head_dim)), out, np.int32(ACT_CODES[act]), *_int8_args(int8), *rope_args[:6]),
+             np.float32(1.0 / np.sqrt(head_dim)), out, np.int32(ACT_CODES[act]), *_int8_args(int8), *rope_args[:6],
+             *span),
             shared_mem=attention_fused_bytes(n_heads, n_kv_heads, head_dim, max_ctx))
         return
     kernels.function("attention", f"attention_scores_g{g}")(
         grid, (128,), (q, k_cache, pos, np.int32(group), np.int32(head_dim), np.int32(max_ctx),
-                       np.float32(1.0 / np.sqrt(head_dim)), np.int32(n_splits), scores, part_ml, *rope_args))
+                       np.float32(1.0 / np.sqrt(head_dim)), np.int32(n_splits), scores, part_ml, *rope_args, *span))
     kernels.function("attention", f"attention_values_g{g}")(
         grid, (128,), (v_cache, pos, np.int32(group), np.int32(head_dim), np.int32(max_ctx), np.int32(n_splits),
-                       scores, part_ml, part_o))
+                       scores, part_ml, part_o, *span))
     n = n_heads * head_dim
     per_block = 8 * {"q8_0": 32, "q8_k": 256}.get(act, 128)  # 8 warps, a warp per 8-bit group
     kernels.function("attention", "attention_sum")(
-        (-(-n // per_block),), (256,), (part_o, pos, np.int32(n_splits), np.int32(n), np.int32(head_dim), out,
+        (-(-n // per_block), nodes), (256,), (part_o, pos, np.int32(n_splits), np.int32(n), np.int32(head_dim), out,
                                         np.int32(ACT_CODES[act]), *_int8_args(int8)))
 
 

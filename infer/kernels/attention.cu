@@ -86,6 +86,22 @@ struct RopeArgs {
     __half* vc;
 };
 
+// Where position t of a query's attention span lives in the cache. Decode: slot t. A token tree
+// (grid z = node): the node attends to positions 0..pos[node]; those below `base` are the cache's
+// own slots, the rest are its ancestors' slots, root first, then itself (anc: one row per node). A
+// node thus sums over the same values in the same order as the decode step at its position would:
+// the same numbers, whatever slots its ancestors took.
+struct SlotMap {
+    const int* anc;  // this node's row, or null (decode)
+    int base;
+
+    __device__ __forceinline__ int slot(int t) const { return (anc && t >= base) ? anc[t - base] : t; }
+};
+
+__device__ __forceinline__ SlotMap node_map(const int* anc, int anc_stride, int base, int node) {
+    return SlotMap{anc ? anc + (long long)node * anc_stride : nullptr, base};
+}
+
 // The G queries of KV head kvh (heads h0 = kvh*G ..) into q_s as double: rotated when `rope` carries
 // the new token's raw k and v, and then, if `store`, k rotated and k and v stored into the cache at
 // position p (the caller's block is the only one reading that position); finally rounded to
@@ -174,13 +190,13 @@ __device__ __forceinline__ void key_dots(const __half* key, const double* q_s, i
 // head, float16 values); each value converted once for the group, products exact in double
 template <int MAXG>
 __device__ __forceinline__ void value_sums(const __half2* vb, int pairs, const double* p, int p_stride, int G, int n,
-                                           int ph, int phases, double2* acc) {
+                                           int ph, int phases, double2* acc, SlotMap map, int start) {
 #pragma unroll
     for (int g = 0; g < MAXG; ++g) acc[g] = make_double2(0.0, 0.0);
     if (ph >= phases) return;
 #pragma unroll 8
     for (int t = ph; t < n; t += phases) {
-        const float2 vv = __half22float2(vb[(long long)t * pairs]);
+        const float2 vv = __half22float2(vb[(long long)map.slot(start + t) * pairs]);
         const double vx = vv.x, vy = vv.y;
 #pragma unroll
         for (int g = 0; g < MAXG; ++g) {
@@ -196,7 +212,7 @@ __device__ __forceinline__ void value_sums(const __half2* vb, int pairs, const d
 template <int MAXG>
 __device__ __forceinline__ void attention_scores(const float* q, __half* kc, const int* pos, int G, int D,
                                                  int max_ctx, float scale, int n_splits, float* scores,
-                                                 double* part_ml, RopeArgs rope) {
+                                                 double* part_ml, RopeArgs rope, SlotMap map) {
     // the group's queries: float32 values through the rotation, then float16 values, held as double
     __shared__ __align__(16) double q_s[ATTN_MAX_GROUP * ATTN_MAX_HEAD_DIM];
     __shared__ float p_s[ATTN_MAX_GROUP * ATTN_CHUNK];
@@ -213,7 +229,7 @@ __device__ __forceinline__ void attention_scores(const float* q, __half* kc, con
         return;
     }
     group_queries(q, q_s, kc, kvh, G, D, p, max_ctx, rope, split == p / ATTN_CHUNK, ATTN_THREADS);
-    const __half* kbase = kc + ((long long)kvh * max_ctx + start) * D;
+    const __half* khead = kc + (long long)kvh * max_ctx * D;
     // TPP neighbouring threads share a position, each taking every TPP-th 16-byte piece of its key
     // (all threads busy, and a thread's loads are few enough to be in flight together), then add
     // their partial dot products by shuffles.
@@ -221,7 +237,7 @@ __device__ __forceinline__ void attention_scores(const float* q, __half* kc, con
     static_assert(TPP >= 1 && TPP <= 32 && (TPP & (TPP - 1)) == 0, "ATTN_CHUNK: a power of two up to ATTN_THREADS");
     const int t = tid / TPP, piece = tid % TPP;
     double acc[MAXG];
-    key_dots<MAXG, TPP>(kbase + (long long)t * D, q_s, G, D, piece, t < n, acc);
+    key_dots<MAXG, TPP>(khead + (long long)(t < n ? map.slot(start + t) : 0) * D, q_s, G, D, piece, t < n, acc);
     if (t < n && piece == 0) {
 #pragma unroll
         for (int g = 0; g < MAXG; ++g) {
@@ -251,7 +267,7 @@ __device__ __forceinline__ void attention_scores(const float* q, __half* kc, con
 template <int MAXG>
 __device__ __forceinline__ void attention_values(const __half* vc, const int* pos, int G, int D, int max_ctx,
                                                  int n_splits, const float* scores, const double* part_ml,
-                                                 double* part_o) {
+                                                 double* part_o, SlotMap map) {
     __shared__ double p_s[ATTN_MAX_GROUP * ATTN_CHUNK];
     __shared__ double M_s[ATTN_MAX_GROUP], L_s[ATTN_MAX_GROUP];
     const int kvh = blockIdx.x, split = blockIdx.y, tid = threadIdx.x;
@@ -280,7 +296,7 @@ __device__ __forceinline__ void attention_values(const __half* vc, const int* po
         p_s[g * ATTN_CHUNK + t] = __half2float(__float2half_rn(e));
     }
     __syncthreads();
-    const __half* vbase = vc + ((long long)kvh * max_ctx + start) * D;
+    const __half* vhead = vc + (long long)kvh * max_ctx * D;
     // thread = (pair of dimensions, phase): the `phases` threads of a pair take every phases-th
     // position (half2 loads, a short chain of dependent loads per thread); phase 0 adds the others'
     // sums from shared memory in phase order (deterministic).
@@ -288,7 +304,8 @@ __device__ __forceinline__ void attention_values(const __half* vc, const int* po
     const int pairs = D / 2, phases = ATTN_THREADS / pairs;
     const int dp = tid % pairs, ph = tid / pairs;
     double2 acc[MAXG];
-    value_sums<MAXG>(reinterpret_cast<const __half2*>(vbase) + dp, pairs, p_s, ATTN_CHUNK, G, n, ph, phases, acc);
+    value_sums<MAXG>(reinterpret_cast<const __half2*>(vhead) + dp, pairs, p_s, ATTN_CHUNK, G, n, ph, phases, acc, map,
+                     start);
     if (ph < phases) {
         if (ph > 0) {
 #pragma unroll
@@ -326,7 +343,7 @@ __device__ __forceinline__ void attention_values(const __half* vc, const int* po
 template <int MAXG>
 __device__ __forceinline__ void attention_fused(const float* q, __half* kc, __half* vc, const int* pos, int G, int D,
                                                 int max_ctx, float scale, float* out, int fmt, signed char* xq,
-                                                float* xs, int* xsum, RopeArgs rope) {
+                                                float* xs, int* xsum, RopeArgs rope, SlotMap map) {
     extern __shared__ double fused_smem[];
     double* q_s = fused_smem;          // G*D
     double* p_s = fused_smem + G * D;  // G rows of max_ctx: scores, then probabilities
@@ -342,7 +359,7 @@ __device__ __forceinline__ void attention_fused(const float* q, __half* kc, __ha
     for (int t0 = 0; t0 < n; t0 += ATTN_FUSED_THREADS / TPP) {
         const int t = t0 + tl;
         double acc[MAXG];
-        key_dots<MAXG, TPP>(kbase + (long long)t * D, q_s, G, D, piece, t < n, acc);
+        key_dots<MAXG, TPP>(kbase + (long long)(t < n ? map.slot(t) : 0) * D, q_s, G, D, piece, t < n, acc);
         if (t < n && piece == 0) {
 #pragma unroll
             for (int g = 0; g < MAXG; ++g)
@@ -376,7 +393,7 @@ __device__ __forceinline__ void attention_fused(const float* q, __half* kc, __ha
     const int dp = tid % pairs, ph = tid / pairs;
     const __half2* vb = reinterpret_cast<const __half2*>(vc + (long long)kvh * max_ctx * D) + dp;
     double2 acc[MAXG];
-    value_sums<MAXG>(vb, pairs, p_s, max_ctx, G, n, ph, phases, acc);
+    value_sums<MAXG>(vb, pairs, p_s, max_ctx, G, n, ph, phases, acc, map, 0);
     __syncthreads();  // the probabilities are read: their space takes the phases' partial sums
     double2* o_s = reinterpret_cast<double2*>(p_s);  // (phases - 1) * G * pairs: fits (attention_fused_fits)
     if (ph > 0 && ph < phases) {
@@ -411,28 +428,42 @@ __device__ __forceinline__ void attention_fused(const float* q, __half* kc, __ha
     }
 }
 
-// instantiations by group size (query heads per KV head): the smallest that holds G
+// instantiations by group size (query heads per KV head): the smallest that holds G. Grid z = node
+// of a token tree (1 for decode): its query, position, work buffers and output are the node-th of
+// each; anc/anc_stride/anc_base its attention span's slots (SlotMap; null anc: decode).
+#define NODE_OFFSETS                                                                                           \
+    const long long node = blockIdx.z, nh = (long long)G * gridDim.x;                                         \
+    const SlotMap map = node_map(anc, anc_stride, anc_base, (int)node);
 #define ATTENTION_DECODE(MAXG)                                                                                 \
     extern "C" __global__ void __launch_bounds__(ATTN_THREADS)                                                 \
         attention_scores_g##MAXG(const float* q, __half* kc, const int* pos, int G, int D, int max_ctx,        \
                                  float scale, int n_splits, float* scores, double* part_ml, const float* k_new, \
                                  const float* v_new, const float* cos_t, const float* sin_t, int n_pairs,      \
-                                 int neox, __half* vc) {                                                       \
-        attention_scores<MAXG>(q, kc, pos, G, D, max_ctx, scale, n_splits, scores, part_ml,                   \
-                               RopeArgs{k_new, v_new, cos_t, sin_t, n_pairs, neox, vc});                      \
+                                 int neox, __half* vc, const int* anc, int anc_stride, int anc_base) {         \
+        NODE_OFFSETS                                                                                           \
+        attention_scores<MAXG>(q + node * nh * D, kc, pos + node, G, D, max_ctx, scale, n_splits,             \
+                               scores + node * nh * max_ctx, part_ml + node * nh * n_splits * 2,              \
+                               RopeArgs{k_new, v_new, cos_t, sin_t, n_pairs, neox, vc}, map);                 \
     }                                                                                                          \
     extern "C" __global__ void __launch_bounds__(ATTN_THREADS, 1)                                              \
         attention_values_g##MAXG(const __half* vc, const int* pos, int G, int D, int max_ctx, int n_splits,    \
-                                 const float* scores, const double* part_ml, double* part_o) {                 \
-        attention_values<MAXG>(vc, pos, G, D, max_ctx, n_splits, scores, part_ml, part_o);                    \
+                                 const float* scores, const double* part_ml, double* part_o, const int* anc,   \
+                                 int anc_stride, int anc_base) {                                               \
+        NODE_OFFSETS                                                                                           \
+        attention_values<MAXG>(vc, pos + node, G, D, max_ctx, n_splits, scores + node * nh * max_ctx,         \
+                               part_ml + node * nh * n_splits * 2, part_o + node * nh * n_splits * D, map);   \
     }                                                                                                          \
     extern "C" __global__ void __launch_bounds__(ATTN_FUSED_THREADS, 1)                                        \
         attention_fused_g##MAXG(const float* q, __half* kc, __half* vc, const int* pos, int G, int D,           \
                                 int max_ctx, float scale, float* out, int fmt, signed char* xq, float* xs,       \
                                 int* xsum, const float* k_new, const float* v_new, const float* cos_t,          \
-                                const float* sin_t, int n_pairs, int neox) {                                    \
-        attention_fused<MAXG>(q, kc, vc, pos, G, D, max_ctx, scale, out, fmt, xq, xs, xsum,                   \
-                              RopeArgs{k_new, v_new, cos_t, sin_t, n_pairs, neox, vc});                        \
+                                const float* sin_t, int n_pairs, int neox, const int* anc, int anc_stride,      \
+                                int anc_base) {                                                                 \
+        NODE_OFFSETS                                                                                           \
+        const Int8Out o8 = int8_row(xq, xs, xsum, node, (int)(nh * D), fmt);                                  \
+        attention_fused<MAXG>(q + node * nh * D, kc, vc, pos + node, G, D, max_ctx, scale, out + node * nh * D, \
+                              fmt, o8.xq, o8.xs, o8.xsum, RopeArgs{k_new, v_new, cos_t, sin_t, n_pairs, neox, vc}, \
+                              map);                                                                            \
     }
 ATTENTION_DECODE(4)
 ATTENTION_DECODE(8)
@@ -445,7 +476,16 @@ ATTENTION_DECODE(16)
 extern "C" __global__ void __launch_bounds__(256, 1)  // (, 1): ptxas otherwise caps it at 32 registers and spills
     attention_sum(const double* part_o, const int* pos, int n_splits, int n, int D, float* out, int fmt,
                   signed char* xq, float* xs, int* xsum) {
-    const int active = min(n_splits, pos[0] / ATTN_CHUNK + 1);
+    const long long node = blockIdx.y;  // a token tree's node (0 for decode): its partials, position and output
+    part_o += node * n_splits * n;
+    out += node * n;
+    if (xq) {
+        const Int8Out o8 = int8_row(xq, xs, xsum, node, n, fmt);
+        xq = o8.xq;
+        xs = o8.xs;
+        xsum = o8.xsum;
+    }
+    const int active = min(n_splits, pos[node] / ATTN_CHUNK + 1);
     if (fmt == ACT_F32 || fmt == ACT_F16 || fmt == ACT_BF16) {
         for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
             const int h = i / D, d = i % D;

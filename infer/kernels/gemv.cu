@@ -123,10 +123,10 @@ __device__ __forceinline__ void store_row(double acc, int row, float* y, const f
 }
 
 template <class F>
-__device__ __forceinline__ void gemv_quant(Planes p, int rows, int K, const float* x, float* y, const float* bias,
+__device__ __forceinline__ void gemv_quant(int block, Planes p, int rows, int K, const float* x, float* y, const float* bias,
                                            const float* residual) {
     const int lane = threadIdx.x & 31;
-    const int row = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5);
+    const int row = block * GEMV_WARPS + (threadIdx.x >> 5);
     if (row >= rows) return;
     const int nsb = K >> 5;
     const double acc = warp_sum(row_dot<F>(p, (long long)row * nsb, nsb, lane, x));
@@ -134,9 +134,9 @@ __device__ __forceinline__ void gemv_quant(Planes p, int rows, int K, const floa
 }
 
 template <class F>
-__device__ __forceinline__ void gemv_swiglu_quant(Planes g, Planes u, int rows, int K, const float* x, float* y) {
+__device__ __forceinline__ void gemv_swiglu_quant(int block, Planes g, Planes u, int rows, int K, const float* x, float* y) {
     const int lane = threadIdx.x & 31;
-    const int row = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5);
+    const int row = block * GEMV_WARPS + (threadIdx.x >> 5);
     if (row >= rows) return;
     const int nsb = K >> 5;
     const long long base = (long long)row * nsb;
@@ -146,10 +146,10 @@ __device__ __forceinline__ void gemv_swiglu_quant(Planes g, Planes u, int rows, 
 }
 
 template <class F>
-__device__ __forceinline__ void gemv8_quant(Planes p, int rows, int K, const signed char* xq, const float* xs,
+__device__ __forceinline__ void gemv8_quant(int block, Planes p, int rows, int K, const signed char* xq, const float* xs,
                                             const int* xsum, float* y, const float* bias, const float* residual) {
     const int lane = threadIdx.x & 31;
-    const int row = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5);
+    const int row = block * GEMV_WARPS + (threadIdx.x >> 5);
     if (row >= rows) return;
     const int nsb = K >> 5;
     const double acc = warp_sum(row_dot8<F>(p, (long long)row * nsb, nsb, lane, xq, xs, xsum));
@@ -157,10 +157,10 @@ __device__ __forceinline__ void gemv8_quant(Planes p, int rows, int K, const sig
 }
 
 template <class F>
-__device__ __forceinline__ void gemv8_swiglu_quant(Planes g, Planes u, int rows, int K, const signed char* xq,
+__device__ __forceinline__ void gemv8_swiglu_quant(int block, Planes g, Planes u, int rows, int K, const signed char* xq,
                                                    const float* xs, const int* xsum, float* y) {
     const int lane = threadIdx.x & 31;
-    const int row = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5);
+    const int row = block * GEMV_WARPS + (threadIdx.x >> 5);
     if (row >= rows) return;
     const int nsb = K >> 5;
     const long long base = (long long)row * nsb;
@@ -172,19 +172,19 @@ __device__ __forceinline__ void gemv8_swiglu_quant(Planes g, Planes u, int rows,
 }
 
 template <typename T>
-__device__ __forceinline__ void gemv_float(const T* w, int rows, int K, const float* x, float* y, const float* bias,
+__device__ __forceinline__ void gemv_float(int block, const T* w, int rows, int K, const float* x, float* y, const float* bias,
                                            const float* residual) {
     const int lane = threadIdx.x & 31;
-    const int row = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5);
+    const int row = block * GEMV_WARPS + (threadIdx.x >> 5);
     if (row >= rows) return;
     const double acc = warp_sum(row_dot_float<T>(w + (long long)row * K, K, lane, x));
     if (lane == 0) store_row(acc, row, y, bias, residual);
 }
 
 template <typename T>
-__device__ __forceinline__ void gemv_swiglu_float(const T* wg, const T* wu, int rows, int K, const float* x, float* y) {
+__device__ __forceinline__ void gemv_swiglu_float(int block, const T* wg, const T* wu, int rows, int K, const float* x, float* y) {
     const int lane = threadIdx.x & 31;
-    const int row = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5);
+    const int row = block * GEMV_WARPS + (threadIdx.x >> 5);
     if (row >= rows) return;
     const double a = warp_sum(row_dot_float<T>(wg + (long long)row * K, K, lane, x));
     const double b = warp_sum(row_dot_float<T>(wu + (long long)row * K, K, lane, x));
@@ -192,45 +192,68 @@ __device__ __forceinline__ void gemv_swiglu_float(const T* wg, const T* wu, int 
 }
 
 // One signature for every format, so the Python side launches them alike: (qs, hi, sm, dm) are the
-// planes (float formats use qs only).
+// planes (float formats use qs only). Many input vectors (a token tree's nodes): vector v takes its
+// input at x + v*K (8-bit forms: xq + v*K, its scales and sums likewise) and writes y + v*ldy (the
+// residual likewise); grid y = groups of GEMV_VECS vectors, which a block takes one after another
+// (the rows' weights are read from memory once, then from L1/L2). Every vector runs the one-vector
+// code unchanged, so each node gets exactly the numbers it would get alone in a decode step.
+#ifndef GEMV_VECS
+#define GEMV_VECS 8
+#endif
+#define FOR_EACH_VECTOR for (long long v = (long long)blockIdx.y * GEMV_VECS, v_end = min((long long)nvec, v + GEMV_VECS); v < v_end; ++v)
 #define GEMV_QUANT(NAME, F)                                                                                   \
     extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)                                             \
         gemv_##NAME(const uint8_t* qs, const uint8_t* hi, const uint8_t* sm, const uint8_t* dm, int rows, int K, \
-                    const float* x, float* y, const float* bias, const float* residual) {                     \
-        gemv_quant<F>(Planes{qs, hi, sm, dm}, rows, K, x, y, bias, residual);                                 \
+                    const float* x, float* y, const float* bias, const float* residual, int ldy, int nvec) {  \
+        FOR_EACH_VECTOR                                                                                       \
+            gemv_quant<F>(blockIdx.x, Planes{qs, hi, sm, dm}, rows, K, x + v * K, y + v * ldy, bias,          \
+                          residual ? residual + v * ldy : nullptr);                                           \
     }                                                                                                         \
     extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)                                             \
         gemv_swiglu_##NAME(const uint8_t* gqs, const uint8_t* ghi, const uint8_t* gsm, const uint8_t* gdm,    \
                            const uint8_t* uqs, const uint8_t* uhi, const uint8_t* usm, const uint8_t* udm,    \
-                           int rows, int K, const float* x, float* y) {                                       \
-        gemv_swiglu_quant<F>(Planes{gqs, ghi, gsm, gdm}, Planes{uqs, uhi, usm, udm}, rows, K, x, y);         \
+                           int rows, int K, const float* x, float* y, int ldy, int nvec) {                    \
+        FOR_EACH_VECTOR                                                                                       \
+            gemv_swiglu_quant<F>(blockIdx.x, Planes{gqs, ghi, gsm, gdm}, Planes{uqs, uhi, usm, udm}, rows, K,  \
+                                 x + v * K, y + v * ldy);                                                     \
     }
 
 #define GEMV8_QUANT(NAME, F)                                                                                  \
     extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)                                             \
         gemv8_##NAME(const uint8_t* qs, const uint8_t* hi, const uint8_t* sm, const uint8_t* dm, int rows, int K, \
                      const signed char* xq, const float* xs, const int* xsum, float* y, const float* bias,     \
-                     const float* residual) {                                                                 \
-        gemv8_quant<F>(Planes{qs, hi, sm, dm}, rows, K, xq, xs, xsum, y, bias, residual);                     \
+                     const float* residual, int ldy, int nvec) {                                              \
+        FOR_EACH_VECTOR                                                                                       \
+            gemv8_quant<F>(blockIdx.x, Planes{qs, hi, sm, dm}, rows, K, xq + v * K,                           \
+                           xs + v * (K >> (5 + F::XS_SHIFT)), xsum + v * (K >> 5), y + v * ldy, bias,         \
+                           residual ? residual + v * ldy : nullptr);                                          \
     }                                                                                                         \
     extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)                                             \
         gemv8_swiglu_##NAME(const uint8_t* gqs, const uint8_t* ghi, const uint8_t* gsm, const uint8_t* gdm,   \
                             const uint8_t* uqs, const uint8_t* uhi, const uint8_t* usm, const uint8_t* udm,   \
-                            int rows, int K, const signed char* xq, const float* xs, const int* xsum, float* y) { \
-        gemv8_swiglu_quant<F>(Planes{gqs, ghi, gsm, gdm}, Planes{uqs, uhi, usm, udm}, rows, K, xq, xs, xsum, y); \
+                            int rows, int K, const signed char* xq, const float* xs, const int* xsum, float* y, \
+                            int ldy, int nvec) {                                                              \
+        FOR_EACH_VECTOR                                                                                       \
+            gemv8_swiglu_quant<F>(blockIdx.x, Planes{gqs, ghi, gsm, gdm}, Planes{uqs, uhi, usm, udm}, rows, K, \
+                                  xq + v * K, xs + v * (K >> (5 + F::XS_SHIFT)), xsum + v * (K >> 5),         \
+                                  y + v * ldy);                                                               \
     }
 
 #define GEMV_FLOAT(NAME, T)                                                                                   \
     extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)                                             \
         gemv_##NAME(const uint8_t* qs, const uint8_t* hi, const uint8_t* sm, const uint8_t* dm, int rows, int K, \
-                    const float* x, float* y, const float* bias, const float* residual) {                     \
-        gemv_float<T>(reinterpret_cast<const T*>(qs), rows, K, x, y, bias, residual);                        \
+                    const float* x, float* y, const float* bias, const float* residual, int ldy, int nvec) {  \
+        FOR_EACH_VECTOR                                                                                       \
+            gemv_float<T>(blockIdx.x, reinterpret_cast<const T*>(qs), rows, K, x + v * K, y + v * ldy, bias,  \
+                          residual ? residual + v * ldy : nullptr);                                           \
     }                                                                                                         \
     extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)                                             \
         gemv_swiglu_##NAME(const uint8_t* gqs, const uint8_t* ghi, const uint8_t* gsm, const uint8_t* gdm,    \
                            const uint8_t* uqs, const uint8_t* uhi, const uint8_t* usm, const uint8_t* udm,    \
-                           int rows, int K, const float* x, float* y) {                                       \
-        gemv_swiglu_float<T>(reinterpret_cast<const T*>(gqs), reinterpret_cast<const T*>(uqs), rows, K, x, y); \
+                           int rows, int K, const float* x, float* y, int ldy, int nvec) {                    \
+        FOR_EACH_VECTOR                                                                                       \
+            gemv_swiglu_float<T>(blockIdx.x, reinterpret_cast<const T*>(gqs), reinterpret_cast<const T*>(uqs), \
+                                 rows, K, x + v * K, y + v * ldy);                                            \
     }
 
 GEMV_QUANT(q8, FmtQ8)

@@ -474,3 +474,88 @@ def test_gemv8_on_8bit_activations(rng: np.random.Generator, ggml_type: int, sha
     out = _poisoned(rows)
     ops.gemv8_swiglu(m, m_up, int8, out)
     assert _rel(cupy.asnumpy(out), want / (1 + np.exp(-want)) * want_up) < 1e-4
+
+
+# ---------------------------------------------------------------- many vectors / a token tree's nodes
+@pytest.mark.parametrize("vectors", [1, 3, 8, 13])
+@pytest.mark.parametrize("ggml_type", [T.F16, T.Q8_0, T.Q4_0, T.Q4_K, T.Q5_K, T.Q6_K], ids=lambda t: T(t).name)
+def test_gemv_many_vectors_are_each_alone(rng: np.random.Generator, ggml_type: int, vectors: int) -> None:
+    """gemv/gemv8 (and their SwiGLU forms) over V input vectors give each vector's output bit for
+    bit as a launch for that vector alone (infer/gpu/tree.py relies on it), with a strided output
+    (ldy), bias and residual."""
+    from infer.quants import activation_format
+
+    rows, cols = 96, 2048
+    m, _ = _matrix(rng, ggml_type, rows, cols)
+    up, _ = _matrix(rng, ggml_type, rows, cols)
+    act = activation_format(ggml_type)
+    x = cupy.asarray(rng.standard_normal((vectors, cols)).astype(np.float32))
+    bias = cupy.asarray(rng.standard_normal(rows).astype(np.float32))
+    residual = cupy.asarray(rng.standard_normal((vectors, rows + 5)).astype(np.float32))
+    int8 = ops.int8_buffers(vectors * cols, act) if act in ("q8_0", "q8_k") else None
+    if int8 is not None:
+        ops.round_act(x, cupy.empty_like(x), vectors, cols, act, int8=int8)
+    many = residual.copy()
+    ops.gemv(m, x, many, bias=bias, residual=many, vectors=vectors, ldy=rows + 5)
+    many_sw = _poisoned((vectors, rows))
+    ops.gemv_swiglu(m, up, x, many_sw, vectors=vectors)
+    if int8 is not None:
+        many8 = residual.copy()
+        ops.gemv8(m, int8, many8, bias=bias, residual=many8, vectors=vectors, ldy=rows + 5)
+        many8_sw = _poisoned((vectors, rows))
+        ops.gemv8_swiglu(m, up, int8, many8_sw, vectors=vectors)
+    for v in range(vectors):
+        alone = residual[v].copy()
+        ops.gemv(m, x[v], alone, bias=bias, residual=alone)
+        np.testing.assert_array_equal(cupy.asnumpy(many[v]), cupy.asnumpy(alone))
+        alone_sw = _poisoned(rows)
+        ops.gemv_swiglu(m, up, x[v], alone_sw)
+        np.testing.assert_array_equal(cupy.asnumpy(many_sw[v]), cupy.asnumpy(alone_sw))
+        if int8 is not None:
+            one = ops.int8_rows(int8, cols, act, v, v + 1)
+            alone8 = residual[v].copy()
+            ops.gemv8(m, one, alone8, bias=bias, residual=alone8)
+            np.testing.assert_array_equal(cupy.asnumpy(many8[v]), cupy.asnumpy(alone8))
+            alone8_sw = _poisoned(rows)
+            ops.gemv8_swiglu(m, up, one, alone8_sw)
+            np.testing.assert_array_equal(cupy.asnumpy(many8_sw[v]), cupy.asnumpy(alone8_sw))
+    np.testing.assert_array_equal(cupy.asnumpy(many[:, rows:]), cupy.asnumpy(residual[:, rows:]))  # ldy gap untouched
+
+
+@pytest.mark.parametrize("act", ["f32", "q8_0"])
+@pytest.mark.parametrize("fused", [False, True], ids=["split", "fused"])
+@pytest.mark.parametrize("base", [1, 63, 200])
+def test_tree_attention_is_the_decode_step_of_each_path(rng: np.random.Generator, fused: bool, base: int,
+                                                         act: str) -> None:
+    """Tree attention (grid z = node, spans of ancestor slots) gives node j, bit for bit, the decode
+    attention at its position over a cache holding the prefix and its path contiguously."""
+    n_heads, n_kv, hd, max_ctx = 16, 4, 128, 320
+    if fused and not ops.attention_fused_fits(n_heads, n_kv, hd, max_ctx, act):
+        pytest.skip("the fused kernel does not take this shape")
+    parents = np.array([-1, 0, 0, 1, 3, 2, 0, 4, 4])
+    n = len(parents)
+    keys = rng.standard_normal((n_kv, max_ctx, hd)).astype(np.float16)
+    values = rng.standard_normal((n_kv, max_ctx, hd)).astype(np.float16)
+    q = (rng.standard_normal((n, n_heads * hd)) * 2).astype(np.float32)
+    spans, positions = ops.tree_spans(parents, base)
+    n_splits = -(-max_ctx // CHUNK)
+    out = _poisoned((n, n_heads * hd))
+    int8 = ops.int8_buffers(n * n_heads * hd, act) if act == "q8_0" else None
+    ops.attention_decode(cupy.asarray(q), cupy.asarray(keys), cupy.asarray(values), cupy.asarray(positions), n_heads,
+                         n_kv, hd, max_ctx, n_splits, *ops.attention_work(n_heads, hd, max_ctx, n), out, act=act,
+                         int8=int8, fused=fused, tree=spans)
+    anc = cupy.asnumpy(spans.anc)
+    for j in range(n):
+        depth = int(positions[j]) - base
+        k1, v1 = keys.copy(), values.copy()  # the path laid out as plain decoding would have it
+        k1[:, base : base + depth + 1] = keys[:, anc[j, : depth + 1]]
+        v1[:, base : base + depth + 1] = values[:, anc[j, : depth + 1]]
+        alone = _poisoned(n_heads * hd)
+        one8 = ops.int8_buffers(n_heads * hd, act) if act == "q8_0" else None
+        ops.attention_decode(cupy.asarray(q[j]), cupy.asarray(k1), cupy.asarray(v1),
+                             cupy.asarray(np.array([positions[j]], np.int32)), n_heads, n_kv, hd, max_ctx, n_splits,
+                             *ops.attention_work(n_heads, hd, max_ctx), alone, act=act, int8=one8, fused=fused)
+        np.testing.assert_array_equal(cupy.asnumpy(out[j]), cupy.asnumpy(alone))
+        if int8 is not None:
+            for a, b in zip(ops.int8_rows(int8, n_heads * hd, act, j, j + 1), one8, strict=True):
+                np.testing.assert_array_equal(cupy.asnumpy(a), cupy.asnumpy(b))

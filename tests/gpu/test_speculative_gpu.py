@@ -97,3 +97,62 @@ def test_speculative_generation_on_the_gpu(path: Path) -> None:
     out = list(spec.generate(prompt, 32, greedy))
     print(f"GPU speculation: {spec.stats.tokens_per_pass:.2f} tokens per pass")
     assert len(out) == 32 and spec.stats.tokens_per_pass > 1.5
+
+
+def test_verify_tree_is_each_path_decoded(path: Path) -> None:
+    """verify_tree (the decode kernels, a vector per node) gives every node, bit for bit, the logits
+    of decode steps along its path, resident and streamed; accepting a path keeps its keys."""
+    rng = np.random.default_rng(3)
+    prompt = rng.integers(3, SHAPE.vocab_size, 40)
+    parents = [-1] + [int(rng.integers(max(0, i - 4), i)) for i in range(1, 33)]
+    tree = Tree([int(t) for t in rng.integers(3, SHAPE.vocab_size, 33)], parents)
+    for name, model, close in _models(path):
+        try:
+            cache = model.new_cache(CTX)
+            model.forward(prompt, cache)
+            got = model.verify_tree(np.array(tree.tokens), np.array(tree.parents), cache)
+            for node in range(len(parents)):
+                ref = model.new_cache(CTX)
+                model.forward(prompt, ref)
+                for i in _path(parents, node):
+                    want = model.forward(np.array([tree.tokens[i]]), ref)
+                np.testing.assert_array_equal(got[node], want, err_msg=f"{name} node {node}")
+            kept = _path(parents, max(range(len(parents)), key=lambda i: len(_path(parents, i))))
+            cache.accept(kept)
+            nxt = model.forward(np.array([9]), cache)
+            ref = model.new_cache(CTX)
+            model.forward(prompt, ref)
+            for t in [*(tree.tokens[i] for i in kept), 9]:
+                want = model.forward(np.array([t]), ref)
+            np.testing.assert_array_equal(nxt, want, err_msg=name)
+        finally:
+            close()
+
+
+def test_speculative_greedy_is_plain_generation(path: Path) -> None:
+    """Greedy speculation emits exactly the tokens of the engine's own generate (device arg-max),
+    resident and streamed, with a draft that is often wrong (float32 activations, another seed's
+    prompt continuations), and the draft chain computed on the device equals the host loop."""
+    from infer.gpu import load_gpu_transformer
+
+    draft = load_gpu_transformer(GGUFModel(path), CTX, match_llama_cpp=False)
+    rng = np.random.default_rng(11)
+    prompts = [list(rng.integers(3, SHAPE.vocab_size, n)) for n in (20, 7, 33)]
+    for name, model, close in _models(path):
+        try:
+            for prompt in prompts:
+                cache = model.new_cache(CTX)
+                want = model.generate(np.asarray(prompt), cache, 48)
+                spec = Speculator(model, ModelDrafter(draft, CTX, depth=6, width=3), 19, CTX)
+                got = list(spec.generate(prompt, 48, greedy))
+                assert got == want, (name, prompt[:3])
+                print(f"{name}: {spec.stats.tokens_per_pass:.2f} tokens per pass, identical")
+        finally:
+            close()
+    a, b = draft.new_cache(CTX), draft.new_cache(CTX)
+    ids = draft.draft_chain(np.asarray(prompts[0]), a, 5, 4)
+    for t in prompts[0][:-1]:  # as draft_chain feeds it: a decode step per token
+        draft.forward(np.array([t]), b)
+    host = ModelDrafter(draft, CTX, 5, 4, cache=b)
+    np.testing.assert_array_equal(ids, host._chain(np.asarray(prompts[0][-1:]), 5, 4))
+    assert a.length == b.length

@@ -162,3 +162,58 @@ def test_gpu_glue_tree_pass_equals_each_path_alone(model_path: Path, fake_cupy: 
         assert float(np.linalg.norm(nxt - want) / np.linalg.norm(want)) < 3e-2
     finally:
         s.close()
+
+
+def test_gpu_glue_verify_tree_is_each_path_decoded(model_path: Path, fake_cupy: object) -> None:
+    """verify_tree (the decode kernels, a vector / query per node: infer/gpu/tree.py) over streamed
+    weights on the stand-in: every node's logits equal, bit for bit, those of decode steps along
+    its path, so greedy speculation emits the plain engine's tokens; accepting a path keeps its keys
+    and values. The real GPU runs it in tests/gpu/test_speculative_gpu.py."""
+    from infer.speculative import Tree
+
+    s = gpu_session(model_path, 0.3, 0.3)
+    try:
+        m = s.engine.model
+        rng = np.random.default_rng(7)
+        prompt = rng.integers(3, SHAPE.vocab_size, 9)
+        tree = Tree([int(t) for t in rng.integers(3, SHAPE.vocab_size, 7)], [-1, 0, 0, 1, 3, 2, 0])
+        cache = m.new_cache(CTX)
+        m.forward(prompt, cache)
+        got = m.verify_tree(np.array(tree.tokens), np.array(tree.parents), cache)
+        assert cache.length == len(prompt) and got.shape == (7, SHAPE.vocab_size)
+        for node, path in ((4, [0, 1, 3, 4]), (5, [0, 2, 5]), (6, [0, 6]), (0, [0])):
+            ref = m.new_cache(CTX)
+            m.forward(prompt, ref)
+            for i in path:  # one decode step per token
+                want = m.forward(np.array([tree.tokens[i]]), ref)
+            assert np.array_equal(got[node], want), node
+        cache.accept([0, 1, 3, 4])
+        nxt = m.forward(np.array([7]), cache)
+        ref = m.new_cache(CTX)
+        m.forward(prompt, ref)
+        for t in [*(tree.tokens[i] for i in (0, 1, 3, 4)), 7]:
+            want = m.forward(np.array([t]), ref)
+        assert np.array_equal(nxt, want)
+    finally:
+        s.close()
+
+
+def test_gpu_glue_draft_chain_is_the_host_loop(model_path: Path, fake_cupy: object) -> None:
+    """GpuTransformer.draft_chain (the greedy chain and each step's runners-up, on the device) gives
+    the ids of the drafter's host loop, and leaves the cache where that loop leaves it."""
+    from infer.speculative import ModelDrafter
+
+    s = gpu_session(model_path, 0.3, 0.3)
+    try:
+        m = s.engine.model
+        prompt = np.random.default_rng(8).integers(3, SHAPE.vocab_size, 6)
+        device_cache, host_cache = m.new_cache(CTX), m.new_cache(CTX)
+        ids = m.draft_chain(prompt, device_cache, 4, 3)
+        host = ModelDrafter(m, CTX, 4, 3, cache=host_cache)
+        for t in prompt[:-1]:  # as draft_chain feeds it: a decode step per token
+            m.forward(np.array([t]), host_cache)
+        want = host._chain(prompt[-1:], 4, 3)
+        assert np.array_equal(ids, want) and device_cache.length == host_cache.length == len(prompt) + 3
+        assert np.array_equal(m.forward(np.array([5]), device_cache), m.forward(np.array([5]), host_cache))
+    finally:
+        s.close()

@@ -22,6 +22,7 @@ class ndarray(np.ndarray):
 def _w(r): return r.view(ndarray) if isinstance(r, np.ndarray) else r
 def asarray(x, dtype=None): return _w(np.array(x, dtype=dtype, copy=True))
 def asnumpy(a, stream=None): return np.array(a, copy=True).view(np.ndarray)
+def argsort(a, axis=-1): return _w(np.argsort(np.asarray(a), axis=axis, kind="stable"))
 for _n in ["zeros", "empty", "full", "arange", "concatenate", "stack", "where", "exp", "matmul", "ascontiguousarray", "empty_like"]:
     globals()[_n] = (lambda f: (lambda *a, **k: _w(f(*a, **k))))(getattr(np, _n))
 def empty(shape, dtype=np.float32): return _w(np.full(shape, np.nan if np.dtype(dtype).kind == 'f' else 0x5A, dtype))
@@ -156,38 +157,38 @@ class RawKernel:
             lay = layout.plane_layout(fmt, r_, c_)
             for p, o, s in zip((qs, hi, sm, dm), lay.offsets, lay.sizes):
                 if s: _arr(p, np.uint8, s)[:] = planar[o:o+s]
-        elif n.startswith("gemv8_swiglu_"):
-            fmt = n[13:]
-            gqs, ghi, gsm, gdm, uqs, uhi, usm, udm, rows, K, xq, xs8, xsum, y = args
-            rows, K = int(rows), int(K); sh = 256 if fmt in layout.K_FORMATS else 32
-            xv = (_arr(xq, np.int8, K).astype(np.float64).reshape(-1, sh) * _arr(xs8, np.float32, K // sh)[:, None]).reshape(-1)
-            g = _weights(fmt, gqs, ghi, gsm, gdm, rows, K) @ xv; u = _weights(fmt, uqs, uhi, usm, udm, rows, K) @ xv
-            _arr(y, np.float32, rows)[:] = g / (1 + np.exp(-g)) * u
-        elif n.startswith("gemv8_"):
-            fmt = n[6:]
-            qs, hi, sm, dm, rows, K, xq, xs8, xsum, y, bias, res = args
-            rows, K = int(rows), int(K); sh = 256 if fmt in layout.K_FORMATS else 32
-            xv = (_arr(xq, np.int8, K).astype(np.float64).reshape(-1, sh) * _arr(xs8, np.float32, K // sh)[:, None]).reshape(-1)
-            assert (_arr(xsum, np.int32, K // 32) == _arr(xq, np.int8, K).astype(np.int32).reshape(-1, 32).sum(1)).all()
-            out = _weights(fmt, qs, hi, sm, dm, rows, K) @ xv
-            if _ptr(bias): out += _arr(bias, np.float32, rows)
-            if _ptr(res): out += _arr(res, np.float32, rows)
-            _arr(y, np.float32, rows)[:] = out
-        elif n.startswith("gemv_swiglu_"):
-            fmt = n[12:]
-            gqs, ghi, gsm, gdm, uqs, uhi, usm, udm, rows, K, x, y = args
-            rows, K = int(rows), int(K)
-            xv = _arr(x, np.float32, K).astype(np.float64)
-            g = _weights(fmt, gqs, ghi, gsm, gdm, rows, K) @ xv; u = _weights(fmt, uqs, uhi, usm, udm, rows, K) @ xv
-            _arr(y, np.float32, rows)[:] = g / (1 + np.exp(-g)) * u
-        elif n.startswith("gemv_"):
-            fmt = n[5:]
-            qs, hi, sm, dm, rows, K, x, y, bias, res = args
-            rows, K = int(rows), int(K)
-            out = _weights(fmt, qs, hi, sm, dm, rows, K) @ _arr(x, np.float32, K).astype(np.float64)
-            if _ptr(bias): out += _arr(bias, np.float32, rows)
-            if _ptr(res): out += _arr(res, np.float32, rows)
-            _arr(y, np.float32, rows)[:] = out
+        elif n.startswith("gemv"):  # the last argument: vectors; vector v reads x + v*K, writes y + v*ldy
+            V = int(args[-1])
+            eight, swiglu = n.startswith("gemv8_"), "_swiglu_" in n
+            fmt = n.split("_")[-1]
+            planes_g, rest = args[:4], args[4:]
+            planes_u, rest = (rest[:4], rest[4:]) if swiglu else (None, rest)
+            rows, K = int(rest[0]), int(rest[1])
+            rest = rest[2:]
+            sh = 256 if fmt in layout.K_FORMATS else 32
+            if eight:
+                xq, xs8, xsum, y, *tail = rest
+                q = _arr(xq, np.int8, V * K).reshape(V, K)
+                assert (_arr(xsum, np.int32, V * K // 32).reshape(V, -1) == q.astype(np.int32).reshape(V, -1, 32).sum(2)).all()
+                xv = (q.astype(np.float64).reshape(V, -1, sh) * _arr(xs8, np.float32, V * K // sh).reshape(V, -1)[:, :, None]).reshape(V, K)
+            else:
+                x, y, *tail = rest
+                xv = _arr(x, np.float32, V * K).reshape(V, K).astype(np.float64)
+            bias, res, ldy = (None, None, int(tail[0])) if swiglu else (tail[0], tail[1], int(tail[2]))
+            assert len(tail) == (2 if swiglu else 4)
+            W = _weights(fmt, *planes_g, rows, K)
+            per_vector = lambda M: np.stack([M @ xv[v] for v in range(V)])  # noqa: E731 - as the kernel: each alone
+            if swiglu:
+                g = per_vector(W); u = per_vector(_weights(fmt, *planes_u, rows, K))
+                out = g / (1 + np.exp(-g)) * u
+            else:
+                out = per_vector(W)
+                if _ptr(bias): out += _arr(bias, np.float32, rows)
+            Y = _arr(y, np.float32, (V - 1) * ldy + rows)
+            R = _arr(res, np.float32, (V - 1) * ldy + rows) if not swiglu and _ptr(res) else None
+            for v in range(V):
+                row = out[v] + (R[v * ldy : v * ldy + rows] if R is not None else 0)
+                Y[v * ldy : v * ldy + rows] = row
         elif n.startswith("dequant_"):
             fmt = n[8:]
             qs, hi, sm, dm, cnt, out = args
@@ -215,12 +216,12 @@ class RawKernel:
             if _ptr(y):
                 v = round_activations(v, ["f32", "f16", "bf16", "q8_0", "q8_k"][int(act)])
                 _arr(y, np.float32, rows * nn)[:] = v.reshape(-1)
-                if _ptr(xq): assert rows == 1; _write_int8(xq, xs8, xsum, rms_norm(xv.copy(), _arr(w, np.float32, nn).copy(), float(eps), exact=True).reshape(-1), ACTS[int(act)])
+                if _ptr(xq): _write_int8(xq, xs8, xsum, rms_norm(xv.copy(), _arr(w, np.float32, nn).copy(), float(eps), exact=True).reshape(-1), ACTS[int(act)])
             if _ptr(y16): _arr(y16, np.float16, rows * nn)[:] = v.reshape(-1).astype(np.float16)
         elif n == "round_act":
             x, y, y16, nn, act, xq, xs8, xsum = args
             rows, nn = grid[1], int(nn)
-            if _ptr(xq): assert rows == 1; _write_int8(xq, xs8, xsum, _arr(x, np.float32, nn).copy(), ACTS[int(act)])
+            if _ptr(xq): _write_int8(xq, xs8, xsum, _arr(x, np.float32, rows * nn).copy(), ACTS[int(act)])
             from infer.quants import round_activations
             v = round_activations(_arr(x, np.float32, rows * nn).reshape(rows, nn).copy(), ["f32", "f16", "bf16", "q8_0", "q8_k"][int(act)])
             _arr(y, np.float32, rows * nn)[:] = v.reshape(-1)
@@ -237,60 +238,11 @@ class RawKernel:
                 c, s = C[P[t]], S[P[t]]
                 Q[t] = _rotate(Q[t], c, s, npairs, neox)
                 KC[:, SL[t]] = _rotate(Kk[t], c, s, npairs, neox).astype(np.float16); VC[:, SL[t]] = V[t].astype(np.float16)
-        elif n.startswith("attention_scores_g") or n.startswith("attention_fused_g"):
-            fused = n.startswith("attention_fused_g")
-            if fused:
-                q, kc, vc, pos, G, D, max_ctx, scale, out, act, xq, xs8, xsum, kn, vn, cos, sin, npairs, neox = args
-            else:
-                q, kc, pos, G, D, max_ctx, scale, n_splits, sc, pml, kn, vn, cos, sin, npairs, neox, vc = args
-            Hkv = grid[0]; G, D, max_ctx = map(int, (G, D, max_ctx))
-            L = int(_arr(pos, np.int32, 1)[0]) + 1
-            Q = _arr(q, np.float32, Hkv * G * D).reshape(Hkv * G, D).copy()
-            KC = _arr(kc, np.float16, Hkv * max_ctx * D).reshape(Hkv, max_ctx, D)
-            VC = _arr(vc, np.float16, Hkv * max_ctx * D).reshape(Hkv, max_ctx, D) if _ptr(vc) else None
-            if _ptr(kn):  # rope fused: rotate q, rotate and store the new k, store v
-                npairs, neox, P = int(npairs), int(neox), L - 1
-                C = _arr(cos, np.float32, L * npairs).reshape(L, npairs)[P]; S = _arr(sin, np.float32, L * npairs).reshape(L, npairs)[P]
-                Q = _rotate(Q, C, S, npairs, neox)
-                KC[:, P] = _rotate(_arr(kn, np.float32, Hkv * D).reshape(Hkv, D), C, S, npairs, neox).astype(np.float16)
-                VC[:, P] = _arr(vn, np.float32, Hkv * D).reshape(Hkv, D).astype(np.float16)
-            q64 = Q.astype(np.float16).astype(np.float64)
-            scores = np.stack([(KC[h // G, :L].astype(np.float64) @ q64[h]).astype(np.float32) * np.float32(scale)
-                               for h in range(Hkv * G)])  # (H, L) float32, as the CPU's exact numerics
-            if fused:
-                o = _softmax_values(scores, VC, G, L)
-                from infer.quants import round_activations
-                _arr(out, np.float32, o.size)[:] = round_activations(o.reshape(1, -1), ACTS[int(act)]).reshape(-1)
-                _write_int8(xq, xs8, xsum, o.reshape(-1), ACTS[int(act)])
-            else:
-                n_splits = int(n_splits); CH = _chunk()
-                assert grid[1] == n_splits
-                SC = _arr(sc, np.float32, Hkv * G * max_ctx).reshape(Hkv * G, max_ctx); SC[:, :L] = scores
-                PML = _arr(pml, np.float64, Hkv * G * n_splits * 2).reshape(Hkv * G, n_splits, 2)
-                for sp in range(n_splits):
-                    a_, b_ = sp * CH, min((sp + 1) * CH, L)
-                    if b_ <= a_: PML[:, sp] = (-np.inf, 0); continue
-                    m = scores[:, a_:b_].max(1); PML[:, sp, 0] = m; PML[:, sp, 1] = np.exp(scores[:, a_:b_].astype(np.float64) - m[:, None]).sum(1)
-        elif n.startswith("attention_values_g"):
-            vc, pos, G, D, max_ctx, n_splits, sc, pml, po = args
-            Hkv = grid[0]; G, D, max_ctx, n_splits = map(int, (G, D, max_ctx, n_splits)); CH = _chunk()
-            L = int(_arr(pos, np.int32, 1)[0]) + 1
-            VC = _arr(vc, np.float16, Hkv * max_ctx * D).reshape(Hkv, max_ctx, D)
-            SC = _arr(sc, np.float32, Hkv * G * max_ctx).reshape(Hkv * G, max_ctx)
-            PO = _arr(po, np.float64, Hkv * G * n_splits * D).reshape(Hkv * G, n_splits, D)
-            probs = _probabilities(SC[:, :L])
-            for sp in range(n_splits):
-                a_, b_ = sp * CH, min((sp + 1) * CH, L)
-                PO[:, sp] = 0
-                if b_ > a_:
-                    for h in range(Hkv * G): PO[h, sp] = probs[h, a_:b_] @ VC[h // G, a_:b_].astype(np.float64)
-        elif n == "attention_sum":
-            po, pos, n_splits, nn, D, out, act, xq, xs8, xsum = args
-            n_splits, nn, D = int(n_splits), int(nn), int(D); H = nn // D
-            from infer.quants import round_activations
-            v = _arr(po, np.float64, H * n_splits * D).reshape(H, n_splits, D).sum(1).astype(np.float32).reshape(1, -1)
-            _arr(out, np.float32, nn)[:] = round_activations(v, ACTS[int(act)]).reshape(-1)
-            _write_int8(xq, xs8, xsum, v, ACTS[int(act)])
+        elif n.startswith("attention_"):  # grid z (attention_sum: y) = node of a token tree, 1 for decode
+            axis = 1 if n == "attention_sum" else 2
+            nodes = grid[axis] if len(grid) > axis else 1
+            for node in range(int(nodes)):
+                self._attention(n, grid, args, node)
         elif n == "swiglu_f32":
             g, u, o, nn = args; nn = int(nn); gv = _arr(g, np.float32, nn).astype(np.float64)
             _arr(o, np.float32, nn)[:] = gv / (1 + np.exp(-gv)) * _arr(u, np.float32, nn)  # in double, as the kernel
@@ -303,6 +255,82 @@ class RawKernel:
             _arr(tok, np.int32, 1)[0] = nxt; _arr(tokens, np.int32, p + 2)[p + 1] = nxt; _arr(pos, np.int32, 1)[0] = p + 1
         else:
             raise NotImplementedError(n)
+
+def _span(pos, anc, stride, base, node):
+    """The cache slots of a node's attention span (decode: 0 .. pos)."""
+    L = int(_arr(pos, np.int32, node + 1)[node]) + 1
+    if not _ptr(anc):
+        return L, np.arange(L)
+    row = _arr(anc, np.int32, (node + 1) * int(stride))[node * int(stride):]
+    return L, np.concatenate([np.arange(int(base)), row[: L - int(base)]]).astype(np.int64)
+
+def _attention(self, n, grid, args, node):
+    if n.startswith("attention_scores_g") or n.startswith("attention_fused_g"):
+        fused = n.startswith("attention_fused_g")
+        if fused:
+            q, kc, vc, pos, G, D, max_ctx, scale, out, act, xq, xs8, xsum, kn, vn, cos, sin, npairs, neox, anc, stride, base = args
+        else:
+            q, kc, pos, G, D, max_ctx, scale, n_splits, sc, pml, kn, vn, cos, sin, npairs, neox, vc, anc, stride, base = args
+        Hkv = grid[0]; G, D, max_ctx = map(int, (G, D, max_ctx)); H = Hkv * G
+        L, idx = _span(pos, anc, stride, base, node)
+        Q = _arr(q, np.float32, (node + 1) * H * D)[node * H * D:].reshape(H, D).copy()
+        KC = _arr(kc, np.float16, Hkv * max_ctx * D).reshape(Hkv, max_ctx, D)
+        VC = _arr(vc, np.float16, Hkv * max_ctx * D).reshape(Hkv, max_ctx, D) if _ptr(vc) else None
+        if _ptr(kn):  # rope fused: rotate q, rotate and store the new k, store v
+            npairs, neox, P = int(npairs), int(neox), L - 1
+            C = _arr(cos, np.float32, L * npairs).reshape(L, npairs)[P]; S = _arr(sin, np.float32, L * npairs).reshape(L, npairs)[P]
+            Q = _rotate(Q, C, S, npairs, neox)
+            KC[:, P] = _rotate(_arr(kn, np.float32, Hkv * D).reshape(Hkv, D), C, S, npairs, neox).astype(np.float16)
+            VC[:, P] = _arr(vn, np.float32, Hkv * D).reshape(Hkv, D).astype(np.float16)
+        q64 = Q.astype(np.float16).astype(np.float64)
+        scores = np.stack([(KC[h // G, idx].astype(np.float64) @ q64[h]).astype(np.float32) * np.float32(scale)
+                           for h in range(H)])  # (H, L) float32, as the CPU's exact numerics
+        if fused:
+            o = _softmax_values(scores, VC[:, idx], G, L)
+            from infer.quants import round_activations
+            act = ACTS[int(act)]
+            _arr(out, np.float32, (node + 1) * o.size)[node * o.size:] = round_activations(o.reshape(1, -1), act).reshape(-1)
+            if _ptr(xq):
+                group = 32 if act == "q8_0" else 256
+                _write_int8(_off(xq, node * o.size), _off(xs8, 4 * node * o.size // group), _off(xsum, 4 * node * o.size // 32), o.reshape(-1), act)
+        else:
+            n_splits = int(n_splits); CH = _chunk()
+            assert grid[1] == n_splits
+            SC = _arr(sc, np.float32, (node + 1) * H * max_ctx)[node * H * max_ctx:].reshape(H, max_ctx); SC[:, :L] = scores
+            PML = _arr(pml, np.float64, (node + 1) * H * n_splits * 2)[node * H * n_splits * 2:].reshape(H, n_splits, 2)
+            for sp in range(n_splits):
+                a_, b_ = sp * CH, min((sp + 1) * CH, L)
+                if b_ <= a_: PML[:, sp] = (-np.inf, 0); continue
+                m = scores[:, a_:b_].max(1); PML[:, sp, 0] = m; PML[:, sp, 1] = np.exp(scores[:, a_:b_].astype(np.float64) - m[:, None]).sum(1)
+    elif n.startswith("attention_values_g"):
+        vc, pos, G, D, max_ctx, n_splits, sc, pml, po, anc, stride, base = args
+        Hkv = grid[0]; G, D, max_ctx, n_splits = map(int, (G, D, max_ctx, n_splits)); CH = _chunk(); H = Hkv * G
+        L, idx = _span(pos, anc, stride, base, node)
+        VC = _arr(vc, np.float16, Hkv * max_ctx * D).reshape(Hkv, max_ctx, D)[:, idx]
+        SC = _arr(sc, np.float32, (node + 1) * H * max_ctx)[node * H * max_ctx:].reshape(H, max_ctx)
+        PO = _arr(po, np.float64, (node + 1) * H * n_splits * D)[node * H * n_splits * D:].reshape(H, n_splits, D)
+        probs = _probabilities(SC[:, :L])
+        for sp in range(n_splits):
+            a_, b_ = sp * CH, min((sp + 1) * CH, L)
+            PO[:, sp] = 0
+            if b_ > a_:
+                for h in range(H): PO[h, sp] = probs[h, a_:b_] @ VC[h // G, a_:b_].astype(np.float64)
+    elif n == "attention_sum":
+        po, pos, n_splits, nn, D, out, act, xq, xs8, xsum = args
+        n_splits, nn, D = int(n_splits), int(nn), int(D); H = nn // D
+        from infer.quants import round_activations
+        act = ACTS[int(act)]
+        v = _arr(po, np.float64, (node + 1) * H * n_splits * D)[node * H * n_splits * D:].reshape(H, n_splits, D).sum(1).astype(np.float32).reshape(1, -1)
+        _arr(out, np.float32, (node + 1) * nn)[node * nn:] = round_activations(v, act).reshape(-1)
+        if _ptr(xq):
+            group = 32 if act == "q8_0" else 256
+            _write_int8(_off(xq, node * nn), _off(xs8, 4 * node * nn // group), _off(xsum, 4 * node * nn // 32), v, act)
+    else:
+        raise NotImplementedError(n)
+
+def _off(p, nbytes): return np.uint64(_ptr(p) + nbytes)
+
+RawKernel._attention = _attention
 
 class RawModule:
     def __init__(self, code=None, options=(), backend="nvrtc"): self.backend = backend

@@ -1,0 +1,49 @@
+#!/bin/bash
+# Issue 14's end-to-end measurement on the GPU machine, with the real pair (Qwen2.5-Coder-1.5B-Instruct
+# Q4_K_M target, 0.5B draft). The machine has no PyPI and a call carries at most 64 MiB, so the two
+# models (1.6 GB) travel as 65 MB pieces of their concatenation, one piece per call, into
+# /tmp/models/pieces of one warm machine:
+#
+#   here:   split -b 65000000 -d -a 2 (cat 1.5b.gguf 0.5b.gguf) p  ->  copy piece pNN into .carry/
+#   there:  bash scripts/gpu-spec-e2e.sh piece          (carry .carry: keeps .carry/p* in /tmp/models/pieces)
+#   last:   OUT=... bash scripts/gpu-spec-e2e.sh run    (joins, checks the sha256 below, runs bench.spec_bench e2e)
+#
+# E2E_PROMPTS (40), E2E_TOKENS (128), E2E_SHAPE (16x4) set the run.
+set -u
+cd "$(dirname "$0")/.."
+DIR=/tmp/models
+TARGET_BYTES=1117320768
+TARGET_SHA=cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046
+DRAFT_SHA=1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32
+mkdir -p "$DIR/pieces"
+case "${1:-}" in
+piece)
+    cp .carry/p* "$DIR/pieces/" && ls "$DIR/pieces" | tr '\n' ' ' && du -sb "$DIR/pieces" ;;
+run)
+    OUT=${OUT:-/tmp/spec-e2e}
+    mkdir -p "$OUT"
+    if [ ! -f "$DIR/draft.gguf" ]; then
+        cat "$DIR"/pieces/p* > "$DIR/both" || exit 1
+        head -c $TARGET_BYTES "$DIR/both" > "$DIR/target.gguf"
+        tail -c +$((TARGET_BYTES + 1)) "$DIR/both" > "$DIR/draft.gguf"
+        rm -f "$DIR/both"
+    fi
+    echo "$TARGET_SHA  $DIR/target.gguf" > "$DIR/sums"
+    echo "$DRAFT_SHA  $DIR/draft.gguf" >> "$DIR/sums"
+    sha256sum -c "$DIR/sums" 2>&1 | tee "$OUT/models-sha256.txt" || { echo "models: checksum FAILED"; exit 1; }
+    export PYTHONPATH="${PYTHONPATH:-}:$PWD" PYTHONUNBUFFERED=1
+    python3 -m bench.spec_bench e2e --target "$DIR/target.gguf" --draft "$DIR/draft.gguf" \
+        --prompts "${E2E_PROMPTS:-40}" --tokens "${E2E_TOKENS:-128}" --shape "${E2E_SHAPE:-16x4}" \
+        --out "$OUT/spec-e2e.json" > "$OUT/spec-e2e.stdout" 2> "$OUT/spec-e2e.log"
+    echo "e2e exit $?"
+    tail -n 5 "$OUT/spec-e2e.log"
+    python3 - "$OUT/spec-e2e.json" <<'PY'
+import json, sys
+r = json.load(open(sys.argv[1]))
+print({k: r[k] for k in ("prompts", "plain_tok_s", "spec_tok_s", "speedup", "plain_decode_tok_s", "spec_decode_tok_s",
+                         "decode_speedup", "tokens_per_pass", "draft_seconds", "verify_seconds", "all_identical",
+                         "identical_prompts", "peak_device_bytes", "vram_budget_bytes", "plan_bytes_by_tier")})
+PY
+    ;;
+*) echo "usage: scripts/gpu-spec-e2e.sh piece|run" >&2; exit 2 ;;
+esac

@@ -1,0 +1,31 @@
+"""bench.spec_bench e2e (the H200 measurement of issue 14) run on the NumPy stand-in for CuPy with a
+synthetic target/draft pair: the target streamed with about half its layer bytes in tier B, the
+draft resident, and every speculative output the plain engine's. It proves the benchmark's
+orchestration and the exactness of verify_tree's orchestration, not speed (tests/fake_cupy.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from infer.synth import Shape, write_model
+
+SHAPE = Shape(n_layers=8, dim=256, ffn_dim=768, n_heads=4, n_kv_heads=2, vocab_size=600, context_length=512)
+
+
+def test_e2e_outputs_identical_and_half_streamed(tmp_path: Path, fake_cupy: object,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    from bench import spec_bench
+
+    target, draft = tmp_path / "t-q4_k_m.gguf", tmp_path / "d-q4_k_m.gguf"
+    write_model(target, SHAPE, "q4_k_m", seed=3)
+    write_model(draft, SHAPE, "q4_k_m", seed=3)  # the same weights: a draft that is nearly always right
+    monkeypatch.setattr(spec_bench, "humaneval_prompts", lambda n: ["def add(a, b):", "x = [1, 2, 3]\nfor"][:n])
+    result = spec_bench.e2e(spec_bench.main.__globals__["argparse"].Namespace(
+        target=target, draft=draft, prompts=2, tokens=12, shape="4x2", resident_fraction=0.5, draft_budget=None,
+        ctx=128, slots=2))
+    assert result["all_identical"], result["rows"]
+    assert result["prompts"] == 2 and result["tokens_per_pass"] > 1.5
+    tiers = result["plan_bytes_by_tier"]
+    assert tiers["RAM"] > 0 and tiers["VRAM"] > 0, tiers
