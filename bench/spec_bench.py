@@ -10,7 +10,7 @@ many tokens a drafter gets accepted per pass, and the tok/s those two give toget
     python -m bench.spec_bench verify --synth 70b:q4_k_m --streaming --vram-budget 24GB
     # end to end on the GPU: target streamed (about half its layer bytes in tier B), draft resident,
     # plain and speculative greedy generation in the same run, every output compared
-    python -m bench.spec_bench e2e --target qwen15b.gguf --draft qwen05b.gguf --prompts 40 --tokens 128 --shape 16x4
+    python -m bench.spec_bench e2e --target qwen15b.gguf --draft qwen05b.gguf --prompts 40 --tokens 128 --shapes 16x4,12x1,auto
     # combine the two: projected tok/s = tokens per pass(shape) / pass seconds(nodes), best shape
     python -m bench.spec_bench project --acceptance a.json --verify v.json
 
@@ -250,11 +250,13 @@ def half_resident_budget(gguf: Any, ctx: int, prefill_chunk: int, slots: int, pl
 
 def e2e(args: argparse.Namespace) -> dict[str, Any]:
     """Greedy generation on the real pair, the target streamed with about half its layer bytes in
-    tier B and the draft resident: plain and speculative in the same run, outputs compared."""
+    tier B and the draft resident: plain and speculative (each tree shape of --shapes, `auto`: the
+    CLI's tuned chain) in the same run, every output compared with the plain one."""
     from infer.cli import _load
-    from infer.cli_spec import check_vocabulary
+    from infer.cli_spec import MAX_DEPTH, START_DEPTH_STREAMING, check_vocabulary
     from infer.gguf_file import GGUFModel
-    from infer.speculative import ModelDrafter, Speculator
+    from infer.gpu.memory import PeakMonitor
+    from infer.speculative import DepthTuner, ModelDrafter, Speculator
     from infer.tiers.plan import Tier
     from infer.tiers.session import StreamingConfig, build_streaming_engine
     from infer.tokenizer import Tokenizer
@@ -265,84 +267,96 @@ def e2e(args: argparse.Namespace) -> dict[str, Any]:
         check_vocabulary(tokenizer, Tokenizer.from_gguf(GGUFModel(args.draft).metadata), str(args.draft))
     except ValueError as e:
         raise SystemExit(str(e)) from None
-    from infer.gpu.memory import PeakMonitor
-
-    depth, width = (int(v) for v in args.shape.split("x"))
-    nodes = 1 + depth * width
-    monitor = PeakMonitor(0.05).__enter__()  # load and both runs: the peak the budget must hold
+    shapes = [s.strip() for s in args.shapes.split(",") if s.strip()]
+    fixed = [tuple(int(v) for v in s.split("x")) for s in shapes if s != "auto"]
+    nodes_max = max([1 + d * w for d, w in fixed] + ([1 + MAX_DEPTH] if "auto" in shapes else []))
+    monitor = PeakMonitor(0.05).__enter__()  # load and every run: the peak the budget must hold
     draft = _load(str(args.draft), args.ctx, "gpu", args.draft_budget, half_copies=False)
     planned = draft.transformer.account.planned_total
-    chunk = max(512, nodes)
+    chunk = max(512, nodes_max)
     budget = half_resident_budget(gguf, args.ctx, chunk, args.slots, planned, args.resident_fraction)
     config = StreamingConfig(enabled=True, vram_budget=str(budget), slots=args.slots)
     session = build_streaming_engine(gguf, config, args.ctx, "gpu", prefill_chunk=chunk, enforce_budget=True,
                                      planned={"draft model": planned})
     print(session.report(), file=sys.stderr)
-    plan = session.plan
-    tiers = {t.name: plan.bytes_in(t) for t in Tier}
+    tiers = {t.name: session.plan.bytes_in(t) for t in Tier}
     target = session.engine.model
     prompts = [tokenizer.encode(p) for p in humaneval_prompts(args.prompts)]
     greedy_choice = lambda logits, _seen: int(np.argmax(logits))  # noqa: E731 - the device sampler's arg-max
+    cache = target.new_cache(args.ctx)
+    runs: dict[str, Speculator] = {}
+    for name in shapes:
+        if name == "auto":
+            tuner = DepthTuner(START_DEPTH_STREAMING, MAX_DEPTH, width=1)
+            runs[name] = Speculator(target, ModelDrafter(draft.transformer, args.ctx, tuner.depth, 1,
+                                                         cache=draft.engine.cache), 1 + MAX_DEPTH, args.ctx, tuner)
+        else:
+            depth, width = (int(v) for v in name.split("x"))
+            runs[name] = Speculator(target, ModelDrafter(draft.transformer, args.ctx, depth, width,
+                                                         cache=draft.engine.cache), 1 + depth * width, args.ctx)
+
+    def plain(ids: list[int]) -> tuple[list[int], float]:
+        cache.length = 0
+        began = time.perf_counter()
+        out = target.generate(np.asarray(ids), cache, args.tokens)
+        return out, time.perf_counter() - began
+
+    def speculative(spec: Speculator, ids: list[int]) -> tuple[list[int], float]:
+        began = time.perf_counter()
+        out = list(spec.generate(ids, args.tokens, greedy_choice, cache=cache))
+        return out, time.perf_counter() - began
+
+    def prefill(ids: list[int]) -> float:
+        cache.length = 0
+        began = time.perf_counter()
+        target.forward(np.asarray(ids[:-1]), cache)
+        cache.stream.synchronize()
+        return time.perf_counter() - began
+
     rows: list[dict[str, Any]] = []
     try:
-        cache = target.new_cache(args.ctx)
-
-        def plain(ids: list[int]) -> tuple[list[int], float]:
-            cache.length = 0
-            began = time.perf_counter()
-            out = target.generate(np.asarray(ids), cache, args.tokens)
-            return out, time.perf_counter() - began
-
-        spec = Speculator(target, ModelDrafter(draft.transformer, args.ctx, depth, width, cache=draft.engine.cache),
-                          nodes, args.ctx)
-
-        def speculative(ids: list[int]) -> tuple[list[int], float]:
-            began = time.perf_counter()
-            out = list(spec.generate(ids, args.tokens, greedy_choice, cache=cache))
-            return out, time.perf_counter() - began
-
-        def prefill(ids: list[int]) -> float:
-            cache.length = 0
-            began = time.perf_counter()
-            target.forward(np.asarray(ids[:-1]), cache)
-            cache.stream.synchronize()
-            return time.perf_counter() - began
-
         plain(prompts[0])  # warm-up: kernels compiled, graphs captured, buffers made
-        speculative(prompts[0])
+        for spec in runs.values():
+            speculative(spec, prompts[0])
         for k, ids in enumerate(prompts):
             want, plain_s = plain(ids)
-            got, spec_s = speculative(ids)
-            s = spec.stats
-            rows.append({"prompt": k, "prompt_tokens": len(ids), "plain_seconds": round(plain_s, 4),
-                         "spec_seconds": round(spec_s, 4), "prefill_seconds": round(prefill(ids), 4),
-                         "identical": got == want, "first_difference": next(
-                             (i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b), None),
-                         "passes": s.passes, "tokens_per_pass": round(s.tokens_per_pass, 3),
-                         "draft_seconds": round(s.draft_seconds, 4), "verify_seconds": round(s.verify_seconds, 4),
-                         "accepted_at_depth": dict(s.accepted_at_depth)})
-            print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+            row: dict[str, Any] = {"prompt": k, "prompt_tokens": len(ids), "plain_seconds": round(plain_s, 4),
+                                   "prefill_seconds": round(prefill(ids), 4)}
+            for name, spec in runs.items():
+                got, spec_s = speculative(spec, ids)
+                s = spec.stats
+                row[name] = {"seconds": round(spec_s, 4), "identical": got == want, "first_difference": next(
+                                 (i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b), None),
+                             "passes": s.passes, "tokens_per_pass": round(s.tokens_per_pass, 3),
+                             "draft_seconds": round(s.draft_seconds, 4), "verify_seconds": round(s.verify_seconds, 4)}
+                if spec.tuner is not None:
+                    row[name]["depth"] = spec.tuner.depth
+            rows.append(row)
+            print(json.dumps(row), file=sys.stderr, flush=True)
     finally:
         monitor.__exit__(None, None, None)
         session.close()
-    peak = monitor.peak
     tokens = args.tokens * len(rows)
-    plain_s, spec_s = sum(r["plain_seconds"] for r in rows), sum(r["spec_seconds"] for r in rows)
-    prefill_s = sum(r["prefill_seconds"] for r in rows)
-    passes = sum(r["passes"] for r in rows)
-    return {"target": str(args.target), "draft": str(args.draft), "tree": {"depth": depth, "width": width, "nodes": nodes},
-            "vram_budget_bytes": budget, "resident_fraction_asked": args.resident_fraction, "plan_bytes_by_tier": tiers,
-            "prompts": len(rows), "tokens_per_prompt": args.tokens,
-            "plain_tok_s": round(tokens / plain_s, 3), "spec_tok_s": round(tokens / spec_s, 3),
-            "speedup": round(plain_s / spec_s, 3),
-            "plain_decode_tok_s": round(tokens / max(plain_s - prefill_s, 1e-9), 3),
+    plain_s, prefill_s = sum(r["plain_seconds"] for r in rows), sum(r["prefill_seconds"] for r in rows)
+    summary = {}
+    for name, spec in runs.items():
+        spec_s = sum(r[name]["seconds"] for r in rows)
+        passes = sum(r[name]["passes"] for r in rows)
+        summary[name] = {
+            "spec_tok_s": round(tokens / spec_s, 3), "speedup": round(plain_s / spec_s, 3),
             "spec_decode_tok_s": round(tokens / max(spec_s - prefill_s, 1e-9), 3),
             "decode_speedup": round((plain_s - prefill_s) / max(spec_s - prefill_s, 1e-9), 3),
             "tokens_per_pass": round(tokens / passes, 3) if passes else None,
-            "draft_seconds": round(sum(r["draft_seconds"] for r in rows), 3),
-            "verify_seconds": round(sum(r["verify_seconds"] for r in rows), 3),
-            "all_identical": all(r["identical"] for r in rows), "identical_prompts": sum(r["identical"] for r in rows),
-            "peak_device_bytes": peak, "rows": rows}
+            "draft_ms_per_pass": round(1e3 * sum(r[name]["draft_seconds"] for r in rows) / passes, 2),
+            "verify_ms_per_pass": round(1e3 * sum(r[name]["verify_seconds"] for r in rows) / passes, 2),
+            "all_identical": all(r[name]["identical"] for r in rows),
+            "identical_prompts": sum(r[name]["identical"] for r in rows),
+            **({"tuned": spec.tuner.describe()} if spec.tuner is not None else {})}
+    return {"target": str(args.target), "draft": str(args.draft), "vram_budget_bytes": budget,
+            "resident_fraction_asked": args.resident_fraction, "plan_bytes_by_tier": tiers,
+            "prompts": len(rows), "tokens_per_prompt": args.tokens, "plain_tok_s": round(tokens / plain_s, 3),
+            "plain_decode_tok_s": round(tokens / max(plain_s - prefill_s, 1e-9), 3), "shapes": summary,
+            "peak_device_bytes": monitor.peak, "rows": rows}
 
 
 def _synth(spec: str, directory: Path) -> Path:
@@ -385,7 +399,8 @@ def main(argv: list[str] | None = None) -> int:
     e.add_argument("--draft", type=Path, required=True)
     e.add_argument("--prompts", type=int, default=40)
     e.add_argument("--tokens", type=int, default=128)
-    e.add_argument("--shape", default="16x4", help="draft tree depth x width (1 + depth*width nodes)")
+    e.add_argument("--shapes", default="16x4,12x1,16x1,auto",
+                   help="draft trees, depth x width (1 + depth*width nodes), comma-separated; auto: the CLI's tuned chain")
     e.add_argument("--resident-fraction", type=float, default=0.5, help="share of the target's layer bytes in VRAM")
     e.add_argument("--draft-budget", default=None, help="--vram-budget for the draft alone (default: its own needs)")
     e.add_argument("--ctx", type=int, default=1024)

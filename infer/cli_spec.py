@@ -13,8 +13,12 @@ from typing import Any
 
 import click
 
-DEFAULT_TREE_RESIDENT = 9  # depth 4 x width 2: a resident pass costs more with every node
-DEFAULT_TREE_STREAMING = 33  # depth 8 x width 4: a streamed pass costs about the same up to hundreds
+DEFAULT_TREE_RESIDENT = 9  # --lookup: up to 8 tokens below the root
+DEFAULT_TREE_STREAMING = 33  # --lookup with --streaming: a streamed pass costs about the same up to hundreds
+# --draft-model without --draft-tree: a chain (siblings of a greedy chain are leaves and added under
+# 1% tokens per pass on the measured pair: docs/SPECULATIVE.md) whose depth the run's own
+# measurements choose (infer.speculative.DepthTuner), starting here
+START_DEPTH_RESIDENT, START_DEPTH_STREAMING, MAX_DEPTH = 4, 12, 32
 
 
 @dataclass(frozen=True)
@@ -41,8 +45,9 @@ def spec_options(func: Any) -> Any:
         click.option("--draft-model", type=click.Path(), help="Speculative decoding: a small model with the same "
                      "vocabulary drafts a tree of tokens that one target pass verifies (output unchanged)."),
         click.option("--draft-tree", type=click.IntRange(min=1), default=None,
-                     help=f"Nodes of the draft tree (default {DEFAULT_TREE_RESIDENT}, {DEFAULT_TREE_STREAMING} "
-                          "with --streaming)."),
+                     help="Nodes of the draft tree, fixed (default with --draft-model: a chain whose depth is "
+                          f"chosen from the run's measured pass times and acceptance, up to {MAX_DEPTH}; with "
+                          f"--lookup {DEFAULT_TREE_RESIDENT}, {DEFAULT_TREE_STREAMING} with --streaming)."),
         click.option("--lookup", is_flag=True, help="Speculative decoding from n-gram matches in the prompt and "
                      "the output so far (no draft model)."),
     ]):
@@ -71,9 +76,18 @@ def drafter(spec: SpecOptions, draft: Any, ctx: int, tree: int) -> Any:
     return LookupDrafter(max_ngram=3, depth=max(1, tree - 1))
 
 
+def tuned(spec: SpecOptions, streaming: bool) -> Any:
+    """The depth tuner for --draft-model without --draft-tree, else None."""
+    from infer.speculative import DepthTuner
+
+    if not spec.draft_model or spec.tree is not None:
+        return None
+    return DepthTuner(START_DEPTH_STREAMING if streaming else START_DEPTH_RESIDENT, MAX_DEPTH, width=1)
+
+
 def generate(target: Any, cache: Any, tokenizer: Any, spec: SpecOptions, draft: Any, ctx: int, tree: int,
              prompt: str, n_predict: int, sampler_config: Any, benchmark: bool, as_json: bool,
-             note: Any) -> dict[str, Any]:
+             note: Any, tuner: Any = None) -> dict[str, Any]:
     """Generates with a Speculator on the target's KV cache `cache` (the one its budget planned) and
     prints the text (or JSON), then its statistics."""
     from infer.sampler import Sampler
@@ -83,7 +97,12 @@ def generate(target: Any, cache: Any, tokenizer: Any, spec: SpecOptions, draft: 
     ids = tokenizer.encode(prompt)
     if not ids:
         raise ValueError("the prompt is empty after tokenization")
-    spec_run = Speculator(target, drafter(spec, draft, ctx, tree), tree, ctx)
+    if tuner is not None:
+        tree = 1 + MAX_DEPTH  # the tuner picks the chain's depth, up to MAX_DEPTH
+    drafting = drafter(spec, draft, ctx, tree)
+    if tuner is not None:
+        drafting.width = 1
+    spec_run = Speculator(target, drafting, tree, ctx, tuner=tuner)
     decoder = StreamDecoder(tokenizer)
     is_end = (lambda _: False) if benchmark else tokenizer.is_eog
     out: list[int] = []
@@ -108,7 +127,11 @@ def generate(target: Any, cache: Any, tokenizer: Any, spec: SpecOptions, draft: 
     elif not benchmark:
         click.echo(pieces[-1])
     depths = ", ".join(f"{d}: {v:.2f}" for d, v in s.as_dict()["acceptance_by_depth"].items())  # type: ignore[union-attr]
-    note(f"speculation ({result['drafter']}, trees of {tree} nodes): {len(out)} tokens in {s.passes} target passes = "
+    if tuner is not None:
+        result["tuned_depth"] = tuner.depth
+        note(f"draft tree chosen from this run's measurements: a chain of {tuner.describe()}")
+    shape = f"a chain tuned up to depth {MAX_DEPTH}" if tuner is not None else f"trees of {tree} nodes"
+    note(f"speculation ({result['drafter']}, {shape}): {len(out)} tokens in {s.passes} target passes = "
          f"{s.tokens_per_pass:.2f} tokens per pass; accepted per pass by depth {{{depths}}}; draft "
          f"{s.draft_seconds:.2f} s, verify {s.verify_seconds:.2f} s; {result['tok_s']} tok/s")
     return result
@@ -166,7 +189,7 @@ def run(model: str | None, spec: SpecOptions, streaming: Any, ctx_size: int, dev
                 cache = llm.engine.cache  # the one cache its budget planned
             try:
                 generate(target, cache, tokenizer, spec, draft, context, tree, prompt, n_predict, sampler, benchmark,
-                         as_json, c._note)
+                         as_json, c._note, tuner=tuned(spec, streaming.enabled))
             finally:
                 if closer is not None:
                     closer()

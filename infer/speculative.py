@@ -89,13 +89,81 @@ def follow(tree: Tree, logits: np.ndarray, choose: Chooser, history: list[int]) 
         node = nxt
 
 
-class Speculator:
-    """Generation on `target` with trees from `drafter` of up to `tree_size` nodes."""
+class DepthTuner:
+    """Picks the draft chain's depth from this run's own measurements: how often the accepted path
+    reached each depth (among passes that offered it), the draft's seconds per step, and the verify
+    pass's seconds against its tree size (a straight-line fit). Expected tokens per pass at depth D
+    are 1 + sum over d <= D of P(reach d); depths not yet offered continue the last measured
+    step-to-step acceptance. The depth maximising tokens per second is re-chosen every `every`
+    passes, between 1 and `max_depth`."""
 
-    def __init__(self, target: Model, drafter: Drafter, tree_size: int, ctx_size: int) -> None:
+    def __init__(self, depth: int, max_depth: int = 32, width: int = 1, every: int = 8) -> None:
+        self.depth, self.max_depth, self.width, self.every = depth, max_depth, width, every
+        self.offered: Counter = Counter()  # depth d -> passes whose chain reached d
+        self.reached: Counter = Counter()  # depth d -> passes whose accepted path reached d
+        self.draft_steps = 0
+        self.draft_seconds = 0.0
+        self.verify: list[tuple[int, float]] = []  # (nodes, seconds)
+        self.passes = 0
+
+    def observe(self, depth: int, nodes: int, accepted: int, draft_seconds: float, verify_seconds: float) -> None:
+        for d in range(1, depth + 1):
+            self.offered[d] += 1
+        for d in range(1, accepted + 1):
+            self.reached[d] += 1
+        self.draft_steps += depth
+        self.draft_seconds += draft_seconds
+        self.verify.append((nodes, verify_seconds))
+        self.verify = self.verify[-256:]
+        self.passes += 1
+        if self.passes % self.every == 0:
+            self.depth = self.best()[0]
+
+    def expected_tokens(self, depth: int) -> float:
+        total, p, ratio = 1.0, 1.0, 0.0
+        for d in range(1, depth + 1):
+            if self.offered[d]:
+                q = self.reached[d] / self.offered[d]
+                ratio = q / p if p > 0 else 0.0
+                p = q
+            else:  # beyond what was offered: the last measured conditional acceptance
+                p *= ratio
+            total += p
+        return total
+
+    def seconds(self, depth: int) -> float:
+        step = self.draft_seconds / self.draft_steps if self.draft_steps else 0.0
+        nodes = np.array([n for n, _ in self.verify], float)
+        secs = np.array([t for _, t in self.verify], float)
+        if len(set(nodes.tolist())) >= 2:
+            slope, intercept = np.polyfit(nodes, secs, 1)
+            slope = max(float(slope), 0.0)
+        else:
+            slope, intercept = 0.0, float(secs.mean()) if secs.size else 0.0
+        return depth * step + float(intercept) + slope * (1 + depth * self.width)
+
+    def best(self) -> tuple[int, float]:
+        """(depth, expected tokens per second) of the best depth."""
+        rates = [(d, self.expected_tokens(d) / max(self.seconds(d), 1e-9)) for d in range(1, self.max_depth + 1)]
+        return max(rates, key=lambda r: r[1])
+
+    def describe(self) -> str:
+        d, rate = self.best()
+        step = self.draft_seconds / self.draft_steps if self.draft_steps else 0.0
+        return (f"depth {d} (expected {self.expected_tokens(d):.2f} tokens per pass in {self.seconds(d) * 1e3:.1f} ms: "
+                f"draft {step * 1e3:.2f} ms per step, {rate:.1f} tok/s; from {self.passes} passes)")
+
+
+class Speculator:
+    """Generation on `target` with trees from `drafter` of up to `tree_size` nodes. With `tuner`
+    (a ModelDrafter's chain), the drafter's depth follows the tuner's choice."""
+
+    def __init__(self, target: Model, drafter: Drafter, tree_size: int, ctx_size: int,
+                 tuner: DepthTuner | None = None) -> None:
         if tree_size < 1:
             raise ValueError(f"the draft tree needs at least one node, not {tree_size}")
         self.target, self.drafter, self.tree_size, self.ctx_size = target, drafter, tree_size, ctx_size
+        self.tuner = tuner
         self.stats = SpecStats()
         # the decode step's own numbers where the engine has them (GPU: verify_tree), so greedy
         # output is the plain engine's token for token; else forward_tree (CPU: one function)
@@ -110,6 +178,9 @@ class Speculator:
         if len(prompt) > self.ctx_size:
             raise ValueError(f"a prompt of {len(prompt)} tokens exceeds the context size {self.ctx_size}")
         self.stats = SpecStats()
+        reset = getattr(self.drafter, "reset", None)
+        if reset is not None:  # a new sequence: the draft's cache may hold another's tokens
+            reset()
         if cache is None:
             cache = self.target.new_cache(self.ctx_size)
         cache.length = 0
@@ -121,14 +192,23 @@ class Speculator:
             room = self.ctx_size - cache.length  # positions the tree may take
             if room < 1:
                 return
+            size = self.tree_size
+            if self.tuner is not None:
+                self.drafter.depth = self.tuner.depth  # type: ignore[attr-defined]
+                size = 1 + self.tuner.depth * self.tuner.width
             began = time.perf_counter()
-            tree = self.drafter.propose(context, root, min(self.tree_size, room, max_new_tokens - produced + 1))
-            self.stats.draft_seconds += time.perf_counter() - began
+            tree = self.drafter.propose(context, root, min(size, room, max_new_tokens - produced + 1))
+            draft_s = time.perf_counter() - began
             began = time.perf_counter()
             logits = self._verify(np.asarray(tree.tokens), np.asarray(tree.parents), cache)
             path, chosen = follow(tree, logits, choose, context)
             cache.accept(path)  # type: ignore[attr-defined]
-            self.stats.verify_seconds += time.perf_counter() - began
+            verify_s = time.perf_counter() - began
+            self.stats.draft_seconds += draft_s
+            self.stats.verify_seconds += verify_s
+            if self.tuner is not None:
+                depth = max((_depth(tree.parents, n) for n in range(len(tree.parents))), default=0)
+                self.tuner.observe(depth, len(tree.tokens), len(path) - 1, draft_s, verify_s)
             self.stats.passes += 1
             self.stats.proposed += len(tree.tokens) - 1
             self.stats.accepted += len(path) - 1
@@ -142,6 +222,13 @@ class Speculator:
                 if is_end(token) or produced >= max_new_tokens:
                     return
             root = chosen
+
+
+def _depth(parents: Sequence[int], node: int) -> int:
+    d = 0
+    while parents[node] >= 0:
+        node, d = parents[node], d + 1
+    return d
 
 
 def tree_shape(depth: int, width: int, size: int) -> tuple[int, int]:
@@ -164,6 +251,11 @@ class ModelDrafter:
         self.cache: Cache = cache if cache is not None else draft.new_cache(ctx_size)  # the draft's own KV cache
         self.cache.length = 0
         self.fed: list[int] = []  # the tokens in the draft's cache
+
+    def reset(self) -> None:
+        """Forget the cache's contents (another sequence, or another drafter sharing it, ran)."""
+        self.cache.length = 0
+        self.fed = []
 
     def shape(self, size: int) -> tuple[int, int]:
         """(depth, width) of the tree for a budget of `size` nodes."""

@@ -8,7 +8,7 @@
 #   there:  bash scripts/gpu-spec-e2e.sh piece          (carry .carry: keeps .carry/p* in /tmp/models/pieces)
 #   last:   OUT=... bash scripts/gpu-spec-e2e.sh run    (joins, checks the sha256 below, runs bench.spec_bench e2e)
 #
-# E2E_PROMPTS (40), E2E_TOKENS (128), E2E_SHAPE (16x4) set the run.
+# E2E_PROMPTS (40), E2E_TOKENS (128), E2E_SHAPES (16x4,12x1,16x1,auto) set the run.
 set -u
 cd "$(dirname "$0")/.."
 DIR=/tmp/models
@@ -18,7 +18,7 @@ DRAFT_SHA=1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32
 mkdir -p "$DIR/pieces"
 case "${1:-}" in
 piece)
-    cp .carry/p* "$DIR/pieces/" && ls "$DIR/pieces" | tr '\n' ' ' && du -sb "$DIR/pieces" ;;
+    cp "${2:-.carry}"/p* "$DIR/pieces/" && ls "$DIR/pieces" | tr "\n" " " && du -sb "$DIR/pieces" ;;
 run)
     OUT=${OUT:-/tmp/spec-e2e}
     mkdir -p "$OUT"
@@ -33,16 +33,17 @@ run)
     sha256sum -c "$DIR/sums" 2>&1 | tee "$OUT/models-sha256.txt" || { echo "models: checksum FAILED"; exit 1; }
     export PYTHONPATH="${PYTHONPATH:-}:$PWD" PYTHONUNBUFFERED=1
     python3 -m bench.spec_bench e2e --target "$DIR/target.gguf" --draft "$DIR/draft.gguf" \
-        --prompts "${E2E_PROMPTS:-40}" --tokens "${E2E_TOKENS:-128}" --shape "${E2E_SHAPE:-16x4}" \
+        --prompts "${E2E_PROMPTS:-40}" --tokens "${E2E_TOKENS:-128}" --shapes "${E2E_SHAPES:-16x4,12x1,16x1,auto}" \
         --out "$OUT/spec-e2e.json" > "$OUT/spec-e2e.stdout" 2> "$OUT/spec-e2e.log"
     echo "e2e exit $?"
     tail -n 5 "$OUT/spec-e2e.log"
     python3 - "$OUT/spec-e2e.json" <<'PY'
 import json, sys
 r = json.load(open(sys.argv[1]))
-print({k: r[k] for k in ("prompts", "plain_tok_s", "spec_tok_s", "speedup", "plain_decode_tok_s", "spec_decode_tok_s",
-                         "decode_speedup", "tokens_per_pass", "draft_seconds", "verify_seconds", "all_identical",
-                         "identical_prompts", "peak_device_bytes", "vram_budget_bytes", "plan_bytes_by_tier")})
+print({k: r[k] for k in ("prompts", "plain_tok_s", "plain_decode_tok_s", "peak_device_bytes", "vram_budget_bytes",
+                         "plan_bytes_by_tier")})
+for name, row in r["shapes"].items():
+    print(name, row)
 PY
     ;;
 *) echo "usage: scripts/gpu-spec-e2e.sh piece|run" >&2; exit 2 ;;

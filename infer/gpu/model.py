@@ -393,29 +393,35 @@ class GpuTransformer:
         return verify_tree(self, tokens, parents, cache)
 
     def draft_chain(self, tokens: np.ndarray, cache: GpuKVCache, depth: int, width: int) -> np.ndarray:
-        """The draft side of speculation, without a host round trip per token: `tokens` fed at
-        cache.length, then `depth` greedy steps on the device; returns (depth, width) ids, row d the
-        `width` most likely tokens after the chain's first d (row d's first id is the chain's d-th).
-        The cache then holds `tokens` and the chain's first depth - 1 tokens (cache.length counts them)."""
+        """The draft side of speculation, queued on the device with one wait at the end: `tokens`
+        fed at cache.length, then `depth` greedy decode steps, each picking its next token on the
+        device (the graph's arg-max). Returns (depth, width) ids: column 0 the chain, the others each
+        step's runners-up (one sort of all steps' logits at the end). The cache then holds `tokens`
+        and the chain's first depth - 1 tokens (cache.length counts them)."""
         tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
         if len(tokens) == 0 or depth < 1 or width < 1:
             raise ValueError("draft_chain needs tokens, depth >= 1 and width >= 1")
         if cache.length + len(tokens) + depth - 1 > cache.max_tokens:
             raise ValueError(f"context full: {cache.length} + {len(tokens)} + {depth - 1} exceed {cache.max_tokens}")
-        top = cupy.empty((depth, width), cupy.int64)
         with self.stream:
             for token in tokens[:-1]:  # decode steps (queued, no dequantization): usually one or two tokens
                 self._set_position(cache, int(token), cache.length)
                 self._decode_step(cache)
                 cache.length += 1
-            self._set_position(cache, int(tokens[-1]), cache.length)
+            start = cache.length  # position of the last fed token; the chain's tokens follow it
+            self._set_position(cache, int(tokens[-1]), start)
+            steps = cupy.empty((depth, self.args.vocab_size), F32) if width > 1 else None
             for d in range(depth):
-                self._decode_step(cache)
-                top[d] = cupy.argsort(-self.logits)[:width]
-                if d + 1 < depth:  # the most likely token is the next step's input (position + 1)
-                    cache.tok[...] = top[d, 0].astype(cupy.int32)
-                    cache.pos += 1
-            ids = cupy.asnumpy(top, stream=self.stream)
+                self._decode_step(cache, (0.0, 0))  # arg-max into cache.tokens[pos + 1], pos + 1
+                if steps is not None:
+                    steps[d] = self.logits
+            chain = cache.tokens[start + 1 : start + 1 + depth]
+            if steps is None:
+                ids = cupy.asnumpy(chain, stream=self.stream).astype(np.int64)[:, None]
+            else:
+                top = cupy.argsort(-steps, axis=1)[:, :width]
+                top[:, 0] = chain  # the chain as the device step chose it (ties: the same token either way)
+                ids = cupy.asnumpy(top, stream=self.stream).astype(np.int64)
         self.stream.synchronize()
         cache.length += depth  # the last fed token and the chain's first depth - 1
         return ids

@@ -149,10 +149,11 @@ def test_speculative_greedy_is_plain_generation(path: Path) -> None:
                 print(f"{name}: {spec.stats.tokens_per_pass:.2f} tokens per pass, identical")
         finally:
             close()
-    a, b = draft.new_cache(CTX), draft.new_cache(CTX)
-    ids = draft.draft_chain(np.asarray(prompts[0]), a, 5, 4)
-    for t in prompts[0][:-1]:  # as draft_chain feeds it: a decode step per token
-        draft.forward(np.array([t]), b)
-    host = ModelDrafter(draft, CTX, 5, 4, cache=b)
-    np.testing.assert_array_equal(ids, host._chain(np.asarray(prompts[0][-1:]), 5, 4))
-    assert a.length == b.length
+    for width in (1, 4):
+        a, b = draft.new_cache(CTX), draft.new_cache(CTX)
+        ids = draft.draft_chain(np.asarray(prompts[0]), a, 5, width)
+        host = ModelDrafter(draft, CTX, 5, width, cache=b)  # (it empties the cache it is given)
+        for t in prompts[0][:-1]:  # as draft_chain feeds it: a decode step per token
+            draft.forward(np.array([t]), b)
+        np.testing.assert_array_equal(ids, host._chain(np.asarray(prompts[0][-1:]), 5, width))
+        assert a.length == b.length

@@ -23,9 +23,11 @@ def test_e2e_outputs_identical_and_half_streamed(tmp_path: Path, fake_cupy: obje
     write_model(draft, SHAPE, "q4_k_m", seed=3)  # the same weights: a draft that is nearly always right
     monkeypatch.setattr(spec_bench, "humaneval_prompts", lambda n: ["def add(a, b):", "x = [1, 2, 3]\nfor"][:n])
     result = spec_bench.e2e(spec_bench.main.__globals__["argparse"].Namespace(
-        target=target, draft=draft, prompts=2, tokens=12, shape="4x2", resident_fraction=0.5, draft_budget=None,
+        target=target, draft=draft, prompts=2, tokens=12, shapes="4x2,auto", resident_fraction=0.5, draft_budget=None,
         ctx=128, slots=2))
-    assert result["all_identical"], result["rows"]
-    assert result["prompts"] == 2 and result["tokens_per_pass"] > 1.5
+    for name in ("4x2", "auto"):
+        assert result["shapes"][name]["all_identical"], result["rows"]
+        assert result["shapes"][name]["tokens_per_pass"] > 1.5, name
+    assert result["prompts"] == 2
     tiers = result["plan_bytes_by_tier"]
     assert tiers["RAM"] > 0 and tiers["VRAM"] > 0, tiers

@@ -220,3 +220,38 @@ def test_projection_joins_acceptance_and_pass_time(tmp_path: Path) -> None:
     assert rows[1]["projected_tok_s"] == round(5.0 / (0.5 + 8 * 0.01), 3) == result["best"]["projected_tok_s"]
     assert rows[1]["draft_step_seconds_for_10_tok_s"] == 0.0
     assert rows[0]["draft_step_seconds_for_10_tok_s"] < 0  # 2 tokens per 0.4 s pass cannot reach 10 tok/s
+
+
+def test_depth_tuner_picks_the_depth_the_measurements_favour() -> None:
+    """The tuner's choice is the depth that maximises expected tokens per second under the measured
+    acceptance (each step accepted with probability q) and costs (draft step s, verify a + b per
+    node), against the same optimum computed in closed form; it moves there from its start."""
+    from infer.speculative import DepthTuner
+
+    rng = np.random.default_rng(0)
+    for q, step, a, b in ((0.9, 1e-3, 10e-3, 0.0), (0.6, 2e-3, 5e-3, 1e-4), (0.97, 0.5e-3, 20e-3, 0.0)):
+        tuner = DepthTuner(depth=3, max_depth=32, every=8)
+        for _ in range(400):
+            d = tuner.depth
+            accepted = 0
+            while accepted < d and rng.random() < q:
+                accepted += 1
+            tuner.observe(d, 1 + d, accepted, d * step, a + b * (1 + d))
+        def rate(d: int, q: float = q, step: float = step, a: float = a, b: float = b) -> float:
+            return sum(q**i for i in range(d + 1)) / (d * step + a + b * (1 + d))
+        best = max(range(1, 33), key=rate)
+        assert rate(tuner.depth) >= 0.9 * rate(best), (q, tuner.depth, best)
+
+
+def test_speculator_with_tuner_is_plain_greedy() -> None:
+    """With the depth tuner (SmolLM2 Q4_0 drafting Q8_0) the output is still the target's own greedy text."""
+    from infer.speculative import DepthTuner
+
+    target = load_transformer(GGUFModel(smollm2_path("Q8_0")), exact=True)
+    draft = load_transformer(GGUFModel(smollm2_path("Q4_0")))
+    prompt = [1, 504, 3458, 282, 4649, 314]
+    want = list(Engine(target, CTX).generate(prompt, 40, greedy))
+    tuner = DepthTuner(depth=2, max_depth=8, every=2)
+    spec = Speculator(target, ModelDrafter(draft, CTX, 2, 1), 9, CTX, tuner)
+    assert list(spec.generate(prompt, 40, greedy)) == want
+    assert 1 <= tuner.depth <= 8 and tuner.passes == spec.stats.passes

@@ -198,7 +198,8 @@ def test_gpu_glue_verify_tree_is_each_path_decoded(model_path: Path, fake_cupy: 
         s.close()
 
 
-def test_gpu_glue_draft_chain_is_the_host_loop(model_path: Path, fake_cupy: object) -> None:
+@pytest.mark.parametrize("width", [1, 3])
+def test_gpu_glue_draft_chain_is_the_host_loop(model_path: Path, fake_cupy: object, width: int) -> None:
     """GpuTransformer.draft_chain (the greedy chain and each step's runners-up, on the device) gives
     the ids of the drafter's host loop, and leaves the cache where that loop leaves it."""
     from infer.speculative import ModelDrafter
@@ -208,11 +209,11 @@ def test_gpu_glue_draft_chain_is_the_host_loop(model_path: Path, fake_cupy: obje
         m = s.engine.model
         prompt = np.random.default_rng(8).integers(3, SHAPE.vocab_size, 6)
         device_cache, host_cache = m.new_cache(CTX), m.new_cache(CTX)
-        ids = m.draft_chain(prompt, device_cache, 4, 3)
-        host = ModelDrafter(m, CTX, 4, 3, cache=host_cache)
+        ids = m.draft_chain(prompt, device_cache, 4, width)
+        host = ModelDrafter(m, CTX, 4, width, cache=host_cache)
         for t in prompt[:-1]:  # as draft_chain feeds it: a decode step per token
             m.forward(np.array([t]), host_cache)
-        want = host._chain(prompt[-1:], 4, 3)
+        want = host._chain(prompt[-1:], 4, width)
         assert np.array_equal(ids, want) and device_cache.length == host_cache.length == len(prompt) + 3
         assert np.array_equal(m.forward(np.array([5]), device_cache), m.forward(np.array([5]), host_cache))
     finally:
