@@ -10,6 +10,7 @@ than landing in a neighbour.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -115,9 +116,11 @@ class QueueMemory:
         for spec, first, end in zip(specs, bounds[:-1], bounds[1:], strict=True):
             sq, cq = self._mapped(spec.depth * 64), self._mapped(spec.depth * 16)
             lists = self._mapped(max(1, spec.queue_depth * self.list_pages) * PAGE_SIZE)
-            list_iovas = self._iova(lists) + PAGE_SIZE * np.arange(spec.queue_depth * self.list_pages, dtype=np.uint64)
-            if spec.queue_depth * self.list_pages == 0:
-                list_iovas = np.zeros(1, dtype=np.uint64)
+            # The device addresses of the list pages: the submitter's table, page-aligned memory of
+            # its own (a GPU registers it; two registrations must never share a page).
+            nlist = spec.queue_depth * self.list_pages
+            list_iovas = aligned_empty(max(8, nlist * 8)).view(np.uint64)
+            list_iovas[:nlist] = self._iova(lists) + PAGE_SIZE * np.arange(nlist, dtype=np.uint64)
             self.allocations.append(list_iovas)
             emu.attach(spec.qid, self._iova(sq), spec.depth, self._iova(cq), spec.depth)
             self.queues.append({"spec": spec, "sq": sq, "cq": cq, "lists": lists, "list_iovas": list_iovas,
@@ -179,18 +182,30 @@ class QueueMemory:
         self._iovas = {}
 
 
-def host_drive(memory: QueueMemory, timeout_s: float = 5.0) -> list[int]:
-    """Drive every queue of `memory` through its commands from the CPU (one queue after another);
-    returns each queue's count of successful reads (or a negative errno)."""
+def host_drive(memory: QueueMemory, timeout_s: float = 5.0, parallel: bool = False) -> list[int]:
+    """Drive every queue of `memory` through its commands from the CPU, one queue after another or
+    (`parallel`) one thread per queue; returns each queue's count of successful reads (or a
+    negative errno)."""
     from nvmedirect.emulator import ffi, library
 
     lib = library()
     rings = memory.rings()
-    work = memory.host_work()
-    results = []
-    for k in range(len(rings)):
+    work_struct = memory.host_work()  # alive until the drives are over
+    work = ffi.cast("struct nvd_work *", address_of(work_struct))
+    results = [0] * len(rings)
+
+    def drive(k: int) -> None:  # cffi releases the GIL for the call: the threads really run at once
         ring = ffi.cast("struct nvd_ring *", address_of(rings) + k * RING_DTYPE.itemsize)
-        results.append(int(lib.nvd_host_drive(ring, ffi.cast("struct nvd_work *", address_of(work)),
-                                              int(timeout_s * 1e9))))
+        results[k] = int(lib.nvd_host_drive(ring, work, int(timeout_s * 1e9)))
+
+    if parallel:
+        threads = [threading.Thread(target=drive, args=(k,)) for k in range(len(rings))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    else:
+        for k in range(len(rings)):
+            drive(k)
     memory.keep_state(rings)
     return results
