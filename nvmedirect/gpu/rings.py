@@ -209,3 +209,17 @@ def host_drive(memory: QueueMemory, timeout_s: float = 5.0, parallel: bool = Fal
             drive(k)
     memory.keep_state(rings)
     return results
+
+
+def host_build(memory: QueueMemory, queue: int = 0) -> tuple[np.ndarray, int]:
+    """The SQE bytes the CPU builder writes for queue `queue`'s commands (CID k % queue_depth; the
+    PRP lists land in that queue's list pages) and its first build error (0: none)."""
+    from nvmedirect.emulator import ffi, library
+
+    rings = memory.rings()
+    work_struct = memory.host_work()
+    out = np.zeros(int(rings[queue]["count"]) * 64, dtype=np.uint8)
+    rc = library().nvd_host_build(ffi.cast("struct nvd_ring *", address_of(rings) + queue * RING_DTYPE.itemsize),
+                                  ffi.cast("struct nvd_work *", address_of(work_struct)),
+                                  ffi.cast("struct nvd_sqe *", address_of(out)))
+    return out, int(rc)

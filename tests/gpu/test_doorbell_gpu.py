@@ -16,10 +16,10 @@ import sys
 import numpy as np
 import pytest
 
-from nvmedirect.emulator import EmulatedController, ffi, library
-from nvmedirect.gpu.reference import SQE_DTYPE, reference_sqes
-from nvmedirect.gpu.rings import HOST_STATUS, HOST_TIMEOUT, QueueMemory, QueueSpec, random_reads
-from nvmedirect.host_memory import PAGE_SIZE, address_of
+from nvmedirect.emulator import EmulatedController
+from nvmedirect.gpu.reference import reference_sqes
+from nvmedirect.gpu.rings import HOST_STATUS, HOST_TIMEOUT, QueueMemory, QueueSpec, host_build, random_reads
+from nvmedirect.host_memory import PAGE_SIZE
 
 pytestmark = pytest.mark.gpu
 
@@ -107,16 +107,13 @@ def test_gpu_sqe_bytes_equal_the_cpu_builder_and_the_numpy_reference(emu):
     assert errors == 0
     gpu_lists = memory.queues[0]["lists"].copy()
     memory.queues[0]["lists"][:] = 0
-    cpu = np.zeros(work.count, dtype=SQE_DTYPE)
-    rc = library().nvd_host_build(ffi.cast("struct nvd_ring *", address_of(memory.rings())),
-                                  ffi.cast("struct nvd_work *", address_of(memory.host_work())),
-                                  ffi.cast("struct nvd_sqe *", address_of(cpu)))
+    cpu, rc = host_build(memory)
     assert rc == 0
     assert gpu_bytes.tobytes() == cpu.tobytes(), "the GPU's SQEs differ from the CPU builder's"
     assert np.array_equal(gpu_lists, memory.queues[0]["lists"]), "the GPU's PRP lists differ"
     q = memory.queues[0]
     want, lists = reference_sqes(work, 0, work.count, 512, 1, memory.dst_pages, q["list_iovas"], memory.list_pages)
-    assert cpu.tobytes() == want.tobytes()
+    assert cpu.tobytes() == want.tobytes(), "the CPU builder differs from the NumPy reference"
     entries = gpu_lists.view("<u8").reshape(-1, PAGE_SIZE // 8)
     for k, pages in lists.items():
         for p, content in enumerate(pages):

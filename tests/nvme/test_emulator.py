@@ -10,10 +10,10 @@ import time
 import numpy as np
 import pytest
 
-from nvmedirect.emulator import EmulatedController, ffi, library
+from nvmedirect.emulator import EmulatedController, ffi
 from nvmedirect.gpu.reference import SQE_DTYPE, reference_sqes
-from nvmedirect.gpu.rings import RING_DTYPE, QueueMemory, QueueSpec, host_drive, random_reads
-from nvmedirect.host_memory import PAGE_SIZE, address_of
+from nvmedirect.gpu.rings import RING_DTYPE, QueueMemory, QueueSpec, host_build, host_drive, random_reads
+from nvmedirect.host_memory import PAGE_SIZE
 
 IMAGE_BYTES = 64 << 20
 MDTS = 4 << 20  # above 2 MiB: the largest reads need a chained PRP list
@@ -108,12 +108,7 @@ def test_c_builder_bytes_equal_the_numpy_reference(emu):
     the spec's rules for the same seed; the GPU test compares the kernel's bytes with these."""
     work = random_reads(seed=77, count=600, nsze=emu.nsze, lba_size=512, max_bytes=MDTS, large_fraction=0.02)
     memory = QueueMemory(emu, [QueueSpec(1, 600, 601)], work, MDTS)
-    rings = memory.rings()
-    out = np.zeros(work.count, dtype=SQE_DTYPE)
-    lib = library()
-    rc = lib.nvd_host_build(ffi.cast("struct nvd_ring *", address_of(rings)),
-                            ffi.cast("struct nvd_work *", address_of(memory.host_work())),
-                            ffi.cast("struct nvd_sqe *", address_of(out)))
+    out, rc = host_build(memory)
     assert rc == 0
     q = memory.queues[0]
     want, lists = reference_sqes(work, 0, work.count, 600, 1, memory.dst_pages, q["list_iovas"], memory.list_pages)
@@ -130,11 +125,10 @@ def test_c_builder_bytes_equal_the_numpy_reference(emu):
 def _submit_raw(emu, memory, edit, count: int = 1):
     """Build `count` good reads through the C builder, let `edit(sqes, memory)` break them, write them
     into queue 1's ring, ring its doorbell and return the CQE statuses (phase dropped)."""
-    rings = memory.rings()
-    sqes = np.zeros(count, dtype=SQE_DTYPE)
-    ring = ffi.cast("struct nvd_ring *", address_of(rings))
-    assert library().nvd_host_build(ring, ffi.cast("struct nvd_work *", address_of(memory.host_work())),
-                                    ffi.cast("struct nvd_sqe *", address_of(sqes))) == 0
+    built, rc = host_build(memory)
+    assert rc == 0
+    sqes = built.view(SQE_DTYPE).copy()
+    sqes = sqes[:count]
     edit(sqes, memory)
     q = memory.queues[0]
     q["sq"][:count * 64] = np.frombuffer(sqes.tobytes(), dtype=np.uint8)
