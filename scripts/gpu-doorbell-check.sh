@@ -40,7 +40,7 @@ print("cupy", cupy.__version__, "device", p["name"].decode(), "sm", p["major"], 
 EOF
 
 section "build: emulator (gcc) and doorbell kernels (NVRTC, else nvcc)"
-timeout 120 python3 - <<'EOF' > "$OUT/build.txt" 2>&1
+timeout 90 python3 - <<'EOF' > "$OUT/build.txt" 2>&1
 import time
 t = time.perf_counter()
 try:
@@ -62,12 +62,12 @@ grep -q FAILED "$OUT/build.txt" && note "build: FAILED (build.txt)" || note "bui
 
 section "CPU tests of the emulator (no GPU involved)"
 # tests/nvme/conftest.py imports the VFIO bindings, which are not carried: load the two files alone.
-timeout 90 python3 -m pytest -q -p no:cacheprovider --noconftest --tb=short -o addopts="" \
+timeout 60 python3 -m pytest -q -p no:cacheprovider --noconftest --tb=short -o addopts="" \
     tests/nvme/test_emulator.py tests/nvme/test_doorbell_compile.py > "$OUT/pytest-cpu.log" 2>&1
 note "cpu emulator tests: exit $?; $(tail -1 "$OUT/pytest-cpu.log")"
 
 section "GPU doorbell tests"
-timeout 150 python3 -m pytest -q -s -p no:cacheprovider --tb=short --durations=10 -o addopts="" \
+timeout 120 python3 -m pytest -q -s -p no:cacheprovider --tb=short --durations=10 -o addopts="" \
     tests/gpu/test_doorbell_gpu.py --junitxml="$OUT/pytest-gpu.xml" > "$OUT/pytest-gpu.log" 2>&1
 rc=$?
 grep -E "^(FAILED|ERROR)" "$OUT/pytest-gpu.log" | head -20
@@ -75,7 +75,7 @@ tail -15 "$OUT/pytest-gpu.log"
 note "gpu doorbell tests: exit $rc; $(tail -1 "$OUT/pytest-gpu.log")"
 
 section "benchmark: GPU-initiated vs CPU-initiated commands/s"
-timeout 90 python3 -m bench.doorbell_bench --commands 20000 --out "$OUT/doorbell-bench.json" \
+timeout 60 python3 -m bench.doorbell_bench --commands 20000 --out "$OUT/doorbell-bench.json" \
     > "$OUT/bench.txt" 2>&1
 note "bench: exit $? (doorbell-bench.json)"
 cat "$OUT/bench.txt"
@@ -88,7 +88,7 @@ for r in rows:
 EOF
 
 section "probe: check --probe-gpu-mmio (no NVMe here: the blocker line)"
-timeout 60 python3 -c "from nvmedirect.cli import main; main()" check --probe-gpu-mmio > "$OUT/probe.txt" 2>&1
+timeout 30 python3 -c "from nvmedirect.cli import main; main()" check --probe-gpu-mmio > "$OUT/probe.txt" 2>&1
 note "probe: exit $? ($(head -1 "$OUT/probe.txt"))"
 
 section "summary"

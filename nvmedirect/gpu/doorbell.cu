@@ -79,9 +79,9 @@ extern "C" __global__ void nvd_drive_queues(struct nvd_ring *rings, const struct
     __syncthreads();
     for (;;) {
         // -- submit: build, rank, store, fence; one doorbell for the round
-        struct nvd_sqe sqe;
+        union { struct nvd_sqe sqe; uint4 words[4]; } entry;  // 16-byte aligned: stored as 4 vectors
         bool want = t < qd && !busy && next < end;
-        if (want && nvd_ring_build_read(ring, work, next, (uint16_t)t, &sqe)) {
+        if (want && nvd_ring_build_read(ring, work, next, (uint16_t)t, &entry.sqe)) {
             status[next] = NVD_HOST_STATUS | NVD_HOST_BUILD_ERROR;  // never reaches the ring
             next += qd;
             want = false;
@@ -103,12 +103,11 @@ extern "C" __global__ void nvd_drive_queues(struct nvd_ring *rings, const struct
         __syncthreads();
         if (want) {
             uint32_t slot = (s_tail + s_rank[warp] + __popc(ballot & ((1u << lane) - 1u))) % depth;
-            const uint4 *src = (const uint4 *)&sqe;
-            uint4 *dst = (uint4 *)&sq[slot];
-            dst[0] = src[0];
-            dst[1] = src[1];
-            dst[2] = src[2];
-            dst[3] = src[3];
+            uint4 *dst = (uint4 *)&sq[slot];  // SQ slots are 64-byte aligned
+            dst[0] = entry.words[0];
+            dst[1] = entry.words[1];
+            dst[2] = entry.words[2];
+            dst[3] = entry.words[3];
             __threadfence_system();  // this SQE and its PRP list before the doorbell that covers it
             busy = true;
             mine = next;
