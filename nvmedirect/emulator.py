@@ -24,8 +24,8 @@ from cffi import FFI
 from nvmedirect.errors import NvmeDirectError
 
 NATIVE = Path(__file__).resolve().parent.parent / "native"
-SOURCES = ("nvme_emu.c", "nvme_emu_host.c")
-HEADERS = ("nvme_sqe.h", "nvme_ring.h")
+SOURCES = ("nvme_emu.c", "nvme_emu_validate.c", "nvme_emu_host.c")
+HEADERS = ("nvme_sqe.h", "nvme_ring.h", "nvme_emu.h")
 COUNTERS = ("fetched", "completed", "bytes_read", "injected_errors", "injected_delays", "sq_doorbells",
             "cq_doorbells", "violations")
 
