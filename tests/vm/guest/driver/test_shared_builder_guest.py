@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import vmguest
+from driver_setup import READ_SERIAL
 
 from nvmedirect.emulator import ffi, library
 from nvmedirect.gpu.rings import RING_DTYPE, WORK_DTYPE, list_pages_needed, random_reads
@@ -62,3 +64,15 @@ def test_the_gpu_workloads_read_the_right_bytes_through_the_shared_submitter(ctr
     ns.run(batch, qpair=qpair)
     assert bytes(buf.view) == read_image[3 * 512:67 * 512]
     buf.free()
+
+
+def test_probe_gpu_mmio_on_a_vfio_bound_controller_names_the_missing_gpu(ctrl):
+    """The guest has a controller on vfio-pci (the one `ctrl` opened) and no GPU: one line, exit 4."""
+    from click.testing import CliRunner
+
+    from nvmedirect.cli import main
+
+    bdf = vmguest.controllers()[READ_SERIAL]["bdf"]
+    result = CliRunner().invoke(main, ["check", "--probe-gpu-mmio", bdf])
+    assert result.exit_code == 4, result.output
+    assert result.output.startswith(f"gpu-mmio {bdf}: blocked (no GPU): ") and result.output.count("\n") == 1
