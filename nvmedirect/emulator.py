@@ -74,8 +74,8 @@ def cache_dir() -> Path:
 
 def source_hash() -> str:
     digest = hashlib.sha256()
-    for name in SOURCES + HEADERS:
-        digest.update((NATIVE / name).read_bytes())
+    for name in SOURCES + HEADERS:  # names too: a file added to the build changes the library
+        digest.update(name.encode() + b"\0" + (NATIVE / name).read_bytes())
     return digest.hexdigest()[:16]
 
 
