@@ -138,19 +138,6 @@ NVD_FN int nvd_build_prps(const uint64_t *pages, uint64_t npages, uint64_t byte_
     return NVD_PRP_NO_LIST;
 }
 
-/* PRP list pages one command of up to `max_bytes` (any dword-aligned start) can need: the same
- * count nvmedirect/queues/prp.py gives each command slot. */
-NVD_FN uint32_t nvd_list_pages_needed(uint64_t max_bytes)
-{
-    uint64_t entries = max_bytes / NVD_PAGE;  /* data pages + 1 (unaligned start) - 1 (PRP1) */
-    if (entries <= 1)
-        return 0;
-    uint32_t pages = 1;
-    while ((uint64_t)pages * (NVD_LIST_ENTRIES - 1) + 1 < entries)
-        pages++;
-    return pages;
-}
-
 /* A read of `nblocks` LBAs from `slba` into `nbytes` at `byte_offset` of `pages`: PRPs, then the
  * whole SQE in `out`. Returns 0 or an NVD_PRP_* error. */
 NVD_FN int nvd_sqe_read(struct nvd_sqe *out, uint16_t cid, uint32_t nsid, uint64_t slba, uint32_t nblocks,

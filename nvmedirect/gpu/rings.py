@@ -18,6 +18,7 @@ import numpy as np
 
 from nvmedirect.emulator import EmulatedController
 from nvmedirect.host_memory import PAGE_SIZE, address_of, aligned_empty
+from nvmedirect.queues.prp import list_pages_needed  # PRP list pages each CID owns
 
 RING_FIELDS = ("sq", "cq", "sq_doorbell", "cq_doorbell", "lists", "list_iovas", "depth", "cq_depth", "queue_depth",
                "list_pages", "nsid", "lba_size", "first", "count", "sq_tail", "cq_head", "cq_phase")
@@ -27,13 +28,6 @@ WORK_DTYPE = np.dtype([(name, "<u8") for name in WORK_FIELDS])
 IOVA_BASE = 0x7_0000_0000  # far from any host address on x86-64 user space (those are 0x55.., 0x7f..)
 
 HOST_STATUS, HOST_TIMEOUT, HOST_BUILD_ERROR = 0x10000, 0x01, 0x02  # native/nvme_ring.h
-
-
-def list_pages_needed(max_bytes: int) -> int:
-    """PRP list pages per CID (nvd_list_pages_needed, nvmedirect/queues/prp.py)."""
-    from nvmedirect.queues.prp import list_pages_needed as needed
-
-    return needed(max_bytes)
 
 
 @dataclass
