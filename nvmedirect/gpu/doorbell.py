@@ -80,9 +80,13 @@ class GpuQueues:
 
         self.memory = memory
         self._blocks: list[tuple[int, int, int]] = []  # (host address, bytes, device pointer) registered
-        for array in memory.allocations:
-            self._register(address_of(array), -(-array.nbytes // PAGE_SIZE) * PAGE_SIZE)
-        self._register(memory.emu.bar_address, memory.emu.bar_bytes)
+        try:
+            for array in memory.allocations:
+                self._register(address_of(array), -(-array.nbytes // PAGE_SIZE) * PAGE_SIZE)
+            self._register(memory.emu.bar_address, memory.emu.bar_bytes)
+        except BaseException:
+            self.close()  # registrations outlive the process's use of them otherwise
+            raise
         work = memory.work
         self.slba = cupy.asarray(work.slba)
         self.nblocks = cupy.asarray(work.nblocks)
