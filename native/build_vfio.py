@@ -89,7 +89,10 @@ for cdef_path in sorted(HERE.glob("*.cdef")):
 
 ffibuilder = FFI()
 ffibuilder.cdef(CDEF)
-ffibuilder.set_source("nvmedirect._vfio_cffi", SOURCE, extra_compile_args=["-O2"])
+# include_dirs: native/nvme_queue.c includes native/nvme_sqe.h, the SQE/PRP builder it shares with
+# the GPU kernels and the controller emulator.
+ffibuilder.set_source("nvmedirect._vfio_cffi", SOURCE, include_dirs=[str(HERE)], extra_compile_args=["-O2"],
+                      depends=[str(HERE / "nvme_sqe.h")])
 
 if __name__ == "__main__":
     ffibuilder.compile(tmpdir=str(HERE.parent), verbose=True)

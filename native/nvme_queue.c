@@ -12,15 +12,7 @@
 #include <string.h>
 #include <time.h>
 
-struct nvd_sqe {
-    uint8_t opcode; uint8_t flags; uint16_t cid; uint32_t nsid;
-    uint32_t cdw2; uint32_t cdw3; uint64_t mptr; uint64_t prp1; uint64_t prp2;
-    uint32_t cdw10; uint32_t cdw11; uint32_t cdw12; uint32_t cdw13; uint32_t cdw14; uint32_t cdw15;
-};
-
-struct nvd_cqe {
-    uint32_t dw0; uint32_t dw1; uint16_t sq_head; uint16_t sq_id; uint16_t cid; uint16_t status;
-};
+#include "nvme_sqe.h"  /* struct nvd_sqe / nvd_cqe, the SQE and PRP builder shared with the GPU kernels */
 
 union nvd_reg_cap {
     uint64_t raw;
@@ -53,20 +45,15 @@ union nvd_reg_aqa {
     struct { uint32_t asqs : 12; uint32_t rsvd12 : 4; uint32_t acqs : 12; uint32_t rsvd28 : 4; } bits;
 };
 
-_Static_assert(sizeof(struct nvd_sqe) == 64, "an NVMe submission queue entry is 64 bytes");
-_Static_assert(sizeof(struct nvd_cqe) == 16, "an NVMe completion queue entry is 16 bytes");
 _Static_assert(sizeof(union nvd_reg_cap) == 8, "CAP is a 64-bit register");
 _Static_assert(sizeof(union nvd_reg_cc) == 4, "CC is a 32-bit register");
 
-#define NVD_PAGE 4096u
-#define NVD_LIST_ENTRIES 512u               /* 8-byte PRP entries per list page */
 #define NVD_TAG_FREE 0xFFFFFFFFu            /* CID on the free stack */
 #define NVD_TAG_PYTHON 0xFFFFFFFEu          /* submitted by nvd_submit: its CQE is handed to Python */
 #define NVD_TAG_QUARANTINED 0xFFFFFFFDu     /* timed out: free again once the device completes it */
 #define NVD_HOST_STATUS 0x10000u            /* flag on a run's failed_status: a host outcome, not a CQE */
 #define NVD_QUEUE_FULL (-4)
 #define NVD_NO_STAGING (-5)                 /* a staged extent in a run without staging slots */
-#define NVD_STATUS_ERROR_BITS 0x0FFEu       /* SC and SCT of a CQE's status: zero means success */
 #define NVD_MAX_SLOTS 64
 #define NVD_FOREIGN_MAX 64
 
@@ -202,45 +189,6 @@ static void nvd_ring_sq(struct nvd_qpair *qp)
     }
 }
 
-/* PRP1/PRP2 (and PRP list entries) for `nbytes` at `byte_offset` of a buffer whose 4 KiB pages sit
- * at device addresses pages[0..npages). The list pages (host view `list`, device addresses
- * `list_pages`) hold 512 entries each; the last entry of a full page chains to the next page.
- * Writes prps[0] and prps[1]; returns 0, -1 (range outside the buffer), -2 (PRP1 not dword
- * aligned) or -3 (not enough list pages). */
-static int nvd_build_prps(const uint64_t *pages, uint64_t npages, uint64_t byte_offset, uint64_t nbytes,
-                          uint64_t *list, const uint64_t *list_pages, uint32_t nlist_pages, uint64_t *prps)
-{
-    uint64_t first = byte_offset / NVD_PAGE, within = byte_offset % NVD_PAGE;
-    uint64_t count = (within + nbytes + NVD_PAGE - 1) / NVD_PAGE;
-    if (nbytes == 0 || first + count > npages)
-        return -1;
-    prps[0] = pages[first] + within;
-    if (prps[0] & 3)
-        return -2;
-    if (count == 1) {
-        prps[1] = 0;
-        return 0;
-    }
-    if (count == 2) {
-        prps[1] = pages[first + 1];
-        return 0;
-    }
-    uint64_t remaining = count - 1, src = first + 1;
-    for (uint32_t lp = 0; lp < nlist_pages; lp++) {
-        uint64_t *entries = list + (uint64_t)lp * NVD_LIST_ENTRIES;
-        if (remaining <= NVD_LIST_ENTRIES) {
-            memcpy(entries, &pages[src], remaining * sizeof(uint64_t));
-            prps[1] = list_pages[0];
-            return 0;
-        }
-        memcpy(entries, &pages[src], (NVD_LIST_ENTRIES - 1) * sizeof(uint64_t));
-        entries[NVD_LIST_ENTRIES - 1] = lp + 1 < nlist_pages ? list_pages[lp + 1] : 0;
-        src += NVD_LIST_ENTRIES - 1;
-        remaining -= NVD_LIST_ENTRIES - 1;
-    }
-    return -3;
-}
-
 /* Take a CID, build its PRPs (when it moves data) and write the SQE into the ring at the tail.
  * The doorbell is not written: callers ring once per batch. Returns the CID or a negative code. */
 static int nvd_push(struct nvd_qpair *qp, uint32_t tag, uint8_t opcode, uint32_t nsid, const uint32_t *cdw,
@@ -265,19 +213,9 @@ static int nvd_push(struct nvd_qpair *qp, uint32_t tag, uint8_t opcode, uint32_t
         nvd_ring_cq(qp);
     qp->nfree--;
     qp->tags[cid] = tag;
-    struct nvd_sqe *sqe = &qp->sq[qp->sq_tail];
-    memset(sqe, 0, sizeof(*sqe));
-    sqe->opcode = opcode;
-    sqe->cid = cid;
-    sqe->nsid = nsid;
-    sqe->prp1 = prps[0];
-    sqe->prp2 = prps[1];
-    sqe->cdw10 = cdw[0];
-    sqe->cdw11 = cdw[1];
-    sqe->cdw12 = cdw[2];
-    sqe->cdw13 = cdw[3];
-    sqe->cdw14 = cdw[4];
-    sqe->cdw15 = cdw[5];
+    struct nvd_sqe sqe;
+    nvd_sqe_fill(&sqe, opcode, (uint16_t)cid, nsid, cdw, prps[0], prps[1]);
+    qp->sq[qp->sq_tail] = sqe;
     qp->sq_tail = qp->sq_tail + 1 == qp->depth ? 0 : qp->sq_tail + 1;
     qp->unrung++;
     return cid;

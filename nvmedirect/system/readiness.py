@@ -20,7 +20,6 @@ SECURE_BOOT_VAR = "/sys/firmware/efi/efivars/SecureBoot-8be4df61-93ca-11d2-aa0d-
 CAP_IPC_LOCK = 14
 FOUR_GIB = 1 << 32
 MEMLOCK_ENOUGH = 1 << 30  # staging buffers of a few hundred MiB plus queues
-CUDA_HOST_REGISTER_IO_MEMORY = 0x04
 
 
 @dataclass
@@ -225,19 +224,13 @@ def probe_gpu_mmio(view: SystemView) -> Check:
     bound = [c for c in list_controllers(view) if c.driver == "vfio-pci"]
     if not bound or not view.is_live:
         return Check("gpu-mmio", UNKNOWN, "no controller bound to vfio-pci to probe with", "`nvmedirect bind` one first")
-    try:
-        import cupy
+    from nvmedirect.gpu.probe import probe
 
-        from nvmedirect.vfio import VfioDevice
-
-        with VfioDevice.open(bound[0].bdf) as dev:  # in the VFIO mode of its group
-            bar = dev.map_bar(0)
-            cupy.cuda.runtime.hostRegister(bar.address, bar.size, CUDA_HOST_REGISTER_IO_MEMORY)
-            cupy.cuda.runtime.hostUnregister(bar.address)
-    except Exception as exc:
-        return Check("gpu-mmio", FAIL, f"cudaHostRegister(IoMemory) of {bound[0].bdf} BAR0 failed: {exc}",
-                     "see docs: the NVIDIA driver must support IoMemory registration (patched os-mlock.c on 6.12+)")
-    return Check("gpu-mmio", OK, f"CUDA mapped {bound[0].bdf} BAR0 (cudaHostRegisterIoMemory)")
+    result = probe(bound[0].bdf, view)
+    if result.ok:
+        return Check("gpu-mmio", OK, f"{bound[0].bdf}: {result.detail}")
+    return Check("gpu-mmio", FAIL, f"{bound[0].bdf}: {result.blocker}: {result.detail}",
+                 "see docs/DRIVER.md (GPU-initiated I/O) for what each blocker needs")
 
 
 def run_checks(view: SystemView, gpu: bool = True, probe_gpu_mmio: bool = False) -> list[Check]:

@@ -125,7 +125,8 @@ def driver_part(directory: Path) -> Part:
     model, model_image = stored_model_image(directory)
     return Part(
         "driver", ["tests/vm/guest/driver/test_driver_guest.py", "tests/vm/guest/driver/test_driver_fault_guest.py",
-                   "tests/vm/guest/driver/test_driver_one_qpair_guest.py"],
+                   "tests/vm/guest/driver/test_driver_one_qpair_guest.py",
+                   "tests/vm/guest/driver/test_shared_builder_guest.py"],
         controllers=[
             NvmeSpec("nvd-drv-read", image=random_image(directory / "read.img", 64 * MIB, 1)),
             NvmeSpec("nvd-drv-4k", image=random_image(directory / "4k.img", 16 * MIB, 2),
