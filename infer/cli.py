@@ -251,6 +251,8 @@ def main(ctx: click.Context, model: str | None, prompt: str | None, n_predict: i
     if not chat and not benchmark and prompt is None:
         _fail("nothing to do: give -p/--prompt TEXT, --chat or --benchmark", EXIT_BAD_INPUT)
     sampler = _sampler(temp, top_k, top_p, min_p, repeat_penalty, seed)
+    if spec.problem():
+        _fail(spec.problem(), EXIT_BAD_INPUT)  # type: ignore[arg-type]
     if spec.active:
         from infer.cli_spec import run as run_speculative
 

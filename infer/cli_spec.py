@@ -26,10 +26,31 @@ class SpecOptions:
     draft_model: str | None = None
     tree: int | None = None
     lookup: bool = False
+    self_spec: bool = False
+    draft_k: int | None = None
+    skip_threshold: float | None = None
+    skip_text: str | None = None
+
+    @property
+    def self_draft(self) -> bool:
+        """Drafting with the target's own layers (--self-spec and/or --skip-threshold)."""
+        return self.self_spec or self.skip_threshold is not None
 
     @property
     def active(self) -> bool:
-        return bool(self.draft_model or self.lookup)
+        return bool(self.draft_model or self.lookup or self.self_draft)
+
+    def problem(self) -> str | None:
+        """A combination of flags that cannot run, in one line, or None."""
+        if self.draft_model and self.self_draft:
+            return "--draft-model and --self-spec/--skip-threshold are two drafters: choose one"
+        if self.lookup and self.self_draft:
+            return "--lookup and --self-spec/--skip-threshold are two drafters: choose one"
+        if self.draft_k is not None and not self.self_draft:
+            return "--draft-k sets the self-draft's depth: use it with --self-spec or --skip-threshold"
+        if self.skip_text and self.skip_threshold is None:
+            return "--skip-text calibrates --skip-threshold: give the threshold too"
+        return None
 
 
 def spec_options(func: Any) -> Any:
@@ -38,7 +59,9 @@ def spec_options(func: Any) -> Any:
 
     @functools.wraps(func)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        kwargs["spec"] = SpecOptions(kwargs.pop("draft_model"), kwargs.pop("draft_tree"), kwargs.pop("lookup"))
+        kwargs["spec"] = SpecOptions(kwargs.pop("draft_model"), kwargs.pop("draft_tree"), kwargs.pop("lookup"),
+                                     kwargs.pop("self_spec"), kwargs.pop("draft_k"), kwargs.pop("skip_threshold"),
+                                     kwargs.pop("skip_text"))
         return func(*args, **kwargs)
 
     for option in reversed([
@@ -50,6 +73,16 @@ def spec_options(func: Any) -> Any:
                           f"--lookup {DEFAULT_TREE_RESIDENT}, {DEFAULT_TREE_STREAMING} with --streaming)."),
         click.option("--lookup", is_flag=True, help="Speculative decoding from n-gram matches in the prompt and "
                      "the output so far (no draft model)."),
+        click.option("--self-spec", is_flag=True, help="Speculative decoding drafted by the target's resident layers "
+                     "only (no streamed layer read while drafting; output unchanged). Usually a weak draft: "
+                     "docs/SPECULATIVE.md."),
+        click.option("--draft-k", type=click.IntRange(1, 64), default=None,
+                     help="Tokens the self-draft proposes per pass (default 4)."),
+        click.option("--skip-threshold", type=click.FloatRange(0.0, 1.0, min_open=True), default=None,
+                     help="Self-draft leaving out the layers whose output is nearly their input (mean cosine "
+                          "similarity >= T on a calibration text; streamed layers are always left out)."),
+        click.option("--skip-text", type=click.Path(exists=True, dir_okay=False),
+                     help="Calibration text for --skip-threshold (default: a built-in passage of prose and code)."),
     ]):
         wrapper = option(wrapper)
     return wrapper
@@ -87,7 +120,7 @@ def tuned(spec: SpecOptions, streaming: bool) -> Any:
 
 def generate(target: Any, cache: Any, tokenizer: Any, spec: SpecOptions, draft: Any, ctx: int, tree: int,
              prompt: str, n_predict: int, sampler_config: Any, benchmark: bool, as_json: bool,
-             note: Any, tuner: Any = None) -> dict[str, Any]:
+             note: Any, tuner: Any = None, drafting: Any = None) -> dict[str, Any]:
     """Generates with a Speculator on the target's KV cache `cache` (the one its budget planned) and
     prints the text (or JSON), then its statistics."""
     from infer.sampler import Sampler
@@ -99,7 +132,8 @@ def generate(target: Any, cache: Any, tokenizer: Any, spec: SpecOptions, draft: 
         raise ValueError("the prompt is empty after tokenization")
     if tuner is not None:
         tree = 1 + MAX_DEPTH  # the tuner picks the chain's depth, up to MAX_DEPTH
-    drafting = drafter(spec, draft, ctx, tree)
+    if drafting is None:
+        drafting = drafter(spec, draft, ctx, tree)
     if tuner is not None:
         drafting.width = 1
     spec_run = Speculator(target, drafting, tree, ctx, tuner=tuner)
@@ -120,7 +154,7 @@ def generate(target: Any, cache: Any, tokenizer: Any, spec: SpecOptions, draft: 
     pieces.append(decoder.flush())
     s = spec_run.stats
     result = {"prompt": prompt, "ids": out, "text": "".join(pieces), "tree_nodes": tree,
-              "drafter": "model" if spec.draft_model else "lookup", "tok_s": round(len(out) / seconds, 3),
+              "drafter": "model" if spec.draft_model else "self" if spec.self_draft else "lookup", "tok_s": round(len(out) / seconds, 3),
               "speculation": s.as_dict()}
     if as_json:
         click.echo(json.dumps(result))
@@ -145,6 +179,8 @@ def run(model: str | None, spec: SpecOptions, streaming: Any, ctx_size: int, dev
     from infer.errors import ModelError
     from infer.tokenizer import TokenizerError
 
+    if spec.problem():
+        c._fail(spec.problem(), c.EXIT_BAD_INPUT)  # type: ignore[arg-type]
     if chat:
         c._fail("--chat with speculative decoding is not supported yet: drop --draft-model/--lookup", c.EXIT_BAD_INPUT)
     if streaming.batch > 1 or streaming.prompts_file:
@@ -169,7 +205,11 @@ def run(model: str | None, spec: SpecOptions, streaming: Any, ctx_size: int, dev
             draft = c._load(spec.draft_model, ctx_size, where, streaming.vram_budget, half_copies=False)
         planned = {"draft model": draft.transformer.account.planned_total} if draft is not None and where == "gpu" \
             else None  # type: ignore[attr-defined]
+        if spec.self_draft and where == "gpu":  # the self-draft's own KV cache, in the same budget
+            planned = {"self-draft KV cache": _self_draft_kv_bytes(model, ctx_size)}
         tree = spec.tree or (DEFAULT_TREE_STREAMING if streaming.enabled else DEFAULT_TREE_RESIDENT)
+        if spec.self_draft:
+            tree = 1 + (spec.draft_k or SELF_DRAFT_K)
         try:
             if streaming.enabled:
                 from infer.gguf_file import GGUFModel
@@ -188,8 +228,9 @@ def run(model: str | None, spec: SpecOptions, streaming: Any, ctx_size: int, dev
                 target, tokenizer, context, closer = llm.transformer, llm.tokenizer, llm.engine.ctx_size, None
                 cache = llm.engine.cache  # the one cache its budget planned
             try:
+                drafting = self_drafter(spec, model, target, tokenizer, context, c._note) if spec.self_draft else None
                 generate(target, cache, tokenizer, spec, draft, context, tree, prompt, n_predict, sampler, benchmark,
-                         as_json, c._note, tuner=tuned(spec, streaming.enabled))
+                         as_json, c._note, tuner=tuned(spec, streaming.enabled), drafting=drafting)
             finally:
                 if closer is not None:
                     closer()
@@ -197,6 +238,49 @@ def run(model: str | None, spec: SpecOptions, streaming: Any, ctx_size: int, dev
             c._fail(f"{model}: tokenizer: {err}", c.EXIT_BAD_INPUT)
         except (ValueError, ModelError) as err:
             c._fail(str(err), c.EXIT_BAD_INPUT)
+
+
+SELF_DRAFT_K = 4  # --draft-k's default
+
+
+def _self_draft_kv_bytes(model: str, ctx_size: int) -> int:
+    from infer.arch import ModelArgs
+    from infer.gguf_file import GGUFModel
+    from infer.tiers.budget import attention_work_nbytes, kv_cache_nbytes
+
+    gguf = GGUFModel(model)
+    args = ModelArgs.from_gguf(gguf)
+    ctx = ctx_size or min(args.context_length, 4096)
+    return kv_cache_nbytes(args, ctx, 1) + attention_work_nbytes(args, ctx)
+
+
+def self_drafter(spec: SpecOptions, model_path: str, target: Any, tokenizer: Any, ctx: int, note: Any) -> Any:
+    """The --self-spec / --skip-threshold drafter: the target's own weights with layers left out
+    (infer.layerskip), drafting a chain of --draft-k tokens with its own KV cache."""
+    from infer.layerskip import CALIBRATION_TEXT, layer_similarity, self_draft_layers, skipping
+    from infer.speculative import ModelDrafter
+
+    similarity = None
+    if spec.skip_threshold is not None:
+        text = CALIBRATION_TEXT
+        if spec.skip_text:
+            with open(spec.skip_text, encoding="utf-8") as f:
+                text = f.read()
+        ids = tokenizer.encode(text)[:512]
+        cpu = target
+        if getattr(target, "device", "cpu") != "cpu" or getattr(target, "skip", None) is None:
+            from infer.gguf_file import GGUFModel
+            from infer.model import load_transformer
+
+            cpu = load_transformer(GGUFModel(model_path))  # the calibration runs on the CPU engine
+        similarity = layer_similarity(cpu, ids)
+    skip = self_draft_layers(target, similarity, spec.skip_threshold, spec.self_spec)
+    kept = target.args.n_layers - len(skip)
+    how = f"similarity >= {spec.skip_threshold} on {len(ids)} calibration tokens" if similarity is not None else ""
+    note(f"self-draft: {kept} of {target.args.n_layers} layers (left out: {sorted(skip) or 'none'}"
+         f"{'; ' + how if how else ''}{'; the streamed ones' if spec.self_spec or similarity is not None else ''})")
+    view = skipping(target, skip)
+    return ModelDrafter(view, ctx, depth=spec.draft_k or SELF_DRAFT_K, width=1, cache=view.new_cache(ctx))
 
 
 def _context(gguf: Any) -> int:

@@ -357,6 +357,7 @@ class Transformer:
     per sequence over its own cache) and extends the caches; forward is a batch of one."""
 
     device = "cpu"
+    skip: frozenset[int] = frozenset()  # layers left out (infer.layerskip: a self-draft), none by default
 
     def __init__(self, args: ModelArgs, weights: WeightProvider, rope_freq_factors: np.ndarray | None = None,
                  exact: bool = False):
@@ -379,6 +380,8 @@ class Transformer:
         angles = [self.rope.angles(np.arange(c.length, c.length + n)) for (_, c), n in zip(batch, sizes, strict=True)]
         x = self.weights.embed(np.concatenate([np.asarray(t, np.int64) for t, _ in batch]))  # (rows, dim)
         for i in range(self.args.n_layers):
+            if i in self.skip:
+                continue
             layer = self.weights.layer(i)  # fetched once for the whole batch
             h = self.norm(x, layer.attn_norm)
             for s, (_, cache) in enumerate(batch):
@@ -404,6 +407,8 @@ class Transformer:
         cos, sin = self.rope.angles(cache.length + depths)
         x = self.weights.embed(tokens)
         for i in range(self.args.n_layers):
+            if i in self.skip:
+                continue
             layer = self.weights.layer(i)
             x = x + self._attention(self.norm(x, layer.attn_norm), layer, cache, i, cache.length, cos, sin, allowed)
             x = x + self._feed_forward(self.norm(x, layer.ffn_norm), layer)

@@ -82,6 +82,7 @@ class GpuTransformer:
     with CUDA graphs."""
 
     device = "gpu"
+    skip: frozenset[int] = frozenset()  # layers left out (infer.layerskip: a self-draft), none by default
 
     def __init__(self, args: ModelArgs, weights: GpuWeightSource, rope_freq_factors: np.ndarray | None,
                  max_context: int, prefill_chunk: int = 512, int8_dot: bool = True,
@@ -216,7 +217,7 @@ class GpuTransformer:
     def _plan_segments(self) -> list[tuple[bool, list[int]]]:
         """The decode step as (capturable, items): runs of the embedding, resident layers and the
         head, which replay as CUDA graphs, and single streamed layers run as they arrive."""
-        items = [EMBED, *range(self.args.n_layers), HEAD]
+        items = [EMBED, *(i for i in range(self.args.n_layers) if i not in self.skip), HEAD]
         segments: list[tuple[bool, list[int]]] = []
         for item in items:
             resident = item < 0 or self.weights.is_resident(item)
@@ -354,7 +355,8 @@ class GpuTransformer:
         x = cupy.empty((rows, a.dim), F32)
         ops.embed(self.token_embd, ids, rows, x)
         for i in range(a.n_layers):
-            self._rows_layer(i, self.weights.layer(i), x, batch, bounds, positions, tree)
+            if i not in self.skip:
+                self._rows_layer(i, self.weights.layer(i), x, batch, bounds, positions, tree)
         if tree is None:
             for (_, cache), n in zip(batch, sizes, strict=True):
                 cache.length += n

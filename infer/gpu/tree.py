@@ -84,7 +84,8 @@ def verify_tree(model: GpuTransformer, tokens: np.ndarray, parents: np.ndarray, 
         chunk = max(1, min(n, TREE_ATTENTION_BYTES // attention_work_nbytes(a, cache.max_tokens)))
         work = ops.attention_work(a.n_heads, a.head_dim, cache.max_tokens, chunk)
         for i in range(a.n_layers):
-            _layer(model, i, inputs, x, cache, spans, pos, slots, chunk, work)
+            if i not in model.skip:
+                _layer(model, i, inputs, x, cache, spans, pos, slots, chunk, work)
         del work
         logits = _head(model, x, n)
     model.stream.synchronize()

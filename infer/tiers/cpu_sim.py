@@ -117,6 +117,10 @@ class StreamingCpuWeights:
     def _fmt_of(self, ggml_type: int) -> str:
         return quants.activation_format(ggml_type) if self.match_llama_cpp else "f32"
 
+    def is_resident(self, index: int) -> bool:
+        """Whether all of layer `index` is in tier A (a self-draft may read it out of pass order)."""
+        return all(self.plan.tier[t.name] is Tier.VRAM for t in self._by_layer[index])
+
     def layer(self, index: int) -> LayerWeights:
         if index == 0:
             self.passes += 1

@@ -26,7 +26,8 @@ def run(*args: str) -> tuple[int, str, str]:
     return result.exit_code, result.stdout, result.stderr
 
 
-@pytest.mark.parametrize("how", [["--draft-model", "DRAFT"], ["--lookup"], ["--draft-model", "DRAFT", "--lookup"]])
+@pytest.mark.parametrize("how", [["--draft-model", "DRAFT"], ["--lookup"], ["--draft-model", "DRAFT", "--lookup"],
+                                 ["--self-spec", "--draft-k", "3"], ["--skip-threshold", "0.9"]])
 def test_speculative_text_is_the_plain_text(pair: tuple[Path, Path], how: list[str]) -> None:
     target, draft = pair
     common = ["-m", str(target), "-p", "1, 2, 3, 4, 5, 6,", "-n", "20", "-t", "0", "--exact"]
@@ -52,7 +53,10 @@ def test_speculative_json_reports_the_statistics(pair: tuple[Path, Path]) -> Non
 def test_bad_speculation_input_is_one_line_and_exit_2(pair: tuple[Path, Path]) -> None:
     target, draft = pair
     other = qwen05b_path()
-    cases = [["--draft-tree", "0", "--lookup"], ["--lookup", "--batch", "2"], ["--lookup", "--chat"]]
+    cases = [["--draft-tree", "0", "--lookup"], ["--lookup", "--batch", "2"], ["--lookup", "--chat"],
+             ["--draft-model", str(draft), "--self-spec"], ["--lookup", "--skip-threshold", "0.9"],
+             ["--draft-k", "3"], ["--skip-threshold", "0"], ["--skip-threshold", "1.5"],
+             ["--skip-text", str(target), "--self-spec"], ["--self-spec", "--draft-k", "0"]]
     if other.exists():
         cases.append(["--draft-model", str(other)])  # 151936 tokens against SmolLM2's 49152
     cases.append(["--draft-model", str(target.with_name("missing.gguf"))])
@@ -60,3 +64,34 @@ def test_bad_speculation_input_is_one_line_and_exit_2(pair: tuple[Path, Path]) -
         code, out, err = run("-m", str(target), "-p", "hi", "-n", "2", *extra)
         lines = [line for line in (err + out).splitlines() if line.startswith("Error")]
         assert code == 2 and len(lines) == 1 and "Traceback" not in err, (extra, out, err)
+
+
+def test_self_draft_reports_its_layers(pair: tuple[Path, Path]) -> None:
+    """--skip-threshold says which layers the calibration left out; a threshold no layer reaches
+    leaves none out, a low one leaves out many (never all)."""
+    target, _ = pair
+    common = ["-m", str(target), "-p", "def add(a, b):", "-n", "8", "-t", "0"]
+    code, _, err = run(*common, "--skip-threshold", "0.999999")
+    assert code == 0, err
+    assert "self-draft: 30 of 30 layers (left out: none" in err
+    code, _, err = run(*common, "--skip-threshold", "0.05")
+    assert code == 0, err
+    line = next(x for x in err.splitlines() if "self-draft:" in x)
+    kept = int(line.split("self-draft: ")[1].split(" of ")[0])
+    assert 1 <= kept < 30, line
+
+
+def test_self_spec_on_the_streamed_cpu_engine_leaves_the_streamed_layers_out(pair: tuple[Path, Path]) -> None:
+    """--streaming with a RAM budget that streams some layers: the self-draft keeps only the wholly
+    resident ones, and the text is the plain streamed run's."""
+    target, _ = pair
+    common = ["-m", str(target), "-p", "1, 2, 3, 4, 5,", "-n", "12", "-t", "0", "--streaming",
+              "--vram-budget", "140MB", "--ram-budget", "1GB"]
+    code, plain, err0 = run(*common)
+    assert code == 0, err0
+    code, spec, err = run(*common, "--self-spec")
+    assert code == 0, err
+    assert spec == plain
+    line = next(x for x in err.splitlines() if "self-draft:" in x)
+    kept = int(line.split("self-draft: ")[1].split(" of ")[0])
+    assert 1 <= kept < 30, line

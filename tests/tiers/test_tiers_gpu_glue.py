@@ -218,3 +218,28 @@ def test_gpu_glue_draft_chain_is_the_host_loop(model_path: Path, fake_cupy: obje
         assert np.array_equal(m.forward(np.array([5]), device_cache), m.forward(np.array([5]), host_cache))
     finally:
         s.close()
+
+
+def test_gpu_glue_self_spec_reads_no_streamed_layer_while_drafting(model_path: Path, fake_cupy: object) -> None:
+    """--self-spec on the streamed GPU engine (stand-in): the draft leaves the streamed layers out
+    (no byte moves through the ring while it drafts), and the output is the plain engine's."""
+    from infer.engine import greedy
+    from infer.layerskip import skipping, streamed_layers
+    from infer.speculative import ModelDrafter, Speculator
+
+    s = gpu_session(model_path, 0.4, 0.3)
+    try:
+        m = s.engine.model
+        skip = streamed_layers(m)
+        assert 0 < len(skip) < SHAPE.n_layers
+        view = skipping(m, skip)
+        prompt = np.random.default_rng(9).integers(3, SHAPE.vocab_size, 7)
+        want = m.generate(prompt, m.new_cache(CTX), 10)
+        before = dict(m.weights.bytes_moved())
+        draft_cache = view.new_cache(CTX)
+        view.draft_chain(prompt, draft_cache, 3, 1)
+        assert dict(m.weights.bytes_moved()) == before
+        spec = Speculator(m, ModelDrafter(view, CTX, 3, 1, cache=draft_cache), 4, CTX)
+        assert list(spec.generate(list(prompt), 10, greedy)) == want
+    finally:
+        s.close()
