@@ -151,13 +151,19 @@ def open_source(kind: str, model_path: str | os.PathLike, tensors: Sequence[Tens
 def gpu_doorbell_backend(device: str, notes: list[str], options: dict[str, Any]) -> Any:
     """The GPU-doorbell reader for `device` if `check --probe-gpu-mmio` passes on its controller,
     else None with the fallback said once in `notes`."""
+    from nvmedirect.errors import NvmeDirectError
     from nvmedirect.gpu.vfio_doorbells import open_backend, probe_device
+
+    def fallback(blocker: str) -> None:
+        notes.append(f"GPU doorbells unavailable ({blocker}): tier C reads with CPU doorbells")
 
     result = probe_device(device)
     if not result.ok:
-        notes.append(f"GPU doorbells unavailable ({result.blocker}: {result.detail}): tier C reads with CPU doorbells")
-        return None
+        return fallback(f"{result.blocker}: {result.detail}")
     kept = {k: v for k, v in options.items() if k in ("queue_depth", "io_size", "noiommu")}
-    backend = open_backend(result.bdf, **kept)
+    try:
+        backend = open_backend(result.bdf, **kept)
+    except NvmeDirectError as exc:  # e.g. the no-IOMMU mode; the CPU reader may still work there
+        return fallback(f"opening {result.bdf} failed: {str(exc).splitlines()[0][:200]}")
     notes.append(f"tier C reads by GPU-initiated commands on {result.bdf} ({result.detail})")
     return backend

@@ -14,6 +14,7 @@ from click.testing import CliRunner
 
 from infer.cli_options import streaming_options
 from infer.engine import greedy
+from infer.gguf_file import GGUFModel
 from infer.tiers.session import StreamingConfig, build_streaming_engine
 from nvmedirect.gpu.probe import gpu_blocker
 from tests.tiers.test_tiers_nvme_source import write_to_image
@@ -100,3 +101,20 @@ def test_the_cli_on_a_gpu_streams_with_cpu_doorbells_and_says_why_once(tiny_mode
     assert len(said) == 1 and "(no vfio-bound controller: " in said[0] and "read through the kernel" in said[0]
     assert FALLBACK not in without.stderr
     assert with_flag.stdout == without.stdout
+
+
+def test_a_passing_probe_on_a_controller_that_will_not_open_falls_back_too(tiny_model: Path, monkeypatch) -> None:
+    """The probe's positive answer stubbed (no GPU+NVMe here); opening the controller for the GPU
+    queue pair is real and fails here (no such device): one line, then the CPU path's own error."""
+    from infer.tiers.plan import planner_tensors
+    from infer.tiers.tier_c import open_source
+    from nvmedirect.gpu import vfio_doorbells
+    from nvmedirect.gpu.probe import ProbeResult
+
+    monkeypatch.setattr(vfio_doorbells, "probe_device", lambda device: ProbeResult(device, True, "", "stubbed"))
+    notes: list[str] = []
+    tensors = planner_tensors(GGUFModel(tiny_model), "cpu")
+    with pytest.raises(Exception) as info:  # noqa: PT011 - whatever the CPU path says about a missing device
+        open_source("nvme", tiny_model, tensors, "0000:ff:1f.7", gpu_doorbells=True, notes=notes)
+    assert len(notes) == 1 and notes[0].startswith(f"{FALLBACK}opening 0000:ff:1f.7 failed: "), notes
+    assert "Traceback" not in str(info.value)
