@@ -141,7 +141,11 @@ def open_source(kind: str, model_path: str | os.PathLike, tensors: Sequence[Tens
         if gpu_doorbells:
             backend = gpu_doorbell_backend(device, notes if notes is not None else [], options)
             if backend is not None:
-                return ReaderSource(backend, "nvme", tensors, lba=options.get("lba"))
+                try:
+                    return ReaderSource(backend, "nvme", tensors, lba=options.get("lba"))
+                except BaseException:
+                    backend.close()  # open_model closes only the backends it opened itself
+                    raise
         return ReaderSource(device, "nvme", tensors, **options)
     if kind == "mmap":
         return MmapSource(model_path)
