@@ -19,12 +19,30 @@ from infer.tiers.config import SOURCES, StreamingConfig
 from infer.tiers.plan import DEFAULT_SLOTS
 
 _OPTION_NAMES = ("streaming", "vram_budget", "ram_budget", "tier_c", "nvme_device", "nvme_lba", "tier_b", "slots",
-                 "batch", "prompts_file")
+                 "batch", "prompts_file", "gpu_doorbells")
+EXIT_BAD_INPUT = 2  # infer/cli.py's code for a bad flag
+
+
+class OptionConflict(click.ClickException):
+    """Flags that cannot be combined: one `Error: ...` line and exit 2, as infer/cli.py's errors."""
+
+    exit_code = EXIT_BAD_INPUT
+
+
+def check_gpu_doorbells(config: StreamingConfig, device: str | None) -> None:
+    """--gpu-doorbells needs the NVMe tier C and a GPU to ring its doorbells."""
+    if not config.gpu_doorbells:
+        return
+    if config.tier_c != "nvme":
+        raise OptionConflict(f"--gpu-doorbells reads tier C from an NVMe drive: add --tier-c nvme "
+                             f"(not {config.tier_c})")
+    if device == "cpu":
+        raise OptionConflict("--gpu-doorbells needs GPU threads to ring the doorbells: drop --device cpu")
 
 
 def streaming_options(func: Callable[..., Any]) -> Callable[..., Any]:
     """Adds --streaming, --vram-budget, --ram-budget, --tier-c, --nvme-device, --tier-b, --slots,
-    --batch and --prompts; the command receives them as one `streaming: StreamingConfig`."""
+    --batch, --prompts and --gpu-doorbells; the command receives them as one `streaming: StreamingConfig`."""
 
     @functools.wraps(func)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -33,7 +51,9 @@ def streaming_options(func: Callable[..., Any]) -> Callable[..., Any]:
             enabled=values["streaming"], vram_budget=values["vram_budget"], ram_budget=values["ram_budget"],
             tier_c=values["tier_c"], nvme_device=values["nvme_device"], nvme_lba=values["nvme_lba"],
             tier_b=values["tier_b"],
-            slots=values["slots"], batch=values["batch"], prompts_file=values["prompts_file"])
+            slots=values["slots"], batch=values["batch"], prompts_file=values["prompts_file"],
+            gpu_doorbells=values["gpu_doorbells"])
+        check_gpu_doorbells(kwargs["streaming"], kwargs.get("device"))
         return func(*args, **kwargs)
 
     options = [
@@ -49,6 +69,9 @@ def streaming_options(func: Callable[..., Any]) -> Callable[..., Any]:
         click.option("--nvme-device", metavar="BDF|DEV", help="Device holding the model for --tier-c nvme."),
         click.option("--nvme-lba", type=click.IntRange(min=0), help="LBA of the model's header on --nvme-device "
                      "(default: the first model stored from LBA 0)."),
+        click.option("--gpu-doorbells", is_flag=True, help="--tier-c nvme: GPU threads issue the reads (build "
+                     "SQEs, ring the doorbells through BAR0 mapped for the GPU); falls back to CPU doorbells, "
+                     "saying why, when `nvmedirect check --probe-gpu-mmio` would fail."),
         click.option("--tier-b", type=click.Choice(["auto", "pinned", "registered"]), default="auto",
                      show_default=True, help="Tier B as a pinned copy or the registered file mapping."),
         click.option("--slots", type=click.IntRange(2, 64), default=DEFAULT_SLOTS, show_default=True,

@@ -27,3 +27,6 @@ class StreamingConfig:
     # on a large model (docs/PERFORMANCE.md); the defaults stay 8 x 4, which small budgets assume.
     read_queue_depth: int | None = None
     staging_buffers: int = 4
+    # --tier-c nvme: GPU threads ring the controller's doorbells (reader/gpu_doorbell_backend.py);
+    # falls back to CPU doorbells, with one note, when the probe names a blocker.
+    gpu_doorbells: bool = False

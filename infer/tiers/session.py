@@ -157,7 +157,8 @@ def build_streaming_engine(model: GGUFModel | str | os.PathLike, config: Streami
             options: dict[str, Any] = {"lba": config.nvme_lba} if config.tier_c == "nvme" and config.nvme_lba is not None else {}
             if config.read_queue_depth is not None and config.tier_c != "mmap":
                 options["queue_depth"] = config.read_queue_depth
-            source = open_source(config.tier_c, model.path, c_tensors, config.nvme_device, **options)
+            source = open_source(config.tier_c, model.path, c_tensors, config.nvme_device,
+                                 gpu_doorbells=config.gpu_doorbells, notes=plan.notes, **options)
             closers.append(source.close)
         paths = {t.name: _path(plan, t.name, mode, config.tier_c) for t in plan.tensors}
         bandwidths = _measure(on_gpu, source, c_tensors) if measure else None

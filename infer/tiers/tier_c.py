@@ -38,9 +38,9 @@ class StorageSource(Protocol):
 
 class ReaderSource:
     """nvmedirect's reader on a GGUF stored on a device (found by its header, checked to be the
-    model being run)."""
+    model being run); `source` is the device, or a backend already open on it."""
 
-    def __init__(self, source: str | os.PathLike, kind: str, tensors: Sequence[Tensor], **options: Any) -> None:
+    def __init__(self, source: str | os.PathLike | Any, kind: str, tensors: Sequence[Tensor], **options: Any) -> None:
         from nvmedirect.reader import open_model
 
         self.name = kind
@@ -49,7 +49,8 @@ class ReaderSource:
         mode = "O_DIRECT" if getattr(backend, "direct", False) else "buffered"
         self.description = f"{kind}: {backend!r} ({mode})"
         self.direct = bool(getattr(backend, "direct", False))
-        _check_same_tensors(os.fspath(source), self.model.tensors, tensors)
+        where = os.fspath(source) if isinstance(source, (str, os.PathLike)) else backend.name  # or a backend
+        _check_same_tensors(where, self.model.tensors, tensors)
 
     def read_async(self, ranges: Sequence[tuple[int, int]], buffers: Sequence[Any]) -> ReadHandleLike:
         return self.model.read_async(ranges, buffers)
@@ -127,14 +128,46 @@ class FileSource:
 
 
 def open_source(kind: str, model_path: str | os.PathLike, tensors: Sequence[Tensor],
-                device: str | None = None, **options: Any) -> StorageSource:
-    """The tier C source `kind` for the model at `model_path` (`device`: where nvme reads from)."""
+                device: str | None = None, gpu_doorbells: bool = False, notes: list[str] | None = None,
+                **options: Any) -> StorageSource:
+    """The tier C source `kind` for the model at `model_path` (`device`: where nvme reads from).
+    gpu_doorbells (nvme): GPU threads issue the reads when the probe passes; otherwise one line
+    saying why goes to `notes` and the CPU-doorbell reader is used."""
     if kind == "file":
         return FileSource(model_path, **options)
     if kind == "nvme":
         if not device:
             raise ValueError("--tier-c nvme needs the device holding the model (--nvme-device BDF or /dev/nvmeXnY)")
+        if gpu_doorbells:
+            backend = gpu_doorbell_backend(device, notes if notes is not None else [], options)
+            if backend is not None:
+                try:
+                    return ReaderSource(backend, "nvme", tensors, lba=options.get("lba"))
+                except BaseException:
+                    backend.close()  # open_model closes only the backends it opened itself
+                    raise
         return ReaderSource(device, "nvme", tensors, **options)
     if kind == "mmap":
         return MmapSource(model_path)
     raise ValueError(f"unknown tier C source '{kind}' (known: {', '.join(SOURCES)})")
+
+
+def gpu_doorbell_backend(device: str, notes: list[str], options: dict[str, Any]) -> Any:
+    """The GPU-doorbell reader for `device` if `check --probe-gpu-mmio` passes on its controller,
+    else None with the fallback said once in `notes`."""
+    from nvmedirect.errors import NvmeDirectError
+    from nvmedirect.gpu.vfio_doorbells import open_backend, probe_device
+
+    def fallback(blocker: str) -> None:
+        notes.append(f"GPU doorbells unavailable ({blocker}): tier C reads with CPU doorbells")
+
+    result = probe_device(device)
+    if not result.ok:
+        return fallback(f"{result.blocker}: {result.detail}")
+    kept = {k: v for k, v in options.items() if k in ("queue_depth", "io_size", "noiommu")}
+    try:
+        backend = open_backend(result.bdf, **kept)
+    except NvmeDirectError as exc:  # e.g. the no-IOMMU mode; the CPU reader may still work there
+        return fallback(f"opening {result.bdf} failed: {str(exc).splitlines()[0][:200]}")
+    notes.append(f"tier C reads by GPU-initiated commands on {result.bdf} ({result.detail})")
+    return backend

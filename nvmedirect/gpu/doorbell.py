@@ -83,7 +83,9 @@ class GpuQueues:
         try:
             for array in memory.allocations:
                 self._register(address_of(array), -(-array.nbytes // PAGE_SIZE) * PAGE_SIZE)
-            self._register(memory.emu.bar_address, memory.emu.bar_bytes)
+            # the emulator's stand-in page is RAM; a real BAR0 says IoMemory (VfioDoorbells)
+            flags = getattr(memory.emu, "bar_register_flags", HOST_REGISTER_MAPPED)
+            self._register(memory.emu.bar_address, memory.emu.bar_bytes, flags)
         except BaseException:
             self.close()  # registrations outlive the process's use of them otherwise
             raise
@@ -99,8 +101,8 @@ class GpuQueues:
         self.stray = cupy.zeros(len(memory.queues), dtype=cupy.uint32)
         self.module = module(cupy.cuda.Device().id)
 
-    def _register(self, address: int, nbytes: int) -> None:
-        self._blocks.append((address, nbytes, register(address, nbytes)))
+    def _register(self, address: int, nbytes: int, flags: int = HOST_REGISTER_MAPPED) -> None:
+        self._blocks.append((address, nbytes, register(address, nbytes, flags)))
 
     def view(self, host_address: int) -> int:
         """The device pointer of a host address inside a registered block."""

@@ -101,7 +101,7 @@ class QueueMemory:
         self.list_pages = list_pages_needed(max_bytes)
         self.allocations: list[np.ndarray] = []
         self._iovas: dict[int, int] = {}  # host address of each mapped array -> its device address
-        self._next_iova = IOVA_BASE
+        self._next_iova = getattr(emu, "iova_base", IOVA_BASE)  # a real controller keeps the driver's window
         self.dst = self._mapped(work.dst_bytes)
         self.dst_pages = self._iova(self.dst) + PAGE_SIZE * np.arange(work.dst_bytes // PAGE_SIZE, dtype=np.uint64)
         self.status = np.zeros(work.count, dtype=np.uint32)
