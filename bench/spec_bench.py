@@ -268,7 +268,7 @@ def e2e(args: argparse.Namespace) -> dict[str, Any]:
     except ValueError as e:
         raise SystemExit(str(e)) from None
     shapes = [s.strip() for s in args.shapes.split(",") if s.strip()]
-    fixed = [tuple(int(v) for v in s.split("x")) for s in shapes if s != "auto"]
+    fixed = [tuple(int(v) for v in s.split("x")) for s in shapes if "x" in s]
     nodes_max = max([1 + d * w for d, w in fixed] + ([1 + MAX_DEPTH] if "auto" in shapes else []))
     monitor = PeakMonitor(0.05).__enter__()  # load and every run: the peak the budget must hold
     draft = _load(str(args.draft), args.ctx, "gpu", args.draft_budget, half_copies=False)
@@ -285,8 +285,17 @@ def e2e(args: argparse.Namespace) -> dict[str, Any]:
     greedy_choice = lambda logits, _seen: int(np.argmax(logits))  # noqa: E731 - the device sampler's arg-max
     cache = target.new_cache(args.ctx)
     runs: dict[str, Speculator] = {}
+    views: dict[str, Any] = {}
     for name in shapes:
-        if name == "auto":
+        if name.startswith(("self:", "skip=")):  # the target's own layers: self:K, skip=T:K
+            view = _self_view(name, target, tokenizer, args.target)
+            views[name] = view
+            depth = int(name.rsplit(":", 1)[1])
+            runs[name] = Speculator(target, ModelDrafter(view, args.ctx, depth, 1, cache=view.new_cache(args.ctx)),
+                                    1 + depth, args.ctx)
+            print(f"{name}: the draft keeps {target.args.n_layers - len(view.skip)} of {target.args.n_layers} layers",
+                  file=sys.stderr)
+        elif name == "auto":
             tuner = DepthTuner(START_DEPTH_STREAMING, MAX_DEPTH, width=1)
             runs[name] = Speculator(target, ModelDrafter(draft.transformer, args.ctx, tuner.depth, 1,
                                                          cache=draft.engine.cache), 1 + MAX_DEPTH, args.ctx, tuner)
@@ -333,6 +342,11 @@ def e2e(args: argparse.Namespace) -> dict[str, Any]:
                     row[name]["depth"] = spec.tuner.depth
             rows.append(row)
             print(json.dumps(row), file=sys.stderr, flush=True)
+        ppl_text = [t for p in humaneval_prompts(args.prompts + 24)[args.prompts:] for t in tokenizer.encode(p)]
+        ppl_ctx = min(256, args.ctx) // 2 * 2
+        ppl = {"full": _ppl(target, ppl_text, ppl_ctx)}  # the cost of leaving layers out, on other prompts
+        for name, view in views.items():
+            ppl[name] = _ppl(view, ppl_text, ppl_ctx)
     finally:
         monitor.__exit__(None, None, None)
         session.close()
@@ -351,12 +365,43 @@ def e2e(args: argparse.Namespace) -> dict[str, Any]:
             "verify_ms_per_pass": round(1e3 * sum(r[name]["verify_seconds"] for r in rows) / passes, 2),
             "all_identical": all(r[name]["identical"] for r in rows),
             "identical_prompts": sum(r[name]["identical"] for r in rows),
-            **({"tuned": spec.tuner.describe()} if spec.tuner is not None else {})}
+            **({"tuned": spec.tuner.describe()} if spec.tuner is not None else {}),
+            **({"draft_layers": target.args.n_layers - len(views[name].skip), "draft_perplexity": ppl[name],
+                "target_perplexity": ppl["full"]} if name in views else {})}
     return {"target": str(args.target), "draft": str(args.draft), "vram_budget_bytes": budget,
             "resident_fraction_asked": args.resident_fraction, "plan_bytes_by_tier": tiers,
             "prompts": len(rows), "tokens_per_prompt": args.tokens, "plain_tok_s": round(tokens / plain_s, 3),
             "plain_decode_tok_s": round(tokens / max(plain_s - prefill_s, 1e-9), 3), "shapes": summary,
             "peak_device_bytes": monitor.peak, "rows": rows}
+
+
+def _self_view(name: str, target: Any, tokenizer: Any, path: Path) -> Any:
+    """The target leaving out its streamed layers (self:K) and those the calibration marks (skip=T:K)."""
+    from infer.layerskip import CALIBRATION_TEXT, layer_similarity, self_draft_layers, skipping
+
+    similarity, threshold = None, None
+    if name.startswith("skip="):
+        from infer.gguf_file import GGUFModel
+        from infer.model import load_transformer
+
+        threshold = float(name[5:].split(":")[0])
+        similarity = layer_similarity(load_transformer(GGUFModel(path)), tokenizer.encode(CALIBRATION_TEXT))
+        print(f"layer similarity on the calibration text: {np.round(similarity, 4).tolist()}", file=sys.stderr)
+    return skipping(target, self_draft_layers(target, similarity, threshold, name.startswith("self:")))
+
+
+def _ppl(model: Any, tokens: list[int], ctx: int = 256, chunks: int = 8) -> float | None:
+    """Perplexity (llama.cpp's method) of `model` on `tokens`: chunks of ctx from an empty cache."""
+    from infer.perplexity import perplexity
+
+    if len(tokens) < ctx:
+        return None
+
+    def logits(chunk: list[int]) -> np.ndarray:
+        cache = model.new_cache(ctx)
+        return model.forward(np.asarray(chunk), cache, all_logits=True)
+
+    return round(perplexity(tokens, ctx, logits, max_chunks=chunks).perplexity, 4)
 
 
 def _synth(spec: str, directory: Path) -> Path:
@@ -400,7 +445,9 @@ def main(argv: list[str] | None = None) -> int:
     e.add_argument("--prompts", type=int, default=40)
     e.add_argument("--tokens", type=int, default=128)
     e.add_argument("--shapes", default="16x4,12x1,16x1,auto",
-                   help="draft trees, depth x width (1 + depth*width nodes), comma-separated; auto: the CLI's tuned chain")
+                   help="draft trees, depth x width (1 + depth*width nodes), comma-separated; auto: the CLI's tuned "
+                        "chain; self:K the target's resident layers drafting K; skip=T:K also leaving out layers of "
+                        "similarity >= T")
     e.add_argument("--resident-fraction", type=float, default=0.5, help="share of the target's layer bytes in VRAM")
     e.add_argument("--draft-budget", default=None, help="--vram-budget for the draft alone (default: its own needs)")
     e.add_argument("--ctx", type=int, default=1024)
