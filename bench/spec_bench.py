@@ -404,6 +404,34 @@ def _ppl(model: Any, tokens: list[int], ctx: int = 256, chunks: int = 8) -> floa
     return round(perplexity(tokens, ctx, logits, max_chunks=chunks).perplexity, 4)
 
 
+def draft_ppl(args: argparse.Namespace) -> dict[str, Any]:
+    """The perplexity cost of a self-draft (CPU engine): the target with layers left out (--skip,
+    e.g. the streamed layers of a GPU plan) and/or those of similarity >= each --threshold, against
+    the whole target, on HumanEval prompts (llama.cpp's chunked method)."""
+    from infer.gguf_file import GGUFModel
+    from infer.layerskip import CALIBRATION_TEXT, calibrate, layer_similarity, skipping
+    from infer.model import load_transformer
+    from infer.tokenizer import Tokenizer
+
+    gguf = GGUFModel(args.target)
+    target = load_transformer(gguf)
+    tokenizer = Tokenizer.from_gguf(gguf.metadata)
+    text = [t for p in humaneval_prompts(args.prompts) for t in tokenizer.encode(p)]
+    base = {int(i) for i in args.skip.split(",") if i.strip()} if args.skip else set()
+    similarity = layer_similarity(target, tokenizer.encode(CALIBRATION_TEXT))
+    rows = [{"draft": "whole target", "layers": target.args.n_layers,
+             "perplexity": _ppl(target, text, args.ctx, args.chunks)}]
+    drafts = [("--skip", base)] if base else []
+    drafts += [(f"similarity >= {t}" + (" and --skip" if base else ""), base | set(calibrate(similarity, t)))
+               for t in args.thresholds]
+    for name, skip in drafts:
+        rows.append({"draft": name, "layers": target.args.n_layers - len(skip), "left_out": sorted(skip),
+                     "perplexity": _ppl(skipping(target, skip), text, args.ctx, args.chunks)})
+        print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+    return {"target": str(args.target), "ctx": args.ctx, "chunks": args.chunks, "prompts": args.prompts,
+            "similarity": [round(float(x), 4) for x in similarity], "rows": rows}
+
+
 def _synth(spec: str, directory: Path) -> Path:
     from bench.gpu_bench import synth_path
 
@@ -452,6 +480,13 @@ def main(argv: list[str] | None = None) -> int:
     e.add_argument("--draft-budget", default=None, help="--vram-budget for the draft alone (default: its own needs)")
     e.add_argument("--ctx", type=int, default=1024)
     e.add_argument("--slots", type=int, default=8, help="ring slots of the streamed layers")
+    q = sub.add_parser("draft-ppl", help="perplexity of self-drafts (layers left out) against the target, CPU")
+    q.add_argument("--target", type=Path, required=True)
+    q.add_argument("--skip", default="", help="layers always left out, comma-separated (e.g. a GPU plan's streamed)")
+    q.add_argument("--thresholds", type=float, nargs="*", default=[])
+    q.add_argument("--prompts", type=int, default=40)
+    q.add_argument("--ctx", type=int, default=256)
+    q.add_argument("--chunks", type=int, default=8)
     p = sub.add_parser("project")
     p.add_argument("--acceptance", required=True)
     p.add_argument("--verify", required=True)
@@ -460,10 +495,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--goal", type=float, default=10.0, help="tok/s for which each shape's draft-step allowance is given")
     v.add_argument("--exact", action="store_true", help="time verify_tree (the decode kernels per node) instead of "
                    "forward_tree (float16 products)")
-    for s in (a, c, v, e, p):
+    for s in (a, c, v, e, q, p):
         s.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
-    result = {"acceptance": acceptance, "curve": curve, "verify": verify, "e2e": e2e, "project": project}[args.what](args)
+    result = {"acceptance": acceptance, "curve": curve, "verify": verify, "e2e": e2e, "draft-ppl": draft_ppl,
+              "project": project}[args.what](args)
     result["command"] = " ".join(["python -m bench.spec_bench", *(argv if argv is not None else sys.argv[1:])])
     if args.out:
         args.out.write_text(json.dumps(result, indent=1))

@@ -54,3 +54,21 @@ def test_self_draft_speculation_is_the_plain_text(target) -> None:  # noqa: ANN0
     spec = Speculator(target, ModelDrafter(view, 256, 4, 1, cache=view.new_cache(256)), 5, 256)
     assert list(spec.generate(prompt, 24, greedy)) == want
     assert spec.stats.passes < 24  # the draft gets some tokens accepted
+
+
+def test_draft_ppl_bench_reports_the_cost(monkeypatch: pytest.MonkeyPatch) -> None:
+    """bench.spec_bench draft-ppl: the whole target's perplexity, and each self-draft's (higher when
+    layers are left out), with the layers it kept."""
+    from bench import spec_bench
+
+    path = smollm2_path("Q8_0")
+    if not path.exists():
+        pytest.skip("SmolLM2 Q8_0 missing: run scripts/fetch-models.sh")
+    monkeypatch.setattr(spec_bench, "humaneval_prompts",
+                        lambda n: ["def add(a, b):\n    return a + b\n\n\ndef mul(a, b):\n    return a * b\n"] * n)
+    result = spec_bench.draft_ppl(spec_bench.argparse.Namespace(target=path, skip="10,11,12", thresholds=[0.99],
+                                                               prompts=8, ctx=32, chunks=2))
+    whole, skipped = result["rows"][0], result["rows"][1]
+    assert whole["layers"] == 30 and skipped["layers"] == 27 and skipped["left_out"] == [10, 11, 12]
+    assert skipped["perplexity"] > whole["perplexity"] > 1
+    assert len(result["rows"]) == 3 and len(result["similarity"]) == 30
