@@ -94,13 +94,10 @@ def _gemv_config(defines: dict[str, int] | None) -> int:
     return (defines or {}).get("GEMV_WARPS", kernels.DEFAULT_DEFINES["GEMV_WARPS"])
 
 
-GEMV_VECS = 8  # gemv.cu: input vectors a block takes one after another
-
-
 def _vector_grid(rows: int, warps: int, vectors: int) -> tuple[int, int]:
-    if vectors < 1 or vectors > 65535 * GEMV_VECS:
-        raise ValueError(f"a GEMV launch takes 1 to {65535 * GEMV_VECS} input vectors, not {vectors}")
-    return (_blocks(rows, warps), _blocks(vectors, GEMV_VECS))
+    if vectors < 1 or vectors > 65535:
+        raise ValueError(f"a GEMV launch takes 1 to 65535 input vectors (grid y), not {vectors}")
+    return (_blocks(rows, warps), vectors)
 
 
 def gemv(m: GpuMatrix, x: cupy.ndarray, y: cupy.ndarray, bias: cupy.ndarray | None = None,

@@ -434,8 +434,13 @@ __device__ __forceinline__ void attention_fused(const float* q, __half* kc, __ha
 #define NODE_OFFSETS                                                                                           \
     const long long node = blockIdx.z, nh = (long long)G * gridDim.x;                                         \
     const SlotMap map = node_map(anc, anc_stride, anc_base, (int)node);
+// the 16-head group's scores kernel with the span map spilled under ptxas's own register choice;
+// asking for 4 blocks per SM (its occupancy before) gives it the registers; the others are unchanged
+#define ATTN_SCORES_BOUNDS_4 __launch_bounds__(ATTN_THREADS)
+#define ATTN_SCORES_BOUNDS_8 __launch_bounds__(ATTN_THREADS)
+#define ATTN_SCORES_BOUNDS_16 __launch_bounds__(ATTN_THREADS, 4)
 #define ATTENTION_DECODE(MAXG)                                                                                 \
-    extern "C" __global__ void __launch_bounds__(ATTN_THREADS)                                                 \
+    extern "C" __global__ void ATTN_SCORES_BOUNDS_##MAXG                                                      \
         attention_scores_g##MAXG(const float* q, __half* kc, const int* pos, int G, int D, int max_ctx,        \
                                  float scale, int n_splits, float* scores, double* part_ml, const float* k_new, \
                                  const float* v_new, const float* cos_t, const float* sin_t, int n_pairs,      \

@@ -115,26 +115,29 @@ __device__ __forceinline__ double row_dot_float(const T* w, int K, int lane, con
 }
 
 // the row's sum rounded to float32, then + bias, + residual in float32 (the CPU engine's order)
-__device__ __forceinline__ void store_row(double acc, int row, float* y, const float* bias, const float* residual) {
+// (y and residual at offset `off`: the vector's output row)
+__device__ __forceinline__ void store_row(double acc, int row, float* y, const float* bias, const float* residual,
+                                          int off) {
     float v = (float)acc;
     if (bias) v += bias[row];
-    if (residual) v += residual[row];
-    y[row] = v;
+    if (residual) v += residual[off + row];
+    y[off + row] = v;
 }
 
 template <class F>
 __device__ __forceinline__ void gemv_quant(int block, Planes p, int rows, int K, const float* x, float* y, const float* bias,
-                                           const float* residual) {
+                                           const float* residual, int off) {
     const int lane = threadIdx.x & 31;
     const int row = block * GEMV_WARPS + (threadIdx.x >> 5);
     if (row >= rows) return;
     const int nsb = K >> 5;
     const double acc = warp_sum(row_dot<F>(p, (long long)row * nsb, nsb, lane, x));
-    if (lane == 0) store_row(acc, row, y, bias, residual);
+    if (lane == 0) store_row(acc, row, y, bias, residual, off);
 }
 
 template <class F>
-__device__ __forceinline__ void gemv_swiglu_quant(int block, Planes g, Planes u, int rows, int K, const float* x, float* y) {
+__device__ __forceinline__ void gemv_swiglu_quant(int block, Planes g, Planes u, int rows, int K, const float* x, float* y,
+                                                  int off) {
     const int lane = threadIdx.x & 31;
     const int row = block * GEMV_WARPS + (threadIdx.x >> 5);
     if (row >= rows) return;
@@ -142,23 +145,24 @@ __device__ __forceinline__ void gemv_swiglu_quant(int block, Planes g, Planes u,
     const long long base = (long long)row * nsb;
     const double a = warp_sum(row_dot<F>(g, base, nsb, lane, x));
     const double b = warp_sum(row_dot<F>(u, base, nsb, lane, x));
-    if (lane == 0) y[row] = swiglu((float)a, (float)b);
+    if (lane == 0) y[off + row] = swiglu((float)a, (float)b);
 }
 
 template <class F>
 __device__ __forceinline__ void gemv8_quant(int block, Planes p, int rows, int K, const signed char* xq, const float* xs,
-                                            const int* xsum, float* y, const float* bias, const float* residual) {
+                                            const int* xsum, float* y, const float* bias, const float* residual,
+                                            int off) {
     const int lane = threadIdx.x & 31;
     const int row = block * GEMV_WARPS + (threadIdx.x >> 5);
     if (row >= rows) return;
     const int nsb = K >> 5;
     const double acc = warp_sum(row_dot8<F>(p, (long long)row * nsb, nsb, lane, xq, xs, xsum));
-    if (lane == 0) store_row(acc, row, y, bias, residual);
+    if (lane == 0) store_row(acc, row, y, bias, residual, off);
 }
 
 template <class F>
 __device__ __forceinline__ void gemv8_swiglu_quant(int block, Planes g, Planes u, int rows, int K, const signed char* xq,
-                                                   const float* xs, const int* xsum, float* y) {
+                                                   const float* xs, const int* xsum, float* y, int off) {
     const int lane = threadIdx.x & 31;
     const int row = block * GEMV_WARPS + (threadIdx.x >> 5);
     if (row >= rows) return;
@@ -168,54 +172,53 @@ __device__ __forceinline__ void gemv8_swiglu_quant(int block, Planes g, Planes u
     row_dot8_pair<F>(g, u, base, nsb, lane, xq, xs, xsum, a, b);
     a = warp_sum(a);
     b = warp_sum(b);
-    if (lane == 0) y[row] = swiglu((float)a, (float)b);
+    if (lane == 0) y[off + row] = swiglu((float)a, (float)b);
 }
 
 template <typename T>
 __device__ __forceinline__ void gemv_float(int block, const T* w, int rows, int K, const float* x, float* y, const float* bias,
-                                           const float* residual) {
+                                           const float* residual, int off) {
     const int lane = threadIdx.x & 31;
     const int row = block * GEMV_WARPS + (threadIdx.x >> 5);
     if (row >= rows) return;
     const double acc = warp_sum(row_dot_float<T>(w + (long long)row * K, K, lane, x));
-    if (lane == 0) store_row(acc, row, y, bias, residual);
+    if (lane == 0) store_row(acc, row, y, bias, residual, off);
 }
 
 template <typename T>
-__device__ __forceinline__ void gemv_swiglu_float(int block, const T* wg, const T* wu, int rows, int K, const float* x, float* y) {
+__device__ __forceinline__ void gemv_swiglu_float(int block, const T* wg, const T* wu, int rows, int K, const float* x, float* y,
+                                                  int off) {
     const int lane = threadIdx.x & 31;
     const int row = block * GEMV_WARPS + (threadIdx.x >> 5);
     if (row >= rows) return;
     const double a = warp_sum(row_dot_float<T>(wg + (long long)row * K, K, lane, x));
     const double b = warp_sum(row_dot_float<T>(wu + (long long)row * K, K, lane, x));
-    if (lane == 0) y[row] = swiglu((float)a, (float)b);
+    if (lane == 0) y[off + row] = swiglu((float)a, (float)b);
 }
 
 // One signature for every format, so the Python side launches them alike: (qs, hi, sm, dm) are the
-// planes (float formats use qs only). Many input vectors (a token tree's nodes): vector v takes its
-// input at x + v*K (8-bit forms: xq + v*K, its scales and sums likewise) and writes y + v*ldy (the
-// residual likewise); grid y = groups of GEMV_VECS vectors, which a block takes one after another
-// (the rows' weights are read from memory once, then from L1/L2). Every vector runs the one-vector
-// code unchanged, so each node gets exactly the numbers it would get alone in a decode step.
-#ifndef GEMV_VECS
-#define GEMV_VECS 8
-#endif
-#define FOR_EACH_VECTOR for (long long v = (long long)blockIdx.y * GEMV_VECS, v_end = min((long long)nvec, v + GEMV_VECS); v < v_end; ++v)
+// planes (float formats use qs only). Many input vectors (a token tree's nodes): grid y = vector v of
+// nvec, which takes its input at x + v*K (8-bit forms: xq + v*K, its scales and sums likewise) and
+// writes y + v*ldy (the residual likewise). Every vector runs the one-vector code unchanged (a decode
+// step is v = 0 of 1), so each node gets exactly the numbers it would get alone in a decode step.
+// One vector per block (a loop over vectors made ptxas spill), the output's offset passed as `off`
+// or folded into y: the same addresses either way; each wrapper uses the form with which ptxas
+// keeps every kernel free of spills (tests/infer/test_kernels_compile.py checks both variants).
+#define THIS_VECTOR const int v = blockIdx.y;  // 32-bit offsets below: v*K and v*ldy stay under 2^31
 #define GEMV_QUANT(NAME, F)                                                                                   \
     extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)                                             \
         gemv_##NAME(const uint8_t* qs, const uint8_t* hi, const uint8_t* sm, const uint8_t* dm, int rows, int K, \
                     const float* x, float* y, const float* bias, const float* residual, int ldy, int nvec) {  \
-        FOR_EACH_VECTOR                                                                                       \
-            gemv_quant<F>(blockIdx.x, Planes{qs, hi, sm, dm}, rows, K, x + v * K, y + v * ldy, bias,          \
-                          residual ? residual + v * ldy : nullptr);                                           \
+        THIS_VECTOR                                                                                       \
+        gemv_quant<F>(blockIdx.x, Planes{qs, hi, sm, dm}, rows, K, x + v * K, y, bias, residual, v * ldy);      \
     }                                                                                                         \
     extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)                                             \
         gemv_swiglu_##NAME(const uint8_t* gqs, const uint8_t* ghi, const uint8_t* gsm, const uint8_t* gdm,    \
                            const uint8_t* uqs, const uint8_t* uhi, const uint8_t* usm, const uint8_t* udm,    \
                            int rows, int K, const float* x, float* y, int ldy, int nvec) {                    \
-        FOR_EACH_VECTOR                                                                                       \
-            gemv_swiglu_quant<F>(blockIdx.x, Planes{gqs, ghi, gsm, gdm}, Planes{uqs, uhi, usm, udm}, rows, K,  \
-                                 x + v * K, y + v * ldy);                                                     \
+        THIS_VECTOR                                                                                       \
+        gemv_swiglu_quant<F>(blockIdx.x, Planes{gqs, ghi, gsm, gdm}, Planes{uqs, uhi, usm, udm}, rows, K,  \
+                                 x + v * K, y, v * ldy);                                                     \
     }
 
 #define GEMV8_QUANT(NAME, F)                                                                                  \
@@ -223,37 +226,36 @@ __device__ __forceinline__ void gemv_swiglu_float(int block, const T* wg, const 
         gemv8_##NAME(const uint8_t* qs, const uint8_t* hi, const uint8_t* sm, const uint8_t* dm, int rows, int K, \
                      const signed char* xq, const float* xs, const int* xsum, float* y, const float* bias,     \
                      const float* residual, int ldy, int nvec) {                                              \
-        FOR_EACH_VECTOR                                                                                       \
-            gemv8_quant<F>(blockIdx.x, Planes{qs, hi, sm, dm}, rows, K, xq + v * K,                           \
-                           xs + v * (K >> (5 + F::XS_SHIFT)), xsum + v * (K >> 5), y + v * ldy, bias,         \
-                           residual ? residual + v * ldy : nullptr);                                          \
+        THIS_VECTOR                                                                                       \
+        gemv8_quant<F>(blockIdx.x, Planes{qs, hi, sm, dm}, rows, K, xq + v * K,                               \
+                       xs + v * (K >> (5 + F::XS_SHIFT)), xsum + v * (K >> 5), y, bias, residual, v * ldy);   \
     }                                                                                                         \
     extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)                                             \
         gemv8_swiglu_##NAME(const uint8_t* gqs, const uint8_t* ghi, const uint8_t* gsm, const uint8_t* gdm,   \
                             const uint8_t* uqs, const uint8_t* uhi, const uint8_t* usm, const uint8_t* udm,   \
                             int rows, int K, const signed char* xq, const float* xs, const int* xsum, float* y, \
                             int ldy, int nvec) {                                                              \
-        FOR_EACH_VECTOR                                                                                       \
-            gemv8_swiglu_quant<F>(blockIdx.x, Planes{gqs, ghi, gsm, gdm}, Planes{uqs, uhi, usm, udm}, rows, K, \
+        THIS_VECTOR                                                                                       \
+        gemv8_swiglu_quant<F>(blockIdx.x, Planes{gqs, ghi, gsm, gdm}, Planes{uqs, uhi, usm, udm}, rows, K, \
                                   xq + v * K, xs + v * (K >> (5 + F::XS_SHIFT)), xsum + v * (K >> 5),         \
-                                  y + v * ldy);                                                               \
+                                  y + v * ldy, 0);                                                               \
     }
 
 #define GEMV_FLOAT(NAME, T)                                                                                   \
     extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)                                             \
         gemv_##NAME(const uint8_t* qs, const uint8_t* hi, const uint8_t* sm, const uint8_t* dm, int rows, int K, \
                     const float* x, float* y, const float* bias, const float* residual, int ldy, int nvec) {  \
-        FOR_EACH_VECTOR                                                                                       \
-            gemv_float<T>(blockIdx.x, reinterpret_cast<const T*>(qs), rows, K, x + v * K, y + v * ldy, bias,  \
-                          residual ? residual + v * ldy : nullptr);                                           \
+        THIS_VECTOR                                                                                       \
+        gemv_float<T>(blockIdx.x, reinterpret_cast<const T*>(qs), rows, K, x + v * K, y, bias, residual,      \
+                      v * ldy);                                                                               \
     }                                                                                                         \
     extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)                                             \
         gemv_swiglu_##NAME(const uint8_t* gqs, const uint8_t* ghi, const uint8_t* gsm, const uint8_t* gdm,    \
                            const uint8_t* uqs, const uint8_t* uhi, const uint8_t* usm, const uint8_t* udm,    \
                            int rows, int K, const float* x, float* y, int ldy, int nvec) {                    \
-        FOR_EACH_VECTOR                                                                                       \
-            gemv_swiglu_float<T>(blockIdx.x, reinterpret_cast<const T*>(gqs), reinterpret_cast<const T*>(uqs), \
-                                 rows, K, x + v * K, y + v * ldy);                                            \
+        THIS_VECTOR                                                                                       \
+        gemv_swiglu_float<T>(blockIdx.x, reinterpret_cast<const T*>(gqs), reinterpret_cast<const T*>(uqs), \
+                                 rows, K, x + v * K, y, v * ldy);                                              \
     }
 
 GEMV_QUANT(q8, FmtQ8)
