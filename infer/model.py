@@ -318,18 +318,26 @@ class Rope:
 Batch = Sequence[tuple[np.ndarray, KVCache]]
 
 
-def tree_layout(parents: np.ndarray, start: int) -> tuple[np.ndarray, np.ndarray]:
-    """Depths (N,) of the nodes of a token tree (parents[i] < i, -1 for a root), and the attention
-    mask (N, start + N): node i sees positions 0 .. start - 1 and the slots of its ancestors and itself."""
-    n = len(parents)
-    depths = np.zeros(n, np.int64)
-    allowed = np.zeros((n, start + n), bool)
-    allowed[:, :start] = True
+def tree_depths(parents: Sequence[int] | np.ndarray) -> np.ndarray:
+    """Depths (N,) of the nodes of a token tree (parents[i] < i, -1 for a root)."""
+    depths = np.zeros(len(parents), np.int64)
     for i, parent in enumerate(parents):
         if not -1 <= parent < i:
             raise ValueError(f"tree node {i} has parent {parent}: parents must come before their children")
         if parent >= 0:
             depths[i] = depths[parent] + 1
+    return depths
+
+
+def tree_layout(parents: np.ndarray, start: int) -> tuple[np.ndarray, np.ndarray]:
+    """Depths (N,) of the nodes of a token tree (parents[i] < i, -1 for a root), and the attention
+    mask (N, start + N): node i sees positions 0 .. start - 1 and the slots of its ancestors and itself."""
+    n = len(parents)
+    depths = tree_depths(parents)
+    allowed = np.zeros((n, start + n), bool)
+    allowed[:, :start] = True
+    for i, parent in enumerate(parents):
+        if parent >= 0:
             allowed[i, start : start + i] = allowed[parent, start : start + i]
         allowed[i, start + i] = True
     return depths, allowed

@@ -25,6 +25,7 @@ from typing import Protocol
 import numpy as np
 
 from infer.engine import Cache, Model
+from infer.model import tree_depths
 
 Chooser = Callable[[np.ndarray, list[int]], int]
 
@@ -207,7 +208,7 @@ class Speculator:
             self.stats.draft_seconds += draft_s
             self.stats.verify_seconds += verify_s
             if self.tuner is not None:
-                depth = max((_depth(tree.parents, n) for n in range(len(tree.parents))), default=0)
+                depth = int(tree_depths(tree.parents).max())
                 self.tuner.observe(depth, len(tree.tokens), len(path) - 1, draft_s, verify_s)
             self.stats.passes += 1
             self.stats.proposed += len(tree.tokens) - 1
@@ -222,13 +223,6 @@ class Speculator:
                 if is_end(token) or produced >= max_new_tokens:
                     return
             root = chosen
-
-
-def _depth(parents: Sequence[int], node: int) -> int:
-    d = 0
-    while parents[node] >= 0:
-        node, d = parents[node], d + 1
-    return d
 
 
 def tree_shape(depth: int, width: int, size: int) -> tuple[int, int]:

@@ -275,11 +275,11 @@ class TreeSpans:
 def tree_spans(parents: np.ndarray, base: int) -> tuple[TreeSpans, np.ndarray]:
     """TreeSpans of a tree (parents[i] < i, root -1) whose node i sits in cache slot base + i,
     and the nodes' positions (base + depth) as int32."""
+    from infer.model import tree_depths
+
     parents = np.asarray(parents, dtype=np.int64)
     n = len(parents)
-    depth = np.zeros(n, np.int64)
-    for i in range(1, n):
-        depth[i] = depth[parents[i]] + 1
+    depth = tree_depths(parents)
     anc = np.zeros((n, int(depth.max()) + 1), np.int32)
     for i in range(n):
         node = i
