@@ -248,17 +248,35 @@ def half_resident_budget(gguf: Any, ctx: int, prefill_chunk: int, slots: int, pl
     return int(minimum_vram(tensors, slots, True) + fraction * layers + big.vram_total - big.vram_for_weights + planned)
 
 
+def streamed_pair(args: argparse.Namespace, gguf: Any, nodes_max: int) -> tuple[Any, Any, int]:
+    """(draft LLM resident, streaming session of the target, its --vram-budget): the target streamed
+    with about args.resident_fraction of its layer bytes in VRAM besides what the draft takes."""
+    from infer.arch import ModelArgs
+    from infer.cli import _load
+    from infer.tiers.budget import tree_buffers_nbytes
+    from infer.tiers.session import StreamingConfig, build_streaming_engine
+
+    draft = _load(str(args.draft), args.ctx, "gpu", args.draft_budget, half_copies=False)
+    planned = {"draft model": draft.transformer.account.planned_total,
+               "token-tree verification": tree_buffers_nbytes(ModelArgs.from_gguf(gguf), nodes_max, args.ctx)}
+    chunk = max(512, nodes_max)
+    budget = half_resident_budget(gguf, args.ctx, chunk, args.slots, sum(planned.values()), args.resident_fraction)
+    config = StreamingConfig(enabled=True, vram_budget=str(budget), slots=args.slots)
+    session = build_streaming_engine(gguf, config, args.ctx, "gpu", prefill_chunk=chunk, enforce_budget=True,
+                                     planned=planned)
+    print(session.report(), file=sys.stderr)
+    return draft, session, budget
+
+
 def e2e(args: argparse.Namespace) -> dict[str, Any]:
     """Greedy generation on the real pair, the target streamed with about half its layer bytes in
     tier B and the draft resident: plain and speculative (each tree shape of --shapes, `auto`: the
     CLI's tuned chain) in the same run, every output compared with the plain one."""
-    from infer.cli import _load
     from infer.cli_spec import MAX_DEPTH, START_DEPTH_STREAMING, check_vocabulary
     from infer.gguf_file import GGUFModel
     from infer.gpu.memory import PeakMonitor
     from infer.speculative import DepthTuner, ModelDrafter, Speculator
     from infer.tiers.plan import Tier
-    from infer.tiers.session import StreamingConfig, build_streaming_engine
     from infer.tokenizer import Tokenizer
 
     gguf = GGUFModel(args.target)
@@ -271,14 +289,7 @@ def e2e(args: argparse.Namespace) -> dict[str, Any]:
     fixed = [tuple(int(v) for v in s.split("x")) for s in shapes if "x" in s]
     nodes_max = max([1 + d * w for d, w in fixed] + ([1 + MAX_DEPTH] if "auto" in shapes else []))
     monitor = PeakMonitor(0.05).__enter__()  # load and every run: the peak the budget must hold
-    draft = _load(str(args.draft), args.ctx, "gpu", args.draft_budget, half_copies=False)
-    planned = draft.transformer.account.planned_total
-    chunk = max(512, nodes_max)
-    budget = half_resident_budget(gguf, args.ctx, chunk, args.slots, planned, args.resident_fraction)
-    config = StreamingConfig(enabled=True, vram_budget=str(budget), slots=args.slots)
-    session = build_streaming_engine(gguf, config, args.ctx, "gpu", prefill_chunk=chunk, enforce_budget=True,
-                                     planned={"draft model": planned})
-    print(session.report(), file=sys.stderr)
+    draft, session, budget = streamed_pair(args, gguf, nodes_max)
     tiers = {t.name: session.plan.bytes_in(t) for t in Tier}
     target = session.engine.model
     prompts = [tokenizer.encode(p) for p in humaneval_prompts(args.prompts)]

@@ -210,6 +210,9 @@ def run(model: str | None, spec: SpecOptions, streaming: Any, ctx_size: int, dev
         tree = spec.tree or (DEFAULT_TREE_STREAMING if streaming.enabled else DEFAULT_TREE_RESIDENT)
         if spec.self_draft:
             tree = 1 + (spec.draft_k or SELF_DRAFT_K)
+        if where == "gpu":  # the verification pass's buffers (tuned chains: up to 1 + MAX_DEPTH nodes)
+            nodes = max(tree, 1 + MAX_DEPTH) if tuned(spec, streaming.enabled) is not None else tree
+            planned = {**(planned or {}), "token-tree verification": _tree_bytes(model, ctx_size, nodes)}
         try:
             if streaming.enabled:
                 from infer.gguf_file import GGUFModel
@@ -252,6 +255,15 @@ def _self_draft_kv_bytes(model: str, ctx_size: int) -> int:
     args = ModelArgs.from_gguf(gguf)
     ctx = ctx_size or min(args.context_length, 4096)
     return kv_cache_nbytes(args, ctx, 1) + attention_work_nbytes(args, ctx)
+
+
+def _tree_bytes(model: str, ctx_size: int, nodes: int) -> int:
+    from infer.arch import ModelArgs
+    from infer.gguf_file import GGUFModel
+    from infer.tiers.budget import tree_buffers_nbytes
+
+    args = ModelArgs.from_gguf(GGUFModel(model))
+    return tree_buffers_nbytes(args, nodes, ctx_size or min(args.context_length, 4096))
 
 
 def self_drafter(spec: SpecOptions, model_path: str, target: Any, tokenizer: Any, ctx: int, note: Any) -> Any:

@@ -53,6 +53,7 @@ def skipping(model: Any, skip: Iterable[int]) -> Any:
     view.skip = skip
     if hasattr(view, "_plan_segments"):  # GPU: the decode step's graph segments without those layers
         view._segments = view._plan_segments()
+        view._tree_runner = None  # the target's runner is planned with every layer
     return view
 
 

@@ -169,6 +169,9 @@ class Speculator:
         # the decode step's own numbers where the engine has them (GPU: verify_tree), so greedy
         # output is the plain engine's token for token; else forward_tree (CPU: one function)
         self._verify = getattr(target, "verify_tree", None) or target.forward_tree  # type: ignore[attr-defined]
+        reserve = getattr(target, "reserve_tree", None)
+        if reserve is not None:  # the GPU's verification buffers, made once for the largest tree
+            reserve(tree_size)
 
     def generate(self, prompt: Sequence[int], max_new_tokens: int, choose: Chooser,
                  is_end: Callable[[int], bool] = lambda _: False, cache: Cache | None = None) -> Iterator[int]:

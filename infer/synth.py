@@ -40,6 +40,7 @@ class Shape:
     context_length: int = 8192
     rope_base: float = 500000.0
     norm_eps: float = 1e-5
+    arch: str = "llama"
 
 
 SHAPES: dict[str, Shape] = {
@@ -47,6 +48,11 @@ SHAPES: dict[str, Shape] = {
     "1b": Shape(n_layers=16, dim=2048, ffn_dim=8192, n_heads=32, n_kv_heads=8, vocab_size=128256),
     "8b": Shape(n_layers=32, dim=4096, ffn_dim=14336, n_heads=32, n_kv_heads=8, vocab_size=128256),
     "70b": Shape(n_layers=80, dim=8192, ffn_dim=28672, n_heads=64, n_kv_heads=8, vocab_size=128256),
+    # the shapes of the speculative pair (Qwen2.5-Coder 0.5B and 1.5B, with their Q/K/V biases)
+    "q05b": Shape(n_layers=24, dim=896, ffn_dim=4864, n_heads=14, n_kv_heads=2, vocab_size=151936,
+                  context_length=32768, rope_base=1e6, norm_eps=1e-6, arch="qwen2"),
+    "q15b": Shape(n_layers=28, dim=1536, ffn_dim=8960, n_heads=12, n_kv_heads=2, vocab_size=151936,
+                  context_length=32768, rope_base=1e6, norm_eps=1e-6, arch="qwen2"),
 }
 
 # llama.cpp's file_type numbers (LLAMA_FTYPE_*) for general.file_type
@@ -58,8 +64,17 @@ def _more_bits(layer: int, n_layers: int) -> bool:
     return layer < n_layers // 8 or layer >= 7 * n_layers // 8 or (layer - n_layers // 8) % 3 == 2
 
 
-def tensor_type(kind: str, name: str, layer: int, n_layers: int) -> int:
-    """The GGML type of a matrix in a file of `kind` (norms are always F32)."""
+# llama.cpp's types for rows that are not whole 256-weight K-quant blocks (e.g. a width of 896)
+K_FALLBACK = {T.Q4_K: T.Q5_0, T.Q5_K: T.Q5_1, T.Q6_K: T.Q8_0}
+
+
+def tensor_type(kind: str, name: str, layer: int, n_layers: int, cols: int = 256) -> int:
+    """The GGML type of a matrix of rows of `cols` weights in a file of `kind` (norms are always F32)."""
+    chosen = _tensor_type(kind, name, layer, n_layers)
+    return K_FALLBACK.get(chosen, chosen) if cols % 256 else chosen
+
+
+def _tensor_type(kind: str, name: str, layer: int, n_layers: int) -> int:
     if kind == "f16":
         return T.F16
     if kind == "q8_0":
@@ -191,9 +206,10 @@ def _norm_writer(n: int, rng: np.random.Generator, mean: float) -> tuple[int, Ca
 
 
 def write_model(path: str | Path, shape: Shape, kind: str, seed: int = 0, name: str | None = None,
-                arch: str = "llama") -> int:
-    """Writes a random Llama-shaped GGUF; returns its size in bytes. arch "qwen2" adds Q/K/V biases
-    (and readers apply NeoX-style rotary pairs to it)."""
+                arch: str | None = None) -> int:
+    """Writes a random Llama-shaped GGUF; returns its size in bytes. arch (default the shape's)
+    "qwen2" adds Q/K/V biases (and readers apply NeoX-style rotary pairs to it)."""
+    arch = arch or shape.arch
     if arch not in ("llama", "qwen2"):
         raise ValueError(f"unknown architecture '{arch}' (known: llama, qwen2)")
     if kind not in FILE_TYPES:
@@ -230,9 +246,9 @@ def write_model(path: str | Path, shape: Shape, kind: str, seed: int = 0, name: 
     tensors: list[_Tensor] = []
 
     def matrix(tname: str, base: str, layer: int, rows: int, cols: int) -> None:
-        ggml_type = tensor_type(kind, base, layer, s.n_layers)
+        ggml_type = tensor_type(kind, base, layer, s.n_layers, cols)
         if base == "token_embd" and kind == "q4_k_m":
-            ggml_type = T.Q4_K
+            ggml_type = K_FALLBACK[T.Q4_K] if cols % 256 else T.Q4_K
         nbytes, write = _matrix_writer(ggml_type, rows, cols, rng, pools)
         tensors.append(_Tensor(tname, (cols, rows), ggml_type, nbytes, write))
 
@@ -283,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--type", dest="kind", choices=sorted(FILE_TYPES), default="q4_k_m")
     parser.add_argument("--layers", type=int, help="override the shape's layer count")
     parser.add_argument("--vocab", type=int, help="override the shape's vocab size")
-    parser.add_argument("--arch", choices=["llama", "qwen2"], default="llama")
+    parser.add_argument("--arch", choices=["llama", "qwen2"], help="default: the shape's (qwen2 for q05b, q15b)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("-o", "--output", required=True, help="GGUF file to write")
     args = parser.parse_args(argv)

@@ -8,6 +8,7 @@
 #   OUT=/path/to/out bash scripts/gpu-check.sh            # tests + 8B benchmarks (~7-9 min)
 #   GPU_CHECK_SKIP_BENCH=1 bash scripts/gpu-check.sh      # compile + GPU tests (~4-5 min)
 #   GPU_CHECK_SKIP_TESTS=1 bash scripts/gpu-check.sh      # the 8B benchmarks (~3-4 min)
+#   GPU_CHECK_BENCH_QUICK=1 ...                           # only the first of them (resident, no budget)
 #   GPU_CHECK_Q8=1 ...                                    # also the 8B Q8_0 (resident, no budget)
 #   GPU_CHECK_SPEC=1 ...                                  # speculative decoding: the CLI with a draft model on
 #                                                         # synthetic 8B/1B, and (with GPU_CHECK_70B) the time of
@@ -15,6 +16,8 @@
 #   GPU_CHECK_70B=1 GPU_CHECK_SKIP_TESTS=1 GPU_CHECK_SKIP_BENCH=1 ...
 #                                                         # the 70B Q4_K_M streamed at --vram-budget 24GB
 #                                                         # (bench.streaming_bench; writes ~42 GB to disk)
+#   GPU_CHECK_PROFILE=1 ...                               # where a speculative pass's time goes (bench.spec_profile
+#                                                         # on synthetic models of the Qwen pair's shapes, traced)
 #   NVMEDIRECT_GPU_MODELS=a.gguf:b.gguf                   # real models for tests/gpu/test_model.py
 #   GPU_CHECK_ALL_GPU_TESTS=1                             # also `pytest -m gpu tests/` (every area)
 #
@@ -121,6 +124,8 @@ EOF
 
 if [ -z "${GPU_CHECK_SKIP_BENCH:-}" ]; then
     bench 8b-q4km 300 --synth 8b:q4_k_m
+fi
+if [ -z "${GPU_CHECK_SKIP_BENCH:-}" ] && [ -z "${GPU_CHECK_BENCH_QUICK:-}" ]; then
     bench 8b-q4km-8GB 120 --synth 8b:q4_k_m --vram-budget 8GB --ctx 4096
     bench 8b-q4km-stream 120 --synth 8b:q4_k_m --vram-budget 8GB --ctx 4096 --streaming
     cli_bench 8b-8GB 120 -m "$SYNTH_DIR/synth-8b-q4_k_m.gguf" --device gpu --benchmark -n 64 --vram-budget 8GB --json
@@ -161,6 +166,14 @@ keys = ("decode_tok_s", "roofline_tok_s", "decode_fraction_of_roofline", "pp512_
         "peak_vram_bytes", "vram_budget_bytes", "peak_within_budget", "error")
 print("70B stream: " + ", ".join(f"{k} {r[k]}" for k in keys if k in r))
 EOF
+fi
+
+if [ -n "${GPU_CHECK_PROFILE:-}" ]; then
+    section "speculative pass profile (synthetic q15b target streamed, q05b draft)"
+    timeout "${GPU_CHECK_PROFILE_SECONDS:-240}" python3 -m bench.spec_profile --synth --synth-dir "$SYNTH_DIR" --resident \
+        --out "$OUT/profile" > "$OUT/profile.txt" 2> "$OUT/profile.log"
+    note "spec profile: exit $?; $(tail -c 1500 "$OUT/profile.txt")"
+    tail -n 30 "$OUT/profile.log"
 fi
 
 section "summary"

@@ -77,11 +77,13 @@ class RoundedInputs:
                 ops.round_act(base, out[act], rows, a.dim, act, int8=self.int8_of(key, act))
         return out
 
-    def rounded(self, x: cupy.ndarray, key: str, act: str) -> cupy.ndarray:
+    def rounded(self, x: cupy.ndarray, key: str, act: str, rows: int | None = None) -> cupy.ndarray:
+        """x (the first `rows` rows, default all) rounded to `act` in input `key`'s buffer."""
         if act == "f32":
             return x
+        rows = self.rows if rows is None else rows
         y = self.buffers[(key, act)]
-        ops.round_act(x, y, self.rows, x.size // self.rows, act, int8=self.int8_of(key, act))
+        ops.round_act(x, y, rows, x.size // rows, act, int8=self.int8_of(key, act))
         return y
 
     def gemv(self, m: GpuMatrix, key: str, x: cupy.ndarray, y: cupy.ndarray, bias: cupy.ndarray | None = None,

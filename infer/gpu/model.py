@@ -15,6 +15,7 @@ of every matrix product rounded as llama.cpp's CPU rounds them), over weights fr
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -26,12 +27,13 @@ from infer.gpu import ops
 from infer.gpu.activations import RoundedInputs, normed16, rounded16
 from infer.gpu.attention import rows_attention
 from infer.gpu.ops import GpuMatrix
-from infer.gpu.tree import TreeLogits, verify_tree
+from infer.gpu.tree import CAPACITY_STEP, TreeLogits, TreeRunner, verify_tree
 from infer.gpu.weights import GpuLayer, GpuWeightSource, HalfCopies
 from infer.model import Rope, check_batch, tree_layout
 from infer.tiers.budget import LOGITS_ROWS, VramAccount
 
 F32, F16 = cupy.float32, cupy.float16
+_RUNNER_GENERATIONS = itertools.count()  # tells a runner's graphs from an earlier runner's in a cache
 HEAD = -1  # segment item: the output norm and head (and sampling); EMBED: the token embedding
 EMBED = -2
 
@@ -99,6 +101,8 @@ class GpuTransformer:
         self.account: VramAccount | None = None  # the VRAM budget it was planned in, when loaded with one
         self.stream = cupy.cuda.Stream(non_blocking=True)
         self._segments = self._plan_segments()
+        self._tree_runner: TreeRunner | None = None  # token-tree verification's buffers and graphs
+        self._tree_capacity = 0
         a = args
         cos, sin = self.rope.angles(np.arange(max_context))
         with self.stream:
@@ -388,6 +392,22 @@ class GpuTransformer:
             logits = self._rows_pass([(tokens, cache)], [n], True, tree)[0]
         self.stream.synchronize()
         return logits
+
+    def reserve_tree(self, nodes: int) -> None:
+        """Sizes token-tree verification for trees of up to `nodes` nodes before the first pass (its
+        buffers are made once; a larger tree later makes them anew, and its graphs with them)."""
+        self._tree_capacity = max(self._tree_capacity, int(nodes))
+
+    def tree_runner(self, nodes: int, max_tokens: int) -> TreeRunner:
+        """The TreeRunner for a tree of `nodes` nodes over a cache of max_tokens positions."""
+        runner = self._tree_runner
+        if runner is None or runner.capacity < nodes or runner.max_tokens != max_tokens \
+                or runner.int8_dot != self.int8_dot:
+            want = max(nodes, self._tree_capacity)
+            self._tree_runner = None  # the old buffers go before the new ones are made
+            self._tree_runner = TreeRunner(self, -(-want // CAPACITY_STEP) * CAPACITY_STEP, max_tokens,
+                                           next(_RUNNER_GENERATIONS))
+        return self._tree_runner
 
     def verify_tree(self, tokens: np.ndarray, parents: np.ndarray, cache: GpuKVCache) -> TreeLogits:
         """forward_tree with the decode step's kernels (infer/gpu/tree.py): node i's logits are bit

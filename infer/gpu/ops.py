@@ -172,8 +172,8 @@ def rmsnorm(x: cupy.ndarray, weight: cupy.ndarray, eps: float, rows: int, n: int
     int8 (q8_0/q8_k only): also its 8-bit form."""
     if act != "f32" and y is None:
         raise ValueError("rounding to an activation format needs the float32 output y")
-    if n % 256 == 0 and n <= 8192:  # one pass, values in registers (8 per thread)
-        kernels.function("ops", "rmsnorm8")((rows,), (n // 8,), (x, weight, _ptr(y), _ptr(y16), np.int32(n),
+    if n % {"q8_0": 32, "q8_k": 256}.get(act, 8) == 0 and n <= 8192:  # one pass, values in registers (8 per thread)
+        kernels.function("ops", "rmsnorm8")((rows,), (-(-n // 256) * 32,), (x, weight, _ptr(y), _ptr(y16), np.int32(n),
                                                                  np.float32(eps), np.int32(ACT_CODES[act]),
                                                                  *_int8_args(int8)))
         return
@@ -341,7 +341,7 @@ def attention_decode(q: cupy.ndarray, k_cache: cupy.ndarray, v_cache: cupy.ndarr
     nodes = 1 if tree is None else tree.nodes
     if tree is not None and rope is not None:
         raise ValueError("a token tree's keys are stored by rope_store first: no rope in tree attention")
-    span = (NULL, np.int32(0), np.int32(0)) if tree is None else (tree.anc, np.int32(tree.stride), np.int32(tree.base))
+    span = (NULL, np.int32(0)) if tree is None else (tree.anc, np.int32(tree.stride))
     grid = (n_kv_heads, n_splits, nodes)
     if rope is None:
         rope_args = (NULL, NULL, NULL, NULL, np.int32(0), np.int32(0), NULL)

@@ -8,15 +8,20 @@ for bit, the logits the plain decode step computes at its position after its pat
 greedy decoding emits exactly the tokens plain decoding emits (the float16 cuBLAS pass of many rows,
 GpuTransformer._rows_pass, rounds differently and would part from it at near ties).
 
-Memory stays inside the activation plan of a pass of as many rows (infer.tiers.budget
-activation_nbytes): no matrix is dequantized to float16 (the plan's two largest-matrix scratches
-are free), the attention work buffers are taken for TREE_ATTENTION_BYTES of nodes at a time, and
-the logits of all nodes stay on the device only when they fit in the logits block plus those
-scratches; otherwise they come to the host block by block.
+The host must not pace the pass: a Python launch costs more than most of these kernels run. A
+`TreeRunner` keeps every buffer of a pass (trees of up to its capacity), so the runs of resident
+layers are captured once per tree size as CUDA graphs (in the cache's graph table, as the decode
+step's are) and replayed; the tree's tokens, positions and ancestor slots are copied into its index
+in one transfer, and the attention kernels read the cache length from there. Streamed layers run
+eagerly between the graphs, as in the decode step. Its buffers are bounded by
+infer.tiers.budget.tree_buffers_nbytes (planned with the draft); no matrix is dequantized to float16,
+and the logits of all nodes stay on the device only when they fit in the logits block plus the
+plan's float16 scratches, else they come to the host block by block.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import cupy
@@ -24,14 +29,15 @@ import numpy as np
 
 from infer.gpu import ops
 from infer.gpu.activations import RoundedInputs
-from infer.model import check_batch
-from infer.tiers.budget import ATTENTION_SCORES_BYTES, LOGITS_ROWS, attention_work_nbytes
+from infer.model import check_batch, tree_depths
+from infer.tiers.budget import LOGITS_ROWS, tree_attention_nodes
 
 if TYPE_CHECKING:
     from infer.gpu.model import GpuKVCache, GpuTransformer
+    from infer.gpu.weights import GpuLayer
 
 F32 = cupy.float32
-TREE_ATTENTION_BYTES = 4 * ATTENTION_SCORES_BYTES  # the plan's attention allowance for a pass of many rows
+CAPACITY_STEP = 16  # a runner grows to the next multiple of this many nodes
 
 
 class TreeLogits:
@@ -71,73 +77,152 @@ def verify_tree(model: GpuTransformer, tokens: np.ndarray, parents: np.ndarray, 
     if len(parents) != len(tokens) or parents[0] != -1 or (parents[1:] >= np.arange(1, len(parents))).any() \
             or (parents[1:] < 0).any():
         raise ValueError("a token tree needs parents[0] == -1 and 0 <= parents[i] < i")
-    a, n = model.args, len(tokens)
-    with model.stream:
-        spans, positions = ops.tree_spans(parents, cache.length)
-        pos = cupy.asarray(positions)
-        slots = cupy.arange(cache.length, cache.length + n, dtype=cupy.int32)
-        x = cupy.empty((n, a.dim), F32)
-        ops.embed(model.token_embd, cupy.asarray(tokens.astype(np.int32)), n, x)
-        inputs = RoundedInputs(a, model.int8_dot, n)
-        for i in range(a.n_layers):
-            inputs.plan_layer(model.weights.formats(i))
-        chunk = max(1, min(n, TREE_ATTENTION_BYTES // attention_work_nbytes(a, cache.max_tokens)))
-        work = ops.attention_work(a.n_heads, a.head_dim, cache.max_tokens, chunk)
-        for i in range(a.n_layers):
-            if i not in model.skip:
-                _layer(model, i, inputs, x, cache, spans, pos, slots, chunk, work)
-        del work
-        logits = _head(model, x, n)
-    model.stream.synchronize()
-    return TreeLogits(logits, model.stream)
+    return model.tree_runner(len(tokens), cache.max_tokens).verify(tokens, parents, cache)
 
 
-def _layer(model: GpuTransformer, i: int, inputs: RoundedInputs, x: cupy.ndarray, cache: GpuKVCache,
-           spans: ops.TreeSpans, pos: cupy.ndarray, slots: cupy.ndarray, chunk: int, work: tuple) -> None:
-    """GpuTransformer._decode_layer for every node at once (the same kernels, a vector per node)."""
-    a, L, n = model.args, model.weights.layer(i), x.shape[0]
-    width = a.q_dim + 2 * a.kv_dim
-    qkv = cupy.empty((n, width), F32)
-    xs = inputs.normed(x, L.attn_norm, "attn", [m.act for m, _ in L.qkv])
-    flat = qkv.reshape(-1)
-    for m, row in L.qkv:
-        inputs.gemv(m, "attn", xs[m.act], flat[row:], bias=None if L.bqkv is None else L.bqkv[row : row + m.rows],
-                    ldy=width)
-    q = cupy.ascontiguousarray(qkv[:, : a.q_dim])
-    k = cupy.ascontiguousarray(qkv[:, a.q_dim : a.q_dim + a.kv_dim])
-    v = cupy.ascontiguousarray(qkv[:, a.q_dim + a.kv_dim :])
-    del qkv
-    cos, sin = model._rope_tables
-    # keys and values of every node into its slot; q rotated in place (the decode kernels' rotation)
-    ops.rope_store(q, k, v, cos, sin, pos, n, a.n_heads, a.n_kv_heads, a.head_dim, model.rope.n_pairs, a.rope_neox,
-                   cache.keys[i], cache.values[i], cache.max_tokens, slots=slots)
-    del k, v
-    att = cupy.empty((n, a.q_dim), F32)
-    att8 = inputs.int8_of("att", L.wo.act) if L.wo.fmt in ops.INT8_FORMATS else None
-    for c0 in range(0, n, chunk):
-        c1 = min(n, c0 + chunk)
-        part = ops.TreeSpans(spans.anc[c0:c1], spans.stride, spans.base, c1 - c0)
-        ops.attention_decode(q[c0:c1], cache.keys[i], cache.values[i], pos[c0:c1], a.n_heads, a.n_kv_heads,
-                             a.head_dim, cache.max_tokens, cache.n_splits, *work, att[c0:c1], act=L.wo.act,
-                             int8=ops.int8_rows(att8, a.q_dim, L.wo.act, c0, c1), tree=part)
-    del q
-    inputs.gemv(L.wo, "att", att, x, residual=x, ldy=a.dim)
-    del att
-    xs = inputs.normed(x, L.ffn_norm, "ffn", [L.w_gate.act, L.w_up.act])
-    ff = cupy.empty((n, a.ffn_dim), F32)
-    if L.w_gate.fmt == L.w_up.fmt and L.w_gate.act == L.w_up.act:
-        int8 = inputs.int8_of("ffn", L.w_gate.act) if L.w_gate.fmt in ops.INT8_FORMATS else None
-        if int8 is not None:
-            ops.gemv8_swiglu(L.w_gate, L.w_up, int8, ff, vectors=n)
+class TreeRunner:
+    """The buffers of verification passes of trees of up to `capacity` nodes over caches of
+    `max_tokens` positions, and the passes themselves (resident layer runs as CUDA graphs)."""
+
+    def __init__(self, model: GpuTransformer, capacity: int, max_tokens: int, generation: int) -> None:
+        a = model.args
+        self.model, self.capacity, self.max_tokens, self.generation = model, capacity, max_tokens, generation
+        self.int8_dot = model.int8_dot
+        width = a.q_dim + 2 * a.kv_dim
+        with model.stream:
+            self.x = cupy.zeros((capacity, a.dim), F32)
+            self.qkv = cupy.zeros((capacity, width), F32)
+            self.q = cupy.zeros((capacity, a.q_dim), F32)
+            self.k = cupy.zeros((capacity, a.kv_dim), F32)
+            self.v = cupy.zeros((capacity, a.kv_dim), F32)
+            self.att = cupy.zeros((capacity, a.q_dim), F32)
+            self.ff = cupy.zeros((capacity, a.ffn_dim), F32)
+            self.gate_up: tuple[cupy.ndarray, cupy.ndarray] | None = None  # only for layers of mixed formats
+            if any(f["ffn_gate"].fmt != f["ffn_up"].fmt or f["ffn_gate"].act != f["ffn_up"].act
+                   for f in (model.weights.formats(i) for i in range(a.n_layers))):
+                self.gate_up = (cupy.zeros((capacity, a.ffn_dim), F32), cupy.zeros((capacity, a.ffn_dim), F32))
+            self.inputs = RoundedInputs(a, model.int8_dot, capacity)
+            for i in range(a.n_layers):
+                self.inputs.plan_layer(model.weights.formats(i))
+            # the tree's index, one host-to-device copy a pass: tokens, positions, slots, then a row
+            # of `capacity` ancestor slots per node (root first; row[0] is the cache length)
+            self.index = cupy.zeros(3 * capacity + capacity * capacity, cupy.int32)
+            self.ids = self.index[:capacity]
+            self.pos = self.index[capacity : 2 * capacity]
+            self.slots = self.index[2 * capacity : 3 * capacity]
+            self.anc = self.index[3 * capacity :]
+            self.chunk = tree_attention_nodes(a, max_tokens, capacity)
+            self.work = ops.attention_work(a.n_heads, a.head_dim, max_tokens, self.chunk)
+        model.stream.synchronize()
+        # the decode step's segments without the embedding and the head: resident runs and streamed layers
+        self.segments = [(capturable, [i for i in items if i >= 0]) for capturable, items in model._segments]
+        self.segments = [(c, items) for c, items in self.segments if items]
+
+    @property
+    def nbytes(self) -> int:
+        arrays = [self.x, self.qkv, self.q, self.k, self.v, self.att, self.ff, self.index, *self.work,
+                  *(self.gate_up or ()), *self.inputs.buffers.values(), *(b for f in self.inputs.int8.values() for b in f)]
+        return sum(int(b.nbytes) for b in arrays)
+
+    def _set_index(self, tokens: np.ndarray, parents: np.ndarray, base: int) -> None:
+        n, cap = len(tokens), self.capacity
+        depth = tree_depths(parents)
+        host = np.zeros(3 * cap + n * cap, np.int32)
+        host[:n] = tokens
+        host[cap : cap + n] = base + depth
+        host[2 * cap : 2 * cap + n] = base + np.arange(n)
+        anc = host[3 * cap :].reshape(n, cap)
+        for i in range(n):
+            node = i
+            for d in range(int(depth[i]), -1, -1):
+                anc[i, d] = base + node
+                node = int(parents[node])
+        self.index[: host.size].set(host, stream=self.model.stream)
+
+    def verify(self, tokens: np.ndarray, parents: np.ndarray, cache: GpuKVCache) -> TreeLogits:
+        model, n = self.model, len(tokens)
+        with model.stream:
+            self._set_index(tokens, parents, cache.length)
+            ops.embed(model.token_embd, self.ids, n, self.x)
+            for s, (resident, layers) in enumerate(self.segments):
+                if resident:
+                    self._replay(cache, ("tree", self.generation, s, n, self.int8_dot), None,
+                                 lambda layers=layers: [self._layer(i, n, cache, model.weights.layer(i)) for i in layers])
+                    continue
+                for i in layers:  # streamed: its matrices copied and repacked now, its kernels replayed
+                    L = model.weights.layer(i)
+                    self._replay(cache, ("tree", self.generation, "layer", i, n, self.int8_dot), _addresses(L),
+                                 lambda i=i, L=L: self._layer(i, n, cache, L))
+            logits = _head(model, self.x[:n], n)
+        model.stream.synchronize()
+        return TreeLogits(logits, model.stream)
+
+    def _replay(self, cache: GpuKVCache, key: tuple, addresses: tuple | None, launches: Callable[[], object]) -> None:
+        """Replays the graph of `launches` kept in the cache under `key`, captured first if missing
+        or if the weights it reads have moved (`addresses`: a streamed layer's scratch)."""
+        stream = self.model.stream
+        kept = cache.graphs.get(key)
+        if kept is None or kept[1] != addresses:
+            stream.begin_capture()
+            try:
+                launches()
+            finally:
+                graph = stream.end_capture()
+            kept = cache.graphs[key] = (graph, addresses)
+        kept[0].launch(stream)  # type: ignore[attr-defined]
+
+    def _layer(self, i: int, n: int, cache: GpuKVCache, L: GpuLayer) -> None:
+        """GpuTransformer._decode_layer for the first n nodes at once (the same kernels, a vector per
+        node), on the runner's buffers only: nothing is allocated, so it may be captured."""
+        model, inputs = self.model, self.inputs
+        a = model.args
+        x = self.x[:n]
+        width = a.q_dim + 2 * a.kv_dim
+        xs = inputs.normed(x, L.attn_norm, "attn", [m.act for m, _ in L.qkv], rows=n)
+        flat = self.qkv.reshape(-1)
+        for m, row in L.qkv:
+            inputs.gemv(m, "attn", xs[m.act], flat[row:], bias=None if L.bqkv is None else L.bqkv[row : row + m.rows],
+                        rows=n, ldy=width)
+        q, k, v = self.q[:n], self.k[:n], self.v[:n]
+        q[...] = self.qkv[:n, : a.q_dim]
+        k[...] = self.qkv[:n, a.q_dim : a.q_dim + a.kv_dim]
+        v[...] = self.qkv[:n, a.q_dim + a.kv_dim :]
+        cos, sin = model._rope_tables
+        # keys and values of every node into its slot; q rotated in place (the decode kernels' rotation)
+        ops.rope_store(q, k, v, cos, sin, self.pos, n, a.n_heads, a.n_kv_heads, a.head_dim, model.rope.n_pairs,
+                       a.rope_neox, cache.keys[i], cache.values[i], cache.max_tokens, slots=self.slots)
+        att = self.att[:n]
+        att8 = inputs.int8_of("att", L.wo.act) if L.wo.fmt in ops.INT8_FORMATS else None
+        cap = self.capacity
+        for c0 in range(0, n, self.chunk):
+            c1 = min(n, c0 + self.chunk)
+            part = ops.TreeSpans(self.anc[c0 * cap : c1 * cap], cap, cache.length, c1 - c0)
+            ops.attention_decode(q[c0:c1], cache.keys[i], cache.values[i], self.pos[c0:c1], a.n_heads, a.n_kv_heads,
+                                 a.head_dim, cache.max_tokens, cache.n_splits, *self.work, att[c0:c1], act=L.wo.act,
+                                 int8=ops.int8_rows(att8, a.q_dim, L.wo.act, c0, c1), tree=part)
+        inputs.gemv(L.wo, "att", att, x, residual=x, rows=n, ldy=a.dim)
+        xs = inputs.normed(x, L.ffn_norm, "ffn", [L.w_gate.act, L.w_up.act], rows=n)
+        ff = self.ff[:n]
+        if L.w_gate.fmt == L.w_up.fmt and L.w_gate.act == L.w_up.act:
+            int8 = inputs.int8_of("ffn", L.w_gate.act) if L.w_gate.fmt in ops.INT8_FORMATS else None
+            if int8 is not None:
+                ops.gemv8_swiglu(L.w_gate, L.w_up, int8, ff, vectors=n)
+            else:
+                ops.gemv_swiglu(L.w_gate, L.w_up, xs[L.w_gate.act], ff, vectors=n)
         else:
-            ops.gemv_swiglu(L.w_gate, L.w_up, xs[L.w_gate.act], ff, vectors=n)
-    else:
-        gate, up = cupy.empty((n, a.ffn_dim), F32), cupy.empty((n, a.ffn_dim), F32)
-        inputs.gemv(L.w_gate, "ffn", xs[L.w_gate.act], gate)
-        inputs.gemv(L.w_up, "ffn", xs[L.w_up.act], up)
-        ops.swiglu(gate, up, ff, n * a.ffn_dim)
-        del gate, up
-    inputs.gemv(L.w_down, "ff", inputs.rounded(ff, "ff", L.w_down.act), x, residual=x, ldy=a.dim)
+            assert self.gate_up is not None
+            gate, up = self.gate_up[0][:n], self.gate_up[1][:n]
+            inputs.gemv(L.w_gate, "ffn", xs[L.w_gate.act], gate, rows=n)
+            inputs.gemv(L.w_up, "ffn", xs[L.w_up.act], up, rows=n)
+            ops.swiglu(gate, up, ff, n * a.ffn_dim)
+        inputs.gemv(L.w_down, "ff", inputs.rounded(ff, "ff", L.w_down.act, rows=n), x, residual=x, rows=n, ldy=a.dim)
+
+
+def _addresses(L: GpuLayer) -> tuple[int, ...]:
+    """The device addresses of a layer's matrices and vectors (what a captured graph reads)."""
+    arrays = [L.attn_norm, L.ffn_norm, L.bqkv, *(m.buffer for m, _ in L.qkv),
+              *(m.buffer for m in (L.wo, L.w_gate, L.w_up, L.w_down))]
+    return tuple(0 if b is None else int(b.data.ptr) for b in arrays)
 
 
 def _head(model: GpuTransformer, x: cupy.ndarray, n: int) -> cupy.ndarray | np.ndarray:

@@ -98,8 +98,11 @@ struct SlotMap {
     __device__ __forceinline__ int slot(int t) const { return (anc && t >= base) ? anc[t - base] : t; }
 };
 
-__device__ __forceinline__ SlotMap node_map(const int* anc, int anc_stride, int base, int node) {
-    return SlotMap{anc ? anc + (long long)node * anc_stride : nullptr, base};
+// A node's row starts with the root's slot, which is the cache's length when the tree was laid out:
+// the base comes from device memory, so a captured CUDA graph serves any cache length.
+__device__ __forceinline__ SlotMap node_map(const int* anc, int anc_stride, int node) {
+    const int* row = anc ? anc + (long long)node * anc_stride : nullptr;
+    return SlotMap{row, row ? row[0] : 0};
 }
 
 // The G queries of KV head kvh (heads h0 = kvh*G ..) into q_s as double: rotated when `rope` carries
@@ -430,10 +433,10 @@ __device__ __forceinline__ void attention_fused(const float* q, __half* kc, __ha
 
 // instantiations by group size (query heads per KV head): the smallest that holds G. Grid z = node
 // of a token tree (1 for decode): its query, position, work buffers and output are the node-th of
-// each; anc/anc_stride/anc_base its attention span's slots (SlotMap; null anc: decode).
+// each; anc/anc_stride its attention span's slots (SlotMap; null anc: decode).
 #define NODE_OFFSETS                                                                                           \
     const long long node = blockIdx.z, nh = (long long)G * gridDim.x;                                         \
-    const SlotMap map = node_map(anc, anc_stride, anc_base, (int)node);
+    const SlotMap map = node_map(anc, anc_stride, (int)node);
 // the 16-head group's scores kernel with the span map spilled under ptxas's own register choice;
 // asking for 4 blocks per SM (its occupancy before) gives it the registers; the others are unchanged
 #define ATTN_SCORES_BOUNDS_4 __launch_bounds__(ATTN_THREADS)
@@ -444,7 +447,7 @@ __device__ __forceinline__ void attention_fused(const float* q, __half* kc, __ha
         attention_scores_g##MAXG(const float* q, __half* kc, const int* pos, int G, int D, int max_ctx,        \
                                  float scale, int n_splits, float* scores, double* part_ml, const float* k_new, \
                                  const float* v_new, const float* cos_t, const float* sin_t, int n_pairs,      \
-                                 int neox, __half* vc, const int* anc, int anc_stride, int anc_base) {         \
+                                 int neox, __half* vc, const int* anc, int anc_stride) {                       \
         NODE_OFFSETS                                                                                           \
         attention_scores<MAXG>(q + node * nh * D, kc, pos + node, G, D, max_ctx, scale, n_splits,             \
                                scores + node * nh * max_ctx, part_ml + node * nh * n_splits * 2,              \
@@ -453,7 +456,7 @@ __device__ __forceinline__ void attention_fused(const float* q, __half* kc, __ha
     extern "C" __global__ void __launch_bounds__(ATTN_THREADS, 1)                                              \
         attention_values_g##MAXG(const __half* vc, const int* pos, int G, int D, int max_ctx, int n_splits,    \
                                  const float* scores, const double* part_ml, double* part_o, const int* anc,   \
-                                 int anc_stride, int anc_base) {                                               \
+                                 int anc_stride) {                                                             \
         NODE_OFFSETS                                                                                           \
         attention_values<MAXG>(vc, pos + node, G, D, max_ctx, n_splits, scores + node * nh * max_ctx,         \
                                part_ml + node * nh * n_splits * 2, part_o + node * nh * n_splits * D, map);   \
@@ -462,8 +465,7 @@ __device__ __forceinline__ void attention_fused(const float* q, __half* kc, __ha
         attention_fused_g##MAXG(const float* q, __half* kc, __half* vc, const int* pos, int G, int D,           \
                                 int max_ctx, float scale, float* out, int fmt, signed char* xq, float* xs,       \
                                 int* xsum, const float* k_new, const float* v_new, const float* cos_t,          \
-                                const float* sin_t, int n_pairs, int neox, const int* anc, int anc_stride,      \
-                                int anc_base) {                                                                 \
+                                const float* sin_t, int n_pairs, int neox, const int* anc, int anc_stride) {    \
         NODE_OFFSETS                                                                                           \
         const Int8Out o8 = int8_row(xq, xs, xsum, node, (int)(nh * D), fmt);                                  \
         attention_fused<MAXG>(q + node * nh * D, kc, vc, pos + node, G, D, max_ctx, scale, out + node * nh * D, \

@@ -33,18 +33,22 @@ extern "C" __global__ void rmsnorm(const float* x, const float* w, float* y, __h
     round_row(yr, y16r, n, fmt, int8_row(xq, xs, xsum, row, n, fmt));
 }
 
-// The same for rows of n = 8 * blockDim.x values (n a multiple of 256, at most 8192): each thread
-// keeps its 8 consecutive values in registers from the load to the rounded store, so a warp holds
-// exactly one q8_k group (256 values) and four lanes one q8_0 group: one pass over memory.
+// The same for rows of n values, n a multiple of 8 (of 32 for q8_0, of 256 for q8_k), at most
+// 8192, with blockDim.x = n / 8 rounded up to whole warps: each thread keeps its 8 consecutive
+// values in registers from the load to the rounded store, so a warp holds exactly one q8_k group
+// (256 values) and four lanes one q8_0 group: one pass over memory. Threads past the row's end
+// take zeros and store nothing (e.g. Qwen2.5-0.5B's width of 896: 112 threads in 4 warps).
 extern "C" __global__ void __launch_bounds__(1024)
     rmsnorm8(const float* x, const float* w, float* y, __half* y16, int n, float eps, int fmt, signed char* xq,
              float* xs, int* xsum) {
     const long long row = blockIdx.x;
     const int t = threadIdx.x, lane = t & 31;
+    const bool inside = 8 * t < n;
+    const float4 zero = make_float4(0.f, 0.f, 0.f, 0.f);
     const float4* xr = reinterpret_cast<const float4*>(x + row * n) + 2 * t;
-    const float4 a0 = xr[0], a1 = xr[1];
+    const float4 a0 = inside ? xr[0] : zero, a1 = inside ? xr[1] : zero;
     const float4* wr = reinterpret_cast<const float4*>(w) + 2 * t;
-    const float4 w0 = wr[0], w1 = wr[1];  // loaded before the reduction: their latency overlaps it
+    const float4 w0 = inside ? wr[0] : zero, w1 = inside ? wr[1] : zero;  // loaded before the reduction
     float v[8] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
     double ss = 0.0;
 #pragma unroll
@@ -84,11 +88,14 @@ extern "C" __global__ void __launch_bounds__(1024)
             qsum += __shfl_xor_sync(0xffffffffu, qsum, 1);
             qsum += __shfl_xor_sync(0xffffffffu, qsum, 2);
             const long long e = row * n + 8 * t;  // first value of this thread
-            if ((lane & 3) == 0) xsum[e / 32] = qsum;
-            if (fmt == ACT_Q8_0 ? (lane & 3) == 0 : lane == 0) xs[e / (fmt == ACT_Q8_0 ? 32 : 256)] = scale;
-            reinterpret_cast<uint2*>(xq + e)[0] = pack_int8x8(q);
+            if (inside) {
+                if ((lane & 3) == 0) xsum[e / 32] = qsum;
+                if (fmt == ACT_Q8_0 ? (lane & 3) == 0 : lane == 0) xs[e / (fmt == ACT_Q8_0 ? 32 : 256)] = scale;
+                reinterpret_cast<uint2*>(xq + e)[0] = pack_int8x8(q);
+            }
         }
     }
+    if (!inside) return;  // after the last shuffle and block-wide sum
     if (y) {
         float4* yr = reinterpret_cast<float4*>(y + row * n) + 2 * t;
         yr[0] = make_float4(v[0], v[1], v[2], v[3]);
@@ -155,8 +162,10 @@ extern "C" __global__ void __launch_bounds__(1024)
     float bv = NEG_INF;
     int bi = 0x7fffffff;
     const uint32_t key = mix32(seed ^ mix32((uint32_t)p * 0x9E3779B9u));
-    for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
-        float v = logits[i];
+    // SAMPLE_UNROLL logits' loads in flight per thread before any is compared: one block streams a
+    // 150k vocabulary in a few memory latencies instead of one per element (52 us -> a few)
+    constexpr int SAMPLE_UNROLL = 16;
+    auto consider = [&](float v, int i) {
         if (temperature > 0.f) {
             const uint32_t r = mix32(key ^ (uint32_t)i * 0x85EBCA6Bu);
             const float u = ((float)(r >> 8) + 0.5f) * (1.f / 16777216.f);
@@ -166,7 +175,16 @@ extern "C" __global__ void __launch_bounds__(1024)
             bv = v;
             bi = i;
         }
+    };
+    int i0 = threadIdx.x;
+    for (; i0 + (SAMPLE_UNROLL - 1) * (int)blockDim.x < vocab; i0 += SAMPLE_UNROLL * blockDim.x) {
+        float v[SAMPLE_UNROLL];
+#pragma unroll
+        for (int u = 0; u < SAMPLE_UNROLL; ++u) v[u] = __ldg(logits + i0 + u * blockDim.x);
+#pragma unroll
+        for (int u = 0; u < SAMPLE_UNROLL; ++u) consider(v[u], i0 + u * blockDim.x);
     }
+    for (; i0 < vocab; i0 += blockDim.x) consider(__ldg(logits + i0), i0);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) {

@@ -110,6 +110,30 @@ def attention_work_nbytes(args: ModelArgs, ctx_size: int) -> int:
     return 4 * args.n_heads * ctx_size + 8 * args.n_heads * splits * (args.head_dim + 2)
 
 
+TREE_ATTENTION_BYTES = 4 * ATTENTION_SCORES_BYTES  # decode attention work of a token tree's nodes, at most
+
+
+def tree_attention_nodes(args: ModelArgs, ctx_size: int, nodes: int) -> int:
+    """How many of a tree's nodes the verify pass's attention takes at a time (its work buffers)."""
+    return max(1, min(nodes, TREE_ATTENTION_BYTES // attention_work_nbytes(args, ctx_size)))
+
+
+def tree_buffers_nbytes(args: ModelArgs, nodes: int, ctx_size: int) -> int:
+    """An upper bound of the device buffers that verifying token trees of up to `nodes` nodes keeps
+    (infer/gpu/tree.py TreeRunner: every node's vectors, their rounded inputs and 8-bit forms, the
+    tree's index, the attention work of tree_attention_nodes at a time); the per-pass logits come
+    out of the activations' logits block."""
+    a = args
+    width = a.q_dim + 2 * a.kv_dim
+    vectors = 4 * (a.dim + 2 * width + a.q_dim + 3 * a.ffn_dim)  # x, qkv, q/k/v, att, ff, gate, up
+    # the inputs of the products: up to two activation formats and a float32 copy (4 bytes each),
+    # two 8-bit forms (1.25 bytes a value)
+    inputs = 15 * (2 * a.dim + a.ffn_dim + a.q_dim)
+    index = 4 * (3 + nodes)  # token, position, slot, a row of ancestors' slots
+    attention = tree_attention_nodes(a, ctx_size, nodes) * attention_work_nbytes(a, ctx_size)
+    return nodes * (vectors + inputs + index) + attention
+
+
 def activation_nbytes(args: ModelArgs, tokens_per_pass: int, ctx_size: int, batch: int,
                       largest_matrix: int | None = None) -> int:
     """An upper bound of the device work buffers of one pass (infer/gpu/model.py allocates no more):

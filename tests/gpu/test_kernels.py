@@ -168,14 +168,14 @@ def _rows_are_rmsnorm_rounded(got: np.ndarray, x: np.ndarray, w: np.ndarray, eps
     return True
 
 
-@pytest.mark.parametrize("n", [2048, 8192, 576], ids=["registers", "registers-max", "general"])
+@pytest.mark.parametrize("n", [2048, 8192, 896, 900], ids=["registers", "registers-max", "registers-part-warp", "general"])
 @pytest.mark.parametrize("act", ACTS)
 def test_rmsnorm_rounded(rng: np.random.Generator, act: str, n: int) -> None:
     from infer.model import rms_norm
     from infer.quants import round_activations
 
-    if act == "q8_k" and n % 256:
-        pytest.skip("q8_k rounds blocks of 256")
+    if n % {"q8_0": 32, "q8_k": 256}.get(act, 1):
+        pytest.skip(f"{act} rounds blocks of {32 if act == 'q8_0' else 256}")
     rows = 4
     x = rng.standard_normal((rows, n)).astype(np.float32) * 2
     w = rng.standard_normal(n).astype(np.float32)
@@ -305,8 +305,8 @@ def test_swiglu(rng: np.random.Generator) -> None:
     assert _rel(cupy.asnumpy(out), g / (1 + np.exp(-g.astype(np.float64))) * u) < 1e-6
 
 
-def test_sample_argmax_and_state(rng: np.random.Generator) -> None:
-    vocab = 128256
+@pytest.mark.parametrize("vocab", [128256, 151941, 1000])  # unrolled loads, with a tail, tail only
+def test_sample_argmax_and_state(rng: np.random.Generator, vocab: int) -> None:
     logits = rng.standard_normal(vocab).astype(np.float32)
     logits[rng.integers(vocab)] = 10.0
     tok, pos = cupy.asarray(np.array([-5], np.int32)), cupy.asarray(np.array([41], np.int32))
@@ -315,9 +315,12 @@ def test_sample_argmax_and_state(rng: np.random.Generator) -> None:
     want = int(np.argmax(logits))
     assert int(tok[0]) == want and int(tokens[42]) == want and int(pos[0]) == 42
     ties = np.zeros(vocab, np.float32)
-    ties[[7, 9000, 100000]] = 1.0
+    ties[[i for i in (7, 900, 9000, 100000, vocab - 1) if i < vocab]] = 1.0
     ops.sample_token(cupy.asarray(ties), vocab, 0.0, 0, tok, pos, tokens)
     assert int(tok[0]) == 7  # lowest id among equal maxima, as numpy.argmax
+    ties[:vocab - 1] = 0.0  # the maximum in the last element (the tail loop)
+    ops.sample_token(cupy.asarray(ties), vocab, 0.0, 0, tok, pos, tokens)
+    assert int(tok[0]) == vocab - 1
 
 
 def test_sample_temperature_follows_softmax() -> None:

@@ -56,6 +56,14 @@ def test_shapes_match_the_published_models() -> None:
     s8, s70 = SHAPES["8b"], SHAPES["70b"]
     assert (s8.n_layers, s8.dim, s8.ffn_dim, s8.n_heads, s8.n_kv_heads, s8.vocab_size) == (32, 4096, 14336, 32, 8, 128256)
     assert (s70.n_layers, s70.dim, s70.ffn_dim, s70.n_heads, s70.n_kv_heads) == (80, 8192, 28672, 64, 8)
+    q05, q15 = SHAPES["q05b"], SHAPES["q15b"]  # Qwen2.5-Coder-0.5B/1.5B's config.json
+    assert (q05.n_layers, q05.dim, q05.ffn_dim, q05.n_heads, q05.n_kv_heads) == (24, 896, 4864, 14, 2)
+    assert (q15.n_layers, q15.dim, q15.ffn_dim, q15.n_heads, q15.n_kv_heads) == (28, 1536, 8960, 12, 2)
+    assert q05.vocab_size == q15.vocab_size == 151936
+    # rows of 896 are no whole K-quant blocks: llama.cpp's Qwen2.5-0.5B Q4_K_M file has Q5_0 and Q8_0 there
+    assert tensor_type("q4_k_m", "ffn_gate", 0, 24, 896).name == "Q5_0"
+    assert tensor_type("q4_k_m", "output", 0, 24, 896).name == "Q8_0"
+    assert tensor_type("q4_k_m", "ffn_down", 0, 24, 4864).name == "Q6_K"
 
 
 def test_cli_rejects_bad_type(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

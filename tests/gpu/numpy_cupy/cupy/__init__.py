@@ -18,6 +18,9 @@ class _Data:
 class ndarray(np.ndarray):
     @property
     def data(self): return _Data(self)
+    def __setitem__(self, key, value):  # inside a graph capture: a copy kernel, run at each replay
+        if _capturing and isinstance(value, np.ndarray): _capturing[-1]._rec.append((_Copy(self, key, value), None, None, None)); return
+        np.ndarray.__setitem__(self, key, value)
     def set(self, arr, stream=None): self[...] = np.asarray(arr).reshape(self.shape)
 def _w(r): return r.view(ndarray) if isinstance(r, np.ndarray) else r
 def asarray(x, dtype=None): return _w(np.array(x, dtype=dtype, copy=True))
@@ -41,6 +44,9 @@ def get_default_memory_pool(): return _POOL
 def get_default_pinned_memory_pool(): return _POOL
 
 _capturing = []
+class _Copy:
+    def __init__(self, dst, key, src): self.dst, self.key, self.src = dst, key, src
+    def _run(self, grid, block, args): np.ndarray.__setitem__(self.dst, self.key, self.src)
 class _Graph:
     def __init__(self, calls): self.calls = calls
     def launch(self, stream=None):
@@ -256,23 +262,25 @@ class RawKernel:
         else:
             raise NotImplementedError(n)
 
-def _span(pos, anc, stride, base, node):
-    """The cache slots of a node's attention span (decode: 0 .. pos)."""
+def _span(pos, anc, stride, node):
+    """The cache slots of a node's attention span (decode: 0 .. pos); a tree node's row starts
+    with the root's slot, the cache's length (the kernels' base)."""
     L = int(_arr(pos, np.int32, node + 1)[node]) + 1
     if not _ptr(anc):
         return L, np.arange(L)
     row = _arr(anc, np.int32, (node + 1) * int(stride))[node * int(stride):]
-    return L, np.concatenate([np.arange(int(base)), row[: L - int(base)]]).astype(np.int64)
+    base = int(row[0])
+    return L, np.concatenate([np.arange(base), row[: L - base]]).astype(np.int64)
 
 def _attention(self, n, grid, args, node):
     if n.startswith("attention_scores_g") or n.startswith("attention_fused_g"):
         fused = n.startswith("attention_fused_g")
         if fused:
-            q, kc, vc, pos, G, D, max_ctx, scale, out, act, xq, xs8, xsum, kn, vn, cos, sin, npairs, neox, anc, stride, base = args
+            q, kc, vc, pos, G, D, max_ctx, scale, out, act, xq, xs8, xsum, kn, vn, cos, sin, npairs, neox, anc, stride = args
         else:
-            q, kc, pos, G, D, max_ctx, scale, n_splits, sc, pml, kn, vn, cos, sin, npairs, neox, vc, anc, stride, base = args
+            q, kc, pos, G, D, max_ctx, scale, n_splits, sc, pml, kn, vn, cos, sin, npairs, neox, vc, anc, stride = args
         Hkv = grid[0]; G, D, max_ctx = map(int, (G, D, max_ctx)); H = Hkv * G
-        L, idx = _span(pos, anc, stride, base, node)
+        L, idx = _span(pos, anc, stride, node)
         Q = _arr(q, np.float32, (node + 1) * H * D)[node * H * D:].reshape(H, D).copy()
         KC = _arr(kc, np.float16, Hkv * max_ctx * D).reshape(Hkv, max_ctx, D)
         VC = _arr(vc, np.float16, Hkv * max_ctx * D).reshape(Hkv, max_ctx, D) if _ptr(vc) else None
@@ -303,9 +311,9 @@ def _attention(self, n, grid, args, node):
                 if b_ <= a_: PML[:, sp] = (-np.inf, 0); continue
                 m = scores[:, a_:b_].max(1); PML[:, sp, 0] = m; PML[:, sp, 1] = np.exp(scores[:, a_:b_].astype(np.float64) - m[:, None]).sum(1)
     elif n.startswith("attention_values_g"):
-        vc, pos, G, D, max_ctx, n_splits, sc, pml, po, anc, stride, base = args
+        vc, pos, G, D, max_ctx, n_splits, sc, pml, po, anc, stride = args
         Hkv = grid[0]; G, D, max_ctx, n_splits = map(int, (G, D, max_ctx, n_splits)); CH = _chunk(); H = Hkv * G
-        L, idx = _span(pos, anc, stride, base, node)
+        L, idx = _span(pos, anc, stride, node)
         VC = _arr(vc, np.float16, Hkv * max_ctx * D).reshape(Hkv, max_ctx, D)[:, idx]
         SC = _arr(sc, np.float32, (node + 1) * H * max_ctx)[node * H * max_ctx:].reshape(H, max_ctx)
         PO = _arr(po, np.float64, (node + 1) * H * n_splits * D)[node * H * n_splits * D:].reshape(H, n_splits, D)
