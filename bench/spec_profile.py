@@ -174,6 +174,24 @@ def profile_pair(args: argparse.Namespace) -> dict[str, Any]:
                                     "per_step": round((cd - c1) / (args.depth - 1) * 1e3, 3)}
         result["traces"][f"draft-chain-{args.depth}"] = trace(f"draft-chain-{args.depth}", lambda: chain(args.depth))
 
+        if args.loop:  # the draft phase inside a Speculator loop, against the bare chain above
+            from infer.speculative import ModelDrafter, Speculator
+
+            drafter = ModelDrafter(dmodel, args.ctx, args.depth, 1, cache=dcache)
+            spec = Speculator(target, drafter, 1 + args.depth, args.ctx)
+            greedy = lambda logits, _seen: int(np.argmax(logits))  # noqa: E731
+            list(spec.generate(list(prompt), 8, greedy, cache=tcache))  # warm-up
+            list(spec.generate(list(prompt), args.loop, greedy, cache=tcache))
+            st = spec.stats
+            result["loop"] = {"passes": st.passes, "tokens_per_pass": round(st.tokens_per_pass, 3),
+                              "draft_ms_per_pass": round(1e3 * st.draft_seconds / max(st.passes, 1), 3),
+                              "verify_ms_per_pass": round(1e3 * st.verify_seconds / max(st.passes, 1), 3)}
+            print(f"loop: {result['loop']}", file=sys.stderr, flush=True)
+            result["traces"]["loop-4-passes"] = trace(
+                "loop-4-passes", lambda: list(spec.generate(list(prompt), 4, greedy, cache=tcache)))
+            tcache.length = 0
+            target.forward(prompt[:-1], tcache)
+
         def verify(model: Any, cache: Any, n: int) -> None:
             model.verify_tree(rng.integers(3, 1000, n), _chain(n), cache)
 
@@ -222,6 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--nodes", default="1,2,5,9,17,33", help="verify tree sizes (chains) timed")
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--resident", action="store_true", help="also the verify passes with the target resident")
+    parser.add_argument("--loop", type=int, default=0, help="also a Speculator loop of this many tokens (chains of --depth)")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
     if args.target is not None and args.draft is None:

@@ -416,7 +416,9 @@ class GpuTransformer:
 
     def draft_chain(self, tokens: np.ndarray, cache: GpuKVCache, depth: int, width: int) -> np.ndarray:
         """The draft side of speculation, queued on the device with one wait at the end: `tokens`
-        fed at cache.length, then `depth` greedy decode steps, each picking its next token on the
+        fed at cache.length (more than gemv_prefill_max of them, a new prompt, in one batched pass
+        first: a decode step per token cost a streamed e2e run ~6 ms a pass), then `depth` greedy
+        decode steps, each picking its next token on the
         device (the graph's arg-max). Returns (depth, width) ids: column 0 the chain, the others each
         step's runners-up (one sort of all steps' logits at the end). The cache then holds `tokens`
         and the chain's first depth - 1 tokens (cache.length counts them)."""
@@ -425,6 +427,9 @@ class GpuTransformer:
             raise ValueError("draft_chain needs tokens, depth >= 1 and width >= 1")
         if cache.length + len(tokens) + depth - 1 > cache.max_tokens:
             raise ValueError(f"context full: {cache.length} + {len(tokens)} + {depth - 1} exceed {cache.max_tokens}")
+        if len(tokens) - 1 > self.gemv_prefill_max:  # a new prompt: one batched pass, not a step a token
+            self.forward(tokens[:-1], cache)
+            tokens = tokens[-1:]
         with self.stream:
             for token in tokens[:-1]:  # decode steps (queued, no dequantization): usually one or two tokens
                 self._set_position(cache, int(token), cache.length)

@@ -198,8 +198,9 @@ def test_gpu_glue_verify_tree_is_each_path_decoded(model_path: Path, fake_cupy: 
         s.close()
 
 
-@pytest.mark.parametrize("width", [1, 3])
-def test_gpu_glue_draft_chain_is_the_host_loop(model_path: Path, fake_cupy: object, width: int) -> None:
+@pytest.mark.parametrize(("width", "prompt_len"), [(1, 3), (3, 3), (1, 12)])
+def test_gpu_glue_draft_chain_is_the_host_loop(model_path: Path, fake_cupy: object, width: int,
+                                               prompt_len: int) -> None:
     """GpuTransformer.draft_chain (the greedy chain and each step's runners-up, on the device) gives
     the ids of the drafter's host loop, and leaves the cache where that loop leaves it."""
     from infer.speculative import ModelDrafter
@@ -207,12 +208,15 @@ def test_gpu_glue_draft_chain_is_the_host_loop(model_path: Path, fake_cupy: obje
     s = gpu_session(model_path, 0.3, 0.3)
     try:
         m = s.engine.model
-        prompt = np.random.default_rng(8).integers(3, SHAPE.vocab_size, 6)
+        prompt = np.random.default_rng(8).integers(3, SHAPE.vocab_size, prompt_len)
         device_cache, host_cache = m.new_cache(CTX), m.new_cache(CTX)
         ids = m.draft_chain(prompt, device_cache, 4, width)
         host = ModelDrafter(m, CTX, 4, width, cache=host_cache)
-        for t in prompt[:-1]:  # as draft_chain feeds it: a decode step per token
-            m.forward(np.array([t]), host_cache)
+        if prompt_len - 1 > m.gemv_prefill_max:  # as draft_chain feeds a prompt: one batched pass
+            m.forward(prompt[:-1], host_cache)
+        else:  # a few tokens: a decode step each
+            for t in prompt[:-1]:
+                m.forward(np.array([t]), host_cache)
         want = host._chain(prompt[-1:], 4, width)
         assert np.array_equal(ids, want) and device_cache.length == host_cache.length == len(prompt) + 3
         assert np.array_equal(m.forward(np.array([5]), device_cache), m.forward(np.array([5]), host_cache))
