@@ -1,14 +1,20 @@
 #!/bin/bash
 # Issue 14's end-to-end measurement on the GPU machine, with the real pair (Qwen2.5-Coder-1.5B-Instruct
-# Q4_K_M target, 0.5B draft). The machine has no PyPI and a call carries at most 64 MiB, so the two
-# models (1.6 GB) travel as 65 MB pieces of their concatenation, one piece per call, into
-# /tmp/models/pieces of one warm machine:
+# Q4_K_M target, 0.5B draft). The machine has no PyPI and a call carries at most 64 MiB (the working
+# tree included), so the two models (1.6 GB) travel as 62 MB pieces of their concatenation, one piece
+# per call, into /tmp/models/pieces of one warm machine (it is handed back 30 s after a call: make
+# the calls back to back):
 #
-#   here:   split -b 65000000 -d -a 2 (cat 1.5b.gguf 0.5b.gguf) p  ->  copy piece pNN into .carry/
-#   there:  bash scripts/gpu-spec-e2e.sh piece          (carry .carry: keeps .carry/p* in /tmp/models/pieces)
+#   here:   cat 1.5b.gguf 0.5b.gguf | split -b 62000000 -d -a 2 - /work/pieces/p; ln -s /work/pieces .pieces
+#           (.pieces ignored through .git/info/exclude)
+#   there:  bash scripts/gpu-spec-e2e.sh piece .pieces  (carry [".pieces/pNN"]: keeps it in /tmp/models/pieces)
 #   last:   OUT=... bash scripts/gpu-spec-e2e.sh run    (joins, checks the sha256 below, runs bench.spec_bench e2e)
 #
-# E2E_PROMPTS (40), E2E_TOKENS (128), E2E_SHAPES (16x4,12x1,16x1,auto) set the run.
+# E2E_PROMPTS (40), E2E_TOKENS (128), E2E_SHAPES (16x4,12x1,16x1,auto) set the run. The machine has
+# no PyPI: `run` installs the carried wheels (.whl, from /work/shared/device/fetch-wheels.sh) into
+# /tmp/site when they are not there yet, and takes the HumanEval prompts from .carry/HumanEval.jsonl.gz
+# (a copy of ~/.cache/nvmedirect/humaneval/HumanEval.jsonl.gz) when the cache has none: carry .whl and
+# .carry in a call of their own (with a 62 MB piece they exceed the 64 MiB a call carries).
 set -u
 cd "$(dirname "$0")/.."
 DIR=/tmp/models
@@ -31,7 +37,15 @@ run)
     echo "$TARGET_SHA  $DIR/target.gguf" > "$DIR/sums"
     echo "$DRAFT_SHA  $DIR/draft.gguf" >> "$DIR/sums"
     sha256sum -c "$DIR/sums" 2>&1 | tee "$OUT/models-sha256.txt" || { echo "models: checksum FAILED"; exit 1; }
-    export PYTHONPATH="${PYTHONPATH:-}:$PWD" PYTHONUNBUFFERED=1
+    if [ ! -d /tmp/site ] && ls .whl/*.whl > /dev/null 2>&1; then
+        python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl > "$OUT/pip.log" 2>&1 \
+            || { echo "wheels: install FAILED (pip.log)"; exit 1; }
+    fi
+    HUMANEVAL=~/.cache/nvmedirect/humaneval/HumanEval.jsonl.gz
+    if [ ! -f "$HUMANEVAL" ] && [ -f .carry/HumanEval.jsonl.gz ]; then
+        mkdir -p "$(dirname "$HUMANEVAL")" && cp .carry/HumanEval.jsonl.gz "$HUMANEVAL"
+    fi
+    export PYTHONPATH="/tmp/site:${PYTHONPATH:-}:$PWD" PYTHONUNBUFFERED=1
     python3 -m bench.spec_bench e2e --target "$DIR/target.gguf" --draft "$DIR/draft.gguf" \
         --prompts "${E2E_PROMPTS:-40}" --tokens "${E2E_TOKENS:-128}" --shapes "${E2E_SHAPES:-16x4,12x1,16x1,auto}" \
         --out "$OUT/spec-e2e.json" > "$OUT/spec-e2e.stdout" 2> "$OUT/spec-e2e.log"
