@@ -192,16 +192,7 @@ def profile_pair(args: argparse.Namespace) -> dict[str, Any]:
             tcache.length = 0
             target.forward(prompt[:-1], tcache)
 
-        def verify(model: Any, cache: Any, n: int) -> None:
-            model.verify_tree(rng.integers(3, 1000, n), _chain(n), cache)
-
-        result["verify_streamed_ms"] = {}
-        for n in nodes:
-            result["verify_streamed_ms"][str(n)] = round(_median_seconds(lambda n=n: verify(target, tcache, n),
-                                                                         args.reps) * 1e3, 3)
-            print(f"verify streamed {n}: {result['verify_streamed_ms'][str(n)]} ms", file=sys.stderr, flush=True)
-        for n in (1, args.depth + 1):
-            result["traces"][f"verify-streamed-{n}"] = trace(f"verify-streamed-{n}", lambda n=n: verify(target, tcache, n))
+        _verify_sweep("streamed", target, tcache, nodes, args, trace, rng, result)
     finally:
         session.close()
     if args.resident:
@@ -213,15 +204,24 @@ def profile_pair(args: argparse.Namespace) -> dict[str, Any]:
         resident = load_gpu_transformer(gguf, args.ctx)
         rcache = resident.new_cache(args.ctx)
         resident.forward(prompt[:-1], rcache)
-        result["verify_resident_ms"] = {}
-        for n in nodes:
-            result["verify_resident_ms"][str(n)] = round(_median_seconds(lambda n=n: verify(resident, rcache, n),
-                                                                         args.reps) * 1e3, 3)
-        print(f"verify resident: {result['verify_resident_ms']}", file=sys.stderr, flush=True)
-        for n in (1, args.depth + 1):
-            result["traces"][f"verify-resident-{n}"] = trace(f"verify-resident-{n}",
-                                                             lambda n=n: verify(resident, rcache, n))
+        _verify_sweep("resident", resident, rcache, nodes, args, trace, rng, result)
     return result
+
+
+def _verify_sweep(label: str, model: Any, cache: Any, nodes: list[int], args: argparse.Namespace, trace: Tracer,
+                  rng: np.random.Generator, result: dict[str, Any]) -> None:
+    """verify_tree over chains of each size in `nodes` (median seconds), then traced at 1 and
+    depth + 1 nodes: result["verify_<label>_ms"] and result["traces"]["verify-<label>-N"]."""
+
+    def verify(n: int) -> None:
+        model.verify_tree(rng.integers(3, 1000, n), _chain(n), cache)
+
+    times = result[f"verify_{label}_ms"] = {}
+    for n in nodes:
+        times[str(n)] = round(_median_seconds(lambda n=n: verify(n), args.reps) * 1e3, 3)
+        print(f"verify {label} {n}: {times[str(n)]} ms", file=sys.stderr, flush=True)
+    for n in (1, args.depth + 1):
+        result["traces"][f"verify-{label}-{n}"] = trace(f"verify-{label}-{n}", lambda n=n: verify(n))
 
 
 def main(argv: list[str] | None = None) -> int:

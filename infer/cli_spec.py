@@ -246,24 +246,27 @@ def run(model: str | None, spec: SpecOptions, streaming: Any, ctx_size: int, dev
 SELF_DRAFT_K = 4  # --draft-k's default
 
 
-def _self_draft_kv_bytes(model: str, ctx_size: int) -> int:
+def _args_and_ctx(model: str, ctx_size: int) -> tuple[Any, int]:
+    """The model's ModelArgs and the context its run plans for (-c, else min(its own, 4096))."""
     from infer.arch import ModelArgs
     from infer.gguf_file import GGUFModel
+
+    args = ModelArgs.from_gguf(GGUFModel(model))
+    return args, ctx_size or min(args.context_length, 4096)
+
+
+def _self_draft_kv_bytes(model: str, ctx_size: int) -> int:
     from infer.tiers.budget import attention_work_nbytes, kv_cache_nbytes
 
-    gguf = GGUFModel(model)
-    args = ModelArgs.from_gguf(gguf)
-    ctx = ctx_size or min(args.context_length, 4096)
+    args, ctx = _args_and_ctx(model, ctx_size)
     return kv_cache_nbytes(args, ctx, 1) + attention_work_nbytes(args, ctx)
 
 
 def _tree_bytes(model: str, ctx_size: int, nodes: int) -> int:
-    from infer.arch import ModelArgs
-    from infer.gguf_file import GGUFModel
     from infer.tiers.budget import tree_buffers_nbytes
 
-    args = ModelArgs.from_gguf(GGUFModel(model))
-    return tree_buffers_nbytes(args, nodes, ctx_size or min(args.context_length, 4096))
+    args, ctx = _args_and_ctx(model, ctx_size)
+    return tree_buffers_nbytes(args, nodes, ctx)
 
 
 def self_drafter(spec: SpecOptions, model_path: str, target: Any, tokenizer: Any, ctx: int, note: Any) -> Any:

@@ -272,22 +272,27 @@ class TreeSpans:
     nodes: int
 
 
-def tree_spans(parents: np.ndarray, base: int) -> tuple[TreeSpans, np.ndarray]:
-    """TreeSpans of a tree (parents[i] < i, root -1) whose node i sits in cache slot base + i,
-    and the nodes' positions (base + depth) as int32."""
+def tree_ancestors(parents: np.ndarray, base: int, stride: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Host rows of a token tree's spans (node i in cache slot base + i, parents[i] < i, root -1):
+    anc (nodes, stride) int32, row i the slots of node i's ancestors from the root, then its own
+    (default stride: the deepest path), and the nodes' positions (base + depth) int32."""
     from infer.model import tree_depths
 
     parents = np.asarray(parents, dtype=np.int64)
-    n = len(parents)
     depth = tree_depths(parents)
-    anc = np.zeros((n, int(depth.max()) + 1), np.int32)
-    for i in range(n):
-        node = i
-        for d in range(int(depth[i]), -1, -1):
-            anc[i, d] = base + node
-            node = int(parents[node])
-    positions = (base + depth).astype(np.int32)
-    return TreeSpans(cupy.asarray(anc), anc.shape[1], base, n), positions
+    anc = np.zeros((len(parents), int(depth.max()) + 1 if stride is None else stride), np.int32)
+    for i, parent in enumerate(parents):  # a node's row is its parent's row, then itself
+        if parent >= 0:
+            anc[i, : depth[i]] = anc[parent, : depth[i]]
+        anc[i, depth[i]] = base + i
+    return anc, (base + depth).astype(np.int32)
+
+
+def tree_spans(parents: np.ndarray, base: int) -> tuple[TreeSpans, np.ndarray]:
+    """TreeSpans of a tree (parents[i] < i, root -1) whose node i sits in cache slot base + i,
+    and the nodes' positions (base + depth) as int32."""
+    anc, positions = tree_ancestors(parents, base)
+    return TreeSpans(cupy.asarray(anc), anc.shape[1], base, len(positions)), positions
 
 
 ATTN_FUSED_THREADS = 256

@@ -29,7 +29,7 @@ import numpy as np
 
 from infer.gpu import ops
 from infer.gpu.activations import RoundedInputs
-from infer.model import check_batch, tree_depths
+from infer.model import check_batch
 from infer.tiers.budget import LOGITS_ROWS, tree_attention_nodes
 
 if TYPE_CHECKING:
@@ -126,17 +126,12 @@ class TreeRunner:
 
     def _set_index(self, tokens: np.ndarray, parents: np.ndarray, base: int) -> None:
         n, cap = len(tokens), self.capacity
-        depth = tree_depths(parents)
+        anc, positions = ops.tree_ancestors(parents, base, stride=cap)
         host = np.zeros(3 * cap + n * cap, np.int32)
         host[:n] = tokens
-        host[cap : cap + n] = base + depth
+        host[cap : cap + n] = positions
         host[2 * cap : 2 * cap + n] = base + np.arange(n)
-        anc = host[3 * cap :].reshape(n, cap)
-        for i in range(n):
-            node = i
-            for d in range(int(depth[i]), -1, -1):
-                anc[i, d] = base + node
-                node = int(parents[node])
+        host[3 * cap :] = anc.reshape(-1)
         self.index[: host.size].set(host, stream=self.model.stream)
 
     def verify(self, tokens: np.ndarray, parents: np.ndarray, cache: GpuKVCache) -> TreeLogits:
