@@ -171,13 +171,21 @@ def verify(args: argparse.Namespace) -> dict[str, Any]:
     from infer.gguf_file import GGUFModel
 
     path = args.model or _synth(args.synth, args.synth_dir)
-    ctx = max(VERIFY_SIZES) + 64
+    sizes = args.sizes or VERIFY_SIZES
+    ctx = max(sizes) + 64
     if args.streaming:
         from infer.tiers.session import StreamingConfig, build_streaming_engine
 
+        gguf = GGUFModel(path)
+        planned = None
+        if args.exact:  # verify_tree's buffers come out of the same budget, as in the CLI
+            from infer.arch import ModelArgs
+            from infer.tiers.budget import tree_buffers_nbytes
+
+            planned = {"token-tree verification": tree_buffers_nbytes(ModelArgs.from_gguf(gguf), max(sizes), ctx)}
         config = StreamingConfig(enabled=True, vram_budget=args.vram_budget, ram_budget=args.ram_budget, slots=8)
-        session = build_streaming_engine(GGUFModel(path), config, ctx, args.device, prefill_chunk=max(VERIFY_SIZES),
-                                         enforce_budget=args.device == "gpu")
+        session = build_streaming_engine(gguf, config, ctx, args.device, prefill_chunk=max(sizes),
+                                         enforce_budget=args.device == "gpu", planned=planned)
         model, close = session.engine.model, session.close
         print(session.report(), file=sys.stderr)
     else:
@@ -188,9 +196,11 @@ def verify(args: argparse.Namespace) -> dict[str, Any]:
     rows = []
     try:
         prompt = rng.integers(3, model.args.vocab_size, 32)
-        for n in VERIFY_SIZES:
-            cache = model.new_cache(ctx)
-            model.forward(prompt, cache)
+        if args.exact:
+            model.reserve_tree(max(sizes))  # one runner for every size, not one made per size
+        cache = model.new_cache(ctx)  # one cache: a tree pass leaves cache.length as it was
+        model.forward(prompt, cache)
+        for n in sizes:
             parents = np.array([-1] + [int(rng.integers(max(0, i - 8), i)) for i in range(1, n)])
             tokens = rng.integers(3, model.args.vocab_size, n)
             tree_pass = model.verify_tree if args.exact else model.forward_tree
@@ -208,12 +218,29 @@ def verify(args: argparse.Namespace) -> dict[str, Any]:
             "passes": rows}
 
 
+def acceptance_shapes(acc: dict[str, Any]) -> list[dict[str, Any]]:
+    """Tree shapes with their tokens per pass, from a `curve` result (simulated) or an `e2e` one
+    (measured: its fixed shapes named DxW; `auto` has no one shape and is left out)."""
+    if isinstance(acc["shapes"], list):
+        return acc["shapes"]
+    rows = []
+    for name, row in acc["shapes"].items():
+        if name == "auto":
+            continue
+        depth, width = (int(n) for n in name.split("x"))
+        rows.append({"depth": depth, "width": width, "nodes": 1 + depth * width,
+                     "tokens_per_pass": row["tokens_per_pass"], "measured_end_to_end": True})
+    if not rows:
+        raise SystemExit(f"no fixed tree shape in {sorted(acc['shapes'])}: run e2e with --shapes DxW")
+    return rows
+
+
 def project(args: argparse.Namespace) -> dict[str, Any]:
     acc, ver = json.loads(Path(args.acceptance).read_text()), json.loads(Path(args.verify).read_text())
     times = {r["nodes"]: r["pass_seconds"] for r in ver["passes"]}
     sizes = sorted(times)
     rows = []
-    for shape in acc["shapes"]:
+    for shape in acceptance_shapes(acc):
         n = next((s for s in sizes if s >= shape["nodes"]), None)  # the verify pass that holds the tree
         if n is None:
             continue
@@ -477,6 +504,8 @@ def main(argv: list[str] | None = None) -> int:
     v.add_argument("--ram-budget")
     v.add_argument("--device", default="gpu")
     v.add_argument("--reps", type=int, default=3)
+    v.add_argument("--sizes", type=lambda text: [int(n) for n in text.split(",")], default=None,
+                   help=f"tree sizes timed, comma-separated (default {','.join(map(str, VERIFY_SIZES))})")
     e = sub.add_parser("e2e", help="the real pair on the GPU: target streamed (about half its layers in tier B), "
                        "draft resident; plain vs speculative greedy, outputs compared")
     e.add_argument("--target", type=Path, required=True)

@@ -222,6 +222,29 @@ def test_projection_joins_acceptance_and_pass_time(tmp_path: Path) -> None:
     assert rows[0]["draft_step_seconds_for_10_tok_s"] < 0  # 2 tokens per 0.4 s pass cannot reach 10 tok/s
 
 
+def test_projection_takes_the_measured_shapes_of_an_e2e_run(tmp_path: Path) -> None:
+    """An e2e result as the acceptance: its DxW shapes with their measured tokens per pass (auto,
+    which has no one shape, left out); one with only auto is refused with one line."""
+    import json
+
+    from bench.spec_bench import main
+
+    e2e = {"draft": "d", "target": "t", "shapes": {"auto": {"tokens_per_pass": 9.9}, "10x1": {"tokens_per_pass": 7.0},
+                                                   "4x2": {"tokens_per_pass": 4.0}}}
+    (tmp_path / "e.json").write_text(json.dumps(e2e))
+    (tmp_path / "v.json").write_text(json.dumps({"model": "m", "passes": [
+        {"nodes": 1, "pass_seconds": 0.4}, {"nodes": 16, "pass_seconds": 0.5}]}))
+    out = tmp_path / "p.json"
+    assert main(["project", "--acceptance", str(tmp_path / "e.json"), "--verify", str(tmp_path / "v.json"),
+                 "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["depth"], r["width"], r["nodes"], r["verify_nodes"]) for r in rows] == [(10, 1, 11, 16), (4, 2, 9, 16)]
+    assert rows[0]["projected_tok_s"] == round(7.0 / 0.5, 3) and rows[0]["measured_end_to_end"]
+    (tmp_path / "auto.json").write_text(json.dumps({**e2e, "shapes": {"auto": {"tokens_per_pass": 9.9}}}))
+    with pytest.raises(SystemExit, match="no fixed tree shape"):
+        main(["project", "--acceptance", str(tmp_path / "auto.json"), "--verify", str(tmp_path / "v.json")])
+
+
 def test_depth_tuner_picks_the_depth_the_measurements_favour() -> None:
     """The tuner's choice is the depth that maximises expected tokens per second under the measured
     acceptance (each step accepted with probability q) and costs (draft step s, verify a + b per
