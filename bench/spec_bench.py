@@ -300,6 +300,7 @@ def e2e(args: argparse.Namespace) -> dict[str, Any]:
     tier B and the draft resident: plain and speculative (each tree shape of --shapes, `auto`: the
     CLI's tuned chain) in the same run, every output compared with the plain one."""
     from infer.cli_spec import MAX_DEPTH, START_DEPTH_STREAMING, check_vocabulary
+    from infer.engine import greedy
     from infer.gguf_file import GGUFModel
     from infer.gpu.memory import PeakMonitor
     from infer.speculative import DepthTuner, ModelDrafter, Speculator
@@ -320,7 +321,6 @@ def e2e(args: argparse.Namespace) -> dict[str, Any]:
     tiers = {t.name: session.plan.bytes_in(t) for t in Tier}
     target = session.engine.model
     prompts = [tokenizer.encode(p) for p in humaneval_prompts(args.prompts)]
-    greedy_choice = lambda logits, _seen: int(np.argmax(logits))  # noqa: E731 - the device sampler's arg-max
     cache = target.new_cache(args.ctx)
     runs: dict[str, Speculator] = {}
     views: dict[str, Any] = {}
@@ -350,7 +350,7 @@ def e2e(args: argparse.Namespace) -> dict[str, Any]:
 
     def speculative(spec: Speculator, ids: list[int]) -> tuple[list[int], float]:
         began = time.perf_counter()
-        out = list(spec.generate(ids, args.tokens, greedy_choice, cache=cache))
+        out = list(spec.generate(ids, args.tokens, greedy, cache=cache))
         return out, time.perf_counter() - began
 
     def prefill(ids: list[int]) -> float:

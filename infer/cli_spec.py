@@ -142,7 +142,7 @@ def generate(target: Any, cache: Any, tokenizer: Any, spec: SpecOptions, draft: 
     out: list[int] = []
     pieces: list[str] = []
     began = time.perf_counter()
-    for token in spec_run.generate(ids, n_predict, Sampler(sampler_config).sample, is_end, cache):
+    for token in spec_run.generate(ids, n_predict, Sampler(sampler_config), is_end, cache):
         if is_end(token):
             break
         out.append(token)

@@ -214,5 +214,15 @@ class ContextFullError(ValueError):
     """The sequence would grow past the context size."""
 
 
-def greedy(logits: np.ndarray, _history: list[int]) -> int:
-    return int(np.argmax(logits))
+class ArgmaxChooser:
+    """The greedy Chooser: the largest logit, ties to the lowest id. `argmax_only` tells
+    infer.speculative.follow that it may read the choices from a verified tree's `row_argmax`
+    (GPU: one kernel for all nodes, the decode step's rule) instead of copying each row it visits."""
+
+    argmax_only = True
+
+    def __call__(self, logits: np.ndarray, _history: Sequence[int]) -> int:
+        return int(np.argmax(logits))
+
+
+greedy = ArgmaxChooser()

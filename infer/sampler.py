@@ -105,6 +105,15 @@ class Sampler:
         self.config = config or SamplerConfig()
         self._rng = np.random.default_rng(self.config.seed)
 
+    def __call__(self, logits: np.ndarray, history: Sequence[int] = ()) -> int:
+        return self.sample(logits, history)
+
+    @property
+    def argmax_only(self) -> bool:
+        """True when a choice is the plain arg-max of the logits (greedy, no repetition penalty):
+        infer.speculative.follow may then take it from the device (ties to the lowest id either way)."""
+        return self.config.greedy and (self.config.repeat_penalty == 1.0 or self.config.repeat_last_n == 0)
+
     def distribution(self, logits: np.ndarray, history: Sequence[int] = ()) -> tuple[np.ndarray, np.ndarray]:
         """The candidates the draw picks from and their probabilities, most likely first."""
         cfg = self.config

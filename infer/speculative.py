@@ -76,12 +76,19 @@ class SpecStats:
 
 def follow(tree: Tree, logits: np.ndarray, choose: Chooser, history: list[int]) -> tuple[list[int], int]:
     """The path of nodes the target keeps (from the root) and the token it chose after the path's
-    end: at each node the target's choice is drawn; if it is a child's token, the walk goes on."""
+    end: at each node the target's choice is drawn; if it is a child's token, the walk goes on.
+    A chooser that is a plain arg-max (`argmax_only`) reads every row's arg-max at once where the
+    logits offer it (`row_argmax`); a row with NaN or +inf still goes to the chooser (its error)."""
     children = tree.children()
     path, node = [0], 0
     seen = list(history) + [tree.tokens[0]]
+    row_argmax = getattr(logits, "row_argmax", None) if getattr(choose, "argmax_only", False) else None
+    best = row_argmax() if row_argmax is not None else None
     while True:
-        token = int(choose(logits[node], seen))
+        if best is not None and best[2][node] == 0:
+            token = int(best[0][node])
+        else:
+            token = int(choose(logits[node], seen))
         nxt = next((c for c in children.get(node, []) if tree.tokens[c] == token), None)
         if nxt is None:
             return path, token

@@ -427,6 +427,14 @@ def swiglu(gate: cupy.ndarray, up: cupy.ndarray, out: cupy.ndarray, n: int) -> N
     kernels.function("ops", "swiglu_f32")((_blocks(n, 256),), (256,), (gate, up, out, np.int32(n)))
 
 
+def argmax_rows(logits: cupy.ndarray, rows: int, vocab: int, ids: cupy.ndarray, maxima: cupy.ndarray,
+                nonfinite: cupy.ndarray) -> None:
+    """For each of the first `rows` rows of logits (rows, vocab): ids = its arg-max (ties to the lowest
+    id, NaN never chosen: sample_token's rule), maxima = that value, nonfinite = its NaN and +inf count."""
+    if rows > 0:
+        kernels.function("ops", "argmax_rows")((rows,), (1024,), (logits, np.int32(vocab), ids, maxima, nonfinite))
+
+
 def sample_token(logits: cupy.ndarray, vocab: int, temperature: float, seed: int, tok: cupy.ndarray,
                  pos: cupy.ndarray, tokens: cupy.ndarray) -> None:
     """tok = next token (arg-max, or a draw at `temperature`); tokens[pos + 1] = tok; pos += 1."""

@@ -12,8 +12,9 @@ The host must not pace the pass: a Python launch costs more than most of these k
 `TreeRunner` keeps every buffer of a pass (trees of up to its capacity), so the runs of resident
 layers are captured once per tree size as CUDA graphs (in the cache's graph table, as the decode
 step's are) and replayed; the tree's tokens, positions and ancestor slots are copied into its index
-in one transfer, and the attention kernels read the cache length from there. Streamed layers run
-eagerly between the graphs, as in the decode step. Its buffers are bounded by
+in one transfer, and the attention kernels read the cache length from there. A streamed layer's
+matrices are copied and repacked eagerly into its fixed scratch, then its kernels replay a graph
+of their own (captured again if the scratch moved). Its buffers are bounded by
 infer.tiers.budget.tree_buffers_nbytes (planned with the draft); no matrix is dequantized to float16,
 and the logits of all nodes stay on the device only when they fit in the logits block plus the
 plan's float16 scratches, else they come to the host block by block.
@@ -60,6 +61,23 @@ class TreeLogits:
         out = cupy.asnumpy(self.rows[node], stream=self.stream)
         self.stream.synchronize()
         return out
+
+    def row_argmax(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(ids, maxima, nonfinite) of every row: its arg-max as the decode step's sampler picks it
+        (ties to the lowest id, NaN never chosen), that value, and its count of NaN and +inf. On the
+        device one kernel and one small copy: a greedy walk reads these, not the rows it visits."""
+        if isinstance(self.rows, np.ndarray):
+            clean = np.where(np.isnan(self.rows), -np.inf, self.rows)
+            best = np.argmax(clean, axis=1)
+            bad = (np.isnan(self.rows) | np.isposinf(self.rows)).sum(axis=1)
+            return best, clean[np.arange(len(best)), best], bad
+        n, vocab = self.rows.shape
+        with self.stream:
+            out = cupy.empty(3 * n, cupy.int32)  # ids, maxima (as float32 bits), nonfinite counts
+            ops.argmax_rows(self.rows, n, vocab, out[:n], out[n : 2 * n].view(F32), out[2 * n :])
+            host = cupy.asnumpy(out, stream=self.stream)
+        self.stream.synchronize()
+        return host[:n].astype(np.int64), host[n : 2 * n].view(np.float32), host[2 * n :]
 
     def to_host(self) -> np.ndarray:
         if isinstance(self.rows, np.ndarray):

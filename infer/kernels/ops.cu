@@ -221,3 +221,72 @@ extern "C" __global__ void __launch_bounds__(1024)
         }
     }
 }
+
+// Each row's arg-max of `rows` logits vectors (vocab,) at once, one block of 1024 threads a row:
+// the id (ties to the lowest, as sample_token and numpy.argmax; NaN never wins, as in
+// sample_token), its value, and how many NaN or +inf the row holds. A greedy walk down a verified
+// token tree reads these few numbers instead of copying each visited row of the vocabulary.
+extern "C" __global__ void __launch_bounds__(1024)
+    argmax_rows(const float* logits, int vocab, int* ids, float* maxima, int* nonfinite) {
+    __shared__ float best_v[32];
+    __shared__ int best_i[32];
+    __shared__ int bad_n[32];
+    const float* row = logits + (size_t)blockIdx.x * vocab;
+    float bv = NEG_INF;
+    int bi = 0x7fffffff, bad = 0;
+    constexpr int ROW_UNROLL = 16;  // loads in flight per thread, as in sample_token
+    auto consider = [&](float v, int i) {
+        bad += (isnan(v) || (isinf(v) && v > 0.f)) ? 1 : 0;
+        if (v > bv || (v == bv && i < bi)) {
+            bv = v;
+            bi = i;
+        }
+    };
+    int i0 = threadIdx.x;
+    for (; i0 + (ROW_UNROLL - 1) * (int)blockDim.x < vocab; i0 += ROW_UNROLL * blockDim.x) {
+        float v[ROW_UNROLL];
+#pragma unroll
+        for (int u = 0; u < ROW_UNROLL; ++u) v[u] = __ldg(row + i0 + u * blockDim.x);
+#pragma unroll
+        for (int u = 0; u < ROW_UNROLL; ++u) consider(v[u], i0 + u * blockDim.x);
+    }
+    for (; i0 < vocab; i0 += blockDim.x) consider(__ldg(row + i0), i0);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+        const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+        bad += __shfl_xor_sync(0xffffffffu, bad, o);
+        if (ov > bv || (ov == bv && oi < bi)) {
+            bv = ov;
+            bi = oi;
+        }
+    }
+    if (lane == 0) {
+        best_v[warp] = bv;
+        best_i[warp] = bi;
+        bad_n[warp] = bad;
+    }
+    __syncthreads();
+    if (warp == 0) {
+        const int nw = blockDim.x >> 5;
+        bv = lane < nw ? best_v[lane] : NEG_INF;
+        bi = lane < nw ? best_i[lane] : 0x7fffffff;
+        bad = lane < nw ? bad_n[lane] : 0;
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+            const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+            const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+            bad += __shfl_xor_sync(0xffffffffu, bad, o);
+            if (ov > bv || (ov == bv && oi < bi)) {
+                bv = ov;
+                bi = oi;
+            }
+        }
+        if (lane == 0) {
+            ids[blockIdx.x] = bi == 0x7fffffff ? 0 : bi;
+            maxima[blockIdx.x] = bv;
+            nonfinite[blockIdx.x] = bad;
+        }
+    }
+}

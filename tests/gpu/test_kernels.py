@@ -323,6 +323,29 @@ def test_sample_argmax_and_state(rng: np.random.Generator, vocab: int) -> None:
     assert int(tok[0]) == vocab - 1
 
 
+@pytest.mark.parametrize("vocab", [151936, 151941, 1000])  # unrolled loads, with a tail, tail only
+def test_argmax_rows_against_numpy(rng: np.random.Generator, vocab: int) -> None:
+    """Every row's arg-max, maximum and NaN/+inf count against NumPy; ties to the lowest id and NaN
+    never chosen (sample_token's rule), rows of only -inf give id 0."""
+    rows = 13
+    logits = rng.standard_normal((rows, vocab)).astype(np.float32)
+    logits[np.arange(rows), rng.integers(vocab, size=rows)] = 9.0
+    logits[1] = 0.0
+    logits[1, [i for i in (7, 900, 9000, 100000, vocab - 1) if i < vocab]] = 1.0  # tie: 7
+    logits[2] = 0.0
+    logits[2, vocab - 1] = 1.0  # the maximum in the last element (the tail loop)
+    logits[3, [3, 50, vocab - 2]] = np.nan
+    logits[4, 0] = np.inf
+    logits[5] = -np.inf
+    ids, maxima, bad = cupy.full(rows, -1, cupy.int32), cupy.full(rows, np.nan, cupy.float32), cupy.full(rows, -1, cupy.int32)
+    ops.argmax_rows(cupy.asarray(logits), rows, vocab, ids, maxima, bad)
+    clean = np.where(np.isnan(logits), -np.inf, logits)
+    want = np.argmax(clean, axis=1)
+    assert (cupy.asnumpy(ids) == want).all() and int(ids[1]) == 7 and int(ids[2]) == vocab - 1 and int(ids[5]) == 0
+    assert (cupy.asnumpy(maxima) == clean[np.arange(rows), want]).all()
+    assert list(cupy.asnumpy(bad)) == [0, 0, 0, 3, 1] + [0] * (rows - 5)
+
+
 def test_sample_temperature_follows_softmax() -> None:
     logits = np.array([0.0, 1.0, 2.0, 0.5, -1.0], np.float32)
     temperature, n = 0.8, 4000

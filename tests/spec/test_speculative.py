@@ -86,6 +86,45 @@ def test_follow_keeps_the_path_the_target_chooses() -> None:
     assert follow(tree, logits, greedy, []) == ([0], 5)
 
 
+class _RowCounting:
+    """Tree logits that count the rows read one by one and offer every row's arg-max at once."""
+
+    def __init__(self, rows: np.ndarray) -> None:
+        self.rows, self.reads, self.argmax_calls = rows, 0, 0
+
+    def __getitem__(self, node: int) -> np.ndarray:
+        self.reads += 1
+        return self.rows[node]
+
+    def row_argmax(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        self.argmax_calls += 1
+        best = np.argmax(np.where(np.isnan(self.rows), -np.inf, self.rows), axis=1)
+        return best, self.rows[np.arange(len(best)), best], (np.isnan(self.rows) | np.isposinf(self.rows)).sum(axis=1)
+
+
+def test_a_greedy_walk_reads_the_arg_max_rows_not_the_rows() -> None:
+    """An arg-max chooser (infer.engine.greedy, a greedy Sampler without penalty) takes its choices
+    from row_argmax in one call; another chooser, or a row with NaN, reads the row itself (the
+    greedy Sampler then raises as it does without a tree)."""
+    from infer.sampler import NonFiniteLogits, Sampler, SamplerConfig
+
+    tree = Tree([7, 1, 2, 3, 4], [-1, 0, 0, 1, 1])
+    rows = np.zeros((5, 10), np.float32)
+    rows[0, 1] = rows[1, 4] = rows[4, 9] = 1.0  # 7 -> 1 -> 4 -> (9, not in the tree)
+    for chooser in (greedy, Sampler(SamplerConfig(temperature=0))):
+        logits = _RowCounting(rows)
+        assert follow(tree, logits, chooser, []) == ([0, 1, 4], 9)
+        assert (logits.argmax_calls, logits.reads) == (1, 0)
+    logits = _RowCounting(rows)  # not an arg-max: each visited row is read
+    assert follow(tree, logits, lambda row, _seen: int(np.argmax(row)), []) == ([0, 1, 4], 9)
+    assert (logits.argmax_calls, logits.reads) == (0, 3)
+    penalized = Sampler(SamplerConfig(temperature=0, repeat_penalty=1.3))
+    assert not penalized.argmax_only and not Sampler(SamplerConfig(temperature=0.7)).argmax_only
+    rows[1, 2] = np.nan
+    with pytest.raises(NonFiniteLogits):
+        follow(tree, _RowCounting(rows), Sampler(SamplerConfig(temperature=0)), [])
+
+
 def prompts_for(model: object, n: int) -> list[list[int]]:
     rng = np.random.default_rng(3)
     return [rng.integers(3, model.args.vocab_size, 12).tolist() for _ in range(n)]  # type: ignore[attr-defined]

@@ -58,3 +58,7 @@ def test_graphs_replay_at_any_cache_length_with_decode_numbers(tmp_path: Path, f
     assert model.tree_runner(20, 128).capacity == 32 and model.tree_runner(20, 128) is not runner
     want = _decoded(model, ref, [int(t) for t in tokens])
     np.testing.assert_array_equal(logits.to_host(), want)
+    ids, maxima, bad = logits.row_argmax()  # on the device: the host arg-max of each row
+    np.testing.assert_array_equal(ids, np.argmax(want, axis=1))
+    np.testing.assert_array_equal(maxima, want.max(axis=1))
+    assert not bad.any()
