@@ -84,6 +84,16 @@ def min_p_filter(ids: np.ndarray, logits: np.ndarray, min_p: float) -> tuple[np.
     return ids[:keep], logits[:keep]
 
 
+def argmax_rows(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(ids, maxima, nonfinite) of each row of logits (n, vocab) by the GPU decode sampler's rule:
+    the arg-max with ties to the lowest id and NaN never chosen, that value, and the row's count of
+    NaN and +inf. The reference of the `argmax_rows` kernel and its host path (infer.gpu.tree)."""
+    nan = np.isnan(rows)
+    clean = np.where(nan, -np.inf, rows)
+    ids = np.argmax(clean, axis=1)
+    return ids, clean[np.arange(len(ids)), ids], (nan | np.isposinf(rows)).sum(axis=1)
+
+
 class NonFiniteLogits(ValueError):
     """The model produced NaN or +inf logits: its weights (or how they were read) are broken."""
 

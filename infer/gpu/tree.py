@@ -31,6 +31,7 @@ import numpy as np
 from infer.gpu import ops
 from infer.gpu.activations import RoundedInputs
 from infer.model import check_batch
+from infer.sampler import argmax_rows
 from infer.tiers.budget import LOGITS_ROWS, tree_attention_nodes
 
 if TYPE_CHECKING:
@@ -67,10 +68,7 @@ class TreeLogits:
         (ties to the lowest id, NaN never chosen), that value, and its count of NaN and +inf. On the
         device one kernel and one small copy: a greedy walk reads these, not the rows it visits."""
         if isinstance(self.rows, np.ndarray):
-            clean = np.where(np.isnan(self.rows), -np.inf, self.rows)
-            best = np.argmax(clean, axis=1)
-            bad = (np.isnan(self.rows) | np.isposinf(self.rows)).sum(axis=1)
-            return best, clean[np.arange(len(best)), best], bad
+            return argmax_rows(self.rows)
         n, vocab = self.rows.shape
         with self.stream:
             out = cupy.empty(3 * n, cupy.int32)  # ids, maxima (as float32 bits), nonfinite counts

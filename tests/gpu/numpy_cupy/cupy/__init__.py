@@ -253,14 +253,12 @@ class RawKernel:
             g, u, o, nn = args; nn = int(nn); gv = _arr(g, np.float32, nn).astype(np.float64)
             _arr(o, np.float32, nn)[:] = gv / (1 + np.exp(-gv)) * _arr(u, np.float32, nn)  # in double, as the kernel
         elif n == "argmax_rows":
+            from infer.sampler import argmax_rows
             lg, vocab, ids, maxima, bad = args
             rows, vocab = int(grid[0]), int(vocab)
-            v = _arr(lg, np.float32, rows * vocab).reshape(rows, vocab)
-            clean = np.where(np.isnan(v), -np.inf, v)  # NaN never wins, as in the kernel
-            best = np.argmax(clean, axis=1)
-            _arr(ids, np.int32, rows)[:] = best
-            _arr(maxima, np.float32, rows)[:] = clean[np.arange(rows), best]
-            _arr(bad, np.int32, rows)[:] = (np.isnan(v) | np.isposinf(v)).sum(axis=1)
+            got = argmax_rows(_arr(lg, np.float32, rows * vocab).reshape(rows, vocab))
+            for out, dtype, values in zip((ids, maxima, bad), (np.int32, np.float32, np.int32), got):
+                _arr(out, dtype, rows)[:] = values
         elif n == "sample_token":
             lg, vocab, temp, seed, tok, pos, tokens = args
             p = int(_arr(pos, np.int32, 1)[0]); v = _arr(lg, np.float32, int(vocab)).astype(np.float64)
