@@ -5,6 +5,10 @@ runs).
 
     python -m bench.gpu_bench --synth 8b:q4_k_m --pp 512 --tg 128 [--json] [--out result.json]
     python -m bench.gpu_bench --model file.gguf [--vram-budget 8GB] [--streaming] [--ctx 4096]
+    python -m bench.gpu_bench --synth 8b:q4_k_m --batch 32 --batch-prompt 128 --batch-new 64
+
+--batch N also decodes N sequences together (prompts of --batch-prompt tokens, --batch-new new
+tokens each: aggregate tok/s) and each alone, comparing their tokens.
 
 --streaming loads the model through the streaming engine (everything that fits the budget stays
 resident, the rest streams from RAM) and measures the same figures on it.
@@ -20,26 +24,29 @@ from pathlib import Path
 
 
 def bench_model(path: Path, pp: int, tg: int, with_kernels: bool = True, vram_budget: str | None = None,
-                streaming: bool = False, ctx: int | None = None) -> dict[str, object]:
+                streaming: bool = False, ctx: int | None = None, batch: int = 0, batch_prompt: int = 128,
+                batch_new: int = 64) -> dict[str, object]:
     from infer.gguf_file import GGUFModel
     from infer.gpu import load_gpu_transformer
     from infer.gpu.benchmark import measure
     from infer.gpu.memory import PeakMonitor
 
-    context = ctx or pp + tg + 16
+    context = ctx or max(pp + tg + 16, batch_prompt + batch_new + 1 if batch else 0)
     session = None
     with PeakMonitor() as peak:  # load and measurement: the peak the budget must hold
         started = time.perf_counter()
         if streaming:
             from infer.tiers.session import StreamingConfig, build_streaming_engine
 
-            config = StreamingConfig(enabled=True, vram_budget=vram_budget or "24GB", ram_budget="64GB")
+            config = StreamingConfig(enabled=True, vram_budget=vram_budget or "24GB", ram_budget="64GB",
+                                     batch=max(1, batch))
             session = build_streaming_engine(GGUFModel(path), config, context, device="gpu", enforce_budget=True)
             gpu = session.engine.model
         else:
-            gpu = load_gpu_transformer(GGUFModel(path), context, vram_budget, enforce_budget=True)
+            gpu = load_gpu_transformer(GGUFModel(path), context, vram_budget, enforce_budget=True,
+                                       batch=max(1, 2 * batch))  # the batch and the check of each alone
         load_seconds = round(time.perf_counter() - started, 2)
-        result = measure(gpu, pp, tg, with_kernels and not streaming)
+        result = measure(gpu, pp, tg, with_kernels and not streaming, batch, batch_prompt, batch_new)
     result["peak_vram_bytes"] = peak.peak
     if session is not None:
         result["streamed_bytes_per_pass"] = session.plan.streamed_nbytes
@@ -78,12 +85,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--vram-budget", help="device memory the engine may use, e.g. 8GB (default: free less a margin)")
     parser.add_argument("--streaming", action="store_true", help="load through the streaming engine")
     parser.add_argument("--ctx", type=int, help="context (KV cache) to plan for (default: pp + tg + 16)")
+    parser.add_argument("--batch", type=int, default=0, help="also decode this many sequences together")
+    parser.add_argument("--batch-prompt", type=int, default=128, help="prompt tokens of each batched sequence")
+    parser.add_argument("--batch-new", type=int, default=64, help="new tokens of each batched sequence")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
     parser.add_argument("--out", type=Path, help="also write the JSON result here")
     args = parser.parse_args(argv)
     try:
         path = args.model or synth_path(args.synth, args.synth_dir)
-        result = bench_model(path, args.pp, args.tg, not args.no_kernels, args.vram_budget, args.streaming, args.ctx)
+        result = bench_model(path, args.pp, args.tg, not args.no_kernels, args.vram_budget, args.streaming, args.ctx,
+                             args.batch, args.batch_prompt, args.batch_new)
         result["command"] = " ".join(["python3 -m bench.gpu_bench", *(argv if argv is not None else sys.argv[1:])])
     except (ValueError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)

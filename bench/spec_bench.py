@@ -177,33 +177,27 @@ def verify(args: argparse.Namespace) -> dict[str, Any]:
         from infer.tiers.session import StreamingConfig, build_streaming_engine
 
         gguf = GGUFModel(path)
-        planned = None
-        if args.exact:  # verify_tree's buffers come out of the same budget, as in the CLI
-            from infer.arch import ModelArgs
-            from infer.tiers.budget import tree_buffers_nbytes
-
-            planned = {"token-tree verification": tree_buffers_nbytes(ModelArgs.from_gguf(gguf), max(sizes), ctx)}
         config = StreamingConfig(enabled=True, vram_budget=args.vram_budget, ram_budget=args.ram_budget, slots=8)
-        session = build_streaming_engine(gguf, config, ctx, args.device, prefill_chunk=max(sizes),
-                                         enforce_budget=args.device == "gpu", planned=planned)
+        session = build_streaming_engine(gguf, config, ctx, args.device, prefill_chunk=max(512, max(sizes)),
+                                         enforce_budget=args.device == "gpu", tree_nodes=max(sizes))
         model, close = session.engine.model, session.close
         print(session.report(), file=sys.stderr)
     else:
         from infer.gpu import load_gpu_transformer
 
-        model, close = load_gpu_transformer(GGUFModel(path), ctx, args.vram_budget), (lambda: None)
+        model, close = load_gpu_transformer(GGUFModel(path), ctx, args.vram_budget, prefill_chunk=max(512, max(sizes)),
+                                            tree_nodes=max(sizes)), (lambda: None)
     rng = np.random.default_rng(0)
     rows = []
     try:
         prompt = rng.integers(3, model.args.vocab_size, 32)
-        if args.exact:
-            model.reserve_tree(max(sizes))  # one runner for every size, not one made per size
+        model.reserve_tree(max(sizes))  # the logits of the largest tree, planned above
         cache = model.new_cache(ctx)  # one cache: a tree pass leaves cache.length as it was
         model.forward(prompt, cache)
         for n in sizes:
             parents = np.array([-1] + [int(rng.integers(max(0, i - 8), i)) for i in range(1, n)])
             tokens = rng.integers(3, model.args.vocab_size, n)
-            tree_pass = model.verify_tree if args.exact else model.forward_tree
+            tree_pass = model.verify_tree
             tree_pass(tokens, parents, cache)  # warm-up: this shape's kernels and buffers
             times = []
             for _ in range(args.reps):
@@ -214,7 +208,7 @@ def verify(args: argparse.Namespace) -> dict[str, Any]:
             print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     finally:
         close()
-    return {"model": str(path), "streaming": args.streaming, "vram_budget": args.vram_budget, "exact": args.exact,
+    return {"model": str(path), "streaming": args.streaming, "vram_budget": args.vram_budget, "exact": True,
             "passes": rows}
 
 
@@ -257,7 +251,8 @@ def project(args: argparse.Namespace) -> dict[str, Any]:
             "draft_step_seconds": args.draft_step_seconds, "rows": rows, "best": best}
 
 
-def half_resident_budget(gguf: Any, ctx: int, prefill_chunk: int, slots: int, planned: int, fraction: float) -> int:
+def half_resident_budget(gguf: Any, ctx: int, prefill_chunk: int, slots: int, planned: int, fraction: float,
+                         tree_nodes: int = 0) -> int:
     """A --vram-budget (bytes) that leaves about `fraction` of the model's layer bytes in VRAM and
     the rest streamed from tier B, besides `planned` bytes already taken (the draft)."""
     from infer.arch import ModelArgs
@@ -270,27 +265,28 @@ def half_resident_budget(gguf: Any, ctx: int, prefill_chunk: int, slots: int, pl
     layers = sum(t.device_nbytes for t in tensors if t.layer is not None and not t.is_vector)
     staging = 4 * max(t.nbytes for t in tensors if t.layer is not None)
     reserved = sum(memory.new_account(None, "probe").reserved.values())
-    big = compute_budgets(ModelArgs.from_gguf(gguf), ctx, 1, prefill_chunk, staging, 10**15, 10**15,
-                          device_reserved=reserved)
+    from infer.gpu import gpu_pass_nbytes
+
+    args = ModelArgs.from_gguf(gguf)
+    big = compute_budgets(args, ctx, 1, prefill_chunk, staging, 10**15, 10**15, device_reserved=reserved,
+                          activations=gpu_pass_nbytes(gguf, args, prefill_chunk, ctx, tree_nodes))
     return int(minimum_vram(tensors, slots, True) + fraction * layers + big.vram_total - big.vram_for_weights + planned)
 
 
 def streamed_pair(args: argparse.Namespace, gguf: Any, nodes_max: int) -> tuple[Any, Any, int]:
     """(draft LLM resident, streaming session of the target, its --vram-budget): the target streamed
     with about args.resident_fraction of its layer bytes in VRAM besides what the draft takes."""
-    from infer.arch import ModelArgs
     from infer.cli import _load
-    from infer.tiers.budget import tree_buffers_nbytes
     from infer.tiers.session import StreamingConfig, build_streaming_engine
 
-    draft = _load(str(args.draft), args.ctx, "gpu", args.draft_budget, half_copies=False)
-    planned = {"draft model": draft.transformer.account.planned_total,
-               "token-tree verification": tree_buffers_nbytes(ModelArgs.from_gguf(gguf), nodes_max, args.ctx)}
+    draft = _load(str(args.draft), args.ctx, "gpu", args.draft_budget)
+    planned = {"draft model": draft.transformer.account.planned_total}
     chunk = max(512, nodes_max)
-    budget = half_resident_budget(gguf, args.ctx, chunk, args.slots, sum(planned.values()), args.resident_fraction)
+    budget = half_resident_budget(gguf, args.ctx, chunk, args.slots, sum(planned.values()), args.resident_fraction,
+                                  nodes_max)
     config = StreamingConfig(enabled=True, vram_budget=str(budget), slots=args.slots)
     session = build_streaming_engine(gguf, config, args.ctx, "gpu", prefill_chunk=chunk, enforce_budget=True,
-                                     planned=planned)
+                                     planned=planned, tree_nodes=nodes_max)
     print(session.report(), file=sys.stderr)
     return draft, session, budget
 
@@ -533,8 +529,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--draft-step-seconds", type=float, default=0.0,
                    help="the draft's time per step on the verifying machine (default 0: verify passes only)")
     p.add_argument("--goal", type=float, default=10.0, help="tok/s for which each shape's draft-step allowance is given")
-    v.add_argument("--exact", action="store_true", help="time verify_tree (the decode kernels per node) instead of "
-                   "forward_tree (float16 products)")
+    v.add_argument("--exact", action="store_true", help="accepted for old command lines: every tree pass is "
+                   "exact (each node's logits the bits of plain decoding along its path)")
     for s in (a, c, v, e, q, p):
         s.add_argument("--out", type=Path)
     args = parser.parse_args(argv)

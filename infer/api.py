@@ -54,13 +54,13 @@ class LLM:
     @classmethod
     def load(cls, path: str | Path, ctx_size: int | None = None, device: str = "cpu",
              weight_budget_bytes: int = 8 << 30, exact: bool = False, vram_budget: str | int | None = None,
-             enforce_budget: bool = False, planned: dict[str, int] | None = None, half_copies: bool = True) -> LLM:
+             enforce_budget: bool = False, planned: dict[str, int] | None = None, tree_nodes: int = 0) -> LLM:
         """Opens and checks `path`. ctx_size: tokens of context (default: the model's, at most 4096).
         device: "cpu", "gpu" (CuPy; a ValueError when no GPU is visible) or "auto" (GPU if present).
-        exact: on the CPU, float64 sums (infer.model; the GPU's decode kernels always compute so).
+        exact: on the CPU, float64 sums (infer.model).
         vram_budget (GPU): device memory the engine may use (default: the free memory less a margin);
         a model that does not fit raises infer.tiers.budget.VramBudgetError. enforce_budget: cap the
-        device memory pool at it (process-wide). planned, half_copies: see load_gpu_transformer."""
+        device memory pool at it (process-wide). planned, tree_nodes: see load_gpu_transformer."""
         from infer.gpu import resolve_device
 
         where = resolve_device(device)  # ValueError with one line for 'gpu' without a GPU
@@ -71,7 +71,7 @@ class LLM:
             from infer.gpu import load_gpu_transformer
 
             transformer = load_gpu_transformer(gguf, ctx_size, vram_budget, enforce_budget=enforce_budget,
-                                               planned=planned, half_copies=half_copies)
+                                               planned=planned, tree_nodes=tree_nodes)
         else:
             transformer = load_transformer(gguf, weight_budget_bytes, exact=exact)
         ctx = ctx_size or min(transformer.args.context_length, DEFAULT_CTX)

@@ -82,7 +82,7 @@ def _resolve_device(device: str) -> str:
 
 
 def _load(model: str | None, ctx_size: int, device: str, vram_budget: str | None = None, exact: bool = False,
-          planned: dict[str, int] | None = None, half_copies: bool = True) -> LLM:
+          planned: dict[str, int] | None = None, tree_nodes: int = 0) -> LLM:
     if not model:
         _fail("no model given: use -m/--model FILE.gguf", EXIT_BAD_INPUT)
     from infer.api import LLM
@@ -93,7 +93,7 @@ def _load(model: str | None, ctx_size: int, device: str, vram_budget: str | None
     started = time.perf_counter()
     try:  # a model too large for the VRAM budget stops here with a hint to use --streaming
         llm = LLM.load(model, ctx_size=ctx_size or None, device=where, exact=exact, vram_budget=vram_budget,
-                       enforce_budget=where == "gpu", planned=planned, half_copies=half_copies)
+                       enforce_budget=where == "gpu", planned=planned, tree_nodes=tree_nodes)
     except TokenizerError as err:  # before ValueError, which it is
         _fail(f"{model}: tokenizer: {err}", EXIT_BAD_INPUT)
     except (ValueError, ModelError) as err:  # bad file, bad size, budget too small (BudgetError)

@@ -201,8 +201,8 @@ def run(model: str | None, spec: SpecOptions, streaming: Any, ctx_size: int, dev
             c._fail(str(err), c.EXIT_BAD_INPUT)
     with c._device_errors(where):
         draft = None
-        if spec.draft_model:  # resident, inside the budget; it leaves the room for float16 copies to the target
-            draft = c._load(spec.draft_model, ctx_size, where, streaming.vram_budget, half_copies=False)
+        if spec.draft_model:  # resident, inside the budget
+            draft = c._load(spec.draft_model, ctx_size, where, streaming.vram_budget)
         planned = {"draft model": draft.transformer.account.planned_total} if draft is not None and where == "gpu" \
             else None  # type: ignore[attr-defined]
         if spec.self_draft and where == "gpu":  # the self-draft's own KV cache, in the same budget
@@ -210,9 +210,8 @@ def run(model: str | None, spec: SpecOptions, streaming: Any, ctx_size: int, dev
         tree = spec.tree or (DEFAULT_TREE_STREAMING if streaming.enabled else DEFAULT_TREE_RESIDENT)
         if spec.self_draft:
             tree = 1 + (spec.draft_k or SELF_DRAFT_K)
-        if where == "gpu":  # the verification pass's buffers (tuned chains: up to 1 + MAX_DEPTH nodes)
-            nodes = max(tree, 1 + MAX_DEPTH) if tuned(spec, streaming.enabled) is not None else tree
-            planned = {**(planned or {}), "token-tree verification": _tree_bytes(model, ctx_size, nodes)}
+        # the verification pass holds the whole tree (tuned chains: up to 1 + MAX_DEPTH nodes)
+        nodes = max(tree, 1 + MAX_DEPTH) if tuned(spec, streaming.enabled) is not None else tree
         try:
             if streaming.enabled:
                 from infer.gguf_file import GGUFModel
@@ -222,12 +221,12 @@ def run(model: str | None, spec: SpecOptions, streaming: Any, ctx_size: int, dev
                 gguf = GGUFModel(model)
                 tokenizer = Tokenizer.from_gguf(gguf.metadata)
                 context = ctx_size or min(_context(gguf), 4096)
-                session = build_streaming_engine(gguf, streaming, context, where, prefill_chunk=max(512, tree),
-                                                 enforce_budget=where == "gpu", planned=planned)
+                session = build_streaming_engine(gguf, streaming, context, where, prefill_chunk=max(512, nodes),
+                                                 enforce_budget=where == "gpu", planned=planned, tree_nodes=nodes)
                 c._note(session.report())
                 target, cache, closer = session.engine.model, None, session.close
             else:
-                llm = c._load(model, ctx_size, where, streaming.vram_budget, exact, planned=planned)
+                llm = c._load(model, ctx_size, where, streaming.vram_budget, exact, planned=planned, tree_nodes=nodes)
                 target, tokenizer, context, closer = llm.transformer, llm.tokenizer, llm.engine.ctx_size, None
                 cache = llm.engine.cache  # the one cache its budget planned
             try:
@@ -256,17 +255,10 @@ def _args_and_ctx(model: str, ctx_size: int) -> tuple[Any, int]:
 
 
 def _self_draft_kv_bytes(model: str, ctx_size: int) -> int:
-    from infer.tiers.budget import attention_work_nbytes, kv_cache_nbytes
+    from infer.tiers.budget import kv_cache_nbytes
 
     args, ctx = _args_and_ctx(model, ctx_size)
-    return kv_cache_nbytes(args, ctx, 1) + attention_work_nbytes(args, ctx)
-
-
-def _tree_bytes(model: str, ctx_size: int, nodes: int) -> int:
-    from infer.tiers.budget import tree_buffers_nbytes
-
-    args, ctx = _args_and_ctx(model, ctx_size)
-    return tree_buffers_nbytes(args, nodes, ctx)
+    return kv_cache_nbytes(args, ctx, 1) + 4 * (ctx + 1)  # keys and values, the token history
 
 
 def self_drafter(spec: SpecOptions, model_path: str, target: Any, tokenizer: Any, ctx: int, note: Any) -> Any:

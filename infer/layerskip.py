@@ -49,11 +49,11 @@ def skipping(model: Any, skip: Iterable[int]) -> Any:
         raise ValueError(f"layers {bad} do not exist in a model of {model.args.n_layers} layers")
     if len(skip) == model.args.n_layers:
         raise ValueError("a draft needs at least one layer: every layer would be skipped")
+    without = getattr(model, "without_layers", None)  # GPU: its own graph segments and graphs
+    if without is not None:
+        return without(skip)
     view = copy.copy(model)
     view.skip = skip
-    if hasattr(view, "_plan_segments"):  # GPU: the decode step's graph segments without those layers
-        view._segments = view._plan_segments()
-        view._tree_runner = None  # the target's runner is planned with every layer
     return view
 
 

@@ -56,7 +56,10 @@ SHAPES: dict[str, Shape] = {
 }
 
 # llama.cpp's file_type numbers (LLAMA_FTYPE_*) for general.file_type
-FILE_TYPES = {"f16": 1, "q4_0": 2, "q8_0": 7, "q4_k_m": 15}
+FILE_TYPES = {"f16": 1, "q4_0": 2, "q8_0": 7, "q4_k_m": 15,
+              # one type for every matrix (the output too): each weight type on a whole model
+              "q4_1": 3, "q5_0": 8, "q5_1": 9, "q5_k": 17, "q6_k": 18, "bf16": 32}
+_ONE_TYPE = {"q4_1": T.Q4_1, "q5_0": T.Q5_0, "q5_1": T.Q5_1, "q5_k": T.Q5_K, "q6_k": T.Q6_K, "bf16": T.BF16}
 
 
 def _more_bits(layer: int, n_layers: int) -> bool:
@@ -75,6 +78,8 @@ def tensor_type(kind: str, name: str, layer: int, n_layers: int, cols: int = 256
 
 
 def _tensor_type(kind: str, name: str, layer: int, n_layers: int) -> int:
+    if kind in _ONE_TYPE:
+        return _ONE_TYPE[kind]
     if kind == "f16":
         return T.F16
     if kind == "q8_0":

@@ -1,15 +1,23 @@
 #!/bin/bash
 # The one script to run on the GPU machine (H200): sets up carried wheels, compiles the kernels,
-# runs the GPU tests, then benchmarks the synthetic 8B Q4_K_M: resident without a budget, resident
-# inside --vram-budget 8GB (bench and the CLI's own --benchmark), and through the streaming engine
-# inside the same budget. Logs and JSON results go under $OUT; a summary is printed last. No
-# section aborts the run.
+# runs the GPU tests, then benchmarks the synthetic 8B Q4_K_M inside --vram-budget 8GB (prompt,
+# decode, 32 sequences decoded together and each alone, the FP64 instructions of a pass, per-product
+# timings) and 6GB, and llama.cpp's llama-bench on the same file. Logs and JSON results go under
+# $OUT; a summary is printed last. No section aborts the run.
 #
 #   OUT=/path/to/out bash scripts/gpu-check.sh            # tests + 8B benchmarks (~7-9 min)
 #   GPU_CHECK_SKIP_BENCH=1 bash scripts/gpu-check.sh      # compile + GPU tests (~4-5 min)
 #   GPU_CHECK_SKIP_TESTS=1 bash scripts/gpu-check.sh      # the 8B benchmarks (~3-4 min)
-#   GPU_CHECK_BENCH_QUICK=1 ...                           # only the first of them (resident, no budget)
+#   GPU_CHECK_TESTS="tests/gpu/test_kernels.py -k qmm"    # these tests instead of the default list
+#   GPU_CHECK_BENCH_QUICK=1 ...                           # only the first benchmark (8 GB, with the batch)
+#   GPU_CHECK_STREAM=1 ...                                # also the 8B through the streaming engine (8 GB)
 #   GPU_CHECK_Q8=1 ...                                    # also the 8B Q8_0 (resident, no budget)
+#   GPU_CHECK_LLAMA_BUILD=1 ...                           # start building llama.cpp (.peer/llama.cpp.tgz from
+#                                                         # /work/shared/device/llama-cpp-src.sh) in the background:
+#                                                         # 8-12 min, it outlives this call (setsid)
+#   GPU_CHECK_LLAMA=1 GPU_CHECK_SKIP_TESTS=1 GPU_CHECK_SKIP_BENCH=1 ...
+#                                                         # wait for that build, then llama-bench pp512/tg128 on
+#                                                         # the synthetic 8B (same file as ours)
 #   GPU_CHECK_SPEC=1 ...                                  # speculative decoding: the CLI with a draft model on
 #                                                         # synthetic 8B/1B, and (with GPU_CHECK_70B) the time of
 #                                                         # one verification pass per tree size on the streamed 70B
@@ -21,9 +29,9 @@
 #   NVMEDIRECT_GPU_MODELS=a.gguf:b.gguf                   # real models for tests/gpu/test_model.py
 #   GPU_CHECK_ALL_GPU_TESTS=1                             # also `pytest -m gpu tests/` (every area)
 #
-# Carry: .whl (gguf, cffi, pycparser, pyudev wheels from /work/shared/device/fetch-wheels.sh), and
-# for GPU_CHECK_ALL_GPU_TESTS also nvmedirect/_vfio_cffi.abi3.so (built here by scripts/bootstrap.sh;
-# without it the pinned-DMA and reader tests fail to import).
+# Carry: .whl (gguf, cffi, pycparser, pyudev wheels from /work/shared/device/fetch-wheels.sh), .peer for
+# llama.cpp, and for GPU_CHECK_ALL_GPU_TESTS also nvmedirect/_vfio_cffi.abi3.so (built here by
+# scripts/bootstrap.sh; without it the pinned-DMA and reader tests fail to import).
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu-check}
@@ -52,6 +60,17 @@ print("device", p["name"].decode(), "sm", p["major"], p["minor"], "SMs", p["mult
 import gguf; print("gguf", getattr(gguf, "__version__", "?"))
 EOF
 
+LLAMA_DIR=/tmp/lc
+if [ -n "${GPU_CHECK_LLAMA_BUILD:-}" ] && [ -f .peer/llama.cpp.tgz ] && [ ! -e "$LLAMA_DIR/started" ]; then
+    mkdir -p "$LLAMA_DIR" && touch "$LLAMA_DIR/started"
+    setsid nice -n 19 bash -c "tar xzf .peer/llama.cpp.tgz -C $LLAMA_DIR && cd $LLAMA_DIR/llama.cpp &&
+      cmake -B build -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
+        -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON > $LLAMA_DIR/cmake.log 2>&1 &&
+      cmake --build build -j 12 --target llama-bench llama-server > $LLAMA_DIR/build.log 2>&1; echo rc=\$? > $LLAMA_DIR/done" \
+      > /dev/null 2>&1 < /dev/null &
+    note "llama.cpp: build started in the background ($LLAMA_DIR)"
+fi
+
 section "kernel compile (RawModule, this device)"
 timeout 90 python3 - <<'EOF' 2>&1 | tee "$OUT/compile.txt"
 import time
@@ -68,10 +87,12 @@ grep -q FAILED "$OUT/compile.txt" && note "compile: FAILED (compile.txt)" || not
 
 if [ -z "${GPU_CHECK_SKIP_TESTS:-}" ]; then
     section "GPU tests"
-    timeout 420 python3 -m pytest -q -s --timeout 200 -p no:cacheprovider --tb=short --durations=10 \
-        tests/gpu/test_kernels.py tests/gpu/test_model.py tests/gpu/test_cli_gpu.py tests/gpu/test_streaming.py \
-        tests/gpu/test_budget.py tests/gpu/test_speculative_gpu.py tests/infer/test_gpu_layout.py tests/infer/test_synth.py \
-        --junitxml="$OUT/pytest.xml" > "$OUT/pytest.log" 2>&1
+    TESTS=${GPU_CHECK_TESTS:-"tests/gpu/test_kernels.py tests/gpu/test_model.py tests/gpu/test_cli_gpu.py \
+        tests/gpu/test_streaming.py tests/gpu/test_budget.py tests/gpu/test_speculative_gpu.py \
+        tests/infer/test_gpu_layout.py tests/infer/test_synth.py"}
+    # shellcheck disable=SC2086
+    timeout "${GPU_CHECK_TESTS_SECONDS:-420}" python3 -m pytest -q -s --timeout 200 -p no:cacheprovider --tb=short \
+        --durations=10 $TESTS --junitxml="$OUT/pytest.xml" > "$OUT/pytest.log" 2>&1
     rc=$?
     grep -E "^(FAILED|ERROR)" "$OUT/pytest.log" | head -40
     tail -3 "$OUT/pytest.log"
@@ -97,9 +118,12 @@ import json, sys
 r = json.load(open(sys.argv[1]))
 budget = f" of {r['vram_budget_bytes'] / 1e9:.2f} GB" if "vram_budget_bytes" in r else ""
 copy = f"{r['fraction_of_copy']:.0%} of copy {r['copy_GBps']}" if r["copy_GBps"] else "copy not measured"
-print(f"bench {sys.argv[2]:<14} pp512 {r['pp_tok_s']:>8} tok/s  tg128 {r['tg_tok_s']:>7} tok/s "
-      f"(float {r['tg_float_tok_s']}, int8 {r['tg_int8_tok_s']})  {r['achieved_GBps']} GB/s ({copy})  "
-      f"peak {r['peak_vram_bytes'] / 1e9:.2f} GB{budget}")
+b = r.get("batch")
+batch = (f"; {b['sequences']} seq x {b['new_tokens']}: {b['decode_aggregate_tok_s']} tok/s, identical "
+         f"{b.get('identical_to_alone', '-')}") if b else ""
+print(f"bench {sys.argv[2]:<14} pp{r['pp_tokens']} {r['pp_tok_s']:>8} tok/s  tg{r['tg_tokens']} {r['tg_tok_s']:>7} tok/s  "
+      f"{r['achieved_GBps']} GB/s ({copy})  peak {r['peak_vram_bytes'] / 1e9:.2f} GB{budget}  "
+      f"fp64/pass {r.get('fp64_ops_per_pass')}{batch}")
 EOF
     rm -f "$SYNTH_DIR"/*.part
 }
@@ -123,13 +147,32 @@ EOF
 }
 
 if [ -z "${GPU_CHECK_SKIP_BENCH:-}" ]; then
-    bench 8b-q4km 300 --synth 8b:q4_k_m
+    bench 8b-q4km-8GB 400 --synth 8b:q4_k_m --vram-budget 8GB --ctx 4096 --batch 32 --batch-prompt 128 --batch-new 64
 fi
 if [ -z "${GPU_CHECK_SKIP_BENCH:-}" ] && [ -z "${GPU_CHECK_BENCH_QUICK:-}" ]; then
-    bench 8b-q4km-8GB 120 --synth 8b:q4_k_m --vram-budget 8GB --ctx 4096
-    bench 8b-q4km-stream 120 --synth 8b:q4_k_m --vram-budget 8GB --ctx 4096 --streaming
+    bench 8b-q4km-6GB 200 --synth 8b:q4_k_m --vram-budget 6GB --ctx 1024 --no-kernels
     cli_bench 8b-8GB 120 -m "$SYNTH_DIR/synth-8b-q4_k_m.gguf" --device gpu --benchmark -n 64 --vram-budget 8GB --json
+    [ -n "${GPU_CHECK_STREAM:-}" ] && bench 8b-q4km-stream 200 --synth 8b:q4_k_m --vram-budget 8GB --ctx 4096 --streaming --no-kernels
     [ -n "${GPU_CHECK_Q8:-}" ] && bench 8b-q80 300 --synth 8b:q8_0
+fi
+
+if [ -n "${GPU_CHECK_LLAMA:-}" ]; then
+    section "llama.cpp llama-bench on the synthetic 8B Q4_K_M (the file ours ran on)"
+    for _ in $(seq 1 "${GPU_CHECK_LLAMA_WAIT:-540}"); do [ -f "$LLAMA_DIR/done" ] && break; sleep 1; done
+    if grep -q "rc=0" "$LLAMA_DIR/done" 2>/dev/null; then
+        python3 -c "from bench.gpu_bench import synth_path; from pathlib import Path; synth_path('8b:q4_k_m', Path('$SYNTH_DIR'))"
+        timeout 300 "$LLAMA_DIR/llama.cpp/build/bin/llama-bench" -m "$SYNTH_DIR/synth-8b-q4_k_m.gguf" -p 512 -n 128 \
+            -ngl 99 -fa 1 -r 3 -o json > "$OUT/llama-bench-8b.json" 2> "$OUT/llama-bench-8b.log"
+        note "llama-bench 8b: exit $?; $(python3 - "$OUT/llama-bench-8b.json" <<'EOF' 2>&1 | tail -1
+import json, sys
+rows = json.load(open(sys.argv[1]))
+print(" ".join(f"{'pp' if r['n_prompt'] else 'tg'}{r['n_prompt'] or r['n_gen']} {r['avg_ts']:.1f} tok/s" for r in rows))
+EOF
+)"
+    else
+        note "llama.cpp: not built ($(cat "$LLAMA_DIR/done" 2>/dev/null || echo 'still building'); $LLAMA_DIR/build.log)"
+        tail -5 "$LLAMA_DIR/build.log" 2>/dev/null
+    fi
 fi
 
 if [ -n "${GPU_CHECK_SPEC:-}" ]; then

@@ -15,8 +15,9 @@ import pytest
 
 FAKE_DIR = Path(__file__).resolve().parent / "gpu" / "numpy_cupy"
 # modules that bind `cupy` when imported: imported afresh against the stand-in, dropped afterwards
-GPU_MODULES = ("infer.gpu.model", "infer.gpu.tree", "infer.gpu.activations", "infer.gpu.ops", "infer.gpu.weights", "infer.gpu.memory", "infer.gpu.attention",
-               "infer.gpu.benchmark", "infer.tiers.pipeline")
+GPU_MODULES = ("infer.gpu.model", "infer.gpu.tree", "infer.gpu.activations", "infer.gpu.ops", "infer.gpu.weights",
+               "infer.gpu.memory", "infer.gpu.cache", "infer.gpu.passes", "infer.gpu.graphs", "infer.gpu.benchmark",
+               "infer.tiers.pipeline")
 
 
 def _load(name: str) -> ModuleType:
@@ -37,8 +38,19 @@ def fake_cupy(monkeypatch: pytest.MonkeyPatch) -> Iterator[ModuleType]:
     monkeypatch.setitem(sys.modules, "cupyx", _load("cupyx"))
     for name in GPU_MODULES:
         monkeypatch.delitem(sys.modules, name, raising=False)
+        _forget_attribute(name)
     kernels._module.cache_clear()
     yield cupy
     kernels._module.cache_clear()
     for name in GPU_MODULES:  # bound to the stand-in: never seen by a later test
         sys.modules.pop(name, None)
+        _forget_attribute(name)
+
+
+def _forget_attribute(name: str) -> None:
+    """Drops a submodule from its package's attributes too: `from infer.gpu import ops` would
+    otherwise find the module a previous test imported against another stand-in."""
+    package, _, attr = name.rpartition(".")
+    parent = sys.modules.get(package)
+    if parent is not None and attr in vars(parent):
+        delattr(parent, attr)

@@ -1,15 +1,17 @@
 """Measuring the GPU backend: prompt (pp) and decode (tg) speed of a loaded GpuTransformer against
-the device-to-device copy bandwidth measured in the same run, bytes per token, VRAM, and per-kernel
-timings that explain where a decode step's time goes (used by bench/gpu_bench.py and the
-`ntransformer --benchmark` GPU path).
+the device-to-device copy bandwidth measured in the same run, bytes per token, VRAM; a batch of
+sequences decoded together (aggregate tok/s, each sequence checked against decoding it alone); the
+FP64 instructions of the kernels a pass runs; and per-product timings at 1 row and at a prompt's
+rows (used by bench/gpu_bench.py and the `ntransformer --benchmark` GPU path).
 
-Decode is timed on the captured CUDA graph (one replay per token, sampling included, one sync at
-the end), like llama-bench's tg from an empty context. Kernels are timed in graphs of repeated
+Decode is timed on the captured CUDA graphs (one replay per token, sampling included, one sync at
+the end), like llama-bench's tg from an empty context. Products are timed in graphs of repeated
 launches that cycle through the matrices of several layers, so their weights are not served from L2.
 """
 
 from __future__ import annotations
 
+import re
 import statistics
 import time
 from collections.abc import Callable
@@ -68,6 +70,55 @@ def _copy_ms(nbytes: int) -> float:
     return _events_ms(stream, copy, reps=10)
 
 
+# ---------------------------------------------------------------------------- FP64 in a pass
+_F64 = re.compile(r"^\s*(?:@%p\d+\s+)?[a-z]+(?:\.[a-z0-9]+)*\.f64\b", re.MULTILINE)
+
+
+def fp64_instructions(module: str) -> dict[str, int]:
+    """Per kernel of infer/kernels/<module>.cu, the FP64 arithmetic instructions of its PTX (compiled
+    by NVRTC for the current device): 0 everywhere means a pass runs no FP64 operation."""
+    import cupy
+
+    from infer.gpu import kernels
+
+    ptx = cupy.cuda.compiler.compile_using_nvrtc(kernels.source_text(module), options=kernels.OPTIONS,
+                                                 arch=f"compute_{cupy.cuda.Device().compute_capability}")
+    if isinstance(ptx, tuple):
+        ptx = ptx[0]
+    if isinstance(ptx, bytes):
+        ptx = ptx.decode()
+    out: dict[str, int] = {}
+    for entry in re.split(r"\.visible \.entry ", ptx)[1:]:
+        name = entry.split("(", 1)[0].strip()
+        out[name] = len(_F64.findall(entry))
+    return out
+
+
+def pass_fp64(gpu, rows: int = 8) -> dict[str, object]:  # noqa: ANN001
+    """The kernels one pass of `rows` rows launches (recorded) and their FP64 instructions."""
+    from infer.gpu import kernels
+
+    seen = kernels.record_launches()
+    try:
+        cache = gpu.new_cache(rows + 1)
+        gpu.graphs.drop("run")  # capture again: the recording sees the launches
+        gpu.graphs.drop("layer")
+        gpu.graphs.drop("head")
+        gpu.forward(np.arange(3, 3 + rows) % gpu.args.vocab_size, cache)
+    finally:
+        kernels.stop_recording()
+    counts: dict[str, int] = {}
+    for module in {m for m, _ in seen}:
+        try:
+            per = fp64_instructions(module)
+        except Exception as err:  # noqa: BLE001 - a report, not a run: say why it is missing
+            return {"fp64_error": f"{type(err).__name__}: {err}"}
+        counts.update({k: per.get(k, 0) for m, k in seen if m == module})
+    return {"pass_kernels": sorted(counts), "fp64_instructions": {k: v for k, v in counts.items() if v},
+            "fp64_ops_per_pass": 0 if not any(counts.values()) else None}
+
+
+# ---------------------------------------------------------------------------- products
 def _graph(stream, launches: Callable[[], None]):  # noqa: ANN001, ANN202
     with stream:
         launches()  # compiles and warms up outside the capture
@@ -76,113 +127,65 @@ def _graph(stream, launches: Callable[[], None]):  # noqa: ANN001, ANN202
         return stream.end_capture()
 
 
-def kernel_timings(gpu, n_layers_cycle: int = 8) -> list[dict[str, object]]:  # noqa: ANN001
-    """Median time per launch of each decode kernel on this model's shapes."""
+def product_timings(gpu, rows_list: tuple[int, ...] = (1, 32, 512), n_layers_cycle: int = 8) -> list[dict[str, object]]:  # noqa: ANN001
+    """Median time of each product of a layer (and the output) at each row count: GB/s of weights
+    read and integer TOPS."""
     import cupy
 
     from infer.gpu import ops
 
-    a, stream, rows = gpu.args, gpu.stream, []
+    a, stream, out_rows = gpu.args, gpu.stream, []
     layers = gpu.layers[:n_layers_cycle]
-    x = cupy.random.random(max(a.dim, a.ffn_dim, a.q_dim), dtype=cupy.float32) - 0.5
-    outs = cupy.empty(max(a.ffn_dim, a.q_dim, a.dim, a.vocab_size), cupy.float32)
+    big = max(rows_list)
+    ys = cupy.zeros(big * max(2 * a.ffn_dim, a.vocab_size, gpu.shape.width), cupy.float32)
+    inputs: dict[tuple[str, int], object] = {}
 
-    def add(name: str, count_per_token: int, nbytes: int, launches: list[Callable[[], None]]) -> None:
-        graph = _graph(stream, lambda: [f() for f in launches])
-        ms = _events_ms(stream, lambda: graph.launch(stream)) / len(launches)
-        rows.append({"kernel": name, "per_token": count_per_token, "us": round(ms * 1e3, 2),
-                     "GBps": round(nbytes / (ms * 1e-3) / 1e9, 1) if nbytes else None})
+    def x_for(m: ops.GpuMatrix) -> object:
+        key = (m.act, m.cols)
+        if key not in inputs:
+            x = cupy.asarray(np.random.default_rng(0).standard_normal((big, m.cols)).astype(np.float32))
+            if m.act in ops.EIGHT_BIT:
+                int8 = ops.Int8Act.zeros(big, m.cols, m.act)
+                ops.round_act(x, x, big, m.cols, m.act, int8=int8)
+                inputs[key] = int8
+            else:
+                inputs[key] = x
+        return inputs[key]
 
-    # the kernels the decode graph runs: integer (dp4a) GEMVs where the step uses them, else float
-    from infer.gpu.ops import INT8_FORMATS, int8_buffers
-
-    eights: dict[tuple[int, str], object] = {}
-
-    def x8(n: int, act: str) -> object:
-        if (n, act) not in eights:
-            eights[(n, act)] = int8_buffers(n, act)
-        return eights[(n, act)]
-
-    def integer(m) -> bool:  # noqa: ANN001
-        return gpu.int8_dot and m.fmt in INT8_FORMATS and m.act in ("q8_0", "q8_k")
-
-    def gemv(m) -> Callable[[], None]:  # noqa: ANN001
-        if integer(m):
-            return lambda: ops.gemv8(m, x8(m.cols, m.act), outs[: m.rows])
-        return lambda: ops.gemv(m, x[: m.cols], outs[: m.rows])
-
-    def label(mats: list) -> str:
-        fmts = "/".join(sorted({m.fmt for m in mats}))
-        return f"{fmts} {'int8' if integer(mats[0]) else 'float'}"
-
-    for j in range(len(layers[0].qkv)):
-        mats = [L.qkv[j][0] for L in layers if len(L.qkv) > j]
-        add(f"gemv qkv[{j}] {label(mats)} {mats[0].rows}x{mats[0].cols}", a.n_layers,
-            sum(m.nbytes for m in mats) // len(mats), [gemv(m) for m in mats])
-    for attr in ("wo", "w_down"):
-        mats = [getattr(L, attr) for L in layers]
-        add(f"gemv {attr} {label(mats)} {mats[0].rows}x{mats[0].cols}", a.n_layers,
-            sum(m.nbytes for m in mats) // len(mats), [gemv(m) for m in mats])
-    g0 = layers[0].w_gate
-    if integer(g0):
-        add(f"gemv_swiglu {g0.fmt} int8 2x{g0.rows}x{g0.cols}", a.n_layers, 2 * g0.nbytes,
-            [lambda L=L: ops.gemv8_swiglu(L.w_gate, L.w_up, x8(a.dim, g0.act), outs[: a.ffn_dim]) for L in layers])
-    else:
-        add(f"gemv_swiglu {g0.fmt} float 2x{g0.rows}x{g0.cols}", a.n_layers, 2 * g0.nbytes,
-            [lambda L=L: ops.gemv_swiglu(L.w_gate, L.w_up, x[: a.dim], outs[: a.ffn_dim]) for L in layers])
-    out = gpu.output
-    add(f"gemv output {label([out])} {out.rows}x{out.cols}", 1, out.nbytes, [gemv(out)])
-    # for comparison (per_token 0: not in the sum): the float kernels on the two largest matrices,
-    # and tuning variants of the GEMV module
-    if integer(g0):
-        add(f"  float gemv_swiglu {g0.fmt}", 0, 2 * g0.nbytes,
-            [lambda L=L: ops.gemv_swiglu(L.w_gate, L.w_up, x[: a.dim], outs[: a.ffn_dim]) for L in layers])
-        d0 = layers[0].w_down
-        add(f"  float gemv w_down {d0.fmt}", 0, d0.nbytes, [lambda: ops.gemv(d0, x[: a.ffn_dim], outs[: a.dim])])
-        for warps, unroll in ((2, 2), (4, 4), (4, 8), (8, 2), (8, 4)):
-            d = {"GEMV_WARPS": warps, "GEMV_UNROLL": unroll}
-            add(f"  variant warps={warps} unroll={unroll}: int8 swiglu", 0, 2 * g0.nbytes,
-                [lambda L=L, d=d: ops.gemv8_swiglu(L.w_gate, L.w_up, x8(a.dim, g0.act), outs[: a.ffn_dim], defines=d)
-                 for L in layers])
-            downs = [L.w_down for L in layers if integer(L.w_down)]
-            add(f"  variant warps={warps} unroll={unroll}: int8 down", 0,
-                sum(m.nbytes for m in downs) // max(1, len(downs)),
-                [lambda m=m, d=d: ops.gemv8(m, x8(m.cols, m.act), outs[: a.dim], defines=d) for m in downs])
-    embed_cache = gpu.new_cache(1)
-    add("embed", 1, 0, [lambda: ops.embed(gpu.token_embd, embed_cache.tok, 1, outs[: a.dim])])
-    act_n, act_w, act_f = layers[0].w_gate.act, layers[0].wo.act, layers[0].w_down.act
-    eight = gpu.int8_dot and act_n in ("q8_0", "q8_k")
-    add(f"rmsnorm+round ({act_n}{', int8' if eight else ''})", 2 * a.n_layers + 1, 0,
-        [lambda: ops.rmsnorm(x[: a.dim], layers[0].attn_norm, a.norm_eps, 1, a.dim, y=outs[: a.dim], act=act_n,
-                             int8=x8(a.dim, act_n) if eight else None)])
-    for ctx in sorted({min(128, gpu.max_context), min(4096, gpu.max_context)}):
-        cache = gpu.new_cache(ctx)
-        cache.pos.set(np.array([ctx - 1], np.int32), stream=stream)
-        rope = (x[: a.kv_dim], x[: a.kv_dim], gpu._rope_tables[0], gpu._rope_tables[1], gpu.rope.n_pairs, a.rope_neox)
-        att8 = x8(a.q_dim, act_w) if integer(layers[0].wo) else None
-        kind = "one kernel" if ops.attention_fused_fits(a.n_heads, a.n_kv_heads, a.head_dim, ctx, act_w) else \
-            "scores+values+sum"
-        add(f"attention ({kind}, rope fused) ctx={ctx}", a.n_layers if ctx == 128 else 0, 0,
-            [lambda c=cache, rope=rope, att8=att8: ops.attention_decode(
-                x[: a.q_dim], c.keys[0], c.values[0], c.pos, a.n_heads, a.n_kv_heads, a.head_dim, c.max_tokens,
-                c.n_splits, c.scores, c.part_o, c.part_ml, outs[: a.q_dim], act=act_w, rope=rope, int8=att8)])
-        del cache
-    cache = gpu.new_cache(256)
-    if act_f != "f32":  # an f32 input is used as it is
-        eight_f = integer(layers[0].w_down)
-        add(f"round_act ffn ({act_f}{', int8' if eight_f else ''})", a.n_layers, 0,
-            [lambda: ops.round_act(x[: a.ffn_dim], outs[: a.ffn_dim], 1, a.ffn_dim, act_f,
-                                   int8=x8(a.ffn_dim, act_f) if eight_f else None)])
-    add("sample (argmax)", 1, 0,
-        [lambda: ops.sample_token(outs[: a.vocab_size], a.vocab_size, 0.0, 0, cache.tok, cache.pos, cache.tokens)])
-    return rows
+    kinds = [("qkv", lambda L: L.qkv()), ("wo", lambda L: [([L.wo], 0)]), ("gate_up", lambda L: L.gate_up()),
+             ("w_down", lambda L: [([L.w_down], 0)])]
+    for n in rows_list:
+        for name, runs_of in kinds:
+            launches, nbytes, macs = [], 0, 0
+            for L in layers:
+                for parts, _ in runs_of(L):
+                    launches.append(lambda parts=parts, n=n: ops.product(parts, x_for(parts[0]), ys, n))
+                    nbytes += sum(m.nbytes for m in parts)
+                    macs += n * sum(m.rows * m.cols for m in parts)
+            graph = _graph(stream, lambda launches=launches: [f() for f in launches])
+            ms = _events_ms(stream, lambda graph=graph: graph.launch(stream)) / len(layers)
+            per_layer_bytes, per_layer_macs = nbytes / len(layers), macs / len(layers)
+            out_rows.append({"product": name, "rows": n, "us": round(ms * 1e3, 2),
+                             "kernel": "qmm" if ops.uses_qmm(layers[0].wo.fmt, layers[0].wo.cols, n) else "qgemv",
+                             "GBps": round(per_layer_bytes / (ms * 1e-3) / 1e9, 1),
+                             "TOPS": round(2 * per_layer_macs / (ms * 1e-3) / 1e12, 1)})
+        out = gpu.output
+        graph = _graph(stream, lambda out=out, n=n: ops.product([out], x_for(out), ys, n))
+        ms = _events_ms(stream, lambda graph=graph: graph.launch(stream))
+        out_rows.append({"product": "output", "rows": n, "us": round(ms * 1e3, 2),
+                         "GBps": round(out.nbytes / (ms * 1e-3) / 1e9, 1),
+                         "TOPS": round(2 * n * out.rows * out.cols / (ms * 1e-3) / 1e12, 1)})
+    return out_rows
 
 
-def measure(gpu, pp: int = 512, tg: int = 128, with_kernels: bool = True) -> dict[str, object]:  # noqa: ANN001
+# ---------------------------------------------------------------------------- the run
+def measure(gpu, pp: int = 512, tg: int = 128, with_kernels: bool = True, batch: int = 0,  # noqa: ANN001
+            batch_prompt: int = 128, batch_new: int = 64, check_alone: bool = True) -> dict[str, object]:
     """Prompt (pp tokens) and decode (tg tokens) speed of a loaded GpuTransformer (resident or
     streamed weights), each warmed up first, against the copy bandwidth of this device; bytes per
-    token, VRAM; per-kernel timings with `with_kernels` (resident models). Decode runs the CUDA-graph
-    step on the device (sampling included), like llama-bench's tg from an empty context."""
+    token, VRAM; with `batch`, that many sequences (prompts of batch_prompt tokens) decoded together
+    for batch_new tokens each, and (check_alone) each decoded alone to compare tokens; the FP64
+    instructions of a pass's kernels; product timings with `with_kernels` (resident models)."""
     import cupy
 
     result: dict[str, object] = {"device": cupy.cuda.runtime.getDeviceProperties(0)["name"].decode()}
@@ -190,7 +193,7 @@ def measure(gpu, pp: int = 512, tg: int = 128, with_kernels: bool = True) -> dic
     result["copy_GBps"] = round(copy, 1) if copy else None
     a, stream = gpu.args, gpu.stream
     rng = np.random.default_rng(0)
-    cache = gpu.new_cache(pp + tg + 16)
+    cache = gpu.new_cache(min(gpu.max_context, pp + tg + 16))
 
     # prompt processing: pp tokens from an empty cache
     prompt = rng.integers(3, a.vocab_size, pp)
@@ -199,35 +202,19 @@ def measure(gpu, pp: int = 512, tg: int = 128, with_kernels: bool = True) -> dic
         cache.length = 0
         gpu.forward(prompt, cache)
 
-    prefill()  # warm-up: compiles, cuBLAS handles, scratch buffers, float16 copies
+    prefill()  # warm-up: compiles, captures the graphs of the passes
     pp_s = min(_host_seconds(prefill) for _ in range(3))
     result["pp_tokens"] = pp
     result["pp_tok_s"] = round(pp / pp_s, 1)
 
-    # decode: tg tokens from an empty cache, one step per token on the device; float GEMVs and,
-    # where the formats have them, integer (dp4a) GEMVs; the faster is reported as tg
-    def decode_ms(int8: bool) -> tuple[float, list[int]]:
-        gpu.set_int8_dot(int8)
+    # decode: tg tokens from an empty cache, one step per token on the device
+    def decode() -> None:
+        cache.length = 0
+        gpu.queue_steps(cache, int(prompt[0]), tg)
 
-        def decode() -> None:
-            cache.length = 0
-            gpu.queue_steps(cache, int(prompt[0]), tg)
-
-        with stream:
-            decode()  # warm-up: captures the graphs
-            ms = _events_ms(stream, decode, reps=3)
-        tokens = cupy.asnumpy(cache.tokens[1 : tg + 1], stream=stream).tolist()
-        return ms, tokens
-
-    float_ms, float_tokens = decode_ms(False)
-    int8_ms, int8_tokens = decode_ms(True)
-    result["tg_float_tok_s"] = round(tg / (float_ms * 1e-3), 1)
-    result["tg_int8_tok_s"] = round(tg / (int8_ms * 1e-3), 1)
-    # the two kernels compute the same numbers (both sum in double)
-    result["tg_int8_same_tokens"] = float(np.mean(np.array(float_tokens) == np.array(int8_tokens)))
-    tg_ms = min(float_ms, int8_ms)
-    gpu.set_int8_dot(int8_ms < float_ms)
-    result["tg_kernels"] = "int8" if int8_ms < float_ms else "float"
+    with stream:
+        decode()  # warm-up: captures the graphs
+        tg_ms = _events_ms(stream, decode, reps=3)
     tok_s = tg / (tg_ms * 1e-3)
     result["tg_tokens"] = tg
     result["tg_tok_s"] = round(tok_s, 1)
@@ -238,6 +225,9 @@ def measure(gpu, pp: int = 512, tg: int = 128, with_kernels: bool = True) -> dic
     result["achieved_GBps"] = round(vram * tok_s / 1e9, 1)  # bytes the kernels actually read
     result["achieved_gguf_GBps"] = round(src * tok_s / 1e9, 1)  # as llama.cpp would count
     result["fraction_of_copy"] = round(vram * tok_s / 1e9 / copy, 3) if copy else None
+    if batch:
+        result["batch"] = batch_decode(gpu, batch, batch_prompt, batch_new, check_alone)
+    result.update(pass_fp64(gpu))
     free, total = cupy.cuda.runtime.memGetInfo()
     result["vram_used_bytes"] = int(total - free)
     result["vram_pool_bytes"] = int(cupy.get_default_memory_pool().total_bytes())
@@ -246,10 +236,42 @@ def measure(gpu, pp: int = 512, tg: int = 128, with_kernels: bool = True) -> dic
         result["vram_budget_source"] = gpu.account.source
         result["vram_plan"] = {**gpu.account.planned, **gpu.account.reserved}
     if with_kernels and all(gpu.weights.is_resident(i) for i in range(a.n_layers)):
-        rows = kernel_timings(gpu)
-        result["kernels"] = rows
-        result["kernel_sum_us"] = round(sum(r["us"] * r["per_token"] for r in rows), 1)  # type: ignore[operator]
+        result["products"] = product_timings(gpu, (1, 32, min(pp, gpu.capacity)))
     return result
+
+
+def batch_decode(gpu, sequences: int, prompt_len: int, new: int, check_alone: bool = True) -> dict[str, object]:  # noqa: ANN001
+    """`sequences` prompts of prompt_len random tokens prefilled together, then `new` tokens of each
+    decoded together (one pass a step, greedy on the device): aggregate decode tok/s; and each
+    sequence decoded alone from its own prompt, its tokens compared."""
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(3, gpu.args.vocab_size, prompt_len) for _ in range(sequences)]
+    ctx = prompt_len + new + 1
+    caches = [gpu.new_cache(ctx) for _ in range(sequences)]
+
+    def run() -> tuple[float, float, list[list[int]]]:
+        for c in caches:
+            c.length = 0
+        started = time.perf_counter()
+        gpu.forward_batch([(p[:-1], c) for p, c in zip(prompts, caches, strict=True)])
+        prefilled = time.perf_counter()
+        out = gpu.decode_batch([p[-1:] for p in prompts], caches, new, check_every=new)
+        return prefilled - started, time.perf_counter() - prefilled, out
+
+    run()  # warm-up: graphs of these row counts
+    prefill_s, decode_s, together = min((run() for _ in range(2)), key=lambda r: r[1])
+    report: dict[str, object] = {"sequences": sequences, "prompt_tokens": prompt_len, "new_tokens": new,
+                                 "prefill_tok_s": round(sequences * (prompt_len - 1) / prefill_s, 1),
+                                 "decode_aggregate_tok_s": round(sequences * new / decode_s, 1),
+                                 "decode_seconds": round(decode_s, 4)}
+    if check_alone:
+        same = 0
+        for p, want in zip(prompts, together, strict=True):
+            cache = gpu.new_cache(ctx)
+            gpu.forward(p[:-1], cache)
+            same += int(gpu.decode_batch([p[-1:]], [cache], new, check_every=new)[0] == want)
+        report["identical_to_alone"] = f"{same}/{sequences}"
+    return report
 
 
 def _host_seconds(run: Callable[[], None]) -> float:
@@ -259,11 +281,10 @@ def _host_seconds(run: Callable[[], None]) -> float:
 
 
 def render(result: dict[str, object]) -> str:
-    """The result as a short human-readable report (kernel table included when measured)."""
+    """The result as a short human-readable report (product table included when measured)."""
     lines = [f"{result.get('model', 'model')} on {result['device']}",
              f"  pp{result['pp_tokens']}: {result['pp_tok_s']} tok/s   tg{result['tg_tokens']}: {result['tg_tok_s']} tok/s "
-             f"({result['step_us']} us/token; float GEMVs {result['tg_float_tok_s']}, int8 {result['tg_int8_tok_s']}, "
-             f"same tokens {result['tg_int8_same_tokens']:.0%})",
+             f"({result['step_us']} us/token)",
              f"  weights read per token: {result['vram_bytes_per_token'] / 1e9:.2f} GB (GGUF "  # type: ignore[operator]
              f"{result['gguf_bytes_per_token'] / 1e9:.2f} GB) -> {result['achieved_GBps']} GB/s"  # type: ignore[operator]
              + (f" = {result['fraction_of_copy']:.0%} of the {result['copy_GBps']} GB/s copy" if result["copy_GBps"]
@@ -273,9 +294,15 @@ def render(result: dict[str, object]) -> str:
              + (f" of the {result['vram_budget_bytes'] / 2**30:.2f} GiB budget ({result['vram_budget_source']})"  # type: ignore[operator]
                 if "vram_budget_bytes" in result else "")
              + (f", load {result['load_seconds']} s" if "load_seconds" in result else "")]
-    for row in result.get("kernels", []):  # type: ignore[union-attr]
-        bw = f"{row['GBps']} GB/s" if row["GBps"] else ""
-        lines.append(f"    {row['kernel']:<56} x{row['per_token']:<4} {row['us']:>9} us  {bw}")
-    if "kernel_sum_us" in result:
-        lines.append(f"  kernels sum {result['kernel_sum_us']} us per token vs {result['step_us']} us measured")
+    if "fp64_ops_per_pass" in result:
+        lines.append(f"  FP64 operations per pass: {result['fp64_ops_per_pass']}"
+                     + (f" (kernels with FP64: {result['fp64_instructions']})" if result.get("fp64_instructions") else ""))
+    batch = result.get("batch")
+    if isinstance(batch, dict):
+        lines.append(f"  {batch['sequences']} sequences x {batch['new_tokens']} new tokens: "
+                     f"{batch['decode_aggregate_tok_s']} tok/s aggregate decode, prefill {batch['prefill_tok_s']} tok/s"
+                     + (f", identical to alone {batch['identical_to_alone']}" if "identical_to_alone" in batch else ""))
+    for row in result.get("products", []):  # type: ignore[union-attr]
+        lines.append(f"    {row['product']:<8} x{row['rows']:<4} {row['us']:>9} us  {row['GBps']:>7} GB/s  "
+                     f"{row['TOPS']:>6} TOPS  {row.get('kernel', '')}")
     return "\n".join(lines)

@@ -12,14 +12,9 @@ from functools import cache
 from pathlib import Path
 
 KERNEL_DIR = Path(__file__).resolve().parent.parent / "kernels"
-SOURCES = ("gemv", "dequant", "repack", "ops", "attention")
-# ATTN_CHUNK: cache positions per decode-attention block; short enough that a short context still
-# spreads over several blocks per KV head (their loads in flight at once). GEMV_UNROLL 2 and the
-# SwiGLU's 8 were chosen by timing the variants (docs/GPU.md, docs/PERFORMANCE.md).
-DEFAULT_DEFINES: dict[str, int] = {"GEMV_WARPS": 4, "GEMV_UNROLL": 2, "ATTN_CHUNK": 64}
-# The paired (gate, up) integer GEMV keeps 8 sub-blocks of each row in flight per lane (faster than
-# 2 for it; the single-matrix GEMVs gained nothing from it).
-SWIGLU_DEFINES: dict[str, int] = {"GEMV_UNROLL": 8}
+SOURCES = ("qmm", "dequant", "repack", "ops", "attention")
+# QG_WARPS / QG_UNROLL: the small-N product kernels' rows per block and loads in flight (qmm.cu).
+DEFAULT_DEFINES: dict[str, int] = {"QG_WARPS": 4, "QG_UNROLL": 2}
 OPTIONS = ("-std=c++17",)
 _INCLUDE = re.compile(r'^#include "([\w.]+)"\s*$', re.MULTILINE)
 
@@ -67,6 +62,23 @@ def module(name: str, defines: dict[str, int] | None = None):  # noqa: ANN201
     return _module(name, cupy.cuda.Device().id, tuple(sorted(merged.items())))
 
 
+_recording: list[set[tuple[str, str]]] = []
+
+
+def record_launches() -> set[tuple[str, str]]:
+    """From now on, the (module, kernel) of every kernel looked up goes into the returned set (the
+    benchmark's list of a pass's kernels, recorded while the pass is captured)."""
+    seen: set[tuple[str, str]] = set()
+    _recording[:] = [seen]
+    return seen
+
+
+def stop_recording() -> None:
+    _recording.clear()
+
+
 def function(module_name: str, kernel: str, defines: dict[str, int] | None = None):  # noqa: ANN201
     """One kernel of a module (cupy.RawKernel-like: call with (grid, block, args))."""
+    if _recording:
+        _recording[0].add((module_name, kernel))
     return module(module_name, defines).get_function(kernel)

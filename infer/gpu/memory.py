@@ -1,12 +1,11 @@
 """The VRAM budget on the device: what is outside CuPy's memory pool, the pool's limit, and the
 peak the driver reports.
 
-Everything the engine allocates (weights, KV cache, activations, ring slots, scratch, float16
-copies) goes through CuPy's default memory pool; `enforce` caps the pool at the budget less what
-lies outside it, so an overrun raises OutOfMemoryError (turned into a one-line VramBudgetError by
-`over_budget`) instead of growing past the budget. Outside the pool are the CUDA context and
-anything else on the device when the engine starts (measured), the cuBLAS workspace (fixed by
-CUBLAS_WORKSPACE_CONFIG, set when infer.gpu is imported), and kernel modules and CUDA graphs.
+Everything the engine allocates (weights, KV cache, pass buffers, ring slots, scratch) goes through
+CuPy's default memory pool; `enforce` caps the pool at the budget less what lies outside it, so an
+overrun raises OutOfMemoryError (turned into a one-line VramBudgetError by `over_budget`) instead of
+growing past the budget. Outside the pool are the CUDA context and anything else on the device when
+the engine starts (measured), and kernel modules and CUDA graphs. No product uses cuBLAS.
 """
 
 from __future__ import annotations
@@ -18,8 +17,6 @@ import cupy
 
 from infer.tiers.budget import VramAccount, VramBudgetError, format_bytes, parse_size
 
-CUBLAS_WORKSPACE_CONFIG = ":4096:8"  # cuBLAS keeps at most 8 workspaces of 4096 KiB
-CUBLAS_WORKSPACE_BYTES = 8 * 4096 * 1024
 MODULES_AND_GRAPHS = 128 << 20  # compiled kernel modules, instantiated graphs, library handles
 FREE_MARGIN = 512 << 20  # without --vram-budget: the free memory less this
 
@@ -36,8 +33,7 @@ def new_account(vram_budget: str | int | None, what: str) -> VramAccount:
     free, total = device_memory()
     pool = cupy.get_default_memory_pool()
     in_use = total - free - int(pool.total_bytes())  # the context and other processes, not our pool
-    reserved = {"CUDA context and other processes": in_use, "cuBLAS workspace": CUBLAS_WORKSPACE_BYTES,
-                "kernels and graphs": MODULES_AND_GRAPHS}
+    reserved = {"CUDA context and other processes": in_use, "kernels and graphs": MODULES_AND_GRAPHS}
     if vram_budget is None:
         return VramAccount(in_use + free - FREE_MARGIN, f"free memory less {format_bytes(FREE_MARGIN)}", reserved,
                            what=what)

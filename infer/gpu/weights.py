@@ -2,8 +2,7 @@
 (matrices in their planar quantized formats, norms and biases as float32 vectors).
 
 Two providers implement the same calls:
-- ResidentWeights (here): every tensor uploaded once; Q, K and V stacked into one matrix where
-  their types allow one GEMV.
+- ResidentWeights (here): every tensor uploaded once;
 - StreamedWeights (infer/tiers/pipeline.py): tier A tensors uploaded once the same way, tier B/C
   ones copied through the ring and repacked into a layer scratch each pass.
 `is_resident(i)` tells the forward pass which layers can sit inside a captured CUDA graph.
@@ -17,21 +16,39 @@ from typing import Protocol
 import cupy
 import numpy as np
 
-from infer.arch import OUTPUT_NORM, QKV_KINDS, TOKEN_EMBD, ModelArgs, has_qkv_bias, output_name, tensor_name
+from infer.arch import OUTPUT_NORM, TOKEN_EMBD, ModelArgs, has_qkv_bias, output_name, tensor_name
 from infer.gguf_file import GGUFModel, TensorInfo
-from infer.gpu import ops
+from infer.gpu.layout import FLOAT_FORMATS
 from infer.gpu.ops import GpuMatrix, upload_stacked
 from infer.quants import activation_format
 
 MATRIX_KINDS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 
+Run = tuple[list[GpuMatrix], int]  # matrices whose outputs are consecutive rows, and the first row
+
+
+def runs(matrices: list[GpuMatrix]) -> list[Run]:
+    """Consecutive matrices of one format, row length and input format grouped (at most three, float
+    formats alone): each group is one product launch."""
+    out: list[Run] = []
+    row = 0
+    for m in matrices:
+        last = out[-1][0] if out else None
+        if last and len(last) < 3 and m.fmt not in FLOAT_FORMATS and (last[0].fmt, last[0].cols, last[0].act) == \
+                (m.fmt, m.cols, m.act):
+            last.append(m)
+        else:
+            out.append(([m], row))
+        row += m.rows
+    return out
+
 
 @dataclass
 class GpuLayer:
     attn_norm: cupy.ndarray
-    # Q, K and V rows in as few matrices as their types and tiers allow: (matrix, first row in the
-    # q_dim + 2*kv_dim output); one GEMV launch each
-    qkv: list[tuple[GpuMatrix, int]]
+    wq: GpuMatrix
+    wk: GpuMatrix
+    wv: GpuMatrix
     bqkv: cupy.ndarray | None  # (q_dim + 2*kv_dim,) or None
     wo: GpuMatrix
     ffn_norm: cupy.ndarray
@@ -40,7 +57,21 @@ class GpuLayer:
     w_down: GpuMatrix
 
     def matrices(self) -> list[GpuMatrix]:
-        return [m for m, _ in self.qkv] + [self.wo, self.w_gate, self.w_up, self.w_down]
+        return [self.wq, self.wk, self.wv, self.wo, self.w_gate, self.w_up, self.w_down]
+
+    def qkv(self) -> list[Run]:
+        """Q, K and V as product launches into the (q_dim + 2*kv_dim) output."""
+        return runs([self.wq, self.wk, self.wv])
+
+    def gate_up(self) -> list[Run]:
+        """Gate and up as product launches into the (2 * ffn_dim) output [gate | up]."""
+        return runs([self.w_gate, self.w_up])
+
+    def addresses(self) -> tuple[int, ...]:
+        """The device addresses the layer's kernels read (a captured graph of them is valid while
+        these stay: a streamed layer's scratch)."""
+        arrays = [self.attn_norm, self.ffn_norm, self.bqkv, *(m.buffer for m in self.matrices())]
+        return tuple(0 if b is None else int(b.data.ptr) for b in arrays)
 
 
 @dataclass(frozen=True)
@@ -72,35 +103,24 @@ class GpuWeightSource(Protocol):
         """(VRAM bytes, GGUF bytes) of the weights one decode step reads."""
 
 
-def matrix_format(info: TensorInfo, match_llama_cpp: bool) -> MatrixFormat:
+def matrix_format(info: TensorInfo) -> MatrixFormat:
     from infer.gpu.layout import format_of
 
-    return MatrixFormat(format_of(info.ggml_type), activation_format(info.ggml_type) if match_llama_cpp else "f32")
+    return MatrixFormat(format_of(info.ggml_type), activation_format(info.ggml_type))
+
+
+def layer_formats(model: GGUFModel, layer: int) -> dict[str, MatrixFormat]:
+    return {kind: matrix_format(model.tensor(tensor_name(layer, kind))) for kind in MATRIX_KINDS}
 
 
 def upload_vector(model: GGUFModel, name: str) -> cupy.ndarray:
     return cupy.asarray(model.tensor(name).dequantize().astype(np.float32).reshape(-1))
 
 
-def upload_matrices(model: GGUFModel, names: list[str], match_llama_cpp: bool) -> GpuMatrix:
-    """The GGUF tensors `names` (one type and row length) as one matrix of their rows in order."""
-    infos = [model.tensor(n) for n in names]
-    m = upload_stacked([(info.data, info.shape[0]) for info in infos], infos[0].ggml_type, infos[0].shape[1])
-    if not match_llama_cpp:
-        m.act = "f32"
-    return m
-
-
-def qkv_groups(model: GGUFModel, layer: int, kinds: tuple[str, ...] = QKV_KINDS) -> list[list[str]]:
-    """Names of Q, K and V grouped into runs of one type: each run becomes one stacked matrix."""
-    groups: list[list[str]] = []
-    for kind in kinds:
-        name = tensor_name(layer, kind)
-        if groups and model.tensor(groups[-1][0]).ggml_type == model.tensor(name).ggml_type:
-            groups[-1].append(name)
-        else:
-            groups.append([name])
-    return groups
+def upload_tensor(model: GGUFModel, name: str) -> GpuMatrix:
+    """One GGUF matrix in its planar format on the device."""
+    info = model.tensor(name)
+    return upload_stacked([(info.data, info.shape[0])], info.ggml_type, info.shape[1])
 
 
 def qkv_bias(model: GGUFModel, args: ModelArgs, layer: int) -> cupy.ndarray | None:
@@ -115,13 +135,17 @@ def qkv_bias(model: GGUFModel, args: ModelArgs, layer: int) -> cupy.ndarray | No
     return cupy.asarray(np.concatenate(parts).astype(np.float32))
 
 
-def stacked_rows(parts: list[GpuMatrix]) -> list[tuple[GpuMatrix, int]]:
-    """(matrix, first output row) for matrices whose rows follow each other."""
-    out, row = [], 0
-    for m in parts:
-        out.append((m, row))
-        row += m.rows
-    return out
+def assemble_layer(vectors: dict[str, cupy.ndarray | None], matrices: dict[str, GpuMatrix]) -> GpuLayer:
+    """A GpuLayer from its vectors (attn_norm, ffn_norm, bqkv) and its matrices by kind."""
+    m = matrices
+    return GpuLayer(attn_norm=vectors["attn_norm"], wq=m["attn_q"], wk=m["attn_k"], wv=m["attn_v"],  # type: ignore[arg-type]
+                    bqkv=vectors["bqkv"], wo=m["attn_output"], ffn_norm=vectors["ffn_norm"],  # type: ignore[arg-type]
+                    w_gate=m["ffn_gate"], w_up=m["ffn_up"], w_down=m["ffn_down"])
+
+
+def layer_vectors(model: GGUFModel, args: ModelArgs, i: int) -> dict[str, cupy.ndarray | None]:
+    return {"attn_norm": upload_vector(model, tensor_name(i, "attn_norm")),
+            "ffn_norm": upload_vector(model, tensor_name(i, "ffn_norm")), "bqkv": qkv_bias(model, args, i)}
 
 
 def layer_bytes(layers: list[GpuLayer], output: GpuMatrix) -> tuple[int, int]:
@@ -130,29 +154,19 @@ def layer_bytes(layers: list[GpuLayer], output: GpuMatrix) -> tuple[int, int]:
 
 
 class ResidentWeights:
-    """All weights of a checked model on the current device. match_llama_cpp: inputs of each matrix
-    product are rounded as llama.cpp's CPU rounds them (as infer.model does by default); else float32."""
+    """All weights of a checked model on the current device; the inputs of each matrix product are
+    rounded as llama.cpp rounds them (8-bit forms for quantized weights)."""
 
-    def __init__(self, model: GGUFModel, args: ModelArgs, match_llama_cpp: bool = True) -> None:
+    def __init__(self, model: GGUFModel, args: ModelArgs) -> None:
         self.args = args
-        self.match_llama_cpp = match_llama_cpp
-        self.token_embd = upload_matrices(model, [TOKEN_EMBD], match_llama_cpp)
+        self.token_embd = upload_tensor(model, TOKEN_EMBD)
         self.output_norm = upload_vector(model, OUTPUT_NORM)
         name = output_name(model)  # SmolLM2: the output reuses the embeddings
-        self.output = self.token_embd if name == TOKEN_EMBD else upload_matrices(model, [name], match_llama_cpp)
-        self.layers = [self._layer(model, i) for i in range(args.n_layers)]
-        self._formats = [{kind: matrix_format(model.tensor(tensor_name(i, kind)), match_llama_cpp)
-                          for kind in MATRIX_KINDS} for i in range(args.n_layers)]
-
-    def _layer(self, model: GGUFModel, i: int) -> GpuLayer:
-        def matrix(kind: str) -> GpuMatrix:
-            return upload_matrices(model, [tensor_name(i, kind)], self.match_llama_cpp)
-
-        qkv = [upload_matrices(model, group, self.match_llama_cpp) for group in qkv_groups(model, i)]
-        return GpuLayer(attn_norm=upload_vector(model, tensor_name(i, "attn_norm")), qkv=stacked_rows(qkv),
-                        bqkv=qkv_bias(model, self.args, i), wo=matrix("attn_output"),
-                        ffn_norm=upload_vector(model, tensor_name(i, "ffn_norm")), w_gate=matrix("ffn_gate"),
-                        w_up=matrix("ffn_up"), w_down=matrix("ffn_down"))
+        self.output = self.token_embd if name == TOKEN_EMBD else upload_tensor(model, name)
+        self.layers = [assemble_layer(layer_vectors(model, args, i),
+                                      {kind: upload_tensor(model, tensor_name(i, kind)) for kind in MATRIX_KINDS})
+                       for i in range(args.n_layers)]
+        self._formats = [layer_formats(model, i) for i in range(args.n_layers)]
 
     def layer(self, index: int) -> GpuLayer:
         return self.layers[index]
@@ -165,35 +179,3 @@ class ResidentWeights:
 
     def bytes_per_token(self) -> tuple[int, int]:
         return layer_bytes(self.layers, self.output)
-
-
-class HalfCopies:
-    """float16 copies of resident matrices for cuBLAS, made at first use while their bytes fit
-    `allowance` (the VRAM budget's room; None or 0: none); a matrix without a copy is dequantized
-    into one scratch each time it is used (streamed matrices always are)."""
-
-    def __init__(self, allowance: int | None) -> None:
-        self.allowance = allowance
-        self.kept_bytes = 0
-        self._copies: dict[int, tuple[GpuMatrix, cupy.ndarray]] = {}  # the matrix is held: ids stay unique
-        self._scratch: cupy.ndarray | None = None
-
-    def get(self, m: GpuMatrix, scratch_elems: int) -> cupy.ndarray:
-        half = m.as_half()
-        if half is not None:
-            return half
-        kept = self._copies.get(id(m))
-        if kept is not None:
-            return kept[1]
-        n = m.rows * m.cols
-        if not m.streamed and self.allowance and self.kept_bytes + 2 * n <= self.allowance:
-            copy = cupy.empty(n, cupy.float16)
-            ops.dequantize(m, copy)
-            self._copies[id(m)] = (m, copy.reshape(m.rows, m.cols))
-            self.kept_bytes += 2 * n
-            return self._copies[id(m)][1]
-        if self._scratch is None:
-            self._scratch = cupy.empty(max(n, scratch_elems), cupy.float16)
-        out = self._scratch[:n]
-        ops.dequantize(m, out)
-        return out.reshape(m.rows, m.cols)

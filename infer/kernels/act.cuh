@@ -3,15 +3,10 @@
 // form for the dp4a GEMVs), used by ops.cu's RMSNorm, activation rounding and attention output.
 #include "formats.cuh"
 
+// butterfly: every lane ends with the same bits (a + b == b + a)
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
-}
-
-__device__ __forceinline__ double warp_sum(double v) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    for (int o = 16; o > 0; o >>= 1) v = __fadd_rn(v, __shfl_xor_sync(0xffffffffu, v, o));
     return v;
 }
 
@@ -21,16 +16,17 @@ __device__ __forceinline__ float warp_max(float v) {
     return v;
 }
 
-// Sum over the block (blockDim.x a multiple of 32, at most 1024); every thread gets the result.
-__device__ double block_sum(double v) {
-    __shared__ double part[32];
-    __shared__ double total;
+// Sum over the block (blockDim.x a multiple of 32, at most 1024), every thread gets the result: each
+// warp's butterfly, then the warps' sums in warp order. The order depends only on blockDim.x.
+__device__ float block_sum(float v) {
+    __shared__ float part[32];
+    __shared__ float total;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     v = warp_sum(v);
     if (lane == 0) part[warp] = v;
     __syncthreads();
     if (warp == 0) {
-        double s = lane < (int)(blockDim.x >> 5) ? part[lane] : 0.0;
+        float s = lane < (int)(blockDim.x >> 5) ? part[lane] : 0.f;
         s = warp_sum(s);
         if (lane == 0) total = s;
     }
@@ -109,6 +105,65 @@ __device__ __forceinline__ Int8Out int8_row(signed char* xq, float* xs, int* xsu
     return Int8Out{xq + row * n, xs + row * (n / group), xsum + row * (n / 32)};
 }
 
+// One 8-bit group held by a warp, PER values a lane (lane * PER + k is value k of this lane): its
+// scale, its rounded values into yg (if given; may be where the values came from) and y16g, and
+// its 8-bit form into group g of o8.
+template <int PER>
+__device__ __forceinline__ void quantize_group(const float (&v)[PER], int g, int fmt, float* yg, __half* y16g,
+                                               Int8Out o8) {
+    const int lane = threadIdx.x & 31;
+    constexpr int group = 32 * PER;
+    float best = -1.f, extreme = 0.f;
+    int best_i = 0x7fffffff;
+#pragma unroll
+    for (int k = 0; k < PER; ++k) {
+        const int i = lane * PER + k;
+        const float a = fabsf(v[k]);
+        if (a > best) {  // ascending i within the lane: the first maximum is kept
+            best = a;
+            best_i = i;
+            extreme = v[k];
+        }
+    }
+    float inv, scale, hi;
+    group_scale(fmt, best, best_i, extreme, 16, inv, scale, hi);
+    int qsum = 0;
+    float r[PER];
+    int q[PER];
+#pragma unroll
+    for (int k = 0; k < PER; ++k) {
+        const float qf = fminf(rintf(v[k] * inv), hi);
+        r[k] = qf * scale;
+        q[k] = (int)qf;
+        qsum += q[k];
+    }
+    if (PER == 8) {  // 16-byte stores of the values, one 8-byte store of the int8 form
+        if (yg) {
+            reinterpret_cast<float4*>(yg)[lane * 2] = make_float4(r[0], r[1 % PER], r[2 % PER], r[3 % PER]);
+            reinterpret_cast<float4*>(yg)[lane * 2 + 1] = make_float4(r[4 % PER], r[5 % PER], r[6 % PER], r[7 % PER]);
+        }
+        if (o8.xq) reinterpret_cast<uint2*>(o8.xq + (long long)g * group)[lane] = pack_int8x8(q);
+    } else {
+        if (yg) yg[lane] = r[0];
+        if (o8.xq) o8.xq[(long long)g * group + lane] = (signed char)q[0];
+    }
+    if (y16g) {
+#pragma unroll
+        for (int k = 0; k < PER; ++k) y16g[lane * PER + k] = __float2half_rn(r[k]);
+    }
+    if (o8.xq) {
+        if (PER == 1) {  // the group is one sub-block of 32
+            qsum = __reduce_add_sync(0xffffffffu, qsum);
+            if (lane == 0) o8.xsum[g] = qsum;
+        } else {  // 8 sub-blocks of 32: lanes 4j..4j+3 hold sub-block j
+            qsum += __shfl_xor_sync(0xffffffffu, qsum, 1);
+            qsum += __shfl_xor_sync(0xffffffffu, qsum, 2);
+            if ((lane & 3) == 0) o8.xsum[(long long)g * 8 + (lane >> 2)] = qsum;
+        }
+        if (lane == 0) o8.xs[g] = scale;
+    }
+}
+
 // Groups first, first + stride, ... of src go to y (y may be src): each warp reads its whole group
 // before it writes it.
 template <int PER>
@@ -118,10 +173,7 @@ __device__ void round_groups(const float* src, float* y, __half* y16, int n, int
     constexpr int group = 32 * PER;
     for (int g = first; g < n / group; g += stride) {
         const float* in = src + (long long)g * group;
-        float* b = y + (long long)g * group;
         float v[PER];
-        float best = -1.f, extreme = 0.f;
-        int best_i = 0x7fffffff;
         if (PER == 8) {  // 32 bytes per lane: two 16-byte loads
             const float4 a0 = reinterpret_cast<const float4*>(in)[lane * 2];
             const float4 a1 = reinterpret_cast<const float4*>(in)[lane * 2 + 1];
@@ -130,51 +182,8 @@ __device__ void round_groups(const float* src, float* y, __half* y16, int n, int
         } else {
             v[0] = in[lane];
         }
-#pragma unroll
-        for (int k = 0; k < PER; ++k) {
-            const int i = lane * PER + k;
-            const float a = fabsf(v[k]);
-            if (a > best) {  // ascending i within the lane: the first maximum is kept
-                best = a;
-                best_i = i;
-                extreme = v[k];
-            }
-        }
-        float inv, scale, hi;
-        group_scale(fmt, best, best_i, extreme, 16, inv, scale, hi);
-        int qsum = 0;
-        float r[PER];
-        int q[PER];
-#pragma unroll
-        for (int k = 0; k < PER; ++k) {
-            const float qf = fminf(rintf(v[k] * inv), hi);
-            r[k] = qf * scale;
-            q[k] = (int)qf;
-            qsum += q[k];
-        }
-        if (PER == 8) {  // 16-byte stores of the values, one 8-byte store of the int8 form
-            reinterpret_cast<float4*>(b)[lane * 2] = make_float4(r[0], r[1 % PER], r[2 % PER], r[3 % PER]);
-            reinterpret_cast<float4*>(b)[lane * 2 + 1] = make_float4(r[4 % PER], r[5 % PER], r[6 % PER], r[7 % PER]);
-            if (o8.xq) reinterpret_cast<uint2*>(o8.xq + (long long)g * group)[lane] = pack_int8x8(q);
-        } else {
-            b[lane] = r[0];
-            if (o8.xq) o8.xq[(long long)g * group + lane] = (signed char)q[0];
-        }
-        if (y16) {
-#pragma unroll
-            for (int k = 0; k < PER; ++k) y16[(long long)g * group + lane * PER + k] = __float2half_rn(r[k]);
-        }
-        if (o8.xq) {
-            if (PER == 1) {  // the group is one sub-block of 32
-                qsum = __reduce_add_sync(0xffffffffu, qsum);
-                if (lane == 0) o8.xsum[g] = qsum;
-            } else {  // 8 sub-blocks of 32: lanes 4j..4j+3 hold sub-block j
-                qsum += __shfl_xor_sync(0xffffffffu, qsum, 1);
-                qsum += __shfl_xor_sync(0xffffffffu, qsum, 2);
-                if ((lane & 3) == 0) o8.xsum[(long long)g * 8 + (lane >> 2)] = qsum;
-            }
-            if (lane == 0) o8.xs[g] = scale;
-        }
+        quantize_group<PER>(v, g, fmt, y ? y + (long long)g * group : nullptr,
+                            y16 ? y16 + (long long)g * group : nullptr, o8);
     }
 }
 

@@ -17,11 +17,8 @@
 // Integers become floats without the slow I2F unit: a byte b placed under the exponent of 2^23
 // (0x4B0000bb) is the float 2^23 + b, and one FADD removes the 2^23.
 //
-// Every dot product returns a double: the products of a sub-block (exact integers from dp4a, or
-// float products that are exact in double) are scaled and summed in double precision, so a row's
-// sum carries ~1e-16 relative error in whatever order the lanes add it. Rounded to float32 at the
-// end, it is then (almost always) the float32 nearest the exact sum, the value the CPU engine's
-// float64 products give too: the next layer's 8-bit rounding sees identical inputs on both sides.
+// The product kernels (qmm.cu) multiply these integers with 8-bit activations and sum in the
+// canonical order of canon.cuh; dequant.cu turns them into floats (the embedding lookup).
 #pragma once
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
@@ -55,28 +52,6 @@ __device__ __forceinline__ float4 ldg4(const float* p) { return __ldg(reinterpre
 
 __device__ __forceinline__ uint4 ldg_u4(const uint8_t* p) { return __ldg(reinterpret_cast<const uint4*>(p)); }
 
-// int -> double, exactly, without the slow conversion unit: the double 2^52 + 2^31 + v has v + 2^31
-// as its low word; one DADD removes the offset
-__device__ __forceinline__ double int_as_double(int v) {
-    return __hiloint2double(0x43300000, v ^ 0x80000000) - 4503601774854144.0;
-}
-
-// 8 weights held in two words (lo: weights 4t..4t+3, hi: weights 16+4t..16+4t+3) dotted with x, in
-// double: each float product is exact in double
-__device__ __forceinline__ void dot_lohi(uint32_t lo, uint32_t hi, float bias, float4 xa, float4 xb,
-                                           double& acc_lo, double& acc_hi) {
-    acc_lo = fma((double)byte_as_float(lo, 0, bias), (double)xa.x, acc_lo);
-    acc_lo = fma((double)byte_as_float(lo, 1, bias), (double)xa.y, acc_lo);
-    acc_lo = fma((double)byte_as_float(lo, 2, bias), (double)xa.z, acc_lo);
-    acc_lo = fma((double)byte_as_float(lo, 3, bias), (double)xa.w, acc_lo);
-    acc_hi = fma((double)byte_as_float(hi, 0, bias), (double)xb.x, acc_hi);
-    acc_hi = fma((double)byte_as_float(hi, 1, bias), (double)xb.y, acc_hi);
-    acc_hi = fma((double)byte_as_float(hi, 2, bias), (double)xb.z, acc_hi);
-    acc_hi = fma((double)byte_as_float(hi, 3, bias), (double)xb.w, acc_hi);
-}
-
-__device__ __forceinline__ double sum4(float4 a) { return ((double)a.x + (double)a.y) + ((double)a.z + (double)a.w); }
-
 // Planes of one tensor; unused planes are null.
 struct Planes {
     const uint8_t* qs;
@@ -94,30 +69,6 @@ struct FmtQ8 {
         r.b = ldg_u4(p.qs + sb * 32 + 16);
         r.s = __half2float(__ldg(reinterpret_cast<const __half*>(p.sm) + sb));
         return r;
-    }
-    // q ^ 0x80 turns int8 into a biased byte (q + 128)
-    static __device__ __forceinline__ double dot(const Raw& r, const float* x) {
-        const uint32_t w[8] = {r.a.x, r.a.y, r.a.z, r.a.w, r.b.x, r.b.y, r.b.z, r.b.w};
-        double acc0 = 0.0, acc1 = 0.0;
-#pragma unroll
-        for (int t = 0; t < 4; ++t) {
-            dot_lohi(w[t] ^ 0x80808080u, w[t + 4] ^ 0x80808080u, 128.f, ldg4(x + 4 * t), ldg4(x + 16 + 4 * t),
-                       acc0, acc1);
-        }
-        return (double)r.s * (acc0 + acc1);
-    }
-    // with 8-bit activations (q8_0: scale xs per 32): one integer dot product
-    static constexpr int XS_SHIFT = 0;
-    static __device__ __forceinline__ double dot8(const Raw& r, int4 xa, int4 xb, float xs, int xsum) {
-        int acc = __dp4a((int)r.a.x, xa.x, 0);
-        acc = __dp4a((int)r.a.y, xa.y, acc);
-        acc = __dp4a((int)r.a.z, xa.z, acc);
-        acc = __dp4a((int)r.a.w, xa.w, acc);
-        acc = __dp4a((int)r.b.x, xb.x, acc);
-        acc = __dp4a((int)r.b.y, xb.y, acc);
-        acc = __dp4a((int)r.b.z, xb.z, acc);
-        acc = __dp4a((int)r.b.w, xb.w, acc);
-        return (double)xs * ((double)r.s * int_as_double(acc));
     }
     static __device__ __forceinline__ void dequant(const Raw& r, float* out) {
         const uint32_t w[8] = {r.a.x, r.a.y, r.a.z, r.a.w, r.b.x, r.b.y, r.b.z, r.b.w};
@@ -172,43 +123,6 @@ struct FmtNib {
             hi |= spread_2bit4((r.h.y >> (8 * t)) & 0xFFu);
         }
     }
-    static __device__ __forceinline__ double dot(const Raw& r, const float* x) {
-        const float bias = BITS == 6 ? 32.f : 0.f;
-        double acc_lo = 0.0, acc_hi = 0.0, xsum = 0.0;
-#pragma unroll
-        for (int t = 0; t < 4; ++t) {
-            uint32_t lo, hi;
-            word_values(r, t, lo, hi);
-            const float4 xa = ldg4(x + 4 * t), xb = ldg4(x + 16 + 4 * t);
-            dot_lohi(lo, hi, bias, xa, xb, acc_lo, acc_hi);
-            if (BITS != 6) xsum += sum4(xa) + sum4(xb);
-        }
-        if (BITS == 6) return (double)r.sm.x * acc_lo + (double)r.sm.y * acc_hi;
-        return (double)r.sm.x * (acc_lo + acc_hi) + (double)r.sm.y * xsum;
-    }
-    // with 8-bit activations (q8_0 for g4/g5: scale per 32; q8_k for k4/k5/k6: scale per 256):
-    // integer dot products of the weights' byte values with the activations' int8 values; the
-    // offset term uses the activations' sum per 32 (xsum)
-    static constexpr int XS_SHIFT = K ? 3 : 0;
-    static __device__ __forceinline__ double dot8(const Raw& r, int4 xa, int4 xb, float xs, int xsum) {
-        const int xav[4] = {xa.x, xa.y, xa.z, xa.w}, xbv[4] = {xb.x, xb.y, xb.z, xb.w};
-        int acc_lo = 0, acc_hi = 0;
-#pragma unroll
-        for (int t = 0; t < 4; ++t) {
-            uint32_t lo, hi;
-            word_values(r, t, lo, hi);
-            if (BITS == 6) {  // q - 32 as signed bytes
-                lo = __vsub4(lo, 0x20202020u);
-                hi = __vsub4(hi, 0x20202020u);
-            }
-            acc_lo = __dp4a((int)lo, xav[t], acc_lo);
-            acc_hi = __dp4a((int)hi, xbv[t], acc_hi);
-        }
-        // sm.x and sm.y are exact float products (an f16 scale times a 6- or 8-bit one), so each
-        // product below is exact in double and only the sum and the activation scale round
-        if (BITS == 6) return (double)xs * fma((double)r.sm.x, int_as_double(acc_lo), (double)r.sm.y * int_as_double(acc_hi));
-        return (double)xs * fma((double)r.sm.x, int_as_double(acc_lo + acc_hi), (double)r.sm.y * int_as_double(xsum));
-    }
     static __device__ __forceinline__ void dequant(const Raw& r, float* out) {
 #pragma unroll
         for (int t = 0; t < 4; ++t) {
@@ -238,23 +152,3 @@ typedef FmtNib<16> FmtK6;
 __device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
 __device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
 __device__ __forceinline__ float to_float(float v) { return v; }
-
-// 16 bytes of T -> floats, dotted with x (x holds 16/sizeof(T) floats, 16-byte aligned)
-template <typename T>
-__device__ __forceinline__ double dot16(uint4 v, const float* x) {
-    double acc = 0.0;
-    if (sizeof(T) == 4) {
-        const float4 xa = ldg4(x);
-        acc = fma((double)__uint_as_float(v.x), (double)xa.x, acc);
-        acc = fma((double)__uint_as_float(v.y), (double)xa.y, acc);
-        acc = fma((double)__uint_as_float(v.z), (double)xa.z, acc);
-        acc = fma((double)__uint_as_float(v.w), (double)xa.w, acc);
-    } else {
-        const T* e = reinterpret_cast<const T*>(&v);
-        const float4 xa = ldg4(x), xb = ldg4(x + 4);
-        const float xv[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
-#pragma unroll
-        for (int k = 0; k < 8; ++k) acc = fma((double)to_float(e[k]), (double)xv[k], acc);
-    }
-    return acc;
-}

@@ -1,26 +1,26 @@
-// The non-matrix steps of a Llama block besides attention: RMSNorm with the rounding of its output to
-// the next matrix product's activation format, that rounding alone, SwiGLU for the batched path, and
-// the sampler. Positions are read from device memory so that one captured CUDA graph serves every
-// decode step. (Rotary embedding, the KV-cache store and attention: attention.cu.)
+// The non-matrix steps of a Llama block besides attention, for the rows of a pass: RMSNorm with the
+// rounding of its output to the next matrix product's activation format, that rounding alone, SwiGLU
+// with its rounding, and the samplers. Everything per row in an order fixed by the row's length, so
+// a row gets the same bits in any pass. (Rotary embedding, the KV cache and attention: attention.cu.)
 #include "formats.cuh"
 #include "act.cuh"
 
-// y = x / sqrt(mean(x^2) + eps) * w, one block per row, then rounded to activation format `fmt`. The
-// sum of squares is taken in double and rounded once to float32 (then / n, + eps, sqrt in float32),
-// as the CPU engine does, so both get the same scale whatever order the threads add in;
-// writes float32 (y, required unless fmt is ACT_F32 and only y16 is wanted) and/or float16 (y16)
+// y = x / sqrt(mean(x^2) + eps) * w, one block per row, then rounded to activation format `fmt`.
+// The sum of squares in float32 in an order fixed by n alone (each thread's values in order, then
+// block_sum), so a row gets the same bits in any pass; writes float32 (y, required unless fmt is
+// ACT_F32 and only y16 is wanted) and/or float16 (y16)
 extern "C" __global__ void rmsnorm(const float* x, const float* w, float* y, __half* y16, int n, float eps,
-                                   int fmt, signed char* xq, float* xs, int* xsum) {
+                                   int fmt, signed char* xq, float* xs, int* xsum, const int* src_rows) {
     const long long row = blockIdx.x;
-    const float* xr = x + row * n;
-    double ss = 0.0;
-    for (int i = threadIdx.x; i < n; i += blockDim.x) ss = fma((double)xr[i], (double)xr[i], ss);
+    const float* xr = x + (src_rows ? (long long)src_rows[row] : row) * n;
+    float ss = 0.f;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) ss = __fmaf_rn(xr[i], xr[i], ss);
     ss = block_sum(ss);
-    const float s = sqrtf((float)ss / (float)n + eps);
+    const float s = sqrtf(__fadd_rn(__fdiv_rn(ss, (float)n), eps));
     float* yr = y ? y + row * n : nullptr;
     __half* y16r = y16 ? y16 + row * n : nullptr;
     for (int i = threadIdx.x; i < n; i += blockDim.x) {
-        const float v = (xr[i] / s) * w[i];
+        const float v = __fmul_rn(__fdiv_rn(xr[i], s), w[i]);
         if (yr) yr[i] = v;
         else if (y16r) y16r[i] = __float2half_rn(v);
     }
@@ -38,26 +38,28 @@ extern "C" __global__ void rmsnorm(const float* x, const float* w, float* y, __h
 // values in registers from the load to the rounded store, so a warp holds exactly one q8_k group
 // (256 values) and four lanes one q8_0 group: one pass over memory. Threads past the row's end
 // take zeros and store nothing (e.g. Qwen2.5-0.5B's width of 896: 112 threads in 4 warps).
+// y may be null when only the 8-bit form is wanted. src_rows (optional): output row i normalises input
+// row src_rows[i] (the rows of a pass whose logits are wanted).
 extern "C" __global__ void __launch_bounds__(1024)
     rmsnorm8(const float* x, const float* w, float* y, __half* y16, int n, float eps, int fmt, signed char* xq,
-             float* xs, int* xsum) {
+             float* xs, int* xsum, const int* src_rows) {
     const long long row = blockIdx.x;
     const int t = threadIdx.x, lane = t & 31;
     const bool inside = 8 * t < n;
     const float4 zero = make_float4(0.f, 0.f, 0.f, 0.f);
-    const float4* xr = reinterpret_cast<const float4*>(x + row * n) + 2 * t;
+    const float4* xr = reinterpret_cast<const float4*>(x + (src_rows ? (long long)src_rows[row] : row) * n) + 2 * t;
     const float4 a0 = inside ? xr[0] : zero, a1 = inside ? xr[1] : zero;
     const float4* wr = reinterpret_cast<const float4*>(w) + 2 * t;
     const float4 w0 = inside ? wr[0] : zero, w1 = inside ? wr[1] : zero;  // loaded before the reduction
     float v[8] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
-    double ss = 0.0;
+    float ss = 0.f;
 #pragma unroll
-    for (int k = 0; k < 8; ++k) ss = fma((double)v[k], (double)v[k], ss);
+    for (int k = 0; k < 8; ++k) ss = __fmaf_rn(v[k], v[k], ss);
     ss = block_sum(ss);
-    const float s = sqrtf((float)ss / (float)n + eps);
+    const float s = sqrtf(__fadd_rn(__fdiv_rn(ss, (float)n), eps));
     const float wv[8] = {w0.x, w0.y, w0.z, w0.w, w1.x, w1.y, w1.z, w1.w};
 #pragma unroll
-    for (int k = 0; k < 8; ++k) v[k] = (v[k] / s) * wv[k];
+    for (int k = 0; k < 8; ++k) v[k] = __fmul_rn(__fdiv_rn(v[k], s), wv[k]);
     int q[8];
     if (fmt == ACT_F16 || fmt == ACT_BF16) {
 #pragma unroll
@@ -129,13 +131,43 @@ extern "C" __global__ void round_act(const float* x, float* y, __half* y16, int 
     round_groups_8bit(xr, yr, y16r, n, fmt, o8, first, stride);
 }
 
-// out = SiLU(gate) * up, float32 (decode, when gate and up have different formats), evaluated in
-// double and rounded once as the CPU engine does
-extern "C" __global__ void swiglu_f32(const float* gate, const float* up, float* out, int n) {
-    const int i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < n) {
-        const double g = gate[i];
-        out[i] = (float)(g / (1.0 + exp(-g)) * (double)up[i]);
+// SiLU(gate) * up in float32, each operation rounded: gate / (1 + exp(-gate)) * up
+__device__ __forceinline__ float silu_mul(float g, float u) {
+    return __fmul_rn(__fdiv_rn(g, __fadd_rn(1.f, expf(-g))), u);
+}
+
+// ff = SiLU(gate) * up of rows of gu = [gate (n) | up (n)] (row stride 2n), rounded to the down
+// projection's activation format `fmt`: its 8-bit form (xq/xs/xsum) for q8_0/q8_k, and/or the
+// rounded float32 values in y (row stride n). grid (pieces of a row, rows), 256 threads: a warp per
+// 8-bit group (q8_0: 32 values, q8_k: 256), 1024 values a block for the float formats.
+extern "C" __global__ void swiglu_round(const float* gu, int n, float* y, int fmt, signed char* xq, float* xs,
+                                        int* xsum) {
+    const long long row = blockIdx.y;
+    const float* gr = gu + row * 2 * n;
+    const float* ur = gr + n;
+    float* yr = y ? y + row * n : nullptr;
+    if (fmt == ACT_F32 || fmt == ACT_F16 || fmt == ACT_BF16) {
+        for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x)
+            yr[i] = round_float(silu_mul(gr[i], ur[i]), fmt);
+        return;
+    }
+    const int lane = threadIdx.x & 31, warps = blockDim.x >> 5;
+    const int first = blockIdx.x * warps + (threadIdx.x >> 5), stride = gridDim.x * warps;
+    const Int8Out o8 = int8_row(xq, xs, xsum, row, n, fmt);
+    if (fmt == ACT_Q8_0) {
+        for (int g = first; g < n / 32; g += stride) {
+            const int i = g * 32 + lane;
+            const float v[1] = {silu_mul(gr[i], ur[i])};
+            quantize_group<1>(v, g, fmt, yr ? yr + g * 32 : nullptr, nullptr, o8);
+        }
+    } else {
+        for (int g = first; g < n / 256; g += stride) {
+            const int i = g * 256 + lane * 8;
+            float v[8];
+#pragma unroll
+            for (int k = 0; k < 8; ++k) v[k] = silu_mul(gr[i + k], ur[i + k]);
+            quantize_group<8>(v, g, fmt, yr ? yr + g * 256 : nullptr, nullptr, o8);
+        }
     }
 }
 
@@ -148,43 +180,10 @@ __device__ __forceinline__ uint32_t mix32(uint32_t x) {
     return x;
 }
 
-// Picks the next token from logits (vocab,) in one block of 1024 threads: the arg-max when
-// temperature <= 0, else the Gumbel-max trick (argmax of logits/T + Gumbel noise draws exactly from
-// softmax(logits/T)) with noise hashed from (seed, position, token). Stores the token into *tok and
-// tokens[pos + 1], then advances *pos: the next decode step reads both from device memory.
-// Ties go to the lowest id, as numpy.argmax does.
-extern "C" __global__ void __launch_bounds__(1024)
-    sample_token(const float* logits, int vocab, float temperature, unsigned int seed, int* tok, int* pos,
-                 int* tokens) {
+// The best (value, id) of the block: ties to the lowest id; every thread gets the result.
+__device__ __forceinline__ void block_best(float& bv, int& bi) {
     __shared__ float best_v[32];
     __shared__ int best_i[32];
-    const int p = *pos;
-    float bv = NEG_INF;
-    int bi = 0x7fffffff;
-    const uint32_t key = mix32(seed ^ mix32((uint32_t)p * 0x9E3779B9u));
-    // SAMPLE_UNROLL logits' loads in flight per thread before any is compared: one block streams a
-    // 150k vocabulary in a few memory latencies instead of one per element (52 us -> a few)
-    constexpr int SAMPLE_UNROLL = 16;
-    auto consider = [&](float v, int i) {
-        if (temperature > 0.f) {
-            const uint32_t r = mix32(key ^ (uint32_t)i * 0x85EBCA6Bu);
-            const float u = ((float)(r >> 8) + 0.5f) * (1.f / 16777216.f);
-            v = v / temperature - logf(-logf(u));
-        }
-        if (v > bv || (v == bv && i < bi)) {
-            bv = v;
-            bi = i;
-        }
-    };
-    int i0 = threadIdx.x;
-    for (; i0 + (SAMPLE_UNROLL - 1) * (int)blockDim.x < vocab; i0 += SAMPLE_UNROLL * blockDim.x) {
-        float v[SAMPLE_UNROLL];
-#pragma unroll
-        for (int u = 0; u < SAMPLE_UNROLL; ++u) v[u] = __ldg(logits + i0 + u * blockDim.x);
-#pragma unroll
-        for (int u = 0; u < SAMPLE_UNROLL; ++u) consider(v[u], i0 + u * blockDim.x);
-    }
-    for (; i0 < vocab; i0 += blockDim.x) consider(__ldg(logits + i0), i0);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) {
@@ -200,24 +199,68 @@ extern "C" __global__ void __launch_bounds__(1024)
         best_i[warp] = bi;
     }
     __syncthreads();
-    if (warp == 0) {
-        const int nw = blockDim.x >> 5;
-        bv = lane < nw ? best_v[lane] : NEG_INF;
-        bi = lane < nw ? best_i[lane] : 0x7fffffff;
+    const int nw = blockDim.x >> 5;
+    bv = lane < nw ? best_v[lane] : NEG_INF;
+    bi = lane < nw ? best_i[lane] : 0x7fffffff;
 #pragma unroll
-        for (int o = 16; o > 0; o >>= 1) {
-            const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
-            const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
-            if (ov > bv || (ov == bv && oi < bi)) {
-                bv = ov;
-                bi = oi;
-            }
+    for (int o = 16; o > 0; o >>= 1) {
+        const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+        const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+        if (ov > bv || (ov == bv && oi < bi)) {
+            bv = ov;
+            bi = oi;
         }
-        if (lane == 0) {
-            const int next = bi == 0x7fffffff ? 0 : bi;
-            *tok = next;
-            tokens[p + 1] = next;
-            *pos = p + 1;
+    }
+}
+
+// Picks the next token of each logits row i (grid: rows, 1024 threads), for pass row r = out_rows[i]:
+// the arg-max when temps[r] <= 0, else the Gumbel-max trick (argmax of logits/T + Gumbel noise draws
+// exactly from softmax(logits/T)) with noise hashed from (seeds[r], position, token). Ties go to the
+// lowest id, as numpy.argmax does; NaN never wins. The token goes to hist[r][pos + 1] (the
+// sequence's token history, when hist[r] != 0); with `advance` the row becomes the next decode
+// step's: tok = the token, pos, slot and base one further (a plain row's span is its own slots).
+extern "C" __global__ void __launch_bounds__(1024)
+    sample_rows(const float* logits, int vocab, const int* out_rows, const float* temps, const unsigned int* seeds,
+                int* tok, int* pos, int* slot, int* base, const unsigned long long* hist, int advance) {
+    const float* row = logits + (size_t)blockIdx.x * vocab;
+    const int r = out_rows[blockIdx.x];
+    const int p = pos[r];
+    const float temperature = temps[r];
+    float bv = NEG_INF;
+    int bi = 0x7fffffff;
+    const uint32_t key = mix32(seeds[r] ^ mix32((uint32_t)p * 0x9E3779B9u));
+    // SAMPLE_UNROLL logits' loads in flight per thread before any is compared: one block streams a
+    // 150k vocabulary in a few memory latencies instead of one per element
+    constexpr int SAMPLE_UNROLL = 16;
+    auto consider = [&](float v, int i) {
+        if (temperature > 0.f) {
+            const uint32_t h = mix32(key ^ (uint32_t)i * 0x85EBCA6Bu);
+            const float u = ((float)(h >> 8) + 0.5f) * (1.f / 16777216.f);
+            v = v / temperature - logf(-logf(u));
+        }
+        if (v > bv || (v == bv && i < bi)) {
+            bv = v;
+            bi = i;
+        }
+    };
+    int i0 = threadIdx.x;
+    for (; i0 + (SAMPLE_UNROLL - 1) * (int)blockDim.x < vocab; i0 += SAMPLE_UNROLL * blockDim.x) {
+        float v[SAMPLE_UNROLL];
+#pragma unroll
+        for (int u = 0; u < SAMPLE_UNROLL; ++u) v[u] = __ldg(row + i0 + u * blockDim.x);
+#pragma unroll
+        for (int u = 0; u < SAMPLE_UNROLL; ++u) consider(v[u], i0 + u * blockDim.x);
+    }
+    for (; i0 < vocab; i0 += blockDim.x) consider(__ldg(row + i0), i0);
+    block_best(bv, bi);
+    if (threadIdx.x == 0) {
+        const int next = bi == 0x7fffffff ? 0 : bi;
+        if (hist[r]) reinterpret_cast<int*>(hist[r])[p + 1] = next;
+        if (advance && hist[r]) {  // rows without a history (padding) stay where they are
+            tok[r] = next;
+            pos[r] = p + 1;
+            slot[r] = slot[r] + 1;
+            base[r] = p + 2;
         }
     }
 }

@@ -100,48 +100,16 @@ def kv_cache_nbytes(args: ModelArgs, ctx_size: int, batch: int, itemsize: int = 
     return 2 * args.n_layers * batch * ctx_size * args.kv_dim * itemsize
 
 
-ATTENTION_SCORES_BYTES = 32 << 20  # prompt attention computes scores in blocks of query rows of about this size
+ATTENTION_SCORES_BYTES = 32 << 20  # CPU prompt attention computes scores in blocks of query rows of about this size
 LOGITS_ROWS = 64  # logits of many rows (a scored prompt) are computed this many rows at a time
-
-
-def attention_work_nbytes(args: ModelArgs, ctx_size: int) -> int:
-    """Per sequence, the decode attention kernels' work buffers (float32 scores, double partials)."""
-    splits = -(-ctx_size // 64)
-    return 4 * args.n_heads * ctx_size + 8 * args.n_heads * splits * (args.head_dim + 2)
-
-
-TREE_ATTENTION_BYTES = 4 * ATTENTION_SCORES_BYTES  # decode attention work of a token tree's nodes, at most
-
-
-def tree_attention_nodes(args: ModelArgs, ctx_size: int, nodes: int) -> int:
-    """How many of a tree's nodes the verify pass's attention takes at a time (its work buffers)."""
-    return max(1, min(nodes, TREE_ATTENTION_BYTES // attention_work_nbytes(args, ctx_size)))
-
-
-def tree_buffers_nbytes(args: ModelArgs, nodes: int, ctx_size: int) -> int:
-    """An upper bound of the device buffers that verifying token trees of up to `nodes` nodes keeps
-    (infer/gpu/tree.py TreeRunner: every node's vectors, their rounded inputs and 8-bit forms, the
-    tree's index, the attention work of tree_attention_nodes at a time); the per-pass logits come
-    out of the activations' logits block."""
-    a = args
-    width = a.q_dim + 2 * a.kv_dim
-    vectors = 4 * (a.dim + 2 * width + a.q_dim + 3 * a.ffn_dim)  # x, qkv, q/k/v, att, ff, gate, up
-    # the inputs of the products: up to two activation formats and a float32 copy (4 bytes each),
-    # two 8-bit forms (1.25 bytes a value)
-    inputs = 15 * (2 * a.dim + a.ffn_dim + a.q_dim)
-    index = 4 * (3 + nodes)  # token, position, slot, a row of ancestors' slots
-    attention = tree_attention_nodes(a, ctx_size, nodes) * attention_work_nbytes(a, ctx_size)
-    return nodes * (vectors + inputs + index) + attention
 
 
 def activation_nbytes(args: ModelArgs, tokens_per_pass: int, ctx_size: int, batch: int,
                       largest_matrix: int | None = None) -> int:
-    """An upper bound of the device work buffers of one pass (infer/gpu/model.py allocates no more):
-    the decode step's vectors, and for a pass of many rows the float32 hidden states, Q/K/V, gate/up
-    and their float16 inputs, the prompt attention of one sequence (float32 keys and values, one
-    block of scores), a block of logits, and one matrix dequantized to float16 for cuBLAS
-    (`largest_matrix` elements; default the largest of a block). Planning with it keeps the weights
-    from taking memory the forward pass asks for later."""
+    """An upper bound of the work buffers of one pass of the CPU simulation's engine: the decode
+    vectors, the hidden states and products of many rows, the prompt attention of one sequence,
+    a block of logits and one dequantized matrix. (The GPU engine's pass buffers are counted by
+    infer.gpu.gpu_pass_nbytes and given to compute_budgets as `activations`.)"""
     rows = max(tokens_per_pass, batch)
     a = args
     decode = 4 * (4 * a.dim + 2 * (a.q_dim + 2 * a.kv_dim) + 4 * a.ffn_dim + a.vocab_size) + 2 * (a.dim + a.ffn_dim)
@@ -201,12 +169,14 @@ def available_ram() -> int:
 def compute_budgets(args: ModelArgs, ctx_size: int, batch: int, tokens_per_pass: int, staging_nbytes: int,
                     vram_budget: str | int | None = None, ram_budget: str | int | None = None,
                     device: bool = True, device_reserved: int | None = None,
-                    largest_matrix: int | None = None) -> Budgets:
+                    largest_matrix: int | None = None, activations: int | None = None) -> Budgets:
     """The bytes left for weights after the run's own needs. `device=False` (the CPU simulation)
     requires both budgets to be given. device_reserved: device bytes outside the memory pool
-    (measured by infer.gpu.memory; default DEVICE_MARGIN)."""
-    kv = kv_cache_nbytes(args, ctx_size, batch) + batch * attention_work_nbytes(args, ctx_size)
-    act = activation_nbytes(args, tokens_per_pass, ctx_size, batch, largest_matrix)
+    (measured by infer.gpu.memory; default DEVICE_MARGIN). activations: the engine's own count of
+    its pass buffers (the GPU's), else activation_nbytes."""
+    kv = kv_cache_nbytes(args, ctx_size, batch) + 4 * batch * (ctx_size + 1)  # + the token histories
+    act = activation_nbytes(args, tokens_per_pass, ctx_size, batch, largest_matrix) if activations is None \
+        else activations
     if vram_budget is not None:
         vram_total = parse_size(vram_budget) if isinstance(vram_budget, str) else int(vram_budget)
         vram_source = "--vram-budget"

@@ -24,7 +24,7 @@ from __future__ import annotations
 import cupy
 import numpy as np
 
-from infer.arch import OUTPUT_NORM, QKV_KINDS, TOKEN_EMBD, ModelArgs, output_name, tensor_name
+from infer.arch import OUTPUT_NORM, TOKEN_EMBD, ModelArgs, output_name, tensor_name
 from infer.gguf_file import GGUFModel
 from infer.gpu import kernels
 from infer.gpu.layout import FLOAT_FORMATS, format_of, plane_layout
@@ -33,11 +33,10 @@ from infer.gpu.weights import (
     MATRIX_KINDS,
     GpuLayer,
     MatrixFormat,
-    matrix_format,
-    qkv_bias,
-    qkv_groups,
-    stacked_rows,
-    upload_matrices,
+    assemble_layer,
+    layer_formats,
+    layer_vectors,
+    upload_tensor,
     upload_vector,
 )
 from infer.quants import activation_format
@@ -82,7 +81,7 @@ class GpuTransport:
         self.released[slot].record(cupy.cuda.get_current_stream())
 
 
-def _repack_into(raw: cupy.ndarray, t: Tensor, out: cupy.ndarray, match_llama_cpp: bool) -> GpuMatrix:
+def _repack_into(raw: cupy.ndarray, t: Tensor, out: cupy.ndarray) -> GpuMatrix:
     """The planar matrix of GGUF bytes `raw` (device), written into `out` (device, on the current
     stream). Float formats are plain copies."""
     from gguf.constants import GGMLQuantizationType
@@ -99,21 +98,19 @@ def _repack_into(raw: cupy.ndarray, t: Tensor, out: cupy.ndarray, match_llama_cp
         base = buffer.data.ptr
         planes = [np.uint64(base + o) if s else np.uint64(0) for o, s in zip(layout.offsets, layout.sizes, strict=True)]
         kernel((max(1, -(-n_sb // 256)),), (256,), (raw, np.int64(n_sb), *planes))
-    act = activation_format(t.ggml_type) if match_llama_cpp else "f32"
-    return GpuMatrix(fmt, rows, cols, layout, buffer, t.nbytes, act, streamed=True)
+    return GpuMatrix(fmt, rows, cols, layout, buffer, t.nbytes, activation_format(t.ggml_type), streamed=True)
 
 
 class StreamedWeights:
     """The GPU weight provider of a streamed model (infer.gpu.weights.GpuWeightSource): tier A
-    tensors uploaded once as ResidentWeights uploads them (Q, K and V stacked when all three are
-    resident), tier B and C matrices copied through the ring and repacked into the layer scratch
-    when `layer(i)` asks for them. Call layer() in layer order on the compute stream and use the
-    result before asking for the next layer (the scratch is reused)."""
+    tensors uploaded once as ResidentWeights uploads them, tier B and C matrices copied through the
+    ring and repacked into the layer scratch when `layer(i)` asks for them. Call layer() in layer
+    order on the compute stream and use the result before asking for the next layer (the scratch
+    is reused)."""
 
     def __init__(self, model: GGUFModel, args: ModelArgs, plan: Plan, host: HostTier | None,
-                 source: StorageSource | None, n_staging: int = 4, match_llama_cpp: bool = True) -> None:
+                 source: StorageSource | None, n_staging: int = 4) -> None:
         self.model, self.args, self.plan = model, args, plan
-        self.match_llama_cpp = match_llama_cpp
         self.transport = GpuTransport(plan.n_slots, plan.slot_nbytes)
         c_pieces = [t for t in plan.streamed if plan.tier[t.name] is Tier.STORAGE]
         if c_pieces and source is None:
@@ -121,7 +118,6 @@ class StreamedWeights:
         self.staging = StagingReader(source, c_pieces, n_staging) if c_pieces else None  # type: ignore[arg-type]
         self.ring = StreamRing(plan, self.transport, host, self.staging)
         self.scratch = cupy.empty(max(plan.scratch_nbytes, 1), dtype=cupy.uint8)
-        by_name = {t.name: t for t in plan.tensors}
         self._streamed: list[list[Tensor]] = [[] for _ in range(args.n_layers)]  # pass order
         self._scratch_at: dict[str, int] = {}
         for t in plan.tensors:
@@ -134,54 +130,33 @@ class StreamedWeights:
                 at += -(-t.device_nbytes // SCRATCH_ALIGN) * SCRATCH_ALIGN
             if at > self.scratch.nbytes:
                 raise RuntimeError(f"layer scratch of {self.scratch.nbytes} bytes cannot hold {at}")
-        self.token_embd = upload_matrices(model, [TOKEN_EMBD], match_llama_cpp)
+        self.token_embd = upload_tensor(model, TOKEN_EMBD)
         self.output_norm = upload_vector(model, OUTPUT_NORM)
         name = output_name(model)
-        self.output = self.token_embd if name == TOKEN_EMBD else upload_matrices(model, [name], match_llama_cpp)
-        self._parts = [self._resident_parts(i, by_name) for i in range(args.n_layers)]
-        self._whole = {i: self._assemble(i, {}) for i in range(args.n_layers) if not self._streamed[i]}
-        self._formats = [{kind: matrix_format(model.tensor(tensor_name(i, kind)), match_llama_cpp)
-                          for kind in MATRIX_KINDS} for i in range(args.n_layers)]
+        self.output = self.token_embd if name == TOKEN_EMBD else upload_tensor(model, name)
+        self._vectors = [layer_vectors(model, args, i) for i in range(args.n_layers)]
+        self._resident = [{kind: upload_tensor(model, tensor_name(i, kind)) for kind in MATRIX_KINDS
+                           if plan.tier[tensor_name(i, kind)] is Tier.VRAM} for i in range(args.n_layers)]
+        self._whole = {i: assemble_layer(self._vectors[i], self._resident[i]) for i in range(args.n_layers)
+                       if not self._streamed[i]}
+        self._formats = [layer_formats(model, i) for i in range(args.n_layers)]
         # uploads ran on the legacy default stream, which the non-blocking compute stream does not
         # wait for: finish them before any pass starts
         cupy.cuda.Device().synchronize()
         cupy.get_default_memory_pool().free_all_blocks()  # the uploads' temporaries: VRAM the plan did not count
         self.ring.start()
 
-    def _resident_parts(self, i: int, by_name: dict[str, Tensor]) -> dict[str, object]:
-        """Layer i's tier A tensors on the device: vectors, matrices by kind, stacked Q/K/V."""
-        model, resident = self.model, lambda kind: self.plan.tier[tensor_name(i, kind)] is Tier.VRAM
-        parts: dict[str, object] = {
-            "attn_norm": upload_vector(model, tensor_name(i, "attn_norm")),
-            "ffn_norm": upload_vector(model, tensor_name(i, "ffn_norm")),
-            "bqkv": qkv_bias(model, self.args, i),
-        }
-        if all(resident(kind) for kind in QKV_KINDS):
-            parts["qkv"] = stacked_rows([upload_matrices(model, group, self.match_llama_cpp)
-                                         for group in qkv_groups(model, i)])
-        for kind in MATRIX_KINDS:
-            if resident(kind) and not (kind in QKV_KINDS and "qkv" in parts):
-                parts[kind] = upload_matrices(model, [tensor_name(i, kind)], self.match_llama_cpp)
-        return parts
-
-    def _assemble(self, i: int, fetched: dict[str, GpuMatrix]) -> GpuLayer:
-        parts = {**self._parts[i], **fetched}
-        qkv = parts.get("qkv") or stacked_rows([parts[kind] for kind in QKV_KINDS])  # type: ignore[list-item]
-        return GpuLayer(attn_norm=parts["attn_norm"], qkv=qkv, bqkv=parts["bqkv"],  # type: ignore[arg-type]
-                        wo=parts["attn_output"], ffn_norm=parts["ffn_norm"], w_gate=parts["ffn_gate"],  # type: ignore[arg-type]
-                        w_up=parts["ffn_up"], w_down=parts["ffn_down"])  # type: ignore[arg-type]
-
     def layer(self, index: int) -> GpuLayer:
         whole = self._whole.get(index)
         if whole is not None:
             return whole
-        fetched = {}
+        fetched = dict(self._resident[index])
         for t in self._streamed[index]:
             slot = self.ring.acquire(t.name)
             fetched[t.kind] = _repack_into(self.transport.slots[slot][: t.nbytes], t,
-                                           self.scratch[self._scratch_at[t.name]:], self.match_llama_cpp)
+                                           self.scratch[self._scratch_at[t.name]:])
             self.ring.release(slot)
-        return self._assemble(index, fetched)
+        return assemble_layer(self._vectors[index], fetched)
 
     def is_resident(self, index: int) -> bool:
         return not self._streamed[index]

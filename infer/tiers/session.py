@@ -85,7 +85,7 @@ def _demo_budgets(tensors: list[Tensor], slots: int, scratch: bool) -> tuple[int
 
 
 def _budgets(args: Any, tensors: list[Tensor], config: StreamingConfig, ctx_size: int, prefill_chunk: int,
-             on_gpu: bool, account: VramAccount | None) -> tuple[Budgets, Plan]:
+             on_gpu: bool, account: VramAccount | None, activations: int | None = None) -> tuple[Budgets, Plan]:
     staging = config.staging_buffers * max((t.nbytes for t in tensors if t.layer is not None), default=0)
     tokens_per_pass = max(prefill_chunk, config.batch)  # prefill passes share prefill_chunk rows (streaming.py)
     reserved = sum(account.reserved.values()) + account.planned_total if account is not None else None
@@ -95,14 +95,14 @@ def _budgets(args: Any, tensors: list[Tensor], config: StreamingConfig, ctx_size
     if demo:
         weights_vram, weights_ram = _demo_budgets(tensors, config.slots, on_gpu)
         big = compute_budgets(args, ctx_size, config.batch, tokens_per_pass, staging, 10**15, 10**15,
-                              device=on_gpu, device_reserved=reserved)
+                              device=on_gpu, device_reserved=reserved, activations=activations)
         overhead = big.vram_total - big.vram_for_weights
         budgets = Budgets(weights_vram + overhead, weights_vram, weights_ram + staging, weights_ram, big.kv_cache,
                           big.activations, staging, "demo: the model fits, small budgets exercise every tier",
                           "demo", big.vram_reserved)
     else:
         budgets = compute_budgets(args, ctx_size, config.batch, tokens_per_pass, staging, vram_total,
-                                  config.ram_budget, device=on_gpu, device_reserved=reserved)
+                                  config.ram_budget, device=on_gpu, device_reserved=reserved, activations=activations)
         if account is not None:
             budgets = replace(budgets, vram_source=account.source)
     try:
@@ -118,11 +118,13 @@ def _budgets(args: Any, tensors: list[Tensor], config: StreamingConfig, ctx_size
 def build_streaming_engine(model: GGUFModel | str | os.PathLike, config: StreamingConfig, ctx_size: int,
                            device: str = "cpu", prefill_chunk: int = 512, measure: bool = True,
                            match_llama_cpp: bool = True, enforce_budget: bool = False,
-                           planned: dict[str, int] | None = None) -> StreamingSession:
+                           planned: dict[str, int] | None = None, tree_nodes: int = 0) -> StreamingSession:
     """Plans, opens the tiers and returns a session whose engine streams as the plan says. `model`:
     the parsed file (a path is parsed here). enforce_budget (GPU): cap the device memory pool at the
     budget (one engine per process). planned: device memory already taken in the same budget (e.g.
-    {"draft model": bytes}): the plan leaves it out and shows it."""
+    {"draft model": bytes}): the plan leaves it out and shows it. tree_nodes (GPU): the largest token
+    tree a pass verifies (its logits are planned). match_llama_cpp: the CPU engine's rounding of the
+    products' inputs (the GPU always rounds them as llama.cpp does)."""
     if device not in ("cpu", "gpu"):
         raise ValueError(f"unknown device '{device}' (cpu, gpu)")
     if not isinstance(model, GGUFModel):
@@ -138,12 +140,18 @@ def build_streaming_engine(model: GGUFModel | str | os.PathLike, config: Streami
         account = memory.new_account(None if demo else config.vram_budget, f"{model.path.name} streamed on the GPU")
         for name, nbytes in (planned or {}).items():
             account.plan(name, nbytes)  # in the pool, not this engine's: taken off before placing weights
-    budgets, plan = _budgets(args, tensors, config, ctx_size, prefill_chunk, on_gpu, account)
+    activations = None
+    if on_gpu:
+        from infer.gpu import gpu_pass_nbytes
+
+        activations = gpu_pass_nbytes(model, args, max(prefill_chunk, config.batch), ctx_size,
+                                      max(config.batch, tree_nodes))
+    budgets, plan = _budgets(args, tensors, config, ctx_size, prefill_chunk, on_gpu, account, activations)
     if account is not None:
         account.budget = budgets.vram_total
         for name, nbytes in (("weights (tier A)", plan.bytes_in(Tier.VRAM)),
                              ("ring slots", plan.n_slots * plan.slot_nbytes), ("layer scratch", plan.scratch_nbytes),
-                             ("KV cache", budgets.kv_cache), ("activations", budgets.activations)):
+                             ("KV cache", budgets.kv_cache), ("pass buffers", budgets.activations)):
             account.plan(name, nbytes)
         account.check(": lower -c/--ctx-size or --batch")
     closers: list[Callable[[], None]] = []
@@ -170,13 +178,12 @@ def build_streaming_engine(model: GGUFModel | str | os.PathLike, config: Streami
 
             if enforce_budget:
                 memory.enforce(account)  # type: ignore[arg-type]
-            weights: Any = StreamedWeights(model, args, plan, host, source, config.staging_buffers, match_llama_cpp)
+            from infer.gpu.model import LOGITS_ROWS
+
+            weights: Any = StreamedWeights(model, args, plan, host, source, config.staging_buffers)
             closers.append(weights.close)
-            halves = sum(2 * t.shape[0] * t.shape[1] for t in plan.tensors_in(Tier.VRAM)
-                         if t.layer is not None and len(t.shape) == 2)
-            copies = max(0, min(halves, account.room))  # type: ignore[union-attr]
-            account.plan("float16 copies for prompts", copies)  # type: ignore[union-attr]
-            transformer: Any = GpuTransformer(args, weights, factors, ctx_size, prefill_chunk, half_copies=copies)
+            transformer: Any = GpuTransformer(args, weights, factors, ctx_size, max(prefill_chunk, config.batch),
+                                              logits_rows=max(LOGITS_ROWS, config.batch, tree_nodes))
             transformer.account = account
         else:
             from infer.model import Transformer

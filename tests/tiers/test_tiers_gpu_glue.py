@@ -1,8 +1,8 @@
 """The GPU engine (infer/gpu/model.py over the streaming provider, infer/tiers/pipeline.py) run on
-the NumPy stand-in for CuPy (tests/fake_cupy.py): every tier and data path, decode (one row, GEMV
-path and CUDA-graph segments around the streamed layers), a prompt and a batch of sequences (many
-rows, dequantize + matrix product path). Streamed equals resident exactly, and both follow the CPU
-engine. The real GPU runs the same checks in tests/gpu/test_streaming.py."""
+the NumPy stand-in for CuPy (tests/fake_cupy.py): every tier and data path, decode (one row and
+CUDA-graph segments around the streamed layers), a prompt and a batch of sequences, token trees.
+Streamed equals resident exactly; a row's logits are the same bits in every pass it can ride in;
+both follow the CPU engine. The real GPU runs the same checks in tests/gpu/test_streaming.py."""
 
 from __future__ import annotations
 
@@ -45,8 +45,11 @@ def gpu_session(path: Path, resident: float | None, ram: float = 0.3, tier_c: st
         layers = sum(t.device_nbytes for t in tensors if t.layer is not None and not t.is_vector)
         raw = sum(t.nbytes for t in tensors if t.layer is not None and not t.is_vector)
         staging = 4 * max(t.nbytes for t in tensors if t.layer is not None)
-        big = compute_budgets(ModelArgs.from_gguf(model), CTX, 1, 512, staging, 10**15, 10**15,
-                              device_reserved=device_reserve())
+        from infer.gpu import gpu_pass_nbytes
+
+        args = ModelArgs.from_gguf(model)
+        big = compute_budgets(args, CTX, 1, 512, staging, 10**15, 10**15, device_reserved=device_reserve(),
+                              activations=gpu_pass_nbytes(model, args, 512, CTX))
         vram = str(minimum_vram(tensors, 4, True) + int(resident * layers) + big.vram_total - big.vram_for_weights)
         ram_budget = str(int(ram * raw) + staging)
     config = StreamingConfig(enabled=True, vram_budget=vram, ram_budget=ram_budget, tier_c=tier_c, tier_b=tier_b)
@@ -93,22 +96,24 @@ def test_gpu_glue_streamed_equals_resident_and_follows_cpu(model_path: Path, fak
 
 
 
-def test_gpu_glue_one_row_passes_have_the_cpu_numerics(model_path: Path, fake_cupy: object) -> None:
-    """Token by token every pass has one row: the decode kernels (inputs rounded as llama.cpp's CPU does,
-    sums in double), whose logits are the CPU engine's exact numerics (tests/gpu/test_model.py's bound)."""
+def test_gpu_glue_a_prompt_in_one_pass_equals_token_by_token(model_path: Path, fake_cupy: object) -> None:
+    """A prompt's positions in one pass get the bits they get one pass a token (each row's numbers
+    do not depend on the pass), and both follow the CPU engine."""
     tokens = [1, 17, 300, 42, 599]
     s = gpu_session(model_path, 0.25, 0.25)
     try:
         m = s.engine.model
         cache = m.new_cache(CTX)
         got = [m.forward(np.array([t]), cache) for t in tokens]
+        whole = m.forward(np.array(tokens), m.new_cache(CTX), all_logits=True)
     finally:
         s.close()
-    cpu = load_transformer(GGUFModel(model_path), exact=True)
+    np.testing.assert_array_equal(np.stack(got), whole)
+    cpu = load_transformer(GGUFModel(model_path))
     cache = cpu.new_cache(CTX)
     for t, g in zip(tokens, got, strict=True):
         r = cpu.forward(np.array([t]), cache)
-        assert float(np.linalg.norm(g - r) / np.linalg.norm(r)) < 1e-5
+        assert float(np.linalg.norm(g - r) / np.linalg.norm(r)) < 3e-2
 
 
 def test_gpu_glue_batch_of_sequences(model_path: Path, fake_cupy: object) -> None:
@@ -125,7 +130,7 @@ def test_gpu_glue_batch_of_sequences(model_path: Path, fake_cupy: object) -> Non
             alone = m.forward(p, cache)
             alone_next = m.forward(np.array([11]), cache)
             for g, w in ((first, alone), (second, alone_next)):
-                assert float(np.linalg.norm(g - w) / np.linalg.norm(w)) < 3e-2
+                np.testing.assert_array_equal(g, w)  # a sequence's logits do not depend on the batch
         assert [c.length for c in caches] == [6, 10, 2]
     finally:
         s.close()
@@ -133,16 +138,13 @@ def test_gpu_glue_batch_of_sequences(model_path: Path, fake_cupy: object) -> Non
 
 def test_gpu_glue_tree_pass_equals_each_path_alone(model_path: Path, fake_cupy: object) -> None:
     """The GPU engine's token-tree pass over streamed weights (on the stand-in): every node's logits
-    are those of a plain pass over its path through the same batched products, within the bound of
-    the prompt path (float16 operands; a value on an 8-bit rounding boundary can round the other
-    way when the masked positions change a float32 sum's grouping: tests/gpu/test_model.py), and
-    accepting a path keeps those keys and values."""
+    are those of a plain pass over its path (its tokens in one pass), and accepting a path keeps
+    those keys and values."""
     from infer.speculative import Tree
 
     s = gpu_session(model_path, 0.3, 0.3)
     try:
         m = s.engine.model
-        m.gemv_prefill_max = 0  # short paths too through the batched products: the same arithmetic
         rng = np.random.default_rng(6)
         prompt = rng.integers(3, SHAPE.vocab_size, 9)
         tree = Tree([int(t) for t in rng.integers(3, SHAPE.vocab_size, 6)], [-1, 0, 0, 1, 3, 2])
@@ -154,21 +156,21 @@ def test_gpu_glue_tree_pass_equals_each_path_alone(model_path: Path, fake_cupy: 
             ref = m.new_cache(CTX)
             m.forward(prompt, ref)
             want = m.forward(np.array([tree.tokens[i] for i in path]), ref)
-            assert float(np.linalg.norm(got[node] - want) / np.linalg.norm(want)) < 3e-2
+            np.testing.assert_array_equal(got[node], want)
         cache.accept([0, 1, 3, 4])
         nxt = m.forward(np.array([7]), cache)
         ref = m.new_cache(CTX)
         want = m.forward(np.concatenate([prompt, [tree.tokens[i] for i in (0, 1, 3, 4)], [7]]), ref)
-        assert float(np.linalg.norm(nxt - want) / np.linalg.norm(want)) < 3e-2
+        np.testing.assert_array_equal(nxt, want)
     finally:
         s.close()
 
 
 def test_gpu_glue_verify_tree_is_each_path_decoded(model_path: Path, fake_cupy: object) -> None:
-    """verify_tree (the decode kernels, a vector / query per node: infer/gpu/tree.py) over streamed
-    weights on the stand-in: every node's logits equal, bit for bit, those of decode steps along
-    its path, so greedy speculation emits the plain engine's tokens; accepting a path keeps its keys
-    and values. The real GPU runs it in tests/gpu/test_speculative_gpu.py."""
+    """verify_tree over streamed weights on the stand-in: every node's logits equal, bit for bit,
+    those of decode steps along its path, so greedy speculation emits the plain engine's tokens;
+    accepting a path keeps its keys and values. The real GPU runs it in
+    tests/gpu/test_speculative_gpu.py."""
     from infer.speculative import Tree
 
     s = gpu_session(model_path, 0.3, 0.3)
@@ -179,7 +181,7 @@ def test_gpu_glue_verify_tree_is_each_path_decoded(model_path: Path, fake_cupy: 
         tree = Tree([int(t) for t in rng.integers(3, SHAPE.vocab_size, 7)], [-1, 0, 0, 1, 3, 2, 0])
         cache = m.new_cache(CTX)
         m.forward(prompt, cache)
-        got = m.verify_tree(np.array(tree.tokens), np.array(tree.parents), cache)
+        got = m.verify_tree(np.array(tree.tokens), np.array(tree.parents), cache).to_host()  # before other passes
         assert cache.length == len(prompt) and got.shape == (7, SHAPE.vocab_size)
         for node, path in ((4, [0, 1, 3, 4]), (5, [0, 2, 5]), (6, [0, 6]), (0, [0])):
             ref = m.new_cache(CTX)
@@ -212,11 +214,8 @@ def test_gpu_glue_draft_chain_is_the_host_loop(model_path: Path, fake_cupy: obje
         device_cache, host_cache = m.new_cache(CTX), m.new_cache(CTX)
         ids = m.draft_chain(prompt, device_cache, 4, width)
         host = ModelDrafter(m, CTX, 4, width, cache=host_cache)
-        if prompt_len - 1 > m.gemv_prefill_max:  # as draft_chain feeds a prompt: one batched pass
+        if prompt_len > 1:  # as draft_chain feeds a prompt: one pass
             m.forward(prompt[:-1], host_cache)
-        else:  # a few tokens: a decode step each
-            for t in prompt[:-1]:
-                m.forward(np.array([t]), host_cache)
         want = host._chain(prompt[-1:], 4, width)
         assert np.array_equal(ids, want) and device_cache.length == host_cache.length == len(prompt) + 3
         assert np.array_equal(m.forward(np.array([5]), device_cache), m.forward(np.array([5]), host_cache))

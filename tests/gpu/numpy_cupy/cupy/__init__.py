@@ -11,7 +11,7 @@ import ctypes, time, types
 import numpy as np
 from gguf.constants import GGMLQuantizationType as T
 
-float16, float32, float64, int32, uint8, uint16, int64, int8 = np.float16, np.float32, np.float64, np.int32, np.uint8, np.uint16, np.int64, np.int8
+float16, float32, float64, int32, uint8, uint16, int64, int8, uint32, uint64 = np.float16, np.float32, np.float64, np.int32, np.uint8, np.uint16, np.int64, np.int8, np.uint32, np.uint64
 
 class _Data:
     def __init__(self, a): self.ptr = a.ctypes.data
@@ -77,6 +77,7 @@ class CompileException(Exception): pass
 cuda = types.SimpleNamespace(
     Stream=Stream, Event=Event, Device=_Device, get_elapsed_time=lambda a, b: (b.t - a.t) * 1e3,
     get_current_stream=lambda: _current[-1] if _current else Stream(), device=types.SimpleNamespace(get_cublas_handle=_no_cublas),
+    alloc_pinned_memory=lambda n: bytearray(n),
     memory=types.SimpleNamespace(OutOfMemoryError=OutOfMemoryError),
     compiler=types.SimpleNamespace(CompileException=CompileException),
     runtime=types.SimpleNamespace(getDeviceCount=lambda: 1, memGetInfo=lambda: MEM_INFO, memcpyDeviceToDevice=3,
@@ -105,6 +106,24 @@ def _weights(fmt, qs, hi, sm, dm, rows, K):
         if s: buf[o:o+s] = _arr(p, np.uint8, s)
     return layout.reconstruct(buf, fmt, rows, K)
 
+def _planar(fmt, qs, hi, sm, dm, rows, K):
+    from infer.gpu import layout
+    lay = layout.plane_layout(fmt, rows, K)
+    buf = np.zeros(lay.nbytes, np.uint8)
+    for p, o, s in zip((qs, hi, sm, dm), lay.offsets, lay.sizes):
+        if s: buf[o:o+s] = _arr(p, np.uint8, s)
+    return buf
+
+def _store_rows(y, res, out, ldy):
+    N, M = out.shape
+    Y = _arr(y, np.float32, (N - 1) * ldy + M)
+    R = _arr(res, np.float32, (N - 1) * ldy + M).copy() if _ptr(res) else None
+    for v in range(N):
+        Y[v * ldy : v * ldy + M] = out[v] + (R[v * ldy : v * ldy + M] if R is not None else np.float32(0))
+
+def _layer_cache(ptr, layer, Hkv, cap, D):
+    return _arr(int(ptr) + 2 * layer * Hkv * cap * D, np.float16, Hkv * cap * D).reshape(Hkv, cap, D)
+
 def _int8_form(v, act):
     v = np.asarray(v, np.float32).reshape(-1)
     g = 32 if act == "q8_0" else 256
@@ -130,20 +149,11 @@ def _write_int8(xq, xs, xsum, v, act):
 
 ACTS = ["f32", "f16", "bf16", "q8_0", "q8_k"]
 
-def _chunk(): return __import__('infer.gpu.kernels', fromlist=['x']).DEFAULT_DEFINES['ATTN_CHUNK']
 def _rotate(x, c, s, npairs, neox):
     out = x.copy()
     if neox: a, b = x[..., :npairs], x[..., npairs:2*npairs]; out[..., :npairs] = a*c - b*s; out[..., npairs:2*npairs] = a*s + b*c
     else: a, b = x[..., 0:2*npairs:2], x[..., 1:2*npairs:2]; out[..., 0:2*npairs:2] = a*c - b*s; out[..., 1:2*npairs:2] = a*s + b*c
     return out
-def _probabilities(scores):
-    """float16-rounded softmax of float32 scores, with float64 exponentials and sums (the kernels')."""
-    e = np.exp(scores.astype(np.float64) - scores.max(1, keepdims=True))
-    return (e / e.sum(1, keepdims=True)).astype(np.float32).astype(np.float16).astype(np.float64)
-def _softmax_values(scores, VC, G, L):
-    p = _probabilities(scores)
-    return np.stack([p[h] @ VC[h // G, :L].astype(np.float64) for h in range(p.shape[0])]).astype(np.float32)
-
 class RawKernel:
     def __init__(self, name): self.name = name
     def __call__(self, grid, block, args, shared_mem=0):
@@ -163,38 +173,32 @@ class RawKernel:
             lay = layout.plane_layout(fmt, r_, c_)
             for p, o, s in zip((qs, hi, sm, dm), lay.offsets, lay.sizes):
                 if s: _arr(p, np.uint8, s)[:] = planar[o:o+s]
-        elif n.startswith("gemv"):  # the last argument: vectors; vector v reads x + v*K, writes y + v*ldy
-            V = int(args[-1])
-            eight, swiglu = n.startswith("gemv8_"), "_swiglu_" in n
-            fmt = n.split("_")[-1]
-            planes_g, rest = args[:4], args[4:]
-            planes_u, rest = (rest[:4], rest[4:]) if swiglu else (None, rest)
-            rows, K = int(rest[0]), int(rest[1])
-            rest = rest[2:]
-            sh = 256 if fmt in layout.K_FORMATS else 32
-            if eight:
-                xq, xs8, xsum, y, *tail = rest
-                q = _arr(xq, np.int8, V * K).reshape(V, K)
-                assert (_arr(xsum, np.int32, V * K // 32).reshape(V, -1) == q.astype(np.int32).reshape(V, -1, 32).sum(2)).all()
-                xv = (q.astype(np.float64).reshape(V, -1, sh) * _arr(xs8, np.float32, V * K // sh).reshape(V, -1)[:, :, None]).reshape(V, K)
-            else:
-                x, y, *tail = rest
-                xv = _arr(x, np.float32, V * K).reshape(V, K).astype(np.float64)
-            bias, res, ldy = (None, None, int(tail[0])) if swiglu else (tail[0], tail[1], int(tail[2]))
-            assert len(tail) == (2 if swiglu else 4)
-            W = _weights(fmt, *planes_g, rows, K)
-            per_vector = lambda M: np.stack([M @ xv[v] for v in range(V)])  # noqa: E731 - as the kernel: each alone
-            if swiglu:
-                g = per_vector(W); u = per_vector(_weights(fmt, *planes_u, rows, K))
-                out = g / (1 + np.exp(-g)) * u
-            else:
-                out = per_vector(W)
-                if _ptr(bias): out += _arr(bias, np.float32, rows)
-            Y = _arr(y, np.float32, (V - 1) * ldy + rows)
-            R = _arr(res, np.float32, (V - 1) * ldy + rows) if not swiglu and _ptr(res) else None
-            for v in range(V):
-                row = out[v] + (R[v * ldy : v * ldy + rows] if R is not None else 0)
-                Y[v * ldy : v * ldy + rows] = row
+        elif n.startswith(("qgemv_", "qmm_")):  # canonical products, bit for bit (infer.gpu.reference)
+            from infer.gpu.reference import canonical_product
+            fmt = n.split("_")[1]
+            planes = [args[4 * i : 4 * i + 4] for i in range(3)]
+            e0, e1, M, K, xq, xs8, xsum, N, y, ldy, bias, res = args[12:]
+            e0, e1, M, K, N, ldy = map(int, (e0, e1, M, K, N, ldy))
+            group = 256 if fmt in layout.K_FORMATS else 32
+            q = _arr(xq, np.int8, N * K).reshape(N, K).copy()
+            xsv = _arr(xs8, np.float32, N * K // group).reshape(N, -1).copy()
+            su = _arr(xsum, np.int32, N * K // 32).reshape(N, -1).copy()
+            assert (su == q.astype(np.int32).reshape(N, -1, 32).sum(2)).all()
+            outs = []
+            for (lo, hi), pl in zip(((0, e0), (e0, e1), (e1, M)), planes):
+                if hi > lo: outs.append(canonical_product(_planar(fmt, *pl, hi - lo, K), fmt, hi - lo, K, q, xsv, su))
+            out = np.concatenate(outs, axis=1)
+            if _ptr(bias): out = out + _arr(bias, np.float32, M)[None]
+            _store_rows(y, res, out, ldy)
+        elif n.startswith("fgemv_"):
+            from infer.gpu.reference import canonical_product
+            fmt = n.split("_")[1]
+            w, M, K, x, N, y, ldy, bias, res = args
+            M, K, N, ldy = map(int, (M, K, N, ldy))
+            lay = layout.plane_layout(fmt, M, K)
+            out = canonical_product(_arr(w, np.uint8, lay.nbytes).copy(), fmt, M, K, x=_arr(x, np.float32, N * K).reshape(N, K))
+            if _ptr(bias): out = out + _arr(bias, np.float32, M)[None]
+            _store_rows(y, res, out, ldy)
         elif n.startswith("dequant_"):
             fmt = n[8:]
             qs, hi, sm, dm, cnt, out = args
@@ -213,16 +217,20 @@ class RawKernel:
             for i, r in enumerate(_arr(ids, np.int32, cnt)):
                 o[i] = W[r] if 0 <= r < rows else 0
         elif n in ("rmsnorm", "rmsnorm8"):
-            x, w, y, y16, nn, eps, act, xq, xs8, xsum = args
+            x, w, y, y16, nn, eps, act, xq, xs8, xsum, src_rows = args
             rows, nn = grid[0], int(nn)
-            xv = _arr(x, np.float32, rows * nn).reshape(rows, nn)
+            if _ptr(src_rows):
+                sel = _arr(src_rows, np.int32, rows).astype(np.int64)
+                xv = _arr(x, np.float32, (int(sel.max()) + 1) * nn).reshape(-1, nn)[sel]
+            else:
+                xv = _arr(x, np.float32, rows * nn).reshape(rows, nn)
             from infer.model import rms_norm
             from infer.quants import round_activations
             v = rms_norm(xv.copy(), _arr(w, np.float32, nn).copy(), float(eps), exact=True)
+            if _ptr(xq): _write_int8(xq, xs8, xsum, v.reshape(-1), ACTS[int(act)])
             if _ptr(y):
                 v = round_activations(v, ["f32", "f16", "bf16", "q8_0", "q8_k"][int(act)])
                 _arr(y, np.float32, rows * nn)[:] = v.reshape(-1)
-                if _ptr(xq): _write_int8(xq, xs8, xsum, rms_norm(xv.copy(), _arr(w, np.float32, nn).copy(), float(eps), exact=True).reshape(-1), ACTS[int(act)])
             if _ptr(y16): _arr(y16, np.float16, rows * nn)[:] = v.reshape(-1).astype(np.float16)
         elif n == "round_act":
             x, y, y16, nn, act, xq, xs8, xsum = args
@@ -232,26 +240,54 @@ class RawKernel:
             v = round_activations(_arr(x, np.float32, rows * nn).reshape(rows, nn).copy(), ["f32", "f16", "bf16", "q8_0", "q8_k"][int(act)])
             _arr(y, np.float32, rows * nn)[:] = v.reshape(-1)
             if _ptr(y16): _arr(y16, np.float16, rows * nn)[:] = v.reshape(-1).astype(np.float16)
-        elif n == "rope_store":
-            q, k, v, cos, sin, pos, slot, H, Hkv, D, npairs, neox, kc, vc, max_ctx = args
-            Tn = grid[0]; H, Hkv, D, npairs, neox, max_ctx = map(int, (H, Hkv, D, npairs, neox, max_ctx))
-            P = _arr(pos, np.int32, Tn); SL = _arr(slot, np.int32, Tn) if _ptr(slot) else P
+        elif n == "rope_rows":
+            qkv, W, cos, sin, H, Hkv, D, npairs, neox, layer, pos, slot, kptr, vptr, cap = args
+            Tn = grid[0]; W, H, Hkv, D, npairs, neox, layer = map(int, (W, H, Hkv, D, npairs, neox, layer))
+            P = _arr(pos, np.int32, Tn); SL = _arr(slot, np.int32, Tn); CAP = _arr(cap, np.int32, Tn)
+            KP = _arr(kptr, np.uint64, Tn); VP = _arr(vptr, np.uint64, Tn)
             C = _arr(cos, np.float32, (P.max() + 1) * npairs).reshape(-1, npairs); S = _arr(sin, np.float32, (P.max() + 1) * npairs).reshape(-1, npairs)
-            Q = _arr(q, np.float32, Tn * H * D).reshape(Tn, H, D); Kk = _arr(k, np.float32, Tn * Hkv * D).reshape(Tn, Hkv, D)
-            V = _arr(v, np.float32, Tn * Hkv * D).reshape(Tn, Hkv, D)
-            KC = _arr(kc, np.float16, Hkv * max_ctx * D).reshape(Hkv, max_ctx, D); VC = _arr(vc, np.float16, Hkv * max_ctx * D).reshape(Hkv, max_ctx, D)
+            X = _arr(qkv, np.float32, Tn * W).reshape(Tn, W)
             for t in range(Tn):
-                c, s = C[P[t]], S[P[t]]
-                Q[t] = _rotate(Q[t], c, s, npairs, neox)
-                KC[:, SL[t]] = _rotate(Kk[t], c, s, npairs, neox).astype(np.float16); VC[:, SL[t]] = V[t].astype(np.float16)
-        elif n.startswith("attention_"):  # grid z (attention_sum: y) = node of a token tree, 1 for decode
-            axis = 1 if n == "attention_sum" else 2
-            nodes = grid[axis] if len(grid) > axis else 1
-            for node in range(int(nodes)):
-                self._attention(n, grid, args, node)
-        elif n == "swiglu_f32":
-            g, u, o, nn = args; nn = int(nn); gv = _arr(g, np.float32, nn).astype(np.float64)
-            _arr(o, np.float32, nn)[:] = gv / (1 + np.exp(-gv)) * _arr(u, np.float32, nn)  # in double, as the kernel
+                c, s_ = C[P[t]], S[P[t]]
+                q = X[t, : H * D].reshape(H, D); k = X[t, H * D : (H + Hkv) * D].reshape(Hkv, D); v = X[t, (H + Hkv) * D : (H + 2 * Hkv) * D].reshape(Hkv, D)
+                q[...] = _rotate(q.copy(), c, s_, npairs, neox)
+                KC, VC = _layer_cache(KP[t], layer, Hkv, int(CAP[t]), D), _layer_cache(VP[t], layer, Hkv, int(CAP[t]), D)
+                KC[:, SL[t]] = _rotate(k, c, s_, npairs, neox).astype(np.float16); VC[:, SL[t]] = v.astype(np.float16)
+        elif n == "attn_chunks":  # the whole attention of each row into its block 0 (m 0, l 1: the merge's o / l)
+            qkv, W, H, Hkv, D, scale, layer, pos, base, anc_off, anc, kptr, vptr, cap, work, nb = args
+            rows = grid[2]; W, H, Hkv, D, layer, nb = map(int, (W, H, Hkv, D, layer, nb)); G = H // Hkv
+            P = _arr(pos, np.int32, rows); B = _arr(base, np.int32, rows); OFF = _arr(anc_off, np.int32, rows)
+            CAP = _arr(cap, np.int32, rows); KP = _arr(kptr, np.uint64, rows); VP = _arr(vptr, np.uint64, rows)
+            X = _arr(qkv, np.float32, rows * W).reshape(rows, W)
+            WK = _arr(work, np.float32, rows * H * nb * (D + 2)).reshape(rows, H, nb, D + 2)
+            from infer.gpu.reference import attention_reference
+            for r in range(rows):
+                L = int(P[r]) + 1
+                idx = np.arange(L) if OFF[r] < 0 else np.concatenate([np.arange(B[r]), _arr(anc, np.int32, int(OFF[r]) + L - int(B[r]))[int(OFF[r]):]]).astype(np.int64)
+                KC, VC = _layer_cache(KP[r], layer, Hkv, int(CAP[r]), D), _layer_cache(VP[r], layer, Hkv, int(CAP[r]), D)
+                q = X[r, : H * D].reshape(H, D).astype(np.float16).astype(np.float32)
+                o = attention_reference(q, KC[:, idx], VC[:, idx], float(scale)).astype(np.float32)
+                WK[r, :, :, 1] = 0; WK[r, :, 0, 0] = 0; WK[r, :, 0, 1] = 1; WK[r, :, 0, 2:] = o
+        elif n == "attn_merge":
+            work, nb, H, D, pos, out, act, xq, xs8, xsum = args
+            rows = grid[0]; nb, H, D = map(int, (nb, H, D)); nn = H * D
+            WK = _arr(work, np.float32, rows * H * nb * (D + 2)).reshape(rows, H, nb, D + 2)
+            o = (WK[:, :, 0, 2:] / WK[:, :, 0, 1:2]).reshape(rows, nn)
+            from infer.quants import round_activations
+            act = ACTS[int(act)]
+            _arr(out, np.float32, rows * nn)[:] = round_activations(o.copy(), act).reshape(-1)
+            if _ptr(xq): _write_int8(xq, xs8, xsum, o.reshape(-1), act)
+        elif n == "swiglu_round":
+            gu, nn, y, act, xq, xs8, xsum = args
+            rows, nn = grid[1], int(nn)
+            G = _arr(gu, np.float32, rows * 2 * nn).reshape(rows, 2 * nn)
+            g, u = G[:, :nn], G[:, nn:]
+            v = (g / (np.float32(1) + np.exp(-g)) * u).astype(np.float32)
+            act = ACTS[int(act)]
+            if _ptr(xq): _write_int8(xq, xs8, xsum, v.reshape(-1), act)
+            if _ptr(y):
+                from infer.quants import round_activations
+                _arr(y, np.float32, rows * nn)[:] = round_activations(v.copy(), act).reshape(-1)
         elif n == "argmax_rows":
             from infer.sampler import argmax_rows
             lg, vocab, ids, maxima, bad = args
@@ -259,93 +295,26 @@ class RawKernel:
             got = argmax_rows(_arr(lg, np.float32, rows * vocab).reshape(rows, vocab))
             for out, dtype, values in zip((ids, maxima, bad), (np.int32, np.float32, np.int32), got):
                 _arr(out, dtype, rows)[:] = values
-        elif n == "sample_token":
-            lg, vocab, temp, seed, tok, pos, tokens = args
-            p = int(_arr(pos, np.int32, 1)[0]); v = _arr(lg, np.float32, int(vocab)).astype(np.float64)
-            if float(temp) > 0:
-                r = np.random.default_rng([int(seed), p]).random(v.size); v = v / float(temp) - np.log(-np.log(r))
-            nxt = int(np.argmax(v))
-            _arr(tok, np.int32, 1)[0] = nxt; _arr(tokens, np.int32, p + 2)[p + 1] = nxt; _arr(pos, np.int32, 1)[0] = p + 1
+        elif n == "sample_rows":
+            lg, vocab, out_rows, temps, seeds, tok, pos, slot, base, hist, advance = args
+            rows, vocab = int(grid[0]), int(vocab)
+            OR = _arr(out_rows, np.int32, rows); cap = int(OR.max()) + 1
+            TP = _arr(temps, np.float32, cap); SD = _arr(seeds, np.uint32, cap); TK = _arr(tok, np.int32, cap)
+            PS = _arr(pos, np.int32, cap); SL = _arr(slot, np.int32, cap); BS = _arr(base, np.int32, cap); HS = _arr(hist, np.uint64, cap)
+            L = _arr(lg, np.float32, rows * vocab).reshape(rows, vocab)
+            for i in range(rows):
+                r = int(OR[i]); p = int(PS[r]); v = L[i].astype(np.float64)
+                if float(TP[r]) > 0:
+                    rnd = np.random.default_rng([int(SD[r]), p]).random(v.size); v = v / float(TP[r]) - np.log(-np.log(rnd))
+                nxt = int(np.argmax(v))
+                if int(HS[r]):
+                    _arr(int(HS[r]), np.int32, p + 2)[p + 1] = nxt
+                    if int(advance): TK[r] = nxt; PS[r] = p + 1; SL[r] += 1; BS[r] = p + 2
         else:
             raise NotImplementedError(n)
 
-def _span(pos, anc, stride, node):
-    """The cache slots of a node's attention span (decode: 0 .. pos); a tree node's row starts
-    with the root's slot, the cache's length (the kernels' base)."""
-    L = int(_arr(pos, np.int32, node + 1)[node]) + 1
-    if not _ptr(anc):
-        return L, np.arange(L)
-    row = _arr(anc, np.int32, (node + 1) * int(stride))[node * int(stride):]
-    base = int(row[0])
-    return L, np.concatenate([np.arange(base), row[: L - base]]).astype(np.int64)
-
-def _attention(self, n, grid, args, node):
-    if n.startswith("attention_scores_g") or n.startswith("attention_fused_g"):
-        fused = n.startswith("attention_fused_g")
-        if fused:
-            q, kc, vc, pos, G, D, max_ctx, scale, out, act, xq, xs8, xsum, kn, vn, cos, sin, npairs, neox, anc, stride = args
-        else:
-            q, kc, pos, G, D, max_ctx, scale, n_splits, sc, pml, kn, vn, cos, sin, npairs, neox, vc, anc, stride = args
-        Hkv = grid[0]; G, D, max_ctx = map(int, (G, D, max_ctx)); H = Hkv * G
-        L, idx = _span(pos, anc, stride, node)
-        Q = _arr(q, np.float32, (node + 1) * H * D)[node * H * D:].reshape(H, D).copy()
-        KC = _arr(kc, np.float16, Hkv * max_ctx * D).reshape(Hkv, max_ctx, D)
-        VC = _arr(vc, np.float16, Hkv * max_ctx * D).reshape(Hkv, max_ctx, D) if _ptr(vc) else None
-        if _ptr(kn):  # rope fused: rotate q, rotate and store the new k, store v
-            npairs, neox, P = int(npairs), int(neox), L - 1
-            C = _arr(cos, np.float32, L * npairs).reshape(L, npairs)[P]; S = _arr(sin, np.float32, L * npairs).reshape(L, npairs)[P]
-            Q = _rotate(Q, C, S, npairs, neox)
-            KC[:, P] = _rotate(_arr(kn, np.float32, Hkv * D).reshape(Hkv, D), C, S, npairs, neox).astype(np.float16)
-            VC[:, P] = _arr(vn, np.float32, Hkv * D).reshape(Hkv, D).astype(np.float16)
-        q64 = Q.astype(np.float16).astype(np.float64)
-        scores = np.stack([(KC[h // G, idx].astype(np.float64) @ q64[h]).astype(np.float32) * np.float32(scale)
-                           for h in range(H)])  # (H, L) float32, as the CPU's exact numerics
-        if fused:
-            o = _softmax_values(scores, VC[:, idx], G, L)
-            from infer.quants import round_activations
-            act = ACTS[int(act)]
-            _arr(out, np.float32, (node + 1) * o.size)[node * o.size:] = round_activations(o.reshape(1, -1), act).reshape(-1)
-            if _ptr(xq):
-                group = 32 if act == "q8_0" else 256
-                _write_int8(_off(xq, node * o.size), _off(xs8, 4 * node * o.size // group), _off(xsum, 4 * node * o.size // 32), o.reshape(-1), act)
-        else:
-            n_splits = int(n_splits); CH = _chunk()
-            assert grid[1] == n_splits
-            SC = _arr(sc, np.float32, (node + 1) * H * max_ctx)[node * H * max_ctx:].reshape(H, max_ctx); SC[:, :L] = scores
-            PML = _arr(pml, np.float64, (node + 1) * H * n_splits * 2)[node * H * n_splits * 2:].reshape(H, n_splits, 2)
-            for sp in range(n_splits):
-                a_, b_ = sp * CH, min((sp + 1) * CH, L)
-                if b_ <= a_: PML[:, sp] = (-np.inf, 0); continue
-                m = scores[:, a_:b_].max(1); PML[:, sp, 0] = m; PML[:, sp, 1] = np.exp(scores[:, a_:b_].astype(np.float64) - m[:, None]).sum(1)
-    elif n.startswith("attention_values_g"):
-        vc, pos, G, D, max_ctx, n_splits, sc, pml, po, anc, stride = args
-        Hkv = grid[0]; G, D, max_ctx, n_splits = map(int, (G, D, max_ctx, n_splits)); CH = _chunk(); H = Hkv * G
-        L, idx = _span(pos, anc, stride, node)
-        VC = _arr(vc, np.float16, Hkv * max_ctx * D).reshape(Hkv, max_ctx, D)[:, idx]
-        SC = _arr(sc, np.float32, (node + 1) * H * max_ctx)[node * H * max_ctx:].reshape(H, max_ctx)
-        PO = _arr(po, np.float64, (node + 1) * H * n_splits * D)[node * H * n_splits * D:].reshape(H, n_splits, D)
-        probs = _probabilities(SC[:, :L])
-        for sp in range(n_splits):
-            a_, b_ = sp * CH, min((sp + 1) * CH, L)
-            PO[:, sp] = 0
-            if b_ > a_:
-                for h in range(H): PO[h, sp] = probs[h, a_:b_] @ VC[h // G, a_:b_].astype(np.float64)
-    elif n == "attention_sum":
-        po, pos, n_splits, nn, D, out, act, xq, xs8, xsum = args
-        n_splits, nn, D = int(n_splits), int(nn), int(D); H = nn // D
-        from infer.quants import round_activations
-        act = ACTS[int(act)]
-        v = _arr(po, np.float64, (node + 1) * H * n_splits * D)[node * H * n_splits * D:].reshape(H, n_splits, D).sum(1).astype(np.float32).reshape(1, -1)
-        _arr(out, np.float32, (node + 1) * nn)[node * nn:] = round_activations(v, act).reshape(-1)
-        if _ptr(xq):
-            group = 32 if act == "q8_0" else 256
-            _write_int8(_off(xq, node * nn), _off(xs8, 4 * node * nn // group), _off(xsum, 4 * node * nn // 32), v, act)
-    else:
-        raise NotImplementedError(n)
-
 def _off(p, nbytes): return np.uint64(_ptr(p) + nbytes)
 
-RawKernel._attention = _attention
 
 class RawModule:
     def __init__(self, code=None, options=(), backend="nvrtc"): self.backend = backend

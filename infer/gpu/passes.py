@@ -1,0 +1,169 @@
+"""The rows of a pass: which token each row carries, at which position of which sequence, where its
+key and value go, what it attends to, and which rows want logits. The host lays a pass out as a
+list of `Row`s; `PassIndex` holds them on the device (one host-to-device copy a pass), where every
+kernel of the pass reads them, so one captured CUDA graph per row count serves every pass.
+
+A row's span (what it attends to) is its sequence's positions 0 .. pos: positions below `base` are
+the cache's own slots, the rest the slots listed in `anc` (a token-tree node: its ancestors from
+the tree's root, then itself). A decode token or a prompt position has no list: base = pos + 1.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import cupy
+import numpy as np
+
+from infer.gpu.cache import GpuKVCache
+from infer.gpu.ops import RowFields
+
+# Row counts a pass is padded to (graphs are captured per bucket); a model's capacity is the last.
+BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+
+
+def bucket_of(n: int, capacity: int) -> int:
+    """The smallest bucket that holds n rows (the capacity itself past the last bucket below it)."""
+    if n > capacity:
+        raise ValueError(f"a pass of {n} rows exceeds the capacity of {capacity}")
+    return next((b for b in BUCKETS if n <= b <= capacity), capacity)
+
+
+@dataclass
+class Row:
+    """One token of a pass."""
+
+    cache: GpuKVCache
+    token: int
+    pos: int
+    slot: int
+    base: int  # span positions >= base come from `anc`
+    anc: np.ndarray | None = None
+    history: bool = False  # the sampled next token goes to cache.tokens[pos + 1]
+    temperature: float = 0.0
+    seed: int = 0
+
+
+def sequence_rows(cache: GpuKVCache, tokens: Sequence[int], start: int) -> list[Row]:
+    """Rows of tokens at positions start, start + 1, ... of a sequence (a prompt chunk or a decode
+    token): each stored in the slot of its position, attending to the slots before it."""
+    return [Row(cache, int(t), start + j, start + j, start + j + 1) for j, t in enumerate(tokens)]
+
+
+def tree_rows(cache: GpuKVCache, tokens: Sequence[int], parents: np.ndarray) -> list[Row]:
+    """Rows of a token tree over the cache (node i in slot cache.length + i, parents[i] < i, root -1):
+    node i at position length + depth(i), attending to the cache and its ancestors' slots."""
+    anc, positions = tree_ancestors(parents, cache.length)
+    depth = positions - cache.length
+    return [Row(cache, int(t), int(positions[i]), cache.length + i, cache.length, anc[i, : depth[i] + 1])
+            for i, t in enumerate(tokens)]
+
+
+def tree_ancestors(parents: np.ndarray, base: int) -> tuple[np.ndarray, np.ndarray]:
+    """Host rows of a token tree's spans (node i in cache slot base + i, parents[i] < i, root -1):
+    anc (nodes, deepest path + 1) int32, row i the slots of node i's ancestors from the root, then
+    its own, and the nodes' positions (base + depth) int32."""
+    from infer.model import tree_depths
+
+    parents = np.asarray(parents, dtype=np.int64)
+    depth = tree_depths(parents)
+    anc = np.zeros((len(parents), int(depth.max()) + 1), np.int32)
+    for i, parent in enumerate(parents):  # a node's row is its parent's row, then itself
+        if parent >= 0:
+            anc[i, : depth[i]] = anc[parent, : depth[i]]
+        anc[i, depth[i]] = base + i
+    return anc, (base + depth).astype(np.int32)
+
+
+class PassIndex:
+    """The device table of up to `capacity` rows (row `capacity` is a null row: padding and unused
+    logits rows point at it), filled from the host through a pinned staging buffer."""
+
+    I64 = ("kptr", "vptr", "hist")
+    I32 = ("tok", "pos", "slot", "base", "anc_off", "cap", "out_rows", "seeds")
+    F32 = ("temps",)
+
+    def __init__(self, capacity: int, null_cache: GpuKVCache, stream: cupy.cuda.Stream) -> None:
+        self.capacity, self.stream, self.null = capacity, stream, null_cache
+        rows = capacity + 1
+        self.anc_capacity = capacity * (capacity + 1) // 2  # any tree of `capacity` nodes
+        self.header = rows * (8 * len(self.I64) + 4 * len(self.I32) + 4 * len(self.F32))
+        self.nbytes = self.header + 4 * self.anc_capacity
+        self._pinned = cupy.cuda.alloc_pinned_memory(self.nbytes)
+        self.host = np.frombuffer(self._pinned, np.uint8, self.nbytes)
+        with stream:
+            self.device = cupy.zeros(self.nbytes, cupy.uint8)
+        self._views(rows)
+        self._uploaded = cupy.cuda.Event(disable_timing=True)
+        self._uploaded.record(stream)
+        self.n = 0  # rows of the last fill
+        self.bucket = 0
+
+    def _views(self, rows: int) -> None:
+        at = 0
+        self.h: dict[str, np.ndarray] = {}
+        self.d: dict[str, cupy.ndarray] = {}
+        for names, dtype in ((self.I64, np.uint64), (self.I32, np.int32), (self.F32, np.float32)):
+            for name in names:
+                size = rows * np.dtype(dtype).itemsize
+                self.h[name] = self.host[at : at + size].view(np.uint32 if name == "seeds" else dtype)
+                self.d[name] = self.device[at : at + size].view(cupy.uint32 if name == "seeds" else dtype)
+                at += size
+        self.h["anc"] = self.host[at:].view(np.int32)
+        self.d["anc"] = self.device[at:].view(cupy.int32)
+
+    @property
+    def fields(self) -> RowFields:
+        d = self.d
+        return RowFields(d["pos"], d["slot"], d["base"], d["anc_off"], d["anc"], d["kptr"], d["vptr"], d["cap"])
+
+    def fill(self, rows: Sequence[Row], bucket: int, out_rows: Sequence[int]) -> None:
+        """Lays out `rows` (padded to `bucket` with null rows) and the rows whose logits are wanted,
+        and copies them to the device on the stream (the staging buffer is reused only after the
+        previous copy ran)."""
+        n, cap = len(rows), self.capacity
+        if n > bucket or bucket > cap or len(out_rows) > cap:
+            raise ValueError(f"{n} rows in a bucket of {bucket} (capacity {cap}), {len(out_rows)} logits rows")
+        self._uploaded.synchronize()
+        h = self.h
+        used = 0
+        for r, row in enumerate(rows):
+            c = row.cache
+            h["kptr"][r], h["vptr"][r] = c.keys.data.ptr, c.values.data.ptr
+            h["hist"][r] = c.tokens.data.ptr if row.history else 0
+            h["tok"][r], h["pos"][r], h["slot"][r], h["base"][r] = row.token, row.pos, row.slot, row.base
+            h["cap"][r] = c.max_tokens
+            h["temps"][r], h["seeds"][r] = row.temperature, row.seed & 0xFFFFFFFF
+            if row.anc is None:
+                h["anc_off"][r] = -1
+            else:
+                k = len(row.anc)
+                if used + k > self.anc_capacity:
+                    raise ValueError("token-tree spans exceed the pass index")
+                h["anc"][used : used + k] = row.anc
+                h["anc_off"][r] = used
+                used += k
+        for r in list(range(n, bucket)) + [cap]:  # null rows: the null cache's one slot, no history
+            h["kptr"][r], h["vptr"][r], h["hist"][r] = self.null.keys.data.ptr, self.null.values.data.ptr, 0
+            h["tok"][r] = h["pos"][r] = h["slot"][r] = 0
+            h["base"][r], h["anc_off"][r], h["cap"][r] = 1, -1, 1
+            h["temps"][r], h["seeds"][r] = 0.0, 0
+        h["out_rows"][:] = cap
+        h["out_rows"][: len(out_rows)] = np.asarray(out_rows, np.int32)
+        size = self.header + 4 * used
+        cupy.cuda.runtime.memcpyAsync(self.device.data.ptr, self.host.ctypes.data, size,
+                                      cupy.cuda.runtime.memcpyHostToDevice, self.stream.ptr)
+        self._uploaded.record(self.stream)
+        self.n, self.bucket = n, bucket
+
+    def set_out_rows(self, out_rows: Sequence[int]) -> None:
+        """Only the logits rows (a head run in blocks)."""
+        self._uploaded.synchronize()
+        h = self.h["out_rows"]
+        h[:] = self.capacity
+        h[: len(out_rows)] = np.asarray(out_rows, np.int32)
+        off = int(self.h["out_rows"].ctypes.data - self.host.ctypes.data)
+        cupy.cuda.runtime.memcpyAsync(self.device.data.ptr + off, h.ctypes.data, h.nbytes,
+                                      cupy.cuda.runtime.memcpyHostToDevice, self.stream.ptr)
+        self._uploaded.record(self.stream)
