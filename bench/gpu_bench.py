@@ -43,8 +43,10 @@ def bench_model(path: Path, pp: int, tg: int, with_kernels: bool = True, vram_bu
             session = build_streaming_engine(GGUFModel(path), config, context, device="gpu", enforce_budget=True)
             gpu = session.engine.model
         else:
+            # the KV caches: the prompt/decode run's, the batch's and the check of each alone
+            kv = context + (2 * batch * (batch_prompt + batch_new + 1) if batch else 0)
             gpu = load_gpu_transformer(GGUFModel(path), context, vram_budget, enforce_budget=True,
-                                       batch=max(1, 2 * batch))  # the batch and the check of each alone
+                                       batch=max(1, 2 * batch), kv_positions=kv)
         load_seconds = round(time.perf_counter() - started, 2)
         result = measure(gpu, pp, tg, with_kernels and not streaming, batch, batch_prompt, batch_new)
     result["peak_vram_bytes"] = peak.peak

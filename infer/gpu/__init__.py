@@ -50,12 +50,14 @@ def gpu_pass_nbytes(model: GGUFModel, args: ModelArgs, capacity: int, context: i
 
 def load_gpu_transformer(model: GGUFModel, max_context: int | None = None, vram_budget: str | int | None = None,
                          prefill_chunk: int = 512, batch: int = 1, enforce_budget: bool = False,
-                         planned: dict[str, int] | None = None, tree_nodes: int = 0) -> GpuTransformer:
+                         planned: dict[str, int] | None = None, tree_nodes: int = 0,
+                         kv_positions: int | None = None) -> GpuTransformer:
     """The model checked as infer.model.load_transformer checks it, its weights resident on the
     current GPU, planned against the VRAM budget (`vram_budget`, default the free memory less a
     margin): weights, the KV caches of `batch` sequences of `max_context` positions (default the
     model's, at most 4096), the buffers of passes of `prefill_chunk` rows (logits for `tree_nodes`
-    rows at once when verifying trees that large). A model that does not fit raises VramBudgetError
+    rows at once when verifying trees that large; kv_positions: the KV cache positions of all
+    sequences together, when they are not `batch` of the full context). A model that does not fit raises VramBudgetError
     (one line, what each part takes, a hint to use --streaming). enforce_budget: cap CuPy's memory
     pool at the budget (process-wide). planned: device memory already taken in the same budget
     (e.g. {"draft model": bytes}), shown in the plan. The inputs of the matrix products are rounded
@@ -83,7 +85,7 @@ def load_gpu_transformer(model: GGUFModel, max_context: int | None = None, vram_
     account = memory.new_account(vram_budget, f"{model.path.name} on the GPU")
     tensors = planner_tensors(model, "gpu")
     account.plan("weights", sum(t.device_nbytes for t in tensors))
-    account.plan("KV cache", batch * GpuKVCache.nbytes_for(args, context))
+    account.plan("KV cache", GpuKVCache.nbytes_for(args, kv_positions or batch * context) + 4 * batch)
     logits_rows = max(batch, tree_nodes)
     account.plan("pass buffers", gpu_pass_nbytes(model, args, prefill_chunk, context, logits_rows))
     for name, nbytes in (planned or {}).items():

@@ -74,14 +74,14 @@ def _copy_ms(nbytes: int) -> float:
 _F64 = re.compile(r"^\s*(?:@%p\d+\s+)?[a-z]+(?:\.[a-z0-9]+)*\.f64\b", re.MULTILINE)
 
 
-def fp64_instructions(module: str) -> dict[str, int]:
-    """Per kernel of infer/kernels/<module>.cu, the FP64 arithmetic instructions of its PTX (compiled
-    by NVRTC for the current device): 0 everywhere means a pass runs no FP64 operation."""
+def fp64_instructions(module: str, defines: dict[str, int] | None = None) -> dict[str, int]:
+    """Per kernel of infer/kernels/<module>.cu (with `defines`), the FP64 instructions of its PTX
+    (compiled by NVRTC for the current device): 0 everywhere means a pass runs no FP64 operation."""
     import cupy
 
     from infer.gpu import kernels
 
-    ptx = cupy.cuda.compiler.compile_using_nvrtc(kernels.source_text(module), options=kernels.OPTIONS,
+    ptx = cupy.cuda.compiler.compile_using_nvrtc(kernels.source_text(module, defines), options=kernels.OPTIONS,
                                                  arch=f"compute_{cupy.cuda.Device().compute_capability}")
     if isinstance(ptx, tuple):
         ptx = ptx[0]
@@ -108,12 +108,12 @@ def pass_fp64(gpu, rows: int = 8) -> dict[str, object]:  # noqa: ANN001
     finally:
         kernels.stop_recording()
     counts: dict[str, int] = {}
-    for module in {m for m, _ in seen}:
+    for module, defines in {(m, d) for m, _, d in seen}:
         try:
-            per = fp64_instructions(module)
+            per = fp64_instructions(module, dict(defines))
         except Exception as err:  # noqa: BLE001 - a report, not a run: say why it is missing
             return {"fp64_error": f"{type(err).__name__}: {err}"}
-        counts.update({k: per.get(k, 0) for m, k in seen if m == module})
+        counts.update({k: per.get(k, 0) for m, k, d in seen if (m, d) == (module, defines)})
     return {"pass_kernels": sorted(counts), "fp64_instructions": {k: v for k, v in counts.items() if v},
             "fp64_ops_per_pass": 0 if not any(counts.values()) else None}
 

@@ -62,13 +62,13 @@ def module(name: str, defines: dict[str, int] | None = None):  # noqa: ANN201
     return _module(name, cupy.cuda.Device().id, tuple(sorted(merged.items())))
 
 
-_recording: list[set[tuple[str, str]]] = []
+_recording: list[set[tuple[str, str, tuple]]] = []
 
 
-def record_launches() -> set[tuple[str, str]]:
-    """From now on, the (module, kernel) of every kernel looked up goes into the returned set (the
-    benchmark's list of a pass's kernels, recorded while the pass is captured)."""
-    seen: set[tuple[str, str]] = set()
+def record_launches() -> set[tuple[str, str, tuple]]:
+    """From now on, the (module, kernel, defines) of every kernel looked up goes into the returned
+    set (the benchmark's list of a pass's kernels, recorded while the pass is captured)."""
+    seen: set[tuple[str, str, tuple]] = set()
     _recording[:] = [seen]
     return seen
 
@@ -80,5 +80,5 @@ def stop_recording() -> None:
 def function(module_name: str, kernel: str, defines: dict[str, int] | None = None):  # noqa: ANN201
     """One kernel of a module (cupy.RawKernel-like: call with (grid, block, args))."""
     if _recording:
-        _recording[0].add((module_name, kernel))
+        _recording[0].add((module_name, kernel, tuple(sorted((defines or {}).items()))))
     return module(module_name, defines).get_function(kernel)

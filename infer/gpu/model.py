@@ -86,9 +86,11 @@ class GpuTransformer:
         self.passes = 0  # passes run: device logits of pass k are valid while this is k
         self.stream = cupy.cuda.Stream(non_blocking=True)
         self.graphs = GraphCache(self.stream)
-        for name in kernels.SOURCES:  # compiled before any capture
-            kernels.module(name)
-        ops.prepare_kernels(self.shape)
+        for name in kernels.SOURCES:  # compiled before any capture (qmm: the model's formats only)
+            if name != "qmm":
+                kernels.module(name)
+        kinds = {f.fmt for i in range(args.n_layers) for f in weights.formats(i).values()}
+        ops.prepare_kernels(kinds | {weights.output.fmt}, self.shape)
         a, C = args, prefill_chunk
         cos, sin = self.rope.angles(np.arange(max_context))
         with self.stream:

@@ -31,7 +31,6 @@ ATTN_THREADS = 128
 ATTN_MAX_HEAD_DIM = 256
 ATTN_MAX_GROUP = 16
 QGEMV_MAX = 4  # qgemv_*_v4: products of up to this many rows use the GEMV-shaped kernels
-QMM_ROWS = 64  # qmm.cu MMQ_ROWS
 _SHARED_DEFAULT = 48 * 1024  # more dynamic shared memory than this needs the kernel's opt-in
 
 
@@ -189,8 +188,45 @@ def swiglu_round(gu: cupy.ndarray, n: int, rows: int, act: str, y: cupy.ndarray 
 Input = Int8Act | cupy.ndarray  # the 8-bit form for quantized weights, float32 rows for float ones
 
 
-def _qmm_stage_bytes(fmt: str, nt: int) -> int:
-    """Bytes of one shared-memory stage of qmm_<fmt>_n<nt> (qmm.cu Stage)."""
+FORMAT_KIND = {"q8": 1, "g4": 4, "g5": 5, "k4": 14, "k5": 15, "k6": 16}  # qmm.cu QMM_FORMAT
+# n-tiles of a qmm block -> (warps of 16 rows, pipeline stages), and the qgemv kernels' (warps,
+# loads in flight), chosen by timing the variants (bench/kernel_sweep.py, docs/PERFORMANCE.md);
+# NVMEDIRECT_QMM_TUNING="1:2,4;8:4,3" and NVMEDIRECT_QGEMV_TUNING="4,2" override them (sweeps)
+QMM_TUNING: dict[int, tuple[int, int]] = {1: (4, 3), 2: (4, 3), 4: (4, 3), 8: (4, 3)}
+QGEMV_TUNING: tuple[int, int] = (4, 2)
+
+
+def _tuning_from_environment() -> None:
+    import os
+
+    global QGEMV_TUNING
+    for item in filter(None, os.environ.get("NVMEDIRECT_QMM_TUNING", "").split(";")):
+        nt, _, pair = item.partition(":")
+        warps, stages = (int(v) for v in pair.split(","))
+        QMM_TUNING[int(nt)] = (warps, stages)
+    if os.environ.get("NVMEDIRECT_QGEMV_TUNING"):
+        warps, unroll = (int(v) for v in os.environ["NVMEDIRECT_QGEMV_TUNING"].split(","))
+        QGEMV_TUNING = (warps, unroll)
+
+
+_tuning_from_environment()
+
+
+def _module_defines(fmt: str, nt: int = 1, tuning: tuple[int, int] | None = None) -> dict[str, int]:
+    """The #defines of the qmm module that holds format `fmt`'s qmm kernels in the variant for nt
+    n-tiles (or `tuning`: warps, stages)."""
+    warps, stages = tuning or QMM_TUNING[nt]
+    return {"QMM_FORMAT": FORMAT_KIND.get(fmt, 100), "MMQ_WARPS": warps, "MMQ_STAGES": stages, "QMM_KERNELS": 2}
+
+
+def _gemv_defines(fmt: str, tuning: tuple[int, int] | None = None) -> dict[str, int]:
+    """The #defines of the module of format `fmt`'s qgemv (or float) kernels (tuning: warps, unroll)."""
+    warps, unroll = tuning or QGEMV_TUNING
+    return {"QMM_FORMAT": FORMAT_KIND.get(fmt, 100), "QG_WARPS": warps, "QG_UNROLL": unroll, "QMM_KERNELS": 1}
+
+
+def _qmm_stage_bytes(fmt: str, nt: int, warps: int = 4) -> int:
+    """Bytes of one shared-memory stage of qmm_<fmt>_n<nt> with `warps` warps (qmm.cu Stage)."""
     qs = 32 if fmt == "q8" else 16
     hi = {"g5": 4, "k5": 4, "k6": 8}.get(fmt, 0)
     sm = 4 if fmt in ("g4", "g5") else 2
@@ -200,7 +236,7 @@ def _qmm_stage_bytes(fmt: str, nt: int) -> int:
     qstr, hstr, sstr = 8 * qs + 16, (8 * hi + 16 if hi else 0), (48 if sm == 4 else 16)
     dstr = 4 if sup else 0
     xsstr, xustr = (1 if sup else 12), (12 if xsum else 0)
-    off_xs = QMM_ROWS * (qstr + hstr + sstr + dstr) + bn * 272
+    off_xs = 16 * warps * (qstr + hstr + sstr + dstr) + bn * 272
     off_xu = off_xs + -(-(bn * xsstr * 4) // 16) * 16
     return off_xu + bn * xustr * 4
 
@@ -210,27 +246,40 @@ def _tiles(n: int) -> int:
     return 1 if n <= 8 else 2 if n <= 16 else 4 if n <= 32 else 8
 
 
-_opted_in: set[tuple[int, str]] = set()
+_opted_in: set[tuple] = set()
 
 
-def _with_shared(fn, name: str, nbytes: int):  # noqa: ANN001, ANN202
-    """The kernel with its dynamic shared memory opt-in raised to nbytes (once per kernel and device)."""
-    key = (cupy.cuda.Device().id, name)
+def _with_shared(fn, key: tuple, nbytes: int):  # noqa: ANN001, ANN202
+    """The kernel with its dynamic shared memory opt-in raised to nbytes (once per kernel, module
+    variant and device)."""
+    key = (cupy.cuda.Device().id, *key)
     if nbytes > _SHARED_DEFAULT and key not in _opted_in:
         fn.max_dynamic_shared_size_bytes = nbytes
         _opted_in.add(key)
     return fn
 
 
-def prepare_kernels(shape: AttentionShape | None = None) -> None:
-    """Raises the shared-memory opt-in of every kernel that needs more than the default, before any
-    CUDA graph capture (the attribute is set once per kernel and device)."""
-    for fmt in ("q8", "g4", "g5", "k4", "k5", "k6"):
-        for nt in (1, 2, 4, 8):
-            name = f"qmm_{fmt}_n{nt}"
-            _with_shared(kernels.function("qmm", name), name, 2 * _qmm_stage_bytes(fmt, nt))
+def _qmm_kernel(fmt: str, nt: int, tuning: tuple[int, int] | None = None):  # noqa: ANN202
+    """(kernel, dynamic shared bytes, warps) of qmm_<fmt>_n<nt> in its tuned (or given) variant."""
+    defines = _module_defines(fmt, nt, tuning)
+    warps, stages = defines["MMQ_WARPS"], defines["MMQ_STAGES"]
+    name = f"qmm_{fmt}_n{nt}"
+    smem = stages * _qmm_stage_bytes(fmt, nt, warps)
+    fn = kernels.function("qmm", name, defines)
+    return _with_shared(fn, (name, *sorted(defines.items())), smem), smem, warps
+
+
+def prepare_kernels(formats: set[str], shape: AttentionShape | None = None) -> None:
+    """Compiles the product kernels of `formats` and raises the shared-memory opt-in of every kernel
+    that needs more than the default, before any CUDA graph capture."""
+    for fmt in formats:
+        kernels.module("qmm", _gemv_defines(fmt))
+        if fmt not in FLOAT_FORMATS:
+            for nt in (1, 2, 4, 8):
+                _qmm_kernel(fmt, nt)
     if shape is not None:
-        _with_shared(kernels.function("attention", "attn_chunks"), "attn_chunks", shape.chunks_shared_bytes())
+        name = f"attn_chunks_d{shape.head_dim}"
+        _with_shared(kernels.function("attention", name), (name,), shape.chunks_shared_bytes())
 
 
 def uses_qmm(fmt: str, cols: int, n: int) -> bool:
@@ -239,11 +288,13 @@ def uses_qmm(fmt: str, cols: int, n: int) -> bool:
 
 
 def product(parts: list[GpuMatrix], x: Input, y: cupy.ndarray, n: int, ldy: int | None = None,
-            bias: cupy.ndarray | None = None, residual: cupy.ndarray | None = None) -> None:
+            bias: cupy.ndarray | None = None, residual: cupy.ndarray | None = None,
+            tuning: tuple[int, int] | None = None) -> None:
     """Rows v < n of y (row v at y[v * ldy:], ldy default the parts' total rows) = the parts'
     matrices, stacked row-wise (at most three, one format and row length), times input row v, +
     bias (of the stacked rows), + residual (laid out as y; y may be the residual itself). Every
-    output in the canonical order: the same bits for any n and any kernel."""
+    output in the canonical order: the same bits for any n and any kernel variant (`tuning`, for
+    sweeps: a qmm kernel's (warps, stages), a qgemv kernel's (warps, loads in flight))."""
     m0 = parts[0]
     if not 1 <= len(parts) <= 3 or any(p.fmt != m0.fmt or p.cols != m0.cols for p in parts):
         raise ValueError("a product takes one to three matrices of one format and row length")
@@ -254,8 +305,9 @@ def product(parts: list[GpuMatrix], x: Input, y: cupy.ndarray, n: int, ldy: int 
     if n < 1:
         return
     if m0.fmt in FLOAT_FORMATS:
-        fn = kernels.function("qmm", f"fgemv_{m0.fmt}")
-        fn((_blocks(rows, 4), min(n, 64)), (128,),
+        warps = QGEMV_TUNING[0]
+        fn = kernels.function("qmm", f"fgemv_{m0.fmt}", _gemv_defines(m0.fmt))
+        fn((_blocks(rows, warps), min(n, 64)), (32 * warps,),
            (m0.buffer, np.int32(rows), np.int32(m0.cols), x, np.int32(n), y, np.int32(ldy), _ptr(bias),
             _ptr(residual)))
         return
@@ -267,14 +319,13 @@ def product(parts: list[GpuMatrix], x: Input, y: cupy.ndarray, n: int, ldy: int 
             np.int32(n), y, np.int32(ldy), _ptr(bias), _ptr(residual))
     if uses_qmm(m0.fmt, m0.cols, n):
         nt = _tiles(n)
-        name = f"qmm_{m0.fmt}_n{nt}"
-        smem = 2 * _qmm_stage_bytes(m0.fmt, nt)
-        fn = _with_shared(kernels.function("qmm", name), name, smem)
-        fn((_blocks(n, 8 * nt), _blocks(rows, QMM_ROWS)), (128,), args, shared_mem=smem)
+        fn, smem, warps = _qmm_kernel(m0.fmt, nt, tuning)
+        fn((_blocks(n, 8 * nt), _blocks(rows, 16 * warps)), (32 * warps,), args, shared_mem=smem)
         return
     nv = 1 if n == 1 else 2 if n == 2 else 4
-    fn = kernels.function("qmm", f"qgemv_{m0.fmt}_v{nv}")
-    fn((_blocks(rows, 4), _blocks(n, nv)), (128,), args)
+    warps = (tuning or QGEMV_TUNING)[0]
+    fn = kernels.function("qmm", f"qgemv_{m0.fmt}_v{nv}", _gemv_defines(m0.fmt, tuning))
+    fn((_blocks(rows, warps), _blocks(n, nv)), (32 * warps,), args)
 
 
 def dequantize(m: GpuMatrix, out: cupy.ndarray) -> None:
@@ -309,8 +360,8 @@ class AttentionShape:
 
     def check(self) -> None:
         group = self.n_heads // self.n_kv_heads
-        if self.head_dim % 64 or self.head_dim > ATTN_MAX_HEAD_DIM:
-            raise ValueError(f"head dimension {self.head_dim} is not a multiple of 64 up to {ATTN_MAX_HEAD_DIM}")
+        if self.head_dim not in (64, 128, 256):
+            raise ValueError(f"head dimension {self.head_dim} is not one of the attention kernels' 64, 128, 256")
         if self.n_heads % self.n_kv_heads or group > ATTN_MAX_GROUP:
             raise ValueError(f"{self.n_heads} query heads over {self.n_kv_heads} KV heads: at most "
                              f"{ATTN_MAX_GROUP} per KV head are supported")
@@ -375,19 +426,24 @@ def attention(qkv: cupy.ndarray, shape: AttentionShape, layer: int, rows: RowFie
     nb = attention_blocks(max_ctx)
     scale = np.float32(1.0 / np.sqrt(s.head_dim))
     smem = s.chunks_shared_bytes()
-    chunks = _with_shared(kernels.function("attention", "attn_chunks"), "attn_chunks", smem)
+    name = f"attn_chunks_d{s.head_dim}"
+    chunks = _with_shared(kernels.function("attention", name), (name,), smem)
     merge = kernels.function("attention", "attn_merge")
     q_values = s.n_heads * s.head_dim
+    chunk = 256 if q_values % 256 == 0 else 32  # attn_merge: values a block (whole 8-bit groups)
+    if act == "q8_k" and chunk != 256:
+        raise ValueError(f"a q8_k output needs rows of whole 256-value groups, not {q_values}")
     for r0 in range(0, n, work_rows):
         m = min(work_rows, n - r0)
         pos, _slot, base, anc_off, anc, kptr, vptr, cap = rows.offset(r0)
         chunks((s.n_kv_heads, nb, m), (ATTN_THREADS,),
                (np.uint64(qkv.data.ptr + r0 * s.width * 4), np.int32(s.width), np.int32(s.n_heads),
-                np.int32(s.n_kv_heads), np.int32(s.head_dim), scale, np.int32(layer), pos, base, anc_off, anc, kptr,
-                vptr, cap, work, np.int32(nb)), shared_mem=smem)
+                np.int32(s.n_kv_heads), scale, np.int32(layer), pos, base, anc_off, anc, kptr, vptr, cap, work,
+                np.int32(nb)), shared_mem=smem)
         part = None if int8 is None else int8.rows(r0, r0 + m)
-        merge((m,), (256,), (work, np.int32(nb), np.int32(s.n_heads), np.int32(s.head_dim), pos,
-                             np.uint64(out.data.ptr + r0 * q_values * 4), np.int32(ACT_CODES[act]), *_int8_args(part)))
+        merge((m, q_values // chunk), (chunk,), (work, np.int32(nb), np.int32(s.n_heads), np.int32(s.head_dim), pos,
+                                                 np.uint64(out.data.ptr + r0 * q_values * 4), np.int32(ACT_CODES[act]),
+                                                 *_int8_args(part)))
 
 
 # ---------------------------------------------------------------------------- sampling

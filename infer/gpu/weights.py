@@ -123,6 +123,36 @@ def upload_tensor(model: GGUFModel, name: str) -> GpuMatrix:
     return upload_stacked([(info.data, info.shape[0])], info.ggml_type, info.shape[1])
 
 
+class _MappedHost:
+    """Page-locked host memory the GPU reads directly (unified addressing: the pointer is valid in
+    kernels), with the two attributes a GpuMatrix's buffer needs."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.memory = cupy.cuda.alloc_pinned_memory(nbytes)
+        self.array = np.frombuffer(self.memory, np.uint8, nbytes)
+        self.nbytes = nbytes
+        self.data = self  # .data.ptr, as a cupy array has it
+
+    @property
+    def ptr(self) -> int:
+        return int(self.array.ctypes.data)
+
+
+def upload_embedding(model: GGUFModel) -> GpuMatrix:
+    """The token embedding, repacked on the device and kept in mapped host memory: a pass reads only
+    its rows' few kilobytes across the link (as llama.cpp keeps it on the CPU), and the VRAM goes to
+    the layers. Uploaded before the layers, so its device copy is gone when they arrive."""
+    m = upload_tensor(model, TOKEN_EMBD)
+    host = _MappedHost(m.nbytes)
+    cupy.cuda.runtime.memcpy(host.ptr, m.buffer.data.ptr, m.nbytes, cupy.cuda.runtime.memcpyDeviceToHost)
+    return GpuMatrix(m.fmt, m.rows, m.cols, m.layout, host, m.source_nbytes, m.act)  # type: ignore[arg-type]
+
+
+def embedding_on_host(model: GGUFModel) -> bool:
+    """Whether the token embedding lives in host memory (not when the output reuses it)."""
+    return output_name(model) != TOKEN_EMBD
+
+
 def qkv_bias(model: GGUFModel, args: ModelArgs, layer: int) -> cupy.ndarray | None:
     """The Q, K and V biases as one (q_dim + 2*kv_dim) vector (zeros for a missing one), or None."""
     if not has_qkv_bias(model, layer):
@@ -159,10 +189,10 @@ class ResidentWeights:
 
     def __init__(self, model: GGUFModel, args: ModelArgs) -> None:
         self.args = args
-        self.token_embd = upload_tensor(model, TOKEN_EMBD)
+        host = embedding_on_host(model)  # SmolLM2: the output reuses the embeddings, which stay on the device
+        self.token_embd = upload_embedding(model) if host else upload_tensor(model, TOKEN_EMBD)
         self.output_norm = upload_vector(model, OUTPUT_NORM)
-        name = output_name(model)  # SmolLM2: the output reuses the embeddings
-        self.output = self.token_embd if name == TOKEN_EMBD else upload_tensor(model, name)
+        self.output = upload_tensor(model, output_name(model)) if host else self.token_embd
         self.layers = [assemble_layer(layer_vectors(model, args, i),
                                       {kind: upload_tensor(model, tensor_name(i, kind)) for kind in MATRIX_KINDS})
                        for i in range(args.n_layers)]

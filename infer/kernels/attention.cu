@@ -127,12 +127,13 @@ __device__ __forceinline__ void merge1(float& m, float& l, float& o, float m2, f
 
 // grid (n_kv_heads, ceil(max positions / 256), rows), ATTN_THREADS threads; dynamic shared memory:
 // G*D floats (queries) + 4*G*(D+2) floats (chunk partials) + 4*G*64 floats (probabilities).
-// work: (rows, n_heads, nb, D + 2) floats, nb = ceil(cap / 256).
-extern "C" __global__ void __launch_bounds__(ATTN_THREADS)
-    attn_chunks(const float* qkv, int W, int n_heads, int n_kv_heads, int D, float scale, int layer, const int* pos,
-                const int* base, const int* anc_off, const int* anc, const unsigned long long* kptr,
-                const unsigned long long* vptr, const int* cap, float* work, int nb) {
-    const Rows R{pos, nullptr, base, anc_off, anc, kptr, vptr, cap};
+// work: (rows, n_heads, nb, D + 2) floats, nb = ceil(cap / 256). D (the head dimension) is a
+// template parameter so that the loops over it unroll; the order of every sum is the one the
+// header gives whatever the unrolling (scores: d ascending; values: positions ascending).
+#define ATTN_HEAD_BATCH 4  // heads whose weighted values a warp accumulates at once (registers)
+template <int D>
+__device__ __forceinline__ void attn_chunks_body(const float* qkv, int W, int n_heads, int n_kv_heads, float scale,
+                                                 int layer, const Rows& R, float* work, int nb) {
     extern __shared__ __align__(16) float attn_smem[];
     const int kvh = blockIdx.x, blk = blockIdx.y, r = blockIdx.z;
     const int G = n_heads / n_kv_heads, h0 = kvh * G;
@@ -157,7 +158,9 @@ extern "C" __global__ void __launch_bounds__(ATTN_THREADS)
     } else {
         const int t0 = chunk * ATTN_CHUNK, n = min(ATTN_CHUNK, p + 1 - t0);
         float* e_w = e_s + warp * G * ATTN_CHUNK;
-        // scores: this lane's positions t0 + lane and t0 + lane + 32, every head of the group
+        // scores: this lane's positions t0 + lane and t0 + lane + 32, every head of the group; the
+        // key's pieces loaded 8 at a time before they are used
+        constexpr int PIECES = D / 8, BATCH = PIECES < 8 ? PIECES : 8;
         for (int half = 0; half < 2; ++half) {
             const int t = lane + 32 * half;
             float acc[ATTN_MAX_GROUP];
@@ -165,22 +168,28 @@ extern "C" __global__ void __launch_bounds__(ATTN_THREADS)
             for (int g = 0; g < ATTN_MAX_GROUP; ++g) acc[g] = 0.f;
             if (t < n) {
                 const uint4* krow = reinterpret_cast<const uint4*>(kbase + (long long)span_slot(R, r, t0 + t) * D);
-                for (int piece = 0; piece < D / 8; ++piece) {
-                    const uint4 raw = krow[piece];
-                    const __half2* kh = reinterpret_cast<const __half2*>(&raw);
-                    float kf[8];
 #pragma unroll
-                    for (int e = 0; e < 4; ++e) {
-                        const float2 f = __half22float2(kh[e]);
-                        kf[2 * e] = f.x;
-                        kf[2 * e + 1] = f.y;
-                    }
+                for (int b0 = 0; b0 < PIECES; b0 += BATCH) {
+                    uint4 raw[BATCH];
 #pragma unroll
-                    for (int g = 0; g < ATTN_MAX_GROUP; ++g) {
-                        if (g < G) {
-                            const float* qg = q_s + g * D + 8 * piece;
+                    for (int k = 0; k < BATCH; ++k) raw[k] = krow[b0 + k];
 #pragma unroll
-                            for (int e = 0; e < 8; ++e) acc[g] = __fmaf_rn(qg[e], kf[e], acc[g]);
+                    for (int k = 0; k < BATCH; ++k) {
+                        const __half2* kh = reinterpret_cast<const __half2*>(&raw[k]);
+                        float kf[8];
+#pragma unroll
+                        for (int e = 0; e < 4; ++e) {
+                            const float2 f = __half22float2(kh[e]);
+                            kf[2 * e] = f.x;
+                            kf[2 * e + 1] = f.y;
+                        }
+#pragma unroll
+                        for (int g = 0; g < ATTN_MAX_GROUP; ++g) {
+                            if (g < G) {
+                                const float* qg = q_s + g * D + 8 * (b0 + k);
+#pragma unroll
+                                for (int e = 0; e < 8; ++e) acc[g] = __fmaf_rn(qg[e], kf[e], acc[g]);
+                            }
                         }
                     }
                 }
@@ -190,7 +199,7 @@ extern "C" __global__ void __launch_bounds__(ATTN_THREADS)
                 if (g < G) e_w[g * ATTN_CHUNK + t] = t < n ? __fmul_rn(acc[g], scale) : NEG_INF;
         }
         __syncwarp();
-        // per head: max, exp, sum in a fixed lane order, then weighted values (lanes over dimensions)
+        // per head: max, exp, sum in a fixed lane order; the probabilities replace the scores
         for (int g = 0; g < G; ++g) {
             float* eg = e_w + g * ATTN_CHUNK;
             const float sa = eg[lane], sb = eg[lane + 32];
@@ -205,23 +214,73 @@ extern "C" __global__ void __launch_bounds__(ATTN_THREADS)
             __syncwarp();
             eg[lane] = ea;
             eg[lane + 32] = eb;
-            __syncwarp();
-            float* pg = mine + g * PART_STRIDE(D);
             if (lane == 0) {
-                pg[0] = m;
-                pg[1] = l;
+                mine[g * PART_STRIDE(D)] = m;
+                mine[g * PART_STRIDE(D) + 1] = l;
             }
-            for (int dp = lane; dp < D / 2; dp += 32) {  // dimension pair dp: o sums in position order
-                float ox = 0.f, oy = 0.f;
-                for (int t = 0; t < n; ++t) {
-                    const float2 v = __half22float2(
-                        reinterpret_cast<const __half2*>(vbase + (long long)span_slot(R, r, t0 + t) * D)[dp]);
-                    const float e = eg[t];
-                    ox = __fmaf_rn(e, v.x, ox);
-                    oy = __fmaf_rn(e, v.y, oy);
+        }
+        __syncwarp();
+        // weighted values: each lane's dimension pairs (lane, lane + 32, ...), positions in order;
+        // each value row is loaded once for ATTN_HEAD_BATCH heads, 4 positions' loads in flight
+        constexpr int PAIRS = D / 64;  // pairs per lane
+        for (int g0 = 0; g0 < G; g0 += ATTN_HEAD_BATCH) {
+            float2 o[ATTN_HEAD_BATCH][PAIRS];
+#pragma unroll
+            for (int gg = 0; gg < ATTN_HEAD_BATCH; ++gg)
+#pragma unroll
+                for (int k = 0; k < PAIRS; ++k) o[gg][k] = make_float2(0.f, 0.f);
+            int t = 0;
+            for (; t + 4 <= n; t += 4) {
+                float2 v[4][PAIRS];
+#pragma unroll
+                for (int u = 0; u < 4; ++u) {
+                    const __half2* vr = reinterpret_cast<const __half2*>(vbase + (long long)span_slot(R, r, t0 + t + u) * D);
+#pragma unroll
+                    for (int k = 0; k < PAIRS; ++k) v[u][k] = __half22float2(vr[lane + 32 * k]);
                 }
-                pg[2 + 2 * dp] = ox;
-                pg[3 + 2 * dp] = oy;
+#pragma unroll
+                for (int u = 0; u < 4; ++u) {
+#pragma unroll
+                    for (int gg = 0; gg < ATTN_HEAD_BATCH; ++gg) {
+                        if (g0 + gg < G) {
+                            const float e = e_w[(g0 + gg) * ATTN_CHUNK + t + u];
+#pragma unroll
+                            for (int k = 0; k < PAIRS; ++k) {
+                                o[gg][k].x = __fmaf_rn(e, v[u][k].x, o[gg][k].x);
+                                o[gg][k].y = __fmaf_rn(e, v[u][k].y, o[gg][k].y);
+                            }
+                        }
+                    }
+                }
+            }
+            for (; t < n; ++t) {
+                const __half2* vr = reinterpret_cast<const __half2*>(vbase + (long long)span_slot(R, r, t0 + t) * D);
+                float2 v[PAIRS];
+#pragma unroll
+                for (int k = 0; k < PAIRS; ++k) v[k] = __half22float2(vr[lane + 32 * k]);
+#pragma unroll
+                for (int gg = 0; gg < ATTN_HEAD_BATCH; ++gg) {
+                    if (g0 + gg < G) {
+                        const float e = e_w[(g0 + gg) * ATTN_CHUNK + t];
+#pragma unroll
+                        for (int k = 0; k < PAIRS; ++k) {
+                            o[gg][k].x = __fmaf_rn(e, v[k].x, o[gg][k].x);
+                            o[gg][k].y = __fmaf_rn(e, v[k].y, o[gg][k].y);
+                        }
+                    }
+                }
+            }
+#pragma unroll
+            for (int gg = 0; gg < ATTN_HEAD_BATCH; ++gg) {
+                if (g0 + gg < G) {
+                    float* pg = mine + (g0 + gg) * PART_STRIDE(D);
+#pragma unroll
+                    for (int k = 0; k < PAIRS; ++k) {
+                        const int dp = lane + 32 * k;
+                        pg[2 + 2 * dp] = o[gg][k].x;
+                        pg[3 + 2 * dp] = o[gg][k].y;
+                    }
+                }
             }
         }
     }
@@ -245,20 +304,39 @@ extern "C" __global__ void __launch_bounds__(ATTN_THREADS)
     }
 }
 
-// grid (rows), 256 threads: out (rows, n_heads*D) = the merged attention, rounded to `fmt` (with its
-// 8-bit form when xq is given). The blocks' partials are merged as the complete binary tree over
-// their indexes: a stack of subtrees, left to right, joined right to left at the end.
+#define ATTN_CHUNKS(D)                                                                                       \
+    extern "C" __global__ void __launch_bounds__(ATTN_THREADS)                                               \
+        attn_chunks_d##D(const float* qkv, int W, int n_heads, int n_kv_heads, float scale, int layer,        \
+                         const int* pos, const int* base, const int* anc_off, const int* anc,                 \
+                         const unsigned long long* kptr, const unsigned long long* vptr, const int* cap,      \
+                         float* work, int nb) {                                                               \
+        const Rows R{pos, nullptr, base, anc_off, anc, kptr, vptr, cap};                                     \
+        attn_chunks_body<D>(qkv, W, n_heads, n_kv_heads, scale, layer, R, work, nb);                         \
+    }
+ATTN_CHUNKS(64)
+ATTN_CHUNKS(128)
+ATTN_CHUNKS(256)
+
+// grid (rows, n / chunk), `chunk` threads (256, or 32 where a row is no whole 256): out (rows,
+// n_heads*D) = the merged attention, a thread per value, then the block's values rounded to `fmt`
+// (whole 8-bit groups: a q8_k group is 256 values, q8_0's 32), with the 8-bit form when xq is given.
+// The blocks' partials are merged as the complete binary tree over their indexes: a stack of
+// subtrees, left to right, joined right to left at the end.
 #define MERGE_MAX_LEVELS 16
 extern "C" __global__ void __launch_bounds__(256)
     attn_merge(const float* work, int nb, int n_heads, int D, const int* pos, float* out, int fmt, signed char* xq,
                float* xs, int* xsum) {
-    const int r = blockIdx.x;
+    const int r = blockIdx.x, chunk = blockDim.x;
     const int nblk = (pos[r] / ATTN_CHUNK) / ATTN_BLOCK_CHUNKS + 1;
     const int n = n_heads * D;
     float* orow = out + (long long)r * n;
-    for (int i = threadIdx.x; i < n; i += blockDim.x) {
-        const int h = i / D, d = i % D;
-        const float* w = work + ((long long)r * n_heads + h) * nb * PART_STRIDE(D);
+    const int i = blockIdx.y * chunk + threadIdx.x;
+    const int h = i / D, d = i % D;
+    const float* w = work + ((long long)r * n_heads + h) * nb * PART_STRIDE(D);
+    float value;
+    if (nblk == 1) {  // one block of positions: its partial is the whole softmax
+        value = __fdiv_rn(w[2 + d], w[1]);
+    } else {
         float sm[MERGE_MAX_LEVELS], sl[MERGE_MAX_LEVELS], so[MERGE_MAX_LEVELS];
         int lev[MERGE_MAX_LEVELS];
         int top = 0;
@@ -289,8 +367,16 @@ extern "C" __global__ void __launch_bounds__(256)
             l = pl;
             o = po;
         }
-        orow[i] = __fdiv_rn(o, l);
+        value = __fdiv_rn(o, l);
     }
-    __syncthreads();
-    round_row(orow, nullptr, n, fmt, int8_row(xq, xs, xsum, r, n, fmt));
+    if (fmt == ACT_F32 || fmt == ACT_F16 || fmt == ACT_BF16) {
+        orow[i] = round_float(value, fmt);
+        return;
+    }
+    orow[i] = value;
+    __syncthreads();  // the block's values are written: round them by groups, a warp a group
+    const int group = fmt == ACT_Q8_0 ? 32 : 256, per_block = chunk / group, warp = threadIdx.x >> 5;
+    if (warp < per_block)
+        round_groups_8bit(orow, orow, nullptr, n, fmt, int8_row(xq, xs, xsum, r, n, fmt),
+                          blockIdx.y * per_block + warp, 1 << 30);
 }

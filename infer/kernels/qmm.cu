@@ -22,9 +22,21 @@
 #ifndef QG_UNROLL
 #define QG_UNROLL 2  // iterations of 32 sub-blocks whose loads a qgemv lane issues before using them
 #endif
+#ifndef MMQ_WARPS
+#define MMQ_WARPS 4  // warps per qmm block, 16 weight rows each
+#endif
+#ifndef MMQ_STAGES
+#define MMQ_STAGES 2  // shared-memory stages of the cp.async pipeline (MMQ_STAGES - 1 loads in flight)
+#endif
+#ifndef QMM_FORMAT
+#define QMM_FORMAT 0  // the one format (KIND) this module instantiates; 0 every format, 100 the float ones
+#endif
+#ifndef QMM_KERNELS
+#define QMM_KERNELS 3  // 1: the qgemv kernels only, 2: the qmm ones only (tuning sweeps), 3: both
+#endif
 #define FULL_MASK 0xffffffffu
-#define MMQ_ROWS 64
-#define MMQ_THREADS 128
+#define MMQ_ROWS (16 * MMQ_WARPS)
+#define MMQ_THREADS (32 * MMQ_WARPS)
 
 // ---------------------------------------------------------------- operands
 struct Parts {
@@ -520,19 +532,22 @@ __device__ __forceinline__ void qmm_body(const Parts& parts, int M, int K, Act8 
     for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
         for (int e = 0; e < 4; ++e) acc[nt][e] = 0.f;
-    qmm_load<KIND, NT>(qmm_smem, parts, M, K, x, N, row0, tok0, 0);
-    cp_async_commit();
+    // MMQ_STAGES - 1 stages in flight; a group is committed every step (empty past the end) so
+    // that wait_group counts stay the same
+#pragma unroll
+    for (int s = 0; s < MMQ_STAGES - 1; ++s) {
+        if (s < nk) qmm_load<KIND, NT>(qmm_smem + s * S::BYTES, parts, M, K, x, N, row0, tok0, s);
+        cp_async_commit();
+    }
     for (int kt = 0; kt < nk; ++kt) {
-        if (kt + 1 < nk) {
-            qmm_load<KIND, NT>(qmm_smem + ((kt + 1) & 1) * S::BYTES, parts, M, K, x, N, row0, tok0, kt + 1);
-            cp_async_commit();
-            cp_async_wait<1>();
-        } else {
-            cp_async_wait<0>();
-        }
+        const int ahead = kt + MMQ_STAGES - 1;
+        if (ahead < nk)  // into the buffer the previous step computed on (read before its barrier)
+            qmm_load<KIND, NT>(qmm_smem + (ahead % MMQ_STAGES) * S::BYTES, parts, M, K, x, N, row0, tok0, ahead);
+        cp_async_commit();
+        cp_async_wait<MMQ_STAGES - 1>();  // stage kt has landed
         __syncthreads();
-        qmm_compute<KIND, NT>(qmm_smem + (kt & 1) * S::BYTES, nsb, kt, acc);
-        __syncthreads();  // the stage is read before the next load overwrites it
+        qmm_compute<KIND, NT>(qmm_smem + (kt % MMQ_STAGES) * S::BYTES, nsb, kt, acc);
+        __syncthreads();  // the stage is read before a later load overwrites it
     }
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
 #pragma unroll
@@ -593,24 +608,40 @@ __device__ __forceinline__ void fgemv_body(const T* w, int M, int K, const float
         qgemv_body<KIND, NV>(PARTS_OF, M, K, Act8{xq, xs, xsum}, N, y, ldy, bias, residual);                    \
     }
 #define QMM(NAME, KIND, NT)                                                                                     \
-    extern "C" __global__ void __launch_bounds__(MMQ_THREADS, 2) qmm_##NAME##_n##NT(PARTS_ARGS, PRODUCT_ARGS) {    \
+    extern "C" __global__ void __launch_bounds__(MMQ_THREADS, 256 / MMQ_THREADS) qmm_##NAME##_n##NT(PARTS_ARGS, PRODUCT_ARGS) {    \
         qmm_body<KIND, NT>(PARTS_OF, M, K, Act8{xq, xs, xsum}, N, y, ldy, bias, residual);                      \
     }
-#define QUANT_FORMAT(NAME, KIND) \
-    QGEMV(NAME, KIND, 1)         \
-    QGEMV(NAME, KIND, 2)         \
-    QGEMV(NAME, KIND, 4)         \
-    QMM(NAME, KIND, 1)           \
-    QMM(NAME, KIND, 2)           \
-    QMM(NAME, KIND, 4)           \
-    QMM(NAME, KIND, 8)
+#if QMM_KERNELS & 1
+#define QGEMVS(NAME, KIND) QGEMV(NAME, KIND, 1) QGEMV(NAME, KIND, 2) QGEMV(NAME, KIND, 4)
+#else
+#define QGEMVS(NAME, KIND)
+#endif
+#if QMM_KERNELS & 2
+#define QMMS(NAME, KIND) QMM(NAME, KIND, 1) QMM(NAME, KIND, 2) QMM(NAME, KIND, 4) QMM(NAME, KIND, 8)
+#else
+#define QMMS(NAME, KIND)
+#endif
+#define QUANT_FORMAT(NAME, KIND) QGEMVS(NAME, KIND) QMMS(NAME, KIND)
 
+// a module per format (QMM_FORMAT): a model compiles only the formats it holds
+#if QMM_FORMAT == 0 || QMM_FORMAT == 1
 QUANT_FORMAT(q8, 1)
+#endif
+#if QMM_FORMAT == 0 || QMM_FORMAT == 4
 QUANT_FORMAT(g4, 4)
+#endif
+#if QMM_FORMAT == 0 || QMM_FORMAT == 5
 QUANT_FORMAT(g5, 5)
+#endif
+#if QMM_FORMAT == 0 || QMM_FORMAT == 14
 QUANT_FORMAT(k4, 14)
+#endif
+#if QMM_FORMAT == 0 || QMM_FORMAT == 15
 QUANT_FORMAT(k5, 15)
+#endif
+#if QMM_FORMAT == 0 || QMM_FORMAT == 16
 QUANT_FORMAT(k6, 16)
+#endif
 
 // float formats: part 0 only (qs0 is the row-major matrix); x float32 (N, K); grid y splits the vectors
 #define FGEMV(NAME, T)                                                                                          \
@@ -619,6 +650,8 @@ QUANT_FORMAT(k6, 16)
                      const float* residual) {                                                                   \
         fgemv_body<T>(reinterpret_cast<const T*>(w), M, K, x, N, y, ldy, bias, residual);                       \
     }
+#if QMM_FORMAT == 0 || QMM_FORMAT == 100
 FGEMV(f16, __half)
 FGEMV(bf16, __nv_bfloat16)
 FGEMV(f32, float)
+#endif

@@ -34,8 +34,10 @@ from infer.gpu.weights import (
     GpuLayer,
     MatrixFormat,
     assemble_layer,
+    embedding_on_host,
     layer_formats,
     layer_vectors,
+    upload_embedding,
     upload_tensor,
     upload_vector,
 )
@@ -130,10 +132,10 @@ class StreamedWeights:
                 at += -(-t.device_nbytes // SCRATCH_ALIGN) * SCRATCH_ALIGN
             if at > self.scratch.nbytes:
                 raise RuntimeError(f"layer scratch of {self.scratch.nbytes} bytes cannot hold {at}")
-        self.token_embd = upload_tensor(model, TOKEN_EMBD)
+        host = embedding_on_host(model)
+        self.token_embd = upload_embedding(model) if host else upload_tensor(model, TOKEN_EMBD)
         self.output_norm = upload_vector(model, OUTPUT_NORM)
-        name = output_name(model)
-        self.output = self.token_embd if name == TOKEN_EMBD else upload_tensor(model, name)
+        self.output = upload_tensor(model, output_name(model)) if host else self.token_embd
         self._vectors = [layer_vectors(model, args, i) for i in range(args.n_layers)]
         self._resident = [{kind: upload_tensor(model, tensor_name(i, kind)) for kind in MATRIX_KINDS
                            if plan.tier[tensor_name(i, kind)] is Tier.VRAM} for i in range(args.n_layers)]

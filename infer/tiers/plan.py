@@ -30,7 +30,7 @@ the link in its GGUF form and is repacked into a slot on arrival.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Any
 
@@ -149,8 +149,15 @@ def gpu_nbytes(info: Any) -> int:
 
 
 def planner_tensors(model: Any, device: str) -> list[Tensor]:
-    """A GGUFModel's tensors with their device sizes for `device` (planar forms on the GPU)."""
-    return tensors_from(model.tensors.values(), gpu_nbytes if device == "gpu" else None)
+    """A GGUFModel's tensors with their device sizes for `device` (planar forms on the GPU; the token
+    embedding takes no VRAM there unless the output reuses it: infer.gpu.weights.upload_embedding)."""
+    tensors = tensors_from(model.tensors.values(), gpu_nbytes if device == "gpu" else None)
+    if device == "gpu":
+        from infer.arch import TOKEN_EMBD, output_name
+
+        if output_name(model) != TOKEN_EMBD:
+            tensors = [replace(t, device_nbytes=0) if t.name == TOKEN_EMBD else t for t in tensors]
+    return tensors
 
 
 def pass_order(tensors: Iterable[Tensor]) -> list[Tensor]:

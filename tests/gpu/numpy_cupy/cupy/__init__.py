@@ -84,6 +84,7 @@ cuda = types.SimpleNamespace(
                                   memcpyHostToDevice=1, hostRegister=lambda *a: None, hostUnregister=lambda *a: None,
                                   pointerGetAttributes=_no_attributes,
                                   memcpyAsync=lambda d, s, n, k, st: ctypes.memmove(d, s, n),
+                                  memcpy=lambda d, s, n, k: ctypes.memmove(d, s, n), memcpyDeviceToHost=2,
                                   getDeviceProperties=lambda i: {"name": b"FakeGPU", "major": 9, "minor": 0,
                                                                  "multiProcessorCount": 1, "l2CacheSize": 1}))
 
@@ -253,9 +254,10 @@ class RawKernel:
                 q[...] = _rotate(q.copy(), c, s_, npairs, neox)
                 KC, VC = _layer_cache(KP[t], layer, Hkv, int(CAP[t]), D), _layer_cache(VP[t], layer, Hkv, int(CAP[t]), D)
                 KC[:, SL[t]] = _rotate(k, c, s_, npairs, neox).astype(np.float16); VC[:, SL[t]] = v.astype(np.float16)
-        elif n == "attn_chunks":  # the whole attention of each row into its block 0 (m 0, l 1: the merge's o / l)
-            qkv, W, H, Hkv, D, scale, layer, pos, base, anc_off, anc, kptr, vptr, cap, work, nb = args
-            rows = grid[2]; W, H, Hkv, D, layer, nb = map(int, (W, H, Hkv, D, layer, nb)); G = H // Hkv
+        elif n.startswith("attn_chunks_d"):  # the whole attention of each row into its block 0 (m 0, l 1: the merge's o / l)
+            qkv, W, H, Hkv, scale, layer, pos, base, anc_off, anc, kptr, vptr, cap, work, nb = args
+            D = int(n.split("_d")[1])
+            rows = grid[2]; W, H, Hkv, layer, nb = map(int, (W, H, Hkv, layer, nb)); G = H // Hkv
             P = _arr(pos, np.int32, rows); B = _arr(base, np.int32, rows); OFF = _arr(anc_off, np.int32, rows)
             CAP = _arr(cap, np.int32, rows); KP = _arr(kptr, np.uint64, rows); VP = _arr(vptr, np.uint64, rows)
             X = _arr(qkv, np.float32, rows * W).reshape(rows, W)
