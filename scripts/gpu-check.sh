@@ -9,6 +9,9 @@
 #   GPU_CHECK_SKIP_BENCH=1 bash scripts/gpu-check.sh      # compile + GPU tests (~4-5 min)
 #   GPU_CHECK_SKIP_TESTS=1 bash scripts/gpu-check.sh      # the 8B benchmarks (~3-4 min)
 #   GPU_CHECK_TESTS="tests/gpu/test_kernels.py -k qmm"    # these tests instead of the default list
+#   GPU_CHECK_SKIP_COMPILE=1 ...                          # no separate compile of every module (the tests compile
+#                                                         # what they use)
+#   GPU_CHECK_SWEEP=1 ...                                 # bench.kernel_sweep --skip-products: attention, norms
 #   GPU_CHECK_BENCH_QUICK=1 ...                           # only the first benchmark (8 GB, with the batch)
 #   GPU_CHECK_STREAM=1 ...                                # also the 8B through the streaming engine (8 GB)
 #   GPU_CHECK_Q8=1 ...                                    # also the 8B Q8_0 (resident, no budget)
@@ -71,6 +74,7 @@ if [ -n "${GPU_CHECK_LLAMA_BUILD:-}" ] && [ -f .peer/llama.cpp.tgz ] && [ ! -e "
     note "llama.cpp: build started in the background ($LLAMA_DIR)"
 fi
 
+if [ -z "${GPU_CHECK_SKIP_COMPILE:-}" ]; then
 section "kernel compile (RawModule, this device)"
 timeout 90 python3 - <<'EOF' 2>&1 | tee "$OUT/compile.txt"
 import time
@@ -84,6 +88,7 @@ for name in kernels.SOURCES:
         print(f"{name}: FAILED {type(e).__name__}: {str(e)[:3000]}")
 EOF
 grep -q FAILED "$OUT/compile.txt" && note "compile: FAILED (compile.txt)" || note "compile: all modules ok"
+fi
 
 if [ -z "${GPU_CHECK_SKIP_TESTS:-}" ]; then
     section "GPU tests"
@@ -154,6 +159,13 @@ if [ -z "${GPU_CHECK_SKIP_BENCH:-}" ] && [ -z "${GPU_CHECK_BENCH_QUICK:-}" ]; th
     cli_bench 8b-8GB 120 -m "$SYNTH_DIR/synth-8b-q4_k_m.gguf" --device gpu --benchmark -n 64 --vram-budget 8GB --json
     [ -n "${GPU_CHECK_STREAM:-}" ] && bench 8b-q4km-stream 200 --synth 8b:q4_k_m --vram-budget 8GB --ctx 4096 --streaming --no-kernels
     [ -n "${GPU_CHECK_Q8:-}" ] && bench 8b-q80 300 --synth 8b:q8_0
+fi
+
+if [ -n "${GPU_CHECK_SWEEP:-}" ]; then
+    section "kernel timings (bench.kernel_sweep --skip-products)"
+    timeout 120 python3 -m bench.kernel_sweep --skip-products --out "$OUT/sweep.json" > "$OUT/sweep.txt" 2>&1
+    note "sweep: exit $?; $(grep -c kernel "$OUT/sweep.txt") rows"
+    grep '"kernel"' "$OUT/sweep.txt" | head -20
 fi
 
 if [ -n "${GPU_CHECK_LLAMA:-}" ]; then

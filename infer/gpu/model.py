@@ -57,7 +57,8 @@ def pass_buffers_nbytes(args: ModelArgs, formats: list[dict], output_act: str, c
     work = ops.attention_work_nbytes(shape, attention_work_rows(shape, capacity, max_context), max_context)
     head = Inputs.planned_nbytes(logits_rows, [("out", output_act, a.dim)]) + 4 * logits_rows * a.vocab_size
     index = (rows + 1) * 64 + 4 * capacity * (capacity + 1) // 2
-    return hidden + Inputs.planned_nbytes(rows, wanted) + work + head + index + GpuKVCache.nbytes_for(a, 1)
+    return (hidden + Inputs.planned_nbytes(rows, wanted) + work + head + index + GpuKVCache.nbytes_for(a, 1)
+            + ops.SPLIT_SCRATCH_BYTES)
 
 
 def _shape(a: ModelArgs, rope: Rope) -> AttentionShape:
@@ -103,6 +104,7 @@ class GpuTransformer:
             self.gu = cupy.zeros((C, 2 * a.ffn_dim), F32)  # [gate | up]
             formats = [weights.formats(i) for i in range(a.n_layers)]
             self.inputs = Inputs(args, C, [w for f in formats for w in layer_inputs(args, f)])
+            self.split = cupy.zeros(ops.SPLIT_SCRATCH_BYTES // 4, F32)  # group sums of products that split K
             self.work_rows = attention_work_rows(self.shape, C, max_context)
             self.work = cupy.zeros(ops.attention_work_nbytes(self.shape, self.work_rows, max_context) // 4, F32)
             self._make_head(logits_rows)
@@ -172,29 +174,29 @@ class GpuTransformer:
         for parts, row0 in L.qkv():
             rows = sum(m.rows for m in parts)
             ops.product(parts, xs[parts[0].act], qkv[row0:], n, ldy=s.width,
-                        bias=None if L.bqkv is None else L.bqkv[row0 : row0 + rows])
+                        bias=None if L.bqkv is None else L.bqkv[row0 : row0 + rows], scratch=self.split)
         ops.rope_rows(self.qkv, s, *self.rope_tables, i, ix.fields, n)
         att = inputs.get("att", L.wo.act) if L.wo.act in ops.EIGHT_BIT else self.att
         ops.attention(self.qkv, s, i, ix.fields, n, self.max_context, self.work, self.work_rows, self.att, L.wo.act,
                       att if isinstance(att, ops.Int8Act) else None)
-        ops.product([L.wo], att, self.x, n, ldy=a.dim, residual=self.x)
+        ops.product([L.wo], att, self.x, n, ldy=a.dim, residual=self.x, scratch=self.split)
         xs = inputs.normed(self.x, L.ffn_norm, "ffn", [L.w_gate.act, L.w_up.act], n)
         gu = self.gu.reshape(-1)
         for parts, row0 in L.gate_up():
-            ops.product(parts, xs[parts[0].act], gu[row0:], n, ldy=2 * a.ffn_dim)
+            ops.product(parts, xs[parts[0].act], gu[row0:], n, ldy=2 * a.ffn_dim, scratch=self.split)
         ff = inputs.get("ff", L.w_down.act)
         if isinstance(ff, ops.Int8Act):
             ops.swiglu_round(self.gu, a.ffn_dim, n, L.w_down.act, int8=ff)
         else:
             ops.swiglu_round(self.gu, a.ffn_dim, n, L.w_down.act, y=ff)
-        ops.product([L.w_down], ff, self.x, n, ldy=a.dim, residual=self.x)
+        ops.product([L.w_down], ff, self.x, n, ldy=a.dim, residual=self.x, scratch=self.split)
 
     def _head(self, m: int, sample: bool, advance: bool) -> None:
         """Logits of the pass's rows out_rows[0..m) into self.logits; with `sample` each row's next
         token drawn (and with `advance` the rows moved on: a decode step)."""
         a, d, out = self.args, self.index.d, self.output
         xs = self.head_inputs.normed(self.x, self.weights.output_norm, "out", [out.act], m, src_rows=d["out_rows"])
-        ops.product([out], xs[out.act], self.logits, m, ldy=a.vocab_size)
+        ops.product([out], xs[out.act], self.logits, m, ldy=a.vocab_size, scratch=self.split)
         if sample:
             ops.sample_rows(self.logits, m, a.vocab_size, d["out_rows"], d["temps"], d["seeds"], d["tok"], d["pos"],
                             d["slot"], d["base"], d["hist"], advance)

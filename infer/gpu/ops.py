@@ -282,6 +282,21 @@ def prepare_kernels(formats: set[str], shape: AttentionShape | None = None) -> N
         _with_shared(kernels.function("attention", name), (name,), shape.chunks_shared_bytes())
 
 
+SPLIT_MIN_BLOCKS = 264  # a qmm launch of fewer (row tile x token tile) blocks splits K (2 x 132 SMs)
+SPLIT_SCRATCH_BYTES = 16 << 20  # the group sums of a split product (a model's pass buffers hold them)
+CANON_GROUP = 1024  # canon.cuh: values of K per group (a split block computes one)
+
+
+def _split_groups(blocks: int, cols: int, n: int, rows: int, scratch: cupy.ndarray | None) -> int:
+    """Groups of K a qmm launch of `blocks` blocks splits into (0: no split)."""
+    import os
+
+    groups = -(-cols // CANON_GROUP)
+    if scratch is None or groups < 2 or blocks >= SPLIT_MIN_BLOCKS or os.environ.get("NVMEDIRECT_QMM_SPLIT") == "0":
+        return 0
+    return groups if 4 * groups * n * rows <= scratch.nbytes else 0
+
+
 def uses_qmm(fmt: str, cols: int, n: int) -> bool:
     """Whether a product of n rows runs on the tensor-core kernel (else on qgemv, groups of 4 rows)."""
     return fmt not in FLOAT_FORMATS and n > QGEMV_MAX and not (fmt == "q8" and cols % 64)
@@ -289,12 +304,14 @@ def uses_qmm(fmt: str, cols: int, n: int) -> bool:
 
 def product(parts: list[GpuMatrix], x: Input, y: cupy.ndarray, n: int, ldy: int | None = None,
             bias: cupy.ndarray | None = None, residual: cupy.ndarray | None = None,
-            tuning: tuple[int, int] | None = None) -> None:
+            tuning: tuple[int, int] | None = None, scratch: cupy.ndarray | None = None) -> None:
     """Rows v < n of y (row v at y[v * ldy:], ldy default the parts' total rows) = the parts'
     matrices, stacked row-wise (at most three, one format and row length), times input row v, +
     bias (of the stacked rows), + residual (laid out as y; y may be the residual itself). Every
     output in the canonical order: the same bits for any n and any kernel variant (`tuning`, for
-    sweeps: a qmm kernel's (warps, stages), a qgemv kernel's (warps, loads in flight))."""
+    sweeps: a qmm kernel's (warps, stages), a qgemv kernel's (warps, loads in flight)). `scratch`
+    (float32, SPLIT_SCRATCH_BYTES): room for the group sums when a launch with too few blocks
+    splits K (the same bits: the canonical sum adds whole groups in order)."""
     m0 = parts[0]
     if not 1 <= len(parts) <= 3 or any(p.fmt != m0.fmt or p.cols != m0.cols for p in parts):
         raise ValueError("a product takes one to three matrices of one format and row length")
@@ -315,12 +332,21 @@ def product(parts: list[GpuMatrix], x: Input, y: cupy.ndarray, n: int, ldy: int 
         raise ValueError(f"a {m0.fmt} product takes the {m0.act} 8-bit form of its input")
     planes = [pl for p in parts for pl in p.planes()] + [NULL] * 4 * (3 - len(parts))
     ends = [*np.cumsum([p.rows for p in parts]).tolist(), rows, rows]  # where parts 1 and 2 start
-    args = (*planes, np.int32(ends[0]), np.int32(ends[1]), np.int32(rows), np.int32(m0.cols), x.xq, x.xs, x.xsum,
-            np.int32(n), y, np.int32(ldy), _ptr(bias), _ptr(residual))
+    head = (*planes, np.int32(ends[0]), np.int32(ends[1]), np.int32(rows), np.int32(m0.cols), x.xq, x.xs, x.xsum,
+            np.int32(n))
+    args = (*head, y, np.int32(ldy), _ptr(bias), _ptr(residual), NULL)
     if uses_qmm(m0.fmt, m0.cols, n):
         nt = _tiles(n)
         fn, smem, warps = _qmm_kernel(m0.fmt, nt, tuning)
-        fn((_blocks(n, 8 * nt), _blocks(rows, 16 * warps)), (32 * warps,), args, shared_mem=smem)
+        grid = (_blocks(n, 8 * nt), _blocks(rows, 16 * warps))
+        groups = _split_groups(grid[0] * grid[1], m0.cols, n, rows, scratch)
+        if not groups:
+            fn(grid, (32 * warps,), args, shared_mem=smem)
+            return
+        fn((*grid, groups), (32 * warps,), (*head, y, np.int32(ldy), NULL, NULL, scratch), shared_mem=smem)
+        combine = kernels.function("qmm", "qmm_combine", _module_defines(m0.fmt, nt, tuning))
+        combine((_blocks(n * rows, 256),), (256,), (scratch, np.int32(groups), np.int32(rows), np.int32(n), y,
+                                                    np.int32(ldy), _ptr(bias), _ptr(residual)))
         return
     nv = 1 if n == 1 else 2 if n == 2 else 4
     warps = (tuning or QGEMV_TUNING)[0]
@@ -367,8 +393,11 @@ class AttentionShape:
                              f"{ATTN_MAX_GROUP} per KV head are supported")
 
     def chunks_shared_bytes(self) -> int:
+        """attn_chunks' dynamic shared memory: queries, partials, probabilities, and (head dimension
+        up to 128) each warp's staged keys and values."""
         g, d = self.n_heads // self.n_kv_heads, self.head_dim
-        return 4 * (g * d + 4 * g * (d + 2) + 4 * g * 64)
+        staged = 4 * 2 * 64 * (d + 8) * 2 if d <= 128 else 0
+        return 4 * (g * d + 4 * g * (d + 2) + 4 * g * 64) + staged
 
 
 def attention_blocks(max_ctx: int) -> int:

@@ -14,6 +14,7 @@ import numpy as np
 from infer.gpu.layout import FLOAT_FORMATS, K_FORMATS, plane_layout
 
 TILE = 4  # sub-blocks per tile of the 32-value formats (canon.cuh CANON_TILE)
+GROUP = 1024  # values per group (canon.cuh CANON_GROUP)
 F32 = np.float32
 
 
@@ -68,11 +69,16 @@ def _i2f(v: np.ndarray) -> np.ndarray:
     return v.astype(F32)  # int32-range integers to the nearest float32, as __int2float_rn
 
 
-def _accumulate(tiles: np.ndarray) -> np.ndarray:
-    """acc = 0; acc = acc + tile for each tile in order (last axis)."""
+def _accumulate(tiles: np.ndarray, tile_values: int) -> np.ndarray:
+    """The tiles (last axis, `tile_values` values of K each) summed in order within each group of
+    GROUP values, from 0, and the groups' sums added in order to acc = 0."""
+    per_group = GROUP // tile_values
     acc = np.zeros(tiles.shape[:-1], F32)
-    for t in range(tiles.shape[-1]):
-        acc = acc + tiles[..., t]
+    for g0 in range(0, tiles.shape[-1], per_group):
+        group = np.zeros(tiles.shape[:-1], F32)
+        for t in range(g0, min(g0 + per_group, tiles.shape[-1])):
+            group = group + tiles[..., t]
+        acc = acc + group
     return acc
 
 
@@ -109,7 +115,7 @@ def canonical_product(planar: bytes | np.ndarray, fmt: str, rows: int, cols: int
         terms = np.zeros((xv.shape[0], rows, nsb), F32)
         for i in range(32):  # products added one by one, in order
             terms = terms + w[None, :, :, i] * xv[:, None, :, i]
-        return _epilogue(_accumulate(_tiles_of_terms(terms)), bias, residual)
+        return _epilogue(_accumulate(_tiles_of_terms(terms), 32 * TILE), bias, residual)
     p = planar_ints(planar, fmt, rows, cols)
     xq3 = np.asarray(xq, np.int64).reshape(-1, nsb, 32)
     n = xq3.shape[0]
@@ -121,18 +127,18 @@ def canonical_product(planar: bytes | np.ndarray, fmt: str, rows: int, cols: int
         parts = p.sc[None, ..., 0] * lo + p.sc[None, ..., 1] * hi  # (n, rows, nsb)
         isum = parts.reshape(n, rows, nsb // 8, 8).sum(-1)
         tiles = (p.d[None] * xs[:, None, :]) * _i2f(isum)
-        return _epilogue(_accumulate(tiles), bias, residual)
+        return _epilogue(_accumulate(tiles, 256), bias, residual)
     idot = np.einsum("rjk,njk->nrj", p.q, xq3)
     if fmt in K_FORMATS:  # k4, k5
         isum = (p.sc[None] * idot).reshape(n, rows, nsb // 8, 8).sum(-1)
         msum = (p.mn[None] * xsum[:, None, :]).reshape(n, rows, nsb // 8, 8).sum(-1)
         tiles = xs[:, None, :] * ((p.d[None] * _i2f(isum)) - (p.dmin[None] * _i2f(msum)))
-        return _epilogue(_accumulate(tiles), bias, residual)
+        return _epilogue(_accumulate(tiles, 256), bias, residual)
     if fmt == "q8":
         terms = (p.s[None] * xs[:, None, :]) * _i2f(idot)
     else:  # g4, g5
         terms = xs[:, None, :] * ((p.s[None] * _i2f(idot)) + (p.m[None] * _i2f(xsum)[:, None, :]))
-    return _epilogue(_accumulate(_tiles_of_terms(terms.astype(F32))), bias, residual)
+    return _epilogue(_accumulate(_tiles_of_terms(terms.astype(F32)), 32 * TILE), bias, residual)
 
 
 def attention_reference(q: np.ndarray, keys: np.ndarray, values: np.ndarray, scale: float) -> np.ndarray:

@@ -15,6 +15,7 @@
 // (a subtree), so blocks and the final merge compute the same tree. Single precision throughout.
 #include "formats.cuh"
 #include "act.cuh"
+#include "async.cuh"
 
 #define ATTN_CHUNK 64         // positions per chunk
 #define ATTN_BLOCK_CHUNKS 4   // chunks per attn_chunks block (one per warp)
@@ -126,10 +127,13 @@ __device__ __forceinline__ void merge1(float& m, float& l, float& o, float m2, f
 #define PART_STRIDE(D) ((D) + 2)
 
 // grid (n_kv_heads, ceil(max positions / 256), rows), ATTN_THREADS threads; dynamic shared memory:
-// G*D floats (queries) + 4*G*(D+2) floats (chunk partials) + 4*G*64 floats (probabilities).
+// G*D floats (queries) + 4*G*(D+2) floats (chunk partials) + 4*G*64 floats (probabilities), and
+// for D <= 128 each warp's chunk of keys and values (2 x 64 x (D + 8) halves: attn_stage_bytes).
 // work: (rows, n_heads, nb, D + 2) floats, nb = ceil(cap / 256). D (the head dimension) is a
 // template parameter so that the loops over it unroll; the order of every sum is the one the
-// header gives whatever the unrolling (scores: d ascending; values: positions ascending).
+// header gives whatever the unrolling (scores: d ascending; values: positions ascending). A
+// warp's keys and values are copied to shared memory in one burst (cp.async, every row at once):
+// read where they are used, each row's loads would wait on memory one after another.
 #define ATTN_HEAD_BATCH 4  // heads whose weighted values a warp accumulates at once (registers)
 template <int D>
 __device__ __forceinline__ void attn_chunks_body(const float* qkv, int W, int n_heads, int n_kv_heads, float scale,
@@ -153,11 +157,27 @@ __device__ __forceinline__ void attn_chunks_body(const float* qkv, int W, int n_
     const __half* vbase = cache_at(R.vptr[r], layer, n_kv_heads, kvh, row_cap, 0, D);
     const int chunk = c0 + warp;
     float* mine = part + warp * G * PART_STRIDE(D);
+    constexpr bool STAGE = D <= 128;
+    constexpr int RS = D + 8;  // halves per staged row: 16-byte loads of 8 lanes fall in 32 banks
     if (chunk >= nchunks) {  // empty slot
         for (int g = lane; g < G; g += 32) mine[g * PART_STRIDE(D) + 1] = 0.f;
     } else {
         const int t0 = chunk * ATTN_CHUNK, n = min(ATTN_CHUNK, p + 1 - t0);
         float* e_w = e_s + warp * G * ATTN_CHUNK;
+        __half* ks = reinterpret_cast<__half*>(e_s + ATTN_BLOCK_CHUNKS * G * ATTN_CHUNK) + warp * 2 * ATTN_CHUNK * RS;
+        __half* vs = ks + ATTN_CHUNK * RS;
+        if (STAGE) {
+            constexpr int PIECES_ROW = D / 8;
+            for (int i = lane; i < n * PIECES_ROW; i += 32) {
+                const int t = i / PIECES_ROW, piece = i % PIECES_ROW;
+                const long long slot = span_slot(R, r, t0 + t);
+                cp_async16(ks + t * RS + piece * 8, kbase + slot * D + piece * 8, true);
+                cp_async16(vs + t * RS + piece * 8, vbase + slot * D + piece * 8, true);
+            }
+            cp_async_commit();
+            cp_async_wait<0>();
+            __syncwarp();  // every lane's copies are visible to the warp
+        }
         // scores: this lane's positions t0 + lane and t0 + lane + 32, every head of the group; the
         // key's pieces loaded 8 at a time before they are used
         constexpr int PIECES = D / 8, BATCH = PIECES < 8 ? PIECES : 8;
@@ -167,7 +187,8 @@ __device__ __forceinline__ void attn_chunks_body(const float* qkv, int W, int n_
 #pragma unroll
             for (int g = 0; g < ATTN_MAX_GROUP; ++g) acc[g] = 0.f;
             if (t < n) {
-                const uint4* krow = reinterpret_cast<const uint4*>(kbase + (long long)span_slot(R, r, t0 + t) * D);
+                const uint4* krow = reinterpret_cast<const uint4*>(
+                    STAGE ? ks + t * RS : kbase + (long long)span_slot(R, r, t0 + t) * D);
 #pragma unroll
                 for (int b0 = 0; b0 < PIECES; b0 += BATCH) {
                     uint4 raw[BATCH];
@@ -234,7 +255,8 @@ __device__ __forceinline__ void attn_chunks_body(const float* qkv, int W, int n_
                 float2 v[4][PAIRS];
 #pragma unroll
                 for (int u = 0; u < 4; ++u) {
-                    const __half2* vr = reinterpret_cast<const __half2*>(vbase + (long long)span_slot(R, r, t0 + t + u) * D);
+                    const __half2* vr = reinterpret_cast<const __half2*>(
+                        STAGE ? vs + (t + u) * RS : vbase + (long long)span_slot(R, r, t0 + t + u) * D);
 #pragma unroll
                     for (int k = 0; k < PAIRS; ++k) v[u][k] = __half22float2(vr[lane + 32 * k]);
                 }
@@ -254,7 +276,8 @@ __device__ __forceinline__ void attn_chunks_body(const float* qkv, int W, int n_
                 }
             }
             for (; t < n; ++t) {
-                const __half2* vr = reinterpret_cast<const __half2*>(vbase + (long long)span_slot(R, r, t0 + t) * D);
+                const __half2* vr = reinterpret_cast<const __half2*>(
+                    STAGE ? vs + t * RS : vbase + (long long)span_slot(R, r, t0 + t) * D);
                 float2 v[PAIRS];
 #pragma unroll
                 for (int k = 0; k < PAIRS; ++k) v[k] = __half22float2(vr[lane + 32 * k]);

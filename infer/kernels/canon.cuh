@@ -11,8 +11,11 @@
 //   tile    = (term_4T + term_4T+1) + (term_4T+2 + term_4T+3)          (absent sub-blocks: +0.0)
 //   K-quants (k4, k5, k6): the tile is the 256-value super-block, from integer sums over its
 //             8 sub-blocks (isum, msum: exact) and one float formula
-//   acc     = 0; for each tile in ascending K: acc = acc + tile
+//   group   = 0; for each tile of a group of 1024 values (CANON_GROUP), in order: group + tile
+//   acc     = 0; for each group in ascending K: acc = acc + group
 //   y       = acc (+ bias[r]) (+ residual[t, r])
+// The groups let a product split K across blocks (each computes whole groups, a last step adds them
+// in order) and give the same bits as one block walking all of K.
 //
 // Every float operation is an explicit round-to-nearest intrinsic: the compiler may not contract
 // them into fused multiply-adds or reorder them, so the NumPy reference (infer/gpu/reference.py)
@@ -20,6 +23,7 @@
 #pragma once
 
 #define CANON_TILE 4  // sub-blocks per tile of the 32-value formats
+#define CANON_GROUP 1024  // values per group (32 sub-blocks: one iteration of a qgemv warp)
 
 __device__ __forceinline__ float i2f(int v) { return __int2float_rn(v); }
 

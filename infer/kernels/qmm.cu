@@ -15,6 +15,7 @@
 // Epilogue: y[t * ldy + r] = acc (+ bias[r]) (+ residual[t * ldy + r]); y may alias residual.
 #include "formats.cuh"
 #include "canon.cuh"
+#include "async.cuh"
 
 #ifndef QG_WARPS
 #define QG_WARPS 4  // weight rows (warps) per qgemv block
@@ -202,6 +203,9 @@ __device__ __forceinline__ void qgemv_body(const Parts& parts, int M, int K, Act
                 }
                 int lo16, hi16;
                 F::idots(r[u], xa, xb, lo16, hi16);
+                // the iteration's 32 sub-blocks are one group (CANON_GROUP): its tiles in order from 0,
+                // then added to acc
+                float group = 0.f;
                 if (!F::SUPER) {
                     // lanes 4j..4j+3 hold tile j of the iteration: pairwise, as tile4
                     float t = have ? F::term(r[u].sm, xs, lo16 + hi16, xsum) : 0.f;
@@ -210,7 +214,7 @@ __device__ __forceinline__ void qgemv_body(const Parts& parts, int M, int K, Act
 #pragma unroll
                     for (int j = 0; j < 32 / CANON_TILE; ++j) {
                         const float T = __shfl_sync(FULL_MASK, t, CANON_TILE * j);
-                        if (first + CANON_TILE * j < nsb) acc[v] = __fadd_rn(acc[v], T);
+                        if (first + CANON_TILE * j < nsb) group = __fadd_rn(group, T);
                     }
                 } else {
                     // lanes 8j..8j+7 hold super-block j: exact integer sums, then its term
@@ -225,9 +229,10 @@ __device__ __forceinline__ void qgemv_body(const Parts& parts, int M, int K, Act
 #pragma unroll
                     for (int j = 0; j < 4; ++j) {
                         const float T = __shfl_sync(FULL_MASK, t, 8 * j);
-                        if (first + 8 * j < nsb) acc[v] = __fadd_rn(acc[v], T);
+                        if (first + 8 * j < nsb) group = __fadd_rn(group, T);
                     }
                 }
+                acc[v] = __fadd_rn(acc[v], group);
             }
         }
     }
@@ -239,22 +244,6 @@ __device__ __forceinline__ void qgemv_body(const Parts& parts, int M, int K, Act
 }
 
 // ---------------------------------------------------------------- qmm: tensor cores
-__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
-    const unsigned s = (unsigned)__cvta_generic_to_shared(dst);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(src), "r"(valid ? 16 : 0));
-}
-__device__ __forceinline__ void cp_async8(void* dst, const void* src, bool valid) {
-    const unsigned s = (unsigned)__cvta_generic_to_shared(dst);
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(s), "l"(src), "r"(valid ? 8 : 0));
-}
-__device__ __forceinline__ void cp_async4(void* dst, const void* src, bool valid) {
-    const unsigned s = (unsigned)__cvta_generic_to_shared(dst);
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(s), "l"(src), "r"(valid ? 4 : 0));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
-
 // D = A B (int8 in, int32 out, C = 0): A 16x32 row-major fragment, B 32x8 column fragment
 __device__ __forceinline__ void mma_k32(int (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
     asm("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
@@ -384,9 +373,11 @@ __device__ __forceinline__ uint32_t word_of(const uint4& v, int i) {
 }
 
 // The warp's 16 rows x the block's tokens for one stage, added into acc[nt][e] (e: the C fragment's
-// elements: rows g, g, g+8, g+8; tokens 2c, 2c+1, 2c, 2c+1 of n-tile nt).
+// elements: rows g, g, g+8, g+8; tokens 2c, 2c+1, 2c, 2c+1 of n-tile nt). The rows' fragments and
+// scales are read once for the stage; the tokens' scales and sums once per n-tile (16-byte loads).
 template <int KIND, int NT>
 __device__ __forceinline__ void qmm_compute(const unsigned char* st, int nsb, int kt, float (&acc)[NT][4]) {
+    // `acc` here is the current group's sum (qmm_body adds it to the total at the group's end)
     typedef Q<KIND> F;
     typedef Stage<KIND, NT> S;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -394,8 +385,7 @@ __device__ __forceinline__ void qmm_compute(const unsigned char* st, int nsb, in
     const int ra = 16 * warp + g, rb = ra + 8;  // this thread's two weight rows in the tile
     const unsigned char* qa = st + ra * S::QSTR;
     const unsigned char* qb = st + rb * S::QSTR;
-    // A fragments of the stage's 8 sub-blocks (lo: k 4c..4c+3, hi: k 16+4c..16+4c+3)
-    uint32_t A[8][4];
+    // the rows' high bits for the stage (g5, k5: 4 bytes a sub-block; k6: 8)
     uint4 ha0 = make_uint4(0, 0, 0, 0), ha1 = ha0, hb0 = ha0, hb1 = ha0;
     if (F::HI) {
         ha0 = lds128(st + S::OFF_HI + ra * S::HSTR);
@@ -410,13 +400,14 @@ __device__ __forceinline__ void qmm_compute(const unsigned char* st, int nsb, in
         hb2 = lds128(st + S::OFF_HI + rb * S::HSTR + 32);
         hb3 = lds128(st + S::OFF_HI + rb * S::HSTR + 48);
     }
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
+    // the A fragment of sub-block j (lo: k 4c..4c+3, hi: k 16+4c..16+4c+3): a0, a1 rows a, b lo;
+    // a2, a3 rows a, b hi
+    auto fragment = [&](int j, uint32_t (&a)[4]) {
         if (F::BITS == 8) {
-            A[j][0] = lds32(qa + j * 32 + 4 * c);
-            A[j][1] = lds32(qb + j * 32 + 4 * c);
-            A[j][2] = lds32(qa + j * 32 + 16 + 4 * c);
-            A[j][3] = lds32(qb + j * 32 + 16 + 4 * c);
+            a[0] = lds32(qa + j * 32 + 4 * c);
+            a[1] = lds32(qb + j * 32 + 4 * c);
+            a[2] = lds32(qa + j * 32 + 16 + 4 * c);
+            a[3] = lds32(qb + j * 32 + 16 + 4 * c);
         } else {
             uint32_t h0a = 0, h1a = 0, h0b = 0, h1b = 0;
             if (F::HI == 4) {
@@ -430,16 +421,49 @@ __device__ __forceinline__ void qmm_compute(const unsigned char* st, int nsb, in
                 h0b = word_of(vb, 2 * (j & 1));
                 h1b = word_of(vb, 2 * (j & 1) + 1);
             }
-            F::values(lds32(qa + j * 16 + 4 * c), h0a, h1a, c, A[j][0], A[j][2]);
-            F::values(lds32(qb + j * 16 + 4 * c), h0b, h1b, c, A[j][1], A[j][3]);
+            F::values(lds32(qa + j * 16 + 4 * c), h0a, h1a, c, a[0], a[2]);
+            F::values(lds32(qb + j * 16 + 4 * c), h0b, h1b, c, a[1], a[3]);
         }
+    };
+    // K-quants: all 8 sub-blocks' fragments for the stage; the 32-value formats build a tile's 4 at a
+    // time (registers: their sums per tile hold more per token)
+    uint32_t A[8][4];
+    if (F::SUPER) {
+#pragma unroll
+        for (int j = 0; j < 8; ++j) fragment(j, A[j]);
     }
-    // the rows' scales for the stage: sm words (2 bytes a sub-block, or 4 for g4/g5)
+    // the rows' scales for the stage, decoded once: sm words (2 bytes a sub-block, 4 for g4/g5)
     const uint4 sa0 = lds128(st + S::OFF_SM + ra * S::SSTR), sb0v = lds128(st + S::OFF_SM + rb * S::SSTR);
     uint4 sa1 = make_uint4(0, 0, 0, 0), sb1v = sa1;
     if (F::SM == 4) {
         sa1 = lds128(st + S::OFF_SM + ra * S::SSTR + 16);
         sb1v = lds128(st + S::OFF_SM + rb * S::SSTR + 16);
+    }
+    uint32_t sma[8], smb[8];  // each sub-block's sm value of rows a and b
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+        if (F::SM == 4) {
+            sma[j] = word_of(j < 4 ? sa0 : sa1, j & 3);
+            smb[j] = word_of(j < 4 ? sb0v : sb1v, j & 3);
+        } else {
+            sma[j] = (word_of(sa0, j >> 1) >> (16 * (j & 1))) & 0xFFFFu;
+            smb[j] = (word_of(sb0v, j >> 1) >> (16 * (j & 1))) & 0xFFFFu;
+        }
+    }
+    int sca[8], scb[8], mna[8], mnb[8];  // K-quants: the integer scales (Q6_K: the two halves' in sc/mn)
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+        if (F::BITS == 6) {
+            sca[j] = (int)(signed char)(sma[j] & 0xFFu);
+            mna[j] = (int)(signed char)((sma[j] >> 8) & 0xFFu);
+            scb[j] = (int)(signed char)(smb[j] & 0xFFu);
+            mnb[j] = (int)(signed char)((smb[j] >> 8) & 0xFFu);
+        } else {
+            sca[j] = (int)(sma[j] & 0xFFu);
+            mna[j] = (int)((sma[j] >> 8) & 0xFFu);
+            scb[j] = (int)(smb[j] & 0xFFu);
+            mnb[j] = (int)((smb[j] >> 8) & 0xFFu);
+        }
     }
     uint32_t dma = 0, dmb = 0;
     if (F::SUPER) {
@@ -452,31 +476,40 @@ __device__ __forceinline__ void qmm_compute(const unsigned char* st, int nsb, in
     for (int nt = 0; nt < NT; ++nt) {
         const unsigned char* xb = st + S::OFF_XQ + (nt * 8 + g) * S::XQSTR;  // B: token nt*8 + g
         const int t0 = nt * 8 + 2 * c, t1 = t0 + 1;                          // C: tokens t0, t1
+        int u0[8], u1[8];  // K-quants: the tokens' sums per 32 (offset terms), 16-byte loads
+        if (F::XSUM && F::SUPER) {
+            const uint4 p0 = lds128(st + S::OFF_XU + t0 * S::XUSTR * 4), p1 = lds128(st + S::OFF_XU + t0 * S::XUSTR * 4 + 16);
+            const uint4 q0 = lds128(st + S::OFF_XU + t1 * S::XUSTR * 4), q1 = lds128(st + S::OFF_XU + t1 * S::XUSTR * 4 + 16);
+#pragma unroll
+            for (int j = 0; j < 8; ++j) {
+                u0[j] = (int)word_of(j < 4 ? p0 : p1, j & 3);
+                u1[j] = (int)word_of(j < 4 ? q0 : q1, j & 3);
+            }
+        }
         if (F::SUPER) {
             int isum[4] = {0, 0, 0, 0}, msum[4] = {0, 0, 0, 0};
 #pragma unroll
             for (int j = 0; j < 8; ++j) {
                 const uint32_t b0 = lds32(xb + j * 32 + 4 * c), b1 = lds32(xb + j * 32 + 16 + 4 * c);
-                const uint32_t sma = (word_of(sa0, j >> 1) >> (16 * (j & 1))) & 0xFFFFu;
-                const uint32_t smb = (word_of(sb0v, j >> 1) >> (16 * (j & 1))) & 0xFFFFu;
-                if (F::BITS == 6) {
+                if (F::BITS == 6) {  // two 16-value halves, each with its own scale
                     int dl[4], dh[4];
                     mma_k16(dl, A[j][0], A[j][1], b0);
                     mma_k16(dh, A[j][2], A[j][3], b1);
-                    int ip, mp;
-                    F::super_parts(sma, dl[0], dh[0], 0, ip, mp); isum[0] += ip;
-                    F::super_parts(sma, dl[1], dh[1], 0, ip, mp); isum[1] += ip;
-                    F::super_parts(smb, dl[2], dh[2], 0, ip, mp); isum[2] += ip;
-                    F::super_parts(smb, dl[3], dh[3], 0, ip, mp); isum[3] += ip;
+                    isum[0] += sca[j] * dl[0] + mna[j] * dh[0];
+                    isum[1] += sca[j] * dl[1] + mna[j] * dh[1];
+                    isum[2] += scb[j] * dl[2] + mnb[j] * dh[2];
+                    isum[3] += scb[j] * dl[3] + mnb[j] * dh[3];
                 } else {
                     int d[4];
                     mma_k32(d, A[j], b0, b1);
-                    const int u0 = xu[t0 * S::XUSTR + j], u1 = xu[t1 * S::XUSTR + j];
-                    int ip, mp;
-                    F::super_parts(sma, d[0], 0, u0, ip, mp); isum[0] += ip; msum[0] += mp;
-                    F::super_parts(sma, d[1], 0, u1, ip, mp); isum[1] += ip; msum[1] += mp;
-                    F::super_parts(smb, d[2], 0, u0, ip, mp); isum[2] += ip; msum[2] += mp;
-                    F::super_parts(smb, d[3], 0, u1, ip, mp); isum[3] += ip; msum[3] += mp;
+                    isum[0] += sca[j] * d[0];
+                    isum[1] += sca[j] * d[1];
+                    isum[2] += scb[j] * d[2];
+                    isum[3] += scb[j] * d[3];
+                    msum[0] += mna[j] * u0[j];
+                    msum[1] += mna[j] * u1[j];
+                    msum[2] += mnb[j] * u0[j];
+                    msum[3] += mnb[j] * u1[j];
                 }
             }
             const float x0 = xs[t0], x1 = xs[t1];
@@ -484,31 +517,33 @@ __device__ __forceinline__ void qmm_compute(const unsigned char* st, int nsb, in
             acc[nt][1] = __fadd_rn(acc[nt][1], F::super_term(dma, x1, isum[1], msum[1]));
             acc[nt][2] = __fadd_rn(acc[nt][2], F::super_term(dmb, x0, isum[2], msum[2]));
             acc[nt][3] = __fadd_rn(acc[nt][3], F::super_term(dmb, x1, isum[3], msum[3]));
-        } else {
+        }
+    }
+    if (!F::SUPER) {
 #pragma unroll
-            for (int T = 0; T < 8 / CANON_TILE; ++T) {
+        for (int T = 0; T < 8 / CANON_TILE; ++T) {
+            uint32_t At[CANON_TILE][4];
+#pragma unroll
+            for (int jj = 0; jj < CANON_TILE; ++jj) fragment(CANON_TILE * T + jj, At[jj]);
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) {
+                const unsigned char* xb = st + S::OFF_XQ + (nt * 8 + g) * S::XQSTR;  // B: token nt*8 + g
+                const int t0 = nt * 8 + 2 * c, t1 = t0 + 1;                          // C: tokens t0, t1
                 float tt[CANON_TILE][4];
 #pragma unroll
                 for (int jj = 0; jj < CANON_TILE; ++jj) {
                     const int j = CANON_TILE * T + jj;
                     const uint32_t b0 = lds32(xb + j * 32 + 4 * c), b1 = lds32(xb + j * 32 + 16 + 4 * c);
                     int d[4];
-                    mma_k32(d, A[j], b0, b1);
-                    uint32_t sma, smb;
-                    if (F::SM == 4) {
-                        sma = word_of(j < 4 ? sa0 : sa1, j & 3);
-                        smb = word_of(j < 4 ? sb0v : sb1v, j & 3);
-                    } else {
-                        sma = (word_of(sa0, j >> 1) >> (16 * (j & 1))) & 0xFFFFu;
-                        smb = (word_of(sb0v, j >> 1) >> (16 * (j & 1))) & 0xFFFFu;
-                    }
+                    mma_k32(d, At[jj], b0, b1);
+                    // the tokens' scale and sum of sub-block j (registers: per use, not held for 8)
                     const float x0 = xs[t0 * S::XSSTR + j], x1 = xs[t1 * S::XSSTR + j];
-                    const int u0 = F::XSUM ? xu[t0 * S::XUSTR + j] : 0, u1 = F::XSUM ? xu[t1 * S::XUSTR + j] : 0;
+                    const int w0 = F::XSUM ? xu[t0 * S::XUSTR + j] : 0, w1 = F::XSUM ? xu[t1 * S::XUSTR + j] : 0;
                     const bool have = kt * 8 + j < nsb;  // the same for the whole block
-                    tt[jj][0] = have ? F::term(sma, x0, d[0], u0) : 0.f;
-                    tt[jj][1] = have ? F::term(sma, x1, d[1], u1) : 0.f;
-                    tt[jj][2] = have ? F::term(smb, x0, d[2], u0) : 0.f;
-                    tt[jj][3] = have ? F::term(smb, x1, d[3], u1) : 0.f;
+                    tt[jj][0] = have ? F::term(sma[j], x0, d[0], w0) : 0.f;
+                    tt[jj][1] = have ? F::term(sma[j], x1, d[1], w1) : 0.f;
+                    tt[jj][2] = have ? F::term(smb[j], x0, d[2], w0) : 0.f;
+                    tt[jj][3] = have ? F::term(smb[j], x1, d[3], w1) : 0.f;
                 }
                 if (kt * 8 + CANON_TILE * T < nsb) {
 #pragma unroll
@@ -520,34 +555,52 @@ __device__ __forceinline__ void qmm_compute(const unsigned char* st, int nsb, in
     }
 }
 
+#define STAGES_PER_GROUP (CANON_GROUP / 256)  // a stage holds 256 values of K
+
+// One block: 16 * MMQ_WARPS rows x 8 * NT tokens. Without `partial` it walks all of K and writes y;
+// with it (split K, grid z = group) it computes group blockIdx.z alone and writes that group's sums
+// to partial[(group * N + token) * M + row] for qmm_combine.
 template <int KIND, int NT>
 __device__ __forceinline__ void qmm_body(const Parts& parts, int M, int K, Act8 x, int N, float* y, int ldy,
-                                         const float* bias, const float* residual) {
+                                         const float* bias, const float* residual, float* partial) {
     typedef Stage<KIND, NT> S;
     extern __shared__ __align__(16) unsigned char qmm_smem[];
     const int tok0 = blockIdx.x * S::BN, row0 = blockIdx.y * MMQ_ROWS;
-    const int nsb = K >> 5, nk = (nsb + 7) >> 3;
-    float acc[NT][4];
+    const int nsb = K >> 5, nk_all = (nsb + 7) >> 3;
+    const int k_first = partial ? blockIdx.z * STAGES_PER_GROUP : 0;
+    const int nk = partial ? min(STAGES_PER_GROUP, nk_all - k_first) : nk_all;
+    float acc[NT][4], grp[NT][4];
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) acc[nt][e] = 0.f;
+        for (int e = 0; e < 4; ++e) acc[nt][e] = grp[nt][e] = 0.f;
     // MMQ_STAGES - 1 stages in flight; a group is committed every step (empty past the end) so
     // that wait_group counts stay the same
 #pragma unroll
     for (int s = 0; s < MMQ_STAGES - 1; ++s) {
-        if (s < nk) qmm_load<KIND, NT>(qmm_smem + s * S::BYTES, parts, M, K, x, N, row0, tok0, s);
+        if (s < nk) qmm_load<KIND, NT>(qmm_smem + s * S::BYTES, parts, M, K, x, N, row0, tok0, k_first + s);
         cp_async_commit();
     }
-    for (int kt = 0; kt < nk; ++kt) {
-        const int ahead = kt + MMQ_STAGES - 1;
+    for (int i = 0; i < nk; ++i) {
+        const int ahead = i + MMQ_STAGES - 1;
         if (ahead < nk)  // into the buffer the previous step computed on (read before its barrier)
-            qmm_load<KIND, NT>(qmm_smem + (ahead % MMQ_STAGES) * S::BYTES, parts, M, K, x, N, row0, tok0, ahead);
+            qmm_load<KIND, NT>(qmm_smem + (ahead % MMQ_STAGES) * S::BYTES, parts, M, K, x, N, row0, tok0,
+                               k_first + ahead);
         cp_async_commit();
-        cp_async_wait<MMQ_STAGES - 1>();  // stage kt has landed
+        cp_async_wait<MMQ_STAGES - 1>();  // stage i has landed
         __syncthreads();
-        qmm_compute<KIND, NT>(qmm_smem + (kt % MMQ_STAGES) * S::BYTES, nsb, kt, acc);
+        const int kt = k_first + i;
+        qmm_compute<KIND, NT>(qmm_smem + (i % MMQ_STAGES) * S::BYTES, nsb, kt, grp);
         __syncthreads();  // the stage is read before a later load overwrites it
+        if (!partial && (kt % STAGES_PER_GROUP == STAGES_PER_GROUP - 1 || kt == nk_all - 1)) {
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    acc[nt][e] = __fadd_rn(acc[nt][e], grp[nt][e]);
+                    grp[nt][e] = 0.f;
+                }
+        }
     }
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
 #pragma unroll
@@ -556,9 +609,22 @@ __device__ __forceinline__ void qmm_body(const Parts& parts, int M, int K, Act8 
         for (int e = 0; e < 4; ++e) {
             const int row = row0 + 16 * warp + g + (e >= 2 ? 8 : 0);
             const int tok = tok0 + nt * 8 + 2 * c + (e & 1);
-            if (row < M && tok < N) y[(long long)tok * ldy + row] = canon_out(acc[nt][e], row, tok, ldy, bias, residual);
+            if (row >= M || tok >= N) continue;
+            if (partial) partial[((long long)blockIdx.z * N + tok) * M + row] = grp[nt][e];
+            else y[(long long)tok * ldy + row] = canon_out(acc[nt][e], row, tok, ldy, bias, residual);
         }
     }
+}
+
+// y = the groups' sums of a split product, added in order, + bias + residual (grid: N*M / 256)
+extern "C" __global__ void qmm_combine(const float* partial, int groups, int M, int N, float* y, int ldy,
+                                       const float* bias, const float* residual) {
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (long long)N * M) return;
+    const int tok = (int)(i / M), row = (int)(i % M);
+    float acc = 0.f;
+    for (int g = 0; g < groups; ++g) acc = __fadd_rn(acc, partial[((long long)g * N + tok) * M + row]);
+    y[(long long)tok * ldy + row] = canon_out(acc, row, tok, ldy, bias, residual);
 }
 
 // ---------------------------------------------------------------- float formats
@@ -582,11 +648,13 @@ __device__ __forceinline__ void fgemv_body(const T* w, int M, int K, const float
             }
             t = __fadd_rn(t, __shfl_xor_sync(FULL_MASK, t, 1));
             t = __fadd_rn(t, __shfl_xor_sync(FULL_MASK, t, 2));
+            float group = 0.f;  // the iteration's 32 sub-blocks: one group
 #pragma unroll
             for (int j = 0; j < 32 / CANON_TILE; ++j) {
                 const float Tv = __shfl_sync(FULL_MASK, t, CANON_TILE * j);
-                if (first + CANON_TILE * j < nsb) acc = __fadd_rn(acc, Tv);
+                if (first + CANON_TILE * j < nsb) group = __fadd_rn(group, Tv);
             }
+            acc = __fadd_rn(acc, group);
         }
         if (lane == 0) y[(long long)v * ldy + row] = canon_out(acc, row, v, ldy, bias, residual);
     }
@@ -601,7 +669,7 @@ __device__ __forceinline__ void fgemv_body(const T* w, int M, int K, const float
 #define PARTS_OF Parts{{Planes{qs0, hi0, sm0, dm0}, Planes{qs1, hi1, sm1, dm1}, Planes{qs2, hi2, sm2, dm2}}, end0, end1}
 #define PRODUCT_ARGS                                                                                            \
     int M, int K, const signed char *xq, const float *xs, const int *xsum, int N, float *y, int ldy,           \
-        const float *bias, const float *residual
+        const float *bias, const float *residual, float *partial
 
 #define QGEMV(NAME, KIND, NV)                                                                                   \
     extern "C" __global__ void __launch_bounds__(QG_WARPS * 32) qgemv_##NAME##_v##NV(PARTS_ARGS, PRODUCT_ARGS) { \
@@ -609,7 +677,7 @@ __device__ __forceinline__ void fgemv_body(const T* w, int M, int K, const float
     }
 #define QMM(NAME, KIND, NT)                                                                                     \
     extern "C" __global__ void __launch_bounds__(MMQ_THREADS, 256 / MMQ_THREADS) qmm_##NAME##_n##NT(PARTS_ARGS, PRODUCT_ARGS) {    \
-        qmm_body<KIND, NT>(PARTS_OF, M, K, Act8{xq, xs, xsum}, N, y, ldy, bias, residual);                      \
+        qmm_body<KIND, NT>(PARTS_OF, M, K, Act8{xq, xs, xsum}, N, y, ldy, bias, residual, partial);             \
     }
 #if QMM_KERNELS & 1
 #define QGEMVS(NAME, KIND) QGEMV(NAME, KIND, 1) QGEMV(NAME, KIND, 2) QGEMV(NAME, KIND, 4)

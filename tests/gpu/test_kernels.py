@@ -265,13 +265,16 @@ def test_products_are_the_canonical_sum_for_every_row_count(rng: np.random.Gener
         q, scale, qsum = _activations(rng, max(NS), cols, act)
         x8 = _device_int8(q, scale, qsum, act)
         want = canonical_product(planar, m.fmt, rows, cols, q, scale, qsum)
+        scratch = cupy.zeros(ops.SPLIT_SCRATCH_BYTES // 4, cupy.float32)
         for n in NS:
-            y = _poisoned((n, rows))
-            ops.product([m], x8, y, n)
-            got = cupy.asnumpy(y)
-            assert np.isfinite(got).all(), (rows, cols, n)
-            np.testing.assert_array_equal(got, want[:n], err_msg=f"{rows}x{cols}, {n} rows, "
-                                          f"{'qmm' if ops.uses_qmm(m.fmt, cols, n) else 'qgemv'}")
+            for split in (None, scratch):  # whole K in one block, and split into groups where blocks are few
+                y = _poisoned((n, rows))
+                ops.product([m], x8, y, n, scratch=split)
+                got = cupy.asnumpy(y)
+                assert np.isfinite(got).all(), (rows, cols, n)
+                np.testing.assert_array_equal(got, want[:n], err_msg=f"{rows}x{cols}, {n} rows, "
+                                              f"{'qmm' if ops.uses_qmm(m.fmt, cols, n) else 'qgemv'}, "
+                                              f"split {split is not None}")
 
 
 @pytest.mark.parametrize("ggml_type", [T.Q8_0, T.Q5_1, T.Q4_K, T.Q6_K], ids=lambda t: T(t).name)
@@ -293,12 +296,13 @@ def test_product_of_stacked_parts_with_bias_and_residual(rng: np.random.Generato
     ldy = rows + 11
     bias = rng.standard_normal(rows).astype(np.float32)
     res = rng.standard_normal((n, ldy)).astype(np.float32)
-    y = cupy.asarray(res)
-    ops.product(mats, _device_int8(q, scale, qsum, act), y.reshape(-1), n, ldy=ldy, bias=cupy.asarray(bias),
-                residual=y.reshape(-1))
-    got = cupy.asnumpy(y)
-    np.testing.assert_array_equal(got[:, :rows], (want + bias[None]) + res[:, :rows])
-    np.testing.assert_array_equal(got[:, rows:], res[:, rows:])  # the gap between rows untouched
+    for split in (None, cupy.zeros(ops.SPLIT_SCRATCH_BYTES // 4, cupy.float32)):
+        y = cupy.asarray(res)
+        ops.product(mats, _device_int8(q, scale, qsum, act), y.reshape(-1), n, ldy=ldy, bias=cupy.asarray(bias),
+                    residual=y.reshape(-1), scratch=split)
+        got = cupy.asnumpy(y)
+        np.testing.assert_array_equal(got[:, :rows], (want + bias[None]) + res[:, :rows])
+        np.testing.assert_array_equal(got[:, rows:], res[:, rows:])  # the gap between rows untouched
 
 
 @pytest.mark.parametrize("ggml_type", [T.F16, T.BF16, T.F32], ids=lambda t: T(t).name)

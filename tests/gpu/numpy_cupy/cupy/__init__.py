@@ -174,11 +174,11 @@ class RawKernel:
             lay = layout.plane_layout(fmt, r_, c_)
             for p, o, s in zip((qs, hi, sm, dm), lay.offsets, lay.sizes):
                 if s: _arr(p, np.uint8, s)[:] = planar[o:o+s]
-        elif n.startswith(("qgemv_", "qmm_")):  # canonical products, bit for bit (infer.gpu.reference)
+        elif n.startswith(("qgemv_", "qmm_")) and n != "qmm_combine":  # canonical products, bit for bit (infer.gpu.reference)
             from infer.gpu.reference import canonical_product
             fmt = n.split("_")[1]
             planes = [args[4 * i : 4 * i + 4] for i in range(3)]
-            e0, e1, M, K, xq, xs8, xsum, N, y, ldy, bias, res = args[12:]
+            e0, e1, M, K, xq, xs8, xsum, N, y, ldy, bias, res, partial = args[12:]
             e0, e1, M, K, N, ldy = map(int, (e0, e1, M, K, N, ldy))
             group = 256 if fmt in layout.K_FORMATS else 32
             q = _arr(xq, np.int8, N * K).reshape(N, K).copy()
@@ -189,6 +189,19 @@ class RawKernel:
             for (lo, hi), pl in zip(((0, e0), (e0, e1), (e1, M)), planes):
                 if hi > lo: outs.append(canonical_product(_planar(fmt, *pl, hi - lo, K), fmt, hi - lo, K, q, xsv, su))
             out = np.concatenate(outs, axis=1)
+            if _ptr(partial):  # split K: the whole sum as group 0, the other groups zero (qmm_combine adds them)
+                groups = grid[2] if len(grid) > 2 else 1
+                P = _arr(partial, np.float32, groups * N * M).reshape(groups, N, M)
+                P[...] = 0; P[0] = out
+                return
+            if _ptr(bias): out = out + _arr(bias, np.float32, M)[None]
+            _store_rows(y, res, out, ldy)
+        elif n == "qmm_combine":
+            partial, groups, M, N, y, ldy, bias, res = args
+            groups, M, N, ldy = map(int, (groups, M, N, ldy))
+            P = _arr(partial, np.float32, groups * N * M).reshape(groups, N, M)
+            out = np.zeros((N, M), np.float32)
+            for g in range(groups): out = out + P[g]
             if _ptr(bias): out = out + _arr(bias, np.float32, M)[None]
             _store_rows(y, res, out, ldy)
         elif n.startswith("fgemv_"):
