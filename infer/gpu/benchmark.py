@@ -78,13 +78,17 @@ def fp64_instructions(module: str, defines: dict[str, int] | None = None) -> dic
     """Per kernel of infer/kernels/<module>.cu (with `defines`), the FP64 instructions of its PTX
     (compiled by NVRTC for the current device): 0 everywhere means a pass runs no FP64 operation."""
     import cupy
+    from cupy_backends.cuda.libs import nvrtc
 
     from infer.gpu import kernels
 
-    ptx = cupy.cuda.compiler.compile_using_nvrtc(kernels.source_text(module, defines), options=kernels.OPTIONS,
-                                                 arch=f"compute_{cupy.cuda.Device().compute_capability}")
-    if isinstance(ptx, tuple):
-        ptx = ptx[0]
+    # NVRTC directly: CuPy's compile helper returns a cubin, not PTX, for an architecture it knows
+    program = nvrtc.createProgram(kernels.source_text(module, defines), f"{module}.cu", [], [])
+    try:
+        nvrtc.compileProgram(program, [*kernels.OPTIONS, f"-arch=compute_{cupy.cuda.Device().compute_capability}"])
+        ptx = nvrtc.getPTX(program)
+    finally:
+        nvrtc.destroyProgram(program)
     if isinstance(ptx, bytes):
         ptx = ptx.decode()
     out: dict[str, int] = {}

@@ -25,8 +25,9 @@ from infer.gpu.layout import (
 )
 
 NULL = np.uint64(0)
-ATTN_CHUNK = 64  # attention.cu: positions per chunk
-ATTN_BLOCK_POSITIONS = 256  # positions per attn_chunks block (4 chunks)
+ATTN_CHUNK = 32  # attention.cu: positions per chunk
+ATTN_BLOCK_POSITIONS = 128  # positions per attn_chunks block (4 chunks)
+ATTN_HEADS = 4  # query heads an attn_chunks warp takes at once
 ATTN_THREADS = 128
 ATTN_MAX_HEAD_DIM = 256
 ATTN_MAX_GROUP = 16
@@ -246,16 +247,16 @@ def _tiles(n: int) -> int:
     return 1 if n <= 8 else 2 if n <= 16 else 4 if n <= 32 else 8
 
 
-_opted_in: set[tuple] = set()
+_opted_in: dict[tuple, int] = {}  # the opt-in set per key
 
 
 def _with_shared(fn, key: tuple, nbytes: int):  # noqa: ANN001, ANN202
-    """The kernel with its dynamic shared memory opt-in raised to nbytes (once per kernel, module
-    variant and device)."""
+    """The kernel with its dynamic shared memory opt-in raised to nbytes (per kernel, module variant
+    and device; raised again when a later shape needs more)."""
     key = (cupy.cuda.Device().id, *key)
-    if nbytes > _SHARED_DEFAULT and key not in _opted_in:
+    if nbytes > max(_SHARED_DEFAULT, _opted_in.get(key, 0)):
         fn.max_dynamic_shared_size_bytes = nbytes
-        _opted_in.add(key)
+        _opted_in[key] = nbytes
     return fn
 
 
@@ -393,11 +394,9 @@ class AttentionShape:
                              f"{ATTN_MAX_GROUP} per KV head are supported")
 
     def chunks_shared_bytes(self) -> int:
-        """attn_chunks' dynamic shared memory: queries, partials, probabilities, and (head dimension
-        up to 128) each warp's staged keys and values."""
+        """attn_chunks' dynamic shared memory: the 4 chunks' partials and each warp's probabilities."""
         g, d = self.n_heads // self.n_kv_heads, self.head_dim
-        staged = 4 * 2 * 64 * (d + 8) * 2 if d <= 128 else 0
-        return 4 * (g * d + 4 * g * (d + 2) + 4 * g * 64) + staged
+        return 4 * (4 * g * (d + 2) + 4 * ATTN_CHUNK * ATTN_HEADS)
 
 
 def attention_blocks(max_ctx: int) -> int:

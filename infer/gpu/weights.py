@@ -141,11 +141,23 @@ class _MappedHost:
 def upload_embedding(model: GGUFModel) -> GpuMatrix:
     """The token embedding, repacked on the device and kept in mapped host memory: a pass reads only
     its rows' few kilobytes across the link (as llama.cpp keeps it on the CPU), and the VRAM goes to
-    the layers. Uploaded before the layers, so its device copy is gone when they arrive."""
-    m = upload_tensor(model, TOKEN_EMBD)
-    host = _MappedHost(m.nbytes)
-    cupy.cuda.runtime.memcpy(host.ptr, m.buffer.data.ptr, m.nbytes, cupy.cuda.runtime.memcpyDeviceToHost)
-    return GpuMatrix(m.fmt, m.rows, m.cols, m.layout, host, m.source_nbytes, m.act)  # type: ignore[arg-type]
+    the layers. The device copy lives in a pool of its own, within what the engine's pool may still
+    take, and is handed back whole: freed in the engine's pool it would stay there as fragments that
+    the layers' tensors do not fill, against the VRAM budget."""
+    engine = cupy.get_default_memory_pool()
+    staging = cupy.cuda.MemoryPool()
+    if engine.get_limit():
+        staging.set_limit(size=max(engine.get_limit() - engine.total_bytes(), 0))
+    try:
+        with cupy.cuda.using_allocator(staging.malloc):
+            m = upload_tensor(model, TOKEN_EMBD)
+            host = _MappedHost(m.nbytes)
+            cupy.cuda.runtime.memcpy(host.ptr, m.buffer.data.ptr, m.nbytes, cupy.cuda.runtime.memcpyDeviceToHost)
+            matrix = GpuMatrix(m.fmt, m.rows, m.cols, m.layout, host, m.source_nbytes, m.act)  # type: ignore[arg-type]
+            del m
+    finally:
+        staging.free_all_blocks()
+    return matrix
 
 
 def embedding_on_host(model: GGUFModel) -> bool:

@@ -2,23 +2,27 @@
 // (a token tree's node attends to its ancestors' slots), in three launches for the whole pass:
 //   rope_rows      rotary embedding of each row's q (in place) and k, k and v stored in the row's
 //                  cache at its slot;
-//   attn_chunks    grid (KV head, block of 4 chunks, row): per chunk of 64 positions of the row's
-//                  span, the G query heads' partial softmax (max m, sum l, weighted values o), then
-//                  the block's 4 chunks merged;
+//   attn_chunks    grid (KV head, block of 4 chunks, row): a warp per chunk of 32 positions of the
+//                  row's span computes the G query heads' partial softmax (max m, sum l, weighted
+//                  values o), then the block's 4 chunks are merged;
 //   attn_merge     per row: the blocks' partials merged, o / l, rounded to the output projection's
 //                  activation format (and its 8-bit form).
-// Canonical order (the same bits for a row whatever else the pass holds, and whichever kernel or
-// block holds a chunk): a chunk's scores are sequential fused multiply-adds over the head dimension
-// by one lane; its max is exact; its sum and weighted values are formed in a fixed lane order; chunk
-// partials are combined by `merge` in the complete binary tree over chunk indexes (chunks past the
-// row's position are empty and pass through). A block holds an aligned power-of-two range of chunks
-// (a subtree), so blocks and the final merge compute the same tree. Single precision throughout.
+// Canonical order (the same bits for a row whatever else the pass holds, and whichever block holds
+// a chunk). Lane l of a warp owns dimensions [l*D/32, (l+1)*D/32) of the query, keys and values. A
+// score is the sum over lanes of each lane's sequential fused multiply-adds over its dimensions,
+// the 32 lane sums added by a fixed pattern (attn_reduce8); the chunk's max is exact; its sum is a
+// butterfly over the lanes (position = lane); a lane's weighted values are fused multiply-adds over
+// the positions in ascending order. Chunk partials are combined by `merge` in the complete binary
+// tree over chunk indexes (chunks past the row's position are empty and pass through). A block
+// holds an aligned power-of-two range of chunks (a subtree), so blocks and the final merge compute
+// the same tree. Single precision throughout.
 #include "formats.cuh"
 #include "act.cuh"
-#include "async.cuh"
 
-#define ATTN_CHUNK 64         // positions per chunk
+#define ATTN_CHUNK 32         // positions per chunk (one per lane of the warp that holds it)
 #define ATTN_BLOCK_CHUNKS 4   // chunks per attn_chunks block (one per warp)
+#define ATTN_HEADS 4          // query heads a warp works on at once (registers)
+#define ATTN_TILE 8           // positions whose keys or values a warp loads at once
 #define ATTN_THREADS 128
 #define ATTN_MAX_HEAD_DIM 256
 #define ATTN_MAX_GROUP 16
@@ -126,18 +130,56 @@ __device__ __forceinline__ void merge1(float& m, float& l, float& o, float m2, f
 // Partials in shared memory: per slot and head, (m, l, o[D]) as D + 2 floats.
 #define PART_STRIDE(D) ((D) + 2)
 
-// grid (n_kv_heads, ceil(max positions / 256), rows), ATTN_THREADS threads; dynamic shared memory:
-// G*D floats (queries) + 4*G*(D+2) floats (chunk partials) + 4*G*64 floats (probabilities), and
-// for D <= 128 each warp's chunk of keys and values (2 x 64 x (D + 8) halves: attn_stage_bytes).
-// work: (rows, n_heads, nb, D + 2) floats, nb = ceil(cap / 256). D (the head dimension) is a
-// template parameter so that the loops over it unroll; the order of every sum is the one the
-// header gives whatever the unrolling (scores: d ascending; values: positions ascending). A
-// warp's keys and values are copied to shared memory in one burst (cp.async, every row at once):
-// read where they are used, each row's loads would wait on memory one after another.
-#define ATTN_HEAD_BATCH 4  // heads whose weighted values a warp accumulates at once (registers)
+// The D/32 float16 values of a row that a lane owns, in one load, as floats.
+template <int DL> struct LaneVector;
+template <> struct LaneVector<2> { using type = unsigned int; };
+template <> struct LaneVector<4> { using type = uint2; };
+template <> struct LaneVector<8> { using type = uint4; };
+
+template <int DL>
+__device__ __forceinline__ void load_lane(const __half* p, float (&f)[DL]) {
+    using V = typename LaneVector<DL>::type;
+    const V raw = *reinterpret_cast<const V*>(p);
+    const __half2* h = reinterpret_cast<const __half2*>(&raw);
+#pragma unroll
+    for (int k = 0; k < DL / 2; ++k) {
+        const float2 x = __half22float2(h[k]);
+        f[2 * k] = x.x;
+        f[2 * k + 1] = x.y;
+    }
+}
+
+// Each lane's partial sums s[0..7] of 8 positions, added over the warp: returns, in every lane,
+// the sum for position (lane >> 2). Halving over lane bits 4, 3, 2 (a lane keeps the half of its
+// positions that its bit selects and adds its partner's), then a butterfly over bits 1, 0 (a sum
+// and its partner's are the same bits: addition commutes).
+__device__ __forceinline__ float attn_reduce8(float (&s)[ATTN_TILE], int lane) {
+    const unsigned full = 0xffffffffu;
+#pragma unroll
+    for (int half = ATTN_TILE / 2, bit = 16; half >= 1; half >>= 1, bit >>= 1) {
+        const bool upper = lane & bit;
+#pragma unroll
+        for (int i = 0; i < half; ++i) {
+            const float keep = upper ? s[i + half] : s[i], send = upper ? s[i] : s[i + half];
+            s[i] = __fadd_rn(keep, __shfl_xor_sync(full, send, bit));
+        }
+    }
+    float v = s[0];
+    v = __fadd_rn(v, __shfl_xor_sync(full, v, 2));
+    return __fadd_rn(v, __shfl_xor_sync(full, v, 1));
+}
+
+// grid (n_kv_heads, ceil(max positions / 128), rows), ATTN_THREADS threads; dynamic shared memory
+// (attention_chunks_shared_bytes): 4 slots of G x (D + 2) floats (the chunks' partials) and per warp
+// 32 x ATTN_HEADS floats (scores, then probabilities, of its chunk). work: (rows, n_heads, nb, D + 2)
+// floats, nb = ceil(cap / 128). D (the head dimension) is a template parameter so that the loops
+// over a lane's dimensions unroll. Queries, keys and values stay in registers: a warp takes
+// ATTN_HEADS query heads at a time (the keys read again for the next ones, from L1) and ATTN_TILE
+// positions' rows at a time (their loads in flight together).
 template <int D>
 __device__ __forceinline__ void attn_chunks_body(const float* qkv, int W, int n_heads, int n_kv_heads, float scale,
                                                  int layer, const Rows& R, float* work, int nb) {
+    constexpr int DL = D / 32;  // dimensions per lane
     extern __shared__ __align__(16) float attn_smem[];
     const int kvh = blockIdx.x, blk = blockIdx.y, r = blockIdx.z;
     const int G = n_heads / n_kv_heads, h0 = kvh * G;
@@ -145,166 +187,112 @@ __device__ __forceinline__ void attn_chunks_body(const float* qkv, int W, int n_
     const int c0 = blk * ATTN_BLOCK_CHUNKS;
     if (c0 >= nchunks) return;  // the merge reads only the blocks that hold positions
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-    float* q_s = attn_smem;                                  // G x D
-    float* part = q_s + G * D;                               // 4 slots x G x (D + 2)
-    float* e_s = part + ATTN_BLOCK_CHUNKS * G * PART_STRIDE(D);  // 4 warps x G x 64
-    // the group's queries, rounded to float16 as they meet the float16 keys
-    const float* qrow = qkv + (long long)r * W + h0 * D;
-    for (int i = tid; i < G * D; i += ATTN_THREADS) q_s[i] = __half2float(__float2half_rn(qrow[i]));
-    __syncthreads();
-    const int row_cap = R.cap[r];
-    const __half* kbase = cache_at(R.kptr[r], layer, n_kv_heads, kvh, row_cap, 0, D);
-    const __half* vbase = cache_at(R.vptr[r], layer, n_kv_heads, kvh, row_cap, 0, D);
+    float* part = attn_smem;  // 4 slots x G x (D + 2)
+    float* e_w = part + ATTN_BLOCK_CHUNKS * G * PART_STRIDE(D) + warp * ATTN_CHUNK * ATTN_HEADS;  // [t][head]
     const int chunk = c0 + warp;
     float* mine = part + warp * G * PART_STRIDE(D);
-    constexpr bool STAGE = D <= 128;
-    constexpr int RS = D + 8;  // halves per staged row: 16-byte loads of 8 lanes fall in 32 banks
     if (chunk >= nchunks) {  // empty slot
         for (int g = lane; g < G; g += 32) mine[g * PART_STRIDE(D) + 1] = 0.f;
     } else {
+        const unsigned full = 0xffffffffu;
+        const int row_cap = R.cap[r];
+        const __half* kbase = cache_at(R.kptr[r], layer, n_kv_heads, kvh, row_cap, 0, D) + lane * DL;
+        const __half* vbase = cache_at(R.vptr[r], layer, n_kv_heads, kvh, row_cap, 0, D) + lane * DL;
         const int t0 = chunk * ATTN_CHUNK, n = min(ATTN_CHUNK, p + 1 - t0);
-        float* e_w = e_s + warp * G * ATTN_CHUNK;
-        __half* ks = reinterpret_cast<__half*>(e_s + ATTN_BLOCK_CHUNKS * G * ATTN_CHUNK) + warp * 2 * ATTN_CHUNK * RS;
-        __half* vs = ks + ATTN_CHUNK * RS;
-        if (STAGE) {
-            constexpr int PIECES_ROW = D / 8;
-            for (int i = lane; i < n * PIECES_ROW; i += 32) {
-                const int t = i / PIECES_ROW, piece = i % PIECES_ROW;
-                const long long slot = span_slot(R, r, t0 + t);
-                cp_async16(ks + t * RS + piece * 8, kbase + slot * D + piece * 8, true);
-                cp_async16(vs + t * RS + piece * 8, vbase + slot * D + piece * 8, true);
-            }
-            cp_async_commit();
-            cp_async_wait<0>();
-            __syncwarp();  // every lane's copies are visible to the warp
-        }
-        // scores: this lane's positions t0 + lane and t0 + lane + 32, every head of the group; the
-        // key's pieces loaded 8 at a time before they are used
-        constexpr int PIECES = D / 8, BATCH = PIECES < 8 ? PIECES : 8;
-        for (int half = 0; half < 2; ++half) {
-            const int t = lane + 32 * half;
-            float acc[ATTN_MAX_GROUP];
+        const int my_slot = lane < n ? span_slot(R, r, t0 + lane) : 0;  // lane t's is position t's
+        const float* qrow = qkv + (long long)r * W + (long long)h0 * D + lane * DL;
+        for (int g0 = 0; g0 < G; g0 += ATTN_HEADS) {
+            // the heads' queries, rounded to float16 as they meet the float16 keys
+            float q[ATTN_HEADS][DL];
 #pragma unroll
-            for (int g = 0; g < ATTN_MAX_GROUP; ++g) acc[g] = 0.f;
-            if (t < n) {
-                const uint4* krow = reinterpret_cast<const uint4*>(
-                    STAGE ? ks + t * RS : kbase + (long long)span_slot(R, r, t0 + t) * D);
+            for (int gg = 0; gg < ATTN_HEADS; ++gg)
 #pragma unroll
-                for (int b0 = 0; b0 < PIECES; b0 += BATCH) {
-                    uint4 raw[BATCH];
+                for (int j = 0; j < DL; ++j)
+                    q[gg][j] = g0 + gg < G ? __half2float(__float2half_rn(qrow[(g0 + gg) * D + j])) : 0.f;
+            // scores, ATTN_TILE positions at a time
+            for (int t1 = 0; t1 < n; t1 += ATTN_TILE) {
+                float kf[ATTN_TILE][DL];
 #pragma unroll
-                    for (int k = 0; k < BATCH; ++k) raw[k] = krow[b0 + k];
+                for (int i = 0; i < ATTN_TILE; ++i) {
+                    const int slot = __shfl_sync(full, my_slot, t1 + i);
+                    if (t1 + i < n) {
+                        load_lane<DL>(kbase + (long long)slot * D, kf[i]);
+                    } else {
 #pragma unroll
-                    for (int k = 0; k < BATCH; ++k) {
-                        const __half2* kh = reinterpret_cast<const __half2*>(&raw[k]);
-                        float kf[8];
-#pragma unroll
-                        for (int e = 0; e < 4; ++e) {
-                            const float2 f = __half22float2(kh[e]);
-                            kf[2 * e] = f.x;
-                            kf[2 * e + 1] = f.y;
-                        }
-#pragma unroll
-                        for (int g = 0; g < ATTN_MAX_GROUP; ++g) {
-                            if (g < G) {
-                                const float* qg = q_s + g * D + 8 * (b0 + k);
-#pragma unroll
-                                for (int e = 0; e < 8; ++e) acc[g] = __fmaf_rn(qg[e], kf[e], acc[g]);
-                            }
-                        }
+                        for (int j = 0; j < DL; ++j) kf[i][j] = 0.f;
                     }
                 }
-            }
 #pragma unroll
-            for (int g = 0; g < ATTN_MAX_GROUP; ++g)
-                if (g < G) e_w[g * ATTN_CHUNK + t] = t < n ? __fmul_rn(acc[g], scale) : NEG_INF;
-        }
-        __syncwarp();
-        // per head: max, exp, sum in a fixed lane order; the probabilities replace the scores
-        for (int g = 0; g < G; ++g) {
-            float* eg = e_w + g * ATTN_CHUNK;
-            const float sa = eg[lane], sb = eg[lane + 32];
-            float m = fmaxf(sa, sb);
-#pragma unroll
-            for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-            const float ea = lane < n ? expf(__fsub_rn(sa, m)) : 0.f;
-            const float eb = lane + 32 < n ? expf(__fsub_rn(sb, m)) : 0.f;
-            float l = __fadd_rn(ea, eb);
-#pragma unroll
-            for (int o = 16; o > 0; o >>= 1) l = __fadd_rn(l, __shfl_xor_sync(0xffffffffu, l, o));
-            __syncwarp();
-            eg[lane] = ea;
-            eg[lane + 32] = eb;
-            if (lane == 0) {
-                mine[g * PART_STRIDE(D)] = m;
-                mine[g * PART_STRIDE(D) + 1] = l;
-            }
-        }
-        __syncwarp();
-        // weighted values: each lane's dimension pairs (lane, lane + 32, ...), positions in order;
-        // each value row is loaded once for ATTN_HEAD_BATCH heads, 4 positions' loads in flight
-        constexpr int PAIRS = D / 64;  // pairs per lane
-        for (int g0 = 0; g0 < G; g0 += ATTN_HEAD_BATCH) {
-            float2 o[ATTN_HEAD_BATCH][PAIRS];
-#pragma unroll
-            for (int gg = 0; gg < ATTN_HEAD_BATCH; ++gg)
-#pragma unroll
-                for (int k = 0; k < PAIRS; ++k) o[gg][k] = make_float2(0.f, 0.f);
-            int t = 0;
-            for (; t + 4 <= n; t += 4) {
-                float2 v[4][PAIRS];
-#pragma unroll
-                for (int u = 0; u < 4; ++u) {
-                    const __half2* vr = reinterpret_cast<const __half2*>(
-                        STAGE ? vs + (t + u) * RS : vbase + (long long)span_slot(R, r, t0 + t + u) * D);
-#pragma unroll
-                    for (int k = 0; k < PAIRS; ++k) v[u][k] = __half22float2(vr[lane + 32 * k]);
-                }
-#pragma unroll
-                for (int u = 0; u < 4; ++u) {
-#pragma unroll
-                    for (int gg = 0; gg < ATTN_HEAD_BATCH; ++gg) {
-                        if (g0 + gg < G) {
-                            const float e = e_w[(g0 + gg) * ATTN_CHUNK + t + u];
-#pragma unroll
-                            for (int k = 0; k < PAIRS; ++k) {
-                                o[gg][k].x = __fmaf_rn(e, v[u][k].x, o[gg][k].x);
-                                o[gg][k].y = __fmaf_rn(e, v[u][k].y, o[gg][k].y);
-                            }
-                        }
-                    }
-                }
-            }
-            for (; t < n; ++t) {
-                const __half2* vr = reinterpret_cast<const __half2*>(
-                    STAGE ? vs + t * RS : vbase + (long long)span_slot(R, r, t0 + t) * D);
-                float2 v[PAIRS];
-#pragma unroll
-                for (int k = 0; k < PAIRS; ++k) v[k] = __half22float2(vr[lane + 32 * k]);
-#pragma unroll
-                for (int gg = 0; gg < ATTN_HEAD_BATCH; ++gg) {
+                for (int gg = 0; gg < ATTN_HEADS; ++gg) {
                     if (g0 + gg < G) {
-                        const float e = e_w[(g0 + gg) * ATTN_CHUNK + t];
+                        float s[ATTN_TILE];
 #pragma unroll
-                        for (int k = 0; k < PAIRS; ++k) {
-                            o[gg][k].x = __fmaf_rn(e, v[k].x, o[gg][k].x);
-                            o[gg][k].y = __fmaf_rn(e, v[k].y, o[gg][k].y);
+                        for (int i = 0; i < ATTN_TILE; ++i) {
+                            s[i] = __fmul_rn(q[gg][0], kf[i][0]);
+#pragma unroll
+                            for (int j = 1; j < DL; ++j) s[i] = __fmaf_rn(q[gg][j], kf[i][j], s[i]);
                         }
+                        const float score = attn_reduce8(s, lane);
+                        const int t = t1 + (lane >> 2);
+                        if ((lane & 3) == 0 && t < n) e_w[t * ATTN_HEADS + gg] = __fmul_rn(score, scale);
                     }
                 }
             }
+            __syncwarp();
+            // per head: max, exp, sum over the chunk (lane = position)
 #pragma unroll
-            for (int gg = 0; gg < ATTN_HEAD_BATCH; ++gg) {
+            for (int gg = 0; gg < ATTN_HEADS; ++gg) {
                 if (g0 + gg < G) {
-                    float* pg = mine + (g0 + gg) * PART_STRIDE(D);
+                    const float sc = lane < n ? e_w[lane * ATTN_HEADS + gg] : NEG_INF;
+                    float m = sc;
 #pragma unroll
-                    for (int k = 0; k < PAIRS; ++k) {
-                        const int dp = lane + 32 * k;
-                        pg[2 + 2 * dp] = o[gg][k].x;
-                        pg[3 + 2 * dp] = o[gg][k].y;
+                    for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(full, m, o));
+                    const float e = lane < n ? expf(__fsub_rn(sc, m)) : 0.f;
+                    float l = e;
+#pragma unroll
+                    for (int o = 16; o > 0; o >>= 1) l = __fadd_rn(l, __shfl_xor_sync(full, l, o));
+                    if (lane < n) e_w[lane * ATTN_HEADS + gg] = e;
+                    if (lane == 0) {
+                        mine[(g0 + gg) * PART_STRIDE(D)] = m;
+                        mine[(g0 + gg) * PART_STRIDE(D) + 1] = l;
                     }
                 }
             }
+            __syncwarp();
+            // weighted values: each lane's dimensions, positions in ascending order
+            float o[ATTN_HEADS][DL];
+#pragma unroll
+            for (int gg = 0; gg < ATTN_HEADS; ++gg)
+#pragma unroll
+                for (int j = 0; j < DL; ++j) o[gg][j] = 0.f;
+            for (int t1 = 0; t1 < n; t1 += ATTN_TILE) {
+                float vf[ATTN_TILE][DL];
+#pragma unroll
+                for (int i = 0; i < ATTN_TILE; ++i) {
+                    const int slot = __shfl_sync(full, my_slot, t1 + i);
+                    if (t1 + i < n) load_lane<DL>(vbase + (long long)slot * D, vf[i]);
+                }
+#pragma unroll
+                for (int i = 0; i < ATTN_TILE; ++i) {
+                    if (t1 + i < n) {
+                        const float4 e = *reinterpret_cast<const float4*>(e_w + (t1 + i) * ATTN_HEADS);
+                        const float ev[ATTN_HEADS] = {e.x, e.y, e.z, e.w};
+#pragma unroll
+                        for (int gg = 0; gg < ATTN_HEADS; ++gg)
+#pragma unroll
+                            for (int j = 0; j < DL; ++j) o[gg][j] = __fmaf_rn(ev[gg], vf[i][j], o[gg][j]);
+                    }
+                }
+            }
+#pragma unroll
+            for (int gg = 0; gg < ATTN_HEADS; ++gg) {
+                if (g0 + gg < G) {
+                    float* pg = mine + (g0 + gg) * PART_STRIDE(D) + 2 + lane * DL;
+#pragma unroll
+                    for (int j = 0; j < DL; ++j) pg[j] = o[gg][j];
+                }
+            }
+            __syncwarp();  // the chunk's probabilities are read before the next heads' scores
         }
     }
     __syncthreads();

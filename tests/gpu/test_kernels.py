@@ -420,15 +420,16 @@ def _attend(qkv: np.ndarray, shape: ops.AttentionShape, caches: _Caches, rows: l
 
 @pytest.mark.parametrize(("heads", "hd"), [((8, 2), 128), ((14, 2), 64), ((16, 1), 64), ((4, 4), 256)], ids=str)
 def test_attention_matches_the_exact_softmax(rng: np.random.Generator, heads: tuple[int, int], hd: int) -> None:
-    """Rows of several sequences at positions across chunk (64) and block (256) boundaries, each over
+    """Rows of several sequences at positions across chunk (32) and block (128) boundaries, each over
     its own cache, against float64 attention of the float16 query over the cached keys and values."""
     from infer.gpu.reference import attention_reference
 
     n_heads, n_kv = heads
     shape = ops.AttentionShape(n_heads, n_kv, hd, hd // 2, False)
     caches = _Caches(rng, 2, n_kv, [700, 300], hd)
-    rows = [(0, 0, 0, 1, None), (0, 63, 63, 64, None), (0, 64, 64, 65, None), (1, 255, 255, 256, None),
-            (0, 256, 256, 257, None), (0, 699, 699, 700, None), (1, 130, 130, 131, None)]
+    rows = [(0, 0, 0, 1, None), (0, 31, 31, 32, None), (1, 32, 32, 33, None), (0, 63, 63, 64, None),
+            (0, 127, 127, 128, None), (1, 128, 128, 129, None), (1, 255, 255, 256, None), (0, 256, 256, 257, None),
+            (0, 699, 699, 700, None), (1, 130, 130, 131, None)]
     qkv = rng.standard_normal((len(rows), shape.width)).astype(np.float32)
     got = _attend(qkv, shape, caches, rows, layer=1)
     for i, (seq, pos, _, _, _) in enumerate(rows):

@@ -39,7 +39,13 @@ class _Pool:
     def free_all_blocks(self, stream=None): pass
     def set_limit(self, size=None, fraction=None): _Pool.limit = size or 0
     def get_limit(self): return _Pool.limit
+    def malloc(self, n): raise RuntimeError("no device allocations in the fake")
 _POOL = _Pool()
+class _OwnPool(_Pool):  # cupy.cuda.MemoryPool(): a limit of its own
+    def set_limit(self, size=None, fraction=None): self.limit = size or 0
+class _Nothing:
+    def __enter__(self): return self
+    def __exit__(self, *e): return False
 def get_default_memory_pool(): return _POOL
 def get_default_pinned_memory_pool(): return _POOL
 
@@ -77,7 +83,7 @@ class CompileException(Exception): pass
 cuda = types.SimpleNamespace(
     Stream=Stream, Event=Event, Device=_Device, get_elapsed_time=lambda a, b: (b.t - a.t) * 1e3,
     get_current_stream=lambda: _current[-1] if _current else Stream(), device=types.SimpleNamespace(get_cublas_handle=_no_cublas),
-    alloc_pinned_memory=lambda n: bytearray(n),
+    alloc_pinned_memory=lambda n: bytearray(n), MemoryPool=_OwnPool, using_allocator=lambda allocator=None: _Nothing(),
     memory=types.SimpleNamespace(OutOfMemoryError=OutOfMemoryError),
     compiler=types.SimpleNamespace(CompileException=CompileException),
     runtime=types.SimpleNamespace(getDeviceCount=lambda: 1, memGetInfo=lambda: MEM_INFO, memcpyDeviceToDevice=3,
