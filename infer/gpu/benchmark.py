@@ -74,28 +74,41 @@ def _copy_ms(nbytes: int) -> float:
 _F64 = re.compile(r"^\s*(?:@%p\d+\s+)?[a-z]+(?:\.[a-z0-9]+)*\.f64\b", re.MULTILINE)
 
 
-def fp64_instructions(module: str, defines: dict[str, int] | None = None) -> dict[str, int]:
-    """Per kernel of infer/kernels/<module>.cu (with `defines`), the FP64 instructions of its PTX
-    (compiled by NVRTC for the current device): 0 everywhere means a pass runs no FP64 operation."""
-    import cupy
-    from cupy_backends.cuda.libs import nvrtc
-
-    from infer.gpu import kernels
-
-    # NVRTC directly: CuPy's compile helper returns a cubin, not PTX, for an architecture it knows
-    program = nvrtc.createProgram(kernels.source_text(module, defines), f"{module}.cu", [], [])
-    try:
-        nvrtc.compileProgram(program, [*kernels.OPTIONS, f"-arch=compute_{cupy.cuda.Device().compute_capability}"])
-        ptx = nvrtc.getPTX(program)
-    finally:
-        nvrtc.destroyProgram(program)
-    if isinstance(ptx, bytes):
-        ptx = ptx.decode()
+def fp64_in_ptx(ptx: str) -> dict[str, int]:
+    """Per kernel (.entry) of a PTX text, its FP64 instructions."""
     out: dict[str, int] = {}
     for entry in re.split(r"\.visible \.entry ", ptx)[1:]:
         name = entry.split("(", 1)[0].strip()
         out[name] = len(_F64.findall(entry))
     return out
+
+
+def fp64_instructions(module: str, defines: dict[str, int] | None = None) -> dict[str, int]:
+    """Per kernel of infer/kernels/<module>.cu (with `defines`), the FP64 instructions of its PTX
+    (compiled by NVRTC for the current device, with the include paths CuPy gives its own kernels): 0
+    everywhere means a pass runs no FP64 operation."""
+    import os
+
+    import cupy
+    from cupy_backends.cuda.libs import nvrtc
+
+    from infer.gpu import kernels
+
+    # NVRTC directly: CuPy's compile helpers return a cubin, not PTX, for an architecture they know
+    includes = [os.path.join(cupy.cuda.get_cuda_path() or "/usr/local/cuda", "include"),
+                os.path.join(os.path.dirname(cupy.__file__), "_core", "include")]
+    options = [*kernels.OPTIONS, *(f"-I{d}" for d in includes if os.path.isdir(d)),
+               f"-arch=compute_{cupy.cuda.Device().compute_capability}"]
+    program = nvrtc.createProgram(kernels.source_text(module, defines), f"{module}.cu", [], [])
+    try:
+        try:
+            nvrtc.compileProgram(program, options)
+        except nvrtc.NVRTCError as err:
+            raise RuntimeError(f"NVRTC: {err}: {nvrtc.getProgramLog(program)[-1500:]}") from err
+        ptx = nvrtc.getPTX(program)
+    finally:
+        nvrtc.destroyProgram(program)
+    return fp64_in_ptx(ptx.decode() if isinstance(ptx, bytes) else ptx)
 
 
 def pass_fp64(gpu, rows: int = 8) -> dict[str, object]:  # noqa: ANN001

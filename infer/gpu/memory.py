@@ -11,6 +11,8 @@ the engine starts (measured), and kernel modules and CUDA graphs. No product use
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from types import TracebackType
 
 import cupy
@@ -67,6 +69,30 @@ def over_budget(err: Exception, account: VramAccount | None) -> VramBudgetError:
     where = f"the VRAM budget {format_bytes(account.budget)} ({account.source})" if account else "the GPU's memory"
     return VramBudgetError(f"out of device memory: {format_bytes(pool.total_bytes())} held by the engine's pool "
                            f"could not grow within {where} (lower -c/--ctx-size or --batch, or raise the budget)")
+
+
+@contextmanager
+def transient_pool() -> Iterator[None]:
+    """Allocations inside the block go to a pool of their own, capped at what the engine's pool may
+    still take, and go back to the driver whole when it ends: a transient (a tensor's GGUF bytes
+    before the device repacks them) freed in the engine's pool would stay there as free fragments
+    that later buffers may not fit, counted against the VRAM budget."""
+    engine = cupy.get_default_memory_pool()
+    staging = cupy.cuda.MemoryPool()
+    if engine.get_limit():  # what the engine's pool and the enclosing blocks' pools leave
+        taken = engine.total_bytes() + sum(int(p.total_bytes()) for p in _transient)
+        staging.set_limit(size=max(engine.get_limit() - taken, 0))
+    _transient.append(staging)
+    try:
+        with cupy.cuda.using_allocator(staging.malloc):
+            yield
+    finally:
+        _transient.remove(staging)
+        cupy.cuda.get_current_stream().synchronize()  # the block's kernels are done with its memory
+        staging.free_all_blocks()
+
+
+_transient: list = []  # the transient pools of the blocks open now, outermost first
 
 
 class PeakMonitor:

@@ -23,6 +23,7 @@ from infer.gpu.layout import (
     format_of,
     plane_layout,
 )
+from infer.gpu.memory import transient_pool
 
 NULL = np.uint64(0)
 ATTN_CHUNK = 32  # attention.cu: positions per chunk
@@ -88,14 +89,15 @@ def upload_stacked(parts: list[tuple[np.ndarray, int]], ggml_type: int, cols: in
             start = row0 * cols * FLOAT_ITEMSIZE[fmt]
             buffer[start : start + raw.size].set(raw)
         else:
-            source = cupy.asarray(raw)
             kernel = kernels.function("repack", f"repack_{GGMLQuantizationType(ggml_type).name.lower()}")
             n_sb, sb0 = part_rows * cols // 32, row0 * cols // 32
             per_sb = (*PLANE_BYTES[fmt], 4 / 8)  # dm: 4 bytes per 8 sub-blocks (parts start on 256-weight blocks)
             planes = (np.uint64(base + o + int(sb0 * b)) if s else NULL
                       for o, s, b in zip(layout.offsets, layout.sizes, per_sb, strict=True))
-            kernel((_blocks(n_sb, 256),), (256,), (source, np.int64(n_sb), *planes))
-            del source
+            with transient_pool():
+                source = cupy.asarray(raw)
+                kernel((_blocks(n_sb, 256),), (256,), (source, np.int64(n_sb), *planes))
+                del source
         row0 += part_rows
     from infer.quants import activation_format
 

@@ -19,6 +19,7 @@ import numpy as np
 from infer.arch import OUTPUT_NORM, TOKEN_EMBD, ModelArgs, has_qkv_bias, output_name, tensor_name
 from infer.gguf_file import GGUFModel, TensorInfo
 from infer.gpu.layout import FLOAT_FORMATS
+from infer.gpu.memory import transient_pool
 from infer.gpu.ops import GpuMatrix, upload_stacked
 from infer.quants import activation_format
 
@@ -141,22 +142,13 @@ class _MappedHost:
 def upload_embedding(model: GGUFModel) -> GpuMatrix:
     """The token embedding, repacked on the device and kept in mapped host memory: a pass reads only
     its rows' few kilobytes across the link (as llama.cpp keeps it on the CPU), and the VRAM goes to
-    the layers. The device copy lives in a pool of its own, within what the engine's pool may still
-    take, and is handed back whole: freed in the engine's pool it would stay there as fragments that
-    the layers' tensors do not fill, against the VRAM budget."""
-    engine = cupy.get_default_memory_pool()
-    staging = cupy.cuda.MemoryPool()
-    if engine.get_limit():
-        staging.set_limit(size=max(engine.get_limit() - engine.total_bytes(), 0))
-    try:
-        with cupy.cuda.using_allocator(staging.malloc):
-            m = upload_tensor(model, TOKEN_EMBD)
-            host = _MappedHost(m.nbytes)
-            cupy.cuda.runtime.memcpy(host.ptr, m.buffer.data.ptr, m.nbytes, cupy.cuda.runtime.memcpyDeviceToHost)
-            matrix = GpuMatrix(m.fmt, m.rows, m.cols, m.layout, host, m.source_nbytes, m.act)  # type: ignore[arg-type]
-            del m
-    finally:
-        staging.free_all_blocks()
+    the layers. The device copy is a transient (memory.transient_pool)."""
+    with transient_pool():
+        m = upload_tensor(model, TOKEN_EMBD)
+        host = _MappedHost(m.nbytes)
+        cupy.cuda.runtime.memcpy(host.ptr, m.buffer.data.ptr, m.nbytes, cupy.cuda.runtime.memcpyDeviceToHost)
+        matrix = GpuMatrix(m.fmt, m.rows, m.cols, m.layout, host, m.source_nbytes, m.act)  # type: ignore[arg-type]
+        del m
     return matrix
 
 

@@ -36,7 +36,13 @@ def _compile(tmp_path: Path, name: str, *flags: str, defines: dict[str, int] | N
 @pytest.mark.parametrize("arch", ["sm_90", "sm_86"])
 @pytest.mark.parametrize("name", kernels.SOURCES)
 def test_source_compiles(tmp_path: Path, name: str, arch: str) -> None:
+    """...and none of its kernels runs an FP64 instruction (the RTX cards run FP64 at 1/64 of FP32)."""
+    from infer.gpu.benchmark import fp64_in_ptx
+
     _compile(tmp_path, name, "--ptx", arch=arch)
+    counts = fp64_in_ptx((tmp_path / "out").read_text())
+    assert counts, "no kernel entry found in the PTX"
+    assert not {k: n for k, n in counts.items() if n}, f"FP64 instructions in {name}.cu: {counts}"
 
 
 @pytest.mark.parametrize("name", kernels.SOURCES)
