@@ -5,8 +5,9 @@
     ntransformer -m MODEL --benchmark [-n N]     prompt and decode tokens/s
     ntransformer perplexity -m MODEL -f TEXT     llama.cpp-style perplexity
 
-Exit codes: 0 ok, 1 failed, 2 bad input (bad model file, bad flag, budget too small),
-4 not available (--device gpu without a GPU).
+Exit codes: 0 ok, 1 failed (a tier C read failed while generating), 2 bad input (bad model file,
+bad flag, budget too small), 4 not available (--device gpu without a GPU; a tier C device that cannot
+be opened).
 Informational lines go to stderr so stdout carries only the generated text (or JSON).
 """
 
@@ -127,6 +128,22 @@ def _device_errors(device: str, measure_peak: bool = False) -> Iterator[Any]:
         if memory.is_out_of_memory(err):
             _fail(str(memory.over_budget(err, memory.current_account())), EXIT_BAD_INPUT)
         raise
+
+
+@contextlib.contextmanager
+def _storage_errors() -> Iterator[None]:
+    """Tier C that cannot be opened is one line and exit 4 (not ready); a read that fails while
+    generating (a media error, a device taken away) one line naming the device and exit 1. The
+    session has closed the device by the time the line is printed."""
+    from infer.errors import StorageUnavailable
+    from nvmedirect.errors import NvmeDirectError
+
+    try:
+        yield
+    except StorageUnavailable as err:
+        _fail(str(err), EXIT_NOT_AVAILABLE)
+    except NvmeDirectError as err:  # raised by the tier C reader in the middle of a pass
+        _fail(f"tier C read failed: {str(err).splitlines()[0]}", EXIT_FAILED)
 
 
 def _sampler(temp: float, top_k: int, top_p: float, min_p: float, repeat_penalty: float, seed: int | None) -> Any:
@@ -285,7 +302,7 @@ def _run_streaming(model: str | None, streaming: StreamingConfig, ctx_size: int,
 
     where = _resolve_device(device)
     try:
-        with _device_errors(where, measure_peak=benchmark or as_json) as peak:
+        with _storage_errors(), _device_errors(where, measure_peak=benchmark or as_json) as peak:
             run_streaming(model, streaming, ctx_size, where, prompt or (BENCHMARK_PROMPT if benchmark else None),
                           n_predict, sampler, benchmark=benchmark, as_json=as_json, echo=click.echo, note=_note,
                           peak=peak)

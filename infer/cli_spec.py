@@ -199,7 +199,7 @@ def run(model: str | None, spec: SpecOptions, streaming: Any, ctx_size: int, dev
                              Tokenizer.from_gguf(GGUFModel(spec.draft_model).metadata), spec.draft_model)
         except (ValueError, ModelError) as err:
             c._fail(str(err), c.EXIT_BAD_INPUT)
-    with c._device_errors(where):
+    with c._storage_errors(), c._device_errors(where):
         draft = None
         if spec.draft_model:  # resident, inside the budget; it leaves the room for float16 copies to the target
             draft = c._load(spec.draft_model, ctx_size, where, streaming.vram_budget, half_copies=False)

@@ -148,15 +148,16 @@ class NvmeBackend(StorageBackend):
                    for worker, pieces in zip(self._workers, dealt, strict=True) if pieces]
         return ReadHandle(futures)
 
-    @staticmethod
-    def _run(worker: _Worker, pieces: list[tuple[Any, int, int]]) -> None:
+    def _run(self, worker: _Worker, pieces: list[tuple[Any, int, int]]) -> None:
         try:
             worker.read_pieces(pieces)
         except ReadError:
             raise
         except Exception as exc:  # NVMe status errors, timeouts: one error type for readers
-            first, last = pieces[0], pieces[-1]
-            raise ReadError(f"NVMe read of bytes {first[1]}..{last[1] + last[2]} failed: {exc}") from exc
+            # the device and the LBAs, so the line alone says where the drive failed
+            start, end = min(p[1] for p in pieces), max(p[1] + p[2] for p in pieces)
+            lbas = f"LBAs {start // self.lba_size}..{(end - 1) // self.lba_size}"
+            raise ReadError(f"{self.name}: NVMe read of {lbas} (bytes {start}..{end}) failed: {exc}") from exc
 
     def close(self) -> None:
         if not self._closing.first():

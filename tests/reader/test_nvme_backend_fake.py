@@ -137,3 +137,21 @@ def test_fewer_queue_pairs_than_asked_are_used_with_one_warning() -> None:
     controller.close()
     controller.close()  # a second close is a no-op, not a shutdown of an unmapped BAR
     assert controller.dma.live_mappings() == 0
+
+
+def test_a_media_error_names_the_device_and_the_lbas(ctrl, fake: FakeNvme) -> None:
+    """A read that fails on the drive (issue 29: a QEMU drive removed under the reader) is one
+    ReadError line naming the device, the LBAs and the NVMe status."""
+    bad = 3 * (1 << 20) // fake.lba_size + 1
+    fake.bad_lbas = {bad}
+    with NvmeBackend(ctrl, queue_pairs=1, name="0000:01:00.0 nsid 1") as backend:
+        out = np.zeros(1 << 20, dtype=np.uint8)
+        backend.read_into([(0, 1 << 20)], [out])  # the good LBAs still read
+        with pytest.raises(ReadError) as info:
+            backend.read_into([(3 << 20, 1 << 20)], [out])
+    message = str(info.value)
+    assert "\n" not in message
+    assert message.startswith("0000:01:00.0 nsid 1: NVMe read of LBAs ")
+    first, last = (int(x) for x in message.split("LBAs ")[1].split(" ")[0].split(".."))
+    assert first <= bad <= last
+    assert "ERROR status: 02/81 Unrecovered Read Error" in message
