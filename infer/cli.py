@@ -280,6 +280,7 @@ def main(ctx: click.Context, model: str | None, prompt: str | None, n_predict: i
         _run_streaming(model, streaming, ctx_size, device, prompt, n_predict, sampler, chat, benchmark, as_json)
         return
     where = _resolve_device(device)
+    _warn_unused(where, streaming, exact)
     with _device_errors(where, measure_peak=benchmark or as_json) as peak:
         llm = _load(model, ctx_size, where, streaming.vram_budget, exact)
         if benchmark:
@@ -288,6 +289,15 @@ def main(ctx: click.Context, model: str | None, prompt: str | None, n_predict: i
             _chat(llm, sampler, n_predict, system)
         else:
             _generate(llm, prompt or "", n_predict, sampler, as_json)
+
+
+def _warn_unused(where: str, streaming: StreamingConfig, exact: bool) -> None:
+    """Flags that mean something on another path than this one: said once, then the run goes on."""
+    if where == "cpu" and streaming.vram_budget and not streaming.enabled:
+        _note("warning: --vram-budget sizes GPU memory (or tier A with --streaming): the CPU's resident engine "
+              "ignores it")
+    if where == "gpu" and exact:
+        _note("warning: --exact selects the CPU engine's float64 sums: the GPU engine ignores it")
 
 
 def _run_streaming(model: str | None, streaming: StreamingConfig, ctx_size: int, device: str, prompt: str | None,
@@ -372,7 +382,7 @@ def perplexity_command(ctx: click.Context, model: str | None, text_file: str, ct
 @click.option("-c", "--ctx-size", type=click.IntRange(min=0), default=0,
               help="Context of each request in tokens; 0 = the model's, at most 4096.")
 @click.option("--device", type=click.Choice(["auto", "cpu", "gpu"]), default="auto", show_default=True)
-@streaming_options
+@streaming_options(batch=False)
 @click.option("--exact", is_flag=True, help="CPU: float64 sums (batching-independent results, see ntransformer --help).")
 @click.option("--threads", type=click.IntRange(min=1), default=None, help="BLAS threads (default: all cores).")
 @click.pass_context
@@ -392,8 +402,6 @@ def serve_command(ctx: click.Context, model: str | None, host: str, port: int, a
         model = ctx.parent.params.get("model")
     if not model:
         _fail("no model given: use -m/--model FILE.gguf", EXIT_BAD_INPUT)
-    if streaming.batch != 1 or streaming.prompts_file:
-        _fail("serve batches the requests it receives: use --max-batch instead of --batch/--prompts", EXIT_BAD_INPUT)
     from infer.arch import check_model
     from infer.errors import ModelError
     from infer.gguf_file import GGUFModel

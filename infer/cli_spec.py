@@ -50,6 +50,9 @@ class SpecOptions:
             return "--draft-k sets the self-draft's depth: use it with --self-spec or --skip-threshold"
         if self.skip_text and self.skip_threshold is None:
             return "--skip-text calibrates --skip-threshold: give the threshold too"
+        if self.tree is not None and not (self.draft_model or self.lookup):
+            return ("--draft-tree sizes the tree of --draft-model or --lookup"
+                    + (" (the self-draft's depth is --draft-k)" if self.self_draft else ": add one of them"))
         return None
 
 
