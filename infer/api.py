@@ -124,7 +124,7 @@ class LLM:
         config = sampler or SamplerConfig(temperature=0.0)
         if not reuse_cache:
             self.engine.reset()
-        if config.temperature == 0 and config.repeat_penalty == 1 and isinstance(self.transformer, DeviceGreedy):
+        if config.greedy and config.repeat_penalty == 1 and isinstance(self.transformer, DeviceGreedy):
             # greedy on the GPU: the CUDA-graph decode loop picks the tokens on the device
             stop = self.tokenizer.vocab.eog_ids if stop_at_eog else frozenset()
             return self.engine.generate_on_device(self._ids(prompt), max_tokens, stop)

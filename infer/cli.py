@@ -233,7 +233,7 @@ def _chat(llm: LLM, sampler: Any, n_predict: int, system: str | None) -> None:
 @click.option("--benchmark", is_flag=True,
               help="Measure prompt and decode speed (pp512 on the GPU, pp128 on the CPU, then -n greedy tokens; "
                    "warmed up first), with peak memory; the same measurement as bench/gpu_bench.py.")
-@click.option("-t", "--temp", type=float, default=0.8, show_default=True, help="Temperature; 0 = greedy.")
+@click.option("-t", "--temp", type=float, default=0.8, show_default=True, help="Temperature; 0 (or anything below 1e-6) = greedy.")
 @click.option("--top-k", type=int, default=40, show_default=True, help="Keep the k most likely tokens; 0 = off.")
 @click.option("--top-p", type=float, default=0.95, show_default=True, help="Nucleus sampling; 1 = off.")
 @click.option("--min-p", type=float, default=0.05, show_default=True, help="Min-p filter; 0 = off.")

@@ -56,6 +56,11 @@ class StreamingSession:
     bandwidths: Bandwidths | None
     account: VramAccount | None = None  # the device's (GPU runs)
     closers: list[Callable[[], None]] = field(default_factory=list)
+    source: StorageSource | None = None  # tier C's, if the plan streams from storage
+
+    def problem(self) -> str | None:
+        """Why tier C can no longer be read (its device was taken away), or None."""
+        return getattr(self.source, "failure", None) if self.source is not None else None
 
     def report(self) -> str:
         head = (f"budgets: VRAM {format_bytes(self.budgets.vram_total)} ({self.budgets.vram_source}) - KV cache "
@@ -192,7 +197,7 @@ def build_streaming_engine(model: GGUFModel | str | os.PathLike, config: Streami
         raise
     engine = StreamingEngine(transformer, ctx_size, prefill_chunk,
                              bytes_moved=lambda: {k.value: v for k, v in weights.bytes_moved().items()})
-    return StreamingSession(engine, plan, budgets, weights, paths, bandwidths, account, closers)
+    return StreamingSession(engine, plan, budgets, weights, paths, bandwidths, account, closers, source)
 
 
 def _open_tier_b(model: GGUFModel, plan: Plan, budgets: Budgets, config: StreamingConfig

@@ -57,6 +57,11 @@ class ReaderSource:
     def read_async(self, ranges: Sequence[tuple[int, int]], buffers: Sequence[Any]) -> ReadHandleLike:
         return self.model.read_async(ranges, buffers)
 
+    @property
+    def failure(self) -> str | None:
+        """Why the device can no longer be read (the NVMe reader released it on a hot-unplug request)."""
+        return getattr(self.model.backend, "failure", None)
+
     def close(self) -> None:
         self.model.close()
 
