@@ -65,6 +65,7 @@ class LLM:
 
         where = resolve_device(device)  # ValueError with one line for 'gpu' without a GPU
         gguf = GGUFModel(path)
+        ModelArgs.from_gguf(gguf)  # an architecture we cannot run is the error, not its tokenizer
         tokenizer = Tokenizer.from_gguf(gguf.metadata)
         transformer: Model
         if where == "gpu":

@@ -198,6 +198,10 @@ def run(model: str | None, spec: SpecOptions, streaming: Any, ctx_size: int, dev
         from infer.tokenizer import Tokenizer
 
         try:
+            from infer.arch import ModelArgs
+
+            for path in (model, spec.draft_model):  # an architecture we cannot run first, then the vocabularies
+                ModelArgs.from_gguf(GGUFModel(path))
             check_vocabulary(Tokenizer.from_gguf(GGUFModel(model).metadata),
                              Tokenizer.from_gguf(GGUFModel(spec.draft_model).metadata), spec.draft_model)
         except (ValueError, ModelError) as err:

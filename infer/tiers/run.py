@@ -42,12 +42,13 @@ def run_streaming(model_path: str, config: StreamingConfig, ctx_size: int, devic
     from infer.tokenizer import StreamDecoder, Tokenizer
 
     texts = streaming_prompts(config, prompt)
+    from infer.arch import ModelArgs
+
     gguf = GGUFModel(model_path)
+    args = ModelArgs.from_gguf(gguf)  # an architecture we cannot run is the error, not its tokenizer
     tokenizer = Tokenizer.from_gguf(gguf.metadata)
     if ctx_size <= 0:  # the model's context, at most DEFAULT_CTX (as the resident CLI)
-        from infer.arch import ModelArgs
-
-        ctx_size = min(ModelArgs.from_gguf(gguf).context_length, DEFAULT_CTX)
+        ctx_size = min(args.context_length, DEFAULT_CTX)
     ids = [tokenizer.encode(t) for t in texts]
     if any(not x for x in ids):
         raise ValueError("a prompt is empty after tokenization")
