@@ -179,18 +179,24 @@ class Chat:
         decoder = StreamDecoder(self.llm.tokenizer)
         reply_ids: list[int] = []
         pieces: list[str] = []
-        for token in self.llm.generate_ids(prompt, max_tokens, sampler, reuse_cache=True):
-            if self.session.is_end_of_turn(token):
-                break
-            reply_ids.append(token)
-            pieces.append(decoder.push(token))
+        flushed = False
+        try:
+            for token in self.llm.generate_ids(prompt, max_tokens, sampler, reuse_cache=True):
+                if self.session.is_end_of_turn(token):
+                    break
+                reply_ids.append(token)
+                pieces.append(decoder.push(token))
+                if pieces[-1]:
+                    yield pieces[-1]
+            pieces.append(decoder.flush())
+            flushed = True
             if pieces[-1]:
                 yield pieces[-1]
-        pieces.append(decoder.flush())
-        if pieces[-1]:
-            yield pieces[-1]
-        self._history = prompt + reply_ids
-        self.session.add_assistant("".join(pieces))
+        finally:  # also a reply cut short (Ctrl-C, the generator closed): the conversation keeps what was said
+            if not flushed:
+                pieces.append(decoder.flush())
+            self._history = prompt + reply_ids
+            self.session.add_assistant("".join(pieces))
 
     def ask(self, message: str, max_tokens: int = 512, sampler: SamplerConfig | None = None) -> str:
         return "".join(self.send(message, max_tokens, sampler))

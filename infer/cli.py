@@ -45,11 +45,14 @@ class CliError(click.ClickException):
 
 class _Main(click.Group):
     """The `ntransformer` group: a model that turns out broken while generating (NaN logits) ends
-    in one line naming it, not a traceback."""
+    in one line naming it, not a traceback; the driver's notices are one line each."""
 
     def invoke(self, ctx: click.Context) -> Any:
+        from nvmedirect.errors import notices_as_lines
+
         try:
-            return super().invoke(ctx)
+            with notices_as_lines():  # e.g. fewer queue pairs than asked for: one `note:` line
+                return super().invoke(ctx)
         except ValueError as err:
             from infer.sampler import NonFiniteLogits  # NumPy is loaded by now: the BLAS threads are set
 
@@ -64,6 +67,12 @@ def _fail(message: str, code: int) -> NoReturn:
 
 def _note(message: str) -> None:
     click.echo(message, err=True)
+
+
+def _stream(piece: str) -> None:
+    """Generated text as it comes (a streamed pass can take seconds per token)."""
+    click.echo(piece, nl=False)
+    sys.stdout.flush()
 
 
 def _set_threads(threads: int | None) -> None:
@@ -101,15 +110,42 @@ def _load(model: str | None, ctx_size: int, device: str, vram_budget: str | None
         _fail(str(err), EXIT_BAD_INPUT)
     warm = getattr(getattr(llm.transformer, "weights", None), "warm", None)  # CPU weights only
     if warm is not None:  # dequantize now, so that the speeds reported later measure inference only
-        warm()
+        with _progress(f"loading {Path(model).name}", llm.args.n_layers + 1, "layer") as advance:
+            warm(advance)
     a = llm.args
     _note(f"loaded {Path(model).name} on the {where.upper()}: {a.arch}, {a.n_layers} layers, width {a.dim}, "
           f"{a.n_heads}/{a.n_kv_heads} heads, vocab {a.vocab_size}, context {llm.engine.ctx_size} "
           f"({time.perf_counter() - started:.1f} s)")
+    _context_note(a, llm.engine.ctx_size, model)
     account = getattr(llm.transformer, "account", None)
     if account is not None:
         _note(account.render())
     return llm
+
+
+PROGRESS_DELAY_S = 2.0  # a bar appears only for work that has already taken this long
+
+
+@contextlib.contextmanager
+def _progress(what: str, total: int, unit: str) -> Iterator[Any]:
+    """A progress bar on stderr for a long load (shown after PROGRESS_DELAY_S, erased when done);
+    yields `advance(done, total)`."""
+    from tqdm import tqdm
+
+    bar = tqdm(total=total, desc=what, unit=unit, delay=PROGRESS_DELAY_S, leave=False, file=sys.stderr,
+               dynamic_ncols=True)
+    try:
+        yield lambda done, _total: bar.update(done - bar.n)
+    finally:
+        bar.close()
+
+
+def _context_note(args: Any, ctx_size: int, model: str) -> None:
+    from infer.arch import context_warning
+
+    warning = context_warning(args, ctx_size, Path(model).name)
+    if warning:
+        _note(warning)
 
 
 @contextlib.contextmanager
@@ -206,10 +242,19 @@ def _chat(llm: LLM, sampler: Any, n_predict: int, system: str | None) -> None:
     except ChatTemplateError as err:
         _fail(f"{llm.gguf.path}: {err}", EXIT_BAD_INPUT)
     interactive = sys.stdin.isatty()
+    interrupted = False  # the last thing was a Ctrl-C: a second one in a row leaves
     while True:
         if interactive:
             click.echo("> ", nl=False, err=True)
-        line = sys.stdin.readline()
+        try:
+            line = sys.stdin.readline()
+        except KeyboardInterrupt:
+            if interrupted:
+                click.echo(err=True)
+                break
+            interrupted = True
+            _note("\n(Ctrl-C again, Ctrl-D or /exit leaves)")
+            continue
         if not line:
             break
         message = line.rstrip("\r\n")
@@ -217,9 +262,18 @@ def _chat(llm: LLM, sampler: Any, n_predict: int, system: str | None) -> None:
             continue
         if message.strip() in ("/exit", "/quit"):
             break
-        for piece in chat.send(message, max_tokens=n_predict, sampler=sampler):
-            click.echo(piece, nl=False)
-            sys.stdout.flush()
+        interrupted = False
+        reply = chat.send(message, max_tokens=n_predict, sampler=sampler)
+        try:
+            for piece in reply:
+                click.echo(piece, nl=False)
+                sys.stdout.flush()
+        except KeyboardInterrupt:  # stops this reply only; what it said so far stays in the conversation
+            reply.close()
+            interrupted = True
+            click.echo()
+            _note("(reply stopped; Ctrl-C again, Ctrl-D or /exit leaves)")
+            continue
         click.echo()
 
 
@@ -228,7 +282,8 @@ def _chat(llm: LLM, sampler: Any, n_predict: int, system: str | None) -> None:
 @click.option("-p", "--prompt", help="Text to continue.")
 @click.option("-n", "--n-predict", type=click.IntRange(min=1), default=128, show_default=True,
               help="Tokens to generate (per reply with --chat).")
-@click.option("--chat", is_flag=True, help="Conversation: one user message per stdin line (template from the file).")
+@click.option("--chat", is_flag=True, help="Conversation: one user message per stdin line (template from the file); "
+              "Ctrl-C stops a reply, Ctrl-C twice, Ctrl-D or /exit leaves.")
 @click.option("--system", help="System message for --chat.")
 @click.option("--benchmark", is_flag=True,
               help="Measure prompt and decode speed (pp512 on the GPU, pp128 on the CPU, then -n greedy tokens; "
@@ -315,7 +370,7 @@ def _run_streaming(model: str | None, streaming: StreamingConfig, ctx_size: int,
         with _storage_errors(), _device_errors(where, measure_peak=benchmark or as_json) as peak:
             run_streaming(model, streaming, ctx_size, where, prompt or (BENCHMARK_PROMPT if benchmark else None),
                           n_predict, sampler, benchmark=benchmark, as_json=as_json, echo=click.echo, note=_note,
-                          peak=peak)
+                          peak=peak, stream=_stream)
     except TokenizerError as err:  # before ValueError, which it is
         _fail(f"{model}: tokenizer: {err}", EXIT_BAD_INPUT)
     except (ValueError, ModelError) as err:  # bad file, budgets too small (BudgetError)
@@ -414,6 +469,7 @@ def serve_command(ctx: click.Context, model: str | None, host: str, port: int, a
     except (ValueError, ModelError) as err:
         _fail(str(err), EXIT_BAD_INPUT)
     context = ctx_size or min(args.context_length, 4096)
+    _context_note(args, context, model)
     server = Server(loader(model, where, context, max_batch, streaming, exact), context, max_batch, queue_size,
                     api_key)
     _note(f"serving {Path(model).name} on http://{host}:{port} ({where}, {max_batch} slots of {context} tokens"

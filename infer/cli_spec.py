@@ -222,6 +222,7 @@ def run(model: str | None, spec: SpecOptions, streaming: Any, ctx_size: int, dev
             planned = {**(planned or {}), "token-tree verification": _tree_bytes(model, ctx_size, nodes)}
         try:
             if streaming.enabled:
+                from infer.arch import ModelArgs
                 from infer.gguf_file import GGUFModel
                 from infer.tiers.session import build_streaming_engine
                 from infer.tokenizer import Tokenizer
@@ -229,6 +230,7 @@ def run(model: str | None, spec: SpecOptions, streaming: Any, ctx_size: int, dev
                 gguf = GGUFModel(model)
                 tokenizer = Tokenizer.from_gguf(gguf.metadata)
                 context = ctx_size or min(_context(gguf), 4096)
+                c._context_note(ModelArgs.from_gguf(gguf), context, model)
                 session = build_streaming_engine(gguf, streaming, context, where, prefill_chunk=max(512, tree),
                                                  enforce_budget=where == "gpu", planned=planned)
                 c._note(session.report())

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from nvmedirect.errors import Notice
 from nvmedirect.host_memory import as_byte_array, gpu_present
 from nvmedirect.reader.base import ByteRange, OnceLock, ReadError, ReadHandle, StorageBackend
 
@@ -26,7 +27,7 @@ DEFAULT_QUEUE_DEPTH = 63  # + 1 free entry = 64 SQEs = one 4 KiB ring page (no-I
 DEFAULT_IO_SIZE = 4 << 20
 
 
-class FewerQueuePairs(UserWarning):
+class FewerQueuePairs(Notice):
     """The controller grants fewer I/O queue pairs than were asked for; the backend uses those."""
 
 

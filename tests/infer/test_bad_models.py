@@ -194,3 +194,32 @@ def test_a_file_cut_inside_its_header_says_truncated_gguf_header(model_copy: Pat
         f.truncate(size)
     line = assert_one_line_error(model_copy, "truncated GGUF header", f"ends at byte {size}")
     assert "dtype" not in line and "array" not in line
+
+
+def test_a_rope_factor_without_a_type_is_linear_scaling(good_model: Path, tmp_path: Path) -> None:
+    """Issue 29: `rope.scaling.factor = 4` without `rope.scaling.type` was silently ignored (the
+    output equal to the original's). llama.cpp reads a missing type as linear: so does this engine,
+    and so the copy generates what the copy with `type = linear` generates."""
+    from infer.arch import ModelArgs
+
+    factor = {"llama.rope.scaling.factor": (4.0, GGUFValueType.FLOAT32)}
+    untyped = write_copy(good_model, tmp_path / "factor-only.gguf", metadata=factor)
+    linear = write_copy(good_model, tmp_path / "linear.gguf", metadata={
+        **factor, "llama.rope.scaling.type": ("linear", GGUFValueType.STRING)})
+    none = write_copy(good_model, tmp_path / "none.gguf", metadata={
+        **factor, "llama.rope.scaling.type": ("none", GGUFValueType.STRING)})
+    old_key = write_copy(good_model, tmp_path / "old-key.gguf", metadata={
+        "llama.rope.scale_linear": (4.0, GGUFValueType.FLOAT32)})
+    assert ModelArgs.from_gguf(GGUFModel(untyped)).rope_linear_scale == 4.0
+    assert ModelArgs.from_gguf(GGUFModel(old_key)).rope_linear_scale == 4.0
+    assert ModelArgs.from_gguf(GGUFModel(none)).rope_linear_scale == 1.0  # "none" never scales (llama.cpp too)
+
+    def logits(path: Path) -> np.ndarray:
+        from infer.engine import Engine
+
+        model = load_transformer(GGUFModel(path), exact=True)
+        return Engine(model, 64).evaluate([1, *range(260, 290)], all_logits=True)
+
+    original, scaled = logits(good_model), logits(untyped)
+    np.testing.assert_array_equal(scaled, logits(linear))
+    assert not np.array_equal(scaled, original)
