@@ -332,7 +332,8 @@ def main(ctx: click.Context, model: str | None, prompt: str | None, n_predict: i
                         chat, benchmark, exact, as_json)
         return
     if streaming.enabled or streaming.batch > 1 or streaming.prompts_file:
-        _run_streaming(model, streaming, ctx_size, device, prompt, n_predict, sampler, chat, benchmark, as_json)
+        _run_streaming(model, streaming, ctx_size, device, prompt, n_predict, sampler, chat, benchmark, as_json,
+                       exact)
         return
     where = _resolve_device(device)
     _warn_unused(where, streaming, exact)
@@ -356,7 +357,8 @@ def _warn_unused(where: str, streaming: StreamingConfig, exact: bool) -> None:
 
 
 def _run_streaming(model: str | None, streaming: StreamingConfig, ctx_size: int, device: str, prompt: str | None,
-                   n_predict: int, sampler: Any, chat: bool, benchmark: bool, as_json: bool) -> None:
+                   n_predict: int, sampler: Any, chat: bool, benchmark: bool, as_json: bool,
+                   exact: bool = False) -> None:
     if chat:
         _fail("--chat runs one sequence on the resident engine: drop --streaming/--batch/--prompts", EXIT_BAD_INPUT)
     if not model:
@@ -366,11 +368,12 @@ def _run_streaming(model: str | None, streaming: StreamingConfig, ctx_size: int,
     from infer.tokenizer import TokenizerError
 
     where = _resolve_device(device)
+    _warn_unused(where, streaming, exact)
     try:
         with _storage_errors(), _device_errors(where, measure_peak=benchmark or as_json) as peak:
             run_streaming(model, streaming, ctx_size, where, prompt or (BENCHMARK_PROMPT if benchmark else None),
                           n_predict, sampler, benchmark=benchmark, as_json=as_json, echo=click.echo, note=_note,
-                          peak=peak, stream=_stream)
+                          peak=peak, stream=_stream, exact=exact)
     except TokenizerError as err:  # before ValueError, which it is
         _fail(f"{model}: tokenizer: {err}", EXIT_BAD_INPUT)
     except (ValueError, ModelError) as err:  # bad file, budgets too small (BudgetError)

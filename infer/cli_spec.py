@@ -193,6 +193,8 @@ def run(model: str | None, spec: SpecOptions, streaming: Any, ctx_size: int, dev
         c._fail("no model given: use -m/--model FILE.gguf", c.EXIT_BAD_INPUT)
 
     where = c._resolve_device(device)
+    if where == "cpu" and not exact:
+        c._fail(CPU_NEEDS_EXACT, c.EXIT_BAD_INPUT)
     if spec.draft_model:  # before anything loads: a draft with another vocabulary is bad input
         from infer.gguf_file import GGUFModel
         from infer.tokenizer import Tokenizer
@@ -232,7 +234,7 @@ def run(model: str | None, spec: SpecOptions, streaming: Any, ctx_size: int, dev
                 context = ctx_size or min(_context(gguf), 4096)
                 c._context_note(ModelArgs.from_gguf(gguf), context, model)
                 session = build_streaming_engine(gguf, streaming, context, where, prefill_chunk=max(512, tree),
-                                                 enforce_budget=where == "gpu", planned=planned)
+                                                 enforce_budget=where == "gpu", planned=planned, exact=exact)
                 c._note(session.report())
                 target, cache, closer = session.engine.model, None, session.close
             else:
@@ -253,6 +255,14 @@ def run(model: str | None, spec: SpecOptions, streaming: Any, ctx_size: int, dev
 
 
 SELF_DRAFT_K = 4  # --draft-k's default
+# The CPU's float32 engine sums a pass's rows in an order that depends on how many the pass holds
+# (a tree pass and a plain pass give a position logits up to ~0.9 apart on SmolLM2 Q4_0), so the
+# text of a speculative run would drift from plain decoding; its float64 engine (--exact) does not
+# depend on the batch, and there the output is plain decoding's, token for token. Until the
+# float32 kernels are batch-invariant, speculation on the CPU runs only with --exact.
+CPU_NEEDS_EXACT = ("speculative decoding on the CPU needs --exact: the float32 engine's logits depend on how many "
+                   "tokens a pass holds, so the text would differ from plain decoding (with --exact it is the "
+                   "plain --exact text, token for token)")
 
 
 def _args_and_ctx(model: str, ctx_size: int) -> tuple[Any, int]:

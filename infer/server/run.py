@@ -32,7 +32,7 @@ def loader(model_path: str, device: str, ctx_size: int, max_batch: int, streamin
             from infer.tiers.session import build_streaming_engine
 
             session = build_streaming_engine(gguf, replace(streaming, batch=max_batch), ctx_size, device,
-                                             enforce_budget=device == "gpu")
+                                             enforce_budget=device == "gpu", exact=exact)
             model, close, problem = session.engine.model, session.close, session.problem
         elif device == "gpu":
             from infer.gpu import load_gpu_transformer

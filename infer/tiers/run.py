@@ -31,14 +31,16 @@ def streaming_prompts(config: StreamingConfig, prompt: str | None) -> list[str]:
 def run_streaming(model_path: str, config: StreamingConfig, ctx_size: int, device: str, prompt: str | None,
                   n_predict: int, sampler_config: Any, benchmark: bool = False, as_json: bool = False,
                   echo: Callable[[str], None] = print, note: Callable[[str], None] = print,
-                  peak: Any = None, stream: Callable[[str], None] | None = None) -> dict[str, Any]:
+                  peak: Any = None, stream: Callable[[str], None] | None = None,
+                  exact: bool = False) -> dict[str, Any]:
     """Generates for every prompt in one batch; prints each sequence's text (or one JSON object)
     with `echo` and the plan and statistics with `note`; returns the JSON-able result.
     ctx_size 0: the model's context, at most 4096 (per sequence: the KV cache is that times the
     number of sequences). benchmark with one sequence: the resident engine's measurement
     (infer.benchmark) on the streamed model, beside the plan's link roofline; `peak`: a
     PeakMonitor running around the call (GPU). stream (text output): the text of one sequence is
-    given to it piece by piece as its tokens come; several sequences are echoed each as it ends."""
+    given to it piece by piece as its tokens come; several sequences are echoed each as it ends.
+    exact: the CPU engine's float64 sums (see build_streaming_engine)."""
     from infer.sampler import Sampler
     from infer.tokenizer import StreamDecoder, Tokenizer
 
@@ -56,7 +58,8 @@ def run_streaming(model_path: str, config: StreamingConfig, ctx_size: int, devic
     ids = [tokenizer.encode(t) for t in texts]
     if any(not x for x in ids):
         raise ValueError("a prompt is empty after tokenization")
-    session = build_streaming_engine(gguf, replace(config, batch=len(texts)), ctx_size, device, enforce_budget=True)
+    session = build_streaming_engine(gguf, replace(config, batch=len(texts)), ctx_size, device, enforce_budget=True,
+                                     exact=exact)
     try:
         note(session.report())
         if benchmark and len(ids) == 1:

@@ -123,11 +123,12 @@ def _budgets(args: Any, tensors: list[Tensor], config: StreamingConfig, ctx_size
 def build_streaming_engine(model: GGUFModel | str | os.PathLike, config: StreamingConfig, ctx_size: int,
                            device: str = "cpu", prefill_chunk: int = 512, measure: bool = True,
                            match_llama_cpp: bool = True, enforce_budget: bool = False,
-                           planned: dict[str, int] | None = None) -> StreamingSession:
+                           planned: dict[str, int] | None = None, exact: bool = False) -> StreamingSession:
     """Plans, opens the tiers and returns a session whose engine streams as the plan says. `model`:
     the parsed file (a path is parsed here). enforce_budget (GPU): cap the device memory pool at the
     budget (one engine per process). planned: device memory already taken in the same budget (e.g.
-    {"draft model": bytes}): the plan leaves it out and shows it."""
+    {"draft model": bytes}): the plan leaves it out and shows it. exact (CPU): float64 sums, as
+    load_transformer(exact=True), so a pass's logits do not depend on how many tokens it holds."""
     if device not in ("cpu", "gpu"):
         raise ValueError(f"unknown device '{device}' (cpu, gpu)")
     if not isinstance(model, GGUFModel):
@@ -188,9 +189,9 @@ def build_streaming_engine(model: GGUFModel | str | os.PathLike, config: Streami
             from infer.tiers.cpu_sim import StreamingCpuWeights
 
             weights = StreamingCpuWeights(model, args, plan, host, source, n_staging=config.staging_buffers,
-                                          match_llama_cpp=match_llama_cpp)
+                                          match_llama_cpp=match_llama_cpp, exact=exact)
             closers.append(weights.close)
-            transformer = Transformer(args, weights, factors)
+            transformer = Transformer(args, weights, factors, exact)
     except BaseException:
         for close in reversed(closers):
             close()
