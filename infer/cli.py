@@ -132,10 +132,15 @@ def _progress(what: str, total: int, unit: str) -> Iterator[Any]:
     yields `advance(done, total)`."""
     from tqdm import tqdm
 
-    bar = tqdm(total=total, desc=what, unit=unit, delay=PROGRESS_DELAY_S, leave=False, file=sys.stderr,
+    bar = tqdm(total=total or None, desc=what, unit=unit, delay=PROGRESS_DELAY_S, leave=False, file=sys.stderr,
                dynamic_ncols=True)
+
+    def advance(done: int, steps: int) -> None:
+        bar.total = steps  # a caller may know the count only once it starts
+        bar.update(done - bar.n)
+
     try:
-        yield lambda done, _total: bar.update(done - bar.n)
+        yield advance
     finally:
         bar.close()
 
@@ -373,7 +378,7 @@ def _run_streaming(model: str | None, streaming: StreamingConfig, ctx_size: int,
         with _storage_errors(), _device_errors(where, measure_peak=benchmark or as_json) as peak:
             run_streaming(model, streaming, ctx_size, where, prompt or (BENCHMARK_PROMPT if benchmark else None),
                           n_predict, sampler, benchmark=benchmark, as_json=as_json, echo=click.echo, note=_note,
-                          peak=peak, stream=_stream, exact=exact)
+                          peak=peak, stream=_stream, exact=exact, progress=_progress)
     except TokenizerError as err:  # before ValueError, which it is
         _fail(f"{model}: tokenizer: {err}", EXIT_BAD_INPUT)
     except (ValueError, ModelError) as err:  # bad file, budgets too small (BudgetError)

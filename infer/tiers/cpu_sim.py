@@ -14,6 +14,7 @@ The forward pass sees an ordinary WeightProvider.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
@@ -117,6 +118,20 @@ class StreamingCpuWeights:
             return quants.dequantize(raw, t.ggml_type, t.shape, dtype)  # a new array: the slot is free after
         finally:
             self.ring.release(slot)
+
+    def warm(self, progress: Callable[[int, int], None] | None = None) -> None:
+        """Dequantizes the tier A tensors and the output matrix now, not during the first pass (on
+        a large model that is most of the load); progress(done, total) after each."""
+        resident = [t for t in self.plan.tensors if t.layer is not None and self.plan.tier[t.name] is Tier.VRAM]
+        total = len(resident) + 1
+        for done, t in enumerate(resident, start=1):
+            self._values(t)
+            if progress is not None:
+                progress(done, total)
+        self.output()
+        self.output_norm()
+        if progress is not None:
+            progress(total, total)
 
     def _fmt_of(self, ggml_type: int) -> str:
         return quants.activation_format(ggml_type) if self.match_llama_cpp else "f32"

@@ -8,8 +8,9 @@ passes, tokens/s and bytes each tier moved per pass and per token follow.
 
 from __future__ import annotations
 
+import contextlib
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from typing import Any
 
@@ -32,7 +33,7 @@ def run_streaming(model_path: str, config: StreamingConfig, ctx_size: int, devic
                   n_predict: int, sampler_config: Any, benchmark: bool = False, as_json: bool = False,
                   echo: Callable[[str], None] = print, note: Callable[[str], None] = print,
                   peak: Any = None, stream: Callable[[str], None] | None = None,
-                  exact: bool = False) -> dict[str, Any]:
+                  exact: bool = False, progress: Callable[[str, int, str], Any] | None = None) -> dict[str, Any]:
     """Generates for every prompt in one batch; prints each sequence's text (or one JSON object)
     with `echo` and the plan and statistics with `note`; returns the JSON-able result.
     ctx_size 0: the model's context, at most 4096 (per sequence: the KV cache is that times the
@@ -40,7 +41,8 @@ def run_streaming(model_path: str, config: StreamingConfig, ctx_size: int, devic
     (infer.benchmark) on the streamed model, beside the plan's link roofline; `peak`: a
     PeakMonitor running around the call (GPU). stream (text output): the text of one sequence is
     given to it piece by piece as its tokens come; several sequences are echoed each as it ends.
-    exact: the CPU engine's float64 sums (see build_streaming_engine)."""
+    exact: the CPU engine's float64 sums (see build_streaming_engine). progress(what, total, unit):
+    a context manager yielding advance(done, total), for the CPU weights' load before the first pass."""
     from infer.sampler import Sampler
     from infer.tokenizer import StreamDecoder, Tokenizer
 
@@ -62,6 +64,10 @@ def run_streaming(model_path: str, config: StreamingConfig, ctx_size: int, devic
                                      exact=exact)
     try:
         note(session.report())
+        warm = getattr(session.weights, "warm", None)  # the CPU's tier A, dequantized before the first pass
+        if warm is not None:
+            with (progress or _silent)(f"loading {gguf.path.name}", 0, "tensor") as advance:
+                warm(advance)
         if benchmark and len(ids) == 1:
             return _benchmark_one(session, model_path, n_predict, as_json, echo, peak)
         seed = getattr(sampler_config, "seed", None)
@@ -103,6 +109,11 @@ def run_streaming(model_path: str, config: StreamingConfig, ctx_size: int, devic
         return result
     finally:
         session.close()
+
+
+@contextlib.contextmanager
+def _silent(_what: str, _total: int, _unit: str) -> Iterator[Callable[[int, int], None]]:
+    yield lambda _done, _total: None
 
 
 class _LiveText:

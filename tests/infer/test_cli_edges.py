@@ -86,11 +86,19 @@ def test_chat_help_names_the_ways_out() -> None:
     assert "/exit" in text and "Ctrl-C" in text
 
 
-def test_a_long_load_shows_a_progress_bar(tiny: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(("flags", "unit"), [([], "layer"), (["--streaming"], "tensor")])
+def test_a_long_load_shows_a_progress_bar(tiny: Path, monkeypatch: pytest.MonkeyPatch, flags: list[str],
+                                          unit: str) -> None:
+    """The resident CPU engine's layers, or the streamed one's tier A tensors, dequantized before
+    the first pass: a bar on stderr once that takes PROGRESS_DELAY_S (Qwen 0.5B: 11 s resident)."""
     monkeypatch.setattr(cli, "PROGRESS_DELAY_S", 0.0)  # "long": from the first step here
-    result = CliRunner().invoke(main, ["-m", str(tiny), "-p", "hi", "-n", "2", "-t", "0", "--device", "cpu"])
+    result = CliRunner().invoke(main, ["-m", str(tiny), "-p", "hi", "-n", "2", "-t", "0", "--device", "cpu",
+                                       *flags])
     assert result.exit_code == 0, result.output
-    assert f"loading {tiny.name}" in result.stderr and "/4 [" in result.stderr, result.stderr
+    assert f"loading {tiny.name}" in result.stderr and f"{unit}/s" in result.stderr, result.stderr
+    monkeypatch.setattr(cli, "PROGRESS_DELAY_S", 2.0)  # the default: this load takes far less
+    quiet = CliRunner().invoke(main, ["-m", str(tiny), "-p", "hi", "-n", "2", "-t", "0", "--device", "cpu", *flags])
+    assert "loading" not in quiet.stderr  # under the delay: no bar at all
 
 
 def test_a_context_past_the_trained_length_is_a_warning(tiny: Path) -> None:
