@@ -65,6 +65,7 @@ class LLM:
 
         where = resolve_device(device)  # ValueError with one line for 'gpu' without a GPU
         gguf = GGUFModel(path)
+        ModelArgs.from_gguf(gguf)  # an architecture we cannot run is the error, not its tokenizer
         tokenizer = Tokenizer.from_gguf(gguf.metadata)
         transformer: Model
         if where == "gpu":
@@ -124,7 +125,7 @@ class LLM:
         config = sampler or SamplerConfig(temperature=0.0)
         if not reuse_cache:
             self.engine.reset()
-        if config.temperature == 0 and config.repeat_penalty == 1 and isinstance(self.transformer, DeviceGreedy):
+        if config.greedy and config.repeat_penalty == 1 and isinstance(self.transformer, DeviceGreedy):
             # greedy on the GPU: the CUDA-graph decode loop picks the tokens on the device
             stop = self.tokenizer.vocab.eog_ids if stop_at_eog else frozenset()
             return self.engine.generate_on_device(self._ids(prompt), max_tokens, stop)
@@ -178,18 +179,24 @@ class Chat:
         decoder = StreamDecoder(self.llm.tokenizer)
         reply_ids: list[int] = []
         pieces: list[str] = []
-        for token in self.llm.generate_ids(prompt, max_tokens, sampler, reuse_cache=True):
-            if self.session.is_end_of_turn(token):
-                break
-            reply_ids.append(token)
-            pieces.append(decoder.push(token))
+        flushed = False
+        try:
+            for token in self.llm.generate_ids(prompt, max_tokens, sampler, reuse_cache=True):
+                if self.session.is_end_of_turn(token):
+                    break
+                reply_ids.append(token)
+                pieces.append(decoder.push(token))
+                if pieces[-1]:
+                    yield pieces[-1]
+            pieces.append(decoder.flush())
+            flushed = True
             if pieces[-1]:
                 yield pieces[-1]
-        pieces.append(decoder.flush())
-        if pieces[-1]:
-            yield pieces[-1]
-        self._history = prompt + reply_ids
-        self.session.add_assistant("".join(pieces))
+        finally:  # also a reply cut short (Ctrl-C, the generator closed): the conversation keeps what was said
+            if not flushed:
+                pieces.append(decoder.flush())
+            self._history = prompt + reply_ids
+            self.session.add_assistant("".join(pieces))
 
     def ask(self, message: str, max_tokens: int = 512, sampler: SamplerConfig | None = None) -> str:
         return "".join(self.send(message, max_tokens, sampler))

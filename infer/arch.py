@@ -116,7 +116,10 @@ class ModelArgs:
             raise UnsupportedModelError(model.path, f"{n_kv_heads} KV heads do not divide {n_heads} heads",
                                         f"key {arch}.attention.head_count_kv")
         head_dim = int(key("attention.key_length", int, dim // n_heads))
-        scaling = str(key("rope.scaling.type", str, "none"))
+        # llama.cpp reads a factor without a type as linear scaling (its default type), and takes
+        # the factor from the older rope.scale_linear key when rope.scaling.factor is missing
+        factor = float(key("rope.scaling.factor", float, 0.0) or key("rope.scale_linear", float, 0.0) or 1.0)
+        scaling = str(key("rope.scaling.type", str, "linear" if factor != 1.0 else "none"))
         if scaling not in ("none", "linear"):
             raise UnsupportedModelError(model.path, f"rope scaling '{scaling}' is not supported",
                                         f"key {arch}.rope.scaling.type")
@@ -135,8 +138,21 @@ class ModelArgs:
             rope_base=float(key("rope.freq_base", float, 10000.0)),
             rope_dim=int(key("rope.dimension_count", int, head_dim)),
             rope_neox=NEOX_ROPE[arch],
-            rope_linear_scale=float(key("rope.scaling.factor", float, 1.0)) if scaling == "linear" else 1.0,
+            rope_linear_scale=factor if scaling == "linear" else 1.0,
         )
+
+
+def context_warning(args: ModelArgs, ctx_size: int, name: str) -> str | None:
+    """One line when a run's context exceeds what the model was trained for (positions past it are
+    out of distribution), saying which rope scaling would stretch the trained positions that far."""
+    trained = args.context_length
+    if ctx_size <= trained:
+        return None
+    have = f"; the file's linear factor {args.rope_linear_scale:g} is already applied" if args.rope_linear_scale != 1 \
+        else ""
+    return (f"warning: a context of {ctx_size} tokens exceeds the {trained} {name} was trained for: output past "
+            f"position {trained} degrades unless rope scaling stretches the positions by {ctx_size / trained:.2f}x "
+            f"(rope.scaling.type linear or yarn, rope.scaling.factor {ctx_size / trained:.2f}){have}")
 
 
 def output_name(model: GGUFModel) -> str:

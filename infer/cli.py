@@ -5,8 +5,9 @@
     ntransformer -m MODEL --benchmark [-n N]     prompt and decode tokens/s
     ntransformer perplexity -m MODEL -f TEXT     llama.cpp-style perplexity
 
-Exit codes: 0 ok, 1 failed, 2 bad input (bad model file, bad flag, budget too small),
-4 not available (--device gpu without a GPU).
+Exit codes: 0 ok, 1 failed (a tier C read failed while generating), 2 bad input (bad model file,
+bad flag, budget too small), 4 not available (--device gpu without a GPU; a tier C device that cannot
+be opened).
 Informational lines go to stderr so stdout carries only the generated text (or JSON).
 """
 
@@ -44,11 +45,14 @@ class CliError(click.ClickException):
 
 class _Main(click.Group):
     """The `ntransformer` group: a model that turns out broken while generating (NaN logits) ends
-    in one line naming it, not a traceback."""
+    in one line naming it, not a traceback; the driver's notices are one line each."""
 
     def invoke(self, ctx: click.Context) -> Any:
+        from nvmedirect.errors import notices_as_lines
+
         try:
-            return super().invoke(ctx)
+            with notices_as_lines():  # e.g. fewer queue pairs than asked for: one `note:` line
+                return super().invoke(ctx)
         except ValueError as err:
             from infer.sampler import NonFiniteLogits  # NumPy is loaded by now: the BLAS threads are set
 
@@ -63,6 +67,12 @@ def _fail(message: str, code: int) -> NoReturn:
 
 def _note(message: str) -> None:
     click.echo(message, err=True)
+
+
+def _stream(piece: str) -> None:
+    """Generated text as it comes (a streamed pass can take seconds per token)."""
+    click.echo(piece, nl=False)
+    sys.stdout.flush()
 
 
 def _set_threads(threads: int | None) -> None:
@@ -100,15 +110,47 @@ def _load(model: str | None, ctx_size: int, device: str, vram_budget: str | None
         _fail(str(err), EXIT_BAD_INPUT)
     warm = getattr(getattr(llm.transformer, "weights", None), "warm", None)  # CPU weights only
     if warm is not None:  # dequantize now, so that the speeds reported later measure inference only
-        warm()
+        with _progress(f"loading {Path(model).name}", llm.args.n_layers + 1, "layer") as advance:
+            warm(advance)
     a = llm.args
     _note(f"loaded {Path(model).name} on the {where.upper()}: {a.arch}, {a.n_layers} layers, width {a.dim}, "
           f"{a.n_heads}/{a.n_kv_heads} heads, vocab {a.vocab_size}, context {llm.engine.ctx_size} "
           f"({time.perf_counter() - started:.1f} s)")
+    _context_note(a, llm.engine.ctx_size, model)
     account = getattr(llm.transformer, "account", None)
     if account is not None:
         _note(account.render())
     return llm
+
+
+PROGRESS_DELAY_S = 2.0  # a bar appears only for work that has already taken this long
+
+
+@contextlib.contextmanager
+def _progress(what: str, total: int, unit: str) -> Iterator[Any]:
+    """A progress bar on stderr for a long load (shown after PROGRESS_DELAY_S, erased when done);
+    yields `advance(done, total)`."""
+    from tqdm import tqdm
+
+    bar = tqdm(total=total or None, desc=what, unit=unit, delay=PROGRESS_DELAY_S, leave=False, file=sys.stderr,
+               dynamic_ncols=True)
+
+    def advance(done: int, steps: int) -> None:
+        bar.total = steps  # a caller may know the count only once it starts
+        bar.update(done - bar.n)
+
+    try:
+        yield advance
+    finally:
+        bar.close()
+
+
+def _context_note(args: Any, ctx_size: int, model: str) -> None:
+    from infer.arch import context_warning
+
+    warning = context_warning(args, ctx_size, Path(model).name)
+    if warning:
+        _note(warning)
 
 
 @contextlib.contextmanager
@@ -127,6 +169,22 @@ def _device_errors(device: str, measure_peak: bool = False) -> Iterator[Any]:
         if memory.is_out_of_memory(err):
             _fail(str(memory.over_budget(err, memory.current_account())), EXIT_BAD_INPUT)
         raise
+
+
+@contextlib.contextmanager
+def _storage_errors() -> Iterator[None]:
+    """Tier C that cannot be opened is one line and exit 4 (not ready); a read that fails while
+    generating (a media error, a device taken away) one line naming the device and exit 1. The
+    session has closed the device by the time the line is printed."""
+    from infer.errors import StorageUnavailable
+    from nvmedirect.errors import NvmeDirectError
+
+    try:
+        yield
+    except StorageUnavailable as err:
+        _fail(str(err), EXIT_NOT_AVAILABLE)
+    except NvmeDirectError as err:  # raised by the tier C reader in the middle of a pass
+        _fail(f"tier C read failed: {str(err).splitlines()[0]}", EXIT_FAILED)
 
 
 def _sampler(temp: float, top_k: int, top_p: float, min_p: float, repeat_penalty: float, seed: int | None) -> Any:
@@ -189,10 +247,19 @@ def _chat(llm: LLM, sampler: Any, n_predict: int, system: str | None) -> None:
     except ChatTemplateError as err:
         _fail(f"{llm.gguf.path}: {err}", EXIT_BAD_INPUT)
     interactive = sys.stdin.isatty()
+    interrupted = False  # the last thing was a Ctrl-C: a second one in a row leaves
     while True:
         if interactive:
             click.echo("> ", nl=False, err=True)
-        line = sys.stdin.readline()
+        try:
+            line = sys.stdin.readline()
+        except KeyboardInterrupt:
+            if interrupted:
+                click.echo(err=True)
+                break
+            interrupted = True
+            _note("\n(Ctrl-C again, Ctrl-D or /exit leaves)")
+            continue
         if not line:
             break
         message = line.rstrip("\r\n")
@@ -200,9 +267,18 @@ def _chat(llm: LLM, sampler: Any, n_predict: int, system: str | None) -> None:
             continue
         if message.strip() in ("/exit", "/quit"):
             break
-        for piece in chat.send(message, max_tokens=n_predict, sampler=sampler):
-            click.echo(piece, nl=False)
-            sys.stdout.flush()
+        interrupted = False
+        reply = chat.send(message, max_tokens=n_predict, sampler=sampler)
+        try:
+            for piece in reply:
+                click.echo(piece, nl=False)
+                sys.stdout.flush()
+        except KeyboardInterrupt:  # stops this reply only; what it said so far stays in the conversation
+            reply.close()
+            interrupted = True
+            click.echo()
+            _note("(reply stopped; Ctrl-C again, Ctrl-D or /exit leaves)")
+            continue
         click.echo()
 
 
@@ -211,12 +287,13 @@ def _chat(llm: LLM, sampler: Any, n_predict: int, system: str | None) -> None:
 @click.option("-p", "--prompt", help="Text to continue.")
 @click.option("-n", "--n-predict", type=click.IntRange(min=1), default=128, show_default=True,
               help="Tokens to generate (per reply with --chat).")
-@click.option("--chat", is_flag=True, help="Conversation: one user message per stdin line (template from the file).")
+@click.option("--chat", is_flag=True, help="Conversation: one user message per stdin line (template from the file); "
+              "Ctrl-C stops a reply, Ctrl-C twice, Ctrl-D or /exit leaves.")
 @click.option("--system", help="System message for --chat.")
 @click.option("--benchmark", is_flag=True,
               help="Measure prompt and decode speed (pp512 on the GPU, pp128 on the CPU, then -n greedy tokens; "
                    "warmed up first), with peak memory; the same measurement as bench/gpu_bench.py.")
-@click.option("-t", "--temp", type=float, default=0.8, show_default=True, help="Temperature; 0 = greedy.")
+@click.option("-t", "--temp", type=float, default=0.8, show_default=True, help="Temperature; 0 (or anything below 1e-6) = greedy.")
 @click.option("--top-k", type=int, default=40, show_default=True, help="Keep the k most likely tokens; 0 = off.")
 @click.option("--top-p", type=float, default=0.95, show_default=True, help="Nucleus sampling; 1 = off.")
 @click.option("--min-p", type=float, default=0.05, show_default=True, help="Min-p filter; 0 = off.")
@@ -260,9 +337,11 @@ def main(ctx: click.Context, model: str | None, prompt: str | None, n_predict: i
                         chat, benchmark, exact, as_json)
         return
     if streaming.enabled or streaming.batch > 1 or streaming.prompts_file:
-        _run_streaming(model, streaming, ctx_size, device, prompt, n_predict, sampler, chat, benchmark, as_json)
+        _run_streaming(model, streaming, ctx_size, device, prompt, n_predict, sampler, chat, benchmark, as_json,
+                       exact)
         return
     where = _resolve_device(device)
+    _warn_unused(where, streaming, exact)
     with _device_errors(where, measure_peak=benchmark or as_json) as peak:
         llm = _load(model, ctx_size, where, streaming.vram_budget, exact)
         if benchmark:
@@ -273,8 +352,18 @@ def main(ctx: click.Context, model: str | None, prompt: str | None, n_predict: i
             _generate(llm, prompt or "", n_predict, sampler, as_json)
 
 
+def _warn_unused(where: str, streaming: StreamingConfig, exact: bool) -> None:
+    """Flags that mean something on another path than this one: said once, then the run goes on."""
+    if where == "cpu" and streaming.vram_budget and not streaming.enabled:
+        _note("warning: --vram-budget sizes GPU memory (or tier A with --streaming): the CPU's resident engine "
+              "ignores it")
+    if where == "gpu" and exact:
+        _note("warning: --exact selects the CPU engine's float64 sums: the GPU engine ignores it")
+
+
 def _run_streaming(model: str | None, streaming: StreamingConfig, ctx_size: int, device: str, prompt: str | None,
-                   n_predict: int, sampler: Any, chat: bool, benchmark: bool, as_json: bool) -> None:
+                   n_predict: int, sampler: Any, chat: bool, benchmark: bool, as_json: bool,
+                   exact: bool = False) -> None:
     if chat:
         _fail("--chat runs one sequence on the resident engine: drop --streaming/--batch/--prompts", EXIT_BAD_INPUT)
     if not model:
@@ -284,11 +373,12 @@ def _run_streaming(model: str | None, streaming: StreamingConfig, ctx_size: int,
     from infer.tokenizer import TokenizerError
 
     where = _resolve_device(device)
+    _warn_unused(where, streaming, exact)
     try:
-        with _device_errors(where, measure_peak=benchmark or as_json) as peak:
+        with _storage_errors(), _device_errors(where, measure_peak=benchmark or as_json) as peak:
             run_streaming(model, streaming, ctx_size, where, prompt or (BENCHMARK_PROMPT if benchmark else None),
                           n_predict, sampler, benchmark=benchmark, as_json=as_json, echo=click.echo, note=_note,
-                          peak=peak)
+                          peak=peak, stream=_stream, exact=exact, progress=_progress)
     except TokenizerError as err:  # before ValueError, which it is
         _fail(f"{model}: tokenizer: {err}", EXIT_BAD_INPUT)
     except (ValueError, ModelError) as err:  # bad file, budgets too small (BudgetError)
@@ -355,7 +445,7 @@ def perplexity_command(ctx: click.Context, model: str | None, text_file: str, ct
 @click.option("-c", "--ctx-size", type=click.IntRange(min=0), default=0,
               help="Context of each request in tokens; 0 = the model's, at most 4096.")
 @click.option("--device", type=click.Choice(["auto", "cpu", "gpu"]), default="auto", show_default=True)
-@streaming_options
+@streaming_options(batch=False)
 @click.option("--exact", is_flag=True, help="CPU: float64 sums (batching-independent results, see ntransformer --help).")
 @click.option("--threads", type=click.IntRange(min=1), default=None, help="BLAS threads (default: all cores).")
 @click.pass_context
@@ -375,8 +465,6 @@ def serve_command(ctx: click.Context, model: str | None, host: str, port: int, a
         model = ctx.parent.params.get("model")
     if not model:
         _fail("no model given: use -m/--model FILE.gguf", EXIT_BAD_INPUT)
-    if streaming.batch != 1 or streaming.prompts_file:
-        _fail("serve batches the requests it receives: use --max-batch instead of --batch/--prompts", EXIT_BAD_INPUT)
     from infer.arch import check_model
     from infer.errors import ModelError
     from infer.gguf_file import GGUFModel
@@ -389,6 +477,7 @@ def serve_command(ctx: click.Context, model: str | None, host: str, port: int, a
     except (ValueError, ModelError) as err:
         _fail(str(err), EXIT_BAD_INPUT)
     context = ctx_size or min(args.context_length, 4096)
+    _context_note(args, context, model)
     server = Server(loader(model, where, context, max_batch, streaming, exact), context, max_batch, queue_size,
                     api_key)
     _note(f"serving {Path(model).name} on http://{host}:{port} ({where}, {max_batch} slots of {context} tokens"

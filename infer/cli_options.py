@@ -40,13 +40,51 @@ def check_gpu_doorbells(config: StreamingConfig, device: str | None) -> None:
         raise OptionConflict("--gpu-doorbells needs GPU threads to ring the doorbells: drop --device cpu")
 
 
-def streaming_options(func: Callable[..., Any]) -> Callable[..., Any]:
+# flags that only the streaming engine reads: without --streaming (or --batch/--prompts, which
+# run it) they would be ignored, so they are refused instead
+_STREAMING_ONLY = {"ram_budget": "--ram-budget", "tier_c": "--tier-c", "nvme_device": "--nvme-device",
+                   "nvme_lba": "--nvme-lba", "tier_b": "--tier-b", "slots": "--slots",
+                   "gpu_doorbells": "--gpu-doorbells"}
+
+
+def check_sizes(values: dict[str, Any]) -> None:
+    """--vram-budget and --ram-budget must read as sizes on every path, used or not."""
+    from infer.tiers.budget import BudgetError, parse_size  # no NumPy behind it: BLAS threads are still unset
+
+    for name, flag in (("vram_budget", "--vram-budget"), ("ram_budget", "--ram-budget")):
+        if values.get(name) is not None:
+            try:
+                parse_size(values[name])
+            except BudgetError as err:
+                raise OptionConflict(f"{flag}: {err}") from None
+
+
+def check_streaming_only(ctx: click.Context, values: dict[str, Any]) -> None:
+    """A flag of the streaming engine given without it is an error, not silently ignored."""
+    streamed = values["streaming"] or values.get("batch", 1) > 1 or values.get("prompts_file")
+    if streamed:
+        return
+    given = [flag for name, flag in _STREAMING_ONLY.items()
+             if ctx.get_parameter_source(name) not in (None, click.core.ParameterSource.DEFAULT)]
+    if given:
+        raise OptionConflict(f"{', '.join(given)} {'sets' if len(given) == 1 else 'set'} the streaming engine's "
+                             "tiers: add --streaming")
+
+
+def streaming_options(func: Callable[..., Any] | None = None, *, batch: bool = True) -> Any:
     """Adds --streaming, --vram-budget, --ram-budget, --tier-c, --nvme-device, --tier-b, --slots,
-    --batch, --prompts and --gpu-doorbells; the command receives them as one `streaming: StreamingConfig`."""
+    --batch, --prompts and --gpu-doorbells; the command receives them as one `streaming: StreamingConfig`.
+    `@streaming_options(batch=False)` leaves out --batch and --prompts (a server batches its requests)."""
+    if func is None:
+        return functools.partial(streaming_options, batch=batch)
 
     @functools.wraps(func)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        values = {name: kwargs.pop(name) for name in _OPTION_NAMES}
+        values = {name: kwargs.pop(name, None) for name in _OPTION_NAMES}
+        if not batch:
+            values["batch"], values["prompts_file"] = 1, None
+        check_sizes(values)
+        check_streaming_only(click.get_current_context(), values)
         kwargs["streaming"] = StreamingConfig(
             enabled=values["streaming"], vram_budget=values["vram_budget"], ram_budget=values["ram_budget"],
             tier_c=values["tier_c"], nvme_device=values["nvme_device"], nvme_lba=values["nvme_lba"],
@@ -76,11 +114,14 @@ def streaming_options(func: Callable[..., Any]) -> Callable[..., Any]:
                      show_default=True, help="Tier B as a pinned copy or the registered file mapping."),
         click.option("--slots", type=click.IntRange(2, 64), default=DEFAULT_SLOTS, show_default=True,
                      help="Device slots in the streaming ring."),
-        click.option("--batch", type=click.IntRange(1, 4096), default=1, show_default=True,
-                     help="Sequences decoded together (copies of the prompt unless --prompts is given)."),
-        click.option("--prompts", "prompts_file", type=click.Path(exists=True, dir_okay=False),
-                     help="File with one prompt per line; each becomes a sequence of the batch."),
     ]
+    if batch:
+        options += [
+            click.option("--batch", type=click.IntRange(1, 4096), default=1, show_default=True,
+                         help="Sequences decoded together (copies of the prompt unless --prompts is given)."),
+            click.option("--prompts", "prompts_file", type=click.Path(exists=True, dir_okay=False),
+                         help="File with one prompt per line; each becomes a sequence of the batch."),
+        ]
     for option in reversed(options):
         wrapper = option(wrapper)
     return wrapper

@@ -50,6 +50,9 @@ class SpecOptions:
             return "--draft-k sets the self-draft's depth: use it with --self-spec or --skip-threshold"
         if self.skip_text and self.skip_threshold is None:
             return "--skip-text calibrates --skip-threshold: give the threshold too"
+        if self.tree is not None and not (self.draft_model or self.lookup):
+            return ("--draft-tree sizes the tree of --draft-model or --lookup"
+                    + (" (the self-draft's depth is --draft-k)" if self.self_draft else ": add one of them"))
         return None
 
 
@@ -190,16 +193,22 @@ def run(model: str | None, spec: SpecOptions, streaming: Any, ctx_size: int, dev
         c._fail("no model given: use -m/--model FILE.gguf", c.EXIT_BAD_INPUT)
 
     where = c._resolve_device(device)
+    if where == "cpu" and not exact:
+        c._fail(CPU_NEEDS_EXACT, c.EXIT_BAD_INPUT)
     if spec.draft_model:  # before anything loads: a draft with another vocabulary is bad input
         from infer.gguf_file import GGUFModel
         from infer.tokenizer import Tokenizer
 
         try:
+            from infer.arch import ModelArgs
+
+            for path in (model, spec.draft_model):  # an architecture we cannot run first, then the vocabularies
+                ModelArgs.from_gguf(GGUFModel(path))
             check_vocabulary(Tokenizer.from_gguf(GGUFModel(model).metadata),
                              Tokenizer.from_gguf(GGUFModel(spec.draft_model).metadata), spec.draft_model)
         except (ValueError, ModelError) as err:
             c._fail(str(err), c.EXIT_BAD_INPUT)
-    with c._device_errors(where):
+    with c._storage_errors(), c._device_errors(where):
         draft = None
         if spec.draft_model:  # resident, inside the budget
             draft = c._load(spec.draft_model, ctx_size, where, streaming.vram_budget)
@@ -214,6 +223,7 @@ def run(model: str | None, spec: SpecOptions, streaming: Any, ctx_size: int, dev
         nodes = max(tree, 1 + MAX_DEPTH) if tuned(spec, streaming.enabled) is not None else tree
         try:
             if streaming.enabled:
+                from infer.arch import ModelArgs
                 from infer.gguf_file import GGUFModel
                 from infer.tiers.session import build_streaming_engine
                 from infer.tokenizer import Tokenizer
@@ -221,8 +231,10 @@ def run(model: str | None, spec: SpecOptions, streaming: Any, ctx_size: int, dev
                 gguf = GGUFModel(model)
                 tokenizer = Tokenizer.from_gguf(gguf.metadata)
                 context = ctx_size or min(_context(gguf), 4096)
+                c._context_note(ModelArgs.from_gguf(gguf), context, model)
                 session = build_streaming_engine(gguf, streaming, context, where, prefill_chunk=max(512, nodes),
-                                                 enforce_budget=where == "gpu", planned=planned, tree_nodes=nodes)
+                                                 enforce_budget=where == "gpu", planned=planned, tree_nodes=nodes,
+                                                 exact=exact)
                 c._note(session.report())
                 target, cache, closer = session.engine.model, None, session.close
             else:
@@ -243,6 +255,14 @@ def run(model: str | None, spec: SpecOptions, streaming: Any, ctx_size: int, dev
 
 
 SELF_DRAFT_K = 4  # --draft-k's default
+# The CPU's float32 engine sums a pass's rows in an order that depends on how many the pass holds
+# (a tree pass and a plain pass give a position logits up to ~0.9 apart on SmolLM2 Q4_0), so the
+# text of a speculative run would drift from plain decoding; its float64 engine (--exact) does not
+# depend on the batch, and there the output is plain decoding's, token for token. Until the
+# float32 kernels are batch-invariant, speculation on the CPU runs only with --exact.
+CPU_NEEDS_EXACT = ("speculative decoding on the CPU needs --exact: the float32 engine's logits depend on how many "
+                   "tokens a pass holds, so the text would differ from plain decoding (with --exact it is the "
+                   "plain --exact text, token for token)")
 
 
 def _args_and_ctx(model: str, ctx_size: int) -> tuple[Any, int]:

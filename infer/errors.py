@@ -27,3 +27,8 @@ class UnsupportedModelError(ModelError):
 
 class UnsupportedTensorTypeError(ValueError):
     """A tensor type this engine cannot dequantize (raised by infer.quants; callers add the file)."""
+
+
+class StorageUnavailable(Exception):
+    """Tier C's source cannot be opened: no such device, a controller nobody can reach, no model
+    stored there. `str(err)` is one line; the CLI exits with code 4 (not ready)."""

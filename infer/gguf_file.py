@@ -43,6 +43,14 @@ class TensorInfo:
         return quants.dequantize(self.data, self.ggml_type, self.shape, dtype)
 
 
+class _Truncated(Exception):
+    """The header reads past the end of the file."""
+
+    def __init__(self, size: int) -> None:
+        super().__init__(size)
+        self.size = size
+
+
 class _CheckedReader(GGUFReader):
     """GGUFReader whose tensor table is validated and kept as TensorInfo records."""
 
@@ -59,6 +67,8 @@ class _CheckedReader(GGUFReader):
             plain = self._plain = self.data.view(np.ndarray)
         count = int(count)
         itemsize = np.dtype(dtype).itemsize
+        if offset + itemsize * count > plain.size:  # else NumPy's own complaint about a short view
+            raise _Truncated(plain.size)
         arr = plain[offset : offset + itemsize * count].view(dtype)[:count]
         return arr.view(arr.dtype.newbyteorder(self.byte_order if override_order is None else override_order))
 
@@ -122,6 +132,9 @@ class GGUFModel:
             reader = _CheckedReader(self.path)
         except ModelError:
             raise
+        except _Truncated as err:
+            raise GGUFFormatError(self.path, f"truncated GGUF header (the file ends at byte {err.size}, inside "
+                                  "its header)") from None
         except ValueError as err:
             message = str(err)
             if "magic" in message:

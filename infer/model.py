@@ -167,12 +167,18 @@ class DequantizedWeights:
     def layer(self, index: int) -> LayerWeights:
         return self._cached(("layer", index), lambda: self._build_layer(index))  # type: ignore[return-value]
 
-    def warm(self) -> None:
-        """Dequantizes every layer and the output matrix now (as far as the budget holds them)."""
+    def warm(self, progress: Callable[[int, int], None] | None = None) -> None:
+        """Dequantizes every layer and the output matrix now (as far as the budget holds them);
+        progress(done, total) after each of the n_layers + 1 steps."""
+        total = self.args.n_layers + 1
         for i in range(self.args.n_layers):
             self.layer(i)
+            if progress is not None:
+                progress(i + 1, total)
         self.output()
         self.output_norm()
+        if progress is not None:
+            progress(total, total)
 
     def embed(self, tokens: np.ndarray) -> np.ndarray:
         info = self.model.tensor(TOKEN_EMBD)

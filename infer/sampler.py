@@ -3,7 +3,9 @@
 Steps run in llama.cpp's default order: repetition penalty over the last `repeat_last_n` tokens,
 then top-k, top-p and min-p (all judged at temperature 1), then temperature, then a draw from the
 softmax of what is left. Temperature 0 skips the filters and the draw: the token is the argmax
-(of the penalized logits, which are the raw logits when repeat_penalty is 1).
+(of the penalized logits, which are the raw logits when repeat_penalty is 1). So does any
+temperature below GREEDY_BELOW (1e-6): it could only split logits closer than a millionth, and
+dividing by it would overflow (1e-320 gave NaN probabilities and garbage).
 
 Defaults are llama.cpp's own (temperature 0.8, top-k 40, top-p 0.95, min-p 0.05, repetition
 penalty 1.0 = off over the last 64 tokens); a seed of None draws a fresh one.
@@ -17,6 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+GREEDY_BELOW = 1e-6  # temperatures under this are greedy (the module docstring says why)
 
 @dataclass(frozen=True)
 class SamplerConfig:
@@ -43,7 +46,7 @@ class SamplerConfig:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_BELOW
 
 
 def apply_repeat_penalty(logits: np.ndarray, history: Sequence[int], penalty: float, last_n: int) -> np.ndarray:

@@ -82,11 +82,13 @@ class StreamingEngine:
 
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int,
                  choose: Chooser | Sequence[Chooser],
-                 is_end: Callable[[int], bool] = lambda _: False) -> list[list[int]]:
+                 is_end: Callable[[int], bool] = lambda _: False,
+                 on_token: Callable[[int, int], None] | None = None) -> list[list[int]]:
         """Up to `max_new_tokens` new ids per prompt (an end id is kept and stops its sequence;
         a full context stops it too). One decode pass per step serves every live sequence.
         `choose(logits, history)` picks the next id: one function for all, or one per sequence
-        (samplers with their own random state)."""
+        (samplers with their own random state). on_token(sequence, id) hears of each id as soon
+        as it is chosen (a streamed pass can take seconds: the CLI prints it then)."""
         choosers = list(choose) if isinstance(choose, Sequence) else [choose] * len(prompts)
         if len(choosers) != len(prompts):
             raise ValueError(f"{len(choosers)} choosers for {len(prompts)} prompts")
@@ -104,6 +106,8 @@ class StreamingEngine:
                 outputs[s].append(token)
                 histories[s].append(token)
                 self.stats.generated_tokens += 1
+                if on_token is not None:
+                    on_token(s, token)
                 if is_end(token) or len(outputs[s]) >= max_new_tokens or caches[s].length + 1 > self.ctx_size:
                     continue
                 next_live.append(s)

@@ -57,14 +57,22 @@ struct vfio_iommu_type1_dma_unmap {
     uint32_t argsz; uint32_t flags; uint64_t iova; uint64_t size; ...;
 };
 
+enum { VFIO_PCI_INTX_IRQ_INDEX, VFIO_PCI_MSI_IRQ_INDEX, VFIO_PCI_MSIX_IRQ_INDEX, VFIO_PCI_ERR_IRQ_INDEX,
+       VFIO_PCI_REQ_IRQ_INDEX, ... };
+
 /* ioctl wrappers: non-variadic so cffi can call them cheaply; -errno on failure. */
 int nvd_ioctl_ptr(int fd, unsigned long request, void *arg);
 int nvd_ioctl_int(int fd, unsigned long request, unsigned long arg);
+/* Interrupts: how many an index offers (VFIO_DEVICE_GET_IRQ_INFO), and one eventfd as the
+   trigger of an index's first interrupt (-1 unregisters it; VFIO_DEVICE_SET_IRQS). */
+int nvd_irq_count(int fd, unsigned int index);
+int nvd_irq_eventfd(int fd, unsigned int index, int eventfd);
 """
 
 SOURCE = r"""
 #include <errno.h>
 #include <stdint.h>
+#include <string.h>
 #include <sys/ioctl.h>
 #include <linux/vfio.h>
 
@@ -77,6 +85,29 @@ static int nvd_ioctl_ptr(int fd, unsigned long request, void *arg)
 static int nvd_ioctl_int(int fd, unsigned long request, unsigned long arg)
 {
     int rc = ioctl(fd, request, arg);
+    return rc < 0 ? -errno : rc;
+}
+
+static int nvd_irq_count(int fd, unsigned int index)
+{
+    struct vfio_irq_info info = { .argsz = sizeof(info), .index = index };
+    int rc = ioctl(fd, VFIO_DEVICE_GET_IRQ_INFO, &info);
+    return rc < 0 ? -errno : (int)info.count;
+}
+
+static int nvd_irq_eventfd(int fd, unsigned int index, int eventfd)
+{
+    /* struct vfio_irq_set ends in a flexible array: here one int32 eventfd follows the header. */
+    uint32_t storage[(sizeof(struct vfio_irq_set) + sizeof(int32_t) + 3) / 4];
+    struct vfio_irq_set *set = (struct vfio_irq_set *)storage;
+    int32_t data = eventfd;
+    set->argsz = sizeof(struct vfio_irq_set) + sizeof(int32_t);
+    set->flags = VFIO_IRQ_SET_DATA_EVENTFD | VFIO_IRQ_SET_ACTION_TRIGGER;
+    set->index = index;
+    set->start = 0;
+    set->count = 1;
+    memcpy(set->data, &data, sizeof(data));
+    int rc = ioctl(fd, VFIO_DEVICE_SET_IRQS, set);
     return rc < 0 ? -errno : rc;
 }
 """

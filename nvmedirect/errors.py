@@ -3,6 +3,33 @@
 Each class is something a caller can act on; the message always says what to do next.
 """
 
+import contextlib
+import sys
+import warnings
+from collections.abc import Iterator
+
+
+class Notice(UserWarning):
+    """Something the user should know that does not stop the work (fewer queue pairs than asked
+    for, no O_DIRECT): a warning to library callers, one `note: ...` line from the command lines."""
+
+
+@contextlib.contextmanager
+def notices_as_lines() -> Iterator[None]:
+    """While active, a Notice prints as one `note: ...` line on stderr instead of Python's warning
+    format (file, line number and source line); other warnings keep Python's format."""
+    with warnings.catch_warnings():
+        shown = warnings.showwarning
+
+        def show(message, category, filename, lineno, file=None, line=None):  # noqa: ANN001, ANN202
+            if issubclass(category, Notice):
+                print(f"note: {message}", file=sys.stderr, flush=True)
+            else:
+                shown(message, category, filename, lineno, file, line)
+
+        warnings.showwarning = show
+        yield
+
 
 class NvmeDirectError(Exception):
     """Base class of every error this package raises on purpose."""

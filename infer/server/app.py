@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import hmac
 import json
+import logging
 import threading
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -47,10 +48,15 @@ from infer.server.protocol import (
     usage,
 )
 from infer.server.scheduler import Event, Job, QueueFull, Scheduler
-from infer.tokenizer import Tokenizer
+from infer.tokenizer import Tokenizer, TokenizerError
 
 COMPLETION_DEFAULT_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
 MAX_BODY_BYTES = 8 << 20
+# /metrics labels requests by these paths; any other path is "other", so a client cannot grow the
+# number of series (the server's memory) by asking for paths that do not exist
+ENDPOINTS = frozenset({"/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions"})
+DISCONNECTED = "disconnected"  # the status label of a request whose client went away before its answer
+log = logging.getLogger("uvicorn.error")  # uvicorn's own log: one line where it prints its own
 
 
 @dataclass
@@ -60,8 +66,11 @@ class Loaded:
     model: Model
     tokenizer: Tokenizer
     template: ChatTemplate | None
-    name: str
+    name: str  # the model's id: the file's stem, as llama-server reports it
     close: Callable[[], None] = lambda: None
+    title: str | None = None  # the metadata's general.name, reported beside the id
+    # why the weights can no longer be read (a tier C device taken away), or None while they can
+    problem: Callable[[], str | None] = lambda: None
 
 
 class Metrics:
@@ -107,10 +116,27 @@ class Server:
         try:
             self.loaded = self.load()
             self.scheduler = Scheduler(self.loaded.model, self.loaded.tokenizer, self.ctx_size, self.max_batch,
-                                       self.queue_size, on_pass=self.metrics.on_pass)
+                                       self.queue_size, on_pass=self.metrics.on_pass, on_error=self._engine_failed)
             self.status = "ready"
         except Exception as err:  # reported by /health and every request; the server stays up
             self.status, self.failure = "failed", f"{type(err).__name__}: {err}"
+
+    def _engine_failed(self, err: BaseException) -> None:
+        """The scheduler stopped on an error (a tier C read failed): /health says why from now on,
+        and the weights' resources (a tier C device) are released; the requests in flight already
+        got the error."""
+        self.status, self.failure = "failed", f"the engine failed: {type(err).__name__}: {str(err).splitlines()[0]}"
+        log.error("engine failed, the server stays up unhealthy: %s", self.failure)
+        if self.loaded is not None:
+            self.loaded.close()
+
+    def health(self) -> tuple[str, str]:
+        """(status, why): loading, ready or failed; a tier C device taken away fails a ready server."""
+        if self.status == "ready" and self.loaded is not None:
+            problem = self.loaded.problem()
+            if problem:
+                return "failed", problem
+        return self.status, self.failure
 
     def stop(self) -> None:
         if self._loader is not None:
@@ -121,11 +147,12 @@ class Server:
             self.loaded.close()
 
     def ready(self) -> tuple[Loaded, Scheduler]:
+        if self.scheduler is not None and self.scheduler.error is not None:
+            raise RequestError(self.failure or f"the engine failed: {self.scheduler.error}", status=500,
+                               kind="server_error")
         if self.status != "ready" or self.loaded is None or self.scheduler is None:
             message = "the model is still loading" if self.status == "loading" else f"the model failed to load: {self.failure}"
             raise RequestError(message, status=503, kind="server_error", headers={"Retry-After": "5"})
-        if self.scheduler.error is not None:
-            raise RequestError(f"the engine failed: {self.scheduler.error}", status=500, kind="server_error")
         return self.loaded, self.scheduler
 
     def check_key(self, request: Request) -> None:
@@ -175,37 +202,38 @@ def create_app(server: Server) -> FastAPI:
         except ValueError:
             return error_response(RequestError("bad Content-Length"))
         except RequestError as err:
-            m.requests.labels(request.url.path, str(err.status)).inc()
+            m.requests.labels(_endpoint(request), str(err.status)).inc()
             return error_response(err)
         return await call_next(request)
 
     @app.exception_handler(RequestError)
     async def refused(request: Request, err: RequestError) -> JSONResponse:
-        m.requests.labels(request.url.path, str(err.status)).inc()
+        m.requests.labels(_endpoint(request), str(err.status)).inc()
         return error_response(err)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, err: RequestValidationError) -> JSONResponse:
         first = err.errors()[0] if err.errors() else {"msg": "invalid request", "loc": ()}
         where = ".".join(str(x) for x in first.get("loc", ()) if x != "body") or None
-        m.requests.labels(request.url.path, "400").inc()
+        m.requests.labels(_endpoint(request), "400").inc()
         return error_response(RequestError(f"{where or 'body'}: {first.get('msg')}", where))
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, err: StarletteHTTPException) -> JSONResponse:
-        m.requests.labels(request.url.path, str(err.status_code)).inc()
+        m.requests.labels(_endpoint(request), str(err.status_code)).inc()
         return error_response(RequestError(str(err.detail), status=err.status_code))
 
     @app.exception_handler(Exception)
     async def failed(request: Request, err: Exception) -> JSONResponse:
-        m.requests.labels(request.url.path, "500").inc()
+        m.requests.labels(_endpoint(request), "500").inc()
         return error_response(RequestError(f"internal error: {type(err).__name__}: {err}", status=500,
                                            kind="server_error"))
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        body = {"status": server.status} | ({"error": server.failure} if server.failure else {})
-        return JSONResponse(body, status_code=200 if server.status == "ready" else 503)
+        status, why = server.health()
+        body = {"status": status} | ({"error": why} if why else {})
+        return JSONResponse(body, status_code=200 if status == "ready" else 503)
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -217,13 +245,13 @@ def create_app(server: Server) -> FastAPI:
     @app.get("/v1/models")
     async def models() -> JSONResponse:
         loaded, _ = server.ready()
-        return JSONResponse({"object": "list", "data": [{"id": loaded.name, "object": "model", "created": 0,
-                                                           "owned_by": "nvmedirect"}]})
+        entry = {"id": loaded.name, "object": "model", "created": 0, "owned_by": "nvmedirect"}
+        return JSONResponse({"object": "list", "data": [entry | ({"name": loaded.title} if loaded.title else {})]})
 
     @app.post("/v1/completions")
     async def completions(request: Request, body: CompletionRequest) -> Response:
         loaded, _ = server.ready()
-        prompt = body.prompt if isinstance(body.prompt, list) else loaded.tokenizer.encode(body.prompt, special=True)
+        prompt = body.prompt if isinstance(body.prompt, list) else _encode(loaded, body.prompt, "prompt")
         return await _run(request, body, server.job(body, prompt, COMPLETION_DEFAULT_TOKENS), chat=False)
 
     @app.post("/v1/chat/completions")
@@ -237,7 +265,7 @@ def create_app(server: Server) -> FastAPI:
             raise RequestError(str(err), "messages") from None
         bos = loaded.tokenizer.vocab.add_bos and not (loaded.template.bos_token and
                                                         text.startswith(loaded.template.bos_token))
-        prompt = loaded.tokenizer.encode(text, add_bos=bos, special=True)
+        prompt = _encode(loaded, text, "messages", add_bos=bos)
         return await _run(request, body, server.job(body, prompt, server.ctx_size), chat=True)
 
     async def _run(request: Request, body: _Common, job: Job, chat: bool) -> Response:
@@ -247,13 +275,18 @@ def create_app(server: Server) -> FastAPI:
         except QueueFull as err:
             raise RequestError(f"the server is busy: {err}", status=503, kind="server_error",
                                headers={"Retry-After": "1"}) from None
-        rid, endpoint = new_id("chatcmpl" if chat else "cmpl"), request.url.path
+        rid, endpoint = new_id("chatcmpl" if chat else "cmpl"), _endpoint(request)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             m.requests.labels(endpoint, "200").inc()
             return StreamingResponse(_events(scheduler, job, rid, loaded.name, chat, include_usage),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        text, finish = await _collect(request, scheduler, job)
+        collected = await _collect(request, scheduler, job)
+        if collected is None:  # nobody is left to answer: counted apart, no traceback, no 500
+            m.requests.labels(endpoint, DISCONNECTED).inc()
+            log.info("%s %s: the client went away before the answer; its request was cancelled", endpoint, rid)
+            return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
+        text, finish = collected
         m.requests.labels(endpoint, "200").inc()
         _count(job)
         return JSONResponse(completion_body(rid, loaded.name, text, finish, chat, False,
@@ -263,8 +296,9 @@ def create_app(server: Server) -> FastAPI:
         m.tokens.labels("prompt").inc(len(job.prompt))
         m.tokens.labels("generated").inc(len(job.generated))
 
-    async def _collect(request: Request, scheduler: Scheduler, job: Job) -> tuple[str, str]:
-        """The whole completion; a client that disconnects meanwhile cancels its job."""
+    async def _collect(request: Request, scheduler: Scheduler, job: Job) -> tuple[str, str] | None:
+        """The whole completion; a client that disconnects meanwhile (waiting for a slot or while
+        its tokens come) cancels its job, and the answer is None."""
         gone = asyncio.ensure_future(_disconnected(request))
         pieces: list[str] = []
         try:
@@ -273,7 +307,7 @@ def create_app(server: Server) -> FastAPI:
                 done, _ = await asyncio.wait({get, gone}, return_when=asyncio.FIRST_COMPLETED)
                 if get not in done:
                     get.cancel()
-                    raise asyncio.CancelledError
+                    return None
                 event: Event = get.result()
                 if event.error:
                     raise RequestError(f"the engine failed: {event.error}", status=500, kind="server_error")
@@ -310,6 +344,21 @@ def create_app(server: Server) -> FastAPI:
                 scheduler.cancel(job)
 
     return app
+
+
+def _endpoint(request: Request) -> str:
+    """The /metrics label of a request's path: the path itself for the server's endpoints, "other"
+    for anything else."""
+    return request.url.path if request.url.path in ENDPOINTS else "other"
+
+
+def _encode(loaded: Loaded, text: str, param: str, add_bos: bool | None = None) -> list[int]:
+    """Token ids of a request's text; text the tokenizer refuses (a lone surrogate such as "\\ud800"
+    in the JSON) is the client's error: 400 naming the field."""
+    try:
+        return loaded.tokenizer.encode(text, add_bos=add_bos, special=True)
+    except TokenizerError as err:
+        raise RequestError(f"{param}: {err}", param) from None
 
 
 async def _disconnected(request: Request) -> None:

@@ -25,14 +25,15 @@ def loader(model_path: str, device: str, ctx_size: int, max_batch: int, streamin
             template: ChatTemplate | None = ChatTemplate.from_gguf(gguf.metadata, tokenizer)
         except ChatTemplateError:
             template = None
-        name = str(gguf.metadata.get("general.name") or Path(model_path).stem)
+        title = gguf.metadata.get("general.name")
         close = lambda: None  # noqa: E731
+        problem = lambda: None  # noqa: E731
         if streaming.enabled:
             from infer.tiers.session import build_streaming_engine
 
             session = build_streaming_engine(gguf, replace(streaming, batch=max_batch), ctx_size, device,
-                                             enforce_budget=device == "gpu")
-            model, close = session.engine.model, session.close
+                                             enforce_budget=device == "gpu", exact=exact)
+            model, close, problem = session.engine.model, session.close, session.problem
         elif device == "gpu":
             from infer.gpu import load_gpu_transformer
 
@@ -42,7 +43,8 @@ def loader(model_path: str, device: str, ctx_size: int, max_batch: int, streamin
 
             model = load_transformer(gguf, exact=exact)
             model.weights.warm()  # type: ignore[attr-defined]
-        return Loaded(model, tokenizer, template, name, close)
+        return Loaded(model, tokenizer, template, Path(model_path).stem, close, str(title) if title else None,
+                      problem)
 
     return load
 

@@ -81,7 +81,8 @@ class Scheduler:
     """Runs `model.forward_batch` passes for the submitted jobs on its own thread."""
 
     def __init__(self, model: Model, tokenizer: Tokenizer, ctx_size: int, max_batch: int, queue_size: int,
-                 prefill_chunk: int = 512, on_pass: Callable[[float, int, int], None] | None = None) -> None:
+                 prefill_chunk: int = 512, on_pass: Callable[[float, int, int], None] | None = None,
+                 on_error: Callable[[BaseException], None] | None = None) -> None:
         if max_batch < 1 or queue_size < 0:
             raise ValueError(f"max_batch must be >= 1 and queue_size >= 0, not {max_batch} and {queue_size}")
         self.model = model
@@ -91,6 +92,7 @@ class Scheduler:
         self.queue_size = queue_size
         self.prefill_chunk = prefill_chunk
         self.on_pass = on_pass
+        self.on_error = on_error  # told once when a pass fails, after every waiting client got the error
         self.free: list[Cache] = [model.new_cache(ctx_size) for _ in range(max_batch)]
         self.waiting: collections.deque[Job] = collections.deque()
         self.active: list[Job] = []
@@ -158,6 +160,8 @@ class Scheduler:
                     job.push(Event(error=f"{type(err).__name__}: {err}"))
                 self.active, self.waiting = [], collections.deque()
                 self._cond.notify_all()
+            if self.on_error is not None:
+                self.on_error(err)
 
     def _admit(self) -> None:
         while self.waiting and self.free:

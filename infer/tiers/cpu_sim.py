@@ -14,6 +14,7 @@ The forward pass sees an ordinary WeightProvider.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
@@ -80,11 +81,14 @@ class StreamingCpuWeights:
     """A WeightProvider whose layer tensors come from tiers A, B and C as the plan says."""
 
     def __init__(self, model: GGUFModel, args: ModelArgs, plan: Plan, host: HostTier | None,
-                 source: StorageSource | None, n_staging: int = 3, match_llama_cpp: bool = True) -> None:
+                 source: StorageSource | None, n_staging: int = 3, match_llama_cpp: bool = True,
+                 exact: bool = False) -> None:
         self.model = model
         self.args = args
         self.plan = plan
         self.match_llama_cpp = match_llama_cpp
+        self.exact = exact  # matrices as exact float64 (infer.model.Linear's exact numerics)
+        self._matrix = np.float64 if exact else np.float32
         self.transport = CpuTransport(plan.n_slots, plan.slot_nbytes)
         c_pieces = [t for t in plan.streamed if plan.tier[t.name] is Tier.STORAGE]
         if c_pieces and source is None:
@@ -103,16 +107,31 @@ class StreamingCpuWeights:
     # -- tensors -----------------------------------------------------------------------------------
 
     def _values(self, t: Tensor) -> np.ndarray:
+        dtype = self._matrix if len(t.shape) == 2 else np.float32  # norms and biases stay float32
         if self.plan.tier[t.name] is Tier.VRAM:
             if t.name not in self._resident:
-                self._resident[t.name] = self.model.tensor(t.name).dequantize()
+                self._resident[t.name] = self.model.tensor(t.name).dequantize(dtype)
             return self._resident[t.name]
         slot = self.ring.acquire(t.name)
         try:
             raw = self.transport.slots[slot][: t.nbytes]
-            return quants.dequantize(raw, t.ggml_type, t.shape)  # a new array: the slot is free after
+            return quants.dequantize(raw, t.ggml_type, t.shape, dtype)  # a new array: the slot is free after
         finally:
             self.ring.release(slot)
+
+    def warm(self, progress: Callable[[int, int], None] | None = None) -> None:
+        """Dequantizes the tier A tensors and the output matrix now, not during the first pass (on
+        a large model that is most of the load); progress(done, total) after each."""
+        resident = [t for t in self.plan.tensors if t.layer is not None and self.plan.tier[t.name] is Tier.VRAM]
+        total = len(resident) + 1
+        for done, t in enumerate(resident, start=1):
+            self._values(t)
+            if progress is not None:
+                progress(done, total)
+        self.output()
+        self.output_norm()
+        if progress is not None:
+            progress(total, total)
 
     def _fmt_of(self, ggml_type: int) -> str:
         return quants.activation_format(ggml_type) if self.match_llama_cpp else "f32"
@@ -134,12 +153,12 @@ class StreamingCpuWeights:
                                    else np.zeros(sizes[x], np.float32) for x in "qkv"])
         return LayerWeights(
             attn_norm=values["attn_norm"][0],
-            qkv=Linear([values["attn_q"], values["attn_k"], values["attn_v"]]),
+            qkv=Linear([values["attn_q"], values["attn_k"], values["attn_v"]], self.exact),
             bqkv=bqkv,
-            wo=Linear([values["attn_output"]]),
+            wo=Linear([values["attn_output"]], self.exact),
             ffn_norm=values["ffn_norm"][0],
-            gate_up=Linear([values["ffn_gate"], values["ffn_up"]]),
-            down=Linear([values["ffn_down"]]),
+            gate_up=Linear([values["ffn_gate"], values["ffn_up"]], self.exact),
+            down=Linear([values["ffn_down"]], self.exact),
         )
 
     def embed(self, tokens: np.ndarray) -> np.ndarray:
@@ -154,7 +173,7 @@ class StreamingCpuWeights:
     def output(self) -> Linear:
         if self._output is None:
             info = self.model.tensor(output_name(self.model))
-            self._output = Linear([(info.dequantize(), self._fmt_of(info.ggml_type))])
+            self._output = Linear([(info.dequantize(self._matrix), self._fmt_of(info.ggml_type))], self.exact)
         return self._output
 
     def bytes_moved(self) -> dict[Tier, int]:

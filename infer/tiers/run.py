@@ -8,8 +8,9 @@ passes, tokens/s and bytes each tier moved per pass and per token follow.
 
 from __future__ import annotations
 
+import contextlib
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from typing import Any
 
@@ -31,35 +32,51 @@ def streaming_prompts(config: StreamingConfig, prompt: str | None) -> list[str]:
 def run_streaming(model_path: str, config: StreamingConfig, ctx_size: int, device: str, prompt: str | None,
                   n_predict: int, sampler_config: Any, benchmark: bool = False, as_json: bool = False,
                   echo: Callable[[str], None] = print, note: Callable[[str], None] = print,
-                  peak: Any = None) -> dict[str, Any]:
+                  peak: Any = None, stream: Callable[[str], None] | None = None,
+                  exact: bool = False, progress: Callable[[str, int, str], Any] | None = None) -> dict[str, Any]:
     """Generates for every prompt in one batch; prints each sequence's text (or one JSON object)
     with `echo` and the plan and statistics with `note`; returns the JSON-able result.
     ctx_size 0: the model's context, at most 4096 (per sequence: the KV cache is that times the
     number of sequences). benchmark with one sequence: the resident engine's measurement
     (infer.benchmark) on the streamed model, beside the plan's link roofline; `peak`: a
-    PeakMonitor running around the call (GPU)."""
+    PeakMonitor running around the call (GPU). stream (text output): the text of one sequence is
+    given to it piece by piece as its tokens come; several sequences are echoed each as it ends.
+    exact: the CPU engine's float64 sums (see build_streaming_engine). progress(what, total, unit):
+    a context manager yielding advance(done, total), for the CPU weights' load before the first pass."""
     from infer.sampler import Sampler
     from infer.tokenizer import StreamDecoder, Tokenizer
 
     texts = streaming_prompts(config, prompt)
+    from infer.arch import ModelArgs, context_warning
+
     gguf = GGUFModel(model_path)
+    args = ModelArgs.from_gguf(gguf)  # an architecture we cannot run is the error, not its tokenizer
     tokenizer = Tokenizer.from_gguf(gguf.metadata)
     if ctx_size <= 0:  # the model's context, at most DEFAULT_CTX (as the resident CLI)
-        from infer.arch import ModelArgs
-
-        ctx_size = min(ModelArgs.from_gguf(gguf).context_length, DEFAULT_CTX)
+        ctx_size = min(args.context_length, DEFAULT_CTX)
+    warning = context_warning(args, ctx_size, gguf.path.name)
+    if warning:
+        note(warning)
     ids = [tokenizer.encode(t) for t in texts]
     if any(not x for x in ids):
         raise ValueError("a prompt is empty after tokenization")
-    session = build_streaming_engine(gguf, replace(config, batch=len(texts)), ctx_size, device, enforce_budget=True)
+    session = build_streaming_engine(gguf, replace(config, batch=len(texts)), ctx_size, device, enforce_budget=True,
+                                     exact=exact)
     try:
         note(session.report())
+        warm = getattr(session.weights, "warm", None)  # the CPU's tier A, dequantized before the first pass
+        if warm is not None:
+            with (progress or _silent)(f"loading {gguf.path.name}", 0, "tensor") as advance:
+                warm(advance)
         if benchmark and len(ids) == 1:
             return _benchmark_one(session, model_path, n_predict, as_json, echo, peak)
         seed = getattr(sampler_config, "seed", None)
         samplers = [Sampler(replace(sampler_config, seed=None if seed is None else seed + s)) for s in range(len(ids))]
         is_end = (lambda _: False) if benchmark else tokenizer.is_eog
-        outputs = session.engine.generate(ids, n_predict, [x.sample for x in samplers], is_end)
+        live = _LiveText(tokenizer, len(ids), stream, echo, n_predict) if stream and not as_json and not benchmark \
+            else None
+        outputs = session.engine.generate(ids, n_predict, [x.sample for x in samplers], is_end,
+                                          on_token=live.push if live else None)
         stats = session.engine.stats
         sequences = []
         for text, out in zip(texts, outputs, strict=True):
@@ -79,6 +96,8 @@ def run_streaming(model_path: str, config: StreamingConfig, ctx_size: int, devic
             result["vram_budget_bytes"] = session.account.budget
         if as_json:
             echo(json.dumps(result))
+        elif live is not None:
+            live.finish()
         else:
             for s, seq in enumerate(sequences):
                 echo(seq["text"] if len(sequences) == 1 else f"[{s}] {seq['text']}")
@@ -90,6 +109,53 @@ def run_streaming(model_path: str, config: StreamingConfig, ctx_size: int, devic
         return result
     finally:
         session.close()
+
+
+@contextlib.contextmanager
+def _silent(_what: str, _total: int, _unit: str) -> Iterator[Callable[[int, int], None]]:
+    yield lambda _done, _total: None
+
+
+class _LiveText:
+    """Text printed as it is generated: one sequence piece by piece through `stream`; with several,
+    each sequence's line through `echo` as soon as it ends (their tokens interleave)."""
+
+    def __init__(self, tokenizer: Any, n: int, stream: Callable[[str], None], echo: Callable[[str], None],
+                 limit: int) -> None:
+        from infer.tokenizer import StreamDecoder
+
+        self.tokenizer, self.n, self.stream, self.echo, self.limit = tokenizer, n, stream, echo, limit
+        self.decoders = [StreamDecoder(tokenizer) for _ in range(n)]
+        self.texts = [""] * n
+        self.counts = [0] * n
+        self.done = [False] * n
+
+    def push(self, s: int, token: int) -> None:
+        self.counts[s] += 1
+        end = self.tokenizer.is_eog(token)
+        if not end:
+            piece = self.decoders[s].push(token)
+            if self.n == 1:
+                self.stream(piece)
+            else:
+                self.texts[s] += piece
+        if end or self.counts[s] >= self.limit:
+            self._end(s)
+
+    def _end(self, s: int) -> None:
+        if self.done[s]:
+            return
+        self.done[s] = True
+        tail = self.decoders[s].flush()
+        if self.n == 1:
+            self.stream(tail + "\n")
+        else:
+            self.echo(f"[{s}] {self.texts[s] + tail}")
+
+    def finish(self) -> None:
+        """Ends the sequences a full context stopped (no end token, fewer tokens than asked)."""
+        for s in range(self.n):
+            self._end(s)
 
 
 def _benchmark_one(session: StreamingSession, model_path: str, n_predict: int, as_json: bool,

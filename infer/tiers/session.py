@@ -56,6 +56,11 @@ class StreamingSession:
     bandwidths: Bandwidths | None
     account: VramAccount | None = None  # the device's (GPU runs)
     closers: list[Callable[[], None]] = field(default_factory=list)
+    source: StorageSource | None = None  # tier C's, if the plan streams from storage
+
+    def problem(self) -> str | None:
+        """Why tier C can no longer be read (its device was taken away), or None."""
+        return getattr(self.source, "failure", None) if self.source is not None else None
 
     def report(self) -> str:
         head = (f"budgets: VRAM {format_bytes(self.budgets.vram_total)} ({self.budgets.vram_source}) - KV cache "
@@ -118,13 +123,15 @@ def _budgets(args: Any, tensors: list[Tensor], config: StreamingConfig, ctx_size
 def build_streaming_engine(model: GGUFModel | str | os.PathLike, config: StreamingConfig, ctx_size: int,
                            device: str = "cpu", prefill_chunk: int = 512, measure: bool = True,
                            match_llama_cpp: bool = True, enforce_budget: bool = False,
-                           planned: dict[str, int] | None = None, tree_nodes: int = 0) -> StreamingSession:
+                           planned: dict[str, int] | None = None, tree_nodes: int = 0,
+                           exact: bool = False) -> StreamingSession:
     """Plans, opens the tiers and returns a session whose engine streams as the plan says. `model`:
     the parsed file (a path is parsed here). enforce_budget (GPU): cap the device memory pool at the
     budget (one engine per process). planned: device memory already taken in the same budget (e.g.
     {"draft model": bytes}): the plan leaves it out and shows it. tree_nodes (GPU): the largest token
     tree a pass verifies (its logits are planned). match_llama_cpp: the CPU engine's rounding of the
-    products' inputs (the GPU always rounds them as llama.cpp does)."""
+    products' inputs (the GPU always rounds them as llama.cpp does). exact (CPU): float64 sums, as
+    load_transformer(exact=True), so a pass's logits do not depend on how many tokens it holds."""
     if device not in ("cpu", "gpu"):
         raise ValueError(f"unknown device '{device}' (cpu, gpu)")
     if not isinstance(model, GGUFModel):
@@ -190,16 +197,16 @@ def build_streaming_engine(model: GGUFModel | str | os.PathLike, config: Streami
             from infer.tiers.cpu_sim import StreamingCpuWeights
 
             weights = StreamingCpuWeights(model, args, plan, host, source, n_staging=config.staging_buffers,
-                                          match_llama_cpp=match_llama_cpp)
+                                          match_llama_cpp=match_llama_cpp, exact=exact)
             closers.append(weights.close)
-            transformer = Transformer(args, weights, factors)
+            transformer = Transformer(args, weights, factors, exact)
     except BaseException:
         for close in reversed(closers):
             close()
         raise
     engine = StreamingEngine(transformer, ctx_size, prefill_chunk,
                              bytes_moved=lambda: {k.value: v for k, v in weights.bytes_moved().items()})
-    return StreamingSession(engine, plan, budgets, weights, paths, bandwidths, account, closers)
+    return StreamingSession(engine, plan, budgets, weights, paths, bandwidths, account, closers, source)
 
 
 def _open_tier_b(model: GGUFModel, plan: Plan, budgets: Budgets, config: StreamingConfig

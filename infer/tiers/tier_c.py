@@ -19,8 +19,10 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from infer.errors import StorageUnavailable
 from infer.tiers.config import SOURCES
 from infer.tiers.plan import Tensor
+from nvmedirect.errors import NvmeDirectError
 
 
 class ReadHandleLike(Protocol):
@@ -54,6 +56,11 @@ class ReaderSource:
 
     def read_async(self, ranges: Sequence[tuple[int, int]], buffers: Sequence[Any]) -> ReadHandleLike:
         return self.model.read_async(ranges, buffers)
+
+    @property
+    def failure(self) -> str | None:
+        """Why the device can no longer be read (the NVMe reader released it on a hot-unplug request)."""
+        return getattr(self.model.backend, "failure", None)
 
     def close(self) -> None:
         self.model.close()
@@ -138,24 +145,31 @@ def open_source(kind: str, model_path: str | os.PathLike, tensors: Sequence[Tens
     if kind == "nvme":
         if not device:
             raise ValueError("--tier-c nvme needs the device holding the model (--nvme-device BDF or /dev/nvmeXnY)")
-        if gpu_doorbells:
-            backend = gpu_doorbell_backend(device, notes if notes is not None else [], options)
-            if backend is not None:
-                try:
-                    return ReaderSource(backend, "nvme", tensors, lba=options.get("lba"))
-                except BaseException:
-                    backend.close()  # open_model closes only the backends it opened itself
-                    raise
-        return ReaderSource(device, "nvme", tensors, **options)
+        try:
+            return _open_nvme(device, tensors, gpu_doorbells, notes, options)
+        except NvmeDirectError as err:  # the driver's own errors say what to do; one line of them
+            raise StorageUnavailable(f"--tier-c nvme: {str(err).splitlines()[0]}") from None
     if kind == "mmap":
         return MmapSource(model_path)
     raise ValueError(f"unknown tier C source '{kind}' (known: {', '.join(SOURCES)})")
 
 
+def _open_nvme(device: str, tensors: Sequence[Tensor], gpu_doorbells: bool, notes: list[str] | None,
+               options: dict[str, Any]) -> StorageSource:
+    if gpu_doorbells:
+        backend = gpu_doorbell_backend(device, notes if notes is not None else [], options)
+        if backend is not None:
+            try:
+                return ReaderSource(backend, "nvme", tensors, lba=options.get("lba"))
+            except BaseException:
+                backend.close()  # open_model closes only the backends it opened itself
+                raise
+    return ReaderSource(device, "nvme", tensors, **options)
+
+
 def gpu_doorbell_backend(device: str, notes: list[str], options: dict[str, Any]) -> Any:
     """The GPU-doorbell reader for `device` if `check --probe-gpu-mmio` passes on its controller,
     else None with the fallback said once in `notes`."""
-    from nvmedirect.errors import NvmeDirectError
     from nvmedirect.gpu.vfio_doorbells import open_backend, probe_device
 
     def fallback(blocker: str) -> None:

@@ -137,6 +137,11 @@ class Vocab:
         eog |= {i for i in (eos, eot, eom, *(fim[name] for name in FIM_ENDING_GENERATION)) if i is not None}
         for i in forced_control:
             types[i] = int(TokenType.CONTROL)
+        named_unk = _token_id(metadata, "unknown_token_id", None, count)
+        if named_unk is not None and int(TokenType.UNKNOWN) not in types:
+            # the file names its unknown token without typing it (Gemma's GGUFs): sentencepiece
+            # needs exactly one piece of type UNKNOWN, and this is the one the file means
+            types[named_unk] = int(TokenType.UNKNOWN)
 
         return cls(
             model=model, pre=pre, tokens=tuple(tokens), scores=tuple(scores), types=tuple(types),

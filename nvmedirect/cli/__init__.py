@@ -27,6 +27,12 @@ COMMANDS: dict[str, tuple[str, str]] = {
 
 
 class LazyGroup(click.Group):
+    def invoke(self, ctx: click.Context) -> object:
+        from nvmedirect.errors import notices_as_lines
+
+        with notices_as_lines():  # the driver's notices (fewer queue pairs, no O_DIRECT): one line each
+            return super().invoke(ctx)
+
     def list_commands(self, ctx: click.Context) -> list[str]:
         return sorted(COMMANDS)
 

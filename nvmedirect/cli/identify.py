@@ -20,13 +20,14 @@ class NotReady(click.ClickException):
     exit_code = EXIT_NOT_READY
 
 
-def describe(ctrl, bdf: str, noiommu: bool) -> dict:
-    """What `identify` reports about a started controller."""
+def describe(ctrl, bdf: str) -> dict:
+    """What `identify` reports about a started controller; the mode is the one its DMA runs in
+    (physical addresses: no-IOMMU), whatever the command line asked for."""
     from nvmedirect.spec.layout import version_string
 
     return {
         "bdf": bdf,
-        "mode": "no-IOMMU" if noiommu else "IOMMU",
+        "mode": "no-IOMMU" if ctrl.dma.physical else "IOMMU",
         "version": version_string(ctrl.version),
         "controller": ctrl.info.to_dict(),
         "max_transfer_bytes": ctrl.max_transfer,
@@ -41,7 +42,7 @@ def collect(bdf: str, noiommu: bool) -> dict:
     from nvmedirect.nvme.controller import Controller
 
     with Controller.open(bdf, noiommu=noiommu or None, io_queues=1) as ctrl:
-        return describe(ctrl, bdf, noiommu)
+        return describe(ctrl, bdf)
 
 
 def print_identify(data: dict) -> None:

@@ -11,7 +11,11 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
+import select
+import threading
 import weakref
+from collections.abc import Callable
 
 from nvmedirect.errors import ControllerError, NvmeDirectError
 from nvmedirect.nvme import bringup
@@ -59,6 +63,12 @@ class Controller:
         self.closed = False
         self._namespaces: dict[int, object] = {}
         self._default_qpair: QueuePair | None = None
+        # the kernel's request for the device back (VFIO device-request interrupt): set once, and
+        # each callback (a reader releasing the device) runs on the watcher thread
+        self.removal_requested = False
+        self._on_removal: list[Callable[[], None]] = []
+        self._watcher: threading.Thread | None = None
+        self._watch_stop = threading.Event()
         ref = weakref.ref(self)
         self._at_exit = lambda: ref() is not None and ref().close()
         atexit.register(self._at_exit)
@@ -80,10 +90,46 @@ class Controller:
             raise
         try:
             ctrl.start(io_queues=io_queues)
+            request = device.watch_requests()
+            if request is not None:
+                ctrl.watch_removal(request)
         except BaseException:
             ctrl.close()
             raise
         return ctrl
+
+    # -- the kernel asking for the device back -------------------------------------------------
+    def watch_removal(self, eventfd: int) -> None:
+        """Wait on a thread for the kernel's device request on `eventfd` (VfioDevice.watch_requests):
+        a hot-unplug or an unbind waits until this process lets go of the device."""
+        self._watcher = threading.Thread(target=self._watch, args=(eventfd,), name="nvme-device-request",
+                                         daemon=True)
+        self._watcher.start()
+
+    def on_removal_request(self, callback: Callable[[], None]) -> None:
+        """`callback()` runs on the watcher thread when the kernel asks for the device back: it
+        should stop issuing commands, let those in flight end and close the controller."""
+        self._on_removal.append(callback)
+
+    def _watch(self, eventfd: int) -> None:
+        poller = select.poll()
+        poller.register(eventfd, select.POLLIN)
+        while not self._watch_stop.is_set():
+            if not poller.poll(200):  # a timeout, so close() can stop this thread
+                continue
+            try:
+                os.read(eventfd, 8)
+            except BlockingIOError:
+                continue
+            if self.removal_requested:  # the kernel repeats its request every 10 s until released
+                continue
+            self.removal_requested = True
+            log.info("controller: the kernel asks for the device back (hot-unplug or unbind)")
+            for callback in list(self._on_removal):
+                try:
+                    callback()
+                except Exception:  # one reader failing to let go must not keep the others
+                    log.exception("controller: releasing the device on the kernel's request failed")
 
     # -- bring-up ------------------------------------------------------------------------------
     def start(self, io_queues: int = 4) -> None:
@@ -231,6 +277,9 @@ class Controller:
             return
         self.closed = True
         atexit.unregister(self._at_exit)
+        self._watch_stop.set()  # the watcher polls the eventfd the device closes below
+        if self._watcher is not None and self._watcher is not threading.current_thread():
+            self._watcher.join(timeout=2)
         try:
             if not self.dead and self.admin is not None:
                 for qpair in list(self.io_qpairs.values()):

@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from nvmedirect.errors import Notice
 from nvmedirect.host_memory import PAGE_SIZE, address_of, aligned_empty
 from nvmedirect.reader.base import (
     ByteRange,
@@ -39,7 +40,7 @@ DEFAULT_QUEUE_DEPTH = 8
 DEFAULT_IO_SIZE = 4 << 20
 
 
-class DirectIOUnsupported(UserWarning):
+class DirectIOUnsupported(Notice):
     """O_DIRECT was refused; reads go through the page cache."""
 
 

@@ -13,20 +13,22 @@ writable buffer (e.g. CuPy pinned memory) is filled from the worker's DMA stagin
 from __future__ import annotations
 
 import itertools
+import threading
 import warnings
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from nvmedirect.errors import Notice
 from nvmedirect.host_memory import as_byte_array, gpu_present
-from nvmedirect.reader.base import ByteRange, OnceLock, ReadError, ReadHandle, StorageBackend
+from nvmedirect.reader.base import ByteRange, ReadError, ReadHandle, StorageBackend
 
 DEFAULT_QUEUE_PAIRS = 2
 DEFAULT_QUEUE_DEPTH = 63  # + 1 free entry = 64 SQEs = one 4 KiB ring page (no-IOMMU needs no huge page)
 DEFAULT_IO_SIZE = 4 << 20
 
 
-class FewerQueuePairs(UserWarning):
+class FewerQueuePairs(Notice):
     """The controller grants fewer I/O queue pairs than were asked for; the backend uses those."""
 
 
@@ -74,7 +76,9 @@ class NvmeBackend(StorageBackend):
         self.direct = True
         self.queue_depth = queue_depth
         self.io_size = max(self.lba_size, io_size - io_size % self.lba_size)
-        self._closing = OnceLock()
+        self._close_lock = threading.Lock()  # a second close() waits until the first has finished
+        self._closed = False
+        self.failure: str | None = None  # why reads stopped (the kernel took the device back)
         self._workers: list[_Worker] = []
         free = ctrl.io_queue_limit - len(ctrl.io_qpairs)
         if free < 1:
@@ -90,6 +94,17 @@ class NvmeBackend(StorageBackend):
             self.close()
             raise
         self._deal = itertools.count()  # round-robin position; next() on it is atomic in CPython
+        on_removal = getattr(ctrl, "on_removal_request", None)
+        if on_removal is not None:
+            on_removal(self._removal_requested)
+
+    def _removal_requested(self) -> None:
+        """The kernel wants the device back (a hot-unplug, an unbind; on the controller's watcher
+        thread): new reads are refused, the batches in flight end, and the queues, the controller
+        and the device are released, so the removal goes on while this process runs."""
+        self.failure = (f"{self.name}: the kernel asked for the device back (hot-unplug or unbind): reads "
+                        "stopped and the device was released")
+        self.close()
 
     @classmethod
     def open(cls, bdf: str, *, noiommu: bool | None = None, nsid: int = 1,
@@ -119,6 +134,8 @@ class NvmeBackend(StorageBackend):
     def read_async(self, ranges: Sequence[ByteRange], buffers: Sequence[Any]) -> ReadHandle:
         from nvmedirect.vfio.dma import DmaBuffer
 
+        if self.failure is not None:
+            raise ReadError(self.failure)
         if len(ranges) != len(buffers):
             raise ReadError(f"{len(ranges)} ranges but {len(buffers)} destination buffers")
         dealt: list[list[tuple[Any, int, int]]] = [[] for _ in self._workers]
@@ -144,29 +161,39 @@ class NvmeBackend(StorageBackend):
                 worker = next(self._deal) % len(self._workers)
                 dealt[worker].append((dest[at:at + piece_end - position], position, piece_end - position))
                 position = piece_end
-        futures = [worker.executor.submit(self._run, worker, pieces)
-                   for worker, pieces in zip(self._workers, dealt, strict=True) if pieces]
+        try:
+            futures = [worker.executor.submit(self._run, worker, pieces)
+                       for worker, pieces in zip(self._workers, dealt, strict=True) if pieces]
+        except RuntimeError:  # the executors shut down meanwhile: the backend was closed
+            raise ReadError(self.failure or f"{self.name}: the reader is closed") from None
         return ReadHandle(futures)
 
-    @staticmethod
-    def _run(worker: _Worker, pieces: list[tuple[Any, int, int]]) -> None:
+    def _run(self, worker: _Worker, pieces: list[tuple[Any, int, int]]) -> None:
+        if self.failure is not None:  # queued before the kernel's request: never issued
+            raise ReadError(self.failure)
         try:
             worker.read_pieces(pieces)
         except ReadError:
             raise
         except Exception as exc:  # NVMe status errors, timeouts: one error type for readers
-            first, last = pieces[0], pieces[-1]
-            raise ReadError(f"NVMe read of bytes {first[1]}..{last[1] + last[2]} failed: {exc}") from exc
+            if self.failure is not None:
+                raise ReadError(self.failure) from exc
+            # the device and the LBAs, so the line alone says where the drive failed
+            start, end = min(p[1] for p in pieces), max(p[1] + p[2] for p in pieces)
+            lbas = f"LBAs {start // self.lba_size}..{(end - 1) // self.lba_size}"
+            raise ReadError(f"{self.name}: NVMe read of {lbas} (bytes {start}..{end}) failed: {exc}") from exc
 
     def close(self) -> None:
-        if not self._closing.first():
-            return
-        try:
-            for worker in self._workers:
-                worker.close(self.ctrl)
-        finally:
-            if self._owns:
-                self.ctrl.close()
+        with self._close_lock:
+            if self._closed:
+                return
+            self._closed = True
+            try:
+                for worker in self._workers:
+                    worker.close(self.ctrl)
+            finally:
+                if self._owns:
+                    self.ctrl.close()
 
     def __repr__(self) -> str:
         return f"NvmeBackend({self.name!r}, qpairs={self.queue_pairs}, qd={self.queue_depth}, io={self.io_size})"

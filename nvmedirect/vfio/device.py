@@ -104,6 +104,7 @@ class VfioDevice:
         self.can_reset = bool(info.flags & lib.VFIO_DEVICE_FLAGS_RESET)
         self._config = self.region(lib.VFIO_PCI_CONFIG_REGION_INDEX)
         self._bars: dict[int, MappedBar] = {}
+        self.request_fd = -1  # the eventfd of the device-request interrupt, once registered
 
     @classmethod
     def open(cls, bdf: str, noiommu: bool | None = None) -> VfioDevice:
@@ -184,6 +185,23 @@ class VfioDevice:
         if want != cmd:
             self.config_write(PCI_COMMAND, 2, want)
 
+    def watch_requests(self) -> int | None:
+        """Registers an eventfd as the trigger of VFIO's device-request interrupt and returns it:
+        the kernel signals it when it wants the device back (a hot-unplug, an unbind of vfio-pci),
+        and waits until every user lets go. Without it the kernel only logs "No device request
+        channel registered, blocked until released by user". None where the device has none."""
+        if self.request_fd >= 0:
+            return self.request_fd
+        if lib.nvd_irq_count(self.fd, lib.VFIO_PCI_REQ_IRQ_INDEX) < 1:
+            return None
+        fd = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
+        rc = lib.nvd_irq_eventfd(self.fd, lib.VFIO_PCI_REQ_IRQ_INDEX, fd)
+        if rc < 0:
+            os.close(fd)
+            raise VfioError(f"VFIO_DEVICE_SET_IRQS (device request) failed: {os.strerror(-rc)}", errno=-rc)
+        self.request_fd = fd
+        return fd
+
     def reset(self) -> None:
         if not self.can_reset:
             raise VfioError(f"{self.bdf} does not support a VFIO device reset")
@@ -196,6 +214,11 @@ class VfioDevice:
         self._bars = {}
         if getattr(self, "_finalizer", None) is not None:
             self._finalizer.detach()
+        if getattr(self, "request_fd", -1) >= 0:  # unregister before closing: no signal into a closed fd
+            if getattr(self, "fd", -1) >= 0:
+                lib.nvd_irq_eventfd(self.fd, lib.VFIO_PCI_REQ_IRQ_INDEX, -1)
+            os.close(self.request_fd)
+            self.request_fd = -1
         if getattr(self, "fd", -1) >= 0:
             os.close(self.fd)
             self.fd = -1

@@ -154,3 +154,72 @@ def test_nan_weights_end_in_one_line_naming_the_model(model_copy: Path) -> None:
     assert code == 2 and stdout == "" and "Traceback" not in stderr, (code, stderr)
     last = stderr.strip().splitlines()[-1]  # after the "loaded ..." note
     assert str(model_copy) in last and "non-finite logits" in last and "NaN" in last, last
+
+
+def _untyped_unknown_token(source: Path, target: Path, arch: str, unk: int) -> Path:
+    """A copy whose 'llama' (sentencepiece) vocabulary types no token UNKNOWN but names one with
+    tokenizer.ggml.unknown_token_id, as Gemma 3's GGUFs do."""
+    types = [int(t) for t in GGUFModel(source).metadata["tokenizer.ggml.token_type"]]
+    types = [1 if t == 2 else t for t in types]  # UNKNOWN -> NORMAL
+    return write_copy(source, target, metadata={
+        "general.architecture": (arch, GGUFValueType.STRING),
+        "tokenizer.ggml.token_type": (types, GGUFValueType.ARRAY, GGUFValueType.INT32),
+        "tokenizer.ggml.unknown_token_id": (unk, GGUFValueType.UINT32)})
+
+
+def test_an_unsupported_architecture_is_named_before_the_tokenizer(good_model: Path, tmp_path: Path) -> None:
+    """Issue 29: Gemma 3 gave "'llama' tokenizer without an unknown token" because the tokenizer
+    was built before the architecture was checked."""
+    path = _untyped_unknown_token(good_model, tmp_path / "gemma3ish.gguf", "gemma3", 3)
+    line = assert_one_line_error(path, "architecture 'gemma3' is not supported")
+    assert "tokenizer" not in line
+
+
+def test_a_named_unknown_token_is_the_unknown_token(good_model: Path, tmp_path: Path) -> None:
+    from infer.tokenizer import Tokenizer
+    from infer.tokenizer.vocab import TokenType
+
+    path = _untyped_unknown_token(good_model, tmp_path / "unk0.gguf", "llama", 0)  # "<unk>", typed NORMAL
+    tokenizer = Tokenizer.from_gguf(GGUFModel(path).metadata)
+    assert tokenizer.vocab.unk_id == 0 and tokenizer.vocab.types[0] == TokenType.UNKNOWN
+    assert tokenizer.encode("hello world")  # sentencepiece accepts the vocabulary
+    code, stdout, _ = run_cli(path)
+    assert code == 0 and stdout.strip()
+
+
+@pytest.mark.parametrize("size", [4, 24, 100, 5000])
+def test_a_file_cut_inside_its_header_says_truncated_gguf_header(model_copy: Path, size: int) -> None:
+    """Issue 29: a GGUF cut to 100 bytes gave NumPy's own message about dtypes in its one line."""
+    with open(model_copy, "r+b") as f:
+        f.truncate(size)
+    line = assert_one_line_error(model_copy, "truncated GGUF header", f"ends at byte {size}")
+    assert "dtype" not in line and "array" not in line
+
+
+def test_a_rope_factor_without_a_type_is_linear_scaling(good_model: Path, tmp_path: Path) -> None:
+    """Issue 29: `rope.scaling.factor = 4` without `rope.scaling.type` was silently ignored (the
+    output equal to the original's). llama.cpp reads a missing type as linear: so does this engine,
+    and so the copy generates what the copy with `type = linear` generates."""
+    from infer.arch import ModelArgs
+
+    factor = {"llama.rope.scaling.factor": (4.0, GGUFValueType.FLOAT32)}
+    untyped = write_copy(good_model, tmp_path / "factor-only.gguf", metadata=factor)
+    linear = write_copy(good_model, tmp_path / "linear.gguf", metadata={
+        **factor, "llama.rope.scaling.type": ("linear", GGUFValueType.STRING)})
+    none = write_copy(good_model, tmp_path / "none.gguf", metadata={
+        **factor, "llama.rope.scaling.type": ("none", GGUFValueType.STRING)})
+    old_key = write_copy(good_model, tmp_path / "old-key.gguf", metadata={
+        "llama.rope.scale_linear": (4.0, GGUFValueType.FLOAT32)})
+    assert ModelArgs.from_gguf(GGUFModel(untyped)).rope_linear_scale == 4.0
+    assert ModelArgs.from_gguf(GGUFModel(old_key)).rope_linear_scale == 4.0
+    assert ModelArgs.from_gguf(GGUFModel(none)).rope_linear_scale == 1.0  # "none" never scales (llama.cpp too)
+
+    def logits(path: Path) -> np.ndarray:
+        from infer.engine import Engine
+
+        model = load_transformer(GGUFModel(path), exact=True)
+        return Engine(model, 64).evaluate([1, *range(260, 290)], all_logits=True)
+
+    original, scaled = logits(good_model), logits(untyped)
+    np.testing.assert_array_equal(scaled, logits(linear))
+    assert not np.array_equal(scaled, original)

@@ -162,3 +162,52 @@ def test_bad_logits_are_refused() -> None:
         Sampler().sample(np.zeros((2, 3), dtype=np.float32))
     with pytest.raises(ValueError, match="NaN"):
         Sampler().sample(np.array([0.0, np.nan], dtype=np.float32))
+
+
+@pytest.mark.parametrize("temperature", [1e-320, 5e-324, 1e-30, 9.9e-7])
+def test_a_temperature_below_the_threshold_is_greedy(temperature: float) -> None:
+    """Issue 29: 1e-320 divided the logits into infinities (NaN probabilities, divide-by-zero
+    warnings, a token unlike the greedy one). Below GREEDY_BELOW the choice is the arg-max."""
+    import warnings
+
+    from infer.sampler import GREEDY_BELOW
+
+    assert temperature < GREEDY_BELOW
+    rng = np.random.default_rng(3)
+    for _ in range(50):
+        logits = rng.normal(0, 4, 300).astype(np.float32)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            sampler = Sampler(SamplerConfig(temperature=temperature, top_k=0, top_p=1.0, min_p=0.0, seed=1))
+            assert sampler.config.greedy and sampler.sample(logits) == int(np.argmax(logits))
+
+
+def test_a_temperature_at_the_threshold_still_samples() -> None:
+    from infer.sampler import GREEDY_BELOW
+
+    logits = np.zeros(4, np.float32)  # a four-way tie: a sampler draws all of them, greedy one
+    sampler = Sampler(SamplerConfig(temperature=GREEDY_BELOW, top_k=0, top_p=1.0, min_p=0.0, seed=2))
+    assert not sampler.config.greedy
+    assert {sampler.sample(logits) for _ in range(200)} == {0, 1, 2, 3}
+
+
+def test_the_cli_takes_a_tiny_temperature_as_greedy(tmp_path) -> None:  # noqa: ANN001
+    import json
+    import warnings
+
+    from click.testing import CliRunner
+
+    from infer.cli import main
+    from infer.synth import SHAPES, write_model
+
+    model = tmp_path / "tiny.gguf"
+    write_model(model, SHAPES["tiny"], "q8_0", seed=3)
+    runs = {}
+    for temp in ("0", "1e-320"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            result = CliRunner().invoke(main, ["-m", str(model), "-p", "hello", "-n", "12", "--device", "cpu",
+                                               "-t", temp, "--seed", "4", "--json"])
+        assert result.exit_code == 0, result.output
+        runs[temp] = json.loads(result.stdout)["ids"]
+    assert runs["1e-320"] == runs["0"]

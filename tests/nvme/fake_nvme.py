@@ -83,6 +83,7 @@ class FakeNvme:
         self.ignore_opcodes: set[int] = set()  # I/O opcodes never completed (timeouts)
         self.commands_seen: list[tuple[int, int, int]] = []  # (qid, opcode, nlb)
         self.removed = False
+        self.bad_lbas: set[int] = set()  # reads touching these complete with Unrecovered Read Error
 
     # -- registers -----------------------------------------------------------------------------
     def read_register(self, offset: int) -> int:
@@ -255,6 +256,8 @@ class FakeNvme:
         if self.mdts and nlb * self.lba_size > PAGE_SIZE << self.mdts:
             return GENERIC, 0x02, 0
         start, length = lba * self.lba_size, nlb * self.lba_size
+        if sqe.opcode == 0x02 and self.bad_lbas.intersection(range(lba, lba + nlb)):
+            return 0x2, DNR | 0x81, 0  # media error: Unrecovered Read Error, as a failing drive reports it
         if sqe.opcode == 0x02:
             self._copy_out(sqe, bytes(self.image[start:start + length]))
         elif sqe.opcode == 0x01:

@@ -12,7 +12,7 @@ from gguf import GGUFReader, GGUFValueType, GGUFWriter
 
 
 def write_copy(source: Path, target: Path, n_layers: int | None = None,
-               metadata: dict[str, tuple[Any, GGUFValueType]] | None = None,
+               metadata: dict[str, tuple[Any, ...]] | None = None,
                drop_tensors: tuple[str, ...] = (), extra_tensors: dict[str, np.ndarray] | None = None,
                reverse_tensor_order: bool = False) -> Path:
     """Copies `source` to `target`, keeping only blocks < n_layers, replacing or adding `metadata`
@@ -31,8 +31,8 @@ def write_copy(source: Path, target: Path, n_layers: int | None = None,
             value = n_layers
         sub_type = field.types[-1] if field.types[0] == GGUFValueType.ARRAY and len(field.types) > 1 else None
         writer.add_key_value(key, value, field.types[0], sub_type=sub_type)
-    for key, (value, vtype) in overrides.items():
-        writer.add_key_value(key, value, vtype)
+    for key, (value, vtype, *sub) in overrides.items():  # (value, type) or (list, ARRAY, item type)
+        writer.add_key_value(key, value, vtype, sub_type=sub[0] if sub else None)
     for tensor in reversed(reader.tensors) if reverse_tensor_order else reader.tensors:
         block = re.match(r"blk\.(\d+)\.", tensor.name)
         if tensor.name in drop_tensors or (block and n_layers is not None and int(block.group(1)) >= n_layers):

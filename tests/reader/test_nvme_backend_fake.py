@@ -137,3 +137,64 @@ def test_fewer_queue_pairs_than_asked_are_used_with_one_warning() -> None:
     controller.close()
     controller.close()  # a second close is a no-op, not a shutdown of an unmapped BAR
     assert controller.dma.live_mappings() == 0
+
+
+def test_a_media_error_names_the_device_and_the_lbas(ctrl, fake: FakeNvme) -> None:
+    """A read that fails on the drive (issue 29: a QEMU drive removed under the reader) is one
+    ReadError line naming the device, the LBAs and the NVMe status."""
+    bad = 3 * (1 << 20) // fake.lba_size + 1
+    fake.bad_lbas = {bad}
+    with NvmeBackend(ctrl, queue_pairs=1, name="0000:01:00.0 nsid 1") as backend:
+        out = np.zeros(1 << 20, dtype=np.uint8)
+        backend.read_into([(0, 1 << 20)], [out])  # the good LBAs still read
+        with pytest.raises(ReadError) as info:
+            backend.read_into([(3 << 20, 1 << 20)], [out])
+    message = str(info.value)
+    assert "\n" not in message
+    assert message.startswith("0000:01:00.0 nsid 1: NVMe read of LBAs ")
+    first, last = (int(x) for x in message.split("LBAs ")[1].split(" ")[0].split(".."))
+    assert first <= bad <= last
+    assert "ERROR status: 02/81 Unrecovered Read Error" in message
+
+
+def test_a_device_request_stops_the_reads_and_releases_the_controller(fake: FakeNvme) -> None:
+    """Issue 29, defect 10: the kernel's device request (VFIO's REQ interrupt, here its eventfd
+    signalled by hand) lets the read in flight finish, refuses new reads with one line, and closes
+    the queues and the controller on the watcher thread, while nobody reads."""
+    import time
+
+    ctrl = Controller(FakeBar(fake), IdentityDma(), io_timeout_s=5.0)
+    ctrl.start(io_queues=4)
+    request = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
+    try:
+        ctrl.watch_removal(request)
+        backend = NvmeBackend(ctrl, queue_pairs=2, owns_controller=True, name="0000:01:00.0 nsid 1")
+        image = np.frombuffer(fake.image, dtype=np.uint8)
+        out = np.zeros(1 << 20, dtype=np.uint8)
+        fake.hold = True  # the device keeps the next commands until release(): a read in flight
+        handle = backend.read_async([(4096, 1 << 20)], [out])
+        deadline = time.monotonic() + 10
+        while not fake.held:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        os.eventfd_write(request, 1)  # the kernel asks for the device back
+        while backend.failure is None:
+            assert time.monotonic() < deadline, "the request was not seen"
+            time.sleep(0.01)
+        assert not ctrl.closed  # it waits for the commands in flight
+        fake.hold = False
+        fake.release()
+        handle.wait()  # the read in flight finished, with the right bytes
+        assert np.array_equal(out, image[4096:4096 + (1 << 20)])
+        ctrl._watcher.join(10)  # the watcher thread released everything, then ended
+        assert not ctrl._watcher.is_alive(), "the controller was not released"
+        assert ctrl.closed and ctrl.dma.live_mappings() == 0 and ctrl.io_qpairs == {}
+        assert ctrl.removal_requested
+        with pytest.raises(ReadError) as info:
+            backend.read_async([(0, 4096)], [out])
+        assert str(info.value) == ("0000:01:00.0 nsid 1: the kernel asked for the device back (hot-unplug or "
+                                   "unbind): reads stopped and the device was released")
+        backend.close()  # a second close is a no-op
+    finally:
+        ctrl.close()
+        os.close(request)

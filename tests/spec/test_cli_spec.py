@@ -1,5 +1,6 @@
-"""`ntransformer --draft-model / --lookup` on the CPU: the text equals the plain run's (exact numerics),
-the statistics are reported, and bad input is one line with exit 2."""
+"""`ntransformer --draft-model / --lookup` on the CPU: the text equals the plain run's (exact numerics,
+which speculation on the CPU requires), the statistics are reported, and bad input is one line with
+exit 2."""
 
 from __future__ import annotations
 
@@ -42,7 +43,7 @@ def test_speculative_text_is_the_plain_text(pair: tuple[Path, Path], how: list[s
 def test_speculative_json_reports_the_statistics(pair: tuple[Path, Path]) -> None:
     target, draft = pair
     code, out, err = run("-m", str(target), "--draft-model", str(draft), "--draft-tree", "5", "--benchmark",
-                         "-n", "16", "--json")
+                         "-n", "16", "--json", "--exact")
     assert code == 0, err
     record = json.loads(out.strip().splitlines()[-1])
     s = record["speculation"]
@@ -70,7 +71,7 @@ def test_self_draft_reports_its_layers(pair: tuple[Path, Path]) -> None:
     """--skip-threshold says which layers the calibration left out; a threshold no layer reaches
     leaves none out, a low one leaves out many (never all)."""
     target, _ = pair
-    common = ["-m", str(target), "-p", "def add(a, b):", "-n", "8", "-t", "0"]
+    common = ["-m", str(target), "-p", "def add(a, b):", "-n", "8", "-t", "0", "--exact"]
     code, _, err = run(*common, "--skip-threshold", "0.999999")
     assert code == 0, err
     assert "self-draft: 30 of 30 layers (left out: none" in err
@@ -86,7 +87,7 @@ def test_self_spec_on_the_streamed_cpu_engine_leaves_the_streamed_layers_out(pai
     resident ones, and the text is the plain streamed run's."""
     target, _ = pair
     common = ["-m", str(target), "-p", "1, 2, 3, 4, 5,", "-n", "12", "-t", "0", "--streaming",
-              "--vram-budget", "140MB", "--ram-budget", "1GB"]
+              "--vram-budget", "140MB", "--ram-budget", "1GB", "--exact"]
     code, plain, err0 = run(*common)
     assert code == 0, err0
     code, spec, err = run(*common, "--self-spec")
@@ -95,3 +96,17 @@ def test_self_spec_on_the_streamed_cpu_engine_leaves_the_streamed_layers_out(pai
     line = next(x for x in err.splitlines() if "self-draft:" in x)
     kept = int(line.split("self-draft: ")[1].split(" of ")[0])
     assert 1 <= kept < 30, line
+
+
+@pytest.mark.parametrize("how", [["--lookup"], ["--draft-model", "DRAFT"], ["--self-spec"]])
+def test_speculation_on_the_cpu_without_exact_is_refused(pair: tuple[Path, Path], how: list[str]) -> None:
+    """Issue 29: on the float32 engine a speculative run's text drifted from plain decoding (4 of 20
+    prompts identical with --lookup); it is refused with one line saying to add --exact."""
+    target, draft = pair
+    code, out, err = run("-m", str(target), "-p", "hi", "-n", "4", "-t", "0",
+                         *[str(draft) if a == "DRAFT" else a for a in how])
+    lines = [line for line in (err + out).splitlines() if line.startswith("Error")]
+    assert code == 2 and out == "", (code, out, err)
+    assert lines == ["Error: speculative decoding on the CPU needs --exact: the float32 engine's logits depend on "
+                     "how many tokens a pass holds, so the text would differ from plain decoding (with --exact it is "
+                     "the plain --exact text, token for token)"]

@@ -38,10 +38,10 @@ def test_the_flag_reaches_the_config() -> None:
     def cmd(streaming: StreamingConfig) -> None:
         seen.append(streaming)
 
-    result = CliRunner().invoke(cmd, ["--tier-c", "nvme", "--nvme-device", "0000:01:00.0", "--gpu-doorbells"])
+    result = CliRunner().invoke(cmd, ["--streaming", "--tier-c", "nvme", "--nvme-device", "0000:01:00.0", "--gpu-doorbells"])
     assert result.exit_code == 0, result.output
     assert seen[-1].gpu_doorbells and seen[-1].tier_c == "nvme"
-    CliRunner().invoke(cmd, ["--tier-c", "nvme"])
+    CliRunner().invoke(cmd, ["--streaming", "--tier-c", "nvme"])
     assert not seen[-1].gpu_doorbells
 
 

@@ -9,6 +9,7 @@ import click
 import pytest
 from click.testing import CliRunner
 
+from infer.cli import main
 from infer.cli_options import streaming_options
 from infer.engine import greedy
 from infer.gguf_file import GGUFModel
@@ -33,7 +34,7 @@ def test_decorator_collects_the_options(tmp_path: Path) -> None:
     assert result.exit_code == 0, result.output
     assert seen == [StreamingConfig(enabled=True, vram_budget="24GB", ram_budget="8GiB", tier_c="mmap",
                                     batch=3, prompts_file=str(prompts))]
-    CliRunner().invoke(cmd, ["--tier-c", "nvme", "--nvme-device", "0000:01:00.0", "--nvme-lba", "2048"])
+    CliRunner().invoke(cmd, ["--streaming", "--tier-c", "nvme", "--nvme-device", "0000:01:00.0", "--nvme-lba", "2048"])
     assert (seen[-1].nvme_device, seen[-1].nvme_lba) == ("0000:01:00.0", 2048)
     assert read_prompts_file(str(prompts)) == ["one", "two\nlines"]
     bad = CliRunner().invoke(cmd, ["--tier-c", "tape"])
@@ -89,3 +90,38 @@ def test_over_budget_requests_exit_2_with_one_line(tiny_model: Path, fake_cupy: 
         lines = [line for line in result.stderr.splitlines() if line.startswith("Error")]
         assert result.exit_code == 2, (args, result.output)
         assert len(lines) == 1 and "VRAM" in lines[0] and "Traceback" not in result.output, result.output
+
+
+@pytest.mark.parametrize(("flags", "says"), [
+    (["--vram-budget", "banana"], "--vram-budget: cannot read 'banana' as a size"),
+    (["--streaming", "--ram-budget", "lots"], "--ram-budget: cannot read 'lots' as a size"),
+    (["--tier-c", "nvme"], "--tier-c sets the streaming engine's tiers: add --streaming"),
+    (["--nvme-device", "0000:01:00.0", "--slots", "4"], "--nvme-device, --slots set the streaming engine's tiers"),
+    (["--draft-tree", "3"], "--draft-tree sizes the tree of --draft-model or --lookup: add one of them"),
+    (["--self-spec", "--draft-tree", "3"], "(the self-draft's depth is --draft-k)"),
+])
+def test_a_flag_the_run_would_ignore_is_exit_2_with_one_line(tiny_model: Path, flags: list[str], says: str) -> None:
+    """Issue 29: these ran with exit code 0, the flag silently ignored."""
+    result = CliRunner().invoke(main, ["-m", str(tiny_model), "-p", "hi", "-n", "2", "--device", "cpu", *flags])
+    lines = result.stderr.strip().splitlines()
+    assert result.exit_code == 2, result.output
+    assert len(lines) == 1 and says in lines[0], lines
+
+
+def test_a_flag_meant_for_another_device_is_a_warning(tiny_model: Path) -> None:
+    """--vram-budget means something on the GPU (and with --streaming), not on the CPU's resident
+    engine: the run goes on and says so once."""
+    result = CliRunner().invoke(main, ["-m", str(tiny_model), "-p", "hi", "-n", "2", "--device", "cpu", "-t", "0",
+                                       "--vram-budget", "8GB"])
+    assert result.exit_code == 0, result.output
+    warned = [line for line in result.stderr.splitlines() if line.startswith("warning:")]
+    assert len(warned) == 1 and "--vram-budget" in warned[0] and "CPU" in warned[0], result.stderr
+
+
+def test_serve_does_not_offer_the_batch_flags() -> None:
+    """A server batches the requests it receives: --batch/--prompts are not in its help (issue 29)."""
+    text = CliRunner().invoke(main, ["serve", "--help"]).output
+    assert "--max-batch" in text and "--streaming" in text
+    assert "--batch " not in text and "--prompts" not in text
+    refused = CliRunner().invoke(main, ["serve", "--batch", "2"])
+    assert refused.exit_code == 2 and "No such option '--batch'" in refused.output

@@ -157,3 +157,25 @@ def test_budget_below_the_minimum_is_refused_with_it(tiny_model: Path) -> None:
     config = StreamingConfig(enabled=True, vram_budget="100KB", ram_budget="1MB")
     with pytest.raises(BudgetError, match="cannot hold the KV cache"):
         build_streaming_engine(str(tiny_model), config, CTX, device="cpu", measure=False)
+
+
+def test_exact_streaming_equals_exact_resident_and_does_not_depend_on_the_pass(tiny_model: Path) -> None:
+    """--streaming --exact (which speculation on the CPU needs, issue 29): the streamed engine in
+    float64 sums gives the exact resident engine's logits bit for bit, and a prompt fed in two
+    passes the logits of one pass."""
+    vram_budget, ram_budget = budgets_for(tiny_model, 0.3, 0.3)
+    config = StreamingConfig(enabled=True, vram_budget=str(vram_budget), ram_budget=str(ram_budget))
+    s = build_streaming_engine(str(tiny_model), config, CTX, device="cpu", measure=False, exact=True)
+    try:
+        assert {Tier.VRAM, Tier.RAM, Tier.STORAGE} <= set(s.plan.tier.values())
+        model = s.engine.model
+        tokens = np.asarray([t % 1024 for t in PROMPT])
+        whole = model.forward(tokens, model.new_cache(CTX), all_logits=True)
+        cache = model.new_cache(CTX)
+        split = np.concatenate([model.forward(tokens[:5], cache, all_logits=True),
+                                model.forward(tokens[5:], cache, all_logits=True)])
+    finally:
+        s.close()
+    exact = load_transformer(GGUFModel(tiny_model), exact=True)
+    np.testing.assert_array_equal(whole, exact.forward(tokens, exact.new_cache(CTX), all_logits=True))
+    np.testing.assert_array_equal(split, whole)

@@ -37,11 +37,18 @@ def test_identify_returns_qemu_serial_and_model(ctrl):
 
 
 def test_identify_command_line(bound, noiommu):
+    """Without --noiommu the mode comes from the device's group, and `identify` names the mode in
+    use in text and JSON (issue 29: it printed "(IOMMU)" in a no-IOMMU guest)."""
     bdf = bound(BIG_LBA_SERIAL)
-    argv = [os.path.join(os.path.dirname(sys.executable), "nvmedirect"), "identify", bdf, "--json"] + (["--noiommu"] if noiommu else [])
-    out = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    mode = "no-IOMMU" if noiommu else "IOMMU"
+    argv = [os.path.join(os.path.dirname(sys.executable), "nvmedirect"), "identify", bdf]
+    text = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    assert text.returncode == 0, text.stderr
+    assert text.stdout.splitlines()[0].endswith(f"({mode})"), text.stdout
+    out = subprocess.run(argv + ["--json"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     data = json.loads(out.stdout)
+    assert data["mode"] == mode
     assert data["controller"]["serial"] == BIG_LBA_SERIAL and data["controller"]["model"] == QEMU_MODEL
     assert data["namespaces"][0]["lba_size"] == 4096
     assert any(f["data_size"] == 4096 and f["in_use"] for f in data["namespaces"][0]["formats"])
