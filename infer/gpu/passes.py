@@ -18,6 +18,7 @@ import numpy as np
 
 from infer.gpu.cache import GpuKVCache
 from infer.gpu.ops import RowFields
+from infer.sampler import GREEDY_BELOW
 
 # Row counts a pass is padded to (graphs are captured per bucket); a model's capacity is the last.
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
@@ -134,7 +135,8 @@ class PassIndex:
             h["hist"][r] = c.tokens.data.ptr if row.history else 0
             h["tok"][r], h["pos"][r], h["slot"][r], h["base"][r] = row.token, row.pos, row.slot, row.base
             h["cap"][r] = c.max_tokens
-            h["temps"][r], h["seeds"][r] = row.temperature, row.seed & 0xFFFFFFFF
+            greedy = row.temperature < GREEDY_BELOW  # the host sampler's rule: too small to divide by
+            h["temps"][r], h["seeds"][r] = 0.0 if greedy else row.temperature, row.seed & 0xFFFFFFFF
             if row.anc is None:
                 h["anc_off"][r] = -1
             else:

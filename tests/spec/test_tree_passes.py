@@ -69,3 +69,18 @@ def test_graphs_replay_at_any_cache_length_with_decode_numbers(tmp_path: Path, f
     np.testing.assert_array_equal(ids, np.argmax(want, axis=1))
     np.testing.assert_array_equal(maxima, want.max(axis=1))
     assert not bad.any()
+
+
+def test_a_temperature_too_small_to_divide_by_is_greedy(tmp_path: Path, fake_cupy: object) -> None:
+    """The device sampler takes the host sampler's rule (infer.sampler.GREEDY_BELOW): a temperature
+    that small would turn the logits into infinities, so the row is decoded by arg-max."""
+    from infer.gguf_file import GGUFModel
+    from infer.gpu import load_gpu_transformer
+
+    file = tmp_path / "m.gguf"
+    write_model(file, SHAPE, "q8_0", seed=3)
+    model = load_gpu_transformer(GGUFModel(file), 64)
+    prompt = np.array([5, 17, 42, 8])
+    greedy = model.generate(prompt, model.new_cache(64), 12, temperature=0.0)
+    tiny = model.generate(prompt, model.new_cache(64), 12, temperature=1e-39, seed=5)
+    assert list(tiny) == list(greedy)

@@ -326,7 +326,7 @@ class RawKernel:
             for i in range(rows):
                 r = int(OR[i]); p = int(PS[r]); v = L[i].astype(np.float64)
                 if float(TP[r]) > 0:
-                    rnd = np.random.default_rng([int(SD[r]), p]).random(v.size); v = v / float(TP[r]) - np.log(-np.log(rnd))
+                    rnd = np.random.default_rng([int(SD[r]), p]).random(v.size); v = (L[i] / TP[r]).astype(np.float64) - np.log(-np.log(rnd))  # the division in float32, as the kernel's
                 nxt = int(np.argmax(v))
                 if int(HS[r]):
                     _arr(int(HS[r]), np.int32, p + 2)[p + 1] = nxt
