@@ -102,8 +102,10 @@ def _load(model: str | None, ctx_size: int, device: str, vram_budget: str | None
     where = _resolve_device(device)
     started = time.perf_counter()
     try:  # a model too large for the VRAM budget stops here with a hint to use --streaming
-        llm = LLM.load(model, ctx_size=ctx_size or None, device=where, exact=exact, vram_budget=vram_budget,
-                       enforce_budget=where == "gpu", planned=planned, tree_nodes=tree_nodes)
+        uploads = _progress(f"loading {Path(model).name}", 0, "layer") if where == "gpu" else contextlib.nullcontext()
+        with uploads as advance:  # the GPU's uploads, layer by layer (the CPU's come with warm below)
+            llm = LLM.load(model, ctx_size=ctx_size or None, device=where, exact=exact, vram_budget=vram_budget,
+                           enforce_budget=where == "gpu", planned=planned, tree_nodes=tree_nodes, progress=advance)
     except TokenizerError as err:  # before ValueError, which it is
         _fail(f"{model}: tokenizer: {err}", EXIT_BAD_INPUT)
     except (ValueError, ModelError) as err:  # bad file, bad size, budget too small (BudgetError)

@@ -3,6 +3,7 @@ its NumPy parts run) on machines without it."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -51,7 +52,8 @@ def gpu_pass_nbytes(model: GGUFModel, args: ModelArgs, capacity: int, context: i
 def load_gpu_transformer(model: GGUFModel, max_context: int | None = None, vram_budget: str | int | None = None,
                          prefill_chunk: int = 512, batch: int = 1, enforce_budget: bool = False,
                          planned: dict[str, int] | None = None, tree_nodes: int = 0,
-                         kv_positions: int | None = None) -> GpuTransformer:
+                         kv_positions: int | None = None,
+                         progress: Callable[[int, int], None] | None = None) -> GpuTransformer:
     """The model checked as infer.model.load_transformer checks it, its weights resident on the
     current GPU, planned against the VRAM budget (`vram_budget`, default the free memory less a
     margin): weights, the KV caches of `batch` sequences of `max_context` positions (default the
@@ -60,7 +62,8 @@ def load_gpu_transformer(model: GGUFModel, max_context: int | None = None, vram_
     sequences together, when they are not `batch` of the full context). A model that does not fit raises VramBudgetError
     (one line, what each part takes, a hint to use --streaming). enforce_budget: cap CuPy's memory
     pool at the budget (process-wide). planned: device memory already taken in the same budget
-    (e.g. {"draft model": bytes}), shown in the plan. The inputs of the matrix products are rounded
+    (e.g. {"draft model": bytes}), shown in the plan. progress(done, total): after each layer's
+    upload (a load bar). The inputs of the matrix products are rounded
     as llama.cpp rounds them (8-bit forms for quantized weights); every row's logits are the same
     bits in any pass (docs/GPU.md)."""
     import cupy
@@ -93,7 +96,7 @@ def load_gpu_transformer(model: GGUFModel, max_context: int | None = None, vram_
     account.check(": run with --streaming (or lower -c/--ctx-size)")
     if enforce_budget:
         memory.enforce(account)
-    weights = ResidentWeights(model, args)
+    weights = ResidentWeights(model, args, progress)
     cupy.cuda.Device().synchronize()
     cupy.get_default_memory_pool().free_all_blocks()  # the uploads' temporaries
     from infer.gpu.model import LOGITS_ROWS

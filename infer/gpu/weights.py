@@ -10,6 +10,7 @@ Two providers implement the same calls:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -191,15 +192,23 @@ class ResidentWeights:
     """All weights of a checked model on the current device; the inputs of each matrix product are
     rounded as llama.cpp rounds them (8-bit forms for quantized weights)."""
 
-    def __init__(self, model: GGUFModel, args: ModelArgs) -> None:
+    def __init__(self, model: GGUFModel, args: ModelArgs,
+                 progress: Callable[[int, int], None] | None = None) -> None:
+        """progress(done, total): after the embedding and output, then after each layer."""
         self.args = args
+        total = args.n_layers + 1
         host = embedding_on_host(model)  # SmolLM2: the output reuses the embeddings, which stay on the device
         self.token_embd = upload_embedding(model) if host else upload_tensor(model, TOKEN_EMBD)
         self.output_norm = upload_vector(model, OUTPUT_NORM)
         self.output = upload_tensor(model, output_name(model)) if host else self.token_embd
-        self.layers = [assemble_layer(layer_vectors(model, args, i),
-                                      {kind: upload_tensor(model, tensor_name(i, kind)) for kind in MATRIX_KINDS})
-                       for i in range(args.n_layers)]
+        if progress is not None:
+            progress(1, total)
+        self.layers = []
+        for i in range(args.n_layers):
+            matrices = {kind: upload_tensor(model, tensor_name(i, kind)) for kind in MATRIX_KINDS}
+            self.layers.append(assemble_layer(layer_vectors(model, args, i), matrices))
+            if progress is not None:
+                progress(i + 2, total)
         self._formats = [layer_formats(model, i) for i in range(args.n_layers)]
 
     def layer(self, index: int) -> GpuLayer:

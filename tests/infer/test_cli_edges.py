@@ -158,3 +158,24 @@ def test_the_streaming_engine_prints_tokens_as_they_come(tiny: Path, monkeypatch
     decode = seen[1:]  # the first pass is the prompt's
     assert decode and decode[-1] > 0, seen  # text was on stdout before the last pass
     assert decode == sorted(decode) and len(set(decode)) > 1, seen
+
+
+def test_a_long_gpu_load_shows_a_progress_bar(tiny: Path, monkeypatch: pytest.MonkeyPatch, fake_cupy: object) -> None:
+    """The resident GPU engine's uploads, layer by layer (8B Q4_K_M: ~5 s on the H200), on the NumPy
+    stand-in for CuPy: the same bar as the CPU's dequantization."""
+    import tqdm
+
+    from infer.arch import ModelArgs
+    from infer.gguf_file import GGUFModel
+
+    class Eager(tqdm.tqdm):  # every update drawn: the stand-in's load is too fast for tqdm's 0.1 s
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            super().__init__(*args, **{**kwargs, "mininterval": 0, "miniters": 1})
+
+    monkeypatch.setattr(tqdm, "tqdm", Eager)
+    monkeypatch.setattr(cli, "PROGRESS_DELAY_S", 0.0)
+    steps = ModelArgs.from_gguf(GGUFModel(tiny)).n_layers + 1  # the embedding and output, then each layer
+    result = CliRunner().invoke(main, ["-m", str(tiny), "-p", "hi", "-n", "2", "-t", "0", "--device", "gpu"])
+    assert result.exit_code == 0, result.output
+    assert "on the GPU" in result.stderr
+    assert f"loading {tiny.name}" in result.stderr and f"{steps}/{steps}" in result.stderr, result.stderr
