@@ -70,7 +70,8 @@ def _matrix(rng: np.random.Generator, ggml_type: int, rows: int, cols: int):  # 
     return ops.upload_matrix(raw, ggml_type, rows, cols)
 
 
-def products(rows_list: list[int], copies: int = 3) -> list[dict[str, object]]:
+def products(rows_list: list[int], copies: int = 3, matrices: list[str] | None = None,
+             default_only: bool = False) -> list[dict[str, object]]:
     import cupy
     from gguf.constants import GGMLQuantizationType as T
 
@@ -86,6 +87,8 @@ def products(rows_list: list[int], copies: int = 3) -> list[dict[str, object]]:
     acts: dict[tuple[str, int], ops.Int8Act] = {}
     out: list[dict[str, object]] = []
     for name, parts in shapes.items():
+        if matrices and name not in matrices:
+            continue
         n_copies = 1 if name == "output" else copies
         mats = [[_matrix(rng, t, r, c) for t, r, c in parts] for _ in range(n_copies)]
         m0 = mats[0][0]
@@ -100,6 +103,8 @@ def products(rows_list: list[int], copies: int = 3) -> list[dict[str, object]]:
         for n in rows_list:
             qmm = ops.uses_qmm(m0.fmt, m0.cols, n)
             variants = QMM_VARIANTS if qmm else QGEMV_VARIANTS
+            if default_only:
+                variants = [None]
             want = None
             for tuning in variants:
                 try:
@@ -112,9 +117,9 @@ def products(rows_list: list[int], copies: int = 3) -> list[dict[str, object]]:
                     us = _timed(stream, lambda tuning=tuning, n=n, mats=mats, x8=x8: [
                         ops.product(m, x8, ys, n, tuning=tuning) for m in mats], n_copies)
                 except Exception as err:  # noqa: BLE001 - a variant that does not launch: say so, go on
-                    out.append({"matrix": name, "rows": n, "tuning": list(tuning), "error": f"{type(err).__name__}: {err}"})
+                    out.append({"matrix": name, "rows": n, "tuning": list(tuning or ()), "error": f"{type(err).__name__}: {err}"})
                     continue
-                out.append({"matrix": name, "rows": n, "kernel": "qmm" if qmm else "qgemv", "tuning": list(tuning),
+                out.append({"matrix": name, "rows": n, "kernel": "qmm" if qmm else "qgemv", "tuning": list(tuning or ()),
                             "us": round(us, 2), "GBps": round(nbytes / (us * 1e-6) / 1e9, 1),
                             "TOPS": round(2 * n * macs / (us * 1e-6) / 1e12, 1), "same_bits": same})
                 print(json.dumps(out[-1]), flush=True)
@@ -182,6 +187,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.kernel_sweep", description=__doc__.splitlines()[0])
     parser.add_argument("--rows", default="1,2,4,8,16,32,64,128,256,512")
     parser.add_argument("--skip-products", action="store_true")
+    parser.add_argument("--skip-others", action="store_true", help="products only (no attention, norms)")
+    parser.add_argument("--matrices", help="comma-separated products to time (qkv, wo, gate_up, down_k4, down_k6, "
+                        "output); all by default")
+    parser.add_argument("--default-only", action="store_true", help="only the tuned variant of each kernel")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
     import cupy
@@ -189,9 +198,12 @@ def main(argv: list[str] | None = None) -> int:
     began = time.perf_counter()
     result: dict[str, object] = {"device": cupy.cuda.runtime.getDeviceProperties(0)["name"].decode(),
                                  "command": " ".join(["python3 -m bench.kernel_sweep", *(argv or sys.argv[1:])])}
-    result["others"] = attention_and_friends()
+    if not args.skip_others:
+        result["others"] = attention_and_friends()
     if not args.skip_products:
-        result["products"] = products([int(v) for v in args.rows.split(",")])
+        result["products"] = products([int(v) for v in args.rows.split(",")],
+                                      matrices=args.matrices.split(",") if args.matrices else None,
+                                      default_only=args.default_only)
     result["seconds"] = round(time.perf_counter() - began, 1)
     if args.out:
         args.out.write_text(json.dumps(result, indent=1))

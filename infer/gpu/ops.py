@@ -197,6 +197,9 @@ FORMAT_KIND = {"q8": 1, "g4": 4, "g5": 5, "k4": 14, "k5": 15, "k6": 16}  # qmm.c
 # NVMEDIRECT_QMM_TUNING="1:2,4;8:4,3" and NVMEDIRECT_QGEMV_TUNING="4,2" override them (sweeps)
 QMM_TUNING: dict[int, tuple[int, int]] = {1: (4, 3), 2: (4, 3), 4: (4, 3), 8: (4, 3)}
 QGEMV_TUNING: tuple[int, int] = (4, 2)
+# blocks per SM the registers of a format's qmm kernels must allow (qmm.cu MMQ_MIN_BLOCKS; absent:
+# the kernel's default; NVMEDIRECT_QMM_MIN_BLOCKS overrides, for sweeps)
+QMM_MIN_BLOCKS: dict[str, int] = {}
 
 
 def _tuning_from_environment() -> None:
@@ -218,8 +221,14 @@ _tuning_from_environment()
 def _module_defines(fmt: str, nt: int = 1, tuning: tuple[int, int] | None = None) -> dict[str, int]:
     """The #defines of the qmm module that holds format `fmt`'s qmm kernels in the variant for nt
     n-tiles (or `tuning`: warps, stages)."""
+    import os
+
     warps, stages = tuning or QMM_TUNING[nt]
-    return {"QMM_FORMAT": FORMAT_KIND.get(fmt, 100), "MMQ_WARPS": warps, "MMQ_STAGES": stages, "QMM_KERNELS": 2}
+    defines = {"QMM_FORMAT": FORMAT_KIND.get(fmt, 100), "MMQ_WARPS": warps, "MMQ_STAGES": stages, "QMM_KERNELS": 2}
+    min_blocks = os.environ.get("NVMEDIRECT_QMM_MIN_BLOCKS") or QMM_MIN_BLOCKS.get(fmt)  # registers per thread
+    if min_blocks:
+        defines["MMQ_MIN_BLOCKS"] = int(min_blocks)
+    return defines
 
 
 def _gemv_defines(fmt: str, tuning: tuple[int, int] | None = None) -> dict[str, int]:
@@ -396,14 +405,27 @@ class AttentionShape:
                              f"{ATTN_MAX_GROUP} per KV head are supported")
 
     def chunks_shared_bytes(self) -> int:
-        """attn_chunks' dynamic shared memory: the 4 chunks' partials and each warp's probabilities."""
+        """attn_chunks' dynamic shared memory: the 4 chunks' partials, each warp's probabilities and
+        slot numbers, and each warp's chunk of float16 keys and values."""
         g, d = self.n_heads // self.n_kv_heads, self.head_dim
-        return 4 * (4 * g * (d + 2) + 4 * ATTN_CHUNK * ATTN_HEADS)
+        return 4 * (4 * g * (d + 2) + 4 * ATTN_CHUNK * ATTN_HEADS + 4 * ATTN_CHUNK) + 4 * 2 * ATTN_CHUNK * d * 2
 
 
 def attention_blocks(max_ctx: int) -> int:
     """attn_chunks blocks a row of a cache of max_ctx positions may need (work buffer rows)."""
     return -(-max_ctx // ATTN_BLOCK_POSITIONS)
+
+
+def attention_group_rows(rows: int) -> int:
+    """Rows an attn_chunks block takes one after the other (a prompt's rows then share the keys it
+    copies): 1, a block per row, unless NVMEDIRECT_ATTN_GROUP says otherwise. Sharing measured
+    slower on the H200 (2026-12-02, bench.kernel_sweep: 512 prompt rows 571 us in blocks of one
+    row, 582 in fours, 779 in eights; 32 rows 38.8, 51.5, 76.5): the kernel is bound by its
+    arithmetic, not by reading the keys."""
+    import os
+
+    forced = os.environ.get("NVMEDIRECT_ATTN_GROUP")
+    return max(1, int(forced)) if forced else 1
 
 
 def attention_work_nbytes(shape: AttentionShape, rows: int, max_ctx: int) -> int:
@@ -465,11 +487,12 @@ def attention(qkv: cupy.ndarray, shape: AttentionShape, layer: int, rows: RowFie
         raise ValueError(f"a q8_k output needs rows of whole 256-value groups, not {q_values}")
     for r0 in range(0, n, work_rows):
         m = min(work_rows, n - r0)
+        group = attention_group_rows(m)
         pos, _slot, base, anc_off, anc, kptr, vptr, cap = rows.offset(r0)
-        chunks((s.n_kv_heads, nb, m), (ATTN_THREADS,),
+        chunks((s.n_kv_heads, nb, -(-m // group)), (ATTN_THREADS,),
                (np.uint64(qkv.data.ptr + r0 * s.width * 4), np.int32(s.width), np.int32(s.n_heads),
                 np.int32(s.n_kv_heads), scale, np.int32(layer), pos, base, anc_off, anc, kptr, vptr, cap, work,
-                np.int32(nb)), shared_mem=smem)
+                np.int32(nb), np.int32(m), np.int32(group)), shared_mem=smem)
         part = None if int8 is None else int8.rows(r0, r0 + m)
         merge((m, q_values // chunk), (chunk,), (work, np.int32(nb), np.int32(s.n_heads), np.int32(s.head_dim), pos,
                                                  np.uint64(out.data.ptr + r0 * q_values * 4), np.int32(ACT_CODES[act]),

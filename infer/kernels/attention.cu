@@ -2,9 +2,10 @@
 // (a token tree's node attends to its ancestors' slots), in three launches for the whole pass:
 //   rope_rows      rotary embedding of each row's q (in place) and k, k and v stored in the row's
 //                  cache at its slot;
-//   attn_chunks    grid (KV head, block of 4 chunks, row): a warp per chunk of 32 positions of the
-//                  row's span computes the G query heads' partial softmax (max m, sum l, weighted
-//                  values o), then the block's 4 chunks are merged;
+//   attn_chunks    grid (KV head, block of 4 chunks, group of rows): a warp per chunk of 32
+//                  positions of the row's span (copied to shared memory first) computes the G query
+//                  heads' partial softmax (max m, sum l, weighted values o), then the block's 4
+//                  chunks are merged; row after row of the group;
 //   attn_merge     per row: the blocks' partials merged, o / l, rounded to the output projection's
 //                  activation format (and its 8-bit form).
 // Canonical order (the same bits for a row whatever else the pass holds, and whichever block holds
@@ -18,6 +19,7 @@
 // the same tree. Single precision throughout.
 #include "formats.cuh"
 #include "act.cuh"
+#include "async.cuh"
 
 #define ATTN_CHUNK 32         // positions per chunk (one per lane of the warp that holds it)
 #define ATTN_BLOCK_CHUNKS 4   // chunks per attn_chunks block (one per warp)
@@ -169,149 +171,193 @@ __device__ __forceinline__ float attn_reduce8(float (&s)[ATTN_TILE], int lane) {
     return __fadd_rn(v, __shfl_xor_sync(full, v, 1));
 }
 
-// grid (n_kv_heads, ceil(max positions / 128), rows), ATTN_THREADS threads; dynamic shared memory
-// (attention_chunks_shared_bytes): 4 slots of G x (D + 2) floats (the chunks' partials) and per warp
-// 32 x ATTN_HEADS floats (scores, then probabilities, of its chunk). work: (rows, n_heads, nb, D + 2)
-// floats, nb = ceil(cap / 128). D (the head dimension) is a template parameter so that the loops
-// over a lane's dimensions unroll. Queries, keys and values stay in registers: a warp takes
-// ATTN_HEADS query heads at a time (the keys read again for the next ones, from L1) and ATTN_TILE
-// positions' rows at a time (their loads in flight together).
+// grid (n_kv_heads, ceil(max positions / 128), ceil(rows / group)), ATTN_THREADS threads: a block
+// holds 4 chunks (a warp each) for `group` consecutive rows, one row after the other. Before a warp
+// computes, its chunk's keys and values are copied into shared memory with all the copies in flight
+// at once (cp.async), so a chunk costs one trip to memory instead of one per ATTN_TILE positions;
+// when the group's rows read the same cache through its own slots (a prompt chunk: anc_off < 0),
+// the block copies its chunks once, up to the group's last position, for all of them. Dynamic shared
+// memory (attention_chunks_shared_bytes): 4 slots of G x (D + 2) floats (the chunks' partials), per
+// warp 32 x ATTN_HEADS floats (scores, then probabilities) and 32 slot numbers, and per warp 32 keys
+// and 32 values of D float16. work: (rows, n_heads, nb, D + 2) floats, nb = ceil(cap / 128). D (the
+// head dimension) is a template parameter so that the loops over a lane's dimensions unroll.
+// Queries, keys and values are used from registers: a warp takes ATTN_HEADS query heads at a time
+// and ATTN_TILE positions' rows at a time. A row's arithmetic does not depend on the group or on
+// where its keys were copied from.
 template <int D>
 __device__ __forceinline__ void attn_chunks_body(const float* qkv, int W, int n_heads, int n_kv_heads, float scale,
-                                                 int layer, const Rows& R, float* work, int nb) {
-    constexpr int DL = D / 32;  // dimensions per lane
+                                                 int layer, const Rows& R, float* work, int nb, int n_rows,
+                                                 int group) {
+    constexpr int DL = D / 32;     // dimensions per lane
+    constexpr int PIECES = D / 8;  // 16-byte pieces of a key or value row
     extern __shared__ __align__(16) float attn_smem[];
-    const int kvh = blockIdx.x, blk = blockIdx.y, r = blockIdx.z;
+    const int kvh = blockIdx.x, blk = blockIdx.y;
+    const int r_first = blockIdx.z * group, r_end = min(n_rows, r_first + group);
     const int G = n_heads / n_kv_heads, h0 = kvh * G;
-    const int p = R.pos[r], nchunks = p / ATTN_CHUNK + 1;
     const int c0 = blk * ATTN_BLOCK_CHUNKS;
-    if (c0 >= nchunks) return;  // the merge reads only the blocks that hold positions
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const unsigned full = 0xffffffffu;
+    // the group's last position, and whether its rows share one cache read through its own slots
+    int p_max = 0;
+    bool shared_rows = true;
+    for (int r = r_first; r < r_end; ++r) {
+        p_max = max(p_max, R.pos[r]);
+        shared_rows = shared_rows && R.anc_off[r] < 0 && R.kptr[r] == R.kptr[r_first] &&
+                      R.vptr[r] == R.vptr[r_first] && R.cap[r] == R.cap[r_first];
+    }
+    if (c0 >= p_max / ATTN_CHUNK + 1) return;  // the merge reads only the blocks that hold positions
     float* part = attn_smem;  // 4 slots x G x (D + 2)
-    float* e_w = part + ATTN_BLOCK_CHUNKS * G * PART_STRIDE(D) + warp * ATTN_CHUNK * ATTN_HEADS;  // [t][head]
-    const int chunk = c0 + warp;
+    float* e_all = part + ATTN_BLOCK_CHUNKS * G * PART_STRIDE(D);  // per warp [t][head]
+    int* slots_all = reinterpret_cast<int*>(e_all + ATTN_BLOCK_CHUNKS * ATTN_CHUNK * ATTN_HEADS);
+    __half* kv_all = reinterpret_cast<__half*>(slots_all + ATTN_BLOCK_CHUNKS * ATTN_CHUNK);  // 16-byte aligned
+    float* e_w = e_all + warp * ATTN_CHUNK * ATTN_HEADS;
+    int* slots_w = slots_all + warp * ATTN_CHUNK;
+    __half* kst = kv_all + warp * 2 * ATTN_CHUNK * D;  // the chunk's keys, then its values
+    __half* vst = kst + ATTN_CHUNK * D;
+    const int chunk = c0 + warp, t0 = chunk * ATTN_CHUNK;
     float* mine = part + warp * G * PART_STRIDE(D);
-    if (chunk >= nchunks) {  // empty slot
-        for (int g = lane; g < G; g += 32) mine[g * PART_STRIDE(D) + 1] = 0.f;
-    } else {
-        const unsigned full = 0xffffffffu;
-        const int row_cap = R.cap[r];
-        const __half* kbase = cache_at(R.kptr[r], layer, n_kv_heads, kvh, row_cap, 0, D) + lane * DL;
-        const __half* vbase = cache_at(R.vptr[r], layer, n_kv_heads, kvh, row_cap, 0, D) + lane * DL;
-        const int t0 = chunk * ATTN_CHUNK, n = min(ATTN_CHUNK, p + 1 - t0);
-        const int my_slot = lane < n ? span_slot(R, r, t0 + lane) : 0;  // lane t's is position t's
-        const float* qrow = qkv + (long long)r * W + (long long)h0 * D + lane * DL;
-        for (int g0 = 0; g0 < G; g0 += ATTN_HEADS) {
-            // the heads' queries, rounded to float16 as they meet the float16 keys
-            float q[ATTN_HEADS][DL];
+    bool staged = false;
+    for (int r = r_first; r < r_end; ++r) {
+        const int p = R.pos[r], nchunks = p / ATTN_CHUNK + 1;
+        if (c0 >= nchunks) continue;  // uniform over the block
+        if (!staged || !shared_rows) {  // this warp's chunk into shared memory
+            staged = true;
+            const int upto = shared_rows ? p_max : p;
+            const int n_copy = min(ATTN_CHUNK, upto + 1 - t0);
+            if (n_copy > 0) {
+                const int row_cap = R.cap[r];
+                const __half* kg = cache_at(R.kptr[r], layer, n_kv_heads, kvh, row_cap, 0, D);
+                const __half* vg = cache_at(R.vptr[r], layer, n_kv_heads, kvh, row_cap, 0, D);
+                slots_w[lane] = lane < n_copy ? span_slot(R, r, t0 + lane) : 0;  // position t0 + t's slot
+                __syncwarp();
+                for (int i = lane; i < n_copy * PIECES; i += 32) {
+                    const int t = i / PIECES, pc = i % PIECES;
+                    const long long off = (long long)slots_w[t] * D + pc * 8;
+                    cp_async16(kst + t * D + pc * 8, kg + off, true);
+                    cp_async16(vst + t * D + pc * 8, vg + off, true);
+                }
+                cp_async_commit();
+                cp_async_wait<0>();
+            }
+            __syncwarp();
+        }
+        if (chunk >= nchunks) {  // empty slot
+            for (int g = lane; g < G; g += 32) mine[g * PART_STRIDE(D) + 1] = 0.f;
+        } else {
+            const __half* kbase = kst + lane * DL;
+            const __half* vbase = vst + lane * DL;
+            const int n = min(ATTN_CHUNK, p + 1 - t0);
+            const float* qrow = qkv + (long long)r * W + (long long)h0 * D + lane * DL;
+            for (int g0 = 0; g0 < G; g0 += ATTN_HEADS) {
+                // the heads' queries, rounded to float16 as they meet the float16 keys
+                float q[ATTN_HEADS][DL];
 #pragma unroll
-            for (int gg = 0; gg < ATTN_HEADS; ++gg)
+                for (int gg = 0; gg < ATTN_HEADS; ++gg)
 #pragma unroll
-                for (int j = 0; j < DL; ++j)
-                    q[gg][j] = g0 + gg < G ? __half2float(__float2half_rn(qrow[(g0 + gg) * D + j])) : 0.f;
-            // scores, ATTN_TILE positions at a time
-            for (int t1 = 0; t1 < n; t1 += ATTN_TILE) {
-                float kf[ATTN_TILE][DL];
+                    for (int j = 0; j < DL; ++j)
+                        q[gg][j] = g0 + gg < G ? __half2float(__float2half_rn(qrow[(g0 + gg) * D + j])) : 0.f;
+                // scores, ATTN_TILE positions at a time
+                for (int t1 = 0; t1 < n; t1 += ATTN_TILE) {
+                    float kf[ATTN_TILE][DL];
 #pragma unroll
-                for (int i = 0; i < ATTN_TILE; ++i) {
-                    const int slot = __shfl_sync(full, my_slot, t1 + i);
-                    if (t1 + i < n) {
-                        load_lane<DL>(kbase + (long long)slot * D, kf[i]);
-                    } else {
+                    for (int i = 0; i < ATTN_TILE; ++i) {
+                        if (t1 + i < n) {
+                            load_lane<DL>(kbase + (t1 + i) * D, kf[i]);
+                        } else {
 #pragma unroll
-                        for (int j = 0; j < DL; ++j) kf[i][j] = 0.f;
+                            for (int j = 0; j < DL; ++j) kf[i][j] = 0.f;
+                        }
+                    }
+#pragma unroll
+                    for (int gg = 0; gg < ATTN_HEADS; ++gg) {
+                        if (g0 + gg < G) {
+                            float s[ATTN_TILE];
+#pragma unroll
+                            for (int i = 0; i < ATTN_TILE; ++i) {
+                                s[i] = __fmul_rn(q[gg][0], kf[i][0]);
+#pragma unroll
+                                for (int j = 1; j < DL; ++j) s[i] = __fmaf_rn(q[gg][j], kf[i][j], s[i]);
+                            }
+                            const float score = attn_reduce8(s, lane);
+                            const int t = t1 + (lane >> 2);
+                            if ((lane & 3) == 0 && t < n) e_w[t * ATTN_HEADS + gg] = __fmul_rn(score, scale);
+                        }
+                    }
+                }
+                __syncwarp();
+                // per head: max, exp, sum over the chunk (lane = position)
+#pragma unroll
+                for (int gg = 0; gg < ATTN_HEADS; ++gg) {
+                    if (g0 + gg < G) {
+                        const float sc = lane < n ? e_w[lane * ATTN_HEADS + gg] : NEG_INF;
+                        float m = sc;
+#pragma unroll
+                        for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(full, m, o));
+                        const float e = lane < n ? expf(__fsub_rn(sc, m)) : 0.f;
+                        float l = e;
+#pragma unroll
+                        for (int o = 16; o > 0; o >>= 1) l = __fadd_rn(l, __shfl_xor_sync(full, l, o));
+                        if (lane < n) e_w[lane * ATTN_HEADS + gg] = e;
+                        if (lane == 0) {
+                            mine[(g0 + gg) * PART_STRIDE(D)] = m;
+                            mine[(g0 + gg) * PART_STRIDE(D) + 1] = l;
+                        }
+                    }
+                }
+                __syncwarp();
+                // weighted values: each lane's dimensions, positions in ascending order
+                float o[ATTN_HEADS][DL];
+#pragma unroll
+                for (int gg = 0; gg < ATTN_HEADS; ++gg)
+#pragma unroll
+                    for (int j = 0; j < DL; ++j) o[gg][j] = 0.f;
+                for (int t1 = 0; t1 < n; t1 += ATTN_TILE) {
+                    float vf[ATTN_TILE][DL];
+#pragma unroll
+                    for (int i = 0; i < ATTN_TILE; ++i)
+                        if (t1 + i < n) load_lane<DL>(vbase + (t1 + i) * D, vf[i]);
+#pragma unroll
+                    for (int i = 0; i < ATTN_TILE; ++i) {
+                        if (t1 + i < n) {
+                            const float4 e = *reinterpret_cast<const float4*>(e_w + (t1 + i) * ATTN_HEADS);
+                            const float ev[ATTN_HEADS] = {e.x, e.y, e.z, e.w};
+#pragma unroll
+                            for (int gg = 0; gg < ATTN_HEADS; ++gg)
+#pragma unroll
+                                for (int j = 0; j < DL; ++j) o[gg][j] = __fmaf_rn(ev[gg], vf[i][j], o[gg][j]);
+                        }
                     }
                 }
 #pragma unroll
                 for (int gg = 0; gg < ATTN_HEADS; ++gg) {
                     if (g0 + gg < G) {
-                        float s[ATTN_TILE];
+                        float* pg = mine + (g0 + gg) * PART_STRIDE(D) + 2 + lane * DL;
 #pragma unroll
-                        for (int i = 0; i < ATTN_TILE; ++i) {
-                            s[i] = __fmul_rn(q[gg][0], kf[i][0]);
-#pragma unroll
-                            for (int j = 1; j < DL; ++j) s[i] = __fmaf_rn(q[gg][j], kf[i][j], s[i]);
-                        }
-                        const float score = attn_reduce8(s, lane);
-                        const int t = t1 + (lane >> 2);
-                        if ((lane & 3) == 0 && t < n) e_w[t * ATTN_HEADS + gg] = __fmul_rn(score, scale);
+                        for (int j = 0; j < DL; ++j) pg[j] = o[gg][j];
                     }
                 }
+                __syncwarp();  // the chunk's probabilities are read before the next heads' scores
             }
-            __syncwarp();
-            // per head: max, exp, sum over the chunk (lane = position)
-#pragma unroll
-            for (int gg = 0; gg < ATTN_HEADS; ++gg) {
-                if (g0 + gg < G) {
-                    const float sc = lane < n ? e_w[lane * ATTN_HEADS + gg] : NEG_INF;
-                    float m = sc;
-#pragma unroll
-                    for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(full, m, o));
-                    const float e = lane < n ? expf(__fsub_rn(sc, m)) : 0.f;
-                    float l = e;
-#pragma unroll
-                    for (int o = 16; o > 0; o >>= 1) l = __fadd_rn(l, __shfl_xor_sync(full, l, o));
-                    if (lane < n) e_w[lane * ATTN_HEADS + gg] = e;
-                    if (lane == 0) {
-                        mine[(g0 + gg) * PART_STRIDE(D)] = m;
-                        mine[(g0 + gg) * PART_STRIDE(D) + 1] = l;
-                    }
-                }
-            }
-            __syncwarp();
-            // weighted values: each lane's dimensions, positions in ascending order
-            float o[ATTN_HEADS][DL];
-#pragma unroll
-            for (int gg = 0; gg < ATTN_HEADS; ++gg)
-#pragma unroll
-                for (int j = 0; j < DL; ++j) o[gg][j] = 0.f;
-            for (int t1 = 0; t1 < n; t1 += ATTN_TILE) {
-                float vf[ATTN_TILE][DL];
-#pragma unroll
-                for (int i = 0; i < ATTN_TILE; ++i) {
-                    const int slot = __shfl_sync(full, my_slot, t1 + i);
-                    if (t1 + i < n) load_lane<DL>(vbase + (long long)slot * D, vf[i]);
-                }
-#pragma unroll
-                for (int i = 0; i < ATTN_TILE; ++i) {
-                    if (t1 + i < n) {
-                        const float4 e = *reinterpret_cast<const float4*>(e_w + (t1 + i) * ATTN_HEADS);
-                        const float ev[ATTN_HEADS] = {e.x, e.y, e.z, e.w};
-#pragma unroll
-                        for (int gg = 0; gg < ATTN_HEADS; ++gg)
-#pragma unroll
-                            for (int j = 0; j < DL; ++j) o[gg][j] = __fmaf_rn(ev[gg], vf[i][j], o[gg][j]);
-                    }
-                }
-            }
-#pragma unroll
-            for (int gg = 0; gg < ATTN_HEADS; ++gg) {
-                if (g0 + gg < G) {
-                    float* pg = mine + (g0 + gg) * PART_STRIDE(D) + 2 + lane * DL;
-#pragma unroll
-                    for (int j = 0; j < DL; ++j) pg[j] = o[gg][j];
-                }
-            }
-            __syncwarp();  // the chunk's probabilities are read before the next heads' scores
         }
-    }
-    __syncthreads();
-    // the block's 4 slots as the subtree ((0, 1), (2, 3)); one thread per (head, element)
-    for (int i = tid; i < G * D; i += ATTN_THREADS) {
-        const int g = i / D, d = i % D;
-        const float* s0 = part + g * PART_STRIDE(D);
-        const int ss = G * PART_STRIDE(D);  // between slots
-        float m01 = s0[0], l01 = s0[1], o01 = s0[2 + d];
-        merge1(m01, l01, o01, s0[ss], s0[ss + 1], s0[ss + 2 + d]);
-        float m23 = s0[2 * ss], l23 = s0[2 * ss + 1], o23 = s0[2 * ss + 2 + d];
-        merge1(m23, l23, o23, s0[3 * ss], s0[3 * ss + 1], s0[3 * ss + 2 + d]);
-        merge1(m01, l01, o01, m23, l23, o23);
-        float* w = work + (((long long)r * n_heads + h0 + g) * nb + blk) * PART_STRIDE(D);
-        if (d == 0) {
-            w[0] = m01;
-            w[1] = l01;
+        __syncthreads();
+        // the block's 4 slots as the subtree ((0, 1), (2, 3)); one thread per (head, element)
+        for (int i = tid; i < G * D; i += ATTN_THREADS) {
+            const int g = i / D, d = i % D;
+            const float* s0 = part + g * PART_STRIDE(D);
+            const int ss = G * PART_STRIDE(D);  // between slots
+            float m01 = s0[0], l01 = s0[1], o01 = s0[2 + d];
+            merge1(m01, l01, o01, s0[ss], s0[ss + 1], s0[ss + 2 + d]);
+            float m23 = s0[2 * ss], l23 = s0[2 * ss + 1], o23 = s0[2 * ss + 2 + d];
+            merge1(m23, l23, o23, s0[3 * ss], s0[3 * ss + 1], s0[3 * ss + 2 + d]);
+            merge1(m01, l01, o01, m23, l23, o23);
+            float* w = work + (((long long)r * n_heads + h0 + g) * nb + blk) * PART_STRIDE(D);
+            if (d == 0) {
+                w[0] = m01;
+                w[1] = l01;
+            }
+            w[2 + d] = o01;
         }
-        w[2 + d] = o01;
+        __syncthreads();  // the slots are read before the next row's partials overwrite them
     }
 }
 
@@ -320,9 +366,9 @@ __device__ __forceinline__ void attn_chunks_body(const float* qkv, int W, int n_
         attn_chunks_d##D(const float* qkv, int W, int n_heads, int n_kv_heads, float scale, int layer,        \
                          const int* pos, const int* base, const int* anc_off, const int* anc,                 \
                          const unsigned long long* kptr, const unsigned long long* vptr, const int* cap,      \
-                         float* work, int nb) {                                                               \
+                         float* work, int nb, int n_rows, int group) {                                        \
         const Rows R{pos, nullptr, base, anc_off, anc, kptr, vptr, cap};                                     \
-        attn_chunks_body<D>(qkv, W, n_heads, n_kv_heads, scale, layer, R, work, nb);                         \
+        attn_chunks_body<D>(qkv, W, n_heads, n_kv_heads, scale, layer, R, work, nb, n_rows, group);          \
     }
 ATTN_CHUNKS(64)
 ATTN_CHUNKS(128)

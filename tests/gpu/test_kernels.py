@@ -408,10 +408,10 @@ class _Caches:
 
 
 def _attend(qkv: np.ndarray, shape: ops.AttentionShape, caches: _Caches, rows: list, layer: int,
-            act: str = "f32") -> np.ndarray:
+            act: str = "f32", work_rows: int = 3) -> np.ndarray:
+    """(work_rows 3 by default: several launches over the rows, the slices are part of what is tested)"""
     n = len(rows)
     max_ctx = max(caches.caps)
-    work_rows = 3  # several launches over the rows: the slices are part of what is tested
     work = cupy.zeros(ops.attention_work_nbytes(shape, work_rows, max_ctx) // 4, cupy.float32)
     out = _poisoned((n, shape.n_heads * shape.head_dim))
     ops.attention(cupy.asarray(qkv), shape, layer, caches.fields(rows), n, max_ctx, work, work_rows, out, act)
@@ -464,6 +464,28 @@ def test_attention_of_a_row_is_the_same_bits_in_any_pass(rng: np.random.Generato
                                           (0, 418, 418, 419, None), (1, 64, 64, 65, None)], 0)
     np.testing.assert_array_equal(mixed[2], alone[0])
     np.testing.assert_array_equal(node[2], alone[0])
+
+
+@pytest.mark.parametrize("group", [2, 4, 7])
+def test_attention_of_a_row_does_not_depend_on_its_block_group(rng: np.random.Generator, group: int,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """attn_chunks blocks that take several rows (sharing the keys they copy when the rows read one
+    cache through its own slots: a prompt) give each row the bits it gets in a block of its own,
+    for prompt rows, tree nodes and rows of other sequences mixed in one launch."""
+    n_heads, n_kv, hd = 8, 2, 128
+    shape = ops.AttentionShape(n_heads, n_kv, hd, hd // 2, False)
+    caches = _Caches(rng, 1, n_kv, [600, 600], hd)
+    rows = [(0, p, p, p + 1, None) for p in range(290, 330)]  # a prompt chunk across chunk and block edges
+    rows += [(1, 3, 3, 4, None), (1, 419, 519, 400, list(range(500, 520))), (0, 100, 100, 101, None)]
+    rows += [(1, p, p, p + 1, None) for p in range(120, 133)]
+    qkv = rng.standard_normal((len(rows), shape.width)).astype(np.float32)
+    monkeypatch.setenv("NVMEDIRECT_ATTN_GROUP", "1")
+    alone = _attend(qkv, shape, caches, rows, 0, work_rows=len(rows))
+    monkeypatch.setenv("NVMEDIRECT_ATTN_GROUP", str(group))
+    grouped = _attend(qkv, shape, caches, rows, 0, work_rows=len(rows))
+    np.testing.assert_array_equal(grouped, alone)
+    sliced = _attend(qkv, shape, caches, rows, 0, work_rows=11)
+    np.testing.assert_array_equal(sliced, alone)
 
 
 @pytest.mark.parametrize("act", ["q8_0", "q8_k", "f16"])
