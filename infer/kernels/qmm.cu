@@ -29,6 +29,9 @@
 #ifndef MMQ_STAGES
 #define MMQ_STAGES 2  // shared-memory stages of the cp.async pipeline (MMQ_STAGES - 1 loads in flight)
 #endif
+#ifndef MMQ_MIN_BLOCKS
+#define MMQ_MIN_BLOCKS (256 / MMQ_THREADS)  // blocks per SM the register allocation must allow
+#endif
 #ifndef QMM_FORMAT
 #define QMM_FORMAT 0  // the one format (KIND) this module instantiates; 0 every format, 100 the float ones
 #endif
@@ -251,6 +254,13 @@ __device__ __forceinline__ void mma_k32(int (&d)[4], const uint32_t (&a)[4], uin
         : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "r"(0), "r"(0), "r"(0), "r"(0));
 }
+// D += A B with A unsigned bytes (weights times a scale part), B signed (activations)
+__device__ __forceinline__ void mma_u8s8_k32_acc(int (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+    asm("mma.sync.aligned.m16n8k32.row.col.s32.u8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
 // the same for 16 values (A 16x16, B 16x8)
 __device__ __forceinline__ void mma_k16(int (&d)[4], uint32_t a0, uint32_t a1, uint32_t b0) {
     asm("mma.sync.aligned.m16n8k16.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5}, {%6}, {%7,%8,%9,%10};\n"
@@ -281,90 +291,165 @@ struct Stage {
     static constexpr int BYTES = OFF_XU + BN * XUSTR * 4;
 };
 
+// The cp.async copies of one stage. Which pieces a thread copies is the same in every stage (the
+// piece counts are multiples of the block's threads, or fewer than them), so the source pointers of
+// its pieces are computed once per block and a stage adds its offset: the per-stage work is an add
+// and a copy per piece, not the row's part and index arithmetic again.
 template <int KIND, int NT>
-__device__ __forceinline__ void qmm_load(unsigned char* st, const Parts& parts, int M, int K, Act8 x, int N,
-                                         int row0, int tok0, int kt) {
+struct QmmLoader {
     typedef Q<KIND> F;
     typedef Stage<KIND, NT> S;
-    const int tid = threadIdx.x, nsb = K >> 5, sb0 = kt * 8;
-    // weights: qs 16-byte pieces, row by row
-    constexpr int QCH = F::QS / 16;
-    for (int i = tid; i < MMQ_ROWS * 8 * QCH; i += MMQ_THREADS) {
-        const int r = i / (8 * QCH), rest = i % (8 * QCH), sb = rest / QCH, ch = rest % QCH;
-        const int grow = row0 + r;
-        const bool valid = grow < M && sb0 + sb < nsb;
-        const int pi = parts.part(valid ? grow : 0);
-        const long long g = (long long)(grow - parts.start(pi)) * nsb + sb0 + sb;
-        const uint8_t* src = valid ? parts.planes(pi).qs + g * F::QS + ch * 16 : parts.p[0].qs;
-        cp_async16(st + r * S::QSTR + sb * F::QS + ch * 16, src, valid);
+    static constexpr int QCH = F::QS / 16;                           // 16-byte pieces of a sub-block's qs
+    static constexpr int PQ = MMQ_ROWS * 8 * QCH / MMQ_THREADS;      // qs pieces a thread copies
+    static constexpr int PR = MMQ_ROWS * 8 / MMQ_THREADS;            // (row, sub-block) pieces: hi, g sm
+    static constexpr int PP = MMQ_ROWS * 4 / MMQ_THREADS;            // (row, pair of sub-blocks): q8 sm
+    static constexpr int PX = (S::BN * 16 + MMQ_THREADS - 1) / MMQ_THREADS;  // activation pieces
+    static constexpr int PU = (S::BN * 8 + MMQ_THREADS - 1) / MMQ_THREADS;   // (token, sub-block) pieces
+    static_assert(PQ * MMQ_THREADS == MMQ_ROWS * 8 * QCH && PR * MMQ_THREADS == MMQ_ROWS * 8, "pieces");
+    static_assert(PP * MMQ_THREADS == MMQ_ROWS * 4, "pieces");
+
+    const uint8_t* qs[PQ];
+    const uint8_t* rh[PR];  // hi (g5, k5, k6) of the (row, sub-block) pieces
+    const uint8_t* rs[PR];  // sm (g4, g5) of the same pieces
+    const uint8_t* pp[PP];  // q8: sm of the (row, pair) pieces
+    const uint8_t* ks;      // K-quants: the thread's row's sm and dm (threads < MMQ_ROWS)
+    const uint8_t* kd;
+    const signed char* xq;  // the thread's first activation piece (the others: whole token strides)
+    const float* xs;
+    const int* xu;
+    unsigned qvalid, rvalid, pvalid;  // per piece: the row exists (bit k)
+    bool kvalid;
+    int nsb, K, N, tok0;
+
+    __device__ __forceinline__ QmmLoader(const Parts& parts, int M, int K_, Act8 x, int N_, int row0, int tok0_) {
+        const int tid = threadIdx.x;
+        K = K_;
+        N = N_;
+        tok0 = tok0_;
+        nsb = K >> 5;
+        qvalid = rvalid = pvalid = 0u;
+        auto row_index = [&](int grow, int& pi) -> long long {  // the row's part and its first sub-block
+            pi = parts.part(grow);
+            return (long long)(grow - parts.start(pi)) * nsb;
+        };
+#pragma unroll
+        for (int k = 0; k < PQ; ++k) {
+            const int i = tid + k * MMQ_THREADS, r = i / (8 * QCH), rest = i % (8 * QCH);
+            const int sb = rest / QCH, ch = rest % QCH, grow = row0 + r;
+            qs[k] = parts.p[0].qs;
+            if (grow < M) {
+                int pi;
+                const long long g = row_index(grow, pi);
+                qs[k] = parts.planes(pi).qs + (g + sb) * F::QS + ch * 16;
+                qvalid |= 1u << k;
+            }
+        }
+#pragma unroll
+        for (int k = 0; k < PR; ++k) {
+            const int i = tid + k * MMQ_THREADS, r = i >> 3, sb = i & 7, grow = row0 + r;
+            rh[k] = parts.p[0].hi;
+            rs[k] = parts.p[0].sm;
+            if ((F::HI || F::SM == 4) && grow < M) {
+                int pi;
+                const long long g = row_index(grow, pi) + sb;
+                const Planes pl = parts.planes(pi);
+                rh[k] = pl.hi + g * F::HI;
+                rs[k] = pl.sm + g * 4;
+                rvalid |= 1u << k;
+            }
+        }
+#pragma unroll
+        for (int k = 0; k < PP; ++k) {
+            const int i = tid + k * MMQ_THREADS, r = i >> 2, pair = i & 3, grow = row0 + r;
+            pp[k] = parts.p[0].sm;
+            if (KIND == 1 && grow < M) {
+                int pi;
+                const long long g = row_index(grow, pi) + 2 * pair;
+                pp[k] = parts.planes(pi).sm + g * 2;
+                pvalid |= 1u << k;
+            }
+        }
+        ks = parts.p[0].sm;
+        kd = parts.p[0].dm;
+        kvalid = false;
+        if (F::SUPER && tid < MMQ_ROWS && row0 + tid < M) {
+            int pi;
+            const long long g = row_index(row0 + tid, pi);
+            ks = parts.planes(pi).sm + g * 2;
+            kd = parts.planes(pi).dm + (g >> 3) * 4;
+            kvalid = true;
+        }
+        xq = x.xq + (long long)(tok0 + (tid >> 4)) * K + (tid & 15) * 16;
+        xs = x.xs;
+        xu = x.xsum;
     }
-    if (F::HI) {
-        for (int i = tid; i < MMQ_ROWS * 8; i += MMQ_THREADS) {
-            const int r = i >> 3, sb = i & 7, grow = row0 + r;
-            const bool valid = grow < M && sb0 + sb < nsb;
-            const int pi = parts.part(valid ? grow : 0);
-            const long long g = (long long)(grow - parts.start(pi)) * nsb + sb0 + sb;
-            const uint8_t* src = valid ? parts.planes(pi).hi + g * F::HI : parts.p[0].hi;
-            if (F::HI == 4) cp_async4(st + S::OFF_HI + r * S::HSTR + sb * 4, src, valid);
-            else cp_async8(st + S::OFF_HI + r * S::HSTR + sb * 8, src, valid);
+
+    __device__ __forceinline__ void load(unsigned char* st, int kt, const Act8& x) const {
+        const int tid = threadIdx.x, sb0 = kt * 8;
+        // weights
+#pragma unroll
+        for (int k = 0; k < PQ; ++k) {
+            const int i = tid + k * MMQ_THREADS, r = i / (8 * QCH), rest = i % (8 * QCH);
+            const int sb = rest / QCH, ch = rest % QCH;
+            const bool valid = ((qvalid >> k) & 1u) && sb0 + sb < nsb;
+            cp_async16(st + r * S::QSTR + sb * F::QS + ch * 16, valid ? qs[k] + (long long)sb0 * F::QS : qs[k], valid);
+        }
+        if (F::HI || F::SM == 4) {
+#pragma unroll
+            for (int k = 0; k < PR; ++k) {
+                const int i = tid + k * MMQ_THREADS, r = i >> 3, sb = i & 7;
+                const bool valid = ((rvalid >> k) & 1u) && sb0 + sb < nsb;
+                if (F::HI == 4)
+                    cp_async4(st + S::OFF_HI + r * S::HSTR + sb * 4, valid ? rh[k] + (long long)sb0 * 4 : rh[k], valid);
+                if (F::HI == 8)
+                    cp_async8(st + S::OFF_HI + r * S::HSTR + sb * 8, valid ? rh[k] + (long long)sb0 * 8 : rh[k], valid);
+                if (F::SM == 4)  // g4, g5: the half2 (s, m) per sub-block
+                    cp_async4(st + S::OFF_SM + r * S::SSTR + sb * 4, valid ? rs[k] + (long long)sb0 * 4 : rs[k], valid);
+            }
+        }
+        if (F::SUPER) {  // 8 (sc, mn) byte pairs = 16 bytes per row (K a multiple of 256), and dm
+            if (tid < MMQ_ROWS) {
+                cp_async16(st + S::OFF_SM + tid * S::SSTR, kvalid ? ks + (long long)sb0 * 2 : ks, kvalid);
+                cp_async4(st + S::OFF_DM + tid * 4, kvalid ? kd + (long long)kt * 4 : kd, kvalid);
+            }
+        } else if (KIND == 1) {  // q8: a half per sub-block, loaded as pairs (K a multiple of 64)
+#pragma unroll
+            for (int k = 0; k < PP; ++k) {
+                const int i = tid + k * MMQ_THREADS, r = i >> 2, pair = i & 3;
+                const bool valid = ((pvalid >> k) & 1u) && sb0 + 2 * pair < nsb;
+                cp_async4(st + S::OFF_SM + r * S::SSTR + pair * 4, valid ? pp[k] + (long long)sb0 * 2 : pp[k], valid);
+            }
+        }
+        // activations of the block's tokens: 16-byte pieces, token t = (tid >> 4) + k * (threads / 16)
+#pragma unroll
+        for (int k = 0; k < PX; ++k) {
+            const int i = tid + k * MMQ_THREADS;
+            if (i >= S::BN * 16) break;
+            const int t = i >> 4, ch = i & 15;
+            const bool valid = tok0 + t < N && sb0 + (ch >> 1) < nsb;
+            const signed char* src = xq + (long long)k * (MMQ_THREADS / 16) * K + sb0 * 32;
+            cp_async16(st + S::OFF_XQ + t * S::XQSTR + ch * 16, valid ? src : x.xq, valid);
+        }
+        if (F::SUPER) {
+            if (tid < S::BN) {
+                const bool valid = tok0 + tid < N;
+                cp_async4(st + S::OFF_XS + tid * 4, valid ? xs + (long long)(tok0 + tid) * (K >> 8) + kt : xs, valid);
+            }
+        }
+#pragma unroll
+        for (int k = 0; k < PU; ++k) {  // (token, sub-block): q8_0 scales, then sums per 32
+            const int i = tid + k * MMQ_THREADS;
+            if (i >= S::BN * 8) break;
+            const int t = i >> 3, sb = i & 7;
+            const bool valid = tok0 + t < N && sb0 + sb < nsb;
+            const long long at = (long long)(tok0 + t) * nsb + sb0 + sb;
+            if (!F::SUPER)
+                cp_async4(st + S::OFF_XS + (t * S::XSSTR + sb) * 4, valid ? xs + at : xs, valid);
+            if (F::XSUM)
+                cp_async4(st + S::OFF_XU + (t * S::XUSTR + sb) * 4, valid ? xu + at : xu, valid);
         }
     }
-    if (F::SM == 4) {  // g4/g5: a half2 per sub-block
-        for (int i = tid; i < MMQ_ROWS * 8; i += MMQ_THREADS) {
-            const int r = i >> 3, sb = i & 7, grow = row0 + r;
-            const bool valid = grow < M && sb0 + sb < nsb;
-            const int pi = parts.part(valid ? grow : 0);
-            const long long g = (long long)(grow - parts.start(pi)) * nsb + sb0 + sb;
-            cp_async4(st + S::OFF_SM + r * S::SSTR + sb * 4, valid ? parts.planes(pi).sm + g * 4 : parts.p[0].sm, valid);
-        }
-    } else if (F::SUPER) {  // k: 8 (sc, mn) byte pairs = 16 bytes per row (K a multiple of 256), and dm
-        for (int r = tid; r < MMQ_ROWS; r += MMQ_THREADS) {
-            const int grow = row0 + r;
-            const bool valid = grow < M;
-            const int pi = parts.part(valid ? grow : 0);
-            const long long g = (long long)(grow - parts.start(pi)) * nsb + sb0;
-            cp_async16(st + S::OFF_SM + r * S::SSTR, valid ? parts.planes(pi).sm + g * 2 : parts.p[0].sm, valid);
-            cp_async4(st + S::OFF_DM + r * 4, valid ? parts.planes(pi).dm + (g >> 3) * 4 : parts.p[0].dm, valid);
-        }
-    } else {  // q8: a half per sub-block, loaded as pairs (K a multiple of 64: pairs are aligned)
-        for (int i = tid; i < MMQ_ROWS * 4; i += MMQ_THREADS) {
-            const int r = i >> 2, pair = i & 3, grow = row0 + r;
-            const bool valid = grow < M && sb0 + 2 * pair < nsb;
-            const int pi = parts.part(valid ? grow : 0);
-            const long long g = (long long)(grow - parts.start(pi)) * nsb + sb0 + 2 * pair;
-            cp_async4(st + S::OFF_SM + r * S::SSTR + pair * 4, valid ? parts.planes(pi).sm + g * 2 : parts.p[0].sm, valid);
-        }
-    }
-    // activations of the block's tokens
-    for (int i = tid; i < S::BN * 16; i += MMQ_THREADS) {
-        const int t = i >> 4, ch = i & 15, tok = tok0 + t;
-        const bool valid = tok < N && sb0 + (ch >> 1) < nsb;
-        const signed char* src = valid ? x.xq + (long long)tok * K + sb0 * 32 + ch * 16 : x.xq;
-        cp_async16(st + S::OFF_XQ + t * S::XQSTR + ch * 16, src, valid);
-    }
-    if (F::SUPER) {
-        for (int t = tid; t < S::BN; t += MMQ_THREADS) {
-            const int tok = tok0 + t;
-            const bool valid = tok < N;
-            cp_async4(st + S::OFF_XS + t * 4, valid ? x.xs + (long long)tok * (K >> 8) + kt : x.xs, valid);
-        }
-    } else {
-        for (int i = tid; i < S::BN * 8; i += MMQ_THREADS) {
-            const int t = i >> 3, sb = i & 7, tok = tok0 + t;
-            const bool valid = tok < N && sb0 + sb < nsb;
-            cp_async4(st + S::OFF_XS + (t * S::XSSTR + sb) * 4, valid ? x.xs + (long long)tok * nsb + sb0 + sb : x.xs,
-                      valid);
-        }
-    }
-    if (F::XSUM) {
-        for (int i = tid; i < S::BN * 8; i += MMQ_THREADS) {
-            const int t = i >> 3, sb = i & 7, tok = tok0 + t;
-            const bool valid = tok < N && sb0 + sb < nsb;
-            cp_async4(st + S::OFF_XU + (t * S::XUSTR + sb) * 4,
-                      valid ? x.xsum + (long long)tok * nsb + sb0 + sb : x.xsum, valid);
-        }
-    }
-}
+};
 
 __device__ __forceinline__ uint32_t lds32(const unsigned char* p) { return *reinterpret_cast<const uint32_t*>(p); }
 __device__ __forceinline__ uint4 lds128(const unsigned char* p) { return *reinterpret_cast<const uint4*>(p); }
@@ -428,7 +513,7 @@ __device__ __forceinline__ void qmm_compute(const unsigned char* st, int nsb, in
     // K-quants: all 8 sub-blocks' fragments for the stage; the 32-value formats build a tile's 4 at a
     // time (registers: their sums per tile hold more per token)
     uint32_t A[8][4];
-    if (F::SUPER) {
+    if (F::SUPER && F::BITS == 6) {
 #pragma unroll
         for (int j = 0; j < 8; ++j) fragment(j, A[j]);
     }
@@ -472,52 +557,93 @@ __device__ __forceinline__ void qmm_compute(const unsigned char* st, int nsb, in
     }
     const float* xs = reinterpret_cast<const float*>(st + S::OFF_XS);
     const int* xu = reinterpret_cast<const int*>(st + S::OFF_XU);
+    if (F::SUPER && F::BITS != 6) {
+        // Q4_K, Q5_K: isum = sum_j sc_j * idot_j on the tensor cores, with sc = 8 sh + sl (each 0..7)
+        // folded into the weights (q * sl, q * sh <= 31 * 7: unsigned bytes, no carry between the
+        // bytes of a word) and the sums over j accumulated by the mma: isum = 8 dh + dl. msum =
+        // sum_j mn_j * xsum_j as two 16-deep products, xsum = 64 uh + ul. Integers throughout: the
+        // same isum and msum as any other order, so the same canonical term.
+        int dl[NT][4], dh[NT][4];
 #pragma unroll
-    for (int nt = 0; nt < NT; ++nt) {
-        const unsigned char* xb = st + S::OFF_XQ + (nt * 8 + g) * S::XQSTR;  // B: token nt*8 + g
-        const int t0 = nt * 8 + 2 * c, t1 = t0 + 1;                          // C: tokens t0, t1
-        int u0[8], u1[8];  // K-quants: the tokens' sums per 32 (offset terms), 16-byte loads
-        if (F::XSUM && F::SUPER) {
-            const uint4 p0 = lds128(st + S::OFF_XU + t0 * S::XUSTR * 4), p1 = lds128(st + S::OFF_XU + t0 * S::XUSTR * 4 + 16);
-            const uint4 q0 = lds128(st + S::OFF_XU + t1 * S::XUSTR * 4), q1 = lds128(st + S::OFF_XU + t1 * S::XUSTR * 4 + 16);
+        for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-            for (int j = 0; j < 8; ++j) {
-                u0[j] = (int)word_of(j < 4 ? p0 : p1, j & 3);
-                u1[j] = (int)word_of(j < 4 ? q0 : q1, j & 3);
+            for (int e = 0; e < 4; ++e) dl[nt][e] = dh[nt][e] = 0;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            uint32_t a[4];
+            fragment(j, a);
+            const uint32_t la = (uint32_t)sca[j] & 7u, ha = (uint32_t)sca[j] >> 3;
+            const uint32_t lb = (uint32_t)scb[j] & 7u, hb = (uint32_t)scb[j] >> 3;
+            const uint32_t alo[4] = {a[0] * la, a[1] * lb, a[2] * la, a[3] * lb};
+            const uint32_t ahi[4] = {a[0] * ha, a[1] * hb, a[2] * ha, a[3] * hb};
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) {
+                const unsigned char* xb = st + S::OFF_XQ + (nt * 8 + g) * S::XQSTR;  // B: token nt*8 + g
+                const uint32_t b0 = lds32(xb + j * 32 + 4 * c), b1 = lds32(xb + j * 32 + 16 + 4 * c);
+                mma_u8s8_k32_acc(dl[nt], alo, b0, b1);
+                mma_u8s8_k32_acc(dh[nt], ahi, b0, b1);
             }
         }
-        if (F::SUPER) {
-            int isum[4] = {0, 0, 0, 0}, msum[4] = {0, 0, 0, 0};
+        // the mins as a 16 x 16 A (k = j, 8..15 zero): lane c holds k 4c..4c+3
+        auto pack4 = [](const int* v) {
+            return (uint32_t)v[0] | ((uint32_t)v[1] << 8) | ((uint32_t)v[2] << 16) | ((uint32_t)v[3] << 24);
+        };
+        const uint32_t ma = c == 0 ? pack4(mna) : (c == 1 ? pack4(mna + 4) : 0u);
+        const uint32_t mb = c == 0 ? pack4(mnb) : (c == 1 ? pack4(mnb + 4) : 0u);
 #pragma unroll
-            for (int j = 0; j < 8; ++j) {
-                const uint32_t b0 = lds32(xb + j * 32 + 4 * c), b1 = lds32(xb + j * 32 + 16 + 4 * c);
-                if (F::BITS == 6) {  // two 16-value halves, each with its own scale
-                    int dl[4], dh[4];
-                    mma_k16(dl, A[j][0], A[j][1], b0);
-                    mma_k16(dh, A[j][2], A[j][3], b1);
-                    isum[0] += sca[j] * dl[0] + mna[j] * dh[0];
-                    isum[1] += sca[j] * dl[1] + mna[j] * dh[1];
-                    isum[2] += scb[j] * dl[2] + mnb[j] * dh[2];
-                    isum[3] += scb[j] * dl[3] + mnb[j] * dh[3];
-                } else {
-                    int d[4];
-                    mma_k32(d, A[j], b0, b1);
-                    isum[0] += sca[j] * d[0];
-                    isum[1] += sca[j] * d[1];
-                    isum[2] += scb[j] * d[2];
-                    isum[3] += scb[j] * d[3];
-                    msum[0] += mna[j] * u0[j];
-                    msum[1] += mna[j] * u1[j];
-                    msum[2] += mnb[j] * u0[j];
-                    msum[3] += mnb[j] * u1[j];
+        for (int nt = 0; nt < NT; ++nt) {
+            uint32_t ul = 0, uh = 0;  // B: token nt*8 + g's xsum_j for j = 4c..4c+3, low 6 bits and the rest
+            if (c < 2) {
+                const uint4 u = lds128(st + S::OFF_XU + (nt * 8 + g) * S::XUSTR * 4 + 16 * c);
+                const int uv[4] = {(int)u.x, (int)u.y, (int)u.z, (int)u.w};
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    ul |= ((uint32_t)uv[i] & 63u) << (8 * i);
+                    uh |= ((uint32_t)(uv[i] >> 6) & 255u) << (8 * i);
                 }
             }
+            int ml[4], mh[4];
+            mma_k16(ml, ma, mb, ul);
+            mma_k16(mh, ma, mb, uh);
+            const int t0 = nt * 8 + 2 * c, t1 = t0 + 1;  // C: tokens t0, t1
             const float x0 = xs[t0], x1 = xs[t1];
+            int isum[4], msum[4];
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                isum[e] = 8 * dh[nt][e] + dl[nt][e];
+                msum[e] = 64 * mh[e] + ml[e];
+            }
             acc[nt][0] = __fadd_rn(acc[nt][0], F::super_term(dma, x0, isum[0], msum[0]));
             acc[nt][1] = __fadd_rn(acc[nt][1], F::super_term(dma, x1, isum[1], msum[1]));
             acc[nt][2] = __fadd_rn(acc[nt][2], F::super_term(dmb, x0, isum[2], msum[2]));
             acc[nt][3] = __fadd_rn(acc[nt][3], F::super_term(dmb, x1, isum[3], msum[3]));
         }
+    }
+    if (F::SUPER && F::BITS == 6) {  // Q6_K; the 32-value formats below
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+        const unsigned char* xb = st + S::OFF_XQ + (nt * 8 + g) * S::XQSTR;  // B: token nt*8 + g
+        const int t0 = nt * 8 + 2 * c, t1 = t0 + 1;                          // C: tokens t0, t1
+        {  // Q6_K: two 16-value halves per sub-block, each with its own signed scale
+            int isum[4] = {0, 0, 0, 0};
+#pragma unroll
+            for (int j = 0; j < 8; ++j) {
+                const uint32_t b0 = lds32(xb + j * 32 + 4 * c), b1 = lds32(xb + j * 32 + 16 + 4 * c);
+                int dl[4], dh[4];
+                mma_k16(dl, A[j][0], A[j][1], b0);
+                mma_k16(dh, A[j][2], A[j][3], b1);
+                isum[0] += sca[j] * dl[0] + mna[j] * dh[0];
+                isum[1] += sca[j] * dl[1] + mna[j] * dh[1];
+                isum[2] += scb[j] * dl[2] + mnb[j] * dh[2];
+                isum[3] += scb[j] * dl[3] + mnb[j] * dh[3];
+            }
+            const float x0 = xs[t0], x1 = xs[t1];
+            acc[nt][0] = __fadd_rn(acc[nt][0], F::super_term(dma, x0, isum[0], 0));
+            acc[nt][1] = __fadd_rn(acc[nt][1], F::super_term(dma, x1, isum[1], 0));
+            acc[nt][2] = __fadd_rn(acc[nt][2], F::super_term(dmb, x0, isum[2], 0));
+            acc[nt][3] = __fadd_rn(acc[nt][3], F::super_term(dmb, x1, isum[3], 0));
+        }
+    }
     }
     if (!F::SUPER) {
 #pragma unroll
@@ -574,18 +700,18 @@ __device__ __forceinline__ void qmm_body(const Parts& parts, int M, int K, Act8 
     for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
         for (int e = 0; e < 4; ++e) acc[nt][e] = grp[nt][e] = 0.f;
+    const QmmLoader<KIND, NT> loader(parts, M, K, x, N, row0, tok0);
     // MMQ_STAGES - 1 stages in flight; a group is committed every step (empty past the end) so
     // that wait_group counts stay the same
 #pragma unroll
     for (int s = 0; s < MMQ_STAGES - 1; ++s) {
-        if (s < nk) qmm_load<KIND, NT>(qmm_smem + s * S::BYTES, parts, M, K, x, N, row0, tok0, k_first + s);
+        if (s < nk) loader.load(qmm_smem + s * S::BYTES, k_first + s, x);
         cp_async_commit();
     }
     for (int i = 0; i < nk; ++i) {
         const int ahead = i + MMQ_STAGES - 1;
         if (ahead < nk)  // into the buffer the previous step computed on (read before its barrier)
-            qmm_load<KIND, NT>(qmm_smem + (ahead % MMQ_STAGES) * S::BYTES, parts, M, K, x, N, row0, tok0,
-                               k_first + ahead);
+            loader.load(qmm_smem + (ahead % MMQ_STAGES) * S::BYTES, k_first + ahead, x);
         cp_async_commit();
         cp_async_wait<MMQ_STAGES - 1>();  // stage i has landed
         __syncthreads();
@@ -676,7 +802,7 @@ __device__ __forceinline__ void fgemv_body(const T* w, int M, int K, const float
         qgemv_body<KIND, NV>(PARTS_OF, M, K, Act8{xq, xs, xsum}, N, y, ldy, bias, residual);                    \
     }
 #define QMM(NAME, KIND, NT)                                                                                     \
-    extern "C" __global__ void __launch_bounds__(MMQ_THREADS, 256 / MMQ_THREADS) qmm_##NAME##_n##NT(PARTS_ARGS, PRODUCT_ARGS) {    \
+    extern "C" __global__ void __launch_bounds__(MMQ_THREADS, MMQ_MIN_BLOCKS) qmm_##NAME##_n##NT(PARTS_ARGS, PRODUCT_ARGS) {    \
         qmm_body<KIND, NT>(PARTS_OF, M, K, Act8{xq, xs, xsum}, N, y, ldy, bias, residual, partial);             \
     }
 #if QMM_KERNELS & 1
