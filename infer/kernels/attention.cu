@@ -129,6 +129,34 @@ __device__ __forceinline__ void merge1(float& m, float& l, float& o, float m2, f
     m = M;
 }
 
+// merge1 split in two: merge_plan does the (m, l) part and records how o is to be combined in
+// cf[0..2] (cf[0]: 0 keep o, 1 take o2, 2 o * cf[1] + o2 * cf[2]); merge_apply combines a pair of
+// o values by that record. merge_plan + merge_apply on each element == merge1, bit for bit.
+#define MERGE_COEFFS 12  // floats per head: three plans, then the merged m and l
+__device__ __forceinline__ void merge_plan(float& m, float& l, float m2, float l2, float* cf) {
+    cf[1] = cf[2] = 0.f;
+    if (l2 == 0.f) {
+        cf[0] = 0.f;
+        return;
+    }
+    if (l == 0.f) {
+        m = m2;
+        l = l2;
+        cf[0] = 1.f;
+        return;
+    }
+    const float M = fmaxf(m, m2);
+    const float fa = expf(__fsub_rn(m, M)), fb = expf(__fsub_rn(m2, M));
+    l = __fadd_rn(__fmul_rn(l, fa), __fmul_rn(l2, fb));
+    m = M;
+    cf[0] = 2.f;
+    cf[1] = fa;
+    cf[2] = fb;
+}
+__device__ __forceinline__ float merge_apply(const float* cf, float o, float o2) {
+    return cf[0] == 0.f ? o : (cf[0] == 1.f ? o2 : __fadd_rn(__fmul_rn(o, cf[1]), __fmul_rn(o2, cf[2])));
+}
+
 // Partials in shared memory: per slot and head, (m, l, o[D]) as D + 2 floats.
 #define PART_STRIDE(D) ((D) + 2)
 
@@ -340,22 +368,33 @@ __device__ __forceinline__ void attn_chunks_body(const float* qkv, int W, int n_
             }
         }
         __syncthreads();
-        // the block's 4 slots as the subtree ((0, 1), (2, 3)); one thread per (head, element)
+        // the block's 4 slots as the subtree ((0, 1), (2, 3)): merge1's scale factors depend on the
+        // head only, so a thread per head works them out once (in e_all, free now) and a thread
+        // per (head, element) applies them, operation for operation as merge1 would
+        const int ss = G * PART_STRIDE(D);  // between slots
+        if (tid < G) {
+            const float* s0 = part + tid * PART_STRIDE(D);
+            float* cf = e_all + tid * MERGE_COEFFS;
+            float m01 = s0[0], l01 = s0[1], m23 = s0[2 * ss], l23 = s0[2 * ss + 1];
+            merge_plan(m01, l01, s0[ss], s0[ss + 1], cf);
+            merge_plan(m23, l23, s0[3 * ss], s0[3 * ss + 1], cf + 3);
+            merge_plan(m01, l01, m23, l23, cf + 6);
+            cf[9] = m01;
+            cf[10] = l01;
+        }
+        __syncthreads();
         for (int i = tid; i < G * D; i += ATTN_THREADS) {
             const int g = i / D, d = i % D;
             const float* s0 = part + g * PART_STRIDE(D);
-            const int ss = G * PART_STRIDE(D);  // between slots
-            float m01 = s0[0], l01 = s0[1], o01 = s0[2 + d];
-            merge1(m01, l01, o01, s0[ss], s0[ss + 1], s0[ss + 2 + d]);
-            float m23 = s0[2 * ss], l23 = s0[2 * ss + 1], o23 = s0[2 * ss + 2 + d];
-            merge1(m23, l23, o23, s0[3 * ss], s0[3 * ss + 1], s0[3 * ss + 2 + d]);
-            merge1(m01, l01, o01, m23, l23, o23);
+            const float* cf = e_all + g * MERGE_COEFFS;
+            const float o01 = merge_apply(cf, s0[2 + d], s0[ss + 2 + d]);
+            const float o23 = merge_apply(cf + 3, s0[2 * ss + 2 + d], s0[3 * ss + 2 + d]);
             float* w = work + (((long long)r * n_heads + h0 + g) * nb + blk) * PART_STRIDE(D);
             if (d == 0) {
-                w[0] = m01;
-                w[1] = l01;
+                w[0] = cf[9];
+                w[1] = cf[10];
             }
-            w[2 + d] = o01;
+            w[2 + d] = merge_apply(cf + 6, o01, o23);
         }
         __syncthreads();  // the slots are read before the next row's partials overwrite them
     }
