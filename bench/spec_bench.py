@@ -191,13 +191,14 @@ def verify(args: argparse.Namespace) -> dict[str, Any]:
     rows = []
     try:
         prompt = rng.integers(3, model.args.vocab_size, 32)
-        model.reserve_tree(max(sizes))  # the logits of the largest tree, planned above
+        if hasattr(model, "reserve_tree"):  # the GPU model: the logits of the largest tree, planned above
+            model.reserve_tree(max(sizes))
         cache = model.new_cache(ctx)  # one cache: a tree pass leaves cache.length as it was
         model.forward(prompt, cache)
         for n in sizes:
             parents = np.array([-1] + [int(rng.integers(max(0, i - 8), i)) for i in range(1, n)])
             tokens = rng.integers(3, model.args.vocab_size, n)
-            tree_pass = model.verify_tree
+            tree_pass = getattr(model, "verify_tree", None) or model.forward_tree  # the CPU engine: forward_tree
             tree_pass(tokens, parents, cache)  # warm-up: this shape's kernels and buffers
             times = []
             for _ in range(args.reps):
@@ -208,7 +209,8 @@ def verify(args: argparse.Namespace) -> dict[str, Any]:
             print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     finally:
         close()
-    return {"model": str(path), "streaming": args.streaming, "vram_budget": args.vram_budget, "exact": True,
+    return {"model": str(path), "streaming": args.streaming, "vram_budget": args.vram_budget,
+            "exact": hasattr(model, "verify_tree"),
             "passes": rows}
 
 
@@ -534,8 +536,17 @@ def main(argv: list[str] | None = None) -> int:
     for s in (a, c, v, e, q, p):
         s.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
-    result = {"acceptance": acceptance, "curve": curve, "verify": verify, "e2e": e2e, "draft-ppl": draft_ppl,
-              "project": project}[args.what](args)
+    run = {"acceptance": acceptance, "curve": curve, "verify": verify, "e2e": e2e, "draft-ppl": draft_ppl,
+           "project": project}[args.what]
+    try:
+        result = run(args)
+    except Exception as err:  # a device allocation past the VRAM budget: one line, exit 2
+        if type(err).__name__ != "OutOfMemoryError":
+            raise
+        from infer.gpu.memory import current_account, over_budget
+
+        print(f"error: {over_budget(err, current_account())}", file=sys.stderr)
+        return 2
     result["command"] = " ".join(["python -m bench.spec_bench", *(argv if argv is not None else sys.argv[1:])])
     if args.out:
         args.out.write_text(json.dumps(result, indent=1))

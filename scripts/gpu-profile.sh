@@ -26,7 +26,7 @@ for group in ${PROFILE_ATTN_GROUPS:-}; do  # attention timings with blocks of `g
     echo "attention, group $group:"; grep attention "$R/sweep-attn-group$group.txt" | cut -c1-220
 done
 if [ -n "${PROFILE_QMM_SWEEP:-}" ]; then  # the products at 64 and 512 rows: the tuned kernels, then variants
-    for variant in "default||" "8w2s-3blocks|8:4,2;4:4,2|3" "8w3s|8:4,3;4:4,3|" ; do
+    for variant in "default||" "2stages-3blocks|8:4,2;4:4,2|3"; do
         IFS='|' read -r label tuning blocks <<< "$variant"
         NVMEDIRECT_QMM_TUNING=$tuning NVMEDIRECT_QMM_MIN_BLOCKS=$blocks timeout 150 python3 -m bench.kernel_sweep \
             --skip-others --rows 64,512 --default-only --out "$R/sweep-qmm-$label.json" > "$R/sweep-qmm-$label.txt" 2>&1

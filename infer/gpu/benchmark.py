@@ -37,16 +37,23 @@ COPY_PROBE_BYTES = 256 << 20  # several times the H200's 60 MiB L2
 COPY_PROBE_MIN = 64 << 20
 
 
-def copy_bandwidth(nbytes: int = COPY_PROBE_BYTES) -> float | None:
+def copy_bandwidth(nbytes: int = COPY_PROBE_BYTES, budget: int | None = None) -> float | None:
     """Device-to-device copy in GB/s, bytes read plus bytes written, of two buffers of `nbytes`, or
-    less when a capped memory pool (a VRAM budget) has not that much room left: the probe stays
-    inside the budget and is freed afterwards. None when not even COPY_PROBE_MIN fits."""
+    less when a capped memory pool or a VRAM budget (device-wide: total - free, as the peak counts
+    it) has not that much room left: the probe stays inside the budget and is freed afterwards.
+    None when not even COPY_PROBE_MIN fits."""
     import cupy
 
     pool = cupy.get_default_memory_pool()
     pool.free_all_blocks()
-    if pool.get_limit():  # two buffers in a third of the room each: slack for the pool's rounding
-        nbytes = min(nbytes, (pool.get_limit() - pool.total_bytes()) // 3 >> 20 << 20)
+    rooms = []
+    if pool.get_limit():
+        rooms.append(pool.get_limit() - pool.total_bytes())
+    if budget:
+        free, total = cupy.cuda.runtime.memGetInfo()
+        rooms.append(budget - (total - free))
+    if rooms:  # two buffers in a third of the room each: slack for the pool's rounding
+        nbytes = min(nbytes, min(rooms) // 3 >> 20 << 20)
         if nbytes < COPY_PROBE_MIN:
             return None
     ms = _copy_ms(nbytes)
@@ -206,7 +213,7 @@ def measure(gpu, pp: int = 512, tg: int = 128, with_kernels: bool = True, batch:
     import cupy
 
     result: dict[str, object] = {"device": cupy.cuda.runtime.getDeviceProperties(0)["name"].decode()}
-    copy = copy_bandwidth()
+    copy = copy_bandwidth(budget=gpu.account.budget if gpu.account is not None else None)
     result["copy_GBps"] = round(copy, 1) if copy else None
     a, stream = gpu.args, gpu.stream
     rng = np.random.default_rng(0)

@@ -49,7 +49,16 @@ def _module(name: str, device_id: int, defines: tuple[tuple[str, int], ...]):  #
         except cupy.cuda.compiler.CompileException:
             module = cupy.RawModule(code=code, options=OPTIONS, backend="nvcc")
             module.compile()
+    _compiled[(name, device_id, defines)] = module
     return module
+
+
+_compiled: dict[tuple, object] = {}  # every module compiled so far, by (name, device, defines)
+
+
+def compiled() -> list[tuple[str, tuple[tuple[str, int], ...], object]]:
+    """(name, defines, module) of every module compiled in this process (diagnostics)."""
+    return [(name, defines, module) for (name, _device, defines), module in _compiled.items()]
 
 
 def module(name: str, defines: dict[str, int] | None = None):  # noqa: ANN201

@@ -1,0 +1,101 @@
+"""Where device memory outside the engine's pool goes: loads a model inside a VRAM budget as the
+benchmark does and prints, after each phase, the device-wide use (total - free), the pool's bytes and
+the rest; then every compiled kernel's local memory, registers and static shared memory, and the
+stack-size limit (the driver reserves local memory for every resident thread from these).
+
+    python scripts/vram_probe.py MODEL.gguf --vram-budget 6GB --ctx 1024
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("model", type=Path)
+    parser.add_argument("--vram-budget", default="6GB")
+    parser.add_argument("--ctx", type=int, default=1024)
+    args = parser.parse_args()
+    import cupy
+
+    from infer.gguf_file import GGUFModel
+    from infer.gpu import kernels, load_gpu_transformer
+
+    pool = cupy.get_default_memory_pool()
+    rows = []
+
+    def phase(name: str) -> None:
+        cupy.cuda.Device().synchronize()
+        free, total = cupy.cuda.runtime.memGetInfo()
+        used = total - free
+        rows.append((name, used, pool.total_bytes()))
+        print(f"{name:<28} used {used / 2**20:9.1f} MiB  pool {pool.total_bytes() / 2**20:9.1f} MiB  "
+              f"outside the pool {(used - pool.total_bytes()) / 2**20:8.1f} MiB", flush=True)
+
+    cupy.zeros(1)
+    phase("context")
+    gpu = load_gpu_transformer(GGUFModel(args.model), args.ctx, args.vram_budget, enforce_budget=True,
+                               kv_positions=args.ctx)
+    phase("loaded")
+    cache = gpu.new_cache(args.ctx)
+    phase("cache")
+    rng = np.random.default_rng(0)
+    prompt = rng.integers(3, gpu.args.vocab_size, 512)
+    gpu.forward(prompt, cache)
+    phase("prompt 512 (graphs)")
+    gpu.forward(prompt[:1], cache)
+    phase("one decode row")
+    cache.length = 0
+    gpu.queue_steps(cache, 5, 16)
+    gpu.stream.synchronize()
+    phase("16 device steps")
+    if gpu.account is not None:
+        print("plan:", {k: round(v / 2**20, 1) for k, v in {**gpu.account.planned, **gpu.account.reserved}.items()})
+    rt = cupy.cuda.runtime
+    try:
+        print("stack limit per thread:", rt.deviceGetLimit(rt.cudaLimitStackSize))
+    except Exception as err:  # noqa: BLE001
+        print("stack limit: n/a", err)
+    seen = kernels.compiled()
+    print(f"{len(seen)} modules compiled")
+    for name, defines, module in seen:
+        for fn_name in _kernel_names(name, defines):
+            try:
+                fn = module.get_function(fn_name)
+            except Exception:  # noqa: BLE001, S112 - not in this variant
+                continue
+            local = getattr(fn, "local_size_bytes", None)
+            if local:
+                print(f"  local {local:>6} B  regs {getattr(fn, 'num_regs', '?'):>4}  {name} {fn_name} {dict(defines)}")
+    return 0
+
+
+def _kernel_names(name: str, defines: tuple) -> list[str]:
+    import re
+
+    from infer.gpu import kernels
+
+    text = kernels.source_text(name, dict(defines))
+    names = set(re.findall(r'extern "C" __global__ void(?: __launch_bounds__\([^)]*\))?\s+(\w+)\(', text))
+    for macro, pattern in (("QGEMV", "qgemv_{}_v{}"), ("QMM", "qmm_{}_n{}"), ("ATTN_CHUNKS", "attn_chunks_d{}")):
+        for args in re.findall(rf"\b{macro}\((\w+), \d+, (\d+)\)", text):
+            names.add(pattern.format(*args))
+    for fmt in ("q8", "g4", "g5", "k4", "k5", "k6"):
+        for v in (1, 2, 4):
+            names.add(f"qgemv_{fmt}_v{v}")
+        for nt in (1, 2, 4, 8):
+            names.add(f"qmm_{fmt}_n{nt}")
+    for d in (64, 128, 256):
+        names.add(f"attn_chunks_d{d}")
+    return sorted(names)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
