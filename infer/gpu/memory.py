@@ -20,6 +20,10 @@ import cupy
 from infer.tiers.budget import VramAccount, VramBudgetError, format_bytes, parse_size
 
 MODULES_AND_GRAPHS = 128 << 20  # compiled kernel modules, instantiated graphs, library handles
+# Per-thread stack the driver reserves local memory for, for every thread the device can hold: its
+# default 1 KiB is ~277 MB on an H200 (~170 MB on an RTX 4090); the engine's kernels need at most
+# 256 B (attn_merge), and the driver raises the limit by itself for a kernel that needs more.
+THREAD_STACK_BYTES = 256
 FREE_MARGIN = 512 << 20  # without --vram-budget: the free memory less this
 
 
@@ -29,9 +33,19 @@ def device_memory() -> tuple[int, int]:
     return int(free), int(total)
 
 
+def limit_thread_stack(nbytes: int = THREAD_STACK_BYTES) -> None:
+    """Lowers the per-thread stack limit to nbytes (never raises it): the local memory the driver
+    keeps for it is outside any pool and counts against the VRAM budget (H200, 8B resident at 6 GB:
+    528.8 -> 330.8 MiB outside the pool, 2026-12-02, scripts/vram_probe.py)."""
+    rt = cupy.cuda.runtime
+    if rt.deviceGetLimit(rt.cudaLimitStackSize) > nbytes:
+        rt.deviceSetLimit(rt.cudaLimitStackSize, nbytes)
+
+
 def new_account(vram_budget: str | int | None, what: str) -> VramAccount:
     """The account of a run starting now: its budget (the user's, or the free memory less a margin)
-    and the device memory outside the pool."""
+    and the device memory outside the pool (after the stack limit is lowered)."""
+    limit_thread_stack()
     free, total = device_memory()
     pool = cupy.get_default_memory_pool()
     in_use = total - free - int(pool.total_bytes())  # the context and other processes, not our pool

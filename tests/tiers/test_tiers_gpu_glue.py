@@ -246,3 +246,17 @@ def test_gpu_glue_self_spec_reads_no_streamed_layer_while_drafting(model_path: P
         assert list(spec.generate(list(prompt), 10, greedy)) == want
     finally:
         s.close()
+
+
+def test_an_account_lowers_the_thread_stack_first(fake_cupy) -> None:  # noqa: ANN001
+    """The driver keeps local memory for every thread's stack outside any pool (1 KiB each by
+    default): an engine's account lowers the limit to what its kernels need before it measures the
+    memory outside the pool, and never raises a lower one."""
+    from infer.gpu import memory
+
+    fake_cupy.LIMITS[0] = 1024
+    memory.new_account(None, "test")
+    assert fake_cupy.LIMITS[0] == memory.THREAD_STACK_BYTES == 256
+    fake_cupy.LIMITS[0] = 128
+    memory.new_account(None, "test")
+    assert fake_cupy.LIMITS[0] == 128

@@ -79,6 +79,8 @@ class _Device:
 def _no_cublas(): raise RuntimeError("no cuBLAS in the fake")
 def _no_attributes(ptr): raise RuntimeError("no pointer attributes in the fake")
 MEM_INFO = ((16 << 30) - (512 << 20), 16 << 30)  # (free, total): a 16 GiB card with a context; tests may change it
+LIMITS = {0: 1024}  # cudaLimitStackSize: the driver's default 1 KiB per thread
+def _set_limit(limit, value): LIMITS[limit] = int(value)
 class CompileException(Exception): pass
 cuda = types.SimpleNamespace(
     Stream=Stream, Event=Event, Device=_Device, get_elapsed_time=lambda a, b: (b.t - a.t) * 1e3,
@@ -87,6 +89,8 @@ cuda = types.SimpleNamespace(
     memory=types.SimpleNamespace(OutOfMemoryError=OutOfMemoryError),
     compiler=types.SimpleNamespace(CompileException=CompileException),
     runtime=types.SimpleNamespace(getDeviceCount=lambda: 1, memGetInfo=lambda: MEM_INFO, memcpyDeviceToDevice=3,
+                                  cudaLimitStackSize=0, deviceGetLimit=lambda limit: LIMITS[limit],
+                                  deviceSetLimit=_set_limit,
                                   memcpyHostToDevice=1, hostRegister=lambda *a: None, hostUnregister=lambda *a: None,
                                   pointerGetAttributes=_no_attributes,
                                   memcpyAsync=lambda d, s, n, k, st: ctypes.memmove(d, s, n),
