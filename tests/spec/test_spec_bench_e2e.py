@@ -35,3 +35,18 @@ def test_e2e_outputs_identical_and_half_streamed(tmp_path: Path, fake_cupy: obje
     assert result["prompts"] == 2
     tiers = result["plan_bytes_by_tier"]
     assert tiers["RAM"] > 0 and tiers["VRAM"] > 0, tiers
+
+
+def test_a_device_allocation_past_the_budget_is_one_line(fake_cupy, monkeypatch: pytest.MonkeyPatch,  # noqa: ANN001
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    """A bench run whose device allocation fails under the VRAM budget prints one line and exits 2
+    (the 3 GB verify run of 2026-12-02 ended in a CuPy traceback)."""
+    import bench.spec_bench as spec_bench
+
+    def out_of_memory(args: object) -> dict:
+        raise fake_cupy.cuda.memory.OutOfMemoryError("Out of memory allocating 20,971,520 bytes")
+
+    monkeypatch.setattr(spec_bench, "verify", out_of_memory)
+    assert spec_bench.main(["verify", "--synth", "tiny:q4_k_m"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: out of device memory") and "raise the budget" in err[0]
