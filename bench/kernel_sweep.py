@@ -131,36 +131,36 @@ def products(rows_list: list[int], copies: int = 3, matrices: list[str] | None =
 def attention_and_friends() -> list[dict[str, object]]:
     import cupy
 
-    from infer.gpu import ops
+    from infer.gpu import attention, ops
     from infer.gpu.activations import Inputs
 
     rng = np.random.default_rng(1)
     stream = cupy.cuda.Stream(non_blocking=True)
-    shape = ops.AttentionShape(32, 8, 128, 64, False)
+    shape = attention.AttentionShape(32, 8, 128, 64, False)
     out: list[dict[str, object]] = []
     max_ctx = 4096
     caches = [cupy.asarray((rng.standard_normal((1, 8, max_ctx, 128)) * 0.5).astype(np.float16)) for _ in range(2)]
     cos = cupy.asarray(rng.random((max_ctx, 64)).astype(np.float32))
     sin = cupy.asarray(rng.random((max_ctx, 64)).astype(np.float32))
 
-    def fields(positions: list[int]) -> ops.RowFields:
+    def fields(positions: list[int]) -> attention.RowFields:
         n = len(positions)
         i32 = lambda v: cupy.asarray(np.array(v, np.int32))  # noqa: E731
         u64 = lambda v: cupy.asarray(np.array(v, np.uint64))  # noqa: E731
-        return ops.RowFields(i32(positions), i32(positions), i32([p + 1 for p in positions]), i32([-1] * n), i32([0]),
+        return attention.RowFields(i32(positions), i32(positions), i32([p + 1 for p in positions]), i32([-1] * n), i32([0]),
                              u64([caches[0].data.ptr] * n), u64([caches[1].data.ptr] * n), i32([max_ctx] * n))
 
     for n, positions in ((1, [127]), (1, [511]), (1, [2047]), (32, [191] * 32), (512, list(range(512)))):
         rows = fields(positions)
         qkv = cupy.asarray(rng.standard_normal((n, shape.width)).astype(np.float32))
-        work_rows = min(n, max(1, (32 << 20) // ops.attention_work_nbytes(shape, 1, max_ctx)))
-        work = cupy.zeros(ops.attention_work_nbytes(shape, work_rows, max_ctx) // 4, cupy.float32)
+        work_rows = min(n, max(1, (32 << 20) // attention.attention_work_nbytes(shape, 1, max_ctx)))
+        work = cupy.zeros(attention.attention_work_nbytes(shape, work_rows, max_ctx) // 4, cupy.float32)
         att = cupy.zeros((n, 4096), cupy.float32)
         int8 = ops.Int8Act.zeros(n, 4096, "q8_k")
         tag = f"{n} rows at position {positions[-1]}"
-        us = _timed(stream, lambda rows=rows, qkv=qkv, n=n: ops.rope_rows(qkv, shape, cos, sin, 0, rows, n), 1)
+        us = _timed(stream, lambda rows=rows, qkv=qkv, n=n: attention.rope_rows(qkv, shape, cos, sin, 0, rows, n), 1)
         out.append({"kernel": "rope_rows", "case": tag, "us": round(us, 2)})
-        us = _timed(stream, lambda rows=rows, qkv=qkv, n=n, work=work, att=att, int8=int8, wr=work_rows: ops.attention(
+        us = _timed(stream, lambda rows=rows, qkv=qkv, n=n, work=work, att=att, int8=int8, wr=work_rows: attention.attention(
             qkv, shape, 0, rows, n, max_ctx, work, wr, att, "q8_k", int8), 1)
         out.append({"kernel": "attention (chunks + merge)", "case": tag, "us": round(us, 2)})
         print(json.dumps(out[-2]), json.dumps(out[-1]), flush=True)

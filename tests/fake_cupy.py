@@ -16,8 +16,8 @@ import pytest
 FAKE_DIR = Path(__file__).resolve().parent / "gpu" / "numpy_cupy"
 # modules that bind `cupy` when imported: imported afresh against the stand-in, dropped afterwards
 GPU_MODULES = ("infer.gpu.model", "infer.gpu.tree", "infer.gpu.activations", "infer.gpu.ops", "infer.gpu.weights",
-               "infer.gpu.memory", "infer.gpu.cache", "infer.gpu.passes", "infer.gpu.graphs", "infer.gpu.benchmark",
-               "infer.tiers.pipeline")
+               "infer.gpu.memory", "infer.gpu.cache", "infer.gpu.attention", "infer.gpu.passes", "infer.gpu.graphs",
+               "infer.gpu.benchmark", "infer.tiers.pipeline")
 
 
 def _load(name: str) -> ModuleType:

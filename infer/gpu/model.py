@@ -23,11 +23,12 @@ import cupy
 import numpy as np
 
 from infer.arch import ModelArgs
-from infer.gpu import kernels, ops
+from infer.gpu import attention, kernels, ops
 from infer.gpu.activations import Inputs, layer_inputs
+from infer.gpu.attention import AttentionShape
 from infer.gpu.cache import GpuKVCache
 from infer.gpu.graphs import GraphCache
-from infer.gpu.ops import AttentionShape, GpuMatrix
+from infer.gpu.ops import GpuMatrix
 from infer.gpu.passes import PassIndex, Row, bucket_of, sequence_rows, tree_rows
 from infer.gpu.tree import TreeLogits
 from infer.gpu.weights import GpuLayer, GpuWeightSource
@@ -41,7 +42,7 @@ LOGITS_ROWS = 64  # rows of logits one head pass holds (a scored prompt comes in
 
 
 def attention_work_rows(shape: AttentionShape, capacity: int, max_context: int) -> int:
-    per_row = ops.attention_work_nbytes(shape, 1, max_context)
+    per_row = attention.attention_work_nbytes(shape, 1, max_context)
     return max(1, min(capacity, ATTENTION_WORK_BYTES // per_row))
 
 
@@ -54,7 +55,7 @@ def pass_buffers_nbytes(args: ModelArgs, formats: list[dict], output_act: str, c
     wanted = [w for f in formats for w in layer_inputs(a, f)]
     rows = capacity
     hidden = 4 * ((rows + 1) * a.dim + rows * (shape.width + a.q_dim + 2 * a.ffn_dim))
-    work = ops.attention_work_nbytes(shape, attention_work_rows(shape, capacity, max_context), max_context)
+    work = attention.attention_work_nbytes(shape, attention_work_rows(shape, capacity, max_context), max_context)
     head = Inputs.planned_nbytes(logits_rows, [("out", output_act, a.dim)]) + 4 * logits_rows * a.vocab_size
     index = (rows + 1) * 64 + 4 * capacity * (capacity + 1) // 2
     return (hidden + Inputs.planned_nbytes(rows, wanted) + work + head + index + GpuKVCache.nbytes_for(a, 1)
@@ -91,7 +92,8 @@ class GpuTransformer:
             if name != "qmm":
                 kernels.module(name)
         kinds = {f.fmt for i in range(args.n_layers) for f in weights.formats(i).values()}
-        ops.prepare_kernels(kinds | {weights.output.fmt}, self.shape)
+        ops.prepare_kernels(kinds | {weights.output.fmt})
+        attention.prepare(self.shape)
         a, C = args, prefill_chunk
         cos, sin = self.rope.angles(np.arange(max_context))
         with self.stream:
@@ -106,7 +108,7 @@ class GpuTransformer:
             self.inputs = Inputs(args, C, [w for f in formats for w in layer_inputs(args, f)])
             self.split = cupy.zeros(ops.SPLIT_SCRATCH_BYTES // 4, F32)  # group sums of products that split K
             self.work_rows = attention_work_rows(self.shape, C, max_context)
-            self.work = cupy.zeros(ops.attention_work_nbytes(self.shape, self.work_rows, max_context) // 4, F32)
+            self.work = cupy.zeros(attention.attention_work_nbytes(self.shape, self.work_rows, max_context) // 4, F32)
             self._make_head(logits_rows)
         self.stream.synchronize()
         self._segments = self._plan_segments()
@@ -175,9 +177,9 @@ class GpuTransformer:
             rows = sum(m.rows for m in parts)
             ops.product(parts, xs[parts[0].act], qkv[row0:], n, ldy=s.width,
                         bias=None if L.bqkv is None else L.bqkv[row0 : row0 + rows], scratch=self.split)
-        ops.rope_rows(self.qkv, s, *self.rope_tables, i, ix.fields, n)
+        attention.rope_rows(self.qkv, s, *self.rope_tables, i, ix.fields, n)
         att = inputs.get("att", L.wo.act) if L.wo.act in ops.EIGHT_BIT else self.att
-        ops.attention(self.qkv, s, i, ix.fields, n, self.max_context, self.work, self.work_rows, self.att, L.wo.act,
+        attention.attention(self.qkv, s, i, ix.fields, n, self.max_context, self.work, self.work_rows, self.att, L.wo.act,
                       att if isinstance(att, ops.Int8Act) else None)
         ops.product([L.wo], att, self.x, n, ldy=a.dim, residual=self.x, scratch=self.split)
         xs = inputs.normed(self.x, L.ffn_norm, "ffn", [L.w_gate.act, L.w_up.act], n)

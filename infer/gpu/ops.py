@@ -1,6 +1,7 @@
-"""Python faces of the CUDA kernels: each call states its grid and block and launches on the
-current CuPy stream. None of them allocates, so every call may sit inside a CUDA graph capture;
-outputs are passed in. Scalars are passed as NumPy types of the kernel's parameter width.
+"""Python faces of the CUDA kernels (attention's are in infer.gpu.attention): each call states its
+grid and block and launches on the current CuPy stream. None of them allocates, so every call may
+sit inside a CUDA graph capture; outputs are passed in. Scalars are passed as NumPy types of the
+kernel's parameter width.
 
 Every kernel works on the N rows of a pass and computes each row in an order that does not depend
 on N or on the other rows (infer/kernels/canon.cuh, attention.cu): a row's numbers are the same
@@ -26,12 +27,6 @@ from infer.gpu.layout import (
 from infer.gpu.memory import transient_pool
 
 NULL = np.uint64(0)
-ATTN_CHUNK = 32  # attention.cu: positions per chunk
-ATTN_BLOCK_POSITIONS = 128  # positions per attn_chunks block (4 chunks)
-ATTN_HEADS = 4  # query heads an attn_chunks warp takes at once
-ATTN_THREADS = 128
-ATTN_MAX_HEAD_DIM = 256
-ATTN_MAX_GROUP = 16
 QGEMV_MAX = 4  # qgemv_*_v4: products of up to this many rows use the GEMV-shaped kernels
 _SHARED_DEFAULT = 48 * 1024  # more dynamic shared memory than this needs the kernel's opt-in
 
@@ -139,7 +134,7 @@ class Int8Act:
         return int(self.xq.nbytes + self.xs.nbytes + self.xsum.nbytes)
 
 
-def _int8_args(int8: Int8Act | None) -> tuple:
+def int8_args(int8: Int8Act | None) -> tuple:
     return (NULL, NULL, NULL) if int8 is None else (int8.xq, int8.xs, int8.xsum)
 
 
@@ -155,12 +150,12 @@ def rmsnorm(x: cupy.ndarray, weight: cupy.ndarray, eps: float, rows: int, n: int
     if fast:  # one pass, values in registers (8 per thread)
         kernels.function("ops", "rmsnorm8")((rows,), (-(-n // 256) * 32,), (x, weight, _ptr(y), _ptr(y16), np.int32(n),
                                                                  np.float32(eps), np.int32(ACT_CODES[act]),
-                                                                 *_int8_args(int8), _ptr(src_rows)))
+                                                                 *int8_args(int8), _ptr(src_rows)))
         return
     threads = 1024 if n >= 4096 else 256
     kernels.function("ops", "rmsnorm")((rows,), (threads,), (x, weight, _ptr(y), _ptr(y16), np.int32(n),
                                                              np.float32(eps), np.int32(ACT_CODES[act]),
-                                                             *_int8_args(int8), _ptr(src_rows)))
+                                                             *int8_args(int8), _ptr(src_rows)))
 
 
 def round_act(x: cupy.ndarray, y: cupy.ndarray, rows: int, n: int, act: str, y16: cupy.ndarray | None = None,
@@ -173,7 +168,7 @@ def round_act(x: cupy.ndarray, y: cupy.ndarray, rows: int, n: int, act: str, y16
     if rows > 65535:
         raise ValueError(f"round_act takes at most 65535 rows at a time, not {rows}")
     kernels.function("ops", "round_act")((-(-n // per_block), rows), (256,),
-                                         (x, y, _ptr(y16), np.int32(n), np.int32(ACT_CODES[act]), *_int8_args(int8)))
+                                         (x, y, _ptr(y16), np.int32(n), np.int32(ACT_CODES[act]), *int8_args(int8)))
 
 
 def swiglu_round(gu: cupy.ndarray, n: int, rows: int, act: str, y: cupy.ndarray | None = None,
@@ -184,7 +179,7 @@ def swiglu_round(gu: cupy.ndarray, n: int, rows: int, act: str, y: cupy.ndarray 
         raise ValueError(f"SwiGLU rounded to {act} needs the float32 output y")
     per_block = 8 * {"q8_0": 32, "q8_k": 256}.get(act, 128)
     kernels.function("ops", "swiglu_round")((-(-n // per_block), rows), (256,),
-                                            (gu, np.int32(n), _ptr(y), np.int32(ACT_CODES[act]), *_int8_args(int8)))
+                                            (gu, np.int32(n), _ptr(y), np.int32(ACT_CODES[act]), *int8_args(int8)))
 
 
 # ---------------------------------------------------------------------------- products
@@ -261,7 +256,7 @@ def _tiles(n: int) -> int:
 _opted_in: dict[tuple, int] = {}  # the opt-in set per key
 
 
-def _with_shared(fn, key: tuple, nbytes: int):  # noqa: ANN001, ANN202
+def with_shared(fn, key: tuple, nbytes: int):  # noqa: ANN001, ANN202
     """The kernel with its dynamic shared memory opt-in raised to nbytes (per kernel, module variant
     and device; raised again when a later shape needs more)."""
     key = (cupy.cuda.Device().id, *key)
@@ -278,20 +273,17 @@ def _qmm_kernel(fmt: str, nt: int, tuning: tuple[int, int] | None = None):  # no
     name = f"qmm_{fmt}_n{nt}"
     smem = stages * _qmm_stage_bytes(fmt, nt, warps)
     fn = kernels.function("qmm", name, defines)
-    return _with_shared(fn, (name, *sorted(defines.items())), smem), smem, warps
+    return with_shared(fn, (name, *sorted(defines.items())), smem), smem, warps
 
 
-def prepare_kernels(formats: set[str], shape: AttentionShape | None = None) -> None:
-    """Compiles the product kernels of `formats` and raises the shared-memory opt-in of every kernel
-    that needs more than the default, before any CUDA graph capture."""
+def prepare_kernels(formats: set[str]) -> None:
+    """Compiles the product kernels of `formats` and raises the shared-memory opt-in of those that
+    need more than the default, before any CUDA graph capture (attention: attention.prepare)."""
     for fmt in formats:
         kernels.module("qmm", _gemv_defines(fmt))
         if fmt not in FLOAT_FORMATS:
             for nt in (1, 2, 4, 8):
                 _qmm_kernel(fmt, nt)
-    if shape is not None:
-        name = f"attn_chunks_d{shape.head_dim}"
-        _with_shared(kernels.function("attention", name), (name,), shape.chunks_shared_bytes())
 
 
 SPLIT_MIN_BLOCKS = 264  # a qmm launch of fewer (row tile x token tile) blocks splits K (2 x 132 SMs)
@@ -378,125 +370,6 @@ def embed(m: GpuMatrix, ids: cupy.ndarray, n: int, out: cupy.ndarray) -> None:
     fn = kernels.function("dequant", f"embed_{m.fmt}")
     work = n * m.cols if m.fmt in FLOAT_FORMATS else n * m.cols // 32
     fn((_blocks(work, 256),), (256,), (*m.planes(), np.int32(m.rows), np.int32(m.cols), ids, np.int32(n), out))
-
-
-# ---------------------------------------------------------------------------- attention
-@dataclass
-class AttentionShape:
-    """The attention geometry of a model."""
-
-    n_heads: int
-    n_kv_heads: int
-    head_dim: int
-    n_pairs: int  # rotary pairs
-    neox: bool
-
-    @property
-    def width(self) -> int:
-        """Values of a row of Q, K and V."""
-        return (self.n_heads + 2 * self.n_kv_heads) * self.head_dim
-
-    def check(self) -> None:
-        group = self.n_heads // self.n_kv_heads
-        if self.head_dim not in (64, 128, 256):
-            raise ValueError(f"head dimension {self.head_dim} is not one of the attention kernels' 64, 128, 256")
-        if self.n_heads % self.n_kv_heads or group > ATTN_MAX_GROUP:
-            raise ValueError(f"{self.n_heads} query heads over {self.n_kv_heads} KV heads: at most "
-                             f"{ATTN_MAX_GROUP} per KV head are supported")
-
-    def chunks_shared_bytes(self) -> int:
-        """attn_chunks' dynamic shared memory: the 4 chunks' partials, each warp's probabilities and
-        slot numbers, and each warp's chunk of float16 keys and values."""
-        g, d = self.n_heads // self.n_kv_heads, self.head_dim
-        return 4 * (4 * g * (d + 2) + 4 * ATTN_CHUNK * ATTN_HEADS + 4 * ATTN_CHUNK) + 4 * 2 * ATTN_CHUNK * d * 2
-
-
-def attention_blocks(max_ctx: int) -> int:
-    """attn_chunks blocks a row of a cache of max_ctx positions may need (work buffer rows)."""
-    return -(-max_ctx // ATTN_BLOCK_POSITIONS)
-
-
-def attention_group_rows(rows: int) -> int:
-    """Rows an attn_chunks block takes one after the other (a prompt's rows then share the keys it
-    copies): 1, a block per row, unless NVMEDIRECT_ATTN_GROUP says otherwise. Sharing measured
-    slower on the H200 (2026-12-02, bench.kernel_sweep: 512 prompt rows 571 us in blocks of one
-    row, 582 in fours, 779 in eights; 32 rows 38.8, 51.5, 76.5): the kernel is bound by its
-    arithmetic, not by reading the keys."""
-    import os
-
-    forced = os.environ.get("NVMEDIRECT_ATTN_GROUP")
-    return max(1, int(forced)) if forced else 1
-
-
-def attention_work_nbytes(shape: AttentionShape, rows: int, max_ctx: int) -> int:
-    """Float32 work of one attention launch over `rows` rows of caches up to max_ctx positions."""
-    return 4 * rows * shape.n_heads * attention_blocks(max_ctx) * (shape.head_dim + 2)
-
-
-@dataclass
-class RowFields:
-    """The device fields of a pass's rows that the attention kernels read (infer/gpu/passes.py)."""
-
-    pos: cupy.ndarray
-    slot: cupy.ndarray
-    base: cupy.ndarray
-    anc_off: cupy.ndarray
-    anc: cupy.ndarray
-    kptr: cupy.ndarray
-    vptr: cupy.ndarray
-    cap: cupy.ndarray
-
-    def offset(self, r0: int) -> tuple:
-        """Pointers to the fields of rows r0.. (anc is indexed by offsets: not moved)."""
-        def at(a: cupy.ndarray) -> np.uint64:
-            return np.uint64(a.data.ptr + r0 * a.itemsize)
-
-        return (at(self.pos), at(self.slot), at(self.base), at(self.anc_off), self.anc, at(self.kptr), at(self.vptr),
-                at(self.cap))
-
-
-def rope_rows(qkv: cupy.ndarray, shape: AttentionShape, cos: cupy.ndarray, sin: cupy.ndarray, layer: int,
-              rows: RowFields, n: int) -> None:
-    """Rotates q (in place) and k of rows 0..n-1 of qkv (rows, shape.width) by their positions and
-    stores k and v in each row's cache at its slot (layer `layer`)."""
-    s = shape
-    threads = min(128, max(32, -(-s.head_dim // 2 // 32) * 32))
-    pos, slot, _base, _off, _anc, kptr, vptr, cap = rows.offset(0)
-    kernels.function("attention", "rope_rows")(
-        (n, s.n_heads + s.n_kv_heads), (threads,),
-        (qkv, np.int32(s.width), cos, sin, np.int32(s.n_heads), np.int32(s.n_kv_heads), np.int32(s.head_dim),
-         np.int32(s.n_pairs), np.int32(1 if s.neox else 0), np.int32(layer), pos, slot, kptr, vptr, cap))
-
-
-def attention(qkv: cupy.ndarray, shape: AttentionShape, layer: int, rows: RowFields, n: int, max_ctx: int,
-              work: cupy.ndarray, work_rows: int, out: cupy.ndarray, act: str, int8: Int8Act | None = None) -> None:
-    """out (n, n_heads * head_dim) = each row's attention over its span (its position, slots and
-    cache in `rows`; keys and values stored by rope_rows), rounded to activation format `act` (with
-    its 8-bit form into int8). `work` holds the partials of work_rows rows at a time
-    (attention_work_nbytes); max_ctx bounds every row's position + 1."""
-    s = shape
-    nb = attention_blocks(max_ctx)
-    scale = np.float32(1.0 / np.sqrt(s.head_dim))
-    smem = s.chunks_shared_bytes()
-    name = f"attn_chunks_d{s.head_dim}"
-    chunks = _with_shared(kernels.function("attention", name), (name,), smem)
-    merge = kernels.function("attention", "attn_merge")
-    q_values = s.n_heads * s.head_dim
-    chunk = 256 if q_values % 256 == 0 else 32  # attn_merge: values a block (whole 8-bit groups)
-    if act == "q8_k" and chunk != 256:
-        raise ValueError(f"a q8_k output needs rows of whole 256-value groups, not {q_values}")
-    for r0 in range(0, n, work_rows):
-        m = min(work_rows, n - r0)
-        group = attention_group_rows(m)
-        pos, _slot, base, anc_off, anc, kptr, vptr, cap = rows.offset(r0)
-        chunks((s.n_kv_heads, nb, -(-m // group)), (ATTN_THREADS,),
-               (np.uint64(qkv.data.ptr + r0 * s.width * 4), np.int32(s.width), np.int32(s.n_heads),
-                np.int32(s.n_kv_heads), scale, np.int32(layer), pos, base, anc_off, anc, kptr, vptr, cap, work,
-                np.int32(nb), np.int32(m), np.int32(group)), shared_mem=smem)
-        part = None if int8 is None else int8.rows(r0, r0 + m)
-        merge((m, q_values // chunk), (chunk,), (work, np.int32(nb), np.int32(s.n_heads), np.int32(s.head_dim), pos,
-                                                 np.uint64(out.data.ptr + r0 * q_values * 4), np.int32(ACT_CODES[act]),
-                                                 *_int8_args(part)))
 
 
 # ---------------------------------------------------------------------------- sampling

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import cupy
 import numpy as np
 
+from infer.gpu.attention import RowFields
 from infer.gpu.cache import GpuKVCache
-from infer.gpu.ops import RowFields
 from infer.sampler import GREEDY_BELOW
 
 # Row counts a pass is padded to (graphs are captured per bucket); a model's capacity is the last.

@@ -17,6 +17,7 @@ from infer.model import ModelArgs, Rope
 from infer.synth import random_blocks
 
 cupy = pytest.importorskip("cupy")
+from infer.gpu import attention as attn  # noqa: E402
 from infer.gpu import ops  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -394,7 +395,7 @@ class _Caches:
         self.v = [cupy.asarray(h) for h in self.vals]
         self.caps = caps
 
-    def fields(self, rows: list[tuple[int, int, int, int, list[int] | None]]) -> ops.RowFields:
+    def fields(self, rows: list[tuple[int, int, int, int, list[int] | None]]) -> attn.RowFields:
         """rows: (sequence, position, slot, base, ancestors' slots or None)."""
         anc, offs = [], []
         for _, _, _, _, a in rows:
@@ -402,19 +403,19 @@ class _Caches:
             anc += a or []
         i32 = lambda v: cupy.asarray(np.array(v, np.int32))  # noqa: E731
         u64 = lambda v: cupy.asarray(np.array(v, np.uint64))  # noqa: E731
-        return ops.RowFields(i32([r[1] for r in rows]), i32([r[2] for r in rows]), i32([r[3] for r in rows]),
+        return attn.RowFields(i32([r[1] for r in rows]), i32([r[2] for r in rows]), i32([r[3] for r in rows]),
                              i32(offs), i32(anc + [0]), u64([self.k[r[0]].data.ptr for r in rows]),
                              u64([self.v[r[0]].data.ptr for r in rows]), i32([self.caps[r[0]] for r in rows]))
 
 
-def _attend(qkv: np.ndarray, shape: ops.AttentionShape, caches: _Caches, rows: list, layer: int,
+def _attend(qkv: np.ndarray, shape: attn.AttentionShape, caches: _Caches, rows: list, layer: int,
             act: str = "f32", work_rows: int = 3) -> np.ndarray:
     """(work_rows 3 by default: several launches over the rows, the slices are part of what is tested)"""
     n = len(rows)
     max_ctx = max(caches.caps)
-    work = cupy.zeros(ops.attention_work_nbytes(shape, work_rows, max_ctx) // 4, cupy.float32)
+    work = cupy.zeros(attn.attention_work_nbytes(shape, work_rows, max_ctx) // 4, cupy.float32)
     out = _poisoned((n, shape.n_heads * shape.head_dim))
-    ops.attention(cupy.asarray(qkv), shape, layer, caches.fields(rows), n, max_ctx, work, work_rows, out, act)
+    attn.attention(cupy.asarray(qkv), shape, layer, caches.fields(rows), n, max_ctx, work, work_rows, out, act)
     return cupy.asnumpy(out)
 
 
@@ -425,7 +426,7 @@ def test_attention_matches_the_exact_softmax(rng: np.random.Generator, heads: tu
     from infer.gpu.reference import attention_reference
 
     n_heads, n_kv = heads
-    shape = ops.AttentionShape(n_heads, n_kv, hd, hd // 2, False)
+    shape = attn.AttentionShape(n_heads, n_kv, hd, hd // 2, False)
     caches = _Caches(rng, 2, n_kv, [700, 300], hd)
     rows = [(0, 0, 0, 1, None), (0, 31, 31, 32, None), (1, 32, 32, 33, None), (0, 63, 63, 64, None),
             (0, 127, 127, 128, None), (1, 128, 128, 129, None), (1, 255, 255, 256, None), (0, 256, 256, 257, None),
@@ -444,7 +445,7 @@ def test_attention_of_a_row_is_the_same_bits_in_any_pass(rng: np.random.Generato
     """A row's attention alone, among other sequences' rows, or as a token-tree node whose ancestors
     sit in other slots (its span mapped: SlotMap) is the same bits."""
     n_heads, n_kv, hd = 8, 2, 128
-    shape = ops.AttentionShape(n_heads, n_kv, hd, hd // 2, False)
+    shape = attn.AttentionShape(n_heads, n_kv, hd, hd // 2, False)
     caches = _Caches(rng, 1, n_kv, [600, 600], hd)
     # sequence 1 holds sequence 0's positions 0..399 and, at slots 500..519, its positions 400..419
     for arrays in (caches.host, caches.vals):
@@ -473,7 +474,7 @@ def test_attention_of_a_row_does_not_depend_on_its_block_group(rng: np.random.Ge
     cache through its own slots: a prompt) give each row the bits it gets in a block of its own,
     for prompt rows, tree nodes and rows of other sequences mixed in one launch."""
     n_heads, n_kv, hd = 8, 2, 128
-    shape = ops.AttentionShape(n_heads, n_kv, hd, hd // 2, False)
+    shape = attn.AttentionShape(n_heads, n_kv, hd, hd // 2, False)
     caches = _Caches(rng, 1, n_kv, [600, 600], hd)
     rows = [(0, p, p, p + 1, None) for p in range(290, 330)]  # a prompt chunk across chunk and block edges
     rows += [(1, 3, 3, 4, None), (1, 419, 519, 400, list(range(500, 520))), (0, 100, 100, 101, None)]
@@ -492,15 +493,15 @@ def test_attention_of_a_row_does_not_depend_on_its_block_group(rng: np.random.Ge
 def test_attention_rounds_its_output(rng: np.random.Generator, act: str) -> None:
     """The merge rounds each row to the output projection's format, its 8-bit form with it."""
     n_heads, n_kv, hd = 8, 2, 128
-    shape = ops.AttentionShape(n_heads, n_kv, hd, hd // 2, False)
+    shape = attn.AttentionShape(n_heads, n_kv, hd, hd // 2, False)
     caches = _Caches(rng, 1, n_kv, [300], hd)
     rows = [(0, 299, 299, 300, None), (0, 10, 10, 11, None)]
     qkv = cupy.asarray(rng.standard_normal((2, shape.width)).astype(np.float32))
-    work = cupy.zeros(ops.attention_work_nbytes(shape, 2, 300) // 4, cupy.float32)
+    work = cupy.zeros(attn.attention_work_nbytes(shape, 2, 300) // 4, cupy.float32)
     plain, out = _poisoned((2, n_heads * hd)), _poisoned((2, n_heads * hd))
-    ops.attention(qkv, shape, 0, caches.fields(rows), 2, 300, work, 2, plain, "f32")
+    attn.attention(qkv, shape, 0, caches.fields(rows), 2, 300, work, 2, plain, "f32")
     int8 = ops.Int8Act.zeros(2, n_heads * hd, act) if act != "f16" else None
-    ops.attention(qkv, shape, 0, caches.fields(rows), 2, 300, work, 2, out, act, int8)
+    attn.attention(qkv, shape, 0, caches.fields(rows), 2, 300, work, 2, out, act, int8)
     from infer.quants import round_activations
 
     np.testing.assert_array_equal(cupy.asnumpy(out), round_activations(cupy.asnumpy(plain), act))
@@ -517,13 +518,13 @@ def test_rope_rows(rng: np.random.Generator, neox: bool) -> None:
     n_heads, n_kv, hd, cap = 8, 2, 64, 300
     args = _args(neox, n_heads, n_kv, hd)
     rope = Rope(args, None)
-    shape = ops.AttentionShape(n_heads, n_kv, hd, rope.n_pairs, neox)
+    shape = attn.AttentionShape(n_heads, n_kv, hd, rope.n_pairs, neox)
     cos, sin = rope.angles(np.arange(cap))
     caches = _Caches(rng, 2, n_kv, [cap, cap], hd)
     rows = [(0, 5, 5, 6, None), (1, 299, 299, 300, None), (0, 17, 200, 10, [200])]
     qkv = rng.standard_normal((len(rows), shape.width)).astype(np.float32)
     d = cupy.asarray(qkv)
-    ops.rope_rows(d, shape, cupy.asarray(cos.astype(np.float32)), cupy.asarray(sin.astype(np.float32)), 1,
+    attn.rope_rows(d, shape, cupy.asarray(cos.astype(np.float32)), cupy.asarray(sin.astype(np.float32)), 1,
                   caches.fields(rows), len(rows))
     got = cupy.asnumpy(d)
     for i, (seq, pos, slot, _, _) in enumerate(rows):

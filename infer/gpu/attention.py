@@ -1,0 +1,144 @@
+"""The attention launches of a pass (infer/kernels/attention.cu): rotary embedding and the KV store
+of each row (`rope_rows`), then each row's attention over its own cache, position and span
+(`attention`: attn_chunks, attn_merge), and the geometry and row fields they take."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import cupy
+import numpy as np
+
+from infer.gpu import kernels
+from infer.gpu.ops import ACT_CODES, Int8Act, int8_args, with_shared
+
+ATTN_CHUNK = 32  # attention.cu: positions per chunk
+ATTN_BLOCK_POSITIONS = 128  # positions per attn_chunks block (4 chunks)
+ATTN_HEADS = 4  # query heads an attn_chunks warp takes at once
+ATTN_THREADS = 128
+ATTN_MAX_HEAD_DIM = 256
+ATTN_MAX_GROUP = 16
+
+
+def prepare(shape: AttentionShape) -> None:
+    """Raises attn_chunks' shared-memory opt-in for `shape` before any CUDA graph capture."""
+    name = f"attn_chunks_d{shape.head_dim}"
+    with_shared(kernels.function("attention", name), (name,), shape.chunks_shared_bytes())
+
+
+@dataclass
+class AttentionShape:
+    """The attention geometry of a model."""
+
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    n_pairs: int  # rotary pairs
+    neox: bool
+
+    @property
+    def width(self) -> int:
+        """Values of a row of Q, K and V."""
+        return (self.n_heads + 2 * self.n_kv_heads) * self.head_dim
+
+    def check(self) -> None:
+        group = self.n_heads // self.n_kv_heads
+        if self.head_dim not in (64, 128, 256):
+            raise ValueError(f"head dimension {self.head_dim} is not one of the attention kernels' 64, 128, 256")
+        if self.n_heads % self.n_kv_heads or group > ATTN_MAX_GROUP:
+            raise ValueError(f"{self.n_heads} query heads over {self.n_kv_heads} KV heads: at most "
+                             f"{ATTN_MAX_GROUP} per KV head are supported")
+
+    def chunks_shared_bytes(self) -> int:
+        """attn_chunks' dynamic shared memory: the 4 chunks' partials, each warp's probabilities and
+        slot numbers, and each warp's chunk of float16 keys and values."""
+        g, d = self.n_heads // self.n_kv_heads, self.head_dim
+        return 4 * (4 * g * (d + 2) + 4 * ATTN_CHUNK * ATTN_HEADS + 4 * ATTN_CHUNK) + 4 * 2 * ATTN_CHUNK * d * 2
+
+
+def attention_blocks(max_ctx: int) -> int:
+    """attn_chunks blocks a row of a cache of max_ctx positions may need (work buffer rows)."""
+    return -(-max_ctx // ATTN_BLOCK_POSITIONS)
+
+
+def attention_group_rows(rows: int) -> int:
+    """Rows an attn_chunks block takes one after the other (a prompt's rows then share the keys it
+    copies): 1, a block per row, unless NVMEDIRECT_ATTN_GROUP says otherwise. Sharing measured
+    slower on the H200 (2026-12-02, bench.kernel_sweep: 512 prompt rows 571 us in blocks of one
+    row, 582 in fours, 779 in eights; 32 rows 38.8, 51.5, 76.5): the kernel is bound by its
+    arithmetic, not by reading the keys."""
+    import os
+
+    forced = os.environ.get("NVMEDIRECT_ATTN_GROUP")
+    return max(1, int(forced)) if forced else 1
+
+
+def attention_work_nbytes(shape: AttentionShape, rows: int, max_ctx: int) -> int:
+    """Float32 work of one attention launch over `rows` rows of caches up to max_ctx positions."""
+    return 4 * rows * shape.n_heads * attention_blocks(max_ctx) * (shape.head_dim + 2)
+
+
+@dataclass
+class RowFields:
+    """The device fields of a pass's rows that the attention kernels read (infer/gpu/passes.py)."""
+
+    pos: cupy.ndarray
+    slot: cupy.ndarray
+    base: cupy.ndarray
+    anc_off: cupy.ndarray
+    anc: cupy.ndarray
+    kptr: cupy.ndarray
+    vptr: cupy.ndarray
+    cap: cupy.ndarray
+
+    def offset(self, r0: int) -> tuple:
+        """Pointers to the fields of rows r0.. (anc is indexed by offsets: not moved)."""
+        def at(a: cupy.ndarray) -> np.uint64:
+            return np.uint64(a.data.ptr + r0 * a.itemsize)
+
+        return (at(self.pos), at(self.slot), at(self.base), at(self.anc_off), self.anc, at(self.kptr), at(self.vptr),
+                at(self.cap))
+
+
+def rope_rows(qkv: cupy.ndarray, shape: AttentionShape, cos: cupy.ndarray, sin: cupy.ndarray, layer: int,
+              rows: RowFields, n: int) -> None:
+    """Rotates q (in place) and k of rows 0..n-1 of qkv (rows, shape.width) by their positions and
+    stores k and v in each row's cache at its slot (layer `layer`)."""
+    s = shape
+    threads = min(128, max(32, -(-s.head_dim // 2 // 32) * 32))
+    pos, slot, _base, _off, _anc, kptr, vptr, cap = rows.offset(0)
+    kernels.function("attention", "rope_rows")(
+        (n, s.n_heads + s.n_kv_heads), (threads,),
+        (qkv, np.int32(s.width), cos, sin, np.int32(s.n_heads), np.int32(s.n_kv_heads), np.int32(s.head_dim),
+         np.int32(s.n_pairs), np.int32(1 if s.neox else 0), np.int32(layer), pos, slot, kptr, vptr, cap))
+
+
+def attention(qkv: cupy.ndarray, shape: AttentionShape, layer: int, rows: RowFields, n: int, max_ctx: int,
+              work: cupy.ndarray, work_rows: int, out: cupy.ndarray, act: str, int8: Int8Act | None = None) -> None:
+    """out (n, n_heads * head_dim) = each row's attention over its span (its position, slots and
+    cache in `rows`; keys and values stored by rope_rows), rounded to activation format `act` (with
+    its 8-bit form into int8). `work` holds the partials of work_rows rows at a time
+    (attention_work_nbytes); max_ctx bounds every row's position + 1."""
+    s = shape
+    nb = attention_blocks(max_ctx)
+    scale = np.float32(1.0 / np.sqrt(s.head_dim))
+    smem = s.chunks_shared_bytes()
+    name = f"attn_chunks_d{s.head_dim}"
+    chunks = with_shared(kernels.function("attention", name), (name,), smem)
+    merge = kernels.function("attention", "attn_merge")
+    q_values = s.n_heads * s.head_dim
+    chunk = 256 if q_values % 256 == 0 else 32  # attn_merge: values a block (whole 8-bit groups)
+    if act == "q8_k" and chunk != 256:
+        raise ValueError(f"a q8_k output needs rows of whole 256-value groups, not {q_values}")
+    for r0 in range(0, n, work_rows):
+        m = min(work_rows, n - r0)
+        group = attention_group_rows(m)
+        pos, _slot, base, anc_off, anc, kptr, vptr, cap = rows.offset(r0)
+        chunks((s.n_kv_heads, nb, -(-m // group)), (ATTN_THREADS,),
+               (np.uint64(qkv.data.ptr + r0 * s.width * 4), np.int32(s.width), np.int32(s.n_heads),
+                np.int32(s.n_kv_heads), scale, np.int32(layer), pos, base, anc_off, anc, kptr, vptr, cap, work,
+                np.int32(nb), np.int32(m), np.int32(group)), shared_mem=smem)
+        part = None if int8 is None else int8.rows(r0, r0 + m)
+        merge((m, q_values // chunk), (chunk,), (work, np.int32(nb), np.int32(s.n_heads), np.int32(s.head_dim), pos,
+                                                 np.uint64(out.data.ptr + r0 * q_values * 4), np.int32(ACT_CODES[act]),
+                                                 *int8_args(part)))
