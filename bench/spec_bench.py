@@ -541,11 +541,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         result = run(args)
     except Exception as err:  # a device allocation past the VRAM budget: one line, exit 2
-        if type(err).__name__ != "OutOfMemoryError":
+        if "cupy" not in sys.modules:  # no device was used
             raise
-        from infer.gpu.memory import current_account, over_budget
+        from infer.gpu import memory
 
-        print(f"error: {over_budget(err, current_account())}", file=sys.stderr)
+        if not memory.is_out_of_memory(err):
+            raise
+        print(f"error: {memory.over_budget(err, memory.current_account())}", file=sys.stderr)
         return 2
     result["command"] = " ".join(["python -m bench.spec_bench", *(argv if argv is not None else sys.argv[1:])])
     if args.out:

@@ -118,23 +118,21 @@ def main() -> int:
 
 
 def _kernel_names(name: str, defines: tuple) -> list[str]:
+    """Every kernel name the module may hold: its plain `extern "C"` kernels, and every name its
+    instantiating macros can make (absent ones are skipped by the caller)."""
     import re
 
     from infer.gpu import kernels
 
     text = kernels.source_text(name, dict(defines))
     names = set(re.findall(r'extern "C" __global__ void(?: __launch_bounds__\([^)]*\))?\s+(\w+)\(', text))
-    for macro, pattern in (("QGEMV", "qgemv_{}_v{}"), ("QMM", "qmm_{}_n{}"), ("ATTN_CHUNKS", "attn_chunks_d{}")):
-        for args in re.findall(rf"\b{macro}\((\w+), \d+, (\d+)\)", text):
-            names.add(pattern.format(*args))
-    for fmt in ("q8", "g4", "g5", "k4", "k5", "k6"):
-        for v in (1, 2, 4):
-            names.add(f"qgemv_{fmt}_v{v}")
-        for nt in (1, 2, 4, 8):
-            names.add(f"qmm_{fmt}_n{nt}")
-    for d in (64, 128, 256):
-        names.add(f"attn_chunks_d{d}")
+    names |= {f"qgemv_{fmt}_v{v}" for fmt in FORMATS for v in (1, 2, 4)}
+    names |= {f"qmm_{fmt}_n{nt}" for fmt in FORMATS for nt in (1, 2, 4, 8)}
+    names |= {f"attn_chunks_d{d}" for d in (64, 128, 256)}
     return sorted(names)
+
+
+FORMATS = ("q8", "g4", "g5", "k4", "k5", "k6")
 
 
 if __name__ == "__main__":

@@ -205,6 +205,8 @@ def _tuning_from_environment() -> None:
         nt, _, pair = item.partition(":")
         warps, stages = (int(v) for v in pair.split(","))
         QMM_TUNING[int(nt)] = (warps, stages)
+    if os.environ.get("NVMEDIRECT_QMM_MIN_BLOCKS"):
+        QMM_MIN_BLOCKS.update({fmt: int(os.environ["NVMEDIRECT_QMM_MIN_BLOCKS"]) for fmt in FORMAT_KIND})
     if os.environ.get("NVMEDIRECT_QGEMV_TUNING"):
         warps, unroll = (int(v) for v in os.environ["NVMEDIRECT_QGEMV_TUNING"].split(","))
         QGEMV_TUNING = (warps, unroll)
@@ -216,13 +218,10 @@ _tuning_from_environment()
 def _module_defines(fmt: str, nt: int = 1, tuning: tuple[int, int] | None = None) -> dict[str, int]:
     """The #defines of the qmm module that holds format `fmt`'s qmm kernels in the variant for nt
     n-tiles (or `tuning`: warps, stages)."""
-    import os
-
     warps, stages = tuning or QMM_TUNING[nt]
     defines = {"QMM_FORMAT": FORMAT_KIND.get(fmt, 100), "MMQ_WARPS": warps, "MMQ_STAGES": stages, "QMM_KERNELS": 2}
-    min_blocks = os.environ.get("NVMEDIRECT_QMM_MIN_BLOCKS") or QMM_MIN_BLOCKS.get(fmt)  # registers per thread
-    if min_blocks:
-        defines["MMQ_MIN_BLOCKS"] = int(min_blocks)
+    if fmt in QMM_MIN_BLOCKS:
+        defines["MMQ_MIN_BLOCKS"] = QMM_MIN_BLOCKS[fmt]
     return defines
 
 
