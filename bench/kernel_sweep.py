@@ -1,5 +1,5 @@
 """Times the kernels of a pass on the 8B's shapes (random weights, no model file) and their tuning
-variants, to choose infer.gpu.ops.QMM_TUNING / QGEMV_TUNING and to see where a pass's time goes:
+variants, to choose infer.gpu.products.QMM_TUNING / QGEMV_TUNING and to see where a pass's time goes:
 
 - products (qgemv at 1-4 rows, qmm at 5-512) of each Q4_K_M matrix of an 8B layer and the output,
   for each variant (qmm: warps of 16 rows x pipeline stages; qgemv: warps x loads in flight): us,
@@ -75,7 +75,7 @@ def products(rows_list: list[int], copies: int = 3, matrices: list[str] | None =
     import cupy
     from gguf.constants import GGMLQuantizationType as T
 
-    from infer.gpu import ops
+    from infer.gpu import ops, products
 
     rng = np.random.default_rng(0)
     shapes = {"qkv": [(T.Q4_K, DIM, DIM), (T.Q4_K, KV, DIM), (T.Q4_K, KV, DIM)], "wo": [(T.Q4_K, DIM, DIM)],
@@ -101,7 +101,7 @@ def products(rows_list: list[int], copies: int = 3, matrices: list[str] | None =
         nbytes = sum(m.nbytes for m in mats[0])
         macs = sum(m.rows * m.cols for m in mats[0])
         for n in rows_list:
-            qmm = ops.uses_qmm(m0.fmt, m0.cols, n)
+            qmm = products.uses_qmm(m0.fmt, m0.cols, n)
             variants = QMM_VARIANTS if qmm else QGEMV_VARIANTS
             if default_only:
                 variants = [None]
@@ -109,13 +109,13 @@ def products(rows_list: list[int], copies: int = 3, matrices: list[str] | None =
             for tuning in variants:
                 try:
                     with stream:
-                        ops.product(mats[0], x8, ys, n, tuning=tuning)
+                        products.product(mats[0], x8, ys, n, tuning=tuning)
                         got = cupy.asnumpy(ys[: n * sum(m.rows for m in mats[0])], stream=stream)
                     if want is None:
                         want = got
                     same = bool(np.array_equal(got, want))
                     us = _timed(stream, lambda tuning=tuning, n=n, mats=mats, x8=x8: [
-                        ops.product(m, x8, ys, n, tuning=tuning) for m in mats], n_copies)
+                        products.product(m, x8, ys, n, tuning=tuning) for m in mats], n_copies)
                 except Exception as err:  # noqa: BLE001 - a variant that does not launch: say so, go on
                     out.append({"matrix": name, "rows": n, "tuning": list(tuning or ()), "error": f"{type(err).__name__}: {err}"})
                     continue

@@ -32,10 +32,14 @@ class Model(Protocol):
 
     def new_cache(self, max_tokens: int) -> Cache: ...
 
-    def forward(self, tokens: np.ndarray, cache: Cache, all_logits: bool = False) -> np.ndarray: ...
+    def forward(self, tokens: np.ndarray, cache: Cache, all_logits: bool = False, prompt: bool = False
+                ) -> np.ndarray: ...
 
-    def forward_batch(self, batch: Sequence[tuple[np.ndarray, Cache]], all_logits: bool = False
-                      ) -> list[np.ndarray]: ...
+    def prefill(self, tokens: np.ndarray, cache: Cache) -> None:
+        """Appends prompt tokens whose logits nobody reads (the GPU runs them as prompt rows)."""
+
+    def forward_batch(self, batch: Sequence[tuple[np.ndarray, Cache]], all_logits: bool = False,
+                      prompt_rows: Sequence[int] | None = None) -> list[np.ndarray]: ...
 
 
 @runtime_checkable
@@ -111,22 +115,38 @@ class Engine:
                 f"{len(self.tokens)} cached + {n_new} new tokens exceed the context size {self.ctx_size} "
                 "(raise -c/--ctx-size)")
 
-    def evaluate(self, tokens: Sequence[int], all_logits: bool = False) -> np.ndarray:
+    def evaluate(self, tokens: Sequence[int], all_logits: bool = False, prompt: bool = False) -> np.ndarray:
         """Appends `tokens` to the sequence (in batches of `prefill_batch`); returns the logits of
-        the last one, or of every one (T, vocab) with all_logits."""
+        the last one, or of every one (T, vocab) with all_logits. prompt: only the last one's
+        logits are wanted, the others are prompt rows (docs/GPU.md)."""
         if not tokens:
             raise ValueError("no tokens to evaluate")
         self._check_room(len(tokens))
         outputs = []
         for start in range(0, len(tokens), self.prefill_batch):
             chunk = list(tokens[start : start + self.prefill_batch])
-            outputs.append(self.model.forward(np.asarray(chunk), self.cache, all_logits=all_logits))
+            if prompt and not all_logits and start + len(chunk) < len(tokens):
+                self.model.prefill(np.asarray(chunk), self.cache)
+            else:
+                outputs.append(self.model.forward(np.asarray(chunk), self.cache, all_logits=all_logits,
+                                                  prompt=prompt and not all_logits))
             self.tokens.extend(chunk)
         return np.concatenate(outputs) if all_logits else outputs[-1]
 
-    def prefill(self, prompt: Sequence[int]) -> np.ndarray:
+    def append_prompt(self, tokens: Sequence[int]) -> None:
+        """Appends prompt tokens whose logits nobody reads (prompt rows)."""
+        if not tokens:
+            return
+        self._check_room(len(tokens))
+        for start in range(0, len(tokens), self.prefill_batch):
+            chunk = list(tokens[start : start + self.prefill_batch])
+            self.model.prefill(np.asarray(chunk), self.cache)
+            self.tokens.extend(chunk)
+
+    def prefill(self, prompt: Sequence[int], logits: bool = True) -> np.ndarray | None:
         """Makes the sequence equal `prompt`, reusing the cached prefix they share; returns the
-        logits after the last prompt token."""
+        logits after the last prompt token (None without `logits`: every token then runs as a
+        prompt row, the last too, for a caller that runs the next token itself)."""
         if not prompt:
             raise ValueError("the prompt has no tokens")
         shared = 0
@@ -134,14 +154,15 @@ class Engine:
             if a != b:
                 break
             shared += 1
-        shared = min(shared, len(prompt) - 1)  # the last prompt token is always run: its logits are needed
+        if logits:
+            shared = min(shared, len(prompt) - 1)  # the last prompt token is always run: its logits are needed
         del self.tokens[shared:]
         self.cache.length = shared
         started = time.perf_counter()
-        logits = self.evaluate(prompt[shared:])
+        out = self.evaluate(prompt[shared:], prompt=True) if logits else self.append_prompt(prompt[shared:])
         self.stats.prompt_tokens = len(prompt) - shared
         self.stats.prompt_seconds = time.perf_counter() - started
-        return logits
+        return out
 
     def generate_on_device(self, prompt: Sequence[int], max_new_tokens: int,
                            stop_ids: frozenset[int] = frozenset()) -> Iterator[int]:
@@ -157,7 +178,7 @@ class Engine:
                                    "(raise -c/--ctx-size)")
         self.stats = GenerationStats()
         if len(prompt) > 1:
-            self.prefill(list(prompt[:-1]))  # reuses a shared prefix; sets the prompt's stats
+            self.prefill(list(prompt[:-1]), logits=False)  # reuses a shared prefix; sets the prompt's stats
         else:
             self.reset()
         self.stats.prompt_tokens += 1

@@ -383,12 +383,19 @@ class Transformer:
     def new_cache(self, max_tokens: int) -> KVCache:
         return KVCache(self.args, max_tokens)
 
-    def forward(self, tokens: np.ndarray, cache: KVCache, all_logits: bool = False) -> np.ndarray:
-        """Logits: (T, vocab) with all_logits, else (vocab,) of the last token."""
+    def forward(self, tokens: np.ndarray, cache: KVCache, all_logits: bool = False, prompt: bool = False) -> np.ndarray:
+        """Logits: (T, vocab) with all_logits, else (vocab,) of the last token. `prompt` (the GPU's
+        prompt rows, docs/GPU.md) changes nothing here: the CPU has one product."""
         return self.forward_batch([(np.asarray(tokens, dtype=np.int64), cache)], all_logits)[0]
 
-    def forward_batch(self, batch: Batch, all_logits: bool = False) -> list[np.ndarray]:
-        """Per sequence the logits of its last token (vocab,) or of every token (T, vocab)."""
+    def prefill(self, tokens: np.ndarray, cache: KVCache) -> None:
+        """Appends prompt tokens whose logits nobody reads."""
+        self.forward_batch([(np.asarray(tokens, dtype=np.int64), cache)])
+
+    def forward_batch(self, batch: Batch, all_logits: bool = False,
+                      prompt_rows: Sequence[int] | None = None) -> list[np.ndarray]:
+        """Per sequence the logits of its last token (vocab,) or of every token (T, vocab);
+        prompt_rows as the GPU's (ignored: one product here)."""
         sizes = check_batch(batch, self.args.vocab_size)
         bounds = np.cumsum([0, *sizes])
         angles = [self.rope.angles(np.arange(c.length, c.length + n)) for (_, c), n in zip(batch, sizes, strict=True)]

@@ -196,8 +196,8 @@ class Speculator:
             cache = self.target.new_cache(self.ctx_size)
         cache.length = 0
         context = list(prompt[:-1])
-        if context:
-            self.target.forward(np.asarray(context), cache)
+        if context:  # prompt rows, as plain generation runs them (its last token is the first tree's root)
+            self.target.prefill(np.asarray(context), cache)
         root, produced = int(prompt[-1]), 0
         while produced < max_new_tokens:
             room = self.ctx_size - cache.length  # positions the tree may take

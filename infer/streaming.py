@@ -50,8 +50,8 @@ class StreamingEngine:
         self._bytes_moved = bytes_moved
         self.stats = BatchStats()
 
-    def _pass(self, batch: list[tuple[np.ndarray, Cache]]) -> list[np.ndarray]:
-        return self.model.forward_batch(batch)
+    def _pass(self, batch: list[tuple[np.ndarray, Cache]], prompt_rows: list[int] | None = None) -> list[np.ndarray]:
+        return self.model.forward_batch(batch, prompt_rows=prompt_rows)
 
     def prefill(self, prompts: Sequence[Sequence[int]]) -> tuple[list[Cache], list[np.ndarray]]:
         """New caches holding each prompt; the logits after each prompt's last token. The prompts
@@ -72,7 +72,9 @@ class StreamingEngine:
                 break
             share = max(1, self.prefill_chunk // len(live))  # a pass holds about prefill_chunk rows
             batch = [(np.asarray(prompts[s][done[s]:done[s] + share]), caches[s]) for s in live]
-            for s, logits in zip(live, self._pass(batch), strict=True):
+            # every prompt token but each prompt's last is a prompt row (docs/GPU.md)
+            prompt_rows = [len(t) - (done[s] + len(t) == len(prompts[s])) for (t, _), s in zip(batch, live, strict=True)]
+            for s, logits in zip(live, self._pass(batch, prompt_rows), strict=True):
                 last[s] = logits
                 done[s] = min(len(prompts[s]), done[s] + share)
             self.stats.prefill_passes += 1

@@ -20,7 +20,9 @@
 #                                                         # 8-12 min, it outlives this call (setsid)
 #   GPU_CHECK_LLAMA=1 GPU_CHECK_SKIP_TESTS=1 GPU_CHECK_SKIP_BENCH=1 ...
 #                                                         # wait for that build, then llama-bench pp512/tg128 on
-#                                                         # the synthetic 8B (same file as ours)
+#                                                         # the synthetic 8B (same file as ours); with a carried
+#                                                         # .peer/llama-bin.tar.xz (scripts/llama-cpp-cuda.sh built
+#                                                         # it on a CPU machine) no build: its binaries are used
 #   GPU_CHECK_SPEC=1 ...                                  # speculative decoding: the CLI with a draft model on
 #                                                         # synthetic 8B/1B, and (with GPU_CHECK_70B) the time of
 #                                                         # one verification pass per tree size on the streamed 70B
@@ -126,7 +128,8 @@ copy = f"{r['fraction_of_copy']:.0%} of copy {r['copy_GBps']}" if r["copy_GBps"]
 b = r.get("batch")
 batch = (f"; {b['sequences']} seq x {b['new_tokens']}: {b['decode_aggregate_tok_s']} tok/s, identical "
          f"{b.get('identical_to_alone', '-')}") if b else ""
-print(f"bench {sys.argv[2]:<14} pp{r['pp_tokens']} {r['pp_tok_s']:>8} tok/s  tg{r['tg_tokens']} {r['tg_tok_s']:>7} tok/s  "
+print(f"bench {sys.argv[2]:<14} pp{r['pp_tokens']} {r['pp_tok_s']:>8} tok/s (canonical {r.get('pp_canonical_tok_s')})  "
+      f"tg{r['tg_tokens']} {r['tg_tok_s']:>7} tok/s  "
       f"{r['achieved_GBps']} GB/s ({copy})  peak {r['peak_vram_bytes'] / 1e9:.2f} GB{budget}  "
       f"fp64/pass {r.get('fp64_ops_per_pass')}{batch}")
 EOF
@@ -168,6 +171,12 @@ if [ -n "${GPU_CHECK_SWEEP:-}" ]; then
     grep '"kernel"' "$OUT/sweep.txt" | head -20
 fi
 
+if [ -n "${GPU_CHECK_LLAMA:-}" ] && [ -f .peer/llama-bin.tar.xz ]; then  # prebuilt: no build on this machine
+    mkdir -p /tmp/lcbin && tar xJf .peer/llama-bin.tar.xz -C /tmp/lcbin && mkdir -p "$LLAMA_DIR/llama.cpp/build" &&
+        ln -sfn /tmp/lcbin "$LLAMA_DIR/llama.cpp/build/bin" && echo "rc=0 (prebuilt)" > "$LLAMA_DIR/done"
+    export LD_LIBRARY_PATH="/tmp/lcbin:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
+    note "llama.cpp: prebuilt binaries from .peer/llama-bin.tar.xz ($(cat /tmp/lcbin/BUILD 2>/dev/null | head -1))"
+fi
 if [ -n "${GPU_CHECK_LLAMA:-}" ]; then
     section "llama.cpp llama-bench on the synthetic 8B Q4_K_M (the file ours ran on)"
     for _ in $(seq 1 "${GPU_CHECK_LLAMA_WAIT:-540}"); do [ -f "$LLAMA_DIR/done" ] && break; sleep 1; done

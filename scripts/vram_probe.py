@@ -46,13 +46,13 @@ def main() -> int:
     if args.stack is not None:
         rt.deviceSetLimit(rt.cudaLimitStackSize, args.stack)
         phase(f"stack limit set to {args.stack}")
-    from infer.gpu import attention, ops
+    from infer.gpu import attention, ops, products
 
     for name in kernels.SOURCES:
         if name != "qmm":
             kernels.module(name)
     phase("modules but qmm loaded")
-    ops.prepare_kernels({"k4", "k6"})
+    products.prepare_kernels({"k4", "k6"})
     attention.prepare(attention.AttentionShape(32, 8, 128, 64, False))
     phase("qmm modules loaded")
     work = cupy.zeros(32 * 8 * 130, cupy.float32)

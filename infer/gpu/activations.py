@@ -8,13 +8,16 @@ import cupy
 
 from infer.arch import ModelArgs
 from infer.gpu import ops
-from infer.gpu.ops import EIGHT_BIT, Input, Int8Act
+from infer.gpu.ops import EIGHT_BIT, Int8Act
+from infer.gpu.products import Input
 from infer.gpu.weights import MatrixFormat
 
 F32 = cupy.float32
 # inputs normalised from the hidden state: a float32 copy of each format (the norm writes one, the
 # others are rounded from it); "ff" and "att" come from kernels that write the 8-bit form directly
 NORMED = ("attn", "ffn", "out")
+# inputs the prompt rows' products also take as float16 (infer/kernels/pmm.cu), before any rounding
+HALVES = ("attn", "ffn", "att", "ff")
 
 
 def layer_inputs(args: ModelArgs, f: dict[str, MatrixFormat]) -> list[tuple[str, str, int]]:
@@ -45,6 +48,11 @@ def _nbytes(kind: str, act: str, rows: int, n: int) -> int:
     return rows * n + 4 * rows * n // group + 4 * rows * n // 32
 
 
+def _halves(wanted: list[tuple[str, str, int]]) -> dict[str, int]:
+    """Input -> values per row, of the float16 copies the prompt products take."""
+    return {key: n for key, _act, n in wanted if key in HALVES}
+
+
 class Inputs:
     """Inputs "attn" (the attention norm's output), "ffn" (the FFN norm's), "att" (attention's
     output: its 8-bit form; the floats are the pass's attention buffer), "ff" (SwiGLU's) and "out"
@@ -59,31 +67,40 @@ class Inputs:
                 self.floats[(key, act)] = cupy.zeros((rows, n), F32)
             else:
                 self.int8[(key, act)] = Int8Act.zeros(rows, n, act)
+        self.halves = {key: cupy.zeros((rows, n), cupy.float16) for key, n in _halves(wanted).items()}
 
     @staticmethod
     def planned_nbytes(rows: int, wanted: list[tuple[str, str, int]]) -> int:
-        return sum(_nbytes(kind, act, rows, n) for (_key, act, kind), n in _buffers(wanted).items())
+        return (sum(_nbytes(kind, act, rows, n) for (_key, act, kind), n in _buffers(wanted).items())
+                + sum(2 * rows * n for n in _halves(wanted).values()))
 
     @property
     def nbytes(self) -> int:
-        return sum(int(b.nbytes) for b in self.floats.values()) + sum(b.nbytes for b in self.int8.values())
+        return (sum(int(b.nbytes) for b in self.floats.values()) + sum(b.nbytes for b in self.int8.values())
+                + sum(int(b.nbytes) for b in self.halves.values()))
+
+    def half(self, key: str) -> cupy.ndarray:
+        """The float16 copy of input `key` (rows, values): the prompt products' input."""
+        return self.halves[key]
 
     def get(self, key: str, act: str) -> Input:
         """Input `key` in format `act`: its 8-bit form for q8_0/q8_k, else the float32 rows."""
         return self.int8[(key, act)] if act in EIGHT_BIT else self.floats[(key, act)]
 
     def normed(self, src: cupy.ndarray, weight: cupy.ndarray, key: str, acts: list[str], n: int,
-               src_rows: cupy.ndarray | None = None) -> dict[str, Input]:
+               src_rows: cupy.ndarray | None = None, half: bool = False) -> dict[str, Input]:
         """RMSNorm(row) * weight for n rows (src's first n, or rows src_rows[i]), rounded to each
-        activation format in `acts` (one launch for one format)."""
+        activation format in `acts` (one launch for one format); with `half` also its float16 copy
+        before rounding (self.half(key))."""
         a, unique = self.args, sorted(set(acts))
+        y16 = self.halves[key] if half else None
         if len(unique) == 1:
             act = unique[0]
-            ops.rmsnorm(src, weight, a.norm_eps, n, a.dim, y=self.floats[(key, act)], act=act,
+            ops.rmsnorm(src, weight, a.norm_eps, n, a.dim, y=self.floats[(key, act)], y16=y16, act=act,
                         int8=self.int8.get((key, act)), src_rows=src_rows)
             return {act: self.get(key, act)}
         base = self.floats[(key, "f32")]
-        ops.rmsnorm(src, weight, a.norm_eps, n, a.dim, y=base, src_rows=src_rows)
+        ops.rmsnorm(src, weight, a.norm_eps, n, a.dim, y=base, y16=y16, src_rows=src_rows)
         for act in unique:
             if act != "f32":
                 ops.round_act(base, self.floats[(key, act)], n, a.dim, act, int8=self.int8.get((key, act)))

@@ -10,7 +10,7 @@ import cupy
 import numpy as np
 
 from infer.gpu import kernels
-from infer.gpu.ops import ACT_CODES, Int8Act, int8_args, with_shared
+from infer.gpu.ops import ACT_CODES, NULL, Int8Act, int8_args, with_shared
 
 ATTN_CHUNK = 32  # attention.cu: positions per chunk
 ATTN_BLOCK_POSITIONS = 128  # positions per attn_chunks block (4 chunks)
@@ -59,6 +59,14 @@ class AttentionShape:
 def attention_blocks(max_ctx: int) -> int:
     """attn_chunks blocks a row of a cache of max_ctx positions may need (work buffer rows)."""
     return -(-max_ctx // ATTN_BLOCK_POSITIONS)
+
+
+def position_blocks(nb: int, rows: int) -> int:
+    """attn_chunks blocks along the positions for a pass of `rows` rows (each walks nb / that many
+    position blocks): all nb for a few rows (decode wants every block at once), 4 for more (a
+    prompt's rows in a long context would otherwise launch mostly empty blocks; 512 rows at ctx
+    4096: 7/8 of them). Speed only: the bits do not depend on which block computes a chunk."""
+    return nb if rows <= 16 else min(nb, 4)
 
 
 def attention_group_rows(rows: int) -> int:
@@ -114,10 +122,11 @@ def rope_rows(qkv: cupy.ndarray, shape: AttentionShape, cos: cupy.ndarray, sin: 
 
 
 def attention(qkv: cupy.ndarray, shape: AttentionShape, layer: int, rows: RowFields, n: int, max_ctx: int,
-              work: cupy.ndarray, work_rows: int, out: cupy.ndarray, act: str, int8: Int8Act | None = None) -> None:
+              work: cupy.ndarray, work_rows: int, out: cupy.ndarray, act: str, int8: Int8Act | None = None,
+              out16: cupy.ndarray | None = None) -> None:
     """out (n, n_heads * head_dim) = each row's attention over its span (its position, slots and
     cache in `rows`; keys and values stored by rope_rows), rounded to activation format `act` (with
-    its 8-bit form into int8). `work` holds the partials of work_rows rows at a time
+    its 8-bit form into int8; out16, float16: the values before rounding, for the prompt products). `work` holds the partials of work_rows rows at a time
     (attention_work_nbytes); max_ctx bounds every row's position + 1."""
     s = shape
     nb = attention_blocks(max_ctx)
@@ -134,11 +143,13 @@ def attention(qkv: cupy.ndarray, shape: AttentionShape, layer: int, rows: RowFie
         m = min(work_rows, n - r0)
         group = attention_group_rows(m)
         pos, _slot, base, anc_off, anc, kptr, vptr, cap = rows.offset(r0)
-        chunks((s.n_kv_heads, nb, -(-m // group)), (ATTN_THREADS,),
+        chunks((s.n_kv_heads, position_blocks(nb, n), -(-m // group)), (ATTN_THREADS,),
                (np.uint64(qkv.data.ptr + r0 * s.width * 4), np.int32(s.width), np.int32(s.n_heads),
                 np.int32(s.n_kv_heads), scale, np.int32(layer), pos, base, anc_off, anc, kptr, vptr, cap, work,
                 np.int32(nb), np.int32(m), np.int32(group)), shared_mem=smem)
         part = None if int8 is None else int8.rows(r0, r0 + m)
         merge((m, q_values // chunk), (chunk,), (work, np.int32(nb), np.int32(s.n_heads), np.int32(s.head_dim), pos,
-                                                 np.uint64(out.data.ptr + r0 * q_values * 4), np.int32(ACT_CODES[act]),
+                                                 np.uint64(out.data.ptr + r0 * q_values * 4),
+                                                 NULL if out16 is None else np.uint64(out16.data.ptr + r0 * q_values * 2),
+                                                 np.int32(ACT_CODES[act]),
                                                  *int8_args(part)))

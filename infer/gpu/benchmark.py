@@ -119,7 +119,8 @@ def fp64_instructions(module: str, defines: dict[str, int] | None = None) -> dic
 
 
 def pass_fp64(gpu, rows: int = 8) -> dict[str, object]:  # noqa: ANN001
-    """The kernels one pass of `rows` rows launches (recorded) and their FP64 instructions."""
+    """The kernels one pass of `rows` rows (a prompt: prompt rows and a canonical last row) launches
+    (recorded) and their FP64 instructions."""
     from infer.gpu import kernels
 
     seen = kernels.record_launches()
@@ -128,7 +129,7 @@ def pass_fp64(gpu, rows: int = 8) -> dict[str, object]:  # noqa: ANN001
         gpu.graphs.drop("run")  # capture again: the recording sees the launches
         gpu.graphs.drop("layer")
         gpu.graphs.drop("head")
-        gpu.forward(np.arange(3, 3 + rows) % gpu.args.vocab_size, cache)
+        gpu.forward(np.arange(3, 3 + rows) % gpu.args.vocab_size, cache, prompt=True)
     finally:
         kernels.stop_recording()
     counts: dict[str, int] = {}
@@ -156,7 +157,7 @@ def product_timings(gpu, rows_list: tuple[int, ...] = (1, 32, 512), n_layers_cyc
     read and integer TOPS."""
     import cupy
 
-    from infer.gpu import ops
+    from infer.gpu import ops, products
 
     a, stream, out_rows = gpu.args, gpu.stream, []
     layers = gpu.layers[:n_layers_cycle]
@@ -183,18 +184,18 @@ def product_timings(gpu, rows_list: tuple[int, ...] = (1, 32, 512), n_layers_cyc
             launches, nbytes, macs = [], 0, 0
             for L in layers:
                 for parts, _ in runs_of(L):
-                    launches.append(lambda parts=parts, n=n: ops.product(parts, x_for(parts[0]), ys, n))
+                    launches.append(lambda parts=parts, n=n: products.product(parts, x_for(parts[0]), ys, n))
                     nbytes += sum(m.nbytes for m in parts)
                     macs += n * sum(m.rows * m.cols for m in parts)
             graph = _graph(stream, lambda launches=launches: [f() for f in launches])
             ms = _events_ms(stream, lambda graph=graph: graph.launch(stream)) / len(layers)
             per_layer_bytes, per_layer_macs = nbytes / len(layers), macs / len(layers)
             out_rows.append({"product": name, "rows": n, "us": round(ms * 1e3, 2),
-                             "kernel": "qmm" if ops.uses_qmm(layers[0].wo.fmt, layers[0].wo.cols, n) else "qgemv",
+                             "kernel": "qmm" if products.uses_qmm(layers[0].wo.fmt, layers[0].wo.cols, n) else "qgemv",
                              "GBps": round(per_layer_bytes / (ms * 1e-3) / 1e9, 1),
                              "TOPS": round(2 * per_layer_macs / (ms * 1e-3) / 1e12, 1)})
         out = gpu.output
-        graph = _graph(stream, lambda out=out, n=n: ops.product([out], x_for(out), ys, n))
+        graph = _graph(stream, lambda out=out, n=n: products.product([out], x_for(out), ys, n))
         ms = _events_ms(stream, lambda graph=graph: graph.launch(stream))
         out_rows.append({"product": "output", "rows": n, "us": round(ms * 1e3, 2),
                          "GBps": round(out.nbytes / (ms * 1e-3) / 1e9, 1),
@@ -219,17 +220,19 @@ def measure(gpu, pp: int = 512, tg: int = 128, with_kernels: bool = True, batch:
     rng = np.random.default_rng(0)
     cache = gpu.new_cache(min(gpu.max_context, pp + tg + 16))
 
-    # prompt processing: pp tokens from an empty cache
+    # prompt processing: pp tokens from an empty cache, as generation runs a prompt (every token but
+    # the last as a prompt row, the logits of the last); and every row canonical (a scored prompt)
     prompt = rng.integers(3, a.vocab_size, pp)
 
-    def prefill() -> None:
+    def prefill(as_prompt: bool = True) -> None:
         cache.length = 0
-        gpu.forward(prompt, cache)
+        gpu.forward(prompt, cache, prompt=as_prompt)
 
-    prefill()  # warm-up: compiles, captures the graphs of the passes
-    pp_s = min(_host_seconds(prefill) for _ in range(3))
+    for as_prompt, key in ((True, "pp_tok_s"), (False, "pp_canonical_tok_s")):
+        prefill(as_prompt)  # warm-up: compiles, captures the graphs of the passes
+        pp_s = min(_host_seconds(lambda as_prompt=as_prompt: prefill(as_prompt)) for _ in range(3))
+        result[key] = round(pp / pp_s, 1)
     result["pp_tokens"] = pp
-    result["pp_tok_s"] = round(pp / pp_s, 1)
 
     # decode: tg tokens from an empty cache, one step per token on the device
     def decode() -> None:
@@ -277,7 +280,7 @@ def batch_decode(gpu, sequences: int, prompt_len: int, new: int, check_alone: bo
         for c in caches:
             c.length = 0
         started = time.perf_counter()
-        gpu.forward_batch([(p[:-1], c) for p, c in zip(prompts, caches, strict=True)])
+        gpu.prefill_batch([(p[:-1], c) for p, c in zip(prompts, caches, strict=True)])
         prefilled = time.perf_counter()
         out = gpu.decode_batch([p[-1:] for p in prompts], caches, new, check_every=new)
         return prefilled - started, time.perf_counter() - prefilled, out
@@ -292,7 +295,7 @@ def batch_decode(gpu, sequences: int, prompt_len: int, new: int, check_alone: bo
         same = 0
         for p, want in zip(prompts, together, strict=True):
             cache = gpu.new_cache(ctx)
-            gpu.forward(p[:-1], cache)
+            gpu.prefill(p[:-1], cache)
             same += int(gpu.decode_batch([p[-1:]], [cache], new, check_every=new)[0] == want)
         report["identical_to_alone"] = f"{same}/{sequences}"
     return report
@@ -307,8 +310,8 @@ def _host_seconds(run: Callable[[], None]) -> float:
 def render(result: dict[str, object]) -> str:
     """The result as a short human-readable report (product table included when measured)."""
     lines = [f"{result.get('model', 'model')} on {result['device']}",
-             f"  pp{result['pp_tokens']}: {result['pp_tok_s']} tok/s   tg{result['tg_tokens']}: {result['tg_tok_s']} tok/s "
-             f"({result['step_us']} us/token)",
+             f"  pp{result['pp_tokens']}: {result['pp_tok_s']} tok/s (every row canonical: {result['pp_canonical_tok_s']})"
+             f"   tg{result['tg_tokens']}: {result['tg_tok_s']} tok/s ({result['step_us']} us/token)",
              f"  weights read per token: {result['vram_bytes_per_token'] / 1e9:.2f} GB (GGUF "  # type: ignore[operator]
              f"{result['gguf_bytes_per_token'] / 1e9:.2f} GB) -> {result['achieved_GBps']} GB/s"  # type: ignore[operator]
              + (f" = {result['fraction_of_copy']:.0%} of the {result['copy_GBps']} GB/s copy" if result["copy_GBps"]

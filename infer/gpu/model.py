@@ -6,7 +6,10 @@ resident in VRAM, or streamed through the 3-tier pipeline.
 A pass reads each weight once for all its rows: the products take the rows' 8-bit activations at
 once (infer/kernels/qmm.cu), the attention kernels each row's own cache, position and span. Every
 kernel computes a row in an order that does not depend on the pass, so a row's logits are the same
-bits alone, in a batch of any size, as a tree node or as a prompt position (docs/GPU.md).
+bits alone, in a batch of any size, as a tree node or as a scored prompt position (docs/GPU.md).
+Prompt rows (prompt tokens whose logits nobody reads) take float16 tensor-core products instead
+(infer/kernels/pmm.cu), in a region of the pass of their own; their bits do not depend on the pass
+either.
 
 The rows of a pass live on the device (infer.gpu.passes.PassIndex); the pass's launches are
 captured as CUDA graphs per row bucket (runs of resident layers, each streamed layer, the head)
@@ -23,13 +26,13 @@ import cupy
 import numpy as np
 
 from infer.arch import ModelArgs
-from infer.gpu import attention, kernels, ops
+from infer.gpu import attention, kernels, ops, products
 from infer.gpu.activations import Inputs, layer_inputs
 from infer.gpu.attention import AttentionShape
 from infer.gpu.cache import GpuKVCache
 from infer.gpu.graphs import GraphCache
 from infer.gpu.ops import GpuMatrix
-from infer.gpu.passes import PassIndex, Row, bucket_of, sequence_rows, tree_rows
+from infer.gpu.passes import PassIndex, PassShape, Row, bucket_of, pass_layout, sequence_rows, tree_rows
 from infer.gpu.tree import TreeLogits
 from infer.gpu.weights import GpuLayer, GpuWeightSource
 from infer.model import Rope, check_batch
@@ -59,7 +62,7 @@ def pass_buffers_nbytes(args: ModelArgs, formats: list[dict], output_act: str, c
     head = Inputs.planned_nbytes(logits_rows, [("out", output_act, a.dim)]) + 4 * logits_rows * a.vocab_size
     index = (rows + 1) * 64 + 4 * capacity * (capacity + 1) // 2
     return (hidden + Inputs.planned_nbytes(rows, wanted) + work + head + index + GpuKVCache.nbytes_for(a, 1)
-            + ops.SPLIT_SCRATCH_BYTES)
+            + products.SPLIT_SCRATCH_BYTES)
 
 
 def _shape(a: ModelArgs, rope: Rope) -> AttentionShape:
@@ -88,11 +91,11 @@ class GpuTransformer:
         self.passes = 0  # passes run: device logits of pass k are valid while this is k
         self.stream = cupy.cuda.Stream(non_blocking=True)
         self.graphs = GraphCache(self.stream)
-        for name in kernels.SOURCES:  # compiled before any capture (qmm: the model's formats only)
-            if name != "qmm":
+        for name in kernels.SOURCES:  # compiled before any capture (products: the model's formats only)
+            if name not in ("qmm", "pmm"):
                 kernels.module(name)
         kinds = {f.fmt for i in range(args.n_layers) for f in weights.formats(i).values()}
-        ops.prepare_kernels(kinds | {weights.output.fmt})
+        products.prepare_kernels(kinds | {weights.output.fmt})
         attention.prepare(self.shape)
         a, C = args, prefill_chunk
         cos, sin = self.rope.angles(np.arange(max_context))
@@ -106,7 +109,7 @@ class GpuTransformer:
             self.gu = cupy.zeros((C, 2 * a.ffn_dim), F32)  # [gate | up]
             formats = [weights.formats(i) for i in range(a.n_layers)]
             self.inputs = Inputs(args, C, [w for f in formats for w in layer_inputs(args, f)])
-            self.split = cupy.zeros(ops.SPLIT_SCRATCH_BYTES // 4, F32)  # group sums of products that split K
+            self.split = cupy.zeros(products.SPLIT_SCRATCH_BYTES // 4, F32)  # group sums of products that split K
             self.work_rows = attention_work_rows(self.shape, C, max_context)
             self.work = cupy.zeros(attention.attention_work_nbytes(self.shape, self.work_rows, max_context) // 4, F32)
             self._make_head(logits_rows)
@@ -168,37 +171,55 @@ class GpuTransformer:
         return view
 
     # ------------------------------------------------------------------ the layer recipe
-    def _layer(self, i: int, L: GpuLayer, n: int) -> None:
-        """Layer i for the first n rows of the pass: self.x in place."""
-        a, s, ix, inputs = self.args, self.shape, self.index, self.inputs
-        xs = inputs.normed(self.x, L.attn_norm, "attn", [L.wq.act, L.wk.act, L.wv.act], n)
+    def _layer(self, i: int, L: GpuLayer, shape: PassShape) -> None:
+        """Layer i for the rows of a pass of `shape`: self.x in place."""
+        a, s, ix, inputs, n = self.args, self.shape, self.index, self.inputs, shape.rows
+        half = shape.prompt > 0  # the prompt rows' float16 inputs are wanted too
+        xs = inputs.normed(self.x, L.attn_norm, "attn", [L.wq.act, L.wk.act, L.wv.act], n, half=half)
         qkv = self.qkv.reshape(-1)
         for parts, row0 in L.qkv():
             rows = sum(m.rows for m in parts)
-            ops.product(parts, xs[parts[0].act], qkv[row0:], n, ldy=s.width,
-                        bias=None if L.bqkv is None else L.bqkv[row0 : row0 + rows], scratch=self.split)
+            self._product(parts, xs[parts[0].act], "attn", qkv[row0:], shape, s.width,
+                          bias=None if L.bqkv is None else L.bqkv[row0 : row0 + rows])
         attention.rope_rows(self.qkv, s, *self.rope_tables, i, ix.fields, n)
         att = inputs.get("att", L.wo.act) if L.wo.act in ops.EIGHT_BIT else self.att
         attention.attention(self.qkv, s, i, ix.fields, n, self.max_context, self.work, self.work_rows, self.att, L.wo.act,
-                      att if isinstance(att, ops.Int8Act) else None)
-        ops.product([L.wo], att, self.x, n, ldy=a.dim, residual=self.x, scratch=self.split)
-        xs = inputs.normed(self.x, L.ffn_norm, "ffn", [L.w_gate.act, L.w_up.act], n)
+                            att if isinstance(att, ops.Int8Act) else None, inputs.half("att") if half else None)
+        self._product([L.wo], att, "att", self.x, shape, a.dim, residual=self.x)
+        xs = inputs.normed(self.x, L.ffn_norm, "ffn", [L.w_gate.act, L.w_up.act], n, half=half)
         gu = self.gu.reshape(-1)
         for parts, row0 in L.gate_up():
-            ops.product(parts, xs[parts[0].act], gu[row0:], n, ldy=2 * a.ffn_dim, scratch=self.split)
+            self._product(parts, xs[parts[0].act], "ffn", gu[row0:], shape, 2 * a.ffn_dim)
         ff = inputs.get("ff", L.w_down.act)
+        ff16 = inputs.half("ff") if half else None
         if isinstance(ff, ops.Int8Act):
-            ops.swiglu_round(self.gu, a.ffn_dim, n, L.w_down.act, int8=ff)
+            ops.swiglu_round(self.gu, a.ffn_dim, n, L.w_down.act, int8=ff, y16=ff16)
         else:
-            ops.swiglu_round(self.gu, a.ffn_dim, n, L.w_down.act, y=ff)
-        ops.product([L.w_down], ff, self.x, n, ldy=a.dim, residual=self.x, scratch=self.split)
+            ops.swiglu_round(self.gu, a.ffn_dim, n, L.w_down.act, y=ff, y16=ff16)
+        self._product([L.w_down], ff, "ff", self.x, shape, a.dim, residual=self.x)
+
+    def _product(self, parts: list[GpuMatrix], x: products.Input, key: str, y: cupy.ndarray, shape: PassShape, ldy: int,
+                 bias: cupy.ndarray | None = None, residual: cupy.ndarray | None = None) -> None:
+        """y (row v at y[v * ldy:]) = the parts times input `key` for the pass's rows: the canonical
+        region through the canonical products, the prompt region through the prompt products (its
+        float16 inputs), or every row canonically where the matrix has no prompt product."""
+        m0 = parts[0]
+        if not shape.prompt or not products.uses_pmm(m0.fmt, m0.cols):
+            products.product(parts, x, y, shape.rows, ldy=ldy, bias=bias, residual=residual, scratch=self.split)
+            return
+        c = shape.canonical
+        if c:
+            products.product(parts, x, y, c, ldy=ldy, bias=bias, residual=residual, scratch=self.split)
+        at = (lambda a: a[c:]) if y.ndim == 2 else (lambda a: a[c * ldy :])
+        products.prompt_product(parts, self.inputs.half(key)[c:], at(y), shape.prompt, ldy=ldy, bias=bias,
+                           residual=None if residual is None else at(residual))
 
     def _head(self, m: int, sample: bool, advance: bool) -> None:
         """Logits of the pass's rows out_rows[0..m) into self.logits; with `sample` each row's next
         token drawn (and with `advance` the rows moved on: a decode step)."""
         a, d, out = self.args, self.index.d, self.output
         xs = self.head_inputs.normed(self.x, self.weights.output_norm, "out", [out.act], m, src_rows=d["out_rows"])
-        ops.product([out], xs[out.act], self.logits, m, ldy=a.vocab_size, scratch=self.split)
+        products.product([out], xs[out.act], self.logits, m, ldy=a.vocab_size, scratch=self.split)
         if sample:
             ops.sample_rows(self.logits, m, a.vocab_size, d["out_rows"], d["temps"], d["seeds"], d["tok"], d["pos"],
                             d["slot"], d["base"], d["hist"], advance)
@@ -216,23 +237,23 @@ class GpuTransformer:
                 segments.append((resident, [item]))
         return segments
 
-    def _launch(self, items: list[int], n: int) -> None:
+    def _launch(self, items: list[int], shape: PassShape) -> None:
         for item in items:
             if item == EMBED:
-                ops.embed(self.token_embd, self.index.d["tok"], n, self.x)
+                ops.embed(self.token_embd, self.index.d["tok"], shape.rows, self.x)
             else:
-                self._layer(item, self.weights.layer(item), n)
+                self._layer(item, self.weights.layer(item), shape)
 
     def _run_layers(self) -> None:
         """Every layer for the rows in the index (queued on self.stream)."""
-        n = self.index.bucket
+        shape = self.index.shape
         for s, (capturable, items) in enumerate(self._segments):
             if capturable:
-                self.graphs.replay(("run", s, n), None, lambda items=items: self._launch(items, n))
+                self.graphs.replay(("run", s, shape), None, lambda items=items: self._launch(items, shape))
                 continue
             for i in items:  # streamed: its matrices copied and repacked now, its kernels replayed
                 L = self.weights.layer(i)
-                self.graphs.replay(("layer", i, n), L.addresses(), lambda i=i, L=L: self._layer(i, L, n))
+                self.graphs.replay(("layer", i, shape), L.addresses(), lambda i=i, L=L: self._layer(i, L, shape))
 
     def _run_head(self, m: int, sample: bool = False, advance: bool = False) -> None:
         b = bucket_of(m, self.logits_rows)
@@ -242,8 +263,10 @@ class GpuTransformer:
         """One pass over the layers for `rows` (at most the capacity); the logits of rows `out_rows`
         (len, vocab): NumPy, or with to_host=False a view of the device block when they fit it
         (valid until the next pass)."""
+        slots, shape, where = pass_layout(rows, self.capacity)
+        out_rows = [where[r] for r in out_rows]
         with self.stream:
-            self.index.fill(rows, bucket_of(len(rows), self.capacity), list(out_rows[: self.logits_rows]))
+            self.index.fill(slots, shape, out_rows[: self.logits_rows])
             self.passes += 1
             self._run_layers()
             m = len(out_rows)
@@ -252,7 +275,7 @@ class GpuTransformer:
                 return self.logits[:m]
             out = np.empty((m, self.args.vocab_size), np.float32)
             for j0 in range(0, m, self.logits_rows):
-                part = list(out_rows[j0 : j0 + self.logits_rows])
+                part = out_rows[j0 : j0 + self.logits_rows]
                 if j0:
                     self.index.set_out_rows(part)
                 self._run_head(len(part))
@@ -261,25 +284,47 @@ class GpuTransformer:
         return out
 
     # ------------------------------------------------------------------ public calls
-    def forward(self, tokens: np.ndarray, cache: GpuKVCache, all_logits: bool = False) -> np.ndarray:
+    def forward(self, tokens: np.ndarray, cache: GpuKVCache, all_logits: bool = False,
+                prompt: bool = False) -> np.ndarray:
         """As infer.model.Transformer.forward: NumPy float32 logits, (T, vocab) with all_logits,
-        else (vocab,) of the last token."""
-        return self.forward_batch([(np.asarray(tokens, dtype=np.int64).reshape(-1), cache)], all_logits)[0]
+        else (vocab,) of the last token. prompt: the tokens are (the end of) a prompt whose logits
+        before the last nobody reads: all but the last run as prompt rows (docs/GPU.md)."""
+        tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        prompt_rows = [len(tokens) - 1] if prompt else None
+        return self.forward_batch([(tokens, cache)], all_logits, prompt_rows)[0]
 
-    def forward_batch(self, batch: Sequence[tuple[np.ndarray, GpuKVCache]],
-                      all_logits: bool = False) -> list[np.ndarray]:
+    def prefill(self, tokens: np.ndarray, cache: GpuKVCache) -> None:
+        """Appends prompt tokens whose logits nobody reads (prompt rows; no logits)."""
+        self.prefill_batch([(np.asarray(tokens, dtype=np.int64).reshape(-1), cache)])
+
+    def prefill_batch(self, batch: Sequence[tuple[np.ndarray, GpuKVCache]]) -> None:
+        """prefill for several sequences, sharing passes."""
+        self._passes(batch, False, [len(np.asarray(t).reshape(-1)) for t, _ in batch], logits=False)
+
+    def forward_batch(self, batch: Sequence[tuple[np.ndarray, GpuKVCache]], all_logits: bool = False,
+                      prompt_rows: Sequence[int] | None = None) -> list[np.ndarray]:
         """Each (tokens, cache) at its cache's next positions; per sequence the logits of its last
-        token (vocab,) or of every token (T, vocab). Passes of at most `capacity` rows, shared
-        evenly by the sequences with tokens left."""
+        token (vocab,) or of every token (T, vocab). prompt_rows[s]: how many of sequence s's first
+        tokens are prompt rows (their logits, if returned, are the prompt products'). Passes of at
+        most `capacity` rows, shared evenly by the sequences with tokens left."""
+        return self._passes(batch, all_logits, prompt_rows)
+
+    def _passes(self, batch: Sequence[tuple[np.ndarray, GpuKVCache]], all_logits: bool,
+                prompt_rows: Sequence[int] | None, logits: bool = True) -> list[np.ndarray]:
         sizes = check_batch(batch, self.args.vocab_size)
+        prompt_rows = list(prompt_rows) if prompt_rows is not None else [0] * len(batch)
+        if len(prompt_rows) != len(batch) or any(not 0 <= p <= n for p, n in zip(prompt_rows, sizes, strict=True)):
+            raise ValueError("prompt_rows must give 0..len(tokens) per sequence")
         outputs: list[list[np.ndarray]] = [[] for _ in batch]
         done = [0] * len(batch)
         while True:
             live = [s for s in range(len(batch)) if done[s] < sizes[s]]
             if not live:
                 break
-            share = max(1, self.capacity // len(live))
             live = live[: self.capacity]
+            # canonical rows beside prompt rows are padded to a bucket: room for that padding
+            mixed = any(prompt_rows[s] > done[s] for s in live) and any(prompt_rows[s] < sizes[s] for s in live)
+            share = max(1, (self.capacity - (len(live) - 1 if mixed else 0)) // len(live))
             rows: list[Row] = []
             wanted: list[tuple[int, int, int]] = []  # (sequence, first row, count) of logits rows
             out_rows: list[int] = []
@@ -287,20 +332,24 @@ class GpuTransformer:
                 tokens, cache = batch[s]
                 part = np.asarray(tokens)[done[s] : done[s] + share]
                 first = len(rows)
-                rows += sequence_rows(cache, part, cache.length)
+                rows += sequence_rows(cache, part, cache.length, max(0, prompt_rows[s] - done[s]))
+                if not logits:
+                    continue
                 if all_logits:
                     wanted.append((s, len(out_rows), len(part)))
                     out_rows += range(first, first + len(part))
                 elif done[s] + len(part) == sizes[s]:
                     wanted.append((s, len(out_rows), 1))
                     out_rows.append(len(rows) - 1)
-            logits = self.run_pass(rows, out_rows)
+            got = self.run_pass(rows, out_rows)
             for s in live:
                 n = min(share, sizes[s] - done[s])
                 batch[s][1].length += n
                 done[s] += n
             for s, j0, count in wanted:
-                outputs[s].append(logits[j0 : j0 + count])
+                outputs[s].append(got[j0 : j0 + count])
+        if not logits:
+            return []
         return [np.concatenate(out) if all_logits else out[-1][0] for out in outputs]
 
     def verify_tree(self, tokens: np.ndarray, parents: np.ndarray, cache: GpuKVCache) -> TreeLogits:
@@ -330,7 +379,8 @@ class GpuTransformer:
         if len(rows) > self.logits_rows:
             raise ValueError(f"{len(rows)} sequences decoded together exceed the {self.logits_rows} logits rows "
                              "planned (load with batch=...)")
-        self.index.fill(rows, bucket_of(len(rows), self.capacity), range(len(rows)))
+        n = bucket_of(len(rows), self.capacity)
+        self.index.fill([*rows, *[None] * (n - len(rows))], PassShape(n), range(len(rows)))
         self.passes += 1
         for step in range(steps):
             self._run_layers()
@@ -433,8 +483,8 @@ class GpuTransformer:
             if c.length + len(p) + n_new - 1 > c.max_tokens:
                 raise ValueError(f"context full: {c.length} + {len(p)} + {n_new} tokens exceed {c.max_tokens}")
         heads = [(p[:-1], c) for p, c in zip(prompts, caches, strict=True) if len(p) > 1]
-        if heads:
-            self.forward_batch(heads)
+        if heads:  # prompt rows; each prompt's last token is its first decode step
+            self.prefill_batch(heads)
         # per sequence: the token the next step processes, its position, tokens produced
         state = [[int(p[-1]), c.length, 0] for p, c in zip(prompts, caches, strict=True)]
         live = list(range(len(prompts)))

@@ -6,6 +6,12 @@ kernel of the pass reads them, so one captured CUDA graph per row count serves e
 A row's span (what it attends to) is its sequence's positions 0 .. pos: positions below `base` are
 the cache's own slots, the rest the slots listed in `anc` (a token-tree node: its ancestors from
 the tree's root, then itself). A decode token or a prompt position has no list: base = pos + 1.
+
+A row is canonical (its logits are read: a decode token, a tree node, a prompt's last token, a
+scored prompt) or a prompt row (a prompt token whose logits nobody reads). A pass lays its
+canonical rows out first and its prompt rows after them (`pass_layout`), each region padded with
+null rows; the products take the canonical rows through the canonical kernels and the prompt rows
+through the prompt products (docs/GPU.md).
 """
 
 from __future__ import annotations
@@ -33,7 +39,7 @@ def bucket_of(n: int, capacity: int) -> int:
 
 @dataclass
 class Row:
-    """One token of a pass."""
+    """One token of a pass (`prompt`: a prompt token whose logits nobody reads, see pass_layout)."""
 
     cache: GpuKVCache
     token: int
@@ -44,12 +50,50 @@ class Row:
     history: bool = False  # the sampled next token goes to cache.tokens[pos + 1]
     temperature: float = 0.0
     seed: int = 0
+    prompt: bool = False
 
 
-def sequence_rows(cache: GpuKVCache, tokens: Sequence[int], start: int) -> list[Row]:
+def sequence_rows(cache: GpuKVCache, tokens: Sequence[int], start: int, prompt: int = 0) -> list[Row]:
     """Rows of tokens at positions start, start + 1, ... of a sequence (a prompt chunk or a decode
-    token): each stored in the slot of its position, attending to the slots before it."""
-    return [Row(cache, int(t), start + j, start + j, start + j + 1) for j, t in enumerate(tokens)]
+    token): each stored in the slot of its position, attending to the slots before it; the first
+    `prompt` of them are prompt rows."""
+    return [Row(cache, int(t), start + j, start + j, start + j + 1, prompt=j < prompt) for j, t in enumerate(tokens)]
+
+
+PROMPT_GRAIN = 64  # a pass's prompt region is padded to a multiple of this (fewer graph shapes)
+
+
+@dataclass(frozen=True)
+class PassShape:
+    """The rows of a pass: [0, canonical) the canonical region, [canonical, canonical + prompt) the
+    prompt region (each with its null padding rows). A CUDA graph is captured per shape."""
+
+    canonical: int
+    prompt: int = 0
+
+    @property
+    def rows(self) -> int:
+        return self.canonical + self.prompt
+
+
+def pass_layout(rows: Sequence[Row], capacity: int) -> tuple[list[Row | None], PassShape, list[int]]:
+    """Where each row of a pass goes: (slots, shape, position of rows[i]). The canonical rows come
+    first, padded to a bucket; the prompt rows after them, padded to a multiple of PROMPT_GRAIN (or
+    to the capacity left). None in `slots` is a null row."""
+    canonical = [i for i, r in enumerate(rows) if not r.prompt]
+    prompt = [i for i, r in enumerate(rows) if r.prompt]
+    bc = bucket_of(len(canonical), capacity) if canonical or not prompt else 0
+    bp = min(-(-len(prompt) // PROMPT_GRAIN) * PROMPT_GRAIN, capacity - bc) if prompt else 0
+    if len(prompt) > bp:
+        raise ValueError(f"a pass of {len(canonical)} canonical rows (padded to {bc}) and {len(prompt)} prompt "
+                         f"rows exceeds the capacity of {capacity}")
+    slots: list[Row | None] = [None] * (bc + bp)
+    where = [0] * len(rows)
+    for k, i in enumerate(canonical):
+        slots[k], where[i] = rows[i], k
+    for k, i in enumerate(prompt):
+        slots[bc + k], where[i] = rows[i], bc + k
+    return slots, PassShape(bc, bp), where
 
 
 def tree_rows(cache: GpuKVCache, tokens: Sequence[int], parents: np.ndarray) -> list[Row]:
@@ -98,8 +142,8 @@ class PassIndex:
         self._views(rows)
         self._uploaded = cupy.cuda.Event(disable_timing=True)
         self._uploaded.record(stream)
-        self.n = 0  # rows of the last fill
-        self.bucket = 0
+        self.n = 0  # real rows of the last fill
+        self.shape = PassShape(0)
 
     def _views(self, rows: int) -> None:
         at = 0
@@ -119,45 +163,57 @@ class PassIndex:
         d = self.d
         return RowFields(d["pos"], d["slot"], d["base"], d["anc_off"], d["anc"], d["kptr"], d["vptr"], d["cap"])
 
-    def fill(self, rows: Sequence[Row], bucket: int, out_rows: Sequence[int]) -> None:
-        """Lays out `rows` (padded to `bucket` with null rows) and the rows whose logits are wanted,
-        and copies them to the device on the stream (the staging buffer is reused only after the
-        previous copy ran)."""
-        n, cap = len(rows), self.capacity
-        if n > bucket or bucket > cap or len(out_rows) > cap:
-            raise ValueError(f"{n} rows in a bucket of {bucket} (capacity {cap}), {len(out_rows)} logits rows")
+    def fill(self, slots: Sequence[Row | None], shape: PassShape, out_rows: Sequence[int]) -> None:
+        """Lays out the pass's rows (`slots`, shape.rows of them: None a null row) and the rows whose
+        logits are wanted, and copies them to the device on the stream (the staging buffer is reused
+        only after the previous copy ran)."""
+        n, cap = len(slots), self.capacity
+        if n != shape.rows or n > cap or len(out_rows) > cap:
+            raise ValueError(f"{n} rows for a pass shape of {shape.rows} (capacity {cap}), {len(out_rows)} logits rows")
         self._uploaded.synchronize()
-        h = self.h
+        h, null = self.h, self.null
+        real = [(r, row) for r, row in enumerate(slots) if row is not None]
+        nulls = np.asarray([r for r, row in enumerate(slots) if row is None] + [cap], np.int64)
+        # null rows: the null cache's one slot, no history
+        h["kptr"][nulls], h["vptr"][nulls], h["hist"][nulls] = null.keys.data.ptr, null.values.data.ptr, 0
+        for name in ("tok", "pos", "slot", "seeds"):
+            h[name][nulls] = 0
+        h["base"][nulls], h["anc_off"][nulls], h["cap"][nulls], h["temps"][nulls] = 1, -1, 1, 0.0
         used = 0
-        for r, row in enumerate(rows):
-            c = row.cache
-            h["kptr"][r], h["vptr"][r] = c.keys.data.ptr, c.values.data.ptr
-            h["hist"][r] = c.tokens.data.ptr if row.history else 0
-            h["tok"][r], h["pos"][r], h["slot"][r], h["base"][r] = row.token, row.pos, row.slot, row.base
-            h["cap"][r] = c.max_tokens
-            greedy = row.temperature < GREEDY_BELOW  # the host sampler's rule: too small to divide by
-            h["temps"][r], h["seeds"][r] = 0.0 if greedy else row.temperature, row.seed & 0xFFFFFFFF
-            if row.anc is None:
-                h["anc_off"][r] = -1
-            else:
+        if real:
+            idx = np.asarray([r for r, _ in real], np.int64)
+            rows = [row for _, row in real]
+            caches = {id(row.cache): row.cache for row in rows}
+            ptrs = {k: (c.keys.data.ptr, c.values.data.ptr, c.tokens.data.ptr, c.max_tokens) for k, c in caches.items()}
+            at = [ptrs[id(row.cache)] for row in rows]
+            h["kptr"][idx] = [p[0] for p in at]
+            h["vptr"][idx] = [p[1] for p in at]
+            h["hist"][idx] = [p[2] if row.history else 0 for p, row in zip(at, rows, strict=True)]
+            h["cap"][idx] = [p[3] for p in at]
+            h["tok"][idx] = [row.token for row in rows]
+            h["pos"][idx] = [row.pos for row in rows]
+            h["slot"][idx] = [row.slot for row in rows]
+            h["base"][idx] = [row.base for row in rows]
+            # the host sampler's rule: temperatures too small to divide by are greedy
+            h["temps"][idx] = [0.0 if row.temperature < GREEDY_BELOW else row.temperature for row in rows]
+            h["seeds"][idx] = [row.seed & 0xFFFFFFFF for row in rows]
+            h["anc_off"][idx] = -1
+            for r, row in real:
+                if row.anc is None:
+                    continue
                 k = len(row.anc)
                 if used + k > self.anc_capacity:
                     raise ValueError("token-tree spans exceed the pass index")
                 h["anc"][used : used + k] = row.anc
                 h["anc_off"][r] = used
                 used += k
-        for r in list(range(n, bucket)) + [cap]:  # null rows: the null cache's one slot, no history
-            h["kptr"][r], h["vptr"][r], h["hist"][r] = self.null.keys.data.ptr, self.null.values.data.ptr, 0
-            h["tok"][r] = h["pos"][r] = h["slot"][r] = 0
-            h["base"][r], h["anc_off"][r], h["cap"][r] = 1, -1, 1
-            h["temps"][r], h["seeds"][r] = 0.0, 0
         h["out_rows"][:] = cap
         h["out_rows"][: len(out_rows)] = np.asarray(out_rows, np.int32)
         size = self.header + 4 * used
         cupy.cuda.runtime.memcpyAsync(self.device.data.ptr, self.host.ctypes.data, size,
                                       cupy.cuda.runtime.memcpyHostToDevice, self.stream.ptr)
         self._uploaded.record(self.stream)
-        self.n, self.bucket = n, bucket
+        self.n, self.shape = len(real), shape
 
     def set_out_rows(self, out_rows: Sequence[int]) -> None:
         """Only the logits rows (a head run in blocks)."""

@@ -141,6 +141,42 @@ def canonical_product(planar: bytes | np.ndarray, fmt: str, rows: int, cols: int
     return _epilogue(_accumulate(_tiles_of_terms(terms.astype(F32)), 32 * TILE), bias, residual)
 
 
+def prompt_weights(planar: bytes | np.ndarray, fmt: str, rows: int, cols: int) -> np.ndarray:
+    """The float16 weights (rows, cols) the prompt products (infer/kernels/pmm.cu) multiply, bit for
+    bit: each formula computed exactly (float64) and rounded to float16 once, as the kernel's
+    float16 multiply or fused multiply-add does (its float32 scale products are exact)."""
+    p = planar_ints(planar, fmt, rows, cols)
+    q = p.q.astype(np.float64)
+    if fmt == "q8":
+        w = q * p.s[..., None]
+    elif fmt in ("g4", "g5"):
+        w = q * p.s[..., None] + p.m[..., None]
+    elif fmt == "k6":
+        d = np.repeat(p.d.astype(np.float64), 8, axis=1)[..., None]  # (rows, nsb, 1)
+        s16 = (d * p.sc).astype(np.float16).astype(np.float64)  # (rows, nsb, 2): per 16 weights
+        w = q * np.repeat(s16, 16, axis=2)
+    else:  # k4, k5
+        d = np.repeat(p.d.astype(np.float64), 8, axis=1)
+        dmin = np.repeat(p.dmin.astype(np.float64), 8, axis=1)
+        s16 = (d * p.sc).astype(np.float16).astype(np.float64)
+        m16 = (-(dmin * p.mn)).astype(np.float16).astype(np.float64)
+        w = q * s16[..., None] + m16[..., None]
+    return w.astype(np.float16).reshape(rows, cols)
+
+
+def prompt_product(planar: bytes | np.ndarray, fmt: str, rows: int, cols: int, x16: np.ndarray,
+                   bias: np.ndarray | None = None, residual: np.ndarray | None = None) -> np.ndarray:
+    """Y (N, rows) of the prompt products in float64 from their float16 operands: the kernels sum in
+    float32 on the tensor cores, so tests compare with a tolerance (and their invariance bit for bit)."""
+    w = prompt_weights(planar, fmt, rows, cols).astype(np.float64)
+    y = np.asarray(x16, np.float16).astype(np.float64).reshape(-1, cols) @ w.T
+    if bias is not None:
+        y = y + bias.astype(np.float64)[None, :]
+    if residual is not None:
+        y = y + residual.astype(np.float64)
+    return y
+
+
 def attention_reference(q: np.ndarray, keys: np.ndarray, values: np.ndarray, scale: float) -> np.ndarray:
     """Softmax attention of one query row over its span in float64: q (n_heads, D), keys and values
     (n_kv_heads, T, D) (the span's positions in order); grouped heads share a KV head."""

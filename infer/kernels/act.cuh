@@ -79,6 +79,12 @@ __device__ __forceinline__ void group_scale(int fmt, float best, int best_i, flo
     }
 }
 
+// two floats as the bits of a float16 pair (round to nearest), for 16-byte stores of 8 halves
+__device__ __forceinline__ uint32_t half2_bits(float lo, float hi) {
+    const __half2 h = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<const uint32_t*>(&h);
+}
+
 // Eight int8 values (from ints in [-128, 127]) packed for one 8-byte store
 __device__ __forceinline__ uint2 pack_int8x8(const int* q) {
     uint32_t lo = 0, hi = 0;

@@ -7,7 +7,7 @@
 //                  heads' partial softmax (max m, sum l, weighted values o), then the block's 4
 //                  chunks are merged; row after row of the group;
 //   attn_merge     per row: the blocks' partials merged, o / l, rounded to the output projection's
-//                  activation format (and its 8-bit form).
+//                  activation format (and its 8-bit form; and as float16 before that rounding).
 // Canonical order (the same bits for a row whatever else the pass holds, and whichever block holds
 // a chunk). Lane l of a warp owns dimensions [l*D/32, (l+1)*D/32) of the query, keys and values. A
 // score is the sum over lanes of each lane's sequential fused multiply-adds over its dimensions,
@@ -199,8 +199,10 @@ __device__ __forceinline__ float attn_reduce8(float (&s)[ATTN_TILE], int lane) {
     return __fadd_rn(v, __shfl_xor_sync(full, v, 1));
 }
 
-// grid (n_kv_heads, ceil(max positions / 128), ceil(rows / group)), ATTN_THREADS threads: a block
-// holds 4 chunks (a warp each) for `group` consecutive rows, one row after the other. Before a warp
+// grid (n_kv_heads, blocks along the positions, ceil(rows / group)), ATTN_THREADS threads: a block
+// holds 4 chunks (a warp each) for `group` consecutive rows, one row after the other, and walks the
+// position blocks blockIdx.y, + gridDim.y, ... of nb = ceil(max positions / 128) until the rows'
+// positions end (a grid of nb blocks there is mostly empty blocks for prompt rows in a long context). Before a warp
 // computes, its chunk's keys and values are copied into shared memory with all the copies in flight
 // at once (cp.async), so a chunk costs one trip to memory instead of one per ATTN_TILE positions;
 // when the group's rows read the same cache through its own slots (a prompt chunk: anc_off < 0),
@@ -213,13 +215,13 @@ __device__ __forceinline__ float attn_reduce8(float (&s)[ATTN_TILE], int lane) {
 // and ATTN_TILE positions' rows at a time. A row's arithmetic does not depend on the group or on
 // where its keys were copied from.
 template <int D>
-__device__ __forceinline__ void attn_chunks_body(const float* qkv, int W, int n_heads, int n_kv_heads, float scale,
+__device__ __forceinline__ bool attn_chunks_body(const float* qkv, int W, int n_heads, int n_kv_heads, float scale,
                                                  int layer, const Rows& R, float* work, int nb, int n_rows,
-                                                 int group) {
+                                                 int group, int blk) {
     constexpr int DL = D / 32;     // dimensions per lane
     constexpr int PIECES = D / 8;  // 16-byte pieces of a key or value row
     extern __shared__ __align__(16) float attn_smem[];
-    const int kvh = blockIdx.x, blk = blockIdx.y;
+    const int kvh = blockIdx.x;
     const int r_first = blockIdx.z * group, r_end = min(n_rows, r_first + group);
     const int G = n_heads / n_kv_heads, h0 = kvh * G;
     const int c0 = blk * ATTN_BLOCK_CHUNKS;
@@ -233,7 +235,7 @@ __device__ __forceinline__ void attn_chunks_body(const float* qkv, int W, int n_
         shared_rows = shared_rows && R.anc_off[r] < 0 && R.kptr[r] == R.kptr[r_first] &&
                       R.vptr[r] == R.vptr[r_first] && R.cap[r] == R.cap[r_first];
     }
-    if (c0 >= p_max / ATTN_CHUNK + 1) return;  // the merge reads only the blocks that hold positions
+    if (c0 >= p_max / ATTN_CHUNK + 1) return false;  // the merge reads only the blocks that hold positions
     float* part = attn_smem;  // 4 slots x G x (D + 2)
     float* e_all = part + ATTN_BLOCK_CHUNKS * G * PART_STRIDE(D);  // per warp [t][head]
     int* slots_all = reinterpret_cast<int*>(e_all + ATTN_BLOCK_CHUNKS * ATTN_CHUNK * ATTN_HEADS);
@@ -398,6 +400,7 @@ __device__ __forceinline__ void attn_chunks_body(const float* qkv, int W, int n_
         }
         __syncthreads();  // the slots are read before the next row's partials overwrite them
     }
+    return true;
 }
 
 #define ATTN_CHUNKS(D)                                                                                       \
@@ -407,7 +410,9 @@ __device__ __forceinline__ void attn_chunks_body(const float* qkv, int W, int n_
                          const unsigned long long* kptr, const unsigned long long* vptr, const int* cap,      \
                          float* work, int nb, int n_rows, int group) {                                        \
         const Rows R{pos, nullptr, base, anc_off, anc, kptr, vptr, cap};                                     \
-        attn_chunks_body<D>(qkv, W, n_heads, n_kv_heads, scale, layer, R, work, nb, n_rows, group);          \
+        for (int blk = blockIdx.y; blk < nb; blk += gridDim.y)                                               \
+            if (!attn_chunks_body<D>(qkv, W, n_heads, n_kv_heads, scale, layer, R, work, nb, n_rows, group, blk)) \
+                break;                                                                                       \
     }
 ATTN_CHUNKS(64)
 ATTN_CHUNKS(128)
@@ -420,8 +425,8 @@ ATTN_CHUNKS(256)
 // subtrees, left to right, joined right to left at the end.
 #define MERGE_MAX_LEVELS 16
 extern "C" __global__ void __launch_bounds__(256)
-    attn_merge(const float* work, int nb, int n_heads, int D, const int* pos, float* out, int fmt, signed char* xq,
-               float* xs, int* xsum) {
+    attn_merge(const float* work, int nb, int n_heads, int D, const int* pos, float* out, __half* out16, int fmt,
+               signed char* xq, float* xs, int* xsum) {
     const int r = blockIdx.x, chunk = blockDim.x;
     const int nblk = (pos[r] / ATTN_CHUNK) / ATTN_BLOCK_CHUNKS + 1;
     const int n = n_heads * D;
@@ -465,6 +470,7 @@ extern "C" __global__ void __launch_bounds__(256)
         }
         value = __fdiv_rn(o, l);
     }
+    if (out16) out16[(long long)r * n + i] = __float2half_rn(value);  // before rounding: the prompt products' input
     if (fmt == ACT_F32 || fmt == ACT_F16 || fmt == ACT_BF16) {
         orow[i] = round_float(value, fmt);
         return;

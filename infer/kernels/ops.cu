@@ -7,8 +7,8 @@
 
 // y = x / sqrt(mean(x^2) + eps) * w, one block per row, then rounded to activation format `fmt`.
 // The sum of squares in float32 in an order fixed by n alone (each thread's values in order, then
-// block_sum), so a row gets the same bits in any pass; writes float32 (y, required unless fmt is
-// ACT_F32 and only y16 is wanted) and/or float16 (y16)
+// block_sum), so a row gets the same bits in any pass; writes float32 (y, rounded; required for the
+// 8-bit form) and/or float16 (y16: the values before that rounding, the prompt products' input)
 extern "C" __global__ void rmsnorm(const float* x, const float* w, float* y, __half* y16, int n, float eps,
                                    int fmt, signed char* xq, float* xs, int* xsum, const int* src_rows) {
     const long long row = blockIdx.x;
@@ -22,15 +22,11 @@ extern "C" __global__ void rmsnorm(const float* x, const float* w, float* y, __h
     for (int i = threadIdx.x; i < n; i += blockDim.x) {
         const float v = __fmul_rn(__fdiv_rn(xr[i], s), w[i]);
         if (yr) yr[i] = v;
-        else if (y16r) y16r[i] = __float2half_rn(v);
+        if (y16r) y16r[i] = __float2half_rn(v);
     }
-    if (!yr || fmt == ACT_F32) {
-        if (yr && y16r)
-            for (int i = threadIdx.x; i < n; i += blockDim.x) y16r[i] = __float2half_rn(yr[i]);
-        return;
-    }
+    if (!yr || fmt == ACT_F32) return;
     __syncthreads();  // the row is in y: round it by groups
-    round_row(yr, y16r, n, fmt, int8_row(xq, xs, xsum, row, n, fmt));
+    round_row(yr, nullptr, n, fmt, int8_row(xq, xs, xsum, row, n, fmt));
 }
 
 // The same for rows of n values, n a multiple of 8 (of 32 for q8_0, of 256 for q8_k), at most
@@ -38,8 +34,9 @@ extern "C" __global__ void rmsnorm(const float* x, const float* w, float* y, __h
 // values in registers from the load to the rounded store, so a warp holds exactly one q8_k group
 // (256 values) and four lanes one q8_0 group: one pass over memory. Threads past the row's end
 // take zeros and store nothing (e.g. Qwen2.5-0.5B's width of 896: 112 threads in 4 warps).
-// y may be null when only the 8-bit form is wanted. src_rows (optional): output row i normalises input
-// row src_rows[i] (the rows of a pass whose logits are wanted).
+// y may be null when only the 8-bit form is wanted; y16 (optional) gets the values before rounding
+// as float16. src_rows (optional): output row i normalises input row src_rows[i] (the rows of a
+// pass whose logits are wanted).
 extern "C" __global__ void __launch_bounds__(1024)
     rmsnorm8(const float* x, const float* w, float* y, __half* y16, int n, float eps, int fmt, signed char* xq,
              float* xs, int* xsum, const int* src_rows) {
@@ -60,6 +57,12 @@ extern "C" __global__ void __launch_bounds__(1024)
     const float wv[8] = {w0.x, w0.y, w0.z, w0.w, w1.x, w1.y, w1.z, w1.w};
 #pragma unroll
     for (int k = 0; k < 8; ++k) v[k] = __fmul_rn(__fdiv_rn(v[k], s), wv[k]);
+    if (y16 && inside) {  // before rounding: the prompt products' float16 input
+        uint4 h;
+        h.x = half2_bits(v[0], v[1]), h.y = half2_bits(v[2], v[3]), h.z = half2_bits(v[4], v[5]);
+        h.w = half2_bits(v[6], v[7]);
+        reinterpret_cast<uint4*>(y16 + row * n + 8 * t)[0] = h;
+    }
     int q[8];
     if (fmt == ACT_F16 || fmt == ACT_BF16) {
 #pragma unroll
@@ -103,10 +106,6 @@ extern "C" __global__ void __launch_bounds__(1024)
         yr[0] = make_float4(v[0], v[1], v[2], v[3]);
         yr[1] = make_float4(v[4], v[5], v[6], v[7]);
     }
-    if (y16) {
-#pragma unroll
-        for (int k = 0; k < 8; ++k) y16[row * n + 8 * t + k] = __float2half_rn(v[k]);
-    }
 }
 
 // y (and/or y16) = x rounded to activation format `fmt`; grid (pieces of a row, rows of n); y may
@@ -138,17 +137,22 @@ __device__ __forceinline__ float silu_mul(float g, float u) {
 
 // ff = SiLU(gate) * up of rows of gu = [gate (n) | up (n)] (row stride 2n), rounded to the down
 // projection's activation format `fmt`: its 8-bit form (xq/xs/xsum) for q8_0/q8_k, and/or the
-// rounded float32 values in y (row stride n). grid (pieces of a row, rows), 256 threads: a warp per
-// 8-bit group (q8_0: 32 values, q8_k: 256), 1024 values a block for the float formats.
-extern "C" __global__ void swiglu_round(const float* gu, int n, float* y, int fmt, signed char* xq, float* xs,
-                                        int* xsum) {
+// rounded float32 values in y (row stride n); y16 (optional) the values before rounding as float16
+// (the prompt products' input). grid (pieces of a row, rows), 256 threads: a warp per 8-bit group
+// (q8_0: 32 values, q8_k: 256), 1024 values a block for the float formats.
+extern "C" __global__ void swiglu_round(const float* gu, int n, float* y, __half* y16, int fmt, signed char* xq,
+                                        float* xs, int* xsum) {
     const long long row = blockIdx.y;
     const float* gr = gu + row * 2 * n;
     const float* ur = gr + n;
     float* yr = y ? y + row * n : nullptr;
+    __half* hr = y16 ? y16 + row * n : nullptr;
     if (fmt == ACT_F32 || fmt == ACT_F16 || fmt == ACT_BF16) {
-        for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x)
-            yr[i] = round_float(silu_mul(gr[i], ur[i]), fmt);
+        for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
+            const float v = silu_mul(gr[i], ur[i]);
+            yr[i] = round_float(v, fmt);
+            if (hr) hr[i] = __float2half_rn(v);
+        }
         return;
     }
     const int lane = threadIdx.x & 31, warps = blockDim.x >> 5;
@@ -158,6 +162,7 @@ extern "C" __global__ void swiglu_round(const float* gu, int n, float* y, int fm
         for (int g = first; g < n / 32; g += stride) {
             const int i = g * 32 + lane;
             const float v[1] = {silu_mul(gr[i], ur[i])};
+            if (hr) hr[i] = __float2half_rn(v[0]);
             quantize_group<1>(v, g, fmt, yr ? yr + g * 32 : nullptr, nullptr, o8);
         }
     } else {
@@ -166,6 +171,12 @@ extern "C" __global__ void swiglu_round(const float* gu, int n, float* y, int fm
             float v[8];
 #pragma unroll
             for (int k = 0; k < 8; ++k) v[k] = silu_mul(gr[i + k], ur[i + k]);
+            if (hr) {
+                uint4 h;
+                h.x = half2_bits(v[0], v[1]), h.y = half2_bits(v[2], v[3]), h.z = half2_bits(v[4], v[5]);
+                h.w = half2_bits(v[6], v[7]);
+                reinterpret_cast<uint4*>(hr + i)[0] = h;
+            }
             quantize_group<8>(v, g, fmt, yr ? yr + g * 256 : nullptr, nullptr, o8);
         }
     }

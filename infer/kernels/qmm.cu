@@ -245,12 +245,6 @@ __device__ __forceinline__ void fgemv_body(const T* w, int M, int K, const float
 }
 
 // ---------------------------------------------------------------- entry points
-// (qs, hi, sm, dm) of each part, then the row where parts 1 and 2 start
-#define PARTS_ARGS                                                                                              \
-    const uint8_t *qs0, const uint8_t *hi0, const uint8_t *sm0, const uint8_t *dm0, const uint8_t *qs1,        \
-        const uint8_t *hi1, const uint8_t *sm1, const uint8_t *dm1, const uint8_t *qs2, const uint8_t *hi2,     \
-        const uint8_t *sm2, const uint8_t *dm2, int end0, int end1
-#define PARTS_OF Parts{{Planes{qs0, hi0, sm0, dm0}, Planes{qs1, hi1, sm1, dm1}, Planes{qs2, hi2, sm2, dm2}}, end0, end1}
 #define PRODUCT_ARGS                                                                                            \
     int M, int K, const signed char *xq, const float *xs, const int *xsum, int N, float *y, int ldy,           \
         const float *bias, const float *residual, float *partial

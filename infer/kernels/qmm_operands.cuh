@@ -18,6 +18,13 @@ struct Parts {
     }
 };
 
+// (qs, hi, sm, dm) of each part, then the row where parts 1 and 2 start
+#define PARTS_ARGS                                                                                              \
+    const uint8_t *qs0, const uint8_t *hi0, const uint8_t *sm0, const uint8_t *dm0, const uint8_t *qs1,        \
+        const uint8_t *hi1, const uint8_t *sm1, const uint8_t *dm1, const uint8_t *qs2, const uint8_t *hi2,     \
+        const uint8_t *sm2, const uint8_t *dm2, int end0, int end1
+#define PARTS_OF Parts{{Planes{qs0, hi0, sm0, dm0}, Planes{qs1, hi1, sm1, dm1}, Planes{qs2, hi2, sm2, dm2}}, end0, end1}
+
 // 8-bit activations of N tokens, row-major: xq (N, K) int8; xs per scale group; xsum per 32
 struct Act8 {
     const signed char* xq;

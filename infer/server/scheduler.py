@@ -190,12 +190,16 @@ class Scheduler:
         prefilling = [j for j in jobs if j.prompt_done < len(j.prompt)]
         share = max(1, (self.prefill_chunk - len(decoding)) // max(1, len(prefilling)))
         batch: list[tuple[np.ndarray, Cache]] = []
+        prompt_rows: list[int] = []  # every prompt token but the prompt's last is a prompt row (docs/GPU.md)
         for j in decoding:
             batch.append((np.array([j.generated[-1]]), j.cache))  # type: ignore[arg-type]
+            prompt_rows.append(0)
         for j in prefilling:
-            batch.append((np.asarray(j.prompt[j.prompt_done : j.prompt_done + share]), j.cache))  # type: ignore[arg-type]
+            chunk = j.prompt[j.prompt_done : j.prompt_done + share]
+            batch.append((np.asarray(chunk), j.cache))  # type: ignore[arg-type]
+            prompt_rows.append(len(chunk) - (j.prompt_done + len(chunk) == len(j.prompt)))
         began = time.perf_counter()
-        logits = self.model.forward_batch(batch)
+        logits = self.model.forward_batch(batch, prompt_rows=prompt_rows)
         seconds = time.perf_counter() - began
         rows = sum(len(t) for t, _ in batch)
         self.stats.passes += 1

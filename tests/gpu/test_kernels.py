@@ -18,7 +18,7 @@ from infer.synth import random_blocks
 
 cupy = pytest.importorskip("cupy")
 from infer.gpu import attention as attn  # noqa: E402
-from infer.gpu import ops  # noqa: E402
+from infer.gpu import ops, products  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 T = GGMLQuantizationType
@@ -155,7 +155,8 @@ def test_rmsnorm_rounded(rng: np.random.Generator, act: str, n: int) -> None:
     got = cupy.asnumpy(y)
     assert _rel(got, want) < 1e-3
     assert _rows_are_rmsnorm_rounded(got, x, w, 1e-5, act)
-    np.testing.assert_array_equal(cupy.asnumpy(y16), got.astype(np.float16))
+    # y16: the values before rounding, as float16 (the prompt products' input)
+    assert _rows_are_rmsnorm_rounded(cupy.asnumpy(y16).astype(np.float32), x, w, 1e-5, "f16")
     if act in ("q8_0", "q8_k"):  # the 8-bit form of one row
         int8 = ops.Int8Act.zeros(1, n, act)
         y1 = _poisoned(n)
@@ -266,15 +267,15 @@ def test_products_are_the_canonical_sum_for_every_row_count(rng: np.random.Gener
         q, scale, qsum = _activations(rng, max(NS), cols, act)
         x8 = _device_int8(q, scale, qsum, act)
         want = canonical_product(planar, m.fmt, rows, cols, q, scale, qsum)
-        scratch = cupy.zeros(ops.SPLIT_SCRATCH_BYTES // 4, cupy.float32)
+        scratch = cupy.zeros(products.SPLIT_SCRATCH_BYTES // 4, cupy.float32)
         for n in NS:
             for split in (None, scratch):  # whole K in one block, and split into groups where blocks are few
                 y = _poisoned((n, rows))
-                ops.product([m], x8, y, n, scratch=split)
+                products.product([m], x8, y, n, scratch=split)
                 got = cupy.asnumpy(y)
                 assert np.isfinite(got).all(), (rows, cols, n)
                 np.testing.assert_array_equal(got, want[:n], err_msg=f"{rows}x{cols}, {n} rows, "
-                                              f"{'qmm' if ops.uses_qmm(m.fmt, cols, n) else 'qgemv'}, "
+                                              f"{'qmm' if products.uses_qmm(m.fmt, cols, n) else 'qgemv'}, "
                                               f"split {split is not None}")
 
 
@@ -297,9 +298,9 @@ def test_product_of_stacked_parts_with_bias_and_residual(rng: np.random.Generato
     ldy = rows + 11
     bias = rng.standard_normal(rows).astype(np.float32)
     res = rng.standard_normal((n, ldy)).astype(np.float32)
-    for split in (None, cupy.zeros(ops.SPLIT_SCRATCH_BYTES // 4, cupy.float32)):
+    for split in (None, cupy.zeros(products.SPLIT_SCRATCH_BYTES // 4, cupy.float32)):
         y = cupy.asarray(res)
-        ops.product(mats, _device_int8(q, scale, qsum, act), y.reshape(-1), n, ldy=ldy, bias=cupy.asarray(bias),
+        products.product(mats, _device_int8(q, scale, qsum, act), y.reshape(-1), n, ldy=ldy, bias=cupy.asarray(bias),
                     residual=y.reshape(-1), scratch=split)
         got = cupy.asnumpy(y)
         np.testing.assert_array_equal(got[:, :rows], (want + bias[None]) + res[:, :rows])
@@ -316,7 +317,7 @@ def test_float_products_are_the_canonical_sum(rng: np.random.Generator, ggml_typ
     m = ops.upload_matrix(raw, ggml_type, rows, cols)
     x = rng.standard_normal((n, cols)).astype(np.float32)
     y = _poisoned((n, rows))
-    ops.product([m], cupy.asarray(x), y, n)
+    products.product([m], cupy.asarray(x), y, n)
     np.testing.assert_array_equal(cupy.asnumpy(y), canonical_product(layout.repack(raw, ggml_type, rows, cols),
                                                                      m.fmt, rows, cols, x=x))
 
@@ -332,16 +333,103 @@ def test_products_follow_the_exact_sum(rng: np.random.Generator, ggml_type: int)
     if m.fmt in layout.FLOAT_FORMATS:
         x = rng.standard_normal((3, cols)).astype(np.float32)
         y = _poisoned((3, rows))
-        ops.product([m], cupy.asarray(x), y, 3)
+        products.product([m], cupy.asarray(x), y, 3)
         want = x.astype(np.float64) @ w.T
     else:
         q, scale, qsum = _activations(rng, 3, cols, act)
         group = 32 if act == "q8_0" else 256
         xv = (q.astype(np.float64).reshape(3, -1, group) * scale[:, :, None]).reshape(3, cols)
         y = _poisoned((3, rows))
-        ops.product([m], _device_int8(q, scale, qsum, act), y, 3)
+        products.product([m], _device_int8(q, scale, qsum, act), y, 3)
         want = xv @ w.T
     assert _rel(cupy.asnumpy(y), want) < 2e-5
+
+
+# ---------------------------------------------------------------- prompt products (pmm.cu)
+PMM_NS = [1, 7, 32, 33, 64, 100, 128, 200, 512]
+
+
+def _pmm_shape(ggml_type: int) -> list[tuple[int, int]]:
+    """(rows, cols): rows no multiple of the 128-row tile; the 8B's widths, and 576 (SmolLM2) for the
+    32-value formats."""
+    if ggml_type in (T.Q4_K, T.Q5_K, T.Q6_K):
+        return [(200, 4096), (72, 14336)]
+    return [(200, 4096), (136, 576)]
+
+
+@pytest.mark.parametrize("ggml_type", QUANT_TYPES, ids=lambda t: T(t).name)
+def test_prompt_products_follow_their_float16_operands(rng: np.random.Generator, ggml_type: int) -> None:
+    """pmm against float64 products of the float16 weights (infer.gpu.reference.prompt_weights, the
+    dequantization the kernel defines) and float16 inputs: float32 sums within 1e-4 of the sum of the
+    terms' magnitudes (tensor-core accumulation, K up to 14336: any wrong index is off by O(1)); and
+    every row the same bits for any N and any token tile (one order per output)."""
+    from infer.gpu.reference import prompt_product
+
+    for rows, cols in _pmm_shape(ggml_type):
+        raw = _tensor(rng, ggml_type, rows, cols)
+        m = ops.upload_matrix(raw, ggml_type, rows, cols)
+        x = (rng.standard_normal((max(PMM_NS), cols)) * rng.choice([0.01, 1.0, 50.0], (max(PMM_NS), 1)))
+        x16 = x.astype(np.float16)
+        want = prompt_product(layout.repack(raw, ggml_type, rows, cols), m.fmt, rows, cols, x16)
+        scale = np.abs(x16.astype(np.float64)) @ np.abs(_prompt_weights64(m, raw, ggml_type)).T  # sum of |terms|
+        first = None
+        for n in PMM_NS:
+            for tile in products.PMM_TILES:
+                y = _poisoned((n, rows))
+                products.prompt_product([m], cupy.asarray(x16[:n]), y, n, tile=tile)
+                got = cupy.asnumpy(y)
+                assert np.isfinite(got).all(), (rows, cols, n, tile)
+                err = np.abs(got - want[:n]) / np.maximum(scale[:n], 1e-30)
+                assert err.max() < 1e-4, (rows, cols, n, tile, float(err.max()))
+                if first is None:
+                    first = got
+                np.testing.assert_array_equal(got, first[:n], err_msg=f"{rows}x{cols}, {n} rows, tile {tile}")
+
+
+def _prompt_weights64(m: ops.GpuMatrix, raw: np.ndarray, ggml_type: int) -> np.ndarray:
+    from infer.gpu.reference import prompt_weights
+
+    return prompt_weights(layout.repack(raw, ggml_type, m.rows, m.cols), m.fmt, m.rows, m.cols).astype(np.float64)
+
+
+@pytest.mark.parametrize("ggml_type", QUANT_TYPES, ids=lambda t: T(t).name)
+def test_prompt_weights_are_the_kernels(rng: np.random.Generator, ggml_type: int) -> None:
+    """The kernel's float16 weights bit for bit: a product with one-hot inputs reads them back."""
+    rows, cols = 130, 256
+    raw = _tensor(rng, ggml_type, rows, cols)
+    m = ops.upload_matrix(raw, ggml_type, rows, cols)
+    y = _poisoned((cols, rows))
+    products.prompt_product([m], cupy.asarray(np.eye(cols, dtype=np.float16)), y, cols)
+    want = _prompt_weights64(m, raw, ggml_type)
+    np.testing.assert_array_equal(cupy.asnumpy(y).T, want.astype(np.float32))
+
+
+@pytest.mark.parametrize("ggml_type", [T.Q8_0, T.Q5_1, T.Q4_K, T.Q6_K], ids=lambda t: T(t).name)
+@pytest.mark.parametrize("n", [1, 40, 512])
+def test_prompt_product_of_stacked_parts_with_bias_and_residual(rng: np.random.Generator, ggml_type: int,
+                                                                n: int) -> None:
+    """Three matrices as one launch, a bias and the residual in place on a strided output: each
+    part's rows are its own product (the same bits as alone), the gap between rows untouched."""
+    cols = 1024
+    parts = [(100, _tensor(rng, ggml_type, 100, cols)), (37, _tensor(rng, ggml_type, 37, cols)),
+             (70, _tensor(rng, ggml_type, 70, cols))]
+    mats = [ops.upload_matrix(raw, ggml_type, r, cols) for r, raw in parts]
+    rows = sum(r for r, _ in parts)
+    x16 = cupy.asarray(rng.standard_normal((n, cols)).astype(np.float16))
+    alone = []
+    for m in mats:
+        y = _poisoned((n, m.rows))
+        products.prompt_product([m], x16, y, n)
+        alone.append(cupy.asnumpy(y))
+    want = np.concatenate(alone, axis=1)
+    ldy = rows + 11
+    bias = rng.standard_normal(rows).astype(np.float32)
+    res = rng.standard_normal((n, ldy)).astype(np.float32)
+    y = cupy.asarray(res)
+    products.prompt_product(mats, x16, y.reshape(-1), n, ldy=ldy, bias=cupy.asarray(bias), residual=y.reshape(-1))
+    got = cupy.asnumpy(y)
+    np.testing.assert_array_equal(got[:, :rows], (want + bias[None]) + res[:, :rows])
+    np.testing.assert_array_equal(got[:, rows:], res[:, rows:])
 
 
 # ---------------------------------------------------------------- norms, SwiGLU, rotary embedding
@@ -383,6 +471,11 @@ def test_swiglu_round(rng: np.random.Generator, act: str) -> None:
         y16 = _poisoned((rows, n))
         ops.swiglu_round(cupy.asarray(gu), n, rows, act, y=y16)
         np.testing.assert_array_equal(cupy.asnumpy(y16), floats.astype(np.float16).astype(np.float32))
+    # the float16 copy before rounding (the prompt products' input), beside any rounding
+    half = _poisoned((rows, n), cupy.float16)
+    int8 = ops.Int8Act.zeros(rows, n, act) if act in ("q8_0", "q8_k") else None
+    ops.swiglu_round(cupy.asarray(gu), n, rows, act, y=None if int8 else _poisoned((rows, n)), int8=int8, y16=half)
+    np.testing.assert_array_equal(cupy.asnumpy(half), floats.astype(np.float16))
 
 
 class _Caches:

@@ -51,3 +51,25 @@ def test_plane_offsets_are_aligned_and_disjoint() -> None:
 def test_unknown_type_is_refused_with_its_name() -> None:
     with pytest.raises(ValueError, match="IQ2_XXS"):
         layout.format_of(T.IQ2_XXS)
+
+
+@pytest.mark.parametrize("ggml_type", [t for t in EXACT + K_QUANTS if t not in (T.F16, T.BF16, T.F32)],
+                         ids=lambda t: T(t).name)
+def test_prompt_weights_are_the_weights_in_float16(ggml_type: int) -> None:
+    """The float16 weights of the prompt products (infer.gpu.reference.prompt_weights, what pmm.cu
+    computes) are the CPU engine's weights within float16 rounding: one rounding of the formula,
+    after the K-quants' scale and min are rounded to float16 themselves."""
+    from infer.gpu.reference import prompt_weights
+
+    rows, cols = 6, 512
+    raw = _random_tensor(ggml_type, rows, cols, seed=1 + int(ggml_type))
+    fmt = layout.format_of(ggml_type)
+    got = prompt_weights(layout.repack(raw, ggml_type, rows, cols), fmt, rows, cols)
+    want = quants.dequantize(raw, ggml_type, (rows, cols)).astype(np.float64)
+    assert got.dtype == np.float16 and got.shape == (rows, cols)
+    ulp = np.spacing(np.abs(want).astype(np.float16)).astype(np.float64)  # float16 spacing at each weight
+    err = np.abs(got.astype(np.float64) - want)
+    if ggml_type in (T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1):  # one rounding of an exact product or fma
+        assert (err <= ulp / 2).all()
+    else:  # the K-quant scale and min rounded to float16 first: a few ulps of the row's largest weight
+        assert (err <= 4 * ulp.max(axis=1, keepdims=True)).all(), float((err / ulp.max(axis=1, keepdims=True)).max())

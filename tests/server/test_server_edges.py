@@ -172,7 +172,7 @@ def test_an_engine_that_fails_fails_the_request_and_the_health(model: Path) -> N
     def load() -> Loaded:
         loaded = base()
 
-        def broken(batch, all_logits=False):  # noqa: ANN001, ANN202
+        def broken(batch, all_logits=False, prompt_rows=None):  # noqa: ANN001, ANN202
             raise ReadError("0000:01:00.0 nsid 1: NVMe read of LBAs 8..15 (bytes 4096..8192) failed: "
                             "ERROR status: 02/81 Unrecovered Read Error (read, cid 3)")
 

@@ -206,6 +206,18 @@ class RawKernel:
                 return
             if _ptr(bias): out = out + _arr(bias, np.float32, M)[None]
             _store_rows(y, res, out, ldy)
+        elif n.startswith("pmm_"):  # prompt products: float16 operands, sums in float64 (the GPU's differ in rounding only)
+            from infer.gpu.reference import prompt_product
+            fmt = n.split("_")[1]
+            planes = [args[4 * i : 4 * i + 4] for i in range(3)]
+            e0, e1, M, K, x16, N, y, ldy, bias, res = args[12:]
+            e0, e1, M, K, N, ldy = map(int, (e0, e1, M, K, N, ldy))
+            xv = _arr(x16, np.float16, N * K).reshape(N, K).copy()
+            outs = [prompt_product(_planar(fmt, *pl, hi - lo, K), fmt, hi - lo, K, xv)
+                    for (lo, hi), pl in zip(((0, e0), (e0, e1), (e1, M)), planes) if hi > lo]
+            out = np.concatenate(outs, axis=1).astype(np.float32)
+            if _ptr(bias): out = out + _arr(bias, np.float32, M)[None]
+            _store_rows(y, res, out, ldy)
         elif n == "qmm_combine":
             partial, groups, M, N, y, ldy, bias, res = args
             groups, M, N, ldy = map(int, (groups, M, N, ldy))
@@ -251,11 +263,11 @@ class RawKernel:
             from infer.model import rms_norm
             from infer.quants import round_activations
             v = rms_norm(xv.copy(), _arr(w, np.float32, nn).copy(), float(eps), exact=True)
+            if _ptr(y16): _arr(y16, np.float16, rows * nn)[:] = v.reshape(-1).astype(np.float16)  # before rounding
             if _ptr(xq): _write_int8(xq, xs8, xsum, v.reshape(-1), ACTS[int(act)])
             if _ptr(y):
                 v = round_activations(v, ["f32", "f16", "bf16", "q8_0", "q8_k"][int(act)])
                 _arr(y, np.float32, rows * nn)[:] = v.reshape(-1)
-            if _ptr(y16): _arr(y16, np.float16, rows * nn)[:] = v.reshape(-1).astype(np.float16)
         elif n == "round_act":
             x, y, y16, nn, act, xq, xs8, xsum = args
             rows, nn = grid[1], int(nn)
@@ -294,20 +306,22 @@ class RawKernel:
                 o = attention_reference(q, KC[:, idx], VC[:, idx], float(scale)).astype(np.float32)
                 WK[r, :, :, 1] = 0; WK[r, :, 0, 0] = 0; WK[r, :, 0, 1] = 1; WK[r, :, 0, 2:] = o
         elif n == "attn_merge":
-            work, nb, H, D, pos, out, act, xq, xs8, xsum = args
+            work, nb, H, D, pos, out, out16, act, xq, xs8, xsum = args
             rows = grid[0]; nb, H, D = map(int, (nb, H, D)); nn = H * D
             WK = _arr(work, np.float32, rows * H * nb * (D + 2)).reshape(rows, H, nb, D + 2)
             o = (WK[:, :, 0, 2:] / WK[:, :, 0, 1:2]).reshape(rows, nn)
+            if _ptr(out16): _arr(out16, np.float16, rows * nn)[:] = o.reshape(-1).astype(np.float16)
             from infer.quants import round_activations
             act = ACTS[int(act)]
             _arr(out, np.float32, rows * nn)[:] = round_activations(o.copy(), act).reshape(-1)
             if _ptr(xq): _write_int8(xq, xs8, xsum, o.reshape(-1), act)
         elif n == "swiglu_round":
-            gu, nn, y, act, xq, xs8, xsum = args
+            gu, nn, y, y16, act, xq, xs8, xsum = args
             rows, nn = grid[1], int(nn)
             G = _arr(gu, np.float32, rows * 2 * nn).reshape(rows, 2 * nn)
             g, u = G[:, :nn], G[:, nn:]
             v = (g / (np.float32(1) + np.exp(-g)) * u).astype(np.float32)
+            if _ptr(y16): _arr(y16, np.float16, rows * nn)[:] = v.reshape(-1).astype(np.float16)
             act = ACTS[int(act)]
             if _ptr(xq): _write_int8(xq, xs8, xsum, v.reshape(-1), act)
             if _ptr(y):

@@ -1,0 +1,240 @@
+"""The matrix products of a pass (infer/kernels/qmm.cu, pmm.cu): one Python call per launch, none
+allocating, so each may sit inside a CUDA graph capture.
+
+- `product`: the canonical rows (decode tokens, batches, tree nodes, scored prompts): qgemv for a
+  few rows, the int8 tensor-core qmm for more, fgemv for float weights; every output in the
+  canonical order of canon.cuh (the same bits for any N, kernel variant or split of K).
+- `prompt_product`: the prompt rows (prompt tokens whose logits nobody reads): float16 weights
+  dequantized in shared memory, float32 sums on the tensor cores (pmm.cu), one order per output.
+"""
+
+from __future__ import annotations
+
+import cupy
+import numpy as np
+
+from infer.gpu import kernels
+from infer.gpu.layout import FLOAT_FORMATS, K_FORMATS
+from infer.gpu.ops import NULL, GpuMatrix, Int8Act, device_ptr, grid_blocks, with_shared
+
+QGEMV_MAX = 4  # qgemv_*_v4: products of up to this many rows use the GEMV-shaped kernels
+Input = Int8Act | cupy.ndarray  # the 8-bit form for quantized weights, float32 rows for float ones
+
+
+FORMAT_KIND = {"q8": 1, "g4": 4, "g5": 5, "k4": 14, "k5": 15, "k6": 16}  # qmm.cu QMM_FORMAT
+# n-tiles of a qmm block -> (warps of 16 rows, pipeline stages), and the qgemv kernels' (warps,
+# loads in flight), chosen by timing the variants (bench/kernel_sweep.py, docs/PERFORMANCE.md);
+# NVMEDIRECT_QMM_TUNING="1:2,4;8:4,3" and NVMEDIRECT_QGEMV_TUNING="4,2" override them (sweeps)
+QMM_TUNING: dict[int, tuple[int, int]] = {1: (4, 3), 2: (4, 3), 4: (4, 3), 8: (4, 3)}
+QGEMV_TUNING: tuple[int, int] = (4, 2)
+# blocks per SM the registers of a format's qmm kernels must allow (qmm.cu MMQ_MIN_BLOCKS; absent:
+# the kernel's default; NVMEDIRECT_QMM_MIN_BLOCKS overrides, for sweeps)
+QMM_MIN_BLOCKS: dict[str, int] = {}
+
+
+def _tuning_from_environment() -> None:
+    import os
+
+    global QGEMV_TUNING
+    for item in filter(None, os.environ.get("NVMEDIRECT_QMM_TUNING", "").split(";")):
+        nt, _, pair = item.partition(":")
+        warps, stages = (int(v) for v in pair.split(","))
+        QMM_TUNING[int(nt)] = (warps, stages)
+    if os.environ.get("NVMEDIRECT_QMM_MIN_BLOCKS"):
+        QMM_MIN_BLOCKS.update({fmt: int(os.environ["NVMEDIRECT_QMM_MIN_BLOCKS"]) for fmt in FORMAT_KIND})
+    if os.environ.get("NVMEDIRECT_QGEMV_TUNING"):
+        warps, unroll = (int(v) for v in os.environ["NVMEDIRECT_QGEMV_TUNING"].split(","))
+        QGEMV_TUNING = (warps, unroll)
+
+
+_tuning_from_environment()
+
+
+def _module_defines(fmt: str, nt: int = 1, tuning: tuple[int, int] | None = None) -> dict[str, int]:
+    """The #defines of the qmm module that holds format `fmt`'s qmm kernels in the variant for nt
+    n-tiles (or `tuning`: warps, stages)."""
+    warps, stages = tuning or QMM_TUNING[nt]
+    defines = {"QMM_FORMAT": FORMAT_KIND.get(fmt, 100), "MMQ_WARPS": warps, "MMQ_STAGES": stages, "QMM_KERNELS": 2}
+    if fmt in QMM_MIN_BLOCKS:
+        defines["MMQ_MIN_BLOCKS"] = QMM_MIN_BLOCKS[fmt]
+    return defines
+
+
+def _gemv_defines(fmt: str, tuning: tuple[int, int] | None = None) -> dict[str, int]:
+    """The #defines of the module of format `fmt`'s qgemv (or float) kernels (tuning: warps, unroll)."""
+    warps, unroll = tuning or QGEMV_TUNING
+    return {"QMM_FORMAT": FORMAT_KIND.get(fmt, 100), "QG_WARPS": warps, "QG_UNROLL": unroll, "QMM_KERNELS": 1}
+
+
+def _qmm_stage_bytes(fmt: str, nt: int, warps: int = 4) -> int:
+    """Bytes of one shared-memory stage of qmm_<fmt>_n<nt> with `warps` warps (qmm.cu Stage)."""
+    qs = 32 if fmt == "q8" else 16
+    hi = {"g5": 4, "k5": 4, "k6": 8}.get(fmt, 0)
+    sm = 4 if fmt in ("g4", "g5") else 2
+    sup = fmt in K_FORMATS
+    xsum = fmt in ("g4", "g5", "k4", "k5")
+    bn = 8 * nt
+    qstr, hstr, sstr = 8 * qs + 16, (8 * hi + 16 if hi else 0), (48 if sm == 4 else 16)
+    dstr = 4 if sup else 0
+    xsstr, xustr = (1 if sup else 12), (12 if xsum else 0)
+    off_xs = 16 * warps * (qstr + hstr + sstr + dstr) + bn * 272
+    off_xu = off_xs + -(-(bn * xsstr * 4) // 16) * 16
+    return off_xu + bn * xustr * 4
+
+
+def _tiles(n: int) -> int:
+    """qmm n-tiles (of 8 tokens) per block for n rows."""
+    return 1 if n <= 8 else 2 if n <= 16 else 4 if n <= 32 else 8
+
+
+def _qmm_kernel(fmt: str, nt: int, tuning: tuple[int, int] | None = None):  # noqa: ANN202
+    """(kernel, dynamic shared bytes, warps) of qmm_<fmt>_n<nt> in its tuned (or given) variant."""
+    defines = _module_defines(fmt, nt, tuning)
+    warps, stages = defines["MMQ_WARPS"], defines["MMQ_STAGES"]
+    name = f"qmm_{fmt}_n{nt}"
+    smem = stages * _qmm_stage_bytes(fmt, nt, warps)
+    fn = kernels.function("qmm", name, defines)
+    return with_shared(fn, (name, *sorted(defines.items())), smem), smem, warps
+
+
+def prepare_kernels(formats: set[str]) -> None:
+    """Compiles the product kernels of `formats` and raises the shared-memory opt-in of those that
+    need more than the default, before any CUDA graph capture (attention: attention.prepare)."""
+    for fmt in formats:
+        kernels.module("qmm", _gemv_defines(fmt))
+        if fmt not in FLOAT_FORMATS:
+            for nt in (1, 2, 4, 8):
+                _qmm_kernel(fmt, nt)
+            for bn in PMM_TILES:
+                _pmm_kernel(fmt, bn)
+
+
+SPLIT_MIN_BLOCKS = 264  # a qmm launch of fewer (row tile x token tile) blocks splits K (2 x 132 SMs)
+SPLIT_SCRATCH_BYTES = 16 << 20  # the group sums of a split product (a model's pass buffers hold them)
+CANON_GROUP = 1024  # canon.cuh: values of K per group (a split block computes one)
+
+
+def _split_groups(blocks: int, cols: int, n: int, rows: int, scratch: cupy.ndarray | None) -> int:
+    """Groups of K a qmm launch of `blocks` blocks splits into (0: no split)."""
+    import os
+
+    groups = -(-cols // CANON_GROUP)
+    if scratch is None or groups < 2 or blocks >= SPLIT_MIN_BLOCKS or os.environ.get("NVMEDIRECT_QMM_SPLIT") == "0":
+        return 0
+    return groups if 4 * groups * n * rows <= scratch.nbytes else 0
+
+
+def uses_qmm(fmt: str, cols: int, n: int) -> bool:
+    """Whether a product of n rows runs on the tensor-core kernel (else on qgemv, groups of 4 rows)."""
+    return fmt not in FLOAT_FORMATS and n > QGEMV_MAX and not (fmt == "q8" and cols % 64)
+
+
+def product(parts: list[GpuMatrix], x: Input, y: cupy.ndarray, n: int, ldy: int | None = None,
+            bias: cupy.ndarray | None = None, residual: cupy.ndarray | None = None,
+            tuning: tuple[int, int] | None = None, scratch: cupy.ndarray | None = None) -> None:
+    """Rows v < n of y (row v at y[v * ldy:], ldy default the parts' total rows) = the parts'
+    matrices, stacked row-wise (at most three, one format and row length), times input row v, +
+    bias (of the stacked rows), + residual (laid out as y; y may be the residual itself). Every
+    output in the canonical order: the same bits for any n and any kernel variant (`tuning`, for
+    sweeps: a qmm kernel's (warps, stages), a qgemv kernel's (warps, loads in flight)). `scratch`
+    (float32, SPLIT_SCRATCH_BYTES): room for the group sums when a launch with too few blocks
+    splits K (the same bits: the canonical sum adds whole groups in order)."""
+    m0 = parts[0]
+    if not 1 <= len(parts) <= 3 or any(p.fmt != m0.fmt or p.cols != m0.cols for p in parts):
+        raise ValueError("a product takes one to three matrices of one format and row length")
+    if m0.fmt in FLOAT_FORMATS and len(parts) != 1:
+        raise ValueError("float-format matrices are multiplied one at a time")
+    rows = sum(p.rows for p in parts)
+    ldy = rows if ldy is None else ldy
+    if n < 1:
+        return
+    if m0.fmt in FLOAT_FORMATS:
+        warps = QGEMV_TUNING[0]
+        fn = kernels.function("qmm", f"fgemv_{m0.fmt}", _gemv_defines(m0.fmt))
+        fn((grid_blocks(rows, warps), min(n, 64)), (32 * warps,),
+           (m0.buffer, np.int32(rows), np.int32(m0.cols), x, np.int32(n), y, np.int32(ldy), device_ptr(bias),
+            device_ptr(residual)))
+        return
+    if not isinstance(x, Int8Act) or x.act != m0.act:
+        raise ValueError(f"a {m0.fmt} product takes the {m0.act} 8-bit form of its input")
+    planes = [pl for p in parts for pl in p.planes()] + [NULL] * 4 * (3 - len(parts))
+    ends = [*np.cumsum([p.rows for p in parts]).tolist(), rows, rows]  # where parts 1 and 2 start
+    head = (*planes, np.int32(ends[0]), np.int32(ends[1]), np.int32(rows), np.int32(m0.cols), x.xq, x.xs, x.xsum,
+            np.int32(n))
+    args = (*head, y, np.int32(ldy), device_ptr(bias), device_ptr(residual), NULL)
+    if uses_qmm(m0.fmt, m0.cols, n):
+        nt = _tiles(n)
+        fn, smem, warps = _qmm_kernel(m0.fmt, nt, tuning)
+        grid = (grid_blocks(n, 8 * nt), grid_blocks(rows, 16 * warps))
+        groups = _split_groups(grid[0] * grid[1], m0.cols, n, rows, scratch)
+        if not groups:
+            fn(grid, (32 * warps,), args, shared_mem=smem)
+            return
+        fn((*grid, groups), (32 * warps,), (*head, y, np.int32(ldy), NULL, NULL, scratch), shared_mem=smem)
+        combine = kernels.function("qmm", "qmm_combine", _module_defines(m0.fmt, nt, tuning))
+        combine((grid_blocks(n * rows, 256),), (256,), (scratch, np.int32(groups), np.int32(rows), np.int32(n), y,
+                                                    np.int32(ldy), device_ptr(bias), device_ptr(residual)))
+        return
+    nv = 1 if n == 1 else 2 if n == 2 else 4
+    warps = (tuning or QGEMV_TUNING)[0]
+    fn = kernels.function("qmm", f"qgemv_{m0.fmt}_v{nv}", _gemv_defines(m0.fmt, tuning))
+    fn((grid_blocks(rows, warps), grid_blocks(n, nv)), (32 * warps,), args)
+
+
+# ---------------------------------------------------------------------------- prompt products
+PMM_TILES = (32, 64, 128)  # tokens per pmm block (pmm.cu pmm_<fmt>_t<BN>)
+PMM_STAGES = 3
+PMM_ROWS = 128  # weight rows per pmm block
+
+
+def uses_pmm(fmt: str, cols: int) -> bool:
+    """Whether prompt rows of a matrix take the float16 tensor-core product (pmm.cu); else they take
+    the canonical product like every other row."""
+    return fmt not in FLOAT_FORMATS and cols % 64 == 0
+
+
+def _pmm_shared_bytes(fmt: str, bn: int, stages: int = PMM_STAGES) -> int:
+    """Dynamic shared memory of pmm_<fmt>_t<bn> (pmm.cu PStage::TOTAL)."""
+    qs = 32 if fmt == "q8" else 16
+    hi = {"g5": 4, "k5": 4, "k6": 8}.get(fmt, 0)
+    smb = 4 if fmt in ("g4", "g5") else 2
+    off_d = PMM_ROWS * 2 * (qs + hi + smb)
+    off_x = -(-(off_d + (PMM_ROWS * 4 if fmt in K_FORMATS else 0)) // 128) * 128
+    return stages * (off_x + bn * 144) + PMM_ROWS * 144
+
+
+def _pmm_tile(n: int) -> int:
+    return next((t for t in PMM_TILES if n <= t), PMM_TILES[-1])
+
+
+def _pmm_kernel(fmt: str, bn: int):  # noqa: ANN202
+    defines = {"PMM_FORMAT": FORMAT_KIND[fmt], "PMM_STAGES": PMM_STAGES}
+    name = f"pmm_{fmt}_t{bn}"
+    smem = _pmm_shared_bytes(fmt, bn)
+    fn = kernels.function("pmm", name, defines)
+    return with_shared(fn, (name, *sorted(defines.items())), smem), smem
+
+
+def prompt_product(parts: list[GpuMatrix], x16: cupy.ndarray, y: cupy.ndarray, n: int, ldy: int | None = None,
+                   bias: cupy.ndarray | None = None, residual: cupy.ndarray | None = None,
+                   tile: int | None = None) -> None:
+    """Rows v < n of y = the parts' matrices (stacked row-wise, as `product`) times float16 input row
+    v of x16 (n, cols), + bias, + residual (y may be the residual): the prompt rows' product
+    (pmm.cu), float16 weights and float32 sums on the tensor cores, each output summed in one order
+    for any n and any `tile` (tokens per block: 32, 64 or 128)."""
+    m0 = parts[0]
+    if not 1 <= len(parts) <= 3 or any(p.fmt != m0.fmt or p.cols != m0.cols for p in parts):
+        raise ValueError("a product takes one to three matrices of one format and row length")
+    if not uses_pmm(m0.fmt, m0.cols):
+        raise ValueError(f"no prompt product for {m0.fmt} rows of {m0.cols} values")
+    if n < 1:
+        return
+    rows = sum(p.rows for p in parts)
+    ldy = rows if ldy is None else ldy
+    planes = [pl for p in parts for pl in p.planes()] + [NULL] * 4 * (3 - len(parts))
+    ends = [*np.cumsum([p.rows for p in parts]).tolist(), rows, rows]
+    bn = tile or _pmm_tile(n)
+    fn, smem = _pmm_kernel(m0.fmt, bn)
+    fn((grid_blocks(n, bn), grid_blocks(rows, PMM_ROWS)), (256,),
+       (*planes, np.int32(ends[0]), np.int32(ends[1]), np.int32(rows), np.int32(m0.cols), x16, np.int32(n), y,
+        np.int32(ldy), device_ptr(bias), device_ptr(residual)), shared_mem=smem)

@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# Builds llama.cpp's llama-bench and llama-server with CUDA on a machine WITHOUT a GPU (nvcc only),
+# for the GPU machine of the device tool, and packs them as .peer/llama-bin.tar.xz (ignored by git,
+# carried with `carry: [".peer"]`): scripts/gpu-check.sh (GPU_CHECK_LLAMA=1) then measures llama.cpp
+# on the same file as ours without spending 8-12 minutes of device time on a build.
+#
+#   bash scripts/llama-cpp-cuda.sh [ARCH]      # ARCH: CUDA architecture, default 90 (H200); ~40-60 min on 2 cores
+#
+# The source is .peer/llama.cpp.tgz (/work/shared/device/llama-cpp-src.sh: the llama.cpp that
+# llama-cpp-python 0.3.36 vendors, the version of the CPU oracle tests). This machine's toolkit has
+# no cuBLAS and no driver: cuBLAS comes from the nvidia-cublas wheel of the same CUDA major, in a
+# private directory (the GPU machine links its own libcublas.so.13 at run time), and the build uses
+# no driver API (GGML_CUDA_NO_VMM: llama.cpp's memory pool without virtual memory management, the
+# legacy pool; its speed is the same once warm). GGML_NATIVE=OFF with AVX2/FMA/F16C: the GPU
+# machine's CPU need not be this one's.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+arch=${1:-90}
+work=${LLAMA_CUDA_WORK:-/tmp/llama-cuda-build}
+[ -f .peer/llama.cpp.tgz ] || bash /work/shared/device/llama-cpp-src.sh
+command -v nvcc > /dev/null || { echo "nvcc is not installed" >&2; exit 2; }
+major=$(nvcc --version | sed -n 's/.*release \([0-9]*\)\..*/\1/p')
+mkdir -p "$work/cublas"
+if [ ! -f "$work/cublas/lib/libcublas.so" ]; then
+    python3 -m pip download -q --no-deps "nvidia-cublas==${major}.0.*" -d "$work/cublas/whl"
+    python3 -m zipfile -e "$work"/cublas/whl/*.whl "$work/cublas/x"
+    mkdir -p "$work/cublas/lib" "$work/cublas/include"
+    cp "$work"/cublas/x/nvidia/cu"$major"/lib/libcublas*.so."$major" "$work/cublas/lib/"
+    cp "$work"/cublas/x/nvidia/cu"$major"/include/*.h "$work/cublas/include/"
+    ln -sf "libcublas.so.$major" "$work/cublas/lib/libcublas.so"
+    ln -sf "libcublasLt.so.$major" "$work/cublas/lib/libcublasLt.so"
+fi
+rm -rf "$work/src" && mkdir -p "$work/src" && tar xzf .peer/llama.cpp.tgz -C "$work/src"
+cd "$work/src/llama.cpp"
+inc="-I$work/cublas/include"
+cmake -B build -DGGML_CUDA=ON -DGGML_CUDA_NO_VMM=ON -DCMAKE_CUDA_ARCHITECTURES="$arch" -DGGML_NATIVE=OFF \
+    -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
+    -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON -DCMAKE_BUILD_TYPE=Release \
+    -DCMAKE_BUILD_RPATH_USE_ORIGIN=ON -DCMAKE_LIBRARY_PATH="$work/cublas/lib" \
+    -DCMAKE_CUDA_FLAGS="$inc" -DCMAKE_CXX_FLAGS="$inc" -DCMAKE_C_FLAGS="$inc" > "$work/cmake.log"
+cmake --build build -j "$(nproc)" --target llama-bench llama-server > "$work/build.log"
+out=$work/bin && rm -rf "$out" && mkdir -p "$out"
+cp build/bin/llama-bench build/bin/llama-server "$out/"
+find build -name "*.so*" -exec cp -P {} "$out/" \;
+rm -f "$out"/libcublas*  # the GPU machine's own
+{ echo "llama.cpp $(git describe --tags 2>/dev/null || echo 'from llama-cpp-python 0.3.36') CUDA sm_$arch, built $(date -u +%F) on $(hostname) with nvcc $(nvcc --version | sed -n 's/.*release //p')"; } > "$out/BUILD"
+cd - > /dev/null
+mkdir -p .peer
+tar cJf .peer/llama-bin.tar.xz -C "$out" .
+ls -la .peer/llama-bin.tar.xz
