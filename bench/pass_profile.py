@@ -1,5 +1,6 @@
 """Where a pass's time goes, kernel by kernel: the CUDA activity (CUPTI, through PyTorch's profiler)
-of decode steps and of one prompt pass of a loaded model, replayed from their CUDA graphs as the
+of decode steps, of one prompt pass as generation runs it (prompt rows, the last canonical) and of the
+same prompt with every row canonical, of a loaded model, replayed from their CUDA graphs as the
 benchmark runs them. Per kernel name: launches and device microseconds per pass; per pass: the span
 from the first kernel's start to the last one's end, and the idle time between kernels inside it.
 
@@ -83,9 +84,12 @@ def main(argv: list[str] | None = None) -> int:
     cache = gpu.new_cache(ctx)
     prompt = rng.integers(3, gpu.args.vocab_size, args.pp)
 
-    def prefill() -> None:
+    def prefill(canonical: bool = False) -> None:  # as generation runs a prompt: prompt rows, the last canonical
         cache.length = 0
-        gpu.forward(prompt, cache)
+        gpu.forward(prompt, cache, prompt=not canonical)
+
+    def prefill_canonical() -> None:
+        prefill(canonical=True)
 
     def decode() -> None:
         cache.length = args.position
@@ -93,9 +97,11 @@ def main(argv: list[str] | None = None) -> int:
         gpu.stream.synchronize()
 
     prefill()
+    prefill_canonical()
     decode()  # graphs captured, kernels compiled
     report: dict[str, object] = {"model": str(path), "vram_budget": args.vram_budget}
-    for name, run, passes in (("decode", decode, args.steps), ("prompt", prefill, 1)):
+    for name, run, passes in (("decode", decode, args.steps), ("prompt", prefill, 1),
+                              ("prompt_canonical", prefill_canonical, 1)):
         cupy.cuda.Device().synchronize()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             run()
@@ -103,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
         report[name] = summarise(_kernel_events(prof), passes)
         if args.trace:
             prof.export_chrome_trace(str(args.trace.with_suffix(f".{name}.json")))
-    for name in ("decode", "prompt"):
+    for name in ("decode", "prompt", "prompt_canonical"):
         r = report[name]
         print(f"{name}: span {r.get('span_us_per_pass')} us/pass, busy {r.get('busy_us_per_pass')}, idle "
               f"{r.get('idle_us_per_pass')}, launches {r.get('launches_per_pass')}")

@@ -24,8 +24,9 @@
 #                                                         # .peer/llama-bin.tar.xz (scripts/llama-cpp-cuda.sh built
 #                                                         # it on a CPU machine) no build: its binaries are used
 #   GPU_CHECK_SPEC=1 ...                                  # speculative decoding: the CLI with a draft model on
-#                                                         # synthetic 8B/1B, and (with GPU_CHECK_70B) the time of
-#                                                         # one verification pass per tree size on the streamed 70B
+#                                                         # synthetic 8B/1B
+#   GPU_CHECK_70B=1 GPU_CHECK_VERIFY=1 ...                # after the 70B bench, on its file: the time of one
+#                                                         # verification pass per tree size (GPU_CHECK_VERIFY_SIZES)
 #   GPU_CHECK_70B=1 GPU_CHECK_SKIP_TESTS=1 GPU_CHECK_SKIP_BENCH=1 ...
 #                                                         # the 70B Q4_K_M streamed at --vram-budget 24GB
 #                                                         # (bench.streaming_bench; writes ~42 GB to disk)
@@ -174,7 +175,8 @@ fi
 if [ -n "${GPU_CHECK_LLAMA:-}" ] && [ -f .peer/llama-bin.tar.xz ]; then  # prebuilt: no build on this machine
     mkdir -p /tmp/lcbin && tar xJf .peer/llama-bin.tar.xz -C /tmp/lcbin && mkdir -p "$LLAMA_DIR/llama.cpp/build" &&
         ln -sfn /tmp/lcbin "$LLAMA_DIR/llama.cpp/build/bin" && echo "rc=0 (prebuilt)" > "$LLAMA_DIR/done"
-    export LD_LIBRARY_PATH="/tmp/lcbin:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
+    cublas=$(find /usr/local/cuda*/ /opt /usr/lib -name 'libcublas.so.1*' 2>/dev/null | head -1)  # toolkit or pip's
+    export LD_LIBRARY_PATH="/tmp/lcbin:${cublas:+$(dirname "$cublas"):}/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
     note "llama.cpp: prebuilt binaries from .peer/llama-bin.tar.xz ($(cat /tmp/lcbin/BUILD 2>/dev/null | head -1))"
 fi
 if [ -n "${GPU_CHECK_LLAMA:-}" ]; then
@@ -209,18 +211,11 @@ if [ -n "${GPU_CHECK_SPEC:-}" ]; then
     done
 fi
 
-if [ -n "${GPU_CHECK_70B:-}" ] && [ -n "${GPU_CHECK_SPEC:-}" ]; then
-    section "70B Q4_K_M streamed at 24GB: one verification pass per tree size"
-    rm -f "$SYNTH_DIR"/synth-8b-*.gguf "$SYNTH_DIR"/synth-1b-*.gguf
-    timeout 300 python3 -m bench.spec_bench verify --synth 70b:q4_k_m --synth-dir /tmp/nvmd-bench --streaming \
-        --vram-budget 24GB --out "$OUT/spec-verify-70b.json" > "$OUT/spec-verify-70b.txt" 2>&1
-    note "70B verify passes: exit $?; $(python3 -c "import json,sys; r=json.load(open(sys.argv[1])); \
-print(' '.join(f\"{p['nodes']}:{p['pass_seconds']}s\" for p in r['passes']))" "$OUT/spec-verify-70b.json" 2>&1 | tail -1)"
-elif [ -n "${GPU_CHECK_70B:-}" ]; then
+if [ -n "${GPU_CHECK_70B:-}" ]; then
     section "70B Q4_K_M streamed at --vram-budget 24GB"
-    rm -f "$SYNTH_DIR"/synth-8b-*.gguf  # disk: 64 GB in all
+    rm -f "$SYNTH_DIR"/synth-8b-*.gguf "$SYNTH_DIR"/synth-1b-*.gguf  # disk: 64 GB in all
     limit=${GPU_CHECK_70B_SECONDS:-560}
-    timeout "$limit" python3 -m bench.streaming_bench --out "$OUT" --sections model,h2d,stream \
+    timeout "$limit" python3 -m bench.streaming_bench --out "$OUT" --sections "${GPU_CHECK_70B_SECTIONS:-model,h2d,stream}" \
         --deadline "$((limit - 20))" > "$OUT/bench-70b.txt" 2>&1
     note "70B streaming bench: exit $?"
     python3 - "$OUT/results.json" <<'EOF' | tee -a "$SUMMARY"
@@ -230,6 +225,15 @@ keys = ("decode_tok_s", "roofline_tok_s", "decode_fraction_of_roofline", "pp512_
         "peak_vram_bytes", "vram_budget_bytes", "peak_within_budget", "error")
 print("70B stream: " + ", ".join(f"{k} {r[k]}" for k in keys if k in r))
 EOF
+    if [ -n "${GPU_CHECK_VERIFY:-}" ]; then  # on the file the streaming bench wrote (one 42 GB file fits the disk)
+        section "70B Q4_K_M streamed at 24GB: one verification pass per tree size"
+        timeout "${GPU_CHECK_VERIFY_SECONDS:-300}" python3 -m bench.spec_bench verify \
+            --model "${NVMEDIRECT_BENCH_DIR:-/tmp/nvmd-bench}/synth-llama70b-q4_k_m.gguf" --streaming --vram-budget 24GB \
+            --sizes "${GPU_CHECK_VERIFY_SIZES:-1,16,32,64,128,256}" --out "$OUT/spec-verify-70b.json" \
+            > "$OUT/spec-verify-70b.txt" 2>&1
+        note "70B verify passes: exit $?; $(python3 -c "import json,sys; r=json.load(open(sys.argv[1])); \
+print(' '.join(f\"{p['nodes']}:{p['pass_seconds']}s\" for p in r['passes']))" "$OUT/spec-verify-70b.json" 2>&1 | tail -1)"
+    fi
 fi
 
 if [ -n "${GPU_CHECK_PROFILE:-}" ]; then

@@ -212,7 +212,7 @@ class GpuTransformer:
             products.product(parts, x, y, c, ldy=ldy, bias=bias, residual=residual, scratch=self.split)
         at = (lambda a: a[c:]) if y.ndim == 2 else (lambda a: a[c * ldy :])
         products.prompt_product(parts, self.inputs.half(key)[c:], at(y), shape.prompt, ldy=ldy, bias=bias,
-                           residual=None if residual is None else at(residual))
+                                residual=None if residual is None else at(residual))
 
     def _head(self, m: int, sample: bool, advance: bool) -> None:
         """Logits of the pass's rows out_rows[0..m) into self.logits; with `sample` each row's next

@@ -10,6 +10,8 @@ allocating, so each may sit inside a CUDA graph capture.
 
 from __future__ import annotations
 
+import os
+
 import cupy
 import numpy as np
 
@@ -33,8 +35,6 @@ QMM_MIN_BLOCKS: dict[str, int] = {}
 
 
 def _tuning_from_environment() -> None:
-    import os
-
     global QGEMV_TUNING
     for item in filter(None, os.environ.get("NVMEDIRECT_QMM_TUNING", "").split(";")):
         nt, _, pair = item.partition(":")
@@ -116,8 +116,6 @@ CANON_GROUP = 1024  # canon.cuh: values of K per group (a split block computes o
 
 def _split_groups(blocks: int, cols: int, n: int, rows: int, scratch: cupy.ndarray | None) -> int:
     """Groups of K a qmm launch of `blocks` blocks splits into (0: no split)."""
-    import os
-
     groups = -(-cols // CANON_GROUP)
     if scratch is None or groups < 2 or blocks >= SPLIT_MIN_BLOCKS or os.environ.get("NVMEDIRECT_QMM_SPLIT") == "0":
         return 0
@@ -183,7 +181,7 @@ def product(parts: list[GpuMatrix], x: Input, y: cupy.ndarray, n: int, ldy: int 
 
 # ---------------------------------------------------------------------------- prompt products
 PMM_TILES = (32, 64, 128)  # tokens per pmm block (pmm.cu pmm_<fmt>_t<BN>)
-PMM_STAGES = 3
+PMM_SLOTS = 3  # pmm.cu's stages in shared memory
 PMM_ROWS = 128  # weight rows per pmm block
 
 
@@ -193,14 +191,14 @@ def uses_pmm(fmt: str, cols: int) -> bool:
     return fmt not in FLOAT_FORMATS and cols % 64 == 0
 
 
-def _pmm_shared_bytes(fmt: str, bn: int, stages: int = PMM_STAGES) -> int:
+def _pmm_shared_bytes(fmt: str, bn: int) -> int:
     """Dynamic shared memory of pmm_<fmt>_t<bn> (pmm.cu PStage::TOTAL)."""
     qs = 32 if fmt == "q8" else 16
     hi = {"g5": 4, "k5": 4, "k6": 8}.get(fmt, 0)
     smb = 4 if fmt in ("g4", "g5") else 2
-    off_d = PMM_ROWS * 2 * (qs + hi + smb)
+    off_d = PMM_ROWS * ((2 * qs + 16) + 2 * hi + 2 * smb)
     off_x = -(-(off_d + (PMM_ROWS * 4 if fmt in K_FORMATS else 0)) // 128) * 128
-    return stages * (off_x + bn * 144) + PMM_ROWS * 144
+    return PMM_SLOTS * (off_x + bn * 160)
 
 
 def _pmm_tile(n: int) -> int:
@@ -208,7 +206,7 @@ def _pmm_tile(n: int) -> int:
 
 
 def _pmm_kernel(fmt: str, bn: int):  # noqa: ANN202
-    defines = {"PMM_FORMAT": FORMAT_KIND[fmt], "PMM_STAGES": PMM_STAGES}
+    defines = {"PMM_FORMAT": FORMAT_KIND[fmt]}
     name = f"pmm_{fmt}_t{bn}"
     smem = _pmm_shared_bytes(fmt, bn)
     fn = kernels.function("pmm", name, defines)

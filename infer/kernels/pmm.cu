@@ -1,14 +1,19 @@
 // Prompt products: Y = X W^T for the prompt rows of a pass (prompt tokens whose logits nobody reads,
 // docs/GPU.md "Prompt rows"). X is float16, W a planar quantized matrix (formats.cuh) dequantized
-// to float16 in shared memory; products and sums on the tensor cores (mma.sync m16n8k16, float32
-// accumulators). Every output element accumulates K in ascending steps of 16 in one accumulator,
-// whichever tile or variant holds it, so a row's result does not depend on N or on the other rows.
+// to float16 in registers as the tensor cores take it; products and sums on the tensor cores
+// (mma.sync m16n8k16, float32 accumulators). Every output element accumulates its K in one fixed
+// order in one accumulator, whichever tile or variant holds it, so a row's result does not depend
+// on N or on the other rows.
 //
-//   pmm_<fmt>_t<BN>  a block of 256 threads computes 128 weight rows x BN tokens (BN 32, 64, 128).
-//                    A stage is 64 values of K (two sub-blocks): the weights' planes and the
-//                    tokens' float16 values come in by cp.async (PMM_STAGES stages in flight),
-//                    each thread dequantizes one (row, sub-block) into a float16 tile, and the
-//                    warps multiply that tile with the tokens' by ldmatrix fragments.
+//   pmm_<fmt>_t<BN>  a block of 256 threads computes 128 weight rows x BN tokens (BN 32, 64, 128):
+//                    8 warps, 4 across the rows (32 each) and 2 across the tokens. A stage is 64
+//                    values of K (two sub-blocks): the weights' planes and the tokens' float16
+//                    values come in by cp.async (three slots, one barrier a stage). Each thread
+//                    builds its A fragments straight from the quantized bytes (lane c of a quad
+//                    takes bytes 4c..4c+3 of a row's sub-block: weights 4c..4c+3 and 16+4c..16+4c+3)
+//                    and loads the matching activations (8 bytes: values 4c..4c+3 of a 16-value
+//                    step) as its B fragment: in each mma, slots 2c, 2c+1, 2c+8, 2c+9 of K hold
+//                    weights 4c, 4c+1, 4c+2, 4c+3 of the step, one order for every tile.
 //
 // The float16 weight of each format (infer.gpu.reference.prompt_weights reproduces every bit):
 //   q8      w = s * q                              one float16 multiply
@@ -17,7 +22,7 @@
 //   k6      w = (q - 32) * f16(d * sc)             (sc per 16 weights)
 // Integers become float16 without the conversion unit: a byte b under the exponent of 1024
 // (0x6400 | b) is the float16 1024 + b, and one subtraction removes the 1024 (exact).
-// Row lengths must be multiples of 64 (ops.uses_pmm); K-quants have multiples of 256 anyway.
+// Row lengths must be multiples of 64 (products.uses_pmm); K-quants have multiples of 256 anyway.
 #include "formats.cuh"
 #include "canon.cuh"
 #include "async.cuh"
@@ -26,19 +31,20 @@
 #ifndef PMM_FORMAT
 #define PMM_FORMAT 0  // the one format (KIND, as qmm.cu) this module instantiates; 0 every format
 #endif
-#ifndef PMM_STAGES
-#define PMM_STAGES 3  // shared-memory stages of the cp.async pipeline
-#endif
 #ifndef PMM_MIN_BLOCKS
 #define PMM_MIN_BLOCKS 2  // blocks per SM the register allocation must allow
 #endif
+#define PMM_SLOTS 3      // stages in shared memory: the one multiplied and two in flight
 #define PMM_BM 128       // weight rows per block
-#define PMM_THREADS 256  // 8 warps; 2 threads per row dequantize a stage's two sub-blocks
-#define PMM_PITCH 144    // bytes per row of a 64-value float16 tile (+16: ldmatrix reads hit 32 banks)
+#define PMM_THREADS 256  // 8 warps: 4 across the rows, 2 across the tokens
+#define PMM_XPITCH 160   // bytes per token of a stage (64 float16 + 32: a warp's 8-byte loads, 8 tokens x
+                         // 4 lanes, hit every bank twice)
 
 template <int KIND>
 struct PFmt {
     static constexpr int QS = KIND == 1 ? 32 : 16;                  // qs bytes per sub-block
+    static constexpr int QP = 2 * QS + 16;                          // qs bytes per row of a stage (+16:
+                                                                    // 8 rows x 4 lanes hit 32 banks)
     static constexpr int BITS = KIND == 1 ? 8 : KIND % 10;
     static constexpr int HI = BITS == 5 ? 4 : (BITS == 6 ? 8 : 0);  // hi bytes per sub-block
     static constexpr int SMB = (KIND == 4 || KIND == 5) ? 4 : 2;     // sm bytes per sub-block
@@ -49,13 +55,12 @@ struct PFmt {
 template <int KIND, int BN>
 struct PStage {
     typedef PFmt<KIND> F;
-    static constexpr int OFF_H = PMM_BM * 2 * F::QS;
+    static constexpr int OFF_H = PMM_BM * F::QP;
     static constexpr int OFF_S = OFF_H + PMM_BM * 2 * F::HI;
     static constexpr int OFF_D = OFF_S + PMM_BM * 2 * F::SMB;
     static constexpr int OFF_X = (OFF_D + (F::SUPER ? PMM_BM * 4 : 0) + 127) / 128 * 128;
-    static constexpr int BYTES = OFF_X + BN * PMM_PITCH;
-    static constexpr int A16 = PMM_STAGES * BYTES;             // the dequantized tile, after the stages
-    static constexpr int TOTAL = A16 + PMM_BM * PMM_PITCH;     // dynamic shared memory of a block
+    static constexpr int BYTES = OFF_X + BN * PMM_XPITCH;
+    static constexpr int TOTAL = PMM_SLOTS * BYTES;  // dynamic shared memory of a block
 };
 
 __device__ __forceinline__ __half2 bits_h2(uint32_t v) {
@@ -76,77 +81,60 @@ __device__ __forceinline__ void four(uint32_t v, __half2 bias, __half2 s, __half
     p1 = h2_bits(FMA ? __hfma2(b, s, m) : __hmul2(b, s));
 }
 
-// Thread (r, j): sub-block j of the stage's row r -> 32 float16 weights (natural order) at `out`.
+// A row's scales for one sub-block of the stage: w = fma(q - bias, s, m) (or (q - bias) * s), s_lo for
+// weights 0..15 and s_hi for 16..31 (they differ for Q6_K only)
+struct PScale {
+    __half2 s_lo, s_hi, m;
+};
+
 template <int KIND, int BN>
-__device__ __forceinline__ void pmm_dequant(const unsigned char* st, int r, int j, unsigned char* out) {
+__device__ __forceinline__ PScale pmm_scale(const unsigned char* st, int r, int j) {
     typedef PFmt<KIND> F;
     typedef PStage<KIND, BN> S;
     const int sb = 2 * r + j;
-    uint4 o[4];  // weights 8k .. 8k+7
+    PScale p;
+    p.m = __float2half2_rn(0.f);
     if (KIND == 1) {
-        const uint4 lo = *reinterpret_cast<const uint4*>(st + sb * 32);
-        const uint4 hi = *reinterpret_cast<const uint4*>(st + sb * 32 + 16);
-        const __half2 s = __half2half2(*reinterpret_cast<const __half*>(st + S::OFF_S + sb * 2));
-        const __half2 bias = __float2half2_rn(1152.f), zero = __float2half2_rn(0.f);
-        const uint32_t w[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
-#pragma unroll
-        for (int k = 0; k < 4; ++k) {  // int8 b as the byte b + 128
-            four<false>(w[2 * k] ^ 0x80808080u, bias, s, zero, o[k].x, o[k].y);
-            four<false>(w[2 * k + 1] ^ 0x80808080u, bias, s, zero, o[k].z, o[k].w);
-        }
+        p.s_lo = p.s_hi = __half2half2(*reinterpret_cast<const __half*>(st + S::OFF_S + sb * 2));
+    } else if (KIND == 4 || KIND == 5) {  // (s, m) per sub-block
+        const __half2 sm = *reinterpret_cast<const __half2*>(st + S::OFF_S + sb * 4);
+        p.s_lo = p.s_hi = __low2half2(sm);
+        p.m = __high2half2(sm);
     } else {
-        const uint4 q = *reinterpret_cast<const uint4*>(st + sb * 16);
-        const uint32_t qw[4] = {q.x, q.y, q.z, q.w};
-        uint32_t h0 = 0, h1 = 0;
-        if (F::HI == 4) h0 = *reinterpret_cast<const uint32_t*>(st + S::OFF_H + sb * 4);
-        if (F::HI == 8) {
-            const uint2 h = *reinterpret_cast<const uint2*>(st + S::OFF_H + sb * 8);
-            h0 = h.x;
-            h1 = h.y;
-        }
-        __half2 s_lo, s_hi, m, bias = __float2half2_rn(1024.f);
-        if (KIND == 4 || KIND == 5) {  // (s, m) per sub-block
-            const __half2 sm = *reinterpret_cast<const __half2*>(st + S::OFF_S + sb * 4);
-            s_lo = s_hi = __low2half2(sm);
-            m = __high2half2(sm);
-        } else {
-            const uint32_t sc = *reinterpret_cast<const unsigned short*>(st + S::OFF_S + sb * 2);
-            const float2 dm = __half22float2(*reinterpret_cast<const __half2*>(st + S::OFF_D + r * 4));
-            if (F::BITS == 6) {  // two signed scales, one per 16 weights; q - 32
-                s_lo = __float2half2_rn(__fmul_rn(dm.x, (float)(int)(signed char)(sc & 0xFFu)));
-                s_hi = __float2half2_rn(__fmul_rn(dm.x, (float)(int)(signed char)(sc >> 8)));
-                m = __float2half2_rn(0.f);
-                bias = __float2half2_rn(1056.f);
-            } else {  // 6-bit scale and min
-                s_lo = s_hi = __float2half2_rn(__fmul_rn(dm.x, (float)(int)(sc & 0xFFu)));
-                m = __float2half2_rn(-__fmul_rn(dm.y, (float)(int)(sc >> 8)));
-            }
-        }
-        constexpr bool FMA = F::BITS != 6;
-#pragma unroll
-        for (int t = 0; t < 4; ++t) {  // word t: weights 4t..4t+3 (low nibbles), 16+4t..16+4t+3 (high)
-            uint32_t lo = qw[t] & 0x0F0F0F0Fu, hi = (qw[t] >> 4) & 0x0F0F0F0Fu;
-            if (F::BITS == 5) {
-                lo |= spread_bit4((h0 >> (4 * t)) & 0xFu);
-                hi |= spread_bit4((h0 >> (16 + 4 * t)) & 0xFu);
-            } else if (F::BITS == 6) {
-                lo |= spread_2bit4((h0 >> (8 * t)) & 0xFFu);
-                hi |= spread_2bit4((h1 >> (8 * t)) & 0xFFu);
-            }
-            uint32_t a0, a1, b0, b1;
-            four<FMA>(lo, bias, s_lo, m, a0, a1);
-            four<FMA>(hi, bias, s_hi, m, b0, b1);
-            if (t & 1) {
-                o[t >> 1].z = a0, o[t >> 1].w = a1;
-                o[2 + (t >> 1)].z = b0, o[2 + (t >> 1)].w = b1;
-            } else {
-                o[t >> 1].x = a0, o[t >> 1].y = a1;
-                o[2 + (t >> 1)].x = b0, o[2 + (t >> 1)].y = b1;
-            }
+        const uint32_t sc = *reinterpret_cast<const unsigned short*>(st + S::OFF_S + sb * 2);
+        const float2 dm = __half22float2(*reinterpret_cast<const __half2*>(st + S::OFF_D + r * 4));
+        if (F::BITS == 6) {  // two signed scales, one per 16 weights
+            p.s_lo = __float2half2_rn(__fmul_rn(dm.x, (float)(int)(signed char)(sc & 0xFFu)));
+            p.s_hi = __float2half2_rn(__fmul_rn(dm.x, (float)(int)(signed char)(sc >> 8)));
+        } else {  // 6-bit scale and min
+            p.s_lo = p.s_hi = __float2half2_rn(__fmul_rn(dm.x, (float)(int)(sc & 0xFFu)));
+            p.m = __float2half2_rn(-__fmul_rn(dm.y, (float)(int)(sc >> 8)));
         }
     }
-#pragma unroll
-    for (int k = 0; k < 4; ++k) reinterpret_cast<uint4*>(out)[k] = o[k];
+    return p;
+}
+
+// Lane c's A fragment halves of row r, sub-block j, step h (h = 0: weights 4c..4c+3, 1: 16+4c..16+4c+3):
+// lo = weights (4c, 4c+1), hi = (4c+2, 4c+3) as float16 pairs. `q` is the row's qs word at 4c (bytes
+// 4c..4c+3; for Q8_0 those of step h).
+template <int KIND, int BN>
+__device__ __forceinline__ void pmm_pairs(const unsigned char* st, int r, int j, int c, int h, uint32_t q,
+                                          const PScale& p, uint32_t& lo, uint32_t& hi) {
+    typedef PFmt<KIND> F;
+    typedef PStage<KIND, BN> S;
+    const int sb = 2 * r + j;
+    uint32_t v;
+    if (KIND == 1) {
+        v = q ^ 0x80808080u;  // int8 b as the byte b + 128
+    } else {
+        v = h ? (q >> 4) & 0x0F0F0F0Fu : q & 0x0F0F0F0Fu;
+        if (F::BITS == 5)
+            v |= spread_bit4((*reinterpret_cast<const uint32_t*>(st + S::OFF_H + sb * 4) >> (16 * h + 4 * c)) & 0xFu);
+        if (F::BITS == 6)
+            v |= spread_2bit4((*reinterpret_cast<const uint32_t*>(st + S::OFF_H + sb * 8 + 4 * h) >> (8 * c)) & 0xFFu);
+    }
+    const __half2 bias = __float2half2_rn(KIND == 1 ? 1152.f : (F::BITS == 6 ? 1056.f : 1024.f));
+    four<F::BITS != 6 && KIND != 1>(v, bias, h ? p.s_hi : p.s_lo, p.m, lo, hi);
 }
 
 // The cp.async copies of one stage; each thread's source pointers are worked out once per block.
@@ -161,13 +149,12 @@ struct PmmLoader {
     const uint8_t* hi;  // rows tid < 128: the row's hi, sm and dm at stage 0
     const uint8_t* sm;
     const uint8_t* dm;
-    const __half* xs;   // token tid/8 + k*32, values (tid%8)*8.. of stage 0
+    int xs;             // where token tid/8 + k*32's values (tid%8)*8.. of stage 0 are in x
     bool qvalid, rvalid;
     unsigned xvalid;
-    long long K;
+    int K;
 
-    __device__ __forceinline__ PmmLoader(const Parts& parts, int M, int K_, const __half* x, int N, int row0,
-                                         int tok0) {
+    __device__ __forceinline__ PmmLoader(const Parts& parts, int M, int K_, int N, int row0, int tok0) {
         const int tid = threadIdx.x, nsb = K_ >> 5;
         K = K_;
         const int rq = row0 + (tid >> 1);
@@ -189,7 +176,7 @@ struct PmmLoader {
             sm = pl.sm + g * F::SMB;
             dm = pl.dm + (g >> 3) * 4;
         }
-        xs = x + (long long)(tok0 + (tid >> 3)) * K_ + (tid & 7) * 8;
+        xs = (tok0 + (tid >> 3)) * K_ + (tid & 7) * 8;  // N * K < 2^31: N <= 512 rows of K <= 2^16
         xvalid = 0u;
 #pragma unroll
         for (int k = 0; k < XP; ++k)
@@ -201,7 +188,7 @@ struct PmmLoader {
         const long long sb0 = 2LL * kt;  // the stage's first sub-block of the row
 #pragma unroll
         for (int c = 0; c < QP; ++c)
-            cp_async16(st + (tid >> 1) * 2 * F::QS + (tid & 1) * F::QS + c * 16, qvalid ? qs + sb0 * F::QS + c * 16 : qs,
+            cp_async16(st + (tid >> 1) * F::QP + (tid & 1) * F::QS + c * 16, qvalid ? qs + sb0 * F::QS + c * 16 : qs,
                        qvalid);
         if (tid < PMM_BM) {
             if (F::HI == 4) cp_async8(st + S::OFF_H + tid * 8, rvalid ? hi + sb0 * 4 : hi, rvalid);
@@ -214,18 +201,13 @@ struct PmmLoader {
         for (int k = 0; k < XP; ++k) {
             const bool valid = (xvalid >> k) & 1u;
             const int t = (tid >> 3) + k * (PMM_THREADS / 8);
-            cp_async16(st + S::OFF_X + t * PMM_PITCH + (tid & 7) * 16,
-                       valid ? xs + (long long)k * (PMM_THREADS / 8) * K + kt * 64 : x, valid);
+            cp_async16(st + S::OFF_X + t * PMM_XPITCH + (tid & 7) * 16,
+                       valid ? x + xs + k * (PMM_THREADS / 8) * K + kt * 64 : x, valid);
         }
     }
 };
 
-__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const unsigned char* p) {
-    const unsigned s = (unsigned)__cvta_generic_to_shared(p);
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(s));
-}
+__device__ __forceinline__ uint2 lds64(const unsigned char* p) { return *reinterpret_cast<const uint2*>(p); }
 
 // c += A B: A 16x16 float16 (row-major fragment), B 16x8 (column fragment), C float32
 __device__ __forceinline__ void mma_f16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
@@ -235,21 +217,61 @@ __device__ __forceinline__ void mma_f16(float (&c)[4], const uint32_t (&a)[4], u
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+// The warp's products of one stage: rows wr.. (MT tiles of 16) x tokens wc.. (NT tiles of 8), the
+// stage's four 16-value steps in ascending order (sub-block 0's weights 0..15, 16..31, then
+// sub-block 1's), into acc.
+template <int KIND, int BN, int MT, int NT>
+__device__ __forceinline__ void pmm_products(const unsigned char* st, int wr, int wc, int lane, float (&acc)[MT][NT][4]) {
+    typedef PFmt<KIND> F;
+    typedef PStage<KIND, BN> S;
+    const int g = lane >> 2, c = lane & 3;
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+        PScale ps[MT][2];
+        uint32_t qw[MT][2];  // rows g, g+8 of each 16-row tile: the qs word at 4c (Q8_0: per step, below)
+#pragma unroll
+        for (int mi = 0; mi < MT; ++mi)
+#pragma unroll
+            for (int u = 0; u < 2; ++u) {
+                const int r = wr + mi * 16 + g + 8 * u;
+                ps[mi][u] = pmm_scale<KIND, BN>(st, r, j);
+                qw[mi][u] = *reinterpret_cast<const uint32_t*>(st + r * F::QP + j * F::QS + 4 * c);
+            }
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            uint32_t a[MT][4];
+#pragma unroll
+            for (int mi = 0; mi < MT; ++mi)
+#pragma unroll
+                for (int u = 0; u < 2; ++u) {
+                    const int r = wr + mi * 16 + g + 8 * u;
+                    const uint32_t q = KIND == 1 && h ? *reinterpret_cast<const uint32_t*>(st + r * F::QP + j * F::QS +
+                                                                                            16 + 4 * c)
+                                                      : qw[mi][u];
+                    pmm_pairs<KIND, BN>(st, r, j, c, h, q, ps[mi][u], a[mi][u], a[mi][2 + u]);
+                }
+            const int k0 = j * 32 + h * 16 + 4 * c;  // this lane's first value of the step
+#pragma unroll
+            for (int ni = 0; ni < NT; ++ni) {
+                const uint2 b = lds64(st + S::OFF_X + (wc + ni * 8 + g) * PMM_XPITCH + k0 * 2);
+#pragma unroll
+                for (int mi = 0; mi < MT; ++mi) mma_f16(acc[mi][ni], a[mi], b.x, b.y);
+            }
+        }
+    }
+}
+
 template <int KIND, int BN>
 __device__ __forceinline__ void pmm_body(const Parts& parts, int M, int K, const __half* x, int N, float* y, int ldy,
                                          const float* bias, const float* residual) {
     typedef PStage<KIND, BN> S;
-    constexpr int WN = BN == 32 ? 1 : 2;        // warps across the tokens
-    constexpr int WM = 8 / WN;                  // warps across the rows
-    constexpr int MT = PMM_BM / WM / 16;        // 16-row tiles per warp
-    constexpr int NT = BN / WN / 8;             // 8-token tiles per warp
-    static_assert(NT % 2 == 0, "token tiles come in pairs (one ldmatrix.x4)");
+    constexpr int MT = 2;       // 32 rows per warp
+    constexpr int NT = BN / 16; // BN / 2 tokens per warp
     extern __shared__ __align__(128) unsigned char pmm_smem[];
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int tok0 = blockIdx.x * BN, row0 = blockIdx.y * PMM_BM;
-    const int wr = (warp / WN) * (PMM_BM / WM), wc = (warp % WN) * (BN / WN);
+    const int wr = (warp >> 1) * 32, wc = (warp & 1) * (BN / 2);
     const int nk = K >> 6;
-    unsigned char* a16 = pmm_smem + S::A16;
     float acc[MT][NT][4];
 #pragma unroll
     for (int mi = 0; mi < MT; ++mi)
@@ -257,40 +279,19 @@ __device__ __forceinline__ void pmm_body(const Parts& parts, int M, int K, const
         for (int ni = 0; ni < NT; ++ni)
 #pragma unroll
             for (int e = 0; e < 4; ++e) acc[mi][ni][e] = 0.f;
-    const PmmLoader<KIND, BN> loader(parts, M, K, x, N, row0, tok0);
+    const PmmLoader<KIND, BN> loader(parts, M, K, N, row0, tok0);
 #pragma unroll
-    for (int s = 0; s < PMM_STAGES - 1; ++s) {
+    for (int s = 0; s < PMM_SLOTS - 1; ++s) {
         if (s < nk) loader.load(pmm_smem + s * S::BYTES, s, x);
         cp_async_commit();
     }
     for (int i = 0; i < nk; ++i) {
-        cp_async_wait<PMM_STAGES - 2>();  // stage i has landed (this thread's copies) ...
-        __syncthreads();                  // ... everyone's, and the previous stage's tiles are read
-        const int ahead = i + PMM_STAGES - 1;
-        if (ahead < nk) loader.load(pmm_smem + (ahead % PMM_STAGES) * S::BYTES, ahead, x);
+        cp_async_wait<PMM_SLOTS - 2>();  // stage i has landed (this thread's copies) ...
+        __syncthreads();                 // ... everyone's, and stage i - 1's slot is read by all
+        const int ahead = i + PMM_SLOTS - 1;
+        if (ahead < nk) loader.load(pmm_smem + (ahead % PMM_SLOTS) * S::BYTES, ahead, x);
         cp_async_commit();
-        const unsigned char* st = pmm_smem + (i % PMM_STAGES) * S::BYTES;
-        pmm_dequant<KIND, BN>(st, tid >> 1, tid & 1, a16 + (tid >> 1) * PMM_PITCH + (tid & 1) * 64);
-        __syncthreads();
-        const unsigned char* xt = st + S::OFF_X;
-#pragma unroll
-        for (int kk = 0; kk < 4; ++kk) {  // 16 values of K at a time, ascending
-            uint32_t a[MT][4], b[NT / 2][4];  // b[nj]: token tiles 2nj, 2nj+1, (b0, b1) each
-#pragma unroll
-            for (int mi = 0; mi < MT; ++mi)
-                ldsm_x4(a[mi], a16 + (wr + mi * 16 + (lane & 15)) * PMM_PITCH + kk * 32 + (lane >> 4) * 16);
-#pragma unroll
-            for (int nj = 0; nj < NT / 2; ++nj)
-                ldsm_x4(b[nj], xt + (wc + nj * 16 + (lane >> 4) * 8 + (lane & 7)) * PMM_PITCH + kk * 32 +
-                                   ((lane >> 3) & 1) * 16);
-#pragma unroll
-            for (int nj = 0; nj < NT / 2; ++nj)
-#pragma unroll
-                for (int mi = 0; mi < MT; ++mi) {
-                    mma_f16(acc[mi][2 * nj], a[mi], b[nj][0], b[nj][1]);
-                    mma_f16(acc[mi][2 * nj + 1], a[mi], b[nj][2], b[nj][3]);
-                }
-        }
+        pmm_products<KIND, BN, MT, NT>(pmm_smem + (i % PMM_SLOTS) * S::BYTES, wr, wc, lane, acc);
     }
     const int g = lane >> 2, c = lane & 3;
 #pragma unroll

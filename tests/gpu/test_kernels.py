@@ -301,7 +301,7 @@ def test_product_of_stacked_parts_with_bias_and_residual(rng: np.random.Generato
     for split in (None, cupy.zeros(products.SPLIT_SCRATCH_BYTES // 4, cupy.float32)):
         y = cupy.asarray(res)
         products.product(mats, _device_int8(q, scale, qsum, act), y.reshape(-1), n, ldy=ldy, bias=cupy.asarray(bias),
-                    residual=y.reshape(-1), scratch=split)
+                         residual=y.reshape(-1), scratch=split)
         got = cupy.asnumpy(y)
         np.testing.assert_array_equal(got[:, :rows], (want + bias[None]) + res[:, :rows])
         np.testing.assert_array_equal(got[:, rows:], res[:, rows:])  # the gap between rows untouched
@@ -372,8 +372,8 @@ def test_prompt_products_follow_their_float16_operands(rng: np.random.Generator,
         x16 = x.astype(np.float16)
         want = prompt_product(layout.repack(raw, ggml_type, rows, cols), m.fmt, rows, cols, x16)
         scale = np.abs(x16.astype(np.float64)) @ np.abs(_prompt_weights64(m, raw, ggml_type)).T  # sum of |terms|
-        first = None
-        for n in PMM_NS:
+        first = None  # the bits of the largest N: every smaller N and every tile must give them
+        for n in sorted(PMM_NS, reverse=True):
             for tile in products.PMM_TILES:
                 y = _poisoned((n, rows))
                 products.prompt_product([m], cupy.asarray(x16[:n]), y, n, tile=tile)
