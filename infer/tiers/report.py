@@ -35,22 +35,29 @@ class Bandwidths:
 
 
 def measure_host_to_device(nbytes: int = 256 << 20, repeats: int = 3) -> float:
-    """Pinned host -> device copy bandwidth (B/s), best of `repeats` timed with CUDA events."""
+    """Pinned host -> device copy bandwidth (B/s), best of `repeats` timed with CUDA events. The
+    device buffer is a transient (memory.transient_pool): left in the engine's pool, its 256 MiB
+    stayed there as a free block that the plan's buffers fragmented, and a plan with little room
+    left then failed to grow (the streamed 70B's verify at 24 GB, 2026-12-03)."""
     import cupy
     import cupyx
 
+    from infer.gpu.memory import transient_pool
+
     host = cupyx.empty_pinned((nbytes,), dtype=np.uint8)
-    dev = cupy.empty(nbytes, dtype=cupy.uint8)
-    stream = cupy.cuda.Stream(non_blocking=True)
     best = 0.0
-    for _ in range(repeats + 1):  # the first copy warms up
-        start, stop = cupy.cuda.Event(), cupy.cuda.Event()
-        start.record(stream)
-        cupy.cuda.runtime.memcpyAsync(dev.data.ptr, host.ctypes.data, nbytes, cupy.cuda.runtime.memcpyHostToDevice,
-                                      stream.ptr)
-        stop.record(stream)
-        stop.synchronize()
-        best = max(best, nbytes / (cupy.cuda.get_elapsed_time(start, stop) / 1e3))
+    with transient_pool():
+        dev = cupy.empty(nbytes, dtype=cupy.uint8)
+        stream = cupy.cuda.Stream(non_blocking=True)
+        for _ in range(repeats + 1):  # the first copy warms up
+            start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+            start.record(stream)
+            cupy.cuda.runtime.memcpyAsync(dev.data.ptr, host.ctypes.data, nbytes, cupy.cuda.runtime.memcpyHostToDevice,
+                                          stream.ptr)
+            stop.record(stream)
+            stop.synchronize()
+            best = max(best, nbytes / (cupy.cuda.get_elapsed_time(start, stop) / 1e3))
+        del dev
     return best
 
 
