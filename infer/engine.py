@@ -122,14 +122,16 @@ class Engine:
         if not tokens:
             raise ValueError("no tokens to evaluate")
         self._check_room(len(tokens))
+        if prompt and not all_logits:  # the chunks before the last as prompt rows, then the last chunk
+            last = (len(tokens) - 1) // self.prefill_batch * self.prefill_batch
+            self.append_prompt(tokens[:last])
+            logits = self.model.forward(np.asarray(tokens[last:]), self.cache, prompt=True)
+            self.tokens.extend(tokens[last:])
+            return logits
         outputs = []
         for start in range(0, len(tokens), self.prefill_batch):
             chunk = list(tokens[start : start + self.prefill_batch])
-            if prompt and not all_logits and start + len(chunk) < len(tokens):
-                self.model.prefill(np.asarray(chunk), self.cache)
-            else:
-                outputs.append(self.model.forward(np.asarray(chunk), self.cache, all_logits=all_logits,
-                                                  prompt=prompt and not all_logits))
+            outputs.append(self.model.forward(np.asarray(chunk), self.cache, all_logits=all_logits))
             self.tokens.extend(chunk)
         return np.concatenate(outputs) if all_logits else outputs[-1]
 

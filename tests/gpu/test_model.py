@@ -154,12 +154,17 @@ def _prompt_invariance(gpu: object, seed: int) -> None:
     np.testing.assert_array_equal(steps_after, want[1:])
 
 
-@pytest.mark.parametrize("kind", sorted(FILE_TYPES))
-def test_prompt_rows_are_the_same_bits_however_the_prompt_is_split(kind: str, tmp_path: Path) -> None:
+def _small_gpu_model(kind: str, tmp_path: Path, seed: int) -> object:
+    """A 2-layer synthetic model of weight type `kind` on the GPU, for the invariance tests."""
     path = tmp_path / f"{kind}.gguf"
     shape = Shape(n_layers=2, dim=512, ffn_dim=1024, n_heads=8, n_kv_heads=2, vocab_size=1000, context_length=512)
-    write_model(path, shape, kind, seed=6)
-    _prompt_invariance(load_gpu_transformer(GGUFModel(path), 256), 40)
+    write_model(path, shape, kind, seed=seed)
+    return load_gpu_transformer(GGUFModel(path), 256)
+
+
+@pytest.mark.parametrize("kind", sorted(FILE_TYPES))
+def test_prompt_rows_are_the_same_bits_however_the_prompt_is_split(kind: str, tmp_path: Path) -> None:
+    _prompt_invariance(_small_gpu_model(kind, tmp_path, 6), 40)
 
 
 def test_prompt_rows_follow_the_exact_function(pair: Pair) -> None:
@@ -185,10 +190,7 @@ def test_prompt_rows_follow_the_exact_function(pair: Pair) -> None:
 @pytest.mark.parametrize("kind", sorted(FILE_TYPES))
 def test_every_row_is_the_same_bits_in_any_pass(kind: str, tmp_path: Path) -> None:
     """For every weight type: alone / batched / as a tree node / as a prompt position."""
-    path = tmp_path / f"{kind}.gguf"
-    shape = Shape(n_layers=2, dim=512, ffn_dim=1024, n_heads=8, n_kv_heads=2, vocab_size=1000, context_length=512)
-    write_model(path, shape, kind, seed=5)
-    _invariance(load_gpu_transformer(GGUFModel(path), 256), 20)
+    _invariance(_small_gpu_model(kind, tmp_path, 5), 20)
 
 
 def test_batched_decoding_gives_each_sequence_its_own_tokens(pair: Pair) -> None:
