@@ -143,10 +143,10 @@ def test_the_streaming_engine_prints_tokens_as_they_come(tiny: Path, monkeypatch
     seen: list[int] = []
     real = StreamingEngine._pass
 
-    def spy(self, batch):  # noqa: ANN001, ANN202
+    def spy(self, batch, *rest):  # noqa: ANN001, ANN002, ANN202 - rest: the prefill's prompt rows
         seen.append(len(sys.stdout.getvalue() if hasattr(sys.stdout, "getvalue") else
                         sys.stdout.buffer.getvalue()))  # type: ignore[attr-defined]
-        return real(self, batch)
+        return real(self, batch, *rest)
 
     monkeypatch.setattr(StreamingEngine, "_pass", spy)
     result = CliRunner().invoke(main, ["-m", str(tiny), "-p", "w1 w2 w3", "-n", "12", "-t", "0", "--device",
