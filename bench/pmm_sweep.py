@@ -25,7 +25,8 @@ def _launches(products, m, x16, x8, ys, n: int) -> dict:  # noqa: ANN001
     import cupy
 
     scratch = cupy.zeros(products.SPLIT_SCRATCH_BYTES // 4, cupy.float32)
-    out = {f"pmm t{tile}": (lambda tile=tile: products.prompt_product([m], x16, ys, n, tile=tile)) for tile in TILES}
+    out = {f"pmm t{tile} m{rows}": (lambda tile=tile, rows=rows: products.prompt_product(
+        [m], x16, ys, n, tile=tile, block_rows=rows)) for tile in TILES for rows in (128, 64)}
     out["qmm (canonical)"] = lambda: products.product([m], x8, ys, n, scratch=scratch)
     return out
 

@@ -10,6 +10,7 @@ allocating, so each may sit inside a CUDA graph capture.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import cupy
@@ -106,7 +107,8 @@ def prepare_kernels(formats: set[str]) -> None:
             for nt in (1, 2, 4, 8):
                 _qmm_kernel(fmt, nt)
             for bn in PMM_TILES:
-                _pmm_kernel(fmt, bn)
+                for bm in PMM_BLOCK_ROWS:
+                    _pmm_kernel(fmt, bn, bm)
 
 
 SPLIT_MIN_BLOCKS = 264  # a qmm launch of fewer (row tile x token tile) blocks splits K (2 x 132 SMs)
@@ -182,7 +184,8 @@ def product(parts: list[GpuMatrix], x: Input, y: cupy.ndarray, n: int, ldy: int 
 # ---------------------------------------------------------------------------- prompt products
 PMM_TILES = (32, 64, 128)  # tokens per pmm block (pmm.cu pmm_<fmt>_t<BN>)
 PMM_SLOTS = 3  # pmm.cu's stages in shared memory
-PMM_ROWS = 128  # weight rows per pmm block
+PMM_ROWS = 128  # weight rows per pmm block (or 64: _pmm_rows)
+PMM_BLOCK_ROWS = (128, 64)
 
 
 def uses_pmm(fmt: str, cols: int) -> bool:
@@ -191,13 +194,13 @@ def uses_pmm(fmt: str, cols: int) -> bool:
     return fmt not in FLOAT_FORMATS and cols % 64 == 0
 
 
-def _pmm_shared_bytes(fmt: str, bn: int) -> int:
-    """Dynamic shared memory of pmm_<fmt>_t<bn> (pmm.cu PStage::TOTAL)."""
+def _pmm_shared_bytes(fmt: str, bn: int, bm: int = PMM_ROWS) -> int:
+    """Dynamic shared memory of pmm_<fmt>_t<bn>[_m64] (pmm.cu PStage::TOTAL)."""
     qs = 32 if fmt == "q8" else 16
     hi = {"g5": 4, "k5": 4, "k6": 8}.get(fmt, 0)
     smb = 4 if fmt in ("g4", "g5") else 2
-    off_d = PMM_ROWS * ((2 * qs + 16) + 2 * hi + 2 * smb)
-    off_x = -(-(off_d + (PMM_ROWS * 4 if fmt in K_FORMATS else 0)) // 128) * 128
+    off_d = bm * ((2 * qs + 16) + 2 * hi + 2 * smb)
+    off_x = -(-(off_d + (bm * 4 if fmt in K_FORMATS else 0)) // 128) * 128
     return PMM_SLOTS * (off_x + bn * 160)
 
 
@@ -205,21 +208,33 @@ def _pmm_tile(n: int) -> int:
     return next((t for t in PMM_TILES if n <= t), PMM_TILES[-1])
 
 
-def _pmm_kernel(fmt: str, bn: int):  # noqa: ANN202
+@functools.cache
+def _sm_count(device: int) -> int:
+    return int(cupy.cuda.runtime.getDeviceProperties(device)["multiProcessorCount"])
+
+
+def _pmm_rows(rows: int, n: int, bn: int) -> int:
+    """Weight rows per pmm block: 64 where 128 would leave fewer blocks than two per SM (the 8B's
+    4096-row matrices at 512 tokens: 128 blocks of the H200's 264)."""
+    blocks = grid_blocks(rows, PMM_ROWS) * grid_blocks(n, bn)
+    return 64 if blocks < 2 * _sm_count(cupy.cuda.Device().id) else PMM_ROWS
+
+
+def _pmm_kernel(fmt: str, bn: int, bm: int = PMM_ROWS):  # noqa: ANN202
     defines = {"PMM_FORMAT": FORMAT_KIND[fmt]}
-    name = f"pmm_{fmt}_t{bn}"
-    smem = _pmm_shared_bytes(fmt, bn)
+    name = f"pmm_{fmt}_t{bn}" + ("" if bm == PMM_ROWS else f"_m{bm}")
+    smem = _pmm_shared_bytes(fmt, bn, bm)
     fn = kernels.function("pmm", name, defines)
     return with_shared(fn, (name, *sorted(defines.items())), smem), smem
 
 
 def prompt_product(parts: list[GpuMatrix], x16: cupy.ndarray, y: cupy.ndarray, n: int, ldy: int | None = None,
                    bias: cupy.ndarray | None = None, residual: cupy.ndarray | None = None,
-                   tile: int | None = None) -> None:
+                   tile: int | None = None, block_rows: int | None = None) -> None:
     """Rows v < n of y = the parts' matrices (stacked row-wise, as `product`) times float16 input row
     v of x16 (n, cols), + bias, + residual (y may be the residual): the prompt rows' product
     (pmm.cu), float16 weights and float32 sums on the tensor cores, each output summed in one order
-    for any n and any `tile` (tokens per block: 32, 64 or 128)."""
+    for any n, any `tile` (tokens per block: 32, 64 or 128) and any `block_rows` (64 or 128)."""
     m0 = parts[0]
     if not 1 <= len(parts) <= 3 or any(p.fmt != m0.fmt or p.cols != m0.cols for p in parts):
         raise ValueError("a product takes one to three matrices of one format and row length")
@@ -232,7 +247,8 @@ def prompt_product(parts: list[GpuMatrix], x16: cupy.ndarray, y: cupy.ndarray, n
     planes = [pl for p in parts for pl in p.planes()] + [NULL] * 4 * (3 - len(parts))
     ends = [*np.cumsum([p.rows for p in parts]).tolist(), rows, rows]
     bn = tile or _pmm_tile(n)
-    fn, smem = _pmm_kernel(m0.fmt, bn)
-    fn((grid_blocks(n, bn), grid_blocks(rows, PMM_ROWS)), (256,),
+    bm = block_rows or _pmm_rows(rows, n, bn)
+    fn, smem = _pmm_kernel(m0.fmt, bn, bm)
+    fn((grid_blocks(n, bn), grid_blocks(rows, bm)), (256,),
        (*planes, np.int32(ends[0]), np.int32(ends[1]), np.int32(rows), np.int32(m0.cols), x16, np.int32(n), y,
         np.int32(ldy), device_ptr(bias), device_ptr(residual)), shared_mem=smem)

@@ -35,8 +35,7 @@
 #define PMM_MIN_BLOCKS 2  // blocks per SM the register allocation must allow
 #endif
 #define PMM_SLOTS 3      // stages in shared memory: the one multiplied and two in flight
-#define PMM_BM 128       // weight rows per block
-#define PMM_THREADS 256  // 8 warps: 4 across the rows, 2 across the tokens
+#define PMM_THREADS 256  // 8 warps: BM / 32 across the rows (32 each), the rest across the tokens
 #define PMM_XPITCH 160   // bytes per token of a stage (64 float16 + 32: a warp's 8-byte loads, 8 tokens x
                          // 4 lanes, hit every bank twice)
 
@@ -51,14 +50,14 @@ struct PFmt {
     static constexpr bool SUPER = KIND >= 14;
 };
 
-// One stage in shared memory: the planes of 128 rows x 2 sub-blocks, then BN tokens x 64 values.
-template <int KIND, int BN>
+// One stage in shared memory: the planes of BM rows x 2 sub-blocks, then BN tokens x 64 values.
+template <int KIND, int BN, int BM>
 struct PStage {
     typedef PFmt<KIND> F;
-    static constexpr int OFF_H = PMM_BM * F::QP;
-    static constexpr int OFF_S = OFF_H + PMM_BM * 2 * F::HI;
-    static constexpr int OFF_D = OFF_S + PMM_BM * 2 * F::SMB;
-    static constexpr int OFF_X = (OFF_D + (F::SUPER ? PMM_BM * 4 : 0) + 127) / 128 * 128;
+    static constexpr int OFF_H = BM * F::QP;
+    static constexpr int OFF_S = OFF_H + BM * 2 * F::HI;
+    static constexpr int OFF_D = OFF_S + BM * 2 * F::SMB;
+    static constexpr int OFF_X = (OFF_D + (F::SUPER ? BM * 4 : 0) + 127) / 128 * 128;
     static constexpr int BYTES = OFF_X + BN * PMM_XPITCH;
     static constexpr int TOTAL = PMM_SLOTS * BYTES;  // dynamic shared memory of a block
 };
@@ -87,10 +86,10 @@ struct PScale {
     __half2 s_lo, s_hi, m;
 };
 
-template <int KIND, int BN>
+template <int KIND, int BN, int BM>
 __device__ __forceinline__ PScale pmm_scale(const unsigned char* st, int r, int j) {
     typedef PFmt<KIND> F;
-    typedef PStage<KIND, BN> S;
+    typedef PStage<KIND, BN, BM> S;
     const int sb = 2 * r + j;
     PScale p;
     p.m = __float2half2_rn(0.f);
@@ -117,11 +116,11 @@ __device__ __forceinline__ PScale pmm_scale(const unsigned char* st, int r, int 
 // Lane c's A fragment halves of row r, sub-block j, step h (h = 0: weights 4c..4c+3, 1: 16+4c..16+4c+3):
 // lo = weights (4c, 4c+1), hi = (4c+2, 4c+3) as float16 pairs. `q` is the row's qs word at 4c (bytes
 // 4c..4c+3; for Q8_0 those of step h).
-template <int KIND, int BN>
+template <int KIND, int BN, int BM>
 __device__ __forceinline__ void pmm_pairs(const unsigned char* st, int r, int j, int c, int h, uint32_t q,
                                           const PScale& p, uint32_t& lo, uint32_t& hi) {
     typedef PFmt<KIND> F;
-    typedef PStage<KIND, BN> S;
+    typedef PStage<KIND, BN, BM> S;
     const int sb = 2 * r + j;
     uint32_t v;
     if (KIND == 1) {
@@ -138,15 +137,15 @@ __device__ __forceinline__ void pmm_pairs(const unsigned char* st, int r, int j,
 }
 
 // The cp.async copies of one stage; each thread's source pointers are worked out once per block.
-template <int KIND, int BN>
+template <int KIND, int BN, int BM>
 struct PmmLoader {
     typedef PFmt<KIND> F;
-    typedef PStage<KIND, BN> S;
+    typedef PStage<KIND, BN, BM> S;
     static constexpr int QP = F::QS / 16;                // 16-byte qs pieces per (row, sub-block)
     static constexpr int XP = BN * 8 / PMM_THREADS;       // 16-byte token pieces per thread
     static_assert(XP >= 1 && XP * PMM_THREADS == BN * 8, "token pieces");
-    const uint8_t* qs;  // (row tid/2, sub-block tid%2) of stage 0
-    const uint8_t* hi;  // rows tid < 128: the row's hi, sm and dm at stage 0
+    const uint8_t* qs;  // threads < 2 BM: (row tid/2, sub-block tid%2) of stage 0
+    const uint8_t* hi;  // threads < BM: the row's hi, sm and dm at stage 0
     const uint8_t* sm;
     const uint8_t* dm;
     int xs;             // where token tid/8 + k*32's values (tid%8)*8.. of stage 0 are in x
@@ -159,7 +158,7 @@ struct PmmLoader {
         K = K_;
         const int rq = row0 + (tid >> 1);
         qs = parts.p[0].qs;
-        qvalid = rq < M;
+        qvalid = tid < 2 * BM && rq < M;
         if (qvalid) {
             const int pi = parts.part(rq);
             qs = parts.planes(pi).qs + ((long long)(rq - parts.start(pi)) * nsb + (tid & 1)) * F::QS;
@@ -167,7 +166,7 @@ struct PmmLoader {
         hi = parts.p[0].hi;
         sm = parts.p[0].sm;
         dm = parts.p[0].dm;
-        rvalid = tid < PMM_BM && row0 + tid < M;
+        rvalid = tid < BM && row0 + tid < M;
         if (rvalid) {
             const int pi = parts.part(row0 + tid);
             const long long g = (long long)(row0 + tid - parts.start(pi)) * nsb;
@@ -186,11 +185,13 @@ struct PmmLoader {
     __device__ __forceinline__ void load(unsigned char* st, int kt, const __half* x) const {
         const int tid = threadIdx.x;
         const long long sb0 = 2LL * kt;  // the stage's first sub-block of the row
+        if (tid < 2 * BM) {
 #pragma unroll
-        for (int c = 0; c < QP; ++c)
-            cp_async16(st + (tid >> 1) * F::QP + (tid & 1) * F::QS + c * 16, qvalid ? qs + sb0 * F::QS + c * 16 : qs,
-                       qvalid);
-        if (tid < PMM_BM) {
+            for (int c = 0; c < QP; ++c)
+                cp_async16(st + (tid >> 1) * F::QP + (tid & 1) * F::QS + c * 16,
+                           qvalid ? qs + sb0 * F::QS + c * 16 : qs, qvalid);
+        }
+        if (tid < BM) {
             if (F::HI == 4) cp_async8(st + S::OFF_H + tid * 8, rvalid ? hi + sb0 * 4 : hi, rvalid);
             if (F::HI == 8) cp_async16(st + S::OFF_H + tid * 16, rvalid ? hi + sb0 * 8 : hi, rvalid);
             if (F::SMB == 2) cp_async4(st + S::OFF_S + tid * 4, rvalid ? sm + sb0 * 2 : sm, rvalid);
@@ -220,10 +221,10 @@ __device__ __forceinline__ void mma_f16(float (&c)[4], const uint32_t (&a)[4], u
 // The warp's products of one stage: rows wr.. (MT tiles of 16) x tokens wc.. (NT tiles of 8), the
 // stage's four 16-value steps in ascending order (sub-block 0's weights 0..15, 16..31, then
 // sub-block 1's), into acc.
-template <int KIND, int BN, int MT, int NT>
+template <int KIND, int BN, int BM, int MT, int NT>
 __device__ __forceinline__ void pmm_products(const unsigned char* st, int wr, int wc, int lane, float (&acc)[MT][NT][4]) {
     typedef PFmt<KIND> F;
-    typedef PStage<KIND, BN> S;
+    typedef PStage<KIND, BN, BM> S;
     const int g = lane >> 2, c = lane & 3;
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
@@ -234,7 +235,7 @@ __device__ __forceinline__ void pmm_products(const unsigned char* st, int wr, in
 #pragma unroll
             for (int u = 0; u < 2; ++u) {
                 const int r = wr + mi * 16 + g + 8 * u;
-                ps[mi][u] = pmm_scale<KIND, BN>(st, r, j);
+                ps[mi][u] = pmm_scale<KIND, BN, BM>(st, r, j);
                 qw[mi][u] = *reinterpret_cast<const uint32_t*>(st + r * F::QP + j * F::QS + 4 * c);
             }
 #pragma unroll
@@ -248,7 +249,7 @@ __device__ __forceinline__ void pmm_products(const unsigned char* st, int wr, in
                     const uint32_t q = KIND == 1 && h ? *reinterpret_cast<const uint32_t*>(st + r * F::QP + j * F::QS +
                                                                                             16 + 4 * c)
                                                       : qw[mi][u];
-                    pmm_pairs<KIND, BN>(st, r, j, c, h, q, ps[mi][u], a[mi][u], a[mi][2 + u]);
+                    pmm_pairs<KIND, BN, BM>(st, r, j, c, h, q, ps[mi][u], a[mi][u], a[mi][2 + u]);
                 }
             const int k0 = j * 32 + h * 16 + 4 * c;  // this lane's first value of the step
 #pragma unroll
@@ -261,16 +262,19 @@ __device__ __forceinline__ void pmm_products(const unsigned char* st, int wr, in
     }
 }
 
-template <int KIND, int BN>
+template <int KIND, int BN, int BM>
 __device__ __forceinline__ void pmm_body(const Parts& parts, int M, int K, const __half* x, int N, float* y, int ldy,
                                          const float* bias, const float* residual) {
-    typedef PStage<KIND, BN> S;
-    constexpr int MT = 2;       // 32 rows per warp
-    constexpr int NT = BN / 16; // BN / 2 tokens per warp
+    typedef PStage<KIND, BN, BM> S;
+    constexpr int MT = 2;              // 32 rows per warp
+    constexpr int WM = BM / 32;        // warps across the rows
+    constexpr int WN = 8 / WM;         // warps across the tokens
+    constexpr int NT = BN / WN / 8;    // 8-token tiles per warp
+    static_assert(NT >= 1 && NT * 8 * WN == BN, "token tiles");
     extern __shared__ __align__(128) unsigned char pmm_smem[];
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-    const int tok0 = blockIdx.x * BN, row0 = blockIdx.y * PMM_BM;
-    const int wr = (warp >> 1) * 32, wc = (warp & 1) * (BN / 2);
+    const int tok0 = blockIdx.x * BN, row0 = blockIdx.y * BM;
+    const int wr = (warp / WN) * 32, wc = (warp % WN) * (BN / WN);
     const int nk = K >> 6;
     float acc[MT][NT][4];
 #pragma unroll
@@ -279,7 +283,7 @@ __device__ __forceinline__ void pmm_body(const Parts& parts, int M, int K, const
         for (int ni = 0; ni < NT; ++ni)
 #pragma unroll
             for (int e = 0; e < 4; ++e) acc[mi][ni][e] = 0.f;
-    const PmmLoader<KIND, BN> loader(parts, M, K, N, row0, tok0);
+    const PmmLoader<KIND, BN, BM> loader(parts, M, K, N, row0, tok0);
 #pragma unroll
     for (int s = 0; s < PMM_SLOTS - 1; ++s) {
         if (s < nk) loader.load(pmm_smem + s * S::BYTES, s, x);
@@ -291,7 +295,7 @@ __device__ __forceinline__ void pmm_body(const Parts& parts, int M, int K, const
         const int ahead = i + PMM_SLOTS - 1;
         if (ahead < nk) loader.load(pmm_smem + (ahead % PMM_SLOTS) * S::BYTES, ahead, x);
         cp_async_commit();
-        pmm_products<KIND, BN, MT, NT>(pmm_smem + (i % PMM_SLOTS) * S::BYTES, wr, wc, lane, acc);
+        pmm_products<KIND, BN, BM, MT, NT>(pmm_smem + (i % PMM_SLOTS) * S::BYTES, wr, wc, lane, acc);
     }
     const int g = lane >> 2, c = lane & 3;
 #pragma unroll
@@ -307,13 +311,16 @@ __device__ __forceinline__ void pmm_body(const Parts& parts, int M, int K, const
             }
 }
 
-#define PMM(NAME, KIND, BN)                                                                                     \
+// pmm_<fmt>_t<BN> (128 rows a block) and pmm_<fmt>_t<BN>_m64 (64: more blocks for matrices of few rows)
+#define PMM(NAME, KIND, BN, BM, SUFFIX)                                                                         \
     extern "C" __global__ void __launch_bounds__(PMM_THREADS, PMM_MIN_BLOCKS)                                  \
-        pmm_##NAME##_t##BN(PARTS_ARGS, int M, int K, const __half* x, int N, float* y, int ldy, const float* bias, \
-                           const float* residual) {                                                             \
-        pmm_body<KIND, BN>(PARTS_OF, M, K, x, N, y, ldy, bias, residual);                                      \
+        pmm_##NAME##_t##BN##SUFFIX(PARTS_ARGS, int M, int K, const __half* x, int N, float* y, int ldy,         \
+                                   const float* bias, const float* residual) {                                 \
+        pmm_body<KIND, BN, BM>(PARTS_OF, M, K, x, N, y, ldy, bias, residual);                                  \
     }
-#define PMMS(NAME, KIND) PMM(NAME, KIND, 32) PMM(NAME, KIND, 64) PMM(NAME, KIND, 128)
+#define PMMS(NAME, KIND)                                                                                        \
+    PMM(NAME, KIND, 32, 128, ) PMM(NAME, KIND, 64, 128, ) PMM(NAME, KIND, 128, 128, )                          \
+    PMM(NAME, KIND, 32, 64, _m64) PMM(NAME, KIND, 64, 64, _m64) PMM(NAME, KIND, 128, 64, _m64)
 
 #if PMM_FORMAT == 0 || PMM_FORMAT == 1
 PMMS(q8, 1)

@@ -362,7 +362,8 @@ def test_prompt_products_follow_their_float16_operands(rng: np.random.Generator,
     """pmm against float64 products of the float16 weights (infer.gpu.reference.prompt_weights, the
     dequantization the kernel defines) and float16 inputs: float32 sums within 1e-4 of the sum of the
     terms' magnitudes (tensor-core accumulation, K up to 14336: any wrong index is off by O(1)); and
-    every row the same bits for any N and any token tile (one order per output)."""
+    every row the same bits for any N, any token tile and 64 or 128 rows a block (one order per
+    output)."""
     from infer.gpu.reference import prompt_product
 
     for rows, cols in _pmm_shape(ggml_type):
@@ -374,16 +375,17 @@ def test_prompt_products_follow_their_float16_operands(rng: np.random.Generator,
         scale = np.abs(x16.astype(np.float64)) @ np.abs(_prompt_weights64(m, raw, ggml_type)).T  # sum of |terms|
         first = None  # the bits of the largest N: every smaller N and every tile must give them
         for n in sorted(PMM_NS, reverse=True):
-            for tile in products.PMM_TILES:
+            for tile, block_rows in [(t, b) for t in products.PMM_TILES for b in products.PMM_BLOCK_ROWS]:
                 y = _poisoned((n, rows))
-                products.prompt_product([m], cupy.asarray(x16[:n]), y, n, tile=tile)
+                products.prompt_product([m], cupy.asarray(x16[:n]), y, n, tile=tile, block_rows=block_rows)
                 got = cupy.asnumpy(y)
-                assert np.isfinite(got).all(), (rows, cols, n, tile)
+                where = f"{rows}x{cols}, {n} rows, tile {tile} x {block_rows}"
+                assert np.isfinite(got).all(), where
                 err = np.abs(got - want[:n]) / np.maximum(scale[:n], 1e-30)
-                assert err.max() < 1e-4, (rows, cols, n, tile, float(err.max()))
+                assert err.max() < 1e-4, (where, float(err.max()))
                 if first is None:
                     first = got
-                np.testing.assert_array_equal(got, first[:n], err_msg=f"{rows}x{cols}, {n} rows, tile {tile}")
+                np.testing.assert_array_equal(got, first[:n], err_msg=where)
 
 
 def _prompt_weights64(m: ops.GpuMatrix, raw: np.ndarray, ggml_type: int) -> np.ndarray:
