@@ -1,9 +1,11 @@
 """The attention launches of a pass (infer/kernels/attention.cu): rotary embedding and the KV store
 of each row (`rope_rows`), then each row's attention over its own cache, position and span
-(`attention`: attn_chunks, attn_merge), and the geometry and row fields they take."""
+(`attention`: attn_chunks, attn_merge), and the geometry and row fields they take; and the prompt
+rows' attention on the tensor cores (`prompt_attention`, infer/kernels/prompt_attention.cu)."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import cupy
@@ -54,6 +56,37 @@ class AttentionShape:
         slot numbers, and each warp's chunk of float16 keys and values."""
         g, d = self.n_heads // self.n_kv_heads, self.head_dim
         return 4 * (4 * g * (d + 2) + 4 * ATTN_CHUNK * ATTN_HEADS + 4 * ATTN_CHUNK) + 4 * 2 * ATTN_CHUNK * d * 2
+
+
+# The prompt rows' attention on the tensor cores (prompt_attention.cu) instead of attention.cu's:
+# off until its GPU tests have run (NVMEDIRECT_PROMPT_ATTENTION=1 turns it on; docs/GPU.md)
+PROMPT_ATTENTION = os.environ.get("NVMEDIRECT_PROMPT_ATTENTION", "0") == "1"
+PROMPT_KEYS = 64  # prompt_attention.cu: keys per tile
+
+
+def uses_prompt_attention(shape: AttentionShape) -> bool:
+    """Whether the prompt rows of a model of this shape take prompt_attention.cu."""
+    return PROMPT_ATTENTION and shape.head_dim in (64, 128) and shape.n_heads // shape.n_kv_heads <= ATTN_MAX_GROUP
+
+
+def prompt_attention(qkv: cupy.ndarray, shape: AttentionShape, layer: int, rows: RowFields, r0: int, n: int,
+                     out16: cupy.ndarray) -> None:
+    """out16 rows r0 .. r0 + n - 1 (float16, (rows, n_heads * head_dim)) = the attention of the
+    prompt rows r0 .. of the pass over their sequences' slots 0..pos (keys and values stored by
+    rope_rows), on the tensor cores: a tile of 16 rows and a KV head a block, a warp per query head."""
+    s = shape
+    if n < 1:
+        return
+    group = s.n_heads // s.n_kv_heads
+    smem = 2 * PROMPT_KEYS * (s.head_dim + 8) * 2
+    name = f"attn_prompt_d{s.head_dim}"
+    fn = with_shared(kernels.function("prompt_attention", name), (name,), smem)
+    pos, _slot, _base, _off, _anc, kptr, vptr, cap = rows.offset(r0)
+    q_values = s.n_heads * s.head_dim
+    fn((s.n_kv_heads, -(-n // 16)), (32 * group,),
+       (np.uint64(qkv.data.ptr + r0 * s.width * 4), np.int32(s.width), np.int32(s.n_heads), np.int32(s.n_kv_heads),
+        np.float32(1.0 / np.sqrt(s.head_dim)), np.int32(layer), pos, kptr, vptr, cap, np.int32(n),
+        np.uint64(out16.data.ptr + r0 * q_values * 2)), shared_mem=smem)
 
 
 def attention_blocks(max_ctx: int) -> int:

@@ -183,8 +183,18 @@ class GpuTransformer:
                           bias=None if L.bqkv is None else L.bqkv[row0 : row0 + rows])
         attention.rope_rows(self.qkv, s, *self.rope_tables, i, ix.fields, n)
         att = inputs.get("att", L.wo.act) if L.wo.act in ops.EIGHT_BIT else self.att
-        attention.attention(self.qkv, s, i, ix.fields, n, self.max_context, self.work, self.work_rows, self.att, L.wo.act,
-                            att if isinstance(att, ops.Int8Act) else None, inputs.half("att") if half else None)
+        int8 = att if isinstance(att, ops.Int8Act) else None
+        if half and attention.uses_prompt_attention(s) and products.uses_pmm(L.wo.fmt, L.wo.cols):
+            # the canonical rows through attention.cu, the prompt rows on the tensor cores (their
+            # float16 output is all the prompt products of wo take)
+            c = shape.canonical
+            if c:
+                attention.attention(self.qkv, s, i, ix.fields, c, self.max_context, self.work, self.work_rows,
+                                    self.att, L.wo.act, int8)
+            attention.prompt_attention(self.qkv, s, i, ix.fields, c, shape.prompt, inputs.half("att"))
+        else:
+            attention.attention(self.qkv, s, i, ix.fields, n, self.max_context, self.work, self.work_rows, self.att,
+                                L.wo.act, int8, inputs.half("att") if half else None)
         self._product([L.wo], att, "att", self.x, shape, a.dim, residual=self.x)
         xs = inputs.normed(self.x, L.ffn_norm, "ffn", [L.w_gate.act, L.w_up.act], n, half=half)
         gu = self.gu.reshape(-1)

@@ -536,6 +536,42 @@ def test_attention_matches_the_exact_softmax(rng: np.random.Generator, heads: tu
         assert _rel(got[i], want) < 1e-5, (i, pos)
 
 
+def _prompt_attend(qkv: np.ndarray, shape: attn.AttentionShape, caches: _Caches, rows: list, layer: int) -> np.ndarray:
+    out = _poisoned((len(rows), shape.n_heads * shape.head_dim), cupy.float16)
+    attn.prompt_attention(cupy.asarray(qkv), shape, layer, caches.fields(rows), 0, len(rows), out)
+    return cupy.asnumpy(out)
+
+
+@pytest.mark.parametrize(("heads", "hd"), [((8, 2), 128), ((14, 2), 64), ((16, 1), 64), ((4, 4), 128)], ids=str)
+def test_prompt_attention_matches_the_exact_softmax(rng: np.random.Generator, heads: tuple[int, int], hd: int) -> None:
+    """The prompt rows' tensor-core attention (prompt_attention.cu) against float64 attention of the
+    float16 query over slots 0..pos: prompt chunks of three sequences in one pass, meeting inside
+    tiles of 16 rows, positions across tiles of 64 keys; and each chunk alone, at another offset in
+    its tiles, gives the same bits."""
+    from infer.gpu.reference import attention_reference
+
+    n_heads, n_kv = heads
+    shape = attn.AttentionShape(n_heads, n_kv, hd, hd // 2, False)
+    caches = _Caches(rng, 2, n_kv, [300, 90, 700], hd)
+    chunks = [[(0, p, p, p + 1, None) for p in range(0, 41)], [(1, p, p, p + 1, None) for p in range(60, 90)],
+              [(2, p, p, p + 1, None) for p in range(500, 531)]]
+    rows = [r for chunk in chunks for r in chunk]
+    qkv = rng.standard_normal((len(rows), shape.width)).astype(np.float32)
+    got = _prompt_attend(qkv, shape, caches, rows, layer=1)
+    assert np.isfinite(got).all()
+    for i, (seq, pos, _, _, _) in enumerate(rows):
+        q = qkv[i, : n_heads * hd].reshape(n_heads, hd).astype(np.float16).astype(np.float32)
+        keys = caches.host[seq][1, :, : pos + 1].astype(np.float32)
+        vals = caches.vals[seq][1, :, : pos + 1].astype(np.float32)
+        want = attention_reference(q, keys, vals, 1 / np.sqrt(hd)).reshape(-1)
+        assert _rel(got[i].astype(np.float64), want) < 5e-3, (i, pos)  # probabilities rounded to float16
+    first = 0
+    for chunk in chunks:
+        alone = _prompt_attend(qkv[first : first + len(chunk)], shape, caches, chunk, layer=1)
+        np.testing.assert_array_equal(alone, got[first : first + len(chunk)])
+        first += len(chunk)
+
+
 def test_attention_of_a_row_is_the_same_bits_in_any_pass(rng: np.random.Generator) -> None:
     """A row's attention alone, among other sequences' rows, or as a token-tree node whose ancestors
     sit in other slots (its span mapped: SlotMap) is the same bits."""

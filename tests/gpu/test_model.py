@@ -167,6 +167,17 @@ def test_prompt_rows_are_the_same_bits_however_the_prompt_is_split(kind: str, tm
     _prompt_invariance(_small_gpu_model(kind, tmp_path, 6), 40)
 
 
+@pytest.mark.parametrize("kind", ["q8_0", "q4_k_m"])
+def test_prompt_rows_on_tensor_core_attention_are_the_same_bits_however_the_prompt_is_split(
+        kind: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same invariance with the prompt rows' attention on the tensor cores (prompt_attention.cu,
+    NVMEDIRECT_PROMPT_ATTENTION=1)."""
+    from infer.gpu import attention
+
+    monkeypatch.setattr(attention, "PROMPT_ATTENTION", True)
+    _prompt_invariance(_small_gpu_model(kind, tmp_path, 7), 50)
+
+
 def test_prompt_rows_follow_the_exact_function(pair: Pair) -> None:
     """A prompt run as prompt rows (float16 inputs and weights, float32 sums on the tensor cores),
     then decode steps, against the exact function (float64, inputs not rounded): no farther from it

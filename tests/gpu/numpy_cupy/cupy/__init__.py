@@ -305,6 +305,20 @@ class RawKernel:
                 q = X[r, : H * D].reshape(H, D).astype(np.float16).astype(np.float32)
                 o = attention_reference(q, KC[:, idx], VC[:, idx], float(scale)).astype(np.float32)
                 WK[r, :, :, 1] = 0; WK[r, :, 0, 0] = 0; WK[r, :, 0, 1] = 1; WK[r, :, 0, 2:] = o
+        elif n.startswith("attn_prompt_d"):  # the prompt rows' attention over slots 0..pos, in float64, as float16
+            qkv, W, H, Hkv, scale, layer, pos, kptr, vptr, cap, n_rows, out16 = args
+            D = int(n.split("_d")[1])
+            rows = int(n_rows); W, H, Hkv, layer = map(int, (W, H, Hkv, layer))
+            P = _arr(pos, np.int32, rows); CAP = _arr(cap, np.int32, rows)
+            KP = _arr(kptr, np.uint64, rows); VP = _arr(vptr, np.uint64, rows)
+            X = _arr(qkv, np.float32, rows * W).reshape(rows, W)
+            O = _arr(out16, np.float16, rows * H * D).reshape(rows, H * D)
+            from infer.gpu.reference import attention_reference
+            for r in range(rows):
+                idx = np.arange(int(P[r]) + 1)
+                KC, VC = _layer_cache(KP[r], layer, Hkv, int(CAP[r]), D), _layer_cache(VP[r], layer, Hkv, int(CAP[r]), D)
+                q = X[r, : H * D].reshape(H, D).astype(np.float16).astype(np.float32)
+                O[r] = attention_reference(q, KC[:, idx], VC[:, idx], float(scale)).reshape(-1).astype(np.float16)
         elif n == "attn_merge":
             work, nb, H, D, pos, out, out16, act, xq, xs8, xsum = args
             rows = grid[0]; nb, H, D = map(int, (nb, H, D)); nn = H * D
