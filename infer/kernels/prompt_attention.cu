@@ -112,7 +112,8 @@ __device__ __forceinline__ void attn_prompt_body(const float* qkv, int W, int n_
             __syncthreads();  // the previous tile is read by every warp
             for (int i = threadIdx.x; i < KEYS * (D / 8); i += nthreads) {  // 16-byte pieces of keys and values
                 const int key = i / (D / 8), piece = i % (D / 8), slot = kt * KEYS + key;
-                const bool valid = slot < cap;
+                const bool valid = slot <= pmax && slot < cap;  // slots past the round's rows: zeros, never stale
+                                                                 // values (a masked key's 0 x inf would be NaN)
                 const long long off = (long long)(valid ? slot : 0) * D + piece * 8;
                 cp_async16(ks + key * PITCH + piece * 8, kg + off, valid);
                 cp_async16(vs + key * PITCH + piece * 8, vg + off, valid);
