@@ -124,6 +124,21 @@ def _split_groups(blocks: int, cols: int, n: int, rows: int, scratch: cupy.ndarr
     return groups if 4 * groups * n * rows <= scratch.nbytes else 0
 
 
+def _check_parts(parts: list[GpuMatrix]) -> None:
+    m0 = parts[0]
+    if not 1 <= len(parts) <= 3 or any(p.fmt != m0.fmt or p.cols != m0.cols for p in parts):
+        raise ValueError("a product takes one to three matrices of one format and row length")
+
+
+def _parts_args(parts: list[GpuMatrix]) -> tuple:
+    """A launch's PARTS_ARGS (qmm_operands.cuh): each part's planes (null for absent parts), then the
+    rows where parts 1 and 2 start, then M."""
+    rows = sum(p.rows for p in parts)
+    planes = [pl for p in parts for pl in p.planes()] + [NULL] * 4 * (3 - len(parts))
+    ends = [*np.cumsum([p.rows for p in parts]).tolist(), rows, rows]
+    return (*planes, np.int32(ends[0]), np.int32(ends[1]), np.int32(rows))
+
+
 def uses_qmm(fmt: str, cols: int, n: int) -> bool:
     """Whether a product of n rows runs on the tensor-core kernel (else on qgemv, groups of 4 rows)."""
     return fmt not in FLOAT_FORMATS and n > QGEMV_MAX and not (fmt == "q8" and cols % 64)
@@ -140,8 +155,7 @@ def product(parts: list[GpuMatrix], x: Input, y: cupy.ndarray, n: int, ldy: int 
     (float32, SPLIT_SCRATCH_BYTES): room for the group sums when a launch with too few blocks
     splits K (the same bits: the canonical sum adds whole groups in order)."""
     m0 = parts[0]
-    if not 1 <= len(parts) <= 3 or any(p.fmt != m0.fmt or p.cols != m0.cols for p in parts):
-        raise ValueError("a product takes one to three matrices of one format and row length")
+    _check_parts(parts)
     if m0.fmt in FLOAT_FORMATS and len(parts) != 1:
         raise ValueError("float-format matrices are multiplied one at a time")
     rows = sum(p.rows for p in parts)
@@ -157,10 +171,7 @@ def product(parts: list[GpuMatrix], x: Input, y: cupy.ndarray, n: int, ldy: int 
         return
     if not isinstance(x, Int8Act) or x.act != m0.act:
         raise ValueError(f"a {m0.fmt} product takes the {m0.act} 8-bit form of its input")
-    planes = [pl for p in parts for pl in p.planes()] + [NULL] * 4 * (3 - len(parts))
-    ends = [*np.cumsum([p.rows for p in parts]).tolist(), rows, rows]  # where parts 1 and 2 start
-    head = (*planes, np.int32(ends[0]), np.int32(ends[1]), np.int32(rows), np.int32(m0.cols), x.xq, x.xs, x.xsum,
-            np.int32(n))
+    head = (*_parts_args(parts), np.int32(m0.cols), x.xq, x.xs, x.xsum, np.int32(n))
     args = (*head, y, np.int32(ldy), device_ptr(bias), device_ptr(residual), NULL)
     if uses_qmm(m0.fmt, m0.cols, n):
         nt = _tiles(n)
@@ -236,19 +247,16 @@ def prompt_product(parts: list[GpuMatrix], x16: cupy.ndarray, y: cupy.ndarray, n
     (pmm.cu), float16 weights and float32 sums on the tensor cores, each output summed in one order
     for any n, any `tile` (tokens per block: 32, 64 or 128) and any `block_rows` (64 or 128)."""
     m0 = parts[0]
-    if not 1 <= len(parts) <= 3 or any(p.fmt != m0.fmt or p.cols != m0.cols for p in parts):
-        raise ValueError("a product takes one to three matrices of one format and row length")
+    _check_parts(parts)
     if not uses_pmm(m0.fmt, m0.cols):
         raise ValueError(f"no prompt product for {m0.fmt} rows of {m0.cols} values")
     if n < 1:
         return
     rows = sum(p.rows for p in parts)
     ldy = rows if ldy is None else ldy
-    planes = [pl for p in parts for pl in p.planes()] + [NULL] * 4 * (3 - len(parts))
-    ends = [*np.cumsum([p.rows for p in parts]).tolist(), rows, rows]
     bn = tile or _pmm_tile(n)
     bm = block_rows or _pmm_rows(rows, n, bn)
     fn, smem = _pmm_kernel(m0.fmt, bn, bm)
     fn((grid_blocks(n, bn), grid_blocks(rows, bm)), (256,),
-       (*planes, np.int32(ends[0]), np.int32(ends[1]), np.int32(rows), np.int32(m0.cols), x16, np.int32(n), y,
-        np.int32(ldy), device_ptr(bias), device_ptr(residual)), shared_mem=smem)
+       (*_parts_args(parts), np.int32(m0.cols), x16, np.int32(n), y, np.int32(ldy), device_ptr(bias),
+        device_ptr(residual)), shared_mem=smem)
