@@ -25,6 +25,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 RESULTS = Path(__file__).resolve().parents[1] / "docs" / "results"
 DAY = "2026-12-01"
 REFERENCE = "reference/llama-cpp-anchors.json"
+RUN8 = "2026-12-03/issue24-run8-70b-verify-24GB.json"  # the one-pass engine's verify curve
 OURS, THEIRS = "tab:blue", "tab:orange"
 
 
@@ -37,9 +38,10 @@ def verify_curve(ax_fig: tuple[Any, Any]) -> None:
     """The 70B verify pass: seconds per pass against the tokens (tree nodes) the pass holds."""
     fig, ax = ax_fig
     for name, label, style in ((f"{DAY}/issue14-70b-verify-exact-passes.json",
-                                "verify_tree (exact: the decode step's kernels)", "o-"),
+                                "verify_tree, 2026-12-01 (exact: the decode step's kernels)", "o-"),
                                (f"{DAY}/issue14-70b-verify-passes.json",
-                                "forward_tree (float16 products, not exact)", "s--")):
+                                "forward_tree, 2026-12-01 (float16 products, not exact)", "s--"),
+                               (RUN8, "verify_tree, 2026-12-03 (one pass for N rows, exact)", "^-")):
         passes = load(name)["passes"]
         ax.plot([p["nodes"] for p in passes], [p["pass_seconds"] for p in passes], style, label=label)
     ax.set_xscale("log", base=2)
@@ -179,7 +181,7 @@ def speculation(ax_fig: tuple[Any, Any]) -> None:
 # name -> (draw, subplot columns, figure size, the JSON files it reads)
 FIGURES: dict[str, tuple[Callable[[tuple[Any, Any]], None], int, tuple[float, float], list[str]]] = {
     "verify-pass-time-70b": (verify_curve, 1, (7, 4.2), [f"{DAY}/issue14-70b-verify-exact-passes.json",
-                                                        f"{DAY}/issue14-70b-verify-passes.json"]),
+                                                        f"{DAY}/issue14-70b-verify-passes.json", RUN8]),
     "decode-vs-vram-budget": (decode_vs_budget, 2, (12, 4.6), [f"{DAY}/issue13-8b-q4km-nobudget.json",
                                                               f"{DAY}/issue13-70b-stream-run5a.json", REFERENCE]),
     "server-clients": (server, 2, (12, 4.4), [f"{DAY}/issue16-server-8b-64clients.json",
