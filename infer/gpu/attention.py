@@ -58,15 +58,29 @@ class AttentionShape:
         return 4 * (4 * g * (d + 2) + 4 * ATTN_CHUNK * ATTN_HEADS + 4 * ATTN_CHUNK) + 4 * 2 * ATTN_CHUNK * d * 2
 
 
-# The prompt rows' attention on the tensor cores (prompt_attention.cu) instead of attention.cu's:
-# off until its GPU tests have run (NVMEDIRECT_PROMPT_ATTENTION=1 turns it on; docs/GPU.md)
-PROMPT_ATTENTION = os.environ.get("NVMEDIRECT_PROMPT_ATTENTION", "0") == "1"
+# The prompt rows' attention on the tensor cores (prompt_attention.cu) where it fits, else attention.cu's
+# (NVMEDIRECT_PROMPT_ATTENTION=0 turns it off; docs/GPU.md). On the H200 it took the 8B's pp512 from
+# 9813 to 12579 tok/s (2026-12-03).
+PROMPT_ATTENTION = os.environ.get("NVMEDIRECT_PROMPT_ATTENTION", "1") != "0"
 PROMPT_KEYS = 64  # prompt_attention.cu: keys per tile
 
 
+def _prompt_kernel(head_dim: int):  # noqa: ANN202
+    return kernels.function("prompt_attention", f"attn_prompt_d{head_dim}")
+
+
+def prompt_attention_fits(shape: AttentionShape) -> bool:
+    """Whether a block of prompt_attention.cu (a warp per query head of a KV head) fits this device
+    with the registers its compiled kernel uses (on the H200: 184 a thread at d128, 134 at d64, so
+    groups up to 10 and 15 query heads per KV head)."""
+    return shape.head_dim in (64, 128) and \
+        32 * (shape.n_heads // shape.n_kv_heads) <= _prompt_kernel(shape.head_dim).max_threads_per_block
+
+
 def uses_prompt_attention(shape: AttentionShape) -> bool:
-    """Whether the prompt rows of a model of this shape take prompt_attention.cu."""
-    return PROMPT_ATTENTION and shape.head_dim in (64, 128) and shape.n_heads // shape.n_kv_heads <= ATTN_MAX_GROUP
+    """Whether the prompt rows of a model of this shape take prompt_attention.cu (otherwise attention.cu,
+    as the canonical rows)."""
+    return PROMPT_ATTENTION and prompt_attention_fits(shape)
 
 
 def prompt_attention(qkv: cupy.ndarray, shape: AttentionShape, layer: int, rows: RowFields, r0: int, n: int,
@@ -78,6 +92,10 @@ def prompt_attention(qkv: cupy.ndarray, shape: AttentionShape, layer: int, rows:
     if n < 1:
         return
     group = s.n_heads // s.n_kv_heads
+    if not prompt_attention_fits(s):
+        most = _prompt_kernel(s.head_dim).max_threads_per_block // 32 if s.head_dim in (64, 128) else 0
+        raise ValueError(f"prompt_attention.cu takes head size 64 or 128 (not {s.head_dim}) and at most {most} "
+                         f"query heads per KV head on this device (not {group})")
     smem = 2 * PROMPT_KEYS * (s.head_dim + 8) * 2
     name = f"attn_prompt_d{s.head_dim}"
     fn = with_shared(kernels.function("prompt_attention", name), (name,), smem)

@@ -10,7 +10,6 @@ allocating, so each may sit inside a CUDA graph capture.
 
 from __future__ import annotations
 
-import functools
 import os
 
 import cupy
@@ -107,8 +106,7 @@ def prepare_kernels(formats: set[str]) -> None:
             for nt in (1, 2, 4, 8):
                 _qmm_kernel(fmt, nt)
             for bn in PMM_TILES:
-                for bm in PMM_BLOCK_ROWS:
-                    _pmm_kernel(fmt, bn, bm)
+                _pmm_kernel(fmt, bn)
 
 
 SPLIT_MIN_BLOCKS = 264  # a qmm launch of fewer (row tile x token tile) blocks splits K (2 x 132 SMs)
@@ -195,7 +193,11 @@ def product(parts: list[GpuMatrix], x: Input, y: cupy.ndarray, n: int, ldy: int 
 # ---------------------------------------------------------------------------- prompt products
 PMM_TILES = (32, 64, 128)  # tokens per pmm block (pmm.cu pmm_<fmt>_t<BN>)
 PMM_SLOTS = 3  # pmm.cu's stages in shared memory
-PMM_ROWS = 128  # weight rows per pmm block (or 64: _pmm_rows)
+# Weight rows per pmm block. The 64-row variants (pmm_<fmt>_t<BN>_m64, for matrices of few rows) were
+# slower on the H200 at every 8B prompt shape, even where 128 leaves fewer blocks than two per SM
+# (bench.pmm_sweep, 2026-12-03: down 372 against 317 us, wo 88 against 76): only bench.pmm_sweep
+# and the tests take them (block_rows=64).
+PMM_ROWS = 128
 PMM_BLOCK_ROWS = (128, 64)
 
 
@@ -217,18 +219,6 @@ def _pmm_shared_bytes(fmt: str, bn: int, bm: int = PMM_ROWS) -> int:
 
 def _pmm_tile(n: int) -> int:
     return next((t for t in PMM_TILES if n <= t), PMM_TILES[-1])
-
-
-@functools.cache
-def _sm_count(device: int) -> int:
-    return int(cupy.cuda.runtime.getDeviceProperties(device)["multiProcessorCount"])
-
-
-def _pmm_rows(rows: int, n: int, bn: int) -> int:
-    """Weight rows per pmm block: 64 where 128 would leave fewer blocks than two per SM (the 8B's
-    4096-row matrices at 512 tokens: 128 blocks of the H200's 264)."""
-    blocks = grid_blocks(rows, PMM_ROWS) * grid_blocks(n, bn)
-    return 64 if blocks < 2 * _sm_count(cupy.cuda.Device().id) else PMM_ROWS
 
 
 def _pmm_kernel(fmt: str, bn: int, bm: int = PMM_ROWS):  # noqa: ANN202
@@ -255,7 +245,7 @@ def prompt_product(parts: list[GpuMatrix], x16: cupy.ndarray, y: cupy.ndarray, n
     rows = sum(p.rows for p in parts)
     ldy = rows if ldy is None else ldy
     bn = tile or _pmm_tile(n)
-    bm = block_rows or _pmm_rows(rows, n, bn)
+    bm = block_rows or PMM_ROWS
     fn, smem = _pmm_kernel(m0.fmt, bn, bm)
     fn((grid_blocks(n, bn), grid_blocks(rows, bm)), (256,),
        (*_parts_args(parts), np.int32(m0.cols), x16, np.int32(n), y, np.int32(ldy), device_ptr(bias),

@@ -168,13 +168,13 @@ def test_prompt_rows_are_the_same_bits_however_the_prompt_is_split(kind: str, tm
 
 
 @pytest.mark.parametrize("kind", ["q8_0", "q4_k_m"])
-def test_prompt_rows_on_tensor_core_attention_are_the_same_bits_however_the_prompt_is_split(
+def test_prompt_rows_without_tensor_core_attention_are_the_same_bits_however_the_prompt_is_split(
         kind: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The same invariance with the prompt rows' attention on the tensor cores (prompt_attention.cu,
-    NVMEDIRECT_PROMPT_ATTENTION=1)."""
+    """The same invariance with the prompt rows' attention on attention.cu, as the canonical rows'
+    (NVMEDIRECT_PROMPT_ATTENTION=0, and groups too large for prompt_attention.cu)."""
     from infer.gpu import attention
 
-    monkeypatch.setattr(attention, "PROMPT_ATTENTION", True)
+    monkeypatch.setattr(attention, "PROMPT_ATTENTION", False)
     _prompt_invariance(_small_gpu_model(kind, tmp_path, 7), 50)
 
 
