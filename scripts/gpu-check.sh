@@ -13,6 +13,8 @@
 #                                                         # what they use)
 #   GPU_CHECK_SWEEP=1 ...                                 # bench.kernel_sweep --skip-products: attention, norms
 #   GPU_CHECK_BENCH_QUICK=1 ...                           # only the first benchmark (8 GB, with the batch)
+#   GPU_CHECK_BENCH_BATCH= GPU_CHECK_BENCH_TAG=-x ...     # that benchmark without the batch, its files tagged -x
+#   GPU_CHECK_PMM_SWEEP=1 GPU_CHECK_PASS_PROFILE=1 ...    # the prompt products' variants; where a pass's time goes
 #   GPU_CHECK_STREAM=1 ...                                # also the 8B through the streaming engine (8 GB)
 #   GPU_CHECK_Q8=1 ...                                    # also the 8B Q8_0 (resident, no budget)
 #   GPU_CHECK_LLAMA_BUILD=1 ...                           # start building llama.cpp (.peer/llama.cpp.tgz from
@@ -156,7 +158,9 @@ EOF
 }
 
 if [ -z "${GPU_CHECK_SKIP_BENCH:-}" ]; then
-    bench 8b-q4km-8GB 400 --synth 8b:q4_k_m --vram-budget 8GB --ctx 4096 --batch 32 --batch-prompt 128 --batch-new 64
+    batch_args=${GPU_CHECK_BENCH_BATCH---batch 32 --batch-prompt 128 --batch-new 64}
+    # shellcheck disable=SC2086
+    bench 8b-q4km-8GB${GPU_CHECK_BENCH_TAG:-} 400 --synth 8b:q4_k_m --vram-budget 8GB --ctx 4096 $batch_args
 fi
 if [ -z "${GPU_CHECK_SKIP_BENCH:-}" ] && [ -z "${GPU_CHECK_BENCH_QUICK:-}" ]; then
     bench 8b-q4km-6GB 200 --synth 8b:q4_k_m --vram-budget 6GB --ctx 1024 --no-kernels
@@ -165,6 +169,19 @@ if [ -z "${GPU_CHECK_SKIP_BENCH:-}" ] && [ -z "${GPU_CHECK_BENCH_QUICK:-}" ]; th
     [ -n "${GPU_CHECK_Q8:-}" ] && bench 8b-q80 300 --synth 8b:q8_0
 fi
 
+if [ -n "${GPU_CHECK_PMM_SWEEP:-}" ]; then
+    section "prompt products (bench.pmm_sweep)"
+    timeout 150 python3 -m bench.pmm_sweep --out "$OUT/pmm-sweep.json" > "$OUT/pmm-sweep.txt" 2>&1
+    note "pmm sweep: exit $?"
+    tail -n 30 "$OUT/pmm-sweep.txt"
+fi
+if [ -n "${GPU_CHECK_PASS_PROFILE:-}" ]; then
+    section "where the passes go (bench.pass_profile, 8B 8GB)"
+    timeout 200 python3 -m bench.pass_profile --synth 8b:q4_k_m --synth-dir "$SYNTH_DIR" --vram-budget 8GB \
+        --out "$OUT/pass-profile.json" > "$OUT/pass-profile.txt" 2>&1
+    note "pass profile: exit $?"
+    tail -n 40 "$OUT/pass-profile.txt"
+fi
 if [ -n "${GPU_CHECK_SWEEP:-}" ]; then
     section "kernel timings (bench.kernel_sweep --skip-products)"
     timeout 120 python3 -m bench.kernel_sweep --skip-products --out "$OUT/sweep.json" > "$OUT/sweep.txt" 2>&1

@@ -82,6 +82,12 @@ def main() -> int:
     phase("pinned memory freed")
     if args.model is None:
         return 0
+    from infer.gpu.weights import upload_embedding
+
+    embedding = upload_embedding(GGUFModel(args.model))
+    phase("embedding in mapped host memory")
+    del embedding
+    phase("embedding freed")
     gpu = load_gpu_transformer(GGUFModel(args.model), args.ctx, args.vram_budget, enforce_budget=True,
                                kv_positions=args.ctx)
     phase("loaded")
