@@ -87,7 +87,8 @@ def load_gpu_transformer(model: GGUFModel, max_context: int | None = None, vram_
     context = max_context or min(args.context_length, 4096)
     account = memory.new_account(vram_budget, f"{model.path.name} on the GPU")
     tensors = planner_tensors(model, "gpu")
-    account.plan("weights", sum(t.device_nbytes for t in tensors))
+    weights_nbytes = sum(t.device_nbytes for t in tensors)
+    account.plan("weights", weights_nbytes)
     account.plan("KV cache", GpuKVCache.nbytes_for(args, kv_positions or batch * context) + 4 * batch)
     logits_rows = max(batch, tree_nodes)
     account.plan("pass buffers", gpu_pass_nbytes(model, args, prefill_chunk, context, logits_rows))
@@ -96,7 +97,8 @@ def load_gpu_transformer(model: GGUFModel, max_context: int | None = None, vram_
     account.check(": run with --streaming (or lower -c/--ctx-size)")
     if enforce_budget:
         memory.enforce(account)
-    weights = ResidentWeights(model, args, progress)
+    with memory.arena(weights_nbytes, len(tensors)):
+        weights = ResidentWeights(model, args, progress)
     cupy.cuda.Device().synchronize()
     cupy.get_default_memory_pool().free_all_blocks()  # the uploads' temporaries
     from infer.gpu.model import LOGITS_ROWS

@@ -28,6 +28,7 @@ from infer.arch import OUTPUT_NORM, TOKEN_EMBD, ModelArgs, output_name, tensor_n
 from infer.gguf_file import GGUFModel
 from infer.gpu import kernels
 from infer.gpu.layout import FLOAT_FORMATS, format_of, plane_layout
+from infer.gpu.memory import arena
 from infer.gpu.ops import GpuMatrix
 from infer.gpu.weights import (
     MATRIX_KINDS,
@@ -133,12 +134,14 @@ class StreamedWeights:
             if at > self.scratch.nbytes:
                 raise RuntimeError(f"layer scratch of {self.scratch.nbytes} bytes cannot hold {at}")
         host = embedding_on_host(model)
-        self.token_embd = upload_embedding(model) if host else upload_tensor(model, TOKEN_EMBD)
-        self.output_norm = upload_vector(model, OUTPUT_NORM)
-        self.output = upload_tensor(model, output_name(model)) if host else self.token_embd
-        self._vectors = [layer_vectors(model, args, i) for i in range(args.n_layers)]
-        self._resident = [{kind: upload_tensor(model, tensor_name(i, kind)) for kind in MATRIX_KINDS
-                           if plan.tier[tensor_name(i, kind)] is Tier.VRAM} for i in range(args.n_layers)]
+        resident = [t for t in plan.tensors if plan.tier[t.name] is Tier.VRAM]
+        with arena(sum(t.device_nbytes for t in resident), len(resident)):  # not a 2 MiB page each
+            self.token_embd = upload_embedding(model) if host else upload_tensor(model, TOKEN_EMBD)
+            self.output_norm = upload_vector(model, OUTPUT_NORM)
+            self.output = upload_tensor(model, output_name(model)) if host else self.token_embd
+            self._vectors = [layer_vectors(model, args, i) for i in range(args.n_layers)]
+            self._resident = [{kind: upload_tensor(model, tensor_name(i, kind)) for kind in MATRIX_KINDS
+                               if plan.tier[tensor_name(i, kind)] is Tier.VRAM} for i in range(args.n_layers)]
         self._whole = {i: assemble_layer(self._vectors[i], self._resident[i]) for i in range(args.n_layers)
                        if not self._streamed[i]}
         self._formats = [layer_formats(model, i) for i in range(args.n_layers)]

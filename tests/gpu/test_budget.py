@@ -95,3 +95,32 @@ def test_batch_of_sequences_holds_its_budget(model: Path, free: dict) -> None:
     print(f"batch of 8: budget {budget / 2**30:.3f} GiB, peak {result['peak_vram_bytes'] / 2**30:.3f} GiB")
     assert len(result["sequences"]) == 8 and all(len(s["ids"]) > 0 for s in result["sequences"])
     assert 0 < result["peak_vram_bytes"] <= budget
+
+
+def test_loading_takes_no_device_memory_outside_the_pool(model: Path) -> None:
+    """The resident weights come from one pool allocation (memory.arena): loading adds to the device
+    memory the driver counts what the pool counts, within a few pages (kernel modules), not the up to
+    2 MiB page the driver rounds each of the model's 60-odd buffers to."""
+    import cupy
+
+    from infer.gguf_file import GGUFModel
+    from infer.gpu import load_gpu_transformer
+    from infer.gpu.memory import device_memory
+
+    pool = cupy.get_default_memory_pool()
+
+    def outside() -> int:
+        cupy.cuda.Device().synchronize()
+        free, total = device_memory()
+        return total - free - pool.total_bytes()
+
+    gpu = load_gpu_transformer(GGUFModel(model), 256)  # compiles the kernels a load takes
+    del gpu
+    pool.free_all_blocks()
+    before = outside()
+    gpu = load_gpu_transformer(GGUFModel(model), 256)
+    grown = outside() - before
+    assert pool.total_bytes() > 300 << 20
+    assert grown < 8 << 20, f"loading added {grown / 2**20:.1f} MiB outside the pool"
+    del gpu
+    pool.free_all_blocks()
