@@ -123,6 +123,12 @@ class ModelArgs:
         if scaling not in ("none", "linear"):
             raise UnsupportedModelError(model.path, f"rope scaling '{scaling}' is not supported",
                                         f"key {arch}.rope.scaling.type")
+        # llama.cpp multiplies every rotation's cos and sin by this factor (for any scaling type):
+        # refused rather than ignored until the rotations take it
+        attn_factor = float(key("rope.scaling.attn_factor", float, 1.0))
+        if attn_factor != 1.0:
+            raise UnsupportedModelError(model.path, f"a rope attention factor of {attn_factor:g} is not supported "
+                                        "(only 1)", f"key {arch}.rope.scaling.attn_factor")
         embd = model.tensor(TOKEN_EMBD)
         return cls(
             arch=arch,
@@ -152,7 +158,7 @@ def context_warning(args: ModelArgs, ctx_size: int, name: str) -> str | None:
         else ""
     return (f"warning: a context of {ctx_size} tokens exceeds the {trained} {name} was trained for: output past "
             f"position {trained} degrades unless rope scaling stretches the positions by {ctx_size / trained:.2f}x "
-            f"(rope.scaling.type linear or yarn, rope.scaling.factor {ctx_size / trained:.2f}){have}")
+            f"(rope.scaling.type linear, rope.scaling.factor {ctx_size / trained:.2f}){have}")
 
 
 def output_name(model: GGUFModel) -> str:

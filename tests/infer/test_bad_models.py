@@ -223,3 +223,16 @@ def test_a_rope_factor_without_a_type_is_linear_scaling(good_model: Path, tmp_pa
     original, scaled = logits(good_model), logits(untyped)
     np.testing.assert_array_equal(scaled, logits(linear))
     assert not np.array_equal(scaled, original)
+
+
+def test_a_rope_attention_factor_is_refused_not_ignored(good_model: Path, tmp_path: Path) -> None:
+    """llama.cpp scales every rotation's cos and sin by `rope.scaling.attn_factor`; this engine does
+    not yet, so a file that sets it to anything but 1 stops with the key named (1 loads)."""
+    from infer.arch import ModelArgs
+
+    scaled = write_copy(good_model, tmp_path / "attn-factor.gguf", metadata={
+        "llama.rope.scaling.attn_factor": (1.2, GGUFValueType.FLOAT32)})
+    assert_one_line_error(scaled, "key llama.rope.scaling.attn_factor", "rope attention factor of 1.2")
+    one = write_copy(good_model, tmp_path / "attn-factor-1.gguf", metadata={
+        "llama.rope.scaling.attn_factor": (1.0, GGUFValueType.FLOAT32)})
+    assert ModelArgs.from_gguf(GGUFModel(one)).rope_linear_scale == 1.0
