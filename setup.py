@@ -2,4 +2,4 @@
 # setuptools integration (cffi_modules) has no pyproject.toml equivalent yet.
 from setuptools import setup
 
-setup(cffi_modules=["native/build_vfio.py:ffibuilder"])
+setup(cffi_modules=["native/build_vfio.py:ffibuilder", "native/build_cpu_kernels.py:ffibuilder"])

@@ -1,0 +1,112 @@
+"""Times the native quantized CPU products (infer/cpu_kernels.py) on an 8B model's shapes against the
+NumPy path they replace (dequantize to float32, then multiply), with the machine's memory copy
+bandwidth as the roofline for the weights' reads:
+
+    python -m bench.cpu_kernels [--threads N] [--tokens 1,64] [--json]
+
+Weights are random bytes with valid scales (timing does not depend on the values). Each case cycles
+through enough copies of the matrix to exceed the last-level cache, so one-token figures are reads
+from memory, not cache. Times are the median and the best of several runs; GB/s (weight bytes read),
+GOP/s and the speedup over NumPy (its best of two) use the best.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import numpy as np
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+from infer import cpu_kernels, quants
+
+T = GGMLQuantizationType
+SHAPES = [(4096, 4096), (14336, 4096)]
+TYPES = [T.Q4_K, T.Q6_K, T.Q8_0]
+SCALE_OFFSETS = {T.Q4_K: (0, 2), T.Q6_K: (208,), T.Q8_0: (0,)}  # float16 scale fields in a block
+CYCLE_BYTES = 160 << 20  # more than this machine's last-level cache
+
+
+def _random_weights(rng: np.random.Generator, ggml_type: int, rows: int, cols: int) -> np.ndarray:
+    block, size = GGML_QUANT_SIZES[T(ggml_type)]
+    blocks = rng.integers(0, 256, (rows * cols // block, size), dtype=np.uint8)
+    for offset in SCALE_OFFSETS[T(ggml_type)]:  # no NaN/subnormal scales: keep the float paths honest
+        blocks[:, offset : offset + 2] = np.array([np.float16(0.01)]).view(np.uint8)
+    return blocks.reshape(-1)
+
+
+def _timings(run, reps: int) -> tuple[float, float]:  # noqa: ANN001
+    """(median, best) seconds of `reps` calls: the best shows the kernel, the median also the
+    scheduling noise of other work on the machine (a parallel product waits for its slowest thread)."""
+    times = []
+    for i in range(reps):
+        start = time.perf_counter()
+        run(i)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times), min(times)
+
+
+def copy_bandwidth_gbs(nbytes: int = 256 << 20) -> float:
+    """np.copyto of a large array, one thread: GB/s of memory traffic (bytes read + bytes written)."""
+    src = np.ones(nbytes // 8)
+    dst = np.empty_like(src)
+    _, seconds = _timings(lambda _: np.copyto(dst, src), 5)
+    return 2 * nbytes / seconds / 1e9
+
+
+def bench_case(rng: np.random.Generator, ggml_type: int, rows: int, cols: int, n_tokens: int, threads: int,
+               baseline: bool) -> dict:
+    raw = _random_weights(rng, ggml_type, rows, cols)
+    copies = [raw] + [raw.copy() for _ in range(max(0, -(-CYCLE_BYTES // raw.nbytes) - 1))]
+    x = rng.standard_normal((n_tokens, cols)).astype(np.float32)
+    cpu_kernels.matmul(raw, ggml_type, rows, cols, x, threads)  # warm up the thread pool
+    reps = max(5, len(copies))
+    seconds, best = _timings(lambda i: cpu_kernels.matmul(copies[i % len(copies)], ggml_type, rows, cols, x, threads),
+                             reps)
+    result = {"type": T(ggml_type).name, "rows": rows, "cols": cols, "tokens": n_tokens, "threads": threads,
+              "implementation": cpu_kernels.implementation(), "us": seconds * 1e6, "best_us": best * 1e6,
+              "weight_gbs": raw.nbytes / best / 1e9, "gops": 2 * rows * cols * n_tokens / best / 1e9}
+    if baseline:
+        def numpy_product(_: int) -> None:
+            w = quants.dequantize(raw, ggml_type, (rows, cols))
+            x @ w.T
+
+        _, base = _timings(numpy_product, 2)
+        result.update(numpy_us=base * 1e6, speedup=base / best)
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--threads", type=int, default=None, help="default: the physical cores")
+    parser.add_argument("--tokens", default="1,64", help="comma-separated token counts")
+    parser.add_argument("--no-baseline", action="store_true", help="skip the (slow) NumPy baseline")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    args = parser.parse_args(argv)
+    if not cpu_kernels.available():
+        print("CPU kernels not built: python native/build_cpu_kernels.py", file=sys.stderr)
+        return 1
+    threads = args.threads or cpu_kernels.default_threads()
+    rng = np.random.default_rng(0)
+    roofline = copy_bandwidth_gbs()
+    cases = [bench_case(rng, t, rows, cols, int(n), threads, not args.no_baseline)
+             for rows, cols in SHAPES for t in TYPES for n in args.tokens.split(",")]
+    if args.json:
+        print(json.dumps({"copy_gbs": roofline, "threads": threads, "cases": cases}, indent=1))
+        return 0
+    print(f"memory copy bandwidth (np.copyto, read + write traffic): {roofline:.1f} GB/s; "
+          f"threads {threads}; {cpu_kernels.implementation()}")
+    print(f"{'type':6} {'rows x cols':>12} {'tok':>4} {'median us':>10} {'best us':>9} {'GB/s':>7} {'GOP/s':>7} {'numpy us':>11} {'speedup':>8}")
+    for c in cases:
+        base = f"{c['numpy_us']:11.0f} {c['speedup']:7.1f}x" if "numpy_us" in c else ""
+        print(f"{c['type']:6} {c['rows']:>6}x{c['cols']:<5} {c['tokens']:>4} {c['us']:10.0f} {c['best_us']:9.0f} "
+              f"{c['weight_gbs']:7.2f} "
+              f"{c['gops']:7.1f} {base}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

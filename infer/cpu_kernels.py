@@ -1,0 +1,172 @@
+"""Quantized matrix products on the CPU through the native kernels (native/cpu_qdot.c).
+
+The weights stay in their packed GGUF blocks; the activations are rounded once per product to the
+format the weight type multiplies with (infer.quants.activation_format: 8-bit blocks of 32 for
+Q4_0..Q8_0, 8-bit blocks of 256 for the K-quants, f16/bf16/f32 for the float types), each block's
+products are summed in integers and then scaled. Every output is computed by one fixed sequence of
+float operations, so a result does not depend on the token batch, the thread count or whether the
+AVX2 or the portable code ran. Build the extension with `python native/build_cpu_kernels.py` (or
+`pip install -e .`); `available()` says whether it is importable.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+from gguf.constants import GGMLQuantizationType
+
+try:
+    from infer import _cpu_kernels  # type: ignore[attr-defined]
+except ImportError:  # not built yet
+    _cpu_kernels = None
+
+T = GGMLQuantizationType
+SUPPORTED_TYPES: frozenset[GGMLQuantizationType] = frozenset(
+    {T.F32, T.F16, T.BF16, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K}
+)
+IMPLEMENTATIONS = ("avx2", "portable")
+
+_ERRORS = {-1: "unsupported weight type", -2: "bad column count", -3: "bad row range or token count",
+           -4: "out of memory", -5: "implementation not available on this CPU"}
+
+
+def available() -> bool:
+    """Whether the native extension is built and importable."""
+    return _cpu_kernels is not None
+
+
+def _lib():  # noqa: ANN202 - the cffi lib object has no useful static type
+    if _cpu_kernels is None:
+        raise RuntimeError("the CPU kernels are not built: run `python native/build_cpu_kernels.py` "
+                           "or `pip install -e .`")
+    return _cpu_kernels.lib
+
+
+def _check(rc: int, what: str) -> None:
+    if rc < 0:
+        raise RuntimeError(f"{what} failed: {_ERRORS.get(rc, f'error {rc}')}")
+
+
+def _type_name(ggml_type: int) -> str:
+    try:
+        return T(ggml_type).name
+    except ValueError:
+        return f"type id {ggml_type}"
+
+
+def _check_type(ggml_type: int) -> None:
+    if ggml_type not in SUPPORTED_TYPES:
+        supported = ", ".join(sorted(t.name for t in SUPPORTED_TYPES))
+        raise ValueError(f"the CPU kernels do not support {_type_name(ggml_type)} (supported: {supported})")
+
+
+def _row_bytes(func_name: str, ggml_type: int, cols: int) -> int:
+    _check_type(ggml_type)
+    n = getattr(_lib(), func_name)(int(ggml_type), int(cols))
+    if n < 0:
+        from infer.quants import block_layout
+
+        block, _ = block_layout(ggml_type)
+        raise ValueError(f"{cols} columns is not a positive multiple of the {_type_name(ggml_type)} "
+                         f"block size {block}")
+    return int(n)
+
+
+def weight_row_nbytes(ggml_type: int, cols: int) -> int:
+    """Bytes of one packed weight row of `cols` elements."""
+    return _row_bytes("qdot_weight_row_bytes", ggml_type, cols)
+
+
+def activation_row_nbytes(ggml_type: int, cols: int) -> int:
+    """Bytes of one row of activations quantized for this weight type (a q8_0 block is 34 bytes per
+    32 values, a q8_K block 292 bytes per 256, f16/bf16 2 bytes and f32 4 bytes per value)."""
+    return _row_bytes("qdot_activation_row_bytes", ggml_type, cols)
+
+
+def default_threads() -> int:
+    """The physical cores this process may run on (hyperthreads add nothing to these products)."""
+    import psutil
+
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    physical = psutil.cpu_count(logical=False) or usable
+    return max(1, min(physical, usable))
+
+
+def implementation() -> str:
+    """The code path in use: "avx2" or "portable" (NVMEDIRECT_CPU_KERNELS=portable forces the latter)."""
+    return IMPLEMENTATIONS[0] if _lib().qdot_implementation() else IMPLEMENTATIONS[1]
+
+
+def set_implementation(name: str) -> None:
+    """Force a code path for this process ("avx2" or "portable"); both give bit-identical results."""
+    if name not in IMPLEMENTATIONS:
+        raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, not {name!r}")
+    if _lib().qdot_set_implementation(int(name == "avx2")) < 0:
+        raise ValueError(f"this CPU cannot run the {name} kernels")
+
+
+def cpu_has_avx2() -> bool:
+    return bool(_lib().qdot_cpu_has_avx2())
+
+
+def _activations(x: np.ndarray, cols: int | None = None) -> np.ndarray:
+    x = np.asarray(x)
+    if x.ndim != 2:
+        raise ValueError(f"activations must be 2-D (n_tokens, cols), got shape {x.shape}")
+    if x.dtype != np.float32:
+        raise ValueError(f"activations must be float32, got {x.dtype}")
+    if cols is not None and x.shape[1] != cols:
+        raise ValueError(f"activations have {x.shape[1]} columns, the weights {cols}")
+    if not np.isfinite(x).all():
+        raise ValueError("activations contain NaN or infinity")
+    return np.ascontiguousarray(x)
+
+
+def quantize_activations(x: np.ndarray, ggml_type: int) -> np.ndarray:
+    """x (n_tokens, cols) float32 -> (n_tokens, activation_row_nbytes) uint8: the rows in the format
+    `ggml_type` multiplies with (standard GGML q8_0 / q8_K blocks, or f16 / bf16 / f32 values)."""
+    x = _activations(x)
+    n_tokens, cols = x.shape
+    out = np.empty((n_tokens, activation_row_nbytes(ggml_type, cols)), dtype=np.uint8)
+    ffi, lib = _cpu_kernels.ffi, _lib()
+    _check(lib.qdot_quantize_activations(int(ggml_type), ffi.from_buffer("float[]", x), n_tokens, cols,
+                                         ffi.from_buffer(out, require_writable=True)), "quantize_activations")
+    return out
+
+
+def matmul_quantized(raw: np.ndarray, ggml_type: int, rows: int, cols: int, xq: np.ndarray,
+                     threads: int | None = None) -> np.ndarray:
+    """Like `matmul`, with activations already from quantize_activations (reuse them across the
+    weight matrices that share an input)."""
+    row_bytes = weight_row_nbytes(ggml_type, cols)
+    if rows < 0:
+        raise ValueError(f"rows must be >= 0, got {rows}")
+    raw = np.ascontiguousarray(np.asarray(raw).reshape(-1).view(np.uint8))
+    if raw.size != rows * row_bytes:
+        raise ValueError(f"{raw.size} bytes given for a {rows}x{cols} {_type_name(ggml_type)} matrix "
+                         f"({rows * row_bytes} expected)")
+    xq = np.asarray(xq)
+    x_bytes = activation_row_nbytes(ggml_type, cols)
+    if xq.dtype != np.uint8 or xq.ndim != 2 or xq.shape[1] != x_bytes:
+        raise ValueError(f"quantized activations must be (n_tokens, {x_bytes}) uint8 for "
+                         f"{_type_name(ggml_type)} x {cols} columns, got {xq.dtype} {xq.shape}")
+    xq = np.ascontiguousarray(xq)
+    n_tokens = xq.shape[0]
+    threads = default_threads() if threads is None else int(threads)
+    if threads < 1:
+        raise ValueError(f"threads must be >= 1, got {threads}")
+    y = np.empty((n_tokens, rows), dtype=np.float32)
+    ffi, lib = _cpu_kernels.ffi, _lib()
+    _check(lib.matmul_q(ffi.from_buffer(raw), int(ggml_type), rows, cols, ffi.from_buffer(xq), n_tokens,
+                        ffi.from_buffer("float[]", y, require_writable=True), 0, rows, threads), "matmul")
+    return y
+
+
+def matmul(raw: np.ndarray, ggml_type: int, rows: int, cols: int, x: np.ndarray,
+           threads: int | None = None) -> np.ndarray:
+    """y = x @ W.T for a packed GGUF matrix W (raw: its rows*row_nbytes bytes, rows x cols) and
+    x (n_tokens, cols) float32 -> (n_tokens, rows) float32. threads: default the physical cores."""
+    _check_type(ggml_type)
+    x = _activations(x, cols)
+    return matmul_quantized(raw, ggml_type, rows, cols, quantize_activations(x, ggml_type), threads)

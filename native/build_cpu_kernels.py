@@ -1,0 +1,45 @@
+"""cffi build script (API mode) for the quantized CPU product kernels (native/cpu_qdot.c).
+
+Built by `pip install -e .` through setup.py's cffi_modules, or standalone for development:
+`python native/build_cpu_kernels.py` compiles under build/cpu_kernels/ and copies the extension
+into infer/. The AVX2 functions carry their own target attribute, so the module is compiled for the
+baseline ISA and still loads on CPUs without AVX2 (they run the portable code).
+"""
+
+import shutil
+from pathlib import Path
+
+from cffi import FFI
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+
+CDEF = r"""
+long long qdot_weight_row_bytes(int ggml_type, int cols);
+long long qdot_activation_row_bytes(int ggml_type, int cols);
+void quantize_row_q8_0(const float *x, void *out, int k);
+void quantize_row_q8_K(const float *x, void *out, int k);
+int qdot_quantize_activations(int ggml_type, const float *x, int n_tokens, int cols, void *out);
+int matmul_q(const void *w, int ggml_type, int rows, int cols, const void *xq, int n_tokens, float *y,
+             int row0, int row1, int n_threads);
+int qdot_implementation(void);
+int qdot_set_implementation(int avx2);
+int qdot_cpu_has_avx2(void);
+"""
+
+# The kernels' source is inlined (as build_vfio.py does) so the setuptools build needs no paths.
+SOURCE = (HERE / "cpu_qdot.c").read_text()
+
+ffibuilder = FFI()
+ffibuilder.cdef(CDEF)
+# -ffp-contract=off: the bit-identity of the AVX2 and portable paths needs every a * b + c rounded
+# twice, never fused. -fopenmp: the thread pool over output rows.
+ffibuilder.set_source("infer._cpu_kernels", SOURCE, include_dirs=[str(HERE)],
+                      extra_compile_args=["-O3", "-ffp-contract=off", "-fopenmp"], extra_link_args=["-fopenmp"],
+                      depends=[str(HERE / "cpu_qdot.c"), str(HERE / "cpu_qdot.h")])
+
+if __name__ == "__main__":
+    built = Path(ffibuilder.compile(tmpdir=str(ROOT / "build" / "cpu_kernels"), verbose=True))
+    target = ROOT / "infer" / built.name
+    shutil.copyfile(built, target)
+    print(f"installed {target}")

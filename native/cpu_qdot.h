@@ -1,0 +1,54 @@
+/* Quantized matrix-vector/matrix products on the CPU: weights stay in their packed GGUF blocks,
+ * activations are rounded once per product to the format each weight type multiplies with
+ * (8-bit blocks of 32 for Q4_0..Q8_0, 8-bit blocks of 256 for the K-quants, f16/bf16/f32 for the
+ * float types), and each block's products are summed in integers before its scales are applied.
+ *
+ * Determinism: every output element y[t][r] is computed by one fixed sequence of float operations
+ * (block terms added one block after another), whatever the token batch, the row range, the thread
+ * count or the instruction set (AVX2 or portable C), so results are bit-identical across all of them.
+ * The file must be compiled with -ffp-contract=off for that (a fused multiply-add rounds once where
+ * the portable code rounds twice).
+ */
+#ifndef NVMEDIRECT_CPU_QDOT_H
+#define NVMEDIRECT_CPU_QDOT_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+/* Error codes (negative returns). */
+#define QDOT_EUNSUPPORTED -1 /* weight type not handled */
+#define QDOT_ECOLS -2        /* cols not a positive multiple of the type's block size */
+#define QDOT_ERANGE -3       /* bad rows / row range / token count */
+#define QDOT_ENOMEM -4
+#define QDOT_ENOIMPL -5      /* the requested implementation is not available on this CPU */
+
+/* Bytes of one packed weight row of `cols` elements; negative error code if unsupported. */
+long long qdot_weight_row_bytes(int ggml_type, int cols);
+/* Bytes of one activation row after quantize_activations for this weight type; negative on error. */
+long long qdot_activation_row_bytes(int ggml_type, int cols);
+
+/* Standard GGML blocks: q8_0 = f16 scale + 32 x int8 (34 bytes), q8_K = f32 scale + 256 x int8 +
+ * 16 x int16 sums of 16 (292 bytes). k must be a multiple of the block size. Rounding: scale from the
+ * block's largest magnitude, quotients rounded to nearest, ties to even. */
+void quantize_row_q8_0(const float *x, void *out, int k);
+void quantize_row_q8_K(const float *x, void *out, int k);
+
+/* n_tokens rows of x (each `cols` floats) -> the activation format of `ggml_type` (q8_0, q8_K,
+ * f16, bf16 or f32 rows of qdot_activation_row_bytes each). 0 or a negative error code. */
+int qdot_quantize_activations(int ggml_type, const float *x, int n_tokens, int cols, void *out);
+
+/* y[t * rows + r] = dot(weight row r, activation row t) for r in [row0, row1), t in [0, n_tokens).
+ * w: rows packed rows; xq: n_tokens rows from qdot_quantize_activations. Other entries of y are
+ * left untouched. n_threads <= 1 runs on the calling thread. 0 or a negative error code. */
+int matmul_q(const void *w, int ggml_type, int rows, int cols, const void *xq, int n_tokens, float *y,
+             int row0, int row1, int n_threads);
+
+/* Implementation in use: 1 = AVX2, 0 = portable C. The initial choice is AVX2 where the CPU has
+ * AVX2 and F16C, unless the environment variable NVMEDIRECT_CPU_KERNELS=portable. */
+int qdot_implementation(void);
+/* Force an implementation (1 = AVX2, 0 = portable); QDOT_ENOIMPL if the CPU cannot run it. */
+int qdot_set_implementation(int avx2);
+/* Whether this CPU can run the AVX2 path. */
+int qdot_cpu_has_avx2(void);
+
+#endif

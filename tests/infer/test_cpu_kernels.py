@@ -1,0 +1,263 @@
+"""The native quantized CPU kernels (infer/cpu_kernels.py, native/cpu_qdot.c) against NumPy.
+
+Activation quantization must give exactly the values of infer.quants.round_activations (the repo's
+emulation of llama.cpp's rounding). Products must match float64 references (exact GGUF weights times
+the exact rounded activations) within a rounding bound derived below, and be bit-identical across
+thread counts, token batches and the AVX2 / portable code paths. Each test prints its seed.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+from infer import cpu_kernels, quants
+from infer.synth import random_blocks
+
+pytestmark = pytest.mark.skipif(not cpu_kernels.available(),
+                                reason="CPU kernels not built (python native/build_cpu_kernels.py)")
+T = GGMLQuantizationType
+TYPES = [T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q4_K, T.Q5_K, T.Q6_K]
+U = 2.0**-24  # float32 unit roundoff
+
+
+@pytest.fixture
+def rng() -> np.random.Generator:
+    seed = int.from_bytes(os.urandom(4), "little")
+    print(f"seed {seed}")
+    return np.random.default_rng(seed)
+
+
+@pytest.fixture(autouse=True)
+def _restore_implementation() -> Iterator[None]:
+    if not cpu_kernels.available():
+        yield
+        return
+    before = cpu_kernels.implementation()
+    yield
+    cpu_kernels.set_implementation(before)
+
+
+def _cols(ggml_type: int, blocks: int) -> int:
+    """`blocks` blocks of a quantized type; float types get an odd length to exercise the lane tail."""
+    block = GGML_QUANT_SIZES[T(ggml_type)][0]
+    return blocks * block if block > 1 else 8 * blocks + 5
+
+
+def _weights(rng: np.random.Generator, ggml_type: int, rows: int, cols: int) -> np.ndarray:
+    block = GGML_QUANT_SIZES[T(ggml_type)][0]
+    if ggml_type == T.BF16:
+        values = (rng.standard_normal(rows * cols) * 0.05).astype(np.float32)
+        return (values.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)
+    return random_blocks(ggml_type, rows * cols // block, rng, 1.0 / np.sqrt(cols)).reshape(-1)
+
+
+def _activations(rng: np.random.Generator, n: int, cols: int) -> np.ndarray:
+    # varied magnitudes per row and a few outliers, as hidden states have
+    x = rng.standard_normal((n, cols)).astype(np.float32) * rng.uniform(0.01, 10, (n, 1)).astype(np.float32)
+    x[:, rng.integers(0, cols, 3)] *= 20
+    return x
+
+
+# ---------------------------------------------------------------- activation quantization
+
+def _decode_activations(xq: np.ndarray, fmt: str, cols: int) -> np.ndarray:
+    """Quantized activation rows -> their exact values (float64), read from the GGML block bytes."""
+    n = xq.shape[0]
+    if fmt == "f32":
+        return xq.view(np.float32).astype(np.float64)
+    if fmt == "f16":
+        return xq.view(np.float16).astype(np.float64)
+    if fmt == "bf16":
+        return (xq.view(np.uint16).astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+    if fmt == "q8_0":
+        blocks = xq.reshape(n, cols // 32, 34)
+        d = blocks[:, :, 0:2].copy().view(np.float16).astype(np.float64)
+        return (d * blocks[:, :, 2:].view(np.int8)).reshape(n, cols)
+    blocks = xq.reshape(n, cols // 256, 292)
+    d = blocks[:, :, 0:4].copy().view(np.float32).astype(np.float64)
+    qs = blocks[:, :, 4:260].view(np.int8)
+    bsums = blocks[:, :, 260:292].copy().view(np.int16)
+    assert np.array_equal(bsums, qs.reshape(n, -1, 16, 16).sum(axis=3, dtype=np.int64)), "q8_K sums of 16"
+    return (d * qs).reshape(n, cols)
+
+
+def _awkward_rows(rng: np.random.Generator, cols: int) -> np.ndarray:
+    """Rows that probe the rounding rules: zero blocks, ties, equal magnitudes of both signs, tiny and
+    huge scales, values at float16's edges."""
+    rows = [np.zeros(cols), np.full(cols, -3.0), rng.standard_normal(cols) * 1e-6,
+            rng.standard_normal(cols) * 3e4, np.tile([-2.0, 2.0, 0.5, 1.5, 2.5, -0.5], cols)[:cols]]
+    ties = np.arange(cols, dtype=np.float64) % 255 - 127
+    ties[::37] = 127.0
+    rows.append(ties / 127 * 2.5)  # x * inv lands on or near k + 1/2
+    edges = np.array([65504, 65519, 65520, 70000, 6.1e-5, 6.0e-8, 2**-25, 3 * 2**-25, -(2**-25), 2.9e-8, -1e-45, 1e-40])
+    rows.append(np.resize(edges, cols))
+    return np.array(rows, dtype=np.float32)
+
+
+@pytest.mark.parametrize("ggml_type", [T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_K], ids=lambda t: T(t).name)
+def test_quantized_activations_are_the_python_emulation(rng: np.random.Generator, ggml_type: int) -> None:
+    cols = 512
+    x = np.concatenate([_activations(rng, 9, cols), _awkward_rows(rng, cols)])
+    fmt = quants.activation_format(ggml_type)
+    xq = cpu_kernels.quantize_activations(x, ggml_type)
+    assert xq.shape == (len(x), cpu_kernels.activation_row_nbytes(ggml_type, cols))
+    got = _decode_activations(xq, fmt, cols)
+    with np.errstate(over="ignore"):  # values past float16's range become infinities, as intended
+        want = quants.round_activations(x, fmt, exact=True)
+        np.testing.assert_array_equal(got, want)
+        if fmt == "f16":  # bit patterns too (signed zeros, subnormals, ties)
+            np.testing.assert_array_equal(xq.view(np.uint16), x.astype(np.float16).view(np.uint16))
+    if fmt == "q8_0":  # the stored scale is float16(amax / 127)
+        amax = np.abs(x.reshape(len(x), -1, 32)).max(axis=2)
+        scales = xq.reshape(len(x), -1, 34)[:, :, 0:2].copy().view(np.float16)[..., 0]
+        np.testing.assert_array_equal(scales.view(np.uint16), (amax / np.float32(127)).astype(np.float16).view(np.uint16))
+
+
+# ---------------------------------------------------------------- products against float64
+
+def _min_part(raw: np.ndarray, ggml_type: int, rows: int, cols: int) -> np.ndarray | None:
+    """The per-element offset term of types that have one (Q4_1/Q5_1: m; Q4_K/Q5_K: -dmin * m),
+    found by dequantizing the blocks with their quantized values zeroed; None for other types."""
+    zeroed = {T.Q4_1: [(4, 20)], T.Q5_1: [(4, 24)], T.Q4_K: [(16, 144)], T.Q5_K: [(16, 176)]}.get(T(ggml_type))
+    if zeroed is None:
+        return None
+    _, size = GGML_QUANT_SIZES[T(ggml_type)]
+    blocks = raw.reshape(-1, size).copy()
+    for lo, hi in zeroed:
+        blocks[:, lo:hi] = 0
+    return quants.dequantize(blocks.reshape(-1), ggml_type, (rows, cols), np.float64)
+
+
+def _error_bound(raw: np.ndarray, ggml_type: int, rows: int, cols: int, w: np.ndarray, xr: np.ndarray) -> np.ndarray:
+    """Bound on |kernel - exact| per output.
+
+    Integer block sums are exact, so the error is float32 rounding only: each block term is formed
+    with at most 5 roundings (scale products, int->float, products, the min term's subtraction),
+    each relative to the term's magnitude, and the terms are added one after another, each addition
+    rounding relative to a partial sum no larger than M = sum of the terms' magnitudes. So
+    |error| <= (n_terms + 5) * u * M to first order. For float weights the terms are the cols/8
+    products per lane (each rounded once) plus a 3-level tree. M is sum |w||x|, plus, for types with
+    an offset, twice the offset's magnitude (the scaled part |d*sc*q| <= |w| + |offset|).
+    """
+    block = GGML_QUANT_SIZES[T(ggml_type)][0]
+    n_terms = cols // block if block > 1 else cols // 8 + 3 + 1
+    magnitude = np.abs(xr) @ np.abs(w).T
+    offset = _min_part(raw, ggml_type, rows, cols)
+    if offset is not None:
+        magnitude += 2 * (np.abs(xr) @ np.abs(offset).T)
+    return (n_terms + 5) * U * magnitude
+
+
+@pytest.mark.parametrize("n_tokens", [1, 3, 17])
+@pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: T(t).name)
+def test_products_match_float64_reference(rng: np.random.Generator, ggml_type: int, n_tokens: int) -> None:
+    rows = 37  # not a multiple of the 8-row tiles nor of the threads
+    cols = _cols(ggml_type, 3 if GGML_QUANT_SIZES[T(ggml_type)][0] == 256 else 11)
+    raw = _weights(rng, ggml_type, rows, cols)
+    x = _activations(rng, n_tokens, cols)
+    y = cpu_kernels.matmul(raw, ggml_type, rows, cols, x, threads=2)
+    assert y.shape == (n_tokens, rows) and y.dtype == np.float32
+    w = quants.dequantize(raw, ggml_type, (rows, cols), np.float64)
+    xr = quants.round_activations(x, quants.activation_format(ggml_type), exact=True)
+    want = xr @ w.T
+    bound = _error_bound(raw, ggml_type, rows, cols, w, xr)
+    err = np.abs(y.astype(np.float64) - want)
+    assert np.all(err <= bound), f"worst error {np.max(err / bound):.3g} x the bound"
+    assert np.max(err) < 1e-4 * np.max(np.abs(want))  # and the bound itself is tight enough to matter
+
+
+def test_q8_0_weights_of_minus_128(rng: np.random.Generator) -> None:
+    """-128 (which GGUF files may hold) through the sign trick, against activations of +-127."""
+    rows, cols = 9, 64
+    raw = _weights(rng, T.Q8_0, rows, cols).reshape(-1, 34)
+    raw[:, 2:] = np.uint8(0x80)
+    x = np.where(rng.random((2, cols)) < 0.5, -1.0, 1.0).astype(np.float32)
+    want = quants.round_activations(x, "q8_0", exact=True) @ quants.dequantize(raw, T.Q8_0, (rows, cols), np.float64).T
+    for name in _implementations():
+        cpu_kernels.set_implementation(name)
+        np.testing.assert_allclose(cpu_kernels.matmul(raw, T.Q8_0, rows, cols, x, threads=1), want, rtol=1e-6)
+
+
+# ---------------------------------------------------------------- bit-identity
+
+def _implementations() -> list[str]:
+    return ["avx2", "portable"] if cpu_kernels.cpu_has_avx2() else ["portable"]
+
+
+def _bits(y: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(y).view(np.uint32)
+
+
+@pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: T(t).name)
+def test_results_do_not_depend_on_threads_or_batch(rng: np.random.Generator, ggml_type: int) -> None:
+    rows, cols = 45, _cols(ggml_type, 2 if GGML_QUANT_SIZES[T(ggml_type)][0] == 256 else 8)
+    raw = _weights(rng, ggml_type, rows, cols)
+    x = _activations(rng, 17, cols)
+    for name in _implementations():
+        cpu_kernels.set_implementation(name)
+        batch = cpu_kernels.matmul(raw, ggml_type, rows, cols, x, threads=1)
+        for threads in (2, 3, 8):
+            assert np.array_equal(_bits(cpu_kernels.matmul(raw, ggml_type, rows, cols, x, threads=threads)), _bits(batch))
+        for t in range(17):
+            alone = cpu_kernels.matmul(raw, ggml_type, rows, cols, x[t : t + 1], threads=2)
+            assert np.array_equal(_bits(alone[0]), _bits(batch[t])), f"token {t} alone"
+        middle = cpu_kernels.matmul(raw, ggml_type, rows, cols, x[4:7], threads=2)
+        assert np.array_equal(_bits(middle), _bits(batch[4:7]))
+
+
+@pytest.mark.skipif(not cpu_kernels.available() or not cpu_kernels.cpu_has_avx2(),
+                    reason="this CPU lacks AVX2 (or F16C): only the portable path can run")
+@pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: T(t).name)
+def test_avx2_and_portable_paths_agree_bit_for_bit(rng: np.random.Generator, ggml_type: int) -> None:
+    rows, cols = 29, _cols(ggml_type, 4 if GGML_QUANT_SIZES[T(ggml_type)][0] == 256 else 16)
+    raw = _weights(rng, ggml_type, rows, cols)
+    for n_tokens in (1, 3, 17):
+        x = _activations(rng, n_tokens, cols)
+        results = {}
+        for name in ("avx2", "portable"):
+            cpu_kernels.set_implementation(name)
+            results[name] = cpu_kernels.matmul(raw, ggml_type, rows, cols, x, threads=2)
+        assert np.array_equal(_bits(results["avx2"]), _bits(results["portable"])), f"{n_tokens} tokens"
+
+
+def test_environment_variable_forces_the_portable_path() -> None:
+    code = "from infer import cpu_kernels; print(cpu_kernels.implementation())"
+    env = dict(os.environ, NVMEDIRECT_CPU_KERNELS="portable")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "portable"
+
+
+# ---------------------------------------------------------------- errors
+
+def test_bad_inputs_are_refused(rng: np.random.Generator) -> None:
+    raw = _weights(rng, T.Q4_K, 4, 256)
+    x = _activations(rng, 2, 256)
+    with pytest.raises(ValueError, match="do not support Q2_K"):
+        cpu_kernels.matmul(raw, T.Q2_K, 4, 256, x)
+    with pytest.raises(ValueError, match="not a positive multiple of the Q4_K block size 256"):
+        cpu_kernels.matmul(raw, T.Q4_K, 8, 128, x[:, :128])
+    with pytest.raises(ValueError, match="bytes given"):
+        cpu_kernels.matmul(raw[:-1], T.Q4_K, 4, 256, x)
+    with pytest.raises(ValueError, match="columns"):
+        cpu_kernels.matmul(raw, T.Q4_K, 4, 256, x[:, :255])
+    with pytest.raises(ValueError, match="2-D"):
+        cpu_kernels.matmul(raw, T.Q4_K, 4, 256, x[0])
+    with pytest.raises(ValueError, match="float32"):
+        cpu_kernels.matmul(raw, T.Q4_K, 4, 256, x.astype(np.float64))
+    bad = x.copy()
+    bad[1, 7] = np.nan
+    with pytest.raises(ValueError, match="NaN"):
+        cpu_kernels.matmul(raw, T.Q4_K, 4, 256, bad)
+    with pytest.raises(ValueError, match="threads"):
+        cpu_kernels.matmul(raw, T.Q4_K, 4, 256, x, threads=0)
+    with pytest.raises(ValueError, match="quantized activations"):
+        cpu_kernels.matmul_quantized(raw, T.Q4_K, 4, 256, cpu_kernels.quantize_activations(x, T.Q8_0))
+    with pytest.raises(ValueError, match="implementation"):
+        cpu_kernels.set_implementation("avx512")
