@@ -1,4 +1,4 @@
-"""cffi build script (API mode) for the quantized CPU product kernels (native/cpu_qdot.c).
+"""cffi build script (API mode) for the quantized CPU product kernels (native/cpu_qdot*.c).
 
 Built by `pip install -e .` through setup.py's cffi_modules, or standalone for development:
 `python native/build_cpu_kernels.py` compiles under build/cpu_kernels/ and copies the extension
@@ -27,8 +27,13 @@ int qdot_set_implementation(int avx2);
 int qdot_cpu_has_avx2(void);
 """
 
-# The kernels' source is inlined (as build_vfio.py does) so the setuptools build needs no paths.
-SOURCE = (HERE / "cpu_qdot.c").read_text()
+# The kernels' files, compiled as one translation unit (their helpers are static inline, and the
+# kernels inline into their dispatchers) in this order; cpu_qdot_common.h holds what they share.
+SOURCES = ["cpu_qdot_quant.c", "cpu_qdot_portable.c", "cpu_qdot_avx2_legacy.c", "cpu_qdot_avx2_k.c", "cpu_qdot.c"]
+HEADERS = ["cpu_qdot.h", "cpu_qdot_common.h"]
+# Their text is inlined (as build_vfio.py does) so the setuptools build needs no source paths; #line
+# keeps the compiler's messages pointing at the real files.
+SOURCE = "".join(f'#line 1 "native/{name}"\n' + (HERE / name).read_text() for name in SOURCES)
 
 ffibuilder = FFI()
 ffibuilder.cdef(CDEF)
@@ -36,7 +41,7 @@ ffibuilder.cdef(CDEF)
 # twice, never fused. -fopenmp: the thread pool over output rows.
 ffibuilder.set_source("infer._cpu_kernels", SOURCE, include_dirs=[str(HERE)],
                       extra_compile_args=["-O3", "-ffp-contract=off", "-fopenmp"], extra_link_args=["-fopenmp"],
-                      depends=[str(HERE / "cpu_qdot.c"), str(HERE / "cpu_qdot.h")])
+                      depends=[str(HERE / name) for name in SOURCES + HEADERS])
 
 if __name__ == "__main__":
     built = Path(ffibuilder.compile(tmpdir=str(ROOT / "build" / "cpu_kernels"), verbose=True))

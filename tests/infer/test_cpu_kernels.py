@@ -179,10 +179,59 @@ def test_q8_0_weights_of_minus_128(rng: np.random.Generator) -> None:
     raw = _weights(rng, T.Q8_0, rows, cols).reshape(-1, 34)
     raw[:, 2:] = np.uint8(0x80)
     x = np.where(rng.random((2, cols)) < 0.5, -1.0, 1.0).astype(np.float32)
-    want = quants.round_activations(x, "q8_0", exact=True) @ quants.dequantize(raw, T.Q8_0, (rows, cols), np.float64).T
+    xr = quants.round_activations(x, "q8_0", exact=True)
+    w = quants.dequantize(raw, T.Q8_0, (rows, cols), np.float64)
+    want = xr @ w.T
+    # the rounding bound, not a relative tolerance: +-1 activations against -128 weights cancel, so an
+    # output may be near 0 while its terms are not (rtol=1e-6 failed ~10% of seeds)
+    bound = _error_bound(raw.reshape(-1), T.Q8_0, rows, cols, w, xr)
     for name in _implementations():
         cpu_kernels.set_implementation(name)
-        np.testing.assert_allclose(cpu_kernels.matmul(raw, T.Q8_0, rows, cols, x, threads=1), want, rtol=1e-6)
+        got = cpu_kernels.matmul(raw, T.Q8_0, rows, cols, x, threads=1).astype(np.float64)
+        assert np.all(np.abs(got - want) <= bound), name
+
+
+# Byte ranges of the quantized values (first) and, for the K-quants, of the sub-block scales (second).
+_VALUE_BYTES = {T.Q8_0: [(2, 34)], T.Q4_0: [(2, 18)], T.Q4_1: [(4, 20)], T.Q5_0: [(2, 22)], T.Q5_1: [(4, 24)],
+                T.Q4_K: [(16, 144), (4, 16)], T.Q5_K: [(16, 176), (4, 16)], T.Q6_K: [(0, 192), (192, 208)]}
+
+
+@pytest.mark.parametrize("ggml_type", list(_VALUE_BYTES), ids=lambda t: T(t).name)
+def test_extreme_values_are_exact(rng: np.random.Generator, ggml_type: int) -> None:
+    """Weights at their extremes (every nibble 15 or 0, Q8_0 at 127 or -128, K-quant scales at their
+    largest) against activations of +-127 in runs and alternations: the AVX2 products (maddubs
+    saturates its int16 pair sums) must stay exact, so both paths agree and meet the float bound."""
+    block, size = GGML_QUANT_SIZES[T(ggml_type)]
+    rows, cols = 11, 2 * block if block == 256 else 8 * block
+    raw = _weights(rng, ggml_type, rows, cols).reshape(rows, -1, size)
+    values, *scales = _VALUE_BYTES[T(ggml_type)]
+    fills = [0x7F, 0x80] if ggml_type == T.Q8_0 else [0xFF, 0x00]
+    scale_fills = [0x7F, 0x80] if ggml_type == T.Q6_K else [0xFF]
+    for i in range(rows):  # each row its own extreme (Q6_K: unsigned 63 or 0, i.e. +31 or -32)
+        raw[i, :, values[0] : values[1]] = fills[i % 2]
+        for lo, hi in scales:
+            raw[i, :, lo:hi] = scale_fills[(i // 2) % len(scale_fills)]
+    raw = raw.reshape(-1)
+    signs = [np.ones(cols), -np.ones(cols), np.resize([1.0, -1.0], cols), np.resize([1.0, 1.0, -1.0, -1.0], cols),
+             np.where(rng.random(cols) < 0.5, -1.0, 1.0)]
+    x = np.array(signs, dtype=np.float32)
+    fmt = quants.activation_format(ggml_type)
+    xr = quants.round_activations(x, fmt, exact=True)
+    assert np.array_equal(np.abs(xr / np.abs(xr).max(axis=1, keepdims=True)) * 127, np.full(xr.shape, 127.0))
+    w = quants.dequantize(raw, ggml_type, (rows, cols), np.float64)
+    want = xr @ w.T
+    bound = _error_bound(raw, ggml_type, rows, cols, w, xr)
+    results = {}
+    for name in _implementations():
+        cpu_kernels.set_implementation(name)
+        for n in (1, len(x)):  # the one-token and the many-token kernels
+            y = np.concatenate([cpu_kernels.matmul(raw, ggml_type, rows, cols, x[i : i + n], threads=1)
+                                for i in range(0, len(x), n)])
+            err = np.abs(y.astype(np.float64) - want)
+            assert np.all(err <= bound), f"{name}, {n} token(s): worst error {np.max(err / bound):.3g} x the bound"
+            results[name, n] = y
+    for y in results.values():
+        assert np.array_equal(_bits(y), _bits(results["portable", 1]))
 
 
 # ---------------------------------------------------------------- bit-identity

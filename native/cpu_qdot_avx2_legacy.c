@@ -1,0 +1,160 @@
+/* AVX2 kernels of the legacy quants (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) against q8_0 activations, and
+ * of the float weights (F32, F16, BF16).
+ *
+ * A legacy block's 32 products are summed horizontally (maddubs/madd, exact); a tile of 8 (row,
+ * token) pairs reduces its vectors to one int32 per lane and forms the block terms with one output
+ * per float lane (cpu_qdot_common.h).
+ */
+#include "cpu_qdot_common.h"
+
+#ifdef QDOT_X86
+
+#define LPF 384  /* one token: prefetch distance in bytes */
+
+/* Legacy weights of one block as bytes: unsigned 0..31 (Q4_*, Q5_*) or signed (Q8_0). */
+AVX2_INLINE __m256i legacy_bytes(int type, const uint8_t *b)
+{
+    if (type == T_Q8_0)
+        return _mm256_loadu_si256((const __m256i *)(b + 2));
+    int qs_at = type == T_Q4_0 ? 2 : type == T_Q4_1 ? 4 : type == T_Q5_0 ? 6 : 8;
+    __m128i packed = _mm_loadu_si128((const __m128i *)(b + qs_at));
+    __m256i q = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(packed, 4), packed), _mm256_set1_epi8(0x0f));
+    if (type == T_Q5_0 || type == T_Q5_1) {
+        /* bit j of qh is the fifth bit of element j: spread byte j/8 over 8 lanes, test bit j%8 */
+        __m256i qh = _mm256_set1_epi32((int)load_u32(b + (type == T_Q5_0 ? 2 : 4)));
+        const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                                2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+        const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+        __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(_mm256_shuffle_epi8(qh, spread), bit), bit);
+        q = _mm256_or_si256(q, _mm256_and_si256(set, _mm256_set1_epi8(0x10)));
+    }
+    return q;
+}
+
+/* R rows x T tokens of a legacy product (R * T == 8). */
+AVX2_INLINE void legacy_tile_avx2(const struct job *J, const int *rr, const int *tt, int nr, int nt,
+                                  const int R, const int T, const int type)
+{
+    const int has_min = type == T_Q4_1 || type == T_Q5_1;
+    const int offset_shift = type == T_Q4_0 ? 3 : type == T_Q5_0 ? 4 : 0;  /* offsets 8 and 16 */
+    const uint8_t *wrow[8], *xrow[8];
+    for (int r = 0; r < R; r++)
+        wrow[r] = J->w + (size_t)rr[r] * J->wrow;
+    for (int t = 0; t < T; t++)
+        xrow[t] = J->x + (size_t)tt[t] * J->xrow;
+    __m256 acc = _mm256_setzero_ps();
+    for (int b = 0; b < J->nb; b++) {
+        __m256i xv[8], dots[8];
+        uint32_t dm[8];  /* lane p: d (low half) and m (high half, Q4_1/Q5_1) of its row */
+        for (int t = 0; t < T; t++)
+            xv[t] = _mm256_loadu_si256((const __m256i *)(xrow[t] + (size_t)b * Q8_0_BYTES + 2));
+        for (int r = 0; r < R; r++) {
+            const uint8_t *blk = wrow[r] + (size_t)b * J->wblock;
+            if (T == 1)  /* one token: prefetch the row's stream (8 of them) ahead */
+                _mm_prefetch((const char *)blk + LPF, _MM_HINT_T0);
+            __m256i wq = legacy_bytes(type, blk);
+            uint32_t d = has_min ? load_u32(blk) : load_u16(blk);
+            for (int t = 0; t < T; t++) {
+                dots[r * T + t] = type == T_Q8_0 ? dot_i8_i8(wq, xv[t]) : dot_u8_i8(wq, xv[t]);
+                dm[r * T + t] = d;
+            }
+        }
+        __m256 dx;
+        __m256i xsum;
+        if (T == 1) {
+            size_t xi = (size_t)tt[0] * J->nb + b;
+            dx = _mm256_set1_ps(J->dx[xi]);
+            xsum = _mm256_set1_epi32(J->xsum[xi]);
+        } else {
+            float dxl[8];
+            int32_t xsl[8];
+            for (int r = 0; r < R; r++)
+                for (int t = 0; t < T; t++) {
+                    size_t xi = (size_t)tt[t] * J->nb + b;
+                    dxl[r * T + t] = J->dx[xi];
+                    xsl[r * T + t] = J->xsum[xi];
+                }
+            dx = _mm256_loadu_ps(dxl);
+            xsum = _mm256_loadu_si256((const __m256i *)xsl);
+        }
+        __m256i isum = sum8_epi32(dots);
+        if (offset_shift)
+            isum = _mm256_sub_epi32(isum, _mm256_slli_epi32(xsum, offset_shift));
+        __m256 dw, mw;
+        halves_to_f32(dm, &dw, &mw);
+        __m256 term = _mm256_mul_ps(_mm256_mul_ps(dw, dx), _mm256_cvtepi32_ps(isum));
+        if (has_min)
+            term = _mm256_add_ps(term, _mm256_mul_ps(_mm256_mul_ps(mw, dx), _mm256_cvtepi32_ps(xsum)));
+        acc = _mm256_add_ps(acc, term);
+    }
+    store_tile(J, acc, rr, tt, nr, nt, T);
+}
+
+AVX2_INLINE __m256 weights8(int type, const uint8_t *row, int i)
+{
+    if (type == T_F32)
+        return _mm256_loadu_ps((const float *)(row + 4 * (size_t)i));
+    __m128i h = _mm_loadu_si128((const __m128i *)(row + 2 * (size_t)i));
+    if (type == T_F16)
+        return _mm256_cvtph_ps(h);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+AVX2_INLINE void float_tile_avx2(const struct job *J, const int *rr, const int *tt, int nr, int nt,
+                                 const int R, const int T, const int type)
+{
+    __m256 acc[8];
+    for (int p = 0; p < R * T; p++)
+        acc[p] = _mm256_setzero_ps();
+    int n8 = J->cols & ~7, rem = J->cols - n8;
+    for (int i = 0; i < n8; i += 8)
+        for (int r = 0; r < R; r++) {
+            __m256 w = weights8(type, J->w + (size_t)rr[r] * J->wrow, i);
+            for (int t = 0; t < T; t++)
+                acc[r * T + t] = _mm256_add_ps(acc[r * T + t], _mm256_mul_ps(w, _mm256_loadu_ps(J->xf + (size_t)tt[t] * J->cols + i)));
+        }
+    for (int r = 0; r < nr; r++) {
+        float wtail[8];
+        for (int j = 0; j < rem; j++)
+            wtail[j] = weight_to_f32(type, J->w + (size_t)rr[r] * J->wrow, n8 + j);
+        for (int t = 0; t < nt; t++) {
+            float lanes[8];
+            _mm256_storeu_ps(lanes, acc[r * T + t]);
+            J->y[(size_t)tt[t] * J->rows + rr[r]] = finish_lanes(lanes, wtail, J->xf + (size_t)tt[t] * J->cols + n8, rem);
+        }
+    }
+}
+
+/* One token: 8 rows per tile (4 for floats); several: 2 rows x 4 tokens, so each weight block
+ * loaded serves four tokens. */
+#define TILE_CASE(tile, type_const, R1, T1)                                                     \
+    case type_const:                                                                            \
+        if (J->n_tokens == 1)                                                                   \
+            FOR_TILES(J, r0, r1, R1, T1, tile(J, rr, tt, nr, nt, R1, T1, type_const));          \
+        else                                                                                    \
+            FOR_TILES(J, r0, r1, 2, 4, tile(J, rr, tt, nr, nt, 2, 4, type_const));              \
+        break;
+
+AVX2 void qdot_legacy_rows_avx2(const struct job *J, int r0, int r1)
+{
+    switch (J->type) {
+    TILE_CASE(legacy_tile_avx2, T_Q4_0, 8, 1)
+    TILE_CASE(legacy_tile_avx2, T_Q4_1, 8, 1)
+    TILE_CASE(legacy_tile_avx2, T_Q5_0, 8, 1)
+    TILE_CASE(legacy_tile_avx2, T_Q5_1, 8, 1)
+    TILE_CASE(legacy_tile_avx2, T_Q8_0, 8, 1)
+    default: break;
+    }
+}
+
+AVX2 void qdot_float_rows_avx2(const struct job *J, int r0, int r1)
+{
+    switch (J->type) {
+    TILE_CASE(float_tile_avx2, T_F32, 4, 1)
+    TILE_CASE(float_tile_avx2, T_F16, 4, 1)
+    TILE_CASE(float_tile_avx2, T_BF16, 4, 1)
+    default: break;
+    }
+}
+
+#endif /* QDOT_X86 */

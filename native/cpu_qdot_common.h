@@ -1,0 +1,221 @@
+/* Internals shared by the cpu_qdot*.c files (see cpu_qdot.h for the contract).
+ *
+ * native/build_cpu_kernels.py compiles the files as one translation unit, in the order
+ * cpu_qdot_quant.c, cpu_qdot_portable.c, cpu_qdot_avx2_legacy.c, cpu_qdot_avx2_k.c, cpu_qdot.c, so
+ * the helpers below are static inline and the kernels can be inlined into their dispatchers.
+ *
+ * Summation order (the same in both implementations, which is what makes them bit-identical):
+ *   - within a weight block, products of integers are summed in int32 (exact, so any order);
+ *   - the block's term is formed by a fixed float formula from its scales and integer sums
+ *     (legacy_term, kquant_term below);
+ *   - terms are added to the output's float accumulator one block after another, in order.
+ * The AVX2 code reduces each block's integer products horizontally (maddubs/madd, then exact int32
+ * sums), and forms the float terms with one output per vector lane (8 (row, token) pairs), never
+ * across the blocks of one output, so every lane performs exactly the portable scalar sequence.
+ * Float weights (F32/F16/BF16) use 8 running lanes (element i goes to lane i % 8, in order), then a
+ * fixed pairwise tree over the lanes.
+ */
+#ifndef NVMEDIRECT_CPU_QDOT_COMMON_H
+#define NVMEDIRECT_CPU_QDOT_COMMON_H
+
+#include "cpu_qdot.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define QDOT_X86 1
+#endif
+
+enum {
+    T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8,
+    T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14, T_BF16 = 30,
+};
+enum { FAM_FLOAT, FAM_LEGACY, FAM_K };
+
+#define QK 32            /* legacy block */
+#define QKK 256          /* K-quant super-block */
+#define Q8_0_BYTES 34    /* f16 d + 32 int8 */
+#define Q8_K_BYTES 292   /* f32 d + 256 int8 + 16 int16 */
+#define Q8_K_BSUMS 260   /* offset of the int16 sums in a q8_K block */
+#define TOKEN_TILE 64    /* portable path: outputs accumulated at once per weight row */
+
+/* ---------------------------------------------------------------- scalars and conversions */
+
+static inline uint16_t load_u16(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); return v; }
+static inline uint32_t load_u32(const uint8_t *p) { uint32_t v; memcpy(&v, p, 4); return v; }
+static inline float load_f32(const uint8_t *p) { float v; memcpy(&v, p, 4); return v; }
+static inline int16_t load_i16(const uint8_t *p) { int16_t v; memcpy(&v, p, 2); return v; }
+static inline float bits_to_f32(uint32_t b) { float f; memcpy(&f, &b, 4); return f; }
+static inline uint32_t f32_to_bits(float f) { uint32_t b; memcpy(&b, &f, 4); return b; }
+
+/* Exact half -> float (every half is a float). */
+static inline float fp16_to_f32(uint16_t h)
+{
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ffu;
+    if (exp == 0) {  /* zero or subnormal: man * 2^-24 is exact in float */
+        float v = (float)man * 5.9604644775390625e-08f;
+        return sign ? -v : v;
+    }
+    if (exp == 0x1f)
+        return bits_to_f32(sign | 0x7f800000u | (man << 13));
+    return bits_to_f32(sign | ((exp + 112) << 23) | (man << 13));
+}
+
+/* float -> half, round to nearest, ties to even (as NumPy's astype(float16)). */
+static inline uint16_t f32_to_fp16(float f)
+{
+    uint32_t x = f32_to_bits(f), sign = (x >> 16) & 0x8000u, ax = x & 0x7fffffffu;
+    if (ax >= 0x7f800000u)  /* inf, NaN (kept quiet) */
+        return (uint16_t)(sign | 0x7c00u | (ax > 0x7f800000u ? 0x200u : 0));
+    if (ax >= 0x477ff000u)  /* >= 65520 rounds past the largest half */
+        return (uint16_t)(sign | 0x7c00u);
+    if (ax < 0x38800000u) {  /* below 2^-14: a multiple of 2^-24; scaling by 2^24 is exact */
+        uint32_t m = (uint32_t)rintf(bits_to_f32(ax) * 16777216.0f);
+        return (uint16_t)(sign | m);
+    }
+    uint32_t r = ax - (112u << 23);  /* rebias the exponent, then round 13 mantissa bits away */
+    r += 0x0fffu + ((r >> 13) & 1);
+    return (uint16_t)(sign | (r >> 13));
+}
+
+static inline float bf16_to_f32(uint16_t h) { return bits_to_f32((uint32_t)h << 16); }
+
+/* float -> bf16, round to nearest even on the raw bits (the repo's NumPy rule, NaN included). */
+static inline uint16_t f32_to_bf16(float f)
+{
+    uint32_t b = f32_to_bits(f);
+    return (uint16_t)((b + 0x7fffu + ((b >> 16) & 1)) >> 16);
+}
+
+/* ---------------------------------------------------------------- one product's shared state */
+
+struct job {
+    int type, family, rows, cols, nb, n_tokens;
+    const uint8_t *w;   /* packed weights */
+    size_t wrow;        /* bytes per weight row */
+    int wblock;         /* bytes per weight block */
+    const uint8_t *x;   /* quantized activations */
+    size_t xrow;        /* bytes per activation row */
+    const float *dx;    /* [t * nb + b]: activation block scales as floats (legacy, K) */
+    const int32_t *xsum;/* [t * nb + b]: sum of a q8_0 block's int8 values (legacy) */
+    const float *xf;    /* [t * cols + i]: activations as floats (float types) */
+    float *y;
+};
+
+/* The fixed per-block float formulas; the AVX2 code performs the same operations lane by lane. */
+static inline float legacy_term(float d, float m, float dx, int32_t isum, int32_t xsum, int has_min)
+{
+    float term = (d * dx) * (float)isum;
+    if (has_min)
+        term = term + (m * dx) * (float)xsum;
+    return term;
+}
+
+static inline float kquant_term(float d, float dmin, float dx, int32_t isc, int32_t imin, int has_min)
+{
+    float term = (d * dx) * (float)isc;
+    if (has_min)
+        term = term - (dmin * dx) * (float)imin;
+    return term;
+}
+
+/* Lanes of a float dot product -> its value: the tail elements go to lanes 0..rem-1, then a fixed tree. */
+static inline float finish_lanes(float lanes[8], const float *w, const float *x, int rem)
+{
+    for (int j = 0; j < rem; j++)
+        lanes[j] = lanes[j] + w[j] * x[j];
+    return ((lanes[0] + lanes[4]) + (lanes[2] + lanes[6])) + ((lanes[1] + lanes[5]) + (lanes[3] + lanes[7]));
+}
+
+static inline float weight_to_f32(int type, const uint8_t *row, int i)
+{
+    if (type == T_F32)
+        return load_f32(row + 4 * (size_t)i);
+    uint16_t h = load_u16(row + 2 * (size_t)i);
+    return type == T_F16 ? fp16_to_f32(h) : bf16_to_f32(h);
+}
+
+/* ---------------------------------------------------------------- AVX2 helpers */
+#ifdef QDOT_X86
+#define AVX2 __attribute__((target("avx2,f16c")))
+#define AVX2_INLINE static inline __attribute__((always_inline, target("avx2,f16c")))
+
+/* Eight int32x8 vectors -> one vector whose lane p is the sum of v[p]'s lanes (exact). */
+AVX2_INLINE __m256i sum8_epi32(const __m256i v[8])
+{
+    __m256i ab = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
+    __m256i cd = _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]), _mm256_hadd_epi32(v[6], v[7]));
+    return _mm256_add_epi32(_mm256_permute2x128_si256(ab, cd, 0x20), _mm256_permute2x128_si256(ab, cd, 0x31));
+}
+
+/* unsigned x signed bytes -> int32x8 of sums of four products. maddubs saturates its int16 pair
+ * sums: callers keep |u| <= 63 (K-quants, Q4/Q5 nibbles), or |u| <= 128 with |s| <= 127 (the sign
+ * trick), so a pair is at most 2 * 128 * 127 = 32512 and every sum is exact. */
+AVX2_INLINE __m256i dot_u8_i8(__m256i u, __m256i s)
+{
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+}
+
+/* signed x signed bytes (w in -128..127, x in -127..127): |w| (128 read as unsigned) times x with
+ * w's sign, as llama.cpp's mul_sum_i8_pairs. */
+AVX2_INLINE __m256i dot_i8_i8(__m256i w, __m256i x)
+{
+    return dot_u8_i8(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
+}
+
+/* Eight 32-bit words -> the float values of their low halves (*lo) and high halves (*hi), each a
+ * float16 (exact conversions). */
+AVX2_INLINE void halves_to_f32(const uint32_t v[8], __m256 *lo, __m256 *hi)
+{
+    /* element by element: one wide load of just-stored words would stall (no store forwarding) */
+    __m256i w = _mm256_setr_epi32((int)v[0], (int)v[1], (int)v[2], (int)v[3], (int)v[4], (int)v[5], (int)v[6], (int)v[7]);
+    __m256i p = _mm256_packus_epi32(_mm256_and_si256(w, _mm256_set1_epi32(0xffff)), _mm256_srli_epi32(w, 16));
+    p = _mm256_permute4x64_epi64(p, 0xd8);  /* [lo 0..3, lo 4..7 | hi 0..3, hi 4..7] */
+    *lo = _mm256_cvtph_ps(_mm256_castsi256_si128(p));
+    *hi = _mm256_cvtph_ps(_mm256_extracti128_si256(p, 1));
+}
+
+/* y[tt[t]][rr[r]] = lane r * T + t of acc, for the nr x nt valid outputs of a tile. */
+AVX2_INLINE void store_tile(const struct job *J, __m256 acc, const int *rr, const int *tt, int nr, int nt, const int T)
+{
+    float out[8];
+    _mm256_storeu_ps(out, acc);
+    for (int r = 0; r < nr; r++)
+        for (int t = 0; t < nt; t++)
+            J->y[(size_t)tt[t] * J->rows + rr[r]] = out[r * T + t];
+}
+
+/* Walk [r0, r1) x all tokens in R x T tiles (R * T == 8 lanes, lane p = r * T + t); rr/tt repeat the
+ * last valid index to fill a tile, and only the first nr x nt outputs are stored. */
+#define FOR_TILES(J, r0, r1, R, T, CALL)                                            \
+    do {                                                                            \
+        int rr[8], tt[8];                                                           \
+        for (int rs = (r0); rs < (r1); rs += (R)) {                                 \
+            int nr = (r1) - rs < (R) ? (r1) - rs : (R);                             \
+            for (int r = 0; r < (R); r++)                                           \
+                rr[r] = rs + (r < nr ? r : nr - 1);                                 \
+            for (int ts = 0; ts < (J)->n_tokens; ts += (T)) {                       \
+                int nt = (J)->n_tokens - ts < (T) ? (J)->n_tokens - ts : (T);       \
+                for (int t = 0; t < (T); t++)                                       \
+                    tt[t] = ts + (t < nt ? t : nt - 1);                             \
+                CALL;                                                               \
+            }                                                                       \
+        }                                                                           \
+    } while (0)
+#endif /* QDOT_X86 */
+
+/* ---------------------------------------------------------------- between the files */
+
+int qdot_type_info(int type, int *block, int *bytes, int *family);
+void qdot_legacy_rows_portable(const struct job *J, int r0, int r1);
+void qdot_k_rows_portable(const struct job *J, int r0, int r1);
+int qdot_float_rows_portable(const struct job *J, int r0, int r1);
+#ifdef QDOT_X86
+void qdot_legacy_rows_avx2(const struct job *J, int r0, int r1);
+void qdot_k_rows_avx2(const struct job *J, int r0, int r1);
+void qdot_float_rows_avx2(const struct job *J, int r0, int r1);
+#endif
+
+#endif

@@ -1,0 +1,122 @@
+/* Weight and activation formats: the type table, row sizes, and the activations' rounding to
+ * q8_0 / q8_K / f16 / bf16 / f32 rows (cpu_qdot.h). */
+#include "cpu_qdot_common.h"
+
+/* ---------------------------------------------------------------- type table */
+
+int qdot_type_info(int type, int *block, int *bytes, int *family)
+{
+    int b, s, f;
+    switch (type) {
+    case T_F32: b = 1; s = 4; f = FAM_FLOAT; break;
+    case T_F16: b = 1; s = 2; f = FAM_FLOAT; break;
+    case T_BF16: b = 1; s = 2; f = FAM_FLOAT; break;
+    case T_Q4_0: b = QK; s = 18; f = FAM_LEGACY; break;
+    case T_Q4_1: b = QK; s = 20; f = FAM_LEGACY; break;
+    case T_Q5_0: b = QK; s = 22; f = FAM_LEGACY; break;
+    case T_Q5_1: b = QK; s = 24; f = FAM_LEGACY; break;
+    case T_Q8_0: b = QK; s = 34; f = FAM_LEGACY; break;
+    case T_Q4_K: b = QKK; s = 144; f = FAM_K; break;
+    case T_Q5_K: b = QKK; s = 176; f = FAM_K; break;
+    case T_Q6_K: b = QKK; s = 210; f = FAM_K; break;
+    default: return QDOT_EUNSUPPORTED;
+    }
+    *block = b; *bytes = s; *family = f;
+    return 0;
+}
+
+long long qdot_weight_row_bytes(int type, int cols)
+{
+    int block, bytes, family;
+    if (qdot_type_info(type, &block, &bytes, &family))
+        return QDOT_EUNSUPPORTED;
+    if (cols <= 0 || cols % block)
+        return QDOT_ECOLS;
+    return (long long)(cols / block) * bytes;
+}
+
+long long qdot_activation_row_bytes(int type, int cols)
+{
+    int block, bytes, family;
+    if (qdot_type_info(type, &block, &bytes, &family))
+        return QDOT_EUNSUPPORTED;
+    if (cols <= 0 || cols % block)
+        return QDOT_ECOLS;
+    switch (type) {
+    case T_F32: return 4LL * cols;
+    case T_F16: case T_BF16: return 2LL * cols;
+    default: return family == FAM_K ? (long long)(cols / QKK) * Q8_K_BYTES : (long long)(cols / QK) * Q8_0_BYTES;
+    }
+}
+
+/* ---------------------------------------------------------------- activation quantization */
+
+void quantize_row_q8_0(const float *x, void *out, int k)
+{
+    uint8_t *o = out;
+    for (int b = 0; b < k / QK; b++, x += QK, o += Q8_0_BYTES) {
+        float amax = 0.0f;
+        for (int i = 0; i < QK; i++) {
+            float a = fabsf(x[i]);
+            amax = a > amax ? a : amax;
+        }
+        float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+        uint16_t d = f32_to_fp16(amax / 127.0f);  /* the stored scale is the rounded amax / 127 */
+        memcpy(o, &d, 2);
+        for (int i = 0; i < QK; i++)
+            o[2 + i] = (uint8_t)(int8_t)(int)rintf(x[i] * inv);
+    }
+}
+
+void quantize_row_q8_K(const float *x, void *out, int k)
+{
+    uint8_t *o = out;
+    for (int b = 0; b < k / QKK; b++, x += QKK, o += Q8_K_BYTES) {
+        /* the scale comes from the signed value of largest magnitude (its first occurrence) */
+        float amax = 0.0f, extreme = 0.0f;
+        for (int i = 0; i < QKK; i++) {
+            float a = fabsf(x[i]);
+            if (a > amax) { amax = a; extreme = x[i]; }
+        }
+        float inv = extreme != 0.0f ? -127.0f / extreme : 0.0f;
+        float d = extreme != 0.0f ? 1.0f / inv : 0.0f;
+        memcpy(o, &d, 4);
+        int8_t *q = (int8_t *)(o + 4);
+        for (int i = 0; i < QKK; i++)
+            q[i] = (int8_t)(int)fminf(rintf(x[i] * inv), 127.0f);
+        for (int j = 0; j < QKK / 16; j++) {
+            int16_t s = 0;
+            for (int i = 0; i < 16; i++)
+                s = (int16_t)(s + q[16 * j + i]);
+            memcpy(o + Q8_K_BSUMS + 2 * j, &s, 2);
+        }
+    }
+}
+
+int qdot_quantize_activations(int type, const float *x, int n_tokens, int cols, void *out)
+{
+    long long row = qdot_activation_row_bytes(type, cols);
+    if (row < 0)
+        return (int)row;
+    if (n_tokens < 0)
+        return QDOT_ERANGE;
+    int block = 0, bytes = 0, family = FAM_FLOAT;
+    qdot_type_info(type, &block, &bytes, &family);
+    for (int t = 0; t < n_tokens; t++) {
+        const float *xt = x + (size_t)t * cols;
+        uint8_t *o = (uint8_t *)out + (size_t)t * row;
+        if (type == T_F32) {
+            memcpy(o, xt, (size_t)cols * 4);
+        } else if (type == T_F16 || type == T_BF16) {
+            for (int i = 0; i < cols; i++) {
+                uint16_t h = type == T_F16 ? f32_to_fp16(xt[i]) : f32_to_bf16(xt[i]);
+                memcpy(o + 2 * i, &h, 2);
+            }
+        } else if (family == FAM_K) {
+            quantize_row_q8_K(xt, o, cols);
+        } else {
+            quantize_row_q8_0(xt, o, cols);
+        }
+    }
+    return 0;
+}
