@@ -475,8 +475,15 @@ class Transformer:
 
 
 def load_transformer(model: GGUFModel, budget_bytes: int = 8 << 30, match_llama_cpp: bool = True,
-                     exact: bool = False) -> Transformer:
-    """The CPU forward pass for a checked file (every tensor present, with its shape and type)."""
+                     exact: bool = False, packed: bool | None = None) -> Transformer:
+    """The CPU forward pass for a checked file (every tensor present, with its shape and type).
+    packed: matrices left in the mapped file and multiplied by the native kernels
+    (infer.packed_weights; default NVMEDIRECT_CPU_PRODUCTS=native); never with exact."""
+    from infer.packed_weights import PackedWeights, native_products_requested
+
     args = check_model(model)
-    weights = DequantizedWeights(model, args, budget_bytes, match_llama_cpp, exact)
+    if (native_products_requested() if packed is None else packed) and not exact:
+        weights: DequantizedWeights = PackedWeights(model, args, budget_bytes, match_llama_cpp, exact)
+    else:
+        weights = DequantizedWeights(model, args, budget_bytes, match_llama_cpp, exact)
     return Transformer(args, weights, rope_freq_factors(model, args), exact)

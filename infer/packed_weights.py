@@ -1,0 +1,67 @@
+"""The CPU weights left packed in the mapped GGUF file and multiplied by the native kernels
+(infer.cpu_kernels): nothing is dequantized at load, the process holds the file's pages instead of a
+float32 copy, and each product rounds its input once to the 8-bit blocks llama.cpp uses.
+
+Opt-in while the oracle tests are checked against it (issue 28): NVMEDIRECT_CPU_PRODUCTS=native, or
+`load_transformer(..., packed=True)`. Exact numerics (float64) never take it.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from infer import cpu_kernels, quants
+from infer.model import DequantizedWeights, Linear
+
+
+def native_products_requested() -> bool:
+    """NVMEDIRECT_CPU_PRODUCTS=native asks for the packed weights and native products."""
+    return os.environ.get("NVMEDIRECT_CPU_PRODUCTS", "") == "native"
+
+
+class PackedLinear:
+    """y = x @ W.T for W made of GGUF tensors stacked row-wise (Q, K, V or gate, up), each left in its
+    packed bytes; x is rounded once per activation format and shared by the parts that take it."""
+
+    def __init__(self, parts: list[tuple[np.ndarray, int, int, int]], threads: int | None = None) -> None:
+        self.parts = parts  # (raw uint8 bytes, GGML type, rows, cols)
+        self.threads = threads
+
+    @property
+    def nbytes(self) -> int:
+        return 0  # pages of the mapped file, not memory this process allocated
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        lead = x.shape[:-1]
+        rows = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, x.shape[-1])
+        rounded: dict[str, np.ndarray] = {}
+        outs = []
+        for raw, ggml_type, n_rows, cols in self.parts:
+            fmt = quants.activation_format(ggml_type)
+            if fmt not in rounded:
+                rounded[fmt] = cpu_kernels.quantize_activations(rows, ggml_type)
+            outs.append(cpu_kernels.matmul_quantized(raw, ggml_type, n_rows, cols, rounded[fmt], self.threads))
+        y = outs[0] if len(outs) == 1 else np.concatenate(outs, axis=-1)
+        return y.reshape(*lead, y.shape[-1])
+
+
+class PackedWeights(DequantizedWeights):
+    """DequantizedWeights whose matrices stay packed (PackedLinear) when the native kernels take their
+    types; vectors and the embedding rows are dequantized as before."""
+
+    def __init__(self, *args: object, threads: int | None = None, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        if not cpu_kernels.available():
+            raise RuntimeError("NVMEDIRECT_CPU_PRODUCTS=native needs the native CPU kernels: run "
+                               "`bash scripts/bootstrap.sh` (or `python native/build_cpu_kernels.py`)")
+        self.threads = threads
+
+    def _linear(self, *names: str) -> Linear | PackedLinear:  # type: ignore[override]
+        infos = [self.model.tensor(name) for name in names]
+        if self.exact or not self.match_llama_cpp or \
+                any(info.ggml_type not in cpu_kernels.SUPPORTED_TYPES for info in infos):
+            return super()._linear(*names)
+        return PackedLinear([(info.data, info.ggml_type, info.shape[0], info.shape[1]) for info in infos],
+                            self.threads)

@@ -1,0 +1,61 @@
+"""The CPU engine on packed weights (infer.packed_weights: matrices left in the mapped file, native
+products): each of a real model's products against the dequantized engine's, what it holds in
+memory, and the switch. Agreement with llama.cpp is test_oracle.py's, run with
+NVMEDIRECT_CPU_PRODUCTS=native (docs/INFERENCE.md)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from infer import cpu_kernels
+from infer.gguf_file import GGUFModel
+from infer.model import DequantizedWeights, load_transformer
+from infer.packed_weights import PackedLinear, PackedWeights
+from tests.oracle.fixtures import model_path
+
+pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="native CPU kernels not built")
+
+
+@pytest.fixture(scope="module")
+def q4km() -> Path:
+    """SmolLM2-135M Q4_K_M: Q5_0, Q4_K, Q6_K and Q8_0 matrices."""
+    return model_path("smollm2-Q4_K_M")
+
+
+def test_every_product_is_the_dequantized_engines(q4km: Path) -> None:
+    """Same rounded inputs, same weights: only the float32 summation order differs (the oracle's
+    per-product bar is 1e-5 relative)."""
+    plain = load_transformer(GGUFModel(q4km), packed=False).weights
+    packed = load_transformer(GGUFModel(q4km), packed=True).weights
+    assert isinstance(packed, PackedWeights)
+    rng = np.random.default_rng(7)
+    pairs = [(getattr(plain.layer(i), k), getattr(packed.layer(i), k))
+             for i in (0, 17) for k in ("qkv", "wo", "gate_up", "down")] + [(plain.output(), packed.output())]
+    seen = set()
+    for want, got in pairs:
+        assert isinstance(got, PackedLinear)
+        seen |= {t for _, t, _, _ in got.parts}
+        x = rng.standard_normal((3, want.segments[0][0].shape[1])).astype(np.float32)
+        y, ref = got(x), want(x)
+        assert y.shape == ref.shape and y.dtype == np.float32
+        assert np.abs(y - ref).max() <= 1e-5 * np.abs(ref).max()
+    assert len(seen) >= 3  # several weight types went through the kernels
+
+
+def test_packed_weights_keep_no_float_copy(q4km: Path) -> None:
+    plain = load_transformer(GGUFModel(q4km), packed=False)
+    packed = load_transformer(GGUFModel(q4km), packed=True)
+    for m in (plain, packed):
+        m.weights.warm()
+    assert packed.weights._cached_bytes < plain.weights._cached_bytes / 50
+
+
+def test_the_switch(q4km: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("NVMEDIRECT_CPU_PRODUCTS", "native")
+    assert isinstance(load_transformer(GGUFModel(q4km)).weights, PackedWeights)
+    assert not isinstance(load_transformer(GGUFModel(q4km), exact=True).weights, PackedWeights)  # never exact
+    monkeypatch.delenv("NVMEDIRECT_CPU_PRODUCTS")
+    assert type(load_transformer(GGUFModel(q4km)).weights) is DequantizedWeights
