@@ -11,6 +11,7 @@ AVX2 or the portable code ran. Build the extension with `python native/build_cpu
 
 from __future__ import annotations
 
+import functools
 import os
 
 import numpy as np
@@ -84,8 +85,11 @@ def activation_row_nbytes(ggml_type: int, cols: int) -> int:
     return _row_bytes("qdot_activation_row_bytes", ggml_type, cols)
 
 
+@functools.cache
 def default_threads() -> int:
-    """The physical cores this process may run on (hyperthreads add nothing to these products)."""
+    """The physical cores this process may run on (hyperthreads add nothing to these products).
+    Counted once: psutil reads the CPU topology from /sys (~0.3 ms), and a decode step makes
+    hundreds of products."""
     import psutil
 
     usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1

@@ -13,6 +13,8 @@ import os
 import numpy as np
 
 from infer import cpu_kernels, quants
+from infer.arch import ModelArgs
+from infer.gguf_file import GGUFModel
 from infer.model import DequantizedWeights, Linear
 
 
@@ -51,8 +53,9 @@ class PackedWeights(DequantizedWeights):
     """DequantizedWeights whose matrices stay packed (PackedLinear) when the native kernels take their
     types; vectors and the embedding rows are dequantized as before."""
 
-    def __init__(self, *args: object, threads: int | None = None, **kwargs: object) -> None:
-        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+    def __init__(self, model: GGUFModel, args: ModelArgs, budget_bytes: int = 8 << 30,
+                 match_llama_cpp: bool = True, exact: bool = False, threads: int | None = None) -> None:
+        super().__init__(model, args, budget_bytes, match_llama_cpp, exact)
         if not cpu_kernels.available():
             raise RuntimeError("NVMEDIRECT_CPU_PRODUCTS=native needs the native CPU kernels: run "
                                "`bash scripts/bootstrap.sh` (or `python native/build_cpu_kernels.py`)")
