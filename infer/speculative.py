@@ -308,7 +308,12 @@ class ModelDrafter:
 def top_k(logits: np.ndarray, k: int) -> np.ndarray:
     """Ids of the k largest logits, largest first (ties: lower id first), without sorting the vocabulary."""
     k = min(k, logits.size)
-    part = np.argpartition(-logits, k - 1)[:k] if k < logits.size else np.arange(logits.size)
+    if k < logits.size:  # every id above the k-th value, then the lowest ids of those equal to it
+        kth = -np.partition(-logits, k - 1)[k - 1]
+        above = np.flatnonzero(logits > kth)
+        part = np.concatenate([above, np.flatnonzero(logits == kth)[: k - above.size]])
+    else:
+        part = np.arange(logits.size)
     return part[np.lexsort((part, -logits[part]))]
 
 

@@ -10,6 +10,7 @@
 #   there:  bash scripts/gpu-spec-e2e.sh piece .pieces  (carry [".pieces/pNN"]: keeps it in /tmp/models/pieces)
 #   last:   OUT=... bash scripts/gpu-spec-e2e.sh run    (joins, checks the sha256 below, runs bench.spec_bench e2e)
 #
+# E2E_PROMPT_SET (humaneval, or prose: bench/prompts/prose_questions.txt through the chat template),
 # E2E_PROMPTS (40), E2E_TOKENS (128), E2E_SHAPES (16x4,12x1,16x1,auto) set the run. The machine has
 # no PyPI: `run` installs the carried wheels (.whl, from /work/shared/device/fetch-wheels.sh) into
 # /tmp/site when they are not there yet, and takes the HumanEval prompts from .carry/HumanEval.jsonl.gz
@@ -47,14 +48,14 @@ run)
     fi
     export PYTHONPATH="/tmp/site:${PYTHONPATH:-}:$PWD" PYTHONUNBUFFERED=1
     python3 -m bench.spec_bench e2e --target "$DIR/target.gguf" --draft "$DIR/draft.gguf" \
-        --prompts "${E2E_PROMPTS:-40}" --tokens "${E2E_TOKENS:-128}" --shapes "${E2E_SHAPES:-16x4,12x1,16x1,auto}" \
+        --prompt-set "${E2E_PROMPT_SET:-humaneval}" --prompts "${E2E_PROMPTS:-40}" --tokens "${E2E_TOKENS:-128}" --shapes "${E2E_SHAPES:-16x4,12x1,16x1,auto}" \
         --out "$OUT/spec-e2e.json" > "$OUT/spec-e2e.stdout" 2> "$OUT/spec-e2e.log"
     echo "e2e exit $?"
     tail -n 5 "$OUT/spec-e2e.log"
     python3 - "$OUT/spec-e2e.json" <<'PY'
 import json, sys
 r = json.load(open(sys.argv[1]))
-print({k: r[k] for k in ("prompts", "plain_tok_s", "plain_decode_tok_s", "peak_device_bytes", "vram_budget_bytes",
+print({k: r[k] for k in ("prompt_set", "prompts", "tokens_generated", "plain_tok_s", "plain_decode_tok_s", "peak_device_bytes", "vram_budget_bytes",
                          "plan_bytes_by_tier")})
 for name, row in r["shapes"].items():
     print(name, row)

@@ -432,7 +432,7 @@ class GpuTransformer:
             if steps is None:
                 ids = cupy.asnumpy(chain, stream=self.stream).astype(np.int64)[:, None]
             else:
-                top = cupy.argsort(-steps, axis=1)[:, :width]
+                top = ops.top_rows(steps, depth, width)
                 top[:, 0] = chain  # the chain as the device step chose it (ties: the same token either way)
                 ids = cupy.asnumpy(top, stream=self.stream).astype(np.int64)
         self.stream.synchronize()

@@ -221,6 +221,23 @@ def argmax_rows(logits: cupy.ndarray, rows: int, vocab: int, ids: cupy.ndarray, 
         kernels.function("ops", "argmax_rows")((rows,), (1024,), (logits, np.int32(vocab), ids, maxima, nonfinite))
 
 
+def top_rows(logits: cupy.ndarray, rows: int, k: int) -> cupy.ndarray:
+    """(rows, k) int32 ids of each row's k largest logits, largest first, ties to the lower id (the
+    host's `speculative.top_k` order): k rounds of argmax_rows, each masking what it found. For the
+    few runners-up a draft tree wants this reads the rows k times instead of sorting them. `logits`
+    is overwritten (the found entries become -inf)."""
+    vocab = logits.shape[1]
+    out = cupy.empty((rows, k), cupy.int32)
+    ids, maxima, bad = cupy.empty(rows, cupy.int32), cupy.empty(rows, cupy.float32), cupy.empty(rows, cupy.int32)
+    every = cupy.arange(rows)
+    for j in range(k):
+        argmax_rows(logits, rows, vocab, ids, maxima, bad)
+        out[:, j] = ids
+        if j + 1 < k:
+            logits[every, ids] = -np.inf
+    return out
+
+
 def sample_rows(logits: cupy.ndarray, n: int, vocab: int, out_rows: cupy.ndarray, temps: cupy.ndarray,
                 seeds: cupy.ndarray, tok: cupy.ndarray, pos: cupy.ndarray, slot: cupy.ndarray, base: cupy.ndarray,
                 hist: cupy.ndarray, advance: bool) -> None:

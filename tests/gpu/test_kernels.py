@@ -196,6 +196,20 @@ def test_argmax_rows_against_numpy(rng: np.random.Generator, vocab: int) -> None
     assert list(cupy.asnumpy(bad)) == [0, 0, 0, 3, 1] + [0] * (rows - 5)
 
 
+def test_top_rows_is_the_hosts_top_k(rng: np.random.Generator) -> None:
+    """ops.top_rows (a draft tree's runners-up on the device) gives speculative.top_k's ids and order
+    on random rows, ties to the lower id."""
+    from infer.speculative import top_k
+
+    rows, vocab, k = 9, 151936, 5
+    logits = rng.standard_normal((rows, vocab)).astype(np.float32)
+    logits[2, [11, 70000, 5, 151935]] = 9.0  # a four-way tie at the top
+    logits[3] = np.round(logits[3], 1)  # many ties everywhere
+    got = cupy.asnumpy(ops.top_rows(cupy.asarray(logits), rows, k))
+    assert got.tolist() == [top_k(row, k).tolist() for row in logits]
+    assert got[2, :4].tolist() == [5, 11, 70000, 151935]
+
+
 def _int8_reference(x: np.ndarray, act: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The int8 values, scales and sums per 32 that round_activations' q8_0/q8_k rounding implies."""
     from infer.quants import round_activations

@@ -23,7 +23,7 @@ def test_e2e_outputs_identical_and_half_streamed(tmp_path: Path, fake_cupy: obje
     write_model(draft, SHAPE, "q4_k_m", seed=3)  # the same weights: a draft that is nearly always right
     monkeypatch.setattr(spec_bench, "humaneval_prompts", lambda n: (["def add(a, b):", "x = [1, 2, 3]\nfor"] * 20)[:n])
     result = spec_bench.e2e(spec_bench.main.__globals__["argparse"].Namespace(
-        target=target, draft=draft, prompts=2, tokens=12, shapes="4x2,auto,self:3,skip=0.5:3", resident_fraction=0.75, draft_budget=None,
+        target=target, draft=draft, prompt_set="humaneval", prompts=2, tokens=12, shapes="4x2,auto,self:3,skip=0.5:3", resident_fraction=0.75, draft_budget=None,
         ctx=128, slots=2))
     for name in ("4x2", "auto", "self:3", "skip=0.5:3"):
         assert result["shapes"][name]["all_identical"], result["rows"]
@@ -50,3 +50,27 @@ def test_a_device_allocation_past_the_budget_is_one_line(fake_cupy, monkeypatch:
     assert spec_bench.main(["verify", "--synth", "tiny:q4_k_m"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: out of device memory") and "raise the budget" in err[0]
+
+
+def test_prose_prompts_are_chat_turns_of_the_recorded_requests() -> None:
+    """The prose set is the 40 requests of bench/prompts/prose_questions.txt, each one user turn of the
+    model's own chat template (Qwen's ChatML, with its default system turn), ready for the reply."""
+    from bench import spec_bench
+    from infer.gguf_file import GGUFModel
+    from infer.tokenizer import Tokenizer
+    from tests.oracle.assets import qwen05b_path
+
+    path = qwen05b_path()
+    if not path.exists():
+        pytest.skip("Qwen2.5-Coder 0.5B missing: run scripts/fetch-models.sh")
+    gguf = GGUFModel(path)
+    tokenizer = Tokenizer.from_gguf(gguf.metadata)
+    requests = spec_bench.prose_prompts(40)
+    assert len(requests) == len(set(requests)) == 40
+    ids = spec_bench.prompt_ids("prose", 40, tokenizer, gguf.metadata)
+    text = tokenizer.decode(ids[7])  # the special tokens are not shown
+    assert text.startswith("system\n") and text.endswith("\nuser\n" + requests[7] + "\nassistant\n")
+    start = tokenizer.encode("<|im_start|>", special=True)
+    assert len(start) == 1 and ids[7].count(start[0]) == 3  # special tokens parsed, not spelled out
+    with pytest.raises(SystemExit, match="has 40 prompts"):
+        spec_bench.prose_prompts(41)
