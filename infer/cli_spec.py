@@ -15,10 +15,11 @@ import click
 
 DEFAULT_TREE_RESIDENT = 9  # --lookup: up to 8 tokens below the root
 DEFAULT_TREE_STREAMING = 33  # --lookup with --streaming: a streamed pass costs about the same up to hundreds
-# --draft-model without --draft-tree: a chain (siblings of a greedy chain are leaves and added under
-# 1% tokens per pass on the measured pair: docs/SPECULATIVE.md) whose depth the run's own
-# measurements choose (infer.speculative.DepthTuner), starting here
+# --draft-model without --draft-tree: the draft's chain with leaf siblings, its depth and width chosen
+# by the run's own measurements (infer.spec_tuner.ShapeTuner), starting here, within TUNED_NODES
+# (the verification pass planned for it)
 START_DEPTH_RESIDENT, START_DEPTH_STREAMING, MAX_DEPTH = 4, 12, 32
+START_WIDTH, MAX_WIDTH, TUNED_NODES = 4, 8, 65
 
 
 @dataclass(frozen=True)
@@ -71,8 +72,9 @@ def spec_options(func: Any) -> Any:
         click.option("--draft-model", type=click.Path(), help="Speculative decoding: a small model with the same "
                      "vocabulary drafts a tree of tokens that one target pass verifies (output unchanged)."),
         click.option("--draft-tree", type=click.IntRange(min=1), default=None,
-                     help="Nodes of the draft tree, fixed (default with --draft-model: a chain whose depth is "
-                          f"chosen from the run's measured pass times and acceptance, up to {MAX_DEPTH}; with "
+                     help="Nodes of the draft tree, fixed (default with --draft-model: a chain with leaf "
+                          "siblings whose depth and width are chosen from the run's measured pass times and "
+                          f"acceptance, up to {TUNED_NODES} nodes; with "
                           f"--lookup {DEFAULT_TREE_RESIDENT}, {DEFAULT_TREE_STREAMING} with --streaming)."),
         click.option("--lookup", is_flag=True, help="Speculative decoding from n-gram matches in the prompt and "
                      "the output so far (no draft model)."),
@@ -113,12 +115,13 @@ def drafter(spec: SpecOptions, draft: Any, ctx: int, tree: int) -> Any:
 
 
 def tuned(spec: SpecOptions, streaming: bool) -> Any:
-    """The depth tuner for --draft-model without --draft-tree, else None."""
-    from infer.speculative import DepthTuner
+    """The tree-shape tuner for --draft-model without --draft-tree, else None."""
+    from infer.spec_tuner import ShapeTuner
 
     if not spec.draft_model or spec.tree is not None:
         return None
-    return DepthTuner(START_DEPTH_STREAMING if streaming else START_DEPTH_RESIDENT, MAX_DEPTH, width=1)
+    return ShapeTuner(START_DEPTH_STREAMING if streaming else START_DEPTH_RESIDENT, MAX_DEPTH, START_WIDTH,
+                      MAX_WIDTH, TUNED_NODES)
 
 
 def generate(target: Any, cache: Any, tokenizer: Any, spec: SpecOptions, draft: Any, ctx: int, tree: int,
@@ -134,11 +137,11 @@ def generate(target: Any, cache: Any, tokenizer: Any, spec: SpecOptions, draft: 
     if not ids:
         raise ValueError("the prompt is empty after tokenization")
     if tuner is not None:
-        tree = 1 + MAX_DEPTH  # the tuner picks the chain's depth, up to MAX_DEPTH
+        tree = tuner.max_nodes  # the tuner picks the tree's depth and width within it
     if drafting is None:
         drafting = drafter(spec, draft, ctx, tree)
     if tuner is not None:
-        drafting.width = 1
+        drafting.depth, drafting.width = tuner.depth, tuner.width
     spec_run = Speculator(target, drafting, tree, ctx, tuner=tuner)
     decoder = StreamDecoder(tokenizer)
     is_end = (lambda _: False) if benchmark else tokenizer.is_eog
@@ -165,9 +168,9 @@ def generate(target: Any, cache: Any, tokenizer: Any, spec: SpecOptions, draft: 
         click.echo(pieces[-1])
     depths = ", ".join(f"{d}: {v:.2f}" for d, v in s.as_dict()["acceptance_by_depth"].items())  # type: ignore[union-attr]
     if tuner is not None:
-        result["tuned_depth"] = tuner.depth
-        note(f"draft tree chosen from this run's measurements: a chain of {tuner.describe()}")
-    shape = f"a chain tuned up to depth {MAX_DEPTH}" if tuner is not None else f"trees of {tree} nodes"
+        result["tuned_depth"], result["tuned_width"] = tuner.depth, tuner.width
+        note(f"draft tree chosen from this run's measurements: depth x width {tuner.describe()}")
+    shape = f"trees tuned up to {tree} nodes" if tuner is not None else f"trees of {tree} nodes"
     note(f"speculation ({result['drafter']}, {shape}): {len(out)} tokens in {s.passes} target passes = "
          f"{s.tokens_per_pass:.2f} tokens per pass; accepted per pass by depth {{{depths}}}; draft "
          f"{s.draft_seconds:.2f} s, verify {s.verify_seconds:.2f} s; {result['tok_s']} tok/s")
@@ -219,8 +222,8 @@ def run(model: str | None, spec: SpecOptions, streaming: Any, ctx_size: int, dev
         tree = spec.tree or (DEFAULT_TREE_STREAMING if streaming.enabled else DEFAULT_TREE_RESIDENT)
         if spec.self_draft:
             tree = 1 + (spec.draft_k or SELF_DRAFT_K)
-        # the verification pass holds the whole tree (tuned chains: up to 1 + MAX_DEPTH nodes)
-        nodes = max(tree, 1 + MAX_DEPTH) if tuned(spec, streaming.enabled) is not None else tree
+        # the verification pass holds the whole tree (tuned trees: up to TUNED_NODES)
+        nodes = max(tree, TUNED_NODES) if tuned(spec, streaming.enabled) is not None else tree
         try:
             if streaming.enabled:
                 from infer.arch import ModelArgs

@@ -26,6 +26,7 @@ import numpy as np
 
 from infer.engine import Cache, Model
 from infer.model import tree_depths
+from infer.spec_tuner import ShapeTuner, chain_and_leaf
 
 Chooser = Callable[[np.ndarray, list[int]], int]
 
@@ -97,77 +98,12 @@ def follow(tree: Tree, logits: np.ndarray, choose: Chooser, history: list[int]) 
         node = nxt
 
 
-class DepthTuner:
-    """Picks the draft chain's depth from this run's own measurements: how often the accepted path
-    reached each depth (among passes that offered it), the draft's seconds per step, and the verify
-    pass's seconds against its tree size (a straight-line fit). Expected tokens per pass at depth D
-    are 1 + sum over d <= D of P(reach d); depths not yet offered continue the last measured
-    step-to-step acceptance. The depth maximising tokens per second is re-chosen every `every`
-    passes, between 1 and `max_depth`."""
-
-    def __init__(self, depth: int, max_depth: int = 32, width: int = 1, every: int = 8) -> None:
-        self.depth, self.max_depth, self.width, self.every = depth, max_depth, width, every
-        self.offered: Counter = Counter()  # depth d -> passes whose chain reached d
-        self.reached: Counter = Counter()  # depth d -> passes whose accepted path reached d
-        self.draft_steps = 0
-        self.draft_seconds = 0.0
-        self.verify: list[tuple[int, float]] = []  # (nodes, seconds)
-        self.passes = 0
-
-    def observe(self, depth: int, nodes: int, accepted: int, draft_seconds: float, verify_seconds: float) -> None:
-        for d in range(1, depth + 1):
-            self.offered[d] += 1
-        for d in range(1, accepted + 1):
-            self.reached[d] += 1
-        self.draft_steps += depth
-        self.draft_seconds += draft_seconds
-        self.verify.append((nodes, verify_seconds))
-        self.verify = self.verify[-256:]
-        self.passes += 1
-        if self.passes % self.every == 0:
-            self.depth = self.best()[0]
-
-    def expected_tokens(self, depth: int) -> float:
-        total, p, ratio = 1.0, 1.0, 0.0
-        for d in range(1, depth + 1):
-            if self.offered[d]:
-                q = self.reached[d] / self.offered[d]
-                ratio = q / p if p > 0 else 0.0
-                p = q
-            else:  # beyond what was offered: the last measured conditional acceptance
-                p *= ratio
-            total += p
-        return total
-
-    def seconds(self, depth: int) -> float:
-        step = self.draft_seconds / self.draft_steps if self.draft_steps else 0.0
-        nodes = np.array([n for n, _ in self.verify], float)
-        secs = np.array([t for _, t in self.verify], float)
-        if len(set(nodes.tolist())) >= 2:
-            slope, intercept = np.polyfit(nodes, secs, 1)
-            slope = max(float(slope), 0.0)
-        else:
-            slope, intercept = 0.0, float(secs.mean()) if secs.size else 0.0
-        return depth * step + float(intercept) + slope * (1 + depth * self.width)
-
-    def best(self) -> tuple[int, float]:
-        """(depth, expected tokens per second) of the best depth."""
-        rates = [(d, self.expected_tokens(d) / max(self.seconds(d), 1e-9)) for d in range(1, self.max_depth + 1)]
-        return max(rates, key=lambda r: r[1])
-
-    def describe(self) -> str:
-        d, rate = self.best()
-        step = self.draft_seconds / self.draft_steps if self.draft_steps else 0.0
-        return (f"depth {d} (expected {self.expected_tokens(d):.2f} tokens per pass in {self.seconds(d) * 1e3:.1f} ms: "
-                f"draft {step * 1e3:.2f} ms per step, {rate:.1f} tok/s; from {self.passes} passes)")
-
-
 class Speculator:
     """Generation on `target` with trees from `drafter` of up to `tree_size` nodes. With `tuner`
-    (a ModelDrafter's chain), the drafter's depth follows the tuner's choice."""
+    (a ModelDrafter's tree), the drafter's depth and width follow the tuner's choice."""
 
     def __init__(self, target: Model, drafter: Drafter, tree_size: int, ctx_size: int,
-                 tuner: DepthTuner | None = None) -> None:
+                 tuner: ShapeTuner | None = None) -> None:
         if tree_size < 1:
             raise ValueError(f"the draft tree needs at least one node, not {tree_size}")
         self.target, self.drafter, self.tree_size, self.ctx_size = target, drafter, tree_size, ctx_size
@@ -206,6 +142,7 @@ class Speculator:
             size = self.tree_size
             if self.tuner is not None:
                 self.drafter.depth = self.tuner.depth  # type: ignore[attr-defined]
+                self.drafter.width = self.tuner.width  # type: ignore[attr-defined]
                 size = 1 + self.tuner.depth * self.tuner.width
             began = time.perf_counter()
             tree = self.drafter.propose(context, root, min(size, room, max_new_tokens - produced + 1))
@@ -219,7 +156,9 @@ class Speculator:
             self.stats.verify_seconds += verify_s
             if self.tuner is not None:
                 depth = int(tree_depths(tree.parents).max())
-                self.tuner.observe(depth, len(tree.tokens), len(path) - 1, draft_s, verify_s)
+                width = sum(1 for p in tree.parents if p == 0)
+                chain, leaf = chain_and_leaf(tree.parents, path)
+                self.tuner.observe(depth, width, len(tree.tokens), chain, leaf, draft_s, verify_s)
             self.stats.passes += 1
             self.stats.proposed += len(tree.tokens) - 1
             self.stats.accepted += len(path) - 1

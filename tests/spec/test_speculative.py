@@ -285,36 +285,69 @@ def test_projection_takes_the_measured_shapes_of_an_e2e_run(tmp_path: Path) -> N
         main(["project", "--acceptance", str(tmp_path / "auto.json"), "--verify", str(tmp_path / "v.json")])
 
 
-def test_depth_tuner_picks_the_depth_the_measurements_favour() -> None:
-    """The tuner's choice is the depth that maximises expected tokens per second under the measured
-    acceptance (each step accepted with probability q) and costs (draft step s, verify a + b per
-    node), against the same optimum computed in closed form; it moves there from its start."""
-    from infer.speculative import DepthTuner
+def _simulated_pass(rng: np.random.Generator, q: float, leaf: list[float], depth: int, width: int) -> tuple[int, int]:
+    """(chain kept, leaf rank kept or 0) of one pass whose target agrees with the draft's top token with
+    chance q at each step, and where it does not, picks the draft's rank r >= 1 with chance leaf[r - 1]."""
+    chain = 0
+    while chain < depth and rng.random() < q:
+        chain += 1
+    if chain == depth:
+        return chain, 0
+    r = int(rng.choice(len(leaf) + 1, p=[*leaf, 1 - sum(leaf)])) + 1  # len(leaf) + 1: beyond every leaf
+    return chain, r if r < width else 0
+
+
+def _rate(depth: int, width: int, q: float, leaf: list[float], step: float, a: float, b: float) -> float:
+    tokens = sum(q**i for i in range(depth + 1)) + sum(leaf[: width - 1]) * (1 - q**depth)
+    return tokens / (depth * step + a + b * (1 + depth * width))
+
+
+@pytest.mark.parametrize("q, leaf, step, a, b", [
+    (0.9, [0.3, 0.1, 0.05], 1e-3, 10e-3, 0.0),  # leaves free, a deep chain pays
+    (0.6, [0.3, 0.15, 0.1, 0.05], 2e-3, 5e-3, 1e-4),  # a weak draft, rows that cost: short and a little wide
+    (0.7, [0.35, 0.15, 0.1, 0.05, 0.03], 1.2e-3, 7.5e-3, 0.0),  # prose on the streamed pair: wide, shallow
+    (0.97, [0.2, 0.05], 0.5e-3, 20e-3, 0.0),
+    (0.8, [0.4, 0.2], 1e-3, 2e-3, 3e-4),  # every row costs: width 1
+])
+def test_shape_tuner_picks_the_shape_the_measurements_favour(q: float, leaf: list[float], step: float, a: float,
+                                                             b: float) -> None:
+    """The tuner's shape maximises expected tokens per second under the measured acceptance (each chain
+    step kept with chance q, a failed step's token at draft rank r with chance leaf[r-1]) and costs
+    (draft step, verify a + b per node) within 90% of the optimum computed in closed form; it moves
+    there from its start, including to widths it never offered (extrapolated, then measured)."""
+    from infer.spec_tuner import ShapeTuner
 
     rng = np.random.default_rng(0)
-    for q, step, a, b in ((0.9, 1e-3, 10e-3, 0.0), (0.6, 2e-3, 5e-3, 1e-4), (0.97, 0.5e-3, 20e-3, 0.0)):
-        tuner = DepthTuner(depth=3, max_depth=32, every=8)
-        for _ in range(400):
-            d = tuner.depth
-            accepted = 0
-            while accepted < d and rng.random() < q:
-                accepted += 1
-            tuner.observe(d, 1 + d, accepted, d * step, a + b * (1 + d))
-        def rate(d: int, q: float = q, step: float = step, a: float = a, b: float = b) -> float:
-            return sum(q**i for i in range(d + 1)) / (d * step + a + b * (1 + d))
-        best = max(range(1, 33), key=rate)
-        assert rate(tuner.depth) >= 0.9 * rate(best), (q, tuner.depth, best)
+    tuner = ShapeTuner(depth=3, max_depth=32, width=2, max_width=8, max_nodes=65, every=8)
+    for _ in range(1500):
+        d, w = tuner.depth, tuner.width
+        chain, rank = _simulated_pass(rng, q, leaf, d, w)
+        tuner.observe(d, w, 1 + d * w, chain, rank, d * step, a + b * (1 + d * w))
+    shapes = [(d, w) for d in range(1, 33) for w in range(1, 9) if 1 + d * w <= 65]
+    best = max(shapes, key=lambda s: _rate(*s, q, leaf, step, a, b))
+    got = (tuner.depth, tuner.width)
+    assert _rate(*got, q, leaf, step, a, b) >= 0.9 * _rate(*best, q, leaf, step, a, b), (got, best)
+
+
+def test_chain_and_leaf_reads_the_drafters_tree() -> None:
+    from infer.spec_tuner import chain_and_leaf
+
+    parents = [-1, 0, 0, 0, 1, 1, 1, 4, 4, 4]  # a 3 x 3 ModelDrafter tree: chain 1, 4, 7; leaves by rank
+    assert chain_and_leaf(parents, [0]) == (0, 0)
+    assert chain_and_leaf(parents, [0, 2]) == (0, 1)
+    assert chain_and_leaf(parents, [0, 1, 4, 9]) == (2, 2)
+    assert chain_and_leaf(parents, [0, 1, 4, 7]) == (3, 0)
 
 
 def test_speculator_with_tuner_is_plain_greedy() -> None:
-    """With the depth tuner (SmolLM2 Q4_0 drafting Q8_0) the output is still the target's own greedy text."""
-    from infer.speculative import DepthTuner
+    """With the shape tuner (SmolLM2 Q4_0 drafting Q8_0) the output is still the target's own greedy text."""
+    from infer.spec_tuner import ShapeTuner
 
     target = load_transformer(GGUFModel(smollm2_path("Q8_0")), exact=True)
     draft = load_transformer(GGUFModel(smollm2_path("Q4_0")))
     prompt = [1, 504, 3458, 282, 4649, 314]
     want = list(Engine(target, CTX).generate(prompt, 40, greedy))
-    tuner = DepthTuner(depth=2, max_depth=8, every=2)
-    spec = Speculator(target, ModelDrafter(draft, CTX, 2, 1), 9, CTX, tuner)
+    tuner = ShapeTuner(depth=2, max_depth=8, width=2, max_width=4, max_nodes=17, every=2)
+    spec = Speculator(target, ModelDrafter(draft, CTX, 2, 2), 17, CTX, tuner)
     assert list(spec.generate(prompt, 40, greedy)) == want
-    assert 1 <= tuner.depth <= 8 and tuner.passes == spec.stats.passes
+    assert 1 <= tuner.depth <= 8 and 1 <= tuner.width <= 4 and tuner.passes == spec.stats.passes
