@@ -252,10 +252,11 @@ def acceptance_shapes(acc: dict[str, Any]) -> list[dict[str, Any]]:
         return acc["shapes"]
     rows = []
     for name, row in acc["shapes"].items():
-        if name == "auto":
+        shape = _fixed_shape(name)
+        if shape is None:  # auto, auto-best:W, self-drafts: no one shape
             continue
-        depth, width = (int(n) for n in name.split("x"))
-        rows.append({"depth": depth, "width": width, "nodes": 1 + depth * width,
+        kind, depth, width = shape
+        rows.append({"tree": kind, "depth": depth, "width": width, "nodes": 1 + depth * width,
                      "tokens_per_pass": row["tokens_per_pass"], "measured_end_to_end": True})
     if not rows:
         raise SystemExit(f"no fixed tree shape in {sorted(acc['shapes'])}: run e2e with --shapes DxW")
@@ -331,9 +332,11 @@ def e2e(args: argparse.Namespace) -> dict[str, Any]:
     tier B and the draft resident: plain and speculative (each tree shape of --shapes, `auto`: the
     CLI's tuned tree) in the same run, every output compared with the plain one."""
     from infer.cli_spec import SpecOptions, check_vocabulary, tuned
+    from infer.draft_tree import BestFirstDrafter
     from infer.engine import greedy
     from infer.gguf_file import GGUFModel
     from infer.gpu.memory import PeakMonitor
+    from infer.spec_tuner import ShapeTuner
     from infer.speculative import ModelDrafter, Speculator
     from infer.tiers.plan import Tier
     from infer.tokenizer import Tokenizer
@@ -345,9 +348,10 @@ def e2e(args: argparse.Namespace) -> dict[str, Any]:
     except ValueError as e:
         raise SystemExit(str(e)) from None
     shapes = [s.strip() for s in args.shapes.split(",") if s.strip()]
-    fixed = [tuple(int(v) for v in s.split("x")) for s in shapes if "x" in s]
+    fixed = [_fixed_shape(s) for s in shapes if _fixed_shape(s)]
     auto = tuned(SpecOptions(draft_model=str(args.draft)), streaming=True)  # the CLI's tuner, as --streaming makes it
-    nodes_max = max([1 + d * w for d, w in fixed] + ([auto.max_nodes] if "auto" in shapes else []))
+    nodes_max = max([1 + d * w for _, d, w in fixed] + ([auto.max_nodes] if any(s.startswith("auto") for s in shapes)
+                                                         else []))
     monitor = PeakMonitor(0.05).__enter__()  # load and every run: the peak the budget must hold
     draft, session, budget = streamed_pair(args, gguf, nodes_max)
     tiers = {t.name: session.plan.bytes_in(t) for t in Tier}
@@ -369,10 +373,20 @@ def e2e(args: argparse.Namespace) -> dict[str, Any]:
         elif name == "auto":
             runs[name] = Speculator(target, ModelDrafter(draft.transformer, args.ctx, auto.depth, auto.width,
                                                          cache=draft.engine.cache), auto.max_nodes, args.ctx, auto)
+        elif name.startswith("auto-best:"):  # a best-first tree of this width, its depth tuned
+            width = int(name.split(":")[1])
+            tuner = ShapeTuner(max(1, min(4, (auto.max_nodes - 1) // width)), (auto.max_nodes - 1) // width, width,
+                               width, auto.max_nodes, min_width=width)
+            runs[name] = Speculator(target, BestFirstDrafter(draft.transformer, args.ctx, tuner.depth, width,
+                                                             cache=draft.engine.cache), auto.max_nodes, args.ctx, tuner)
         else:
-            depth, width = (int(v) for v in name.split("x"))
-            runs[name] = Speculator(target, ModelDrafter(draft.transformer, args.ctx, depth, width,
-                                                         cache=draft.engine.cache), 1 + depth * width, args.ctx)
+            shape = _fixed_shape(name)
+            if shape is None:
+                raise SystemExit(f"--shapes: {name!r} is not DxW, best:DxW, auto, auto-best:W, self:K or skip=T:K")
+            kind, depth, width = shape
+            make = BestFirstDrafter if kind == "best" else ModelDrafter
+            runs[name] = Speculator(target, make(draft.transformer, args.ctx, depth, width, cache=draft.engine.cache),
+                                    1 + depth * width, args.ctx)
 
     def plain(ids: list[int]) -> tuple[list[int], float]:
         cache.length = 0
@@ -445,6 +459,15 @@ def e2e(args: argparse.Namespace) -> dict[str, Any]:
             "tokens_generated": tokens, "plain_tok_s": round(tokens / plain_s, 3),
             "plain_decode_tok_s": round(tokens / max(plain_s - prefill_s, 1e-9), 3), "shapes": summary,
             "peak_device_bytes": monitor.peak, "rows": rows}
+
+
+def _fixed_shape(name: str) -> tuple[str, int, int] | None:
+    """("chain", D, W) for DxW (a ModelDrafter tree), ("best", D, W) for best:DxW, else None."""
+    kind, _, dims = name.rpartition(":") if name.startswith("best:") else ("chain", "", name)
+    parts = dims.split("x")
+    if len(parts) != 2 or not all(p.isdigit() and int(p) > 0 for p in parts):
+        return None
+    return kind, int(parts[0]), int(parts[1])
 
 
 def _self_view(name: str, target: Any, tokenizer: Any, path: Path) -> Any:
@@ -547,8 +570,9 @@ def main(argv: list[str] | None = None) -> int:
     e.add_argument("--prompts", type=int, default=40)
     e.add_argument("--tokens", type=int, default=128)
     e.add_argument("--shapes", default="16x4,12x1,16x1,auto",
-                   help="draft trees, depth x width (1 + depth*width nodes), comma-separated; auto: the CLI's tuned "
-                        "tree; self:K the target's resident layers drafting K; skip=T:K also leaving out layers of "
+                   help="draft trees, depth x width (1 + depth*width nodes), comma-separated: DxW the draft's chain "
+                        "with leaves, best:DxW a best-first tree (infer/draft_tree.py); auto: the CLI's tuned tree, "
+                        "auto-best:W a best-first tree of width W, its depth tuned; self:K the target's resident layers drafting K; skip=T:K also leaving out layers of "
                         "similarity >= T")
     e.add_argument("--resident-fraction", type=float, default=0.5, help="share of the target's layer bytes in VRAM")
     e.add_argument("--draft-budget", default=None, help="--vram-budget for the draft alone (default: its own needs)")

@@ -19,7 +19,9 @@ Expected tokens per pass for depth D and width W:
 with q_d the chance the chain reaches depth d (q_0 = 1) and s(W) the chance a leaf of rank 1..W-1
 holds the target's token once the chain failed. Depths and ranks not yet offered continue the last
 measured step-to-step ratio. Every `every` passes the shape maximising E / seconds is taken, within
-`max_depth`, `max_width` and `max_nodes` (the tree the verification buffers were planned for).
+`max_depth`, `min_width`..`max_width` and `max_nodes` (the tree the verification buffers were planned
+for). A best-first tree (infer/draft_tree.py) has no leaves: its passes report no leaf and its width
+stays fixed (min_width = max_width), so the tuner picks its depth.
 """
 
 from __future__ import annotations
@@ -32,9 +34,10 @@ import numpy as np
 
 class ShapeTuner:
     def __init__(self, depth: int, max_depth: int = 32, width: int = 1, max_width: int | None = None,
-                 max_nodes: int | None = None, every: int = 8) -> None:
+                 max_nodes: int | None = None, every: int = 8, min_width: int = 1) -> None:
         self.max_depth = max_depth
         self.max_width = max(width, max_width or width)
+        self.min_width = min(min_width, width)  # a drafter whose width is not leaves (best-first): min = max
         self.max_nodes = max_nodes or 1 + max_depth * self.max_width
         if depth < 1 or width < 1 or 1 + depth * width > self.max_nodes:
             raise ValueError(f"a {depth} x {width} draft tree does not fit {self.max_nodes} nodes")
@@ -114,7 +117,7 @@ class ShapeTuner:
         return depth * step + float(intercept) + slope * (1 + depth * width)
 
     def shapes(self) -> list[tuple[int, int]]:
-        return [(d, w) for d in range(1, self.max_depth + 1) for w in range(1, self.max_width + 1)
+        return [(d, w) for d in range(1, self.max_depth + 1) for w in range(self.min_width, self.max_width + 1)
                 if 1 + d * w <= self.max_nodes]
 
     def best(self) -> tuple[int, int, float]:

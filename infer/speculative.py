@@ -100,7 +100,8 @@ def follow(tree: Tree, logits: np.ndarray, choose: Chooser, history: list[int]) 
 
 class Speculator:
     """Generation on `target` with trees from `drafter` of up to `tree_size` nodes. With `tuner`
-    (a ModelDrafter's tree), the drafter's depth and width follow the tuner's choice."""
+    (a drafter with depth, width and outcome(): ModelDrafter, BestFirstDrafter), the drafter's
+    depth and width follow the tuner's choice."""
 
     def __init__(self, target: Model, drafter: Drafter, tree_size: int, ctx_size: int,
                  tuner: ShapeTuner | None = None) -> None:
@@ -155,10 +156,8 @@ class Speculator:
             self.stats.draft_seconds += draft_s
             self.stats.verify_seconds += verify_s
             if self.tuner is not None:
-                depth = int(tree_depths(tree.parents).max())
-                width = sum(1 for p in tree.parents if p == 0)
-                chain, leaf = chain_and_leaf(tree.parents, path)
-                self.tuner.observe(depth, width, len(tree.tokens), chain, leaf, draft_s, verify_s)
+                depth, width, kept, leaf = self.drafter.outcome(tree, path)  # type: ignore[attr-defined]
+                self.tuner.observe(depth, width, len(tree.tokens), kept, leaf, draft_s, verify_s)
             self.stats.passes += 1
             self.stats.proposed += len(tree.tokens) - 1
             self.stats.accepted += len(path) - 1
@@ -203,6 +202,12 @@ class ModelDrafter:
     def shape(self, size: int) -> tuple[int, int]:
         """(depth, width) of the tree for a budget of `size` nodes."""
         return tree_shape(self.depth, self.width, size)
+
+    def outcome(self, tree: Tree, path: Sequence[int]) -> tuple[int, int, int, int]:
+        """(depth, width, chain tokens kept, rank of the leaf kept after them or 0) of a verified
+        pass, as the shape tuner reads it."""
+        chain, leaf = chain_and_leaf(tree.parents, path)
+        return int(tree_depths(tree.parents).max()), sum(1 for p in tree.parents if p == 0), chain, leaf
 
     def propose(self, context: Sequence[int], root: int, size: int) -> Tree:
         depth, width = self.shape(size)

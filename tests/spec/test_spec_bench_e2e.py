@@ -23,11 +23,11 @@ def test_e2e_outputs_identical_and_half_streamed(tmp_path: Path, fake_cupy: obje
     write_model(draft, SHAPE, "q4_k_m", seed=3)  # the same weights: a draft that is nearly always right
     monkeypatch.setattr(spec_bench, "humaneval_prompts", lambda n: (["def add(a, b):", "x = [1, 2, 3]\nfor"] * 20)[:n])
     result = spec_bench.e2e(spec_bench.main.__globals__["argparse"].Namespace(
-        target=target, draft=draft, prompt_set="humaneval", prompts=2, tokens=12, shapes="4x2,auto,self:3,skip=0.5:3", resident_fraction=0.75, draft_budget=None,
+        target=target, draft=draft, prompt_set="humaneval", prompts=2, tokens=12, shapes="4x2,auto,best:3x2,auto-best:3,self:3,skip=0.5:3", resident_fraction=0.75, draft_budget=None,
         ctx=128, slots=2))
-    for name in ("4x2", "auto", "self:3", "skip=0.5:3"):
+    for name in ("4x2", "auto", "best:3x2", "auto-best:3", "self:3", "skip=0.5:3"):
         assert result["shapes"][name]["all_identical"], result["rows"]
-    for name in ("4x2", "auto"):
+    for name in ("4x2", "auto", "best:3x2", "auto-best:3"):
         assert result["shapes"][name]["tokens_per_pass"] > 1.5, name
     self_draft = result["shapes"]["self:3"]
     assert 0 < self_draft["draft_layers"] < SHAPE.n_layers

@@ -270,7 +270,8 @@ def test_projection_takes_the_measured_shapes_of_an_e2e_run(tmp_path: Path) -> N
     from bench.spec_bench import main
 
     e2e = {"draft": "d", "target": "t", "shapes": {"auto": {"tokens_per_pass": 9.9}, "10x1": {"tokens_per_pass": 7.0},
-                                                   "4x2": {"tokens_per_pass": 4.0}}}
+                                                   "4x2": {"tokens_per_pass": 4.0}, "best:3x5": {"tokens_per_pass": 3.5},
+                                                   "auto-best:4": {"tokens_per_pass": 5.0}}}
     (tmp_path / "e.json").write_text(json.dumps(e2e))
     (tmp_path / "v.json").write_text(json.dumps({"model": "m", "passes": [
         {"nodes": 1, "pass_seconds": 0.4}, {"nodes": 16, "pass_seconds": 0.5}]}))
@@ -278,7 +279,8 @@ def test_projection_takes_the_measured_shapes_of_an_e2e_run(tmp_path: Path) -> N
     assert main(["project", "--acceptance", str(tmp_path / "e.json"), "--verify", str(tmp_path / "v.json"),
                  "--out", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
-    assert [(r["depth"], r["width"], r["nodes"], r["verify_nodes"]) for r in rows] == [(10, 1, 11, 16), (4, 2, 9, 16)]
+    assert [(r["tree"], r["depth"], r["width"], r["nodes"], r["verify_nodes"]) for r in rows] == [
+        ("chain", 10, 1, 11, 16), ("chain", 4, 2, 9, 16), ("best", 3, 5, 16, 16)]
     assert rows[0]["projected_tok_s"] == round(7.0 / 0.5, 3) and rows[0]["measured_end_to_end"]
     (tmp_path / "auto.json").write_text(json.dumps({**e2e, "shapes": {"auto": {"tokens_per_pass": 9.9}}}))
     with pytest.raises(SystemExit, match="no fixed tree shape"):

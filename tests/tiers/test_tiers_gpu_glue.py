@@ -223,6 +223,31 @@ def test_gpu_glue_draft_chain_is_the_host_loop(model_path: Path, fake_cupy: obje
         s.close()
 
 
+def test_gpu_glue_best_first_drafter_on_the_device(model_path: Path, fake_cupy: object) -> None:
+    """The best-first drafter on the streamed GPU engine (stand-in): the device's top children of a
+    tree pass are the host's from the same rows, and speculation with it gives plain decoding's text."""
+    from infer.draft_tree import BestFirstDrafter, top_children
+    from infer.engine import greedy
+    from infer.speculative import Speculator
+
+    s = gpu_session(model_path, 0.4, 0.3)
+    try:
+        m = s.engine.model
+        prompt = np.random.default_rng(10).integers(3, SHAPE.vocab_size, 6)
+        cache = m.new_cache(CTX)
+        m.forward(prompt[:-1], cache)
+        logits = m.verify_tree(np.array([prompt[-1], 4, 9, 5]), np.array([-1, 0, 0, 1]), cache)
+        ids, logp = logits.top_children([0, 3], 3)
+        want_ids, want_logp = top_children(logits.to_host(), [0, 3], 3)
+        assert np.array_equal(ids, want_ids) and np.allclose(logp, want_logp, atol=1e-4)
+        want = m.generate(prompt, m.new_cache(CTX), 12)
+        spec = Speculator(m, BestFirstDrafter(m, CTX, 3, 2), 7, CTX)
+        assert list(spec.generate(list(prompt), 12, greedy)) == want
+        assert spec.stats.tokens_per_pass > 2  # the draft is the target itself
+    finally:
+        s.close()
+
+
 def test_gpu_glue_self_spec_reads_no_streamed_layer_while_drafting(model_path: Path, fake_cupy: object) -> None:
     """--self-spec on the streamed GPU engine (stand-in): the draft leaves the streamed layers out
     (no byte moves through the ring while it drafts), and the output is the plain engine's."""

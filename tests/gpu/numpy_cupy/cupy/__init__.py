@@ -26,7 +26,7 @@ def _w(r): return r.view(ndarray) if isinstance(r, np.ndarray) else r
 def asarray(x, dtype=None): return _w(np.array(x, dtype=dtype, copy=True))
 def asnumpy(a, stream=None): return np.array(a, copy=True).view(np.ndarray)
 def argsort(a, axis=-1): return _w(np.argsort(np.asarray(a), axis=axis, kind="stable"))
-for _n in ["zeros", "empty", "full", "arange", "concatenate", "stack", "where", "exp", "matmul", "ascontiguousarray", "empty_like"]:
+for _n in ["zeros", "empty", "full", "arange", "concatenate", "stack", "where", "exp", "log", "take_along_axis", "matmul", "ascontiguousarray", "empty_like"]:
     globals()[_n] = (lambda f: (lambda *a, **k: _w(f(*a, **k))))(getattr(np, _n))
 def empty(shape, dtype=np.float32): return _w(np.full(shape, np.nan if np.dtype(dtype).kind == 'f' else 0x5A, dtype))
 random = types.SimpleNamespace(random=lambda n, dtype=np.float64: _w(np.random.random(n).astype(dtype)))
