@@ -40,7 +40,6 @@ HUMANEVAL = Path.home() / ".cache" / "nvmedirect" / "humaneval" / "HumanEval.jso
 # as a user turn through the model's chat template
 PROSE = Path(__file__).parent / "prompts" / "prose_questions.txt"
 PROMPT_SETS = ("humaneval", "prose")
-UNPLANNED_SLACK = 32 * 2**20
 SHAPES = [(1, 1), (2, 1), (4, 1), (4, 2), (6, 2), (8, 2), (8, 4), (12, 4), (16, 4), (16, 8), (24, 8), (32, 8),
           (32, 16), (48, 16), (64, 16)]  # (depth, width): 1 + depth * width nodes
 VERIFY_SIZES = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024]
@@ -314,9 +313,7 @@ def streamed_pair(args: argparse.Namespace, gguf: Any, nodes_max: int) -> tuple[
     from infer.tiers.session import StreamingConfig, build_streaming_engine
 
     draft = _load(str(args.draft), args.ctx, "gpu", args.draft_budget)
-    # 32 MiB kept from tier A: on 2026-12-03 the pair's first KV cache failed with the plan 90 KiB from
-    # full and the pool 14.5 MB short (an allocation outside the plan, not yet found)
-    planned = {"draft model": draft.transformer.account.planned_total, "unplanned allocations": UNPLANNED_SLACK}
+    planned = {"draft model": draft.transformer.account.planned_total}
     chunk = max(512, nodes_max)
     budget = half_resident_budget(gguf, args.ctx, chunk, args.slots, sum(planned.values()), args.resident_fraction,
                                   nodes_max)

@@ -20,6 +20,12 @@ import cupy
 from infer.tiers.budget import VramAccount, VramBudgetError, format_bytes, parse_size
 
 MODULES_AND_GRAPHS = 128 << 20  # compiled kernel modules, instantiated graphs, library handles
+# The pool rounds every allocation up to 512 B and the weight arena aligns each tensor so: a plan that
+# counts exact tensor bytes runs over by up to 512 B a buffer. The planner fills tier A to the last
+# byte of the budget (90 KiB were left on 2026-12-03 when the Qwen pair's KV cache failed 0.35 MiB
+# short), so this much of the pool is kept out of every plan; the pool itself may use it.
+POOL_ROUNDING = 2 << 20
+POOL_ROUNDING_NAME = "pool rounding (512 B a buffer)"
 # Per-thread stack the driver reserves local memory for, for every thread the device can hold: its
 # default 1 KiB is ~277 MB on an H200 (~170 MB on an RTX 4090); the engine's kernels need at most
 # 256 B (attn_merge), and the driver raises the limit by itself for a kernel that needs more.
@@ -49,7 +55,8 @@ def new_account(vram_budget: str | int | None, what: str) -> VramAccount:
     free, total = device_memory()
     pool = cupy.get_default_memory_pool()
     in_use = total - free - int(pool.total_bytes())  # the context and other processes, not our pool
-    reserved = {"CUDA context and other processes": in_use, "kernels and graphs": MODULES_AND_GRAPHS}
+    reserved = {"CUDA context and other processes": in_use, "kernels and graphs": MODULES_AND_GRAPHS,
+                POOL_ROUNDING_NAME: POOL_ROUNDING}
     if vram_budget is None:
         return VramAccount(in_use + free - FREE_MARGIN, f"free memory less {format_bytes(FREE_MARGIN)}", reserved,
                            what=what)
@@ -63,8 +70,9 @@ _enforced: list[VramAccount] = []
 
 
 def enforce(account: VramAccount) -> None:
-    """Caps CuPy's pool at the account's pool limit (process-wide: one engine per process)."""
-    cupy.get_default_memory_pool().set_limit(size=max(account.pool_limit, 0))
+    """Caps CuPy's pool at the account's pool limit plus the rounding kept out of the plan
+    (process-wide: one engine per process)."""
+    cupy.get_default_memory_pool().set_limit(size=max(account.pool_limit + account.reserved.get(POOL_ROUNDING_NAME, 0), 0))
     _enforced[:] = [account]
 
 

@@ -285,3 +285,22 @@ def test_an_account_lowers_the_thread_stack_first(fake_cupy) -> None:  # noqa: A
     fake_cupy.LIMITS[0] = 128
     memory.new_account(None, "test")
     assert fake_cupy.LIMITS[0] == 128
+
+
+def test_the_pool_may_use_the_rounding_no_plan_takes(fake_cupy) -> None:  # noqa: ANN001
+    """A plan filled to its last byte (as the planner fills tier A) still leaves the pool the 512 B a
+    buffer its allocations round to: the account keeps POOL_ROUNDING out of every plan and the pool's
+    cap includes it."""
+    from infer.gpu import memory
+
+    account = memory.new_account("4GB", "test")
+    assert account.reserved[memory.POOL_ROUNDING_NAME] == memory.POOL_ROUNDING
+    account.plan("weights", account.room)
+    assert account.room == 0
+    memory.enforce(account)
+    try:
+        assert fake_cupy.get_default_memory_pool().get_limit() == account.pool_limit + memory.POOL_ROUNDING
+        assert account.pool_limit + memory.POOL_ROUNDING + sum(
+            v for k, v in account.reserved.items() if k != memory.POOL_ROUNDING_NAME) == account.budget
+    finally:
+        fake_cupy.get_default_memory_pool().set_limit(size=0)
