@@ -150,3 +150,37 @@ def test_speculative_greedy_is_plain_generation(path: Path) -> None:
         draft.forward(np.asarray(prompts[0][:-1]), b)  # as draft_chain feeds a prompt: one pass
         np.testing.assert_array_equal(ids, host._chain(np.asarray(prompts[0][-1:]), 5, width))
         assert a.length == b.length
+
+
+def test_best_first_trees_and_the_shape_tuner_keep_plain_generation(path: Path) -> None:
+    """The best-first drafter (its tree passes and top children on the device) and the shape tuner
+    (depth and width of a ModelDrafter tree) leave greedy speculation exactly plain generation,
+    resident and streamed; the device's top children equal the host's on the same rows."""
+    from infer.draft_tree import BestFirstDrafter, top_children
+    from infer.gpu import load_gpu_transformer
+    from infer.layerskip import skipping
+    from infer.spec_tuner import ShapeTuner
+
+    draft = skipping(load_gpu_transformer(GGUFModel(path), CTX), {1, 3})
+    rng = np.random.default_rng(12)
+    prompts = [list(rng.integers(3, SHAPE.vocab_size, n)) for n in (20, 9)]
+    cache = draft.new_cache(CTX)
+    draft.forward(np.asarray(prompts[0][:-1]), cache)
+    logits = draft.verify_tree(np.array([prompts[0][-1], 5, 9, 11]), np.array([-1, 0, 0, 2]), cache)
+    ids, logp = logits.top_children([0, 2, 3], 4)
+    want_ids, want_logp = top_children(logits.to_host(), [0, 2, 3], 4)
+    np.testing.assert_array_equal(ids, want_ids)
+    np.testing.assert_allclose(logp, want_logp, atol=1e-4)
+    for name, model, close in _models(path):
+        try:
+            for prompt in prompts:
+                want = model.generate(np.asarray(prompt), model.new_cache(CTX), 40)
+                best = Speculator(model, BestFirstDrafter(draft, CTX, 4, 4), 17, CTX)
+                assert list(best.generate(prompt, 40, greedy)) == want, (name, "best-first")
+                tuner = ShapeTuner(4, 16, 4, 8, 65, every=2)
+                tuned = Speculator(model, ModelDrafter(draft, CTX, 4, 4), 65, CTX, tuner)
+                assert list(tuned.generate(prompt, 40, greedy)) == want, (name, "tuned")
+                print(f"{name}: best-first {best.stats.tokens_per_pass:.2f}, tuned {tuner.depth} x {tuner.width} "
+                      f"{tuned.stats.tokens_per_pass:.2f} tokens per pass, identical")
+        finally:
+            close()
