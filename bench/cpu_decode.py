@@ -1,0 +1,170 @@
+"""The CPU engine against llama.cpp on the same files, threads and prompt (issue 28): load time, peak
+RSS, prompt tok/s and decode tok/s, each engine in a process of its own (so RSS and load are its own).
+
+    python -m bench.cpu_decode --model ~/.cache/nvmedirect/models/SmolLM2-135M-Instruct.Q8_0.gguf \\
+        --model ~/.cache/nvmedirect/models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf --pp 128 --tg 64 --out r.json
+
+Engines: `native` (our engine, matrices packed in the mapped file through the native kernels:
+NVMEDIRECT_CPU_PRODUCTS=native), `numpy` (our default engine: matrices dequantized to float32 at
+load), `llama.cpp` (llama-cpp-python, flash attention off, its own sampler at top-k 1). Every engine
+gets the same prompt ids (our tokenizer's) and decodes greedily; decode tok/s counts the tokens after
+the first. The machine's copy bandwidth is printed beside them (decode reads every weight once a
+token, so bytes a token / copy bandwidth bounds it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ENGINES = ("native", "numpy", "llama.cpp")
+PASSAGE = ("The river rose through the night, and by morning the lower fields were under water. The farmers "
+           "moved their animals to the hill behind the church and waited. Nobody in the village could remember "
+           "a flood like it, though the oldest stories spoke of one, long ago, that had carried away the mill. ")
+
+
+def prompt_ids(path: Path, n: int) -> list[int]:
+    """n token ids of a passage of prose (repeated as needed), by our tokenizer of `path`."""
+    from infer.gguf_file import GGUFModel
+    from infer.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_gguf(GGUFModel(path).metadata)
+    ids: list[int] = []
+    while len(ids) < n:
+        ids += tokenizer.encode(PASSAGE, add_bos=False)
+    return ids[:n]
+
+
+def peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def run_ours(path: Path, ids: list[int], tg: int, packed: bool) -> dict[str, Any]:
+    """Our CPU engine (its products use the physical cores: infer.cpu_kernels.default_threads)."""
+    from infer.engine import Engine, greedy
+    from infer.gguf_file import GGUFModel
+    from infer.model import load_transformer
+
+    began = time.perf_counter()
+    model = load_transformer(GGUFModel(path), packed=packed)
+    load_s = time.perf_counter() - began
+    engine = Engine(model, len(ids) + tg + 8)
+    began = time.perf_counter()
+    engine.prefill(ids[:-1], logits=False)
+    pp_s = time.perf_counter() - began
+    logits = engine.decode_one(ids[-1])
+    first = time.perf_counter()
+    tokens = []
+    for _ in range(tg):
+        token = int(greedy(logits, engine.tokens))
+        tokens.append(token)
+        logits = engine.decode_one(token)
+    end = time.perf_counter()
+    return {"load_seconds": round(load_s, 3), "pp_tok_s": round((len(ids) - 1) / pp_s, 2),
+            "tg_tok_s": round(tg / (end - first), 2), "peak_rss_bytes": peak_rss_bytes(), "tokens": tokens}
+
+
+def run_llama(path: Path, ids: list[int], tg: int, threads: int | None) -> dict[str, Any]:
+    import llama_cpp
+
+    n = threads or 1
+    began = time.perf_counter()
+    llm = llama_cpp.Llama(model_path=str(path), n_ctx=len(ids) + tg + 8, n_batch=512, n_threads=n,
+                          n_threads_batch=n, flash_attn=False, verbose=False)
+    load_s = time.perf_counter() - began
+    began = time.perf_counter()
+    llm.eval(ids[:-1])
+    pp_s = time.perf_counter() - began
+    vocab = llm.n_vocab()
+
+    def last_logits() -> Any:  # the batch's last row (llama.cpp keeps only it without logits_all)
+        import numpy as np
+
+        return np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(vocab,))
+
+    llm.eval([ids[-1]])
+    first = time.perf_counter()
+    tokens = []
+    for _ in range(tg):  # the arg-max of the last row, as our greedy chooser takes it
+        token = int(last_logits().argmax())
+        tokens.append(token)
+        llm.eval([token])
+    end = time.perf_counter()
+    llm.close()
+    return {"load_seconds": round(load_s, 3), "pp_tok_s": round((len(ids) - 1) / pp_s, 2),
+            "tg_tok_s": round(tg / (end - first), 2), "peak_rss_bytes": peak_rss_bytes(), "tokens": tokens}
+
+
+def one(args: argparse.Namespace) -> int:
+    ids = prompt_ids(args.model[0], args.pp)
+    if args.one == "llama.cpp":
+        result = run_llama(args.model[0], ids, args.tg, args.threads)
+    else:
+        result = run_ours(args.model[0], ids, args.tg, args.one == "native")
+    print(json.dumps(result))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.cpu_decode", description=__doc__.splitlines()[0])
+    parser.add_argument("--model", type=Path, action="append", required=True, help="a GGUF file (repeatable)")
+    parser.add_argument("--engines", default="native,llama.cpp", help=f"comma-separated, of {', '.join(ENGINES)}")
+    parser.add_argument("--pp", type=int, default=128, help="prompt tokens")
+    parser.add_argument("--tg", type=int, default=64, help="decoded tokens")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="llama.cpp's threads (default: the physical cores, which our products use)")
+    parser.add_argument("--out", type=Path)
+    parser.add_argument("--one", choices=ENGINES, help=argparse.SUPPRESS)  # the child process
+    args = parser.parse_args(argv)
+    if args.one:
+        return one(args)
+    from bench.cpu_kernels import copy_bandwidth_gbs
+    from infer.cpu_kernels import default_threads
+
+    threads = args.threads or default_threads()
+    engines = [e.strip() for e in args.engines.split(",") if e.strip()]
+    bad = [e for e in engines if e not in ENGINES]
+    if bad:
+        parser.error(f"unknown engine {bad[0]!r}: one of {', '.join(ENGINES)}")
+    rows = []
+    for path in args.model:
+        if not path.exists():
+            parser.error(f"{path}: no such file")
+        row: dict[str, Any] = {"model": path.name, "file_bytes": path.stat().st_size}
+        for engine in engines:
+            cmd = [sys.executable, "-m", "bench.cpu_decode", "--one", engine, "--model", str(path), "--pp",
+                   str(args.pp), "--tg", str(args.tg), "--threads", str(threads)]
+            done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+            if done.returncode != 0:
+                row[engine] = {"error": (done.stderr.strip().splitlines() or ["?"])[-1]}
+            else:
+                row[engine] = json.loads(done.stdout.strip().splitlines()[-1])
+            print(f"{path.name:<45} {engine:<10} {json.dumps({k: v for k, v in row[engine].items() if k != 'tokens'})}",
+                  file=sys.stderr, flush=True)
+        ours, ref = row.get("native") or row.get("numpy"), row.get("llama.cpp")
+        if ours and ref and "error" not in ours and "error" not in ref:
+            row["decode_vs_llama_cpp"] = round(ours["tg_tok_s"] / ref["tg_tok_s"], 3)
+            row["prompt_vs_llama_cpp"] = round(ours["pp_tok_s"] / ref["pp_tok_s"], 3)
+            row["same_tokens"] = next((i for i, (a, b) in enumerate(zip(ours["tokens"], ref["tokens"], strict=False))
+                                       if a != b), min(len(ours["tokens"]), len(ref["tokens"])))
+        rows.append(row)
+    result = {"threads": threads, "pp": args.pp, "tg": args.tg, "copy_GBps": round(copy_bandwidth_gbs(), 2),
+              "rows": rows, "command": " ".join(["python -m bench.cpu_decode", *(argv or sys.argv[1:])])}
+    for row in rows:
+        print(f"{row['model']:<45} decode {row.get('decode_vs_llama_cpp')}x llama.cpp, prompt "
+              f"{row.get('prompt_vs_llama_cpp')}x, the first {row.get('same_tokens')} of {args.tg} greedy tokens the same")
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=1))
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
