@@ -168,7 +168,7 @@ def attention_and_friends() -> list[dict[str, object]]:
 
     args = ModelArgs(arch="llama", n_layers=1, dim=DIM, ffn_dim=FFN, n_heads=32, n_kv_heads=8, head_dim=128,
                      vocab_size=VOCAB, context_length=4096, norm_eps=1e-5, rope_base=1e4, rope_dim=128,
-                     rope_neox=False, rope_linear_scale=1.0)
+                     rope_neox=False)
     for n in (1, 32, 512):
         inputs = Inputs(args, n, [("attn", "q8_k", DIM)])
         x = cupy.asarray(rng.standard_normal((n, DIM)).astype(np.float32))

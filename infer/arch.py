@@ -1,15 +1,20 @@
-"""The model description, in one place: hyper-parameters from GGUF metadata, the tensor names of
-the Llama/Qwen2 layout and the order a forward pass uses them, which tensors are optional (Q/K/V
-biases, rope frequency factors, an output matrix tied to the embeddings), and the load-time check
+"""The model description, in one place: one table per architecture (`ARCHITECTURES`: its rotary
+pairing, the tensors of a block and which a file may leave out), hyper-parameters and rope scaling
+from GGUF metadata, the tensor names and the order a forward pass uses them, and the load-time check
 that every tensor the forward pass will touch exists with the shape and a type it can compute.
 
 Every engine (the NumPy one, the GPU one, the streaming providers and the placement planner) takes
-names, shapes and options from here.
+names, shapes and options from here; a block's vectors (norms, biases) are put together once, by
+`layer_vectors`, for all of them.
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import math
 import re
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -20,21 +25,48 @@ if TYPE_CHECKING:  # NumPy stays unimported until a model is opened (the CLI set
 
     from infer.gguf_file import GGUFModel, TensorInfo
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
-# GGUF stores Llama's Q/K rows permuted so rotary pairs are adjacent (x[2i], x[2i+1]); Qwen2 keeps
-# the Hugging Face order, where dimension i pairs with i + d/2 (NeoX style). Checked against llama.cpp
-# by tests/infer/test_oracle_logits.py.
-NEOX_ROPE = {"llama": False, "qwen2": True}
-
 TOKEN_EMBD = "token_embd.weight"
 OUTPUT = "output.weight"
 OUTPUT_NORM = "output_norm.weight"
 ROPE_FREQS = "rope_freqs.weight"
-# The tensors of one block, in the order the forward pass uses them.
+# Every tensor kind a block may hold, in the order the forward pass uses them (the planner streams
+# a layer's tensors in this order).
 LAYER_KINDS = ("attn_norm", "attn_q", "attn_q.bias", "attn_k", "attn_k.bias", "attn_v", "attn_v.bias",
-               "attn_output", "ffn_norm", "ffn_gate", "ffn_up", "ffn_down")
-BIAS_KINDS = ("attn_q.bias", "attn_k.bias", "attn_v.bias")  # present in Qwen2, absent in Llama
+               "attn_q_norm", "attn_k_norm", "attn_output", "ffn_norm", "ffn_gate", "ffn_up", "ffn_down")
+BIAS_KINDS = ("attn_q.bias", "attn_k.bias", "attn_v.bias")  # Qwen2 has them; a missing one is zeros
+QK_NORM_KINDS = ("attn_q_norm", "attn_k_norm")  # Qwen3: RMSNorm of each query and key head before rope
 QKV_KINDS = ("attn_q", "attn_k", "attn_v")
+_DENSE = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm", "ffn_gate", "ffn_up", "ffn_down")
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """What a GGUF `general.architecture` means to the engines: the tensors of a block (required,
+    and optional ones a file may leave out) and how rotary pairs are formed. A new dense
+    architecture of this family is a new entry here plus the few lines its layer features need in
+    each engine's layer recipe (infer/model.py, infer/gpu/model.py)."""
+
+    name: str
+    neox_rope: bool  # rotary pairs (i, i + d/2), the Hugging Face order; else (2i, 2i+1), Llama's GGUF order
+    required: tuple[str, ...]
+    optional: tuple[str, ...] = BIAS_KINDS
+
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        """The block's tensor kinds in pass order."""
+        mine = set(self.required) | set(self.optional)
+        return tuple(k for k in LAYER_KINDS if k in mine)
+
+
+# GGUF stores Llama's Q/K rows permuted so rotary pairs are adjacent (x[2i], x[2i+1]); Qwen keeps the
+# Hugging Face order, where dimension i pairs with i + d/2 (NeoX style). Checked against llama.cpp by
+# tests/infer/test_oracle.py.
+ARCHITECTURES: dict[str, Architecture] = {
+    "llama": Architecture("llama", neox_rope=False, required=_DENSE),
+    "qwen2": Architecture("qwen2", neox_rope=True, required=_DENSE),
+    "qwen3": Architecture("qwen3", neox_rope=True, required=(*_DENSE, *QK_NORM_KINDS)),
+}
+SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 _LAYER_NAME = re.compile(r"^blk\.(\d+)\.(.+)\.(weight|bias)$")
 
 
@@ -53,6 +85,118 @@ def parse_tensor_name(name: str) -> tuple[int | None, str]:
     return int(match.group(1)), kind
 
 
+# llama.cpp's YaRN defaults (llama-hparams.h); for these architectures it reads no file key for them
+YARN_BETA_FAST, YARN_BETA_SLOW = 32.0, 1.0
+# Keys llama.cpp ignores for these architectures: a file that sets them means something we would not do
+_UNHONOURED_ROPE_KEYS = {"rope.scaling.yarn_ext_factor": 1.0, "rope.scaling.yarn_attn_factor": 1.0,
+                         "rope.scaling.yarn_beta_fast": YARN_BETA_FAST, "rope.scaling.yarn_beta_slow": YARN_BETA_SLOW,
+                         "rope.scaling.yarn_log_multiplier": 0.0}
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """How positions become rotation angles beyond theta_i = pos * base^(-2i/d), as llama.cpp's
+    ggml_rope_ext takes them: `linear` divides every angle by `factor`; `yarn` interpolates the slow
+    dimensions like linear, keeps the fast ones, ramps between them (correction dimensions from
+    `original_context` and the betas) and scales cos and sin by 1 + 0.1 ln(factor); `attn_factor`
+    (rope.scaling.attn_factor) scales cos and sin for every kind."""
+
+    kind: str = "none"  # none | linear | yarn
+    factor: float = 1.0
+    original_context: int = 0  # yarn: the context the model was trained at before stretching
+    attn_factor: float = 1.0
+
+    @classmethod
+    def from_gguf(cls, model: GGUFModel, arch: str, context_length: int) -> RopeScaling:
+        def key(name: str, kind: type, default: object) -> object:
+            full = f"{arch}.{name}"
+            return model.require(full, kind) if full in model.metadata else default
+
+        # llama.cpp reads a factor without a type as linear scaling (its default type), and takes
+        # the factor from the older rope.scale_linear key when rope.scaling.factor is missing
+        factor = float(key("rope.scaling.factor", float, 0.0) or key("rope.scale_linear", float, 0.0) or 1.0)
+        kind = str(key("rope.scaling.type", str, "linear" if factor != 1.0 else "none"))
+        if kind not in ("none", "linear", "yarn"):
+            raise UnsupportedModelError(model.path, f"rope scaling '{kind}' is not supported (supported: none, "
+                                        "linear, yarn)", f"key {arch}.rope.scaling.type")
+        for name, default in _UNHONOURED_ROPE_KEYS.items():
+            value = float(key(name, float, default))  # type: ignore[arg-type]
+            if value != default:
+                raise UnsupportedModelError(model.path, f"{name} = {value:g} is not supported (only {default:g}, "
+                                            "what llama.cpp uses for this architecture)", f"key {arch}.{name}")
+        if factor <= 0:
+            raise UnsupportedModelError(model.path, f"a rope scaling factor of {factor:g} is not positive",
+                                        f"key {arch}.rope.scaling.factor")
+        original = int(key("rope.scaling.original_context_length", int, context_length))
+        if kind == "none":
+            factor = 1.0  # llama.cpp: "none" never scales
+        return cls(kind, factor, original, float(key("rope.scaling.attn_factor", float, 1.0)))
+
+    def angle_scale(self, rope_dim: int, rope_base: float) -> Callable[[np.ndarray, np.ndarray],
+                                                                       tuple[np.ndarray, float]]:
+        """f(theta, pair) -> (the angles llama.cpp rotates by, the factor on cos and sin), theta
+        float32 (positions, pairs) of the unscaled angles (after any frequency factors), as
+        ggml's rope_yarn computes them in float32."""
+        import numpy as np
+
+        f32 = np.float32
+        logf = _c_logf()
+        if self.kind == "none":
+            freq_scale = f32(1.0)
+        else:
+            freq_scale = f32(f32(1.0) / f32(self.factor))
+        if self.kind != "yarn":
+            def plain(theta: np.ndarray, pair: np.ndarray) -> tuple[np.ndarray, float]:
+                return (theta if freq_scale == 1 else freq_scale * theta), f32(self.attn_factor)
+            return plain
+        # llama-context.cpp: the attention factor get_mscale(factor) / (1 + 0.1 ln factor) (about 1),
+        # times the file's; ggml's rope_yarn then multiplies by 1 + 0.1 ln(1 / freq_scale)
+        factor = f32(f32(1.0) / freq_scale)
+        mscale = f32(f32(f32(f32(0.1) * f32(1.0)) * logf(factor)) + f32(1.0))
+        mscale = f32(mscale * f32(f32(1.0) / f32(f32(1.0) + f32(f32(0.1) * logf(factor)))))
+        mscale = f32(mscale * f32(self.attn_factor))
+        mscale = f32(mscale * f32(f32(1.0) + f32(f32(0.1) * logf(f32(f32(1.0) / freq_scale)))))
+        low, high = yarn_correction_dims(rope_dim, self.original_context, rope_base)
+
+        def yarn(theta: np.ndarray, pair: np.ndarray) -> tuple[np.ndarray, float]:
+            # rope_yarn_ramp of i0 = 2 * pair: y = (i0 / 2 - low) / max(0.001, high - low)
+            y = (pair.astype(f32) - f32(low)) / f32(max(0.001, high - low))
+            ramp = (f32(1.0) - np.minimum(f32(1.0), np.maximum(f32(0.0), y))).astype(f32)
+            interp = (freq_scale * theta).astype(f32)
+            # theta_interp * (1 - ramp) + theta_extrap * ramp; the compiler fuses one product
+            mixed = interp.astype(np.float64) * (f32(1.0) - ramp) + (theta * ramp).astype(np.float64)
+            return mixed.astype(f32), mscale
+        return yarn
+
+
+def yarn_correction_dims(rope_dim: int, original_context: int, base: float) -> tuple[float, float]:
+    """ggml_rope_yarn_corr_dims: the first and last rotary dimension YaRN ramps between, from
+    beta_fast and beta_slow rotations over the original context (float32, as ggml computes)."""
+    import numpy as np
+
+    f32, logf = np.float32, _c_logf()
+
+    def corr_dim(n_rot: float) -> np.float32:
+        ratio = f32(f32(original_context) / f32(f32(n_rot) * f32(2) * f32(math.pi)))
+        return f32(f32(f32(rope_dim) * logf(ratio)) / f32(f32(2) * logf(f32(base))))
+
+    start, end = math.floor(corr_dim(YARN_BETA_FAST)), math.ceil(corr_dim(YARN_BETA_SLOW))
+    return float(max(0, start)), float(min(rope_dim - 1, end))
+
+
+def _c_logf() -> Callable[[float], np.float32]:
+    """The C library's logf (float32 in, float32 out), as ggml calls it; NumPy's float32 log otherwise."""
+    import numpy as np
+
+    name = ctypes.util.find_library("m")
+    try:
+        fn = ctypes.CDLL(name or "libm.so.6").logf
+    except (OSError, AttributeError):
+        return lambda x: np.log(np.float32(x))
+    fn.restype, fn.argtypes = ctypes.c_float, [ctypes.c_float]
+    return lambda x: np.float32(fn(float(x)))
+
+
 @dataclass(frozen=True)
 class ModelArgs:
     arch: str
@@ -68,7 +212,16 @@ class ModelArgs:
     rope_base: float
     rope_dim: int  # leading dimensions of each head that are rotated
     rope_neox: bool
-    rope_linear_scale: float  # positions are divided by this ("linear" rope scaling)
+    rope_scaling: RopeScaling = RopeScaling()
+
+    @property
+    def rope_linear_scale(self) -> float:
+        """Positions are divided by this ("linear" rope scaling; 1 otherwise)."""
+        return self.rope_scaling.factor if self.rope_scaling.kind == "linear" else 1.0
+
+    @property
+    def arch_table(self) -> Architecture:
+        return ARCHITECTURES[self.arch]
 
     @property
     def q_dim(self) -> int:
@@ -87,10 +240,11 @@ class ModelArgs:
         """Tensor name -> shape (NumPy order: rows, then row length) of every tensor of a block."""
         rows = {"attn_norm": (self.dim,), "attn_q": (self.q_dim, self.dim), "attn_k": (self.kv_dim, self.dim),
                 "attn_v": (self.kv_dim, self.dim), "attn_q.bias": (self.q_dim,), "attn_k.bias": (self.kv_dim,),
-                "attn_v.bias": (self.kv_dim,), "attn_output": (self.dim, self.q_dim), "ffn_norm": (self.dim,),
+                "attn_v.bias": (self.kv_dim,), "attn_q_norm": (self.head_dim,), "attn_k_norm": (self.head_dim,),
+                "attn_output": (self.dim, self.q_dim), "ffn_norm": (self.dim,),
                 "ffn_gate": (self.ffn_dim, self.dim), "ffn_up": (self.ffn_dim, self.dim),
                 "ffn_down": (self.dim, self.ffn_dim)}
-        return {tensor_name(layer, kind): rows[kind] for kind in LAYER_KINDS}
+        return {tensor_name(layer, kind): rows[kind] for kind in self.arch_table.kinds}
 
     @classmethod
     def from_gguf(cls, model: GGUFModel) -> ModelArgs:
@@ -108,7 +262,7 @@ class ModelArgs:
 
         n_heads = int(key("attention.head_count", int))
         dim = int(key("embedding_length", int))
-        if n_heads <= 0 or dim % n_heads:
+        if n_heads <= 0 or (f"{arch}.attention.key_length" not in model.metadata and dim % n_heads):
             raise UnsupportedModelError(model.path, f"{n_heads} heads do not divide width {dim}",
                                         f"key {arch}.attention.head_count")
         n_kv_heads = int(key("attention.head_count_kv", int, n_heads))
@@ -116,19 +270,11 @@ class ModelArgs:
             raise UnsupportedModelError(model.path, f"{n_kv_heads} KV heads do not divide {n_heads} heads",
                                         f"key {arch}.attention.head_count_kv")
         head_dim = int(key("attention.key_length", int, dim // n_heads))
-        # llama.cpp reads a factor without a type as linear scaling (its default type), and takes
-        # the factor from the older rope.scale_linear key when rope.scaling.factor is missing
-        factor = float(key("rope.scaling.factor", float, 0.0) or key("rope.scale_linear", float, 0.0) or 1.0)
-        scaling = str(key("rope.scaling.type", str, "linear" if factor != 1.0 else "none"))
-        if scaling not in ("none", "linear"):
-            raise UnsupportedModelError(model.path, f"rope scaling '{scaling}' is not supported",
-                                        f"key {arch}.rope.scaling.type")
-        # llama.cpp multiplies every rotation's cos and sin by this factor (for any scaling type):
-        # refused rather than ignored until the rotations take it
-        attn_factor = float(key("rope.scaling.attn_factor", float, 1.0))
-        if attn_factor != 1.0:
-            raise UnsupportedModelError(model.path, f"a rope attention factor of {attn_factor:g} is not supported "
-                                        "(only 1)", f"key {arch}.rope.scaling.attn_factor")
+        value_dim = int(key("attention.value_length", int, head_dim))
+        if value_dim != head_dim:
+            raise UnsupportedModelError(model.path, f"value heads of {value_dim} beside key heads of {head_dim} are "
+                                        "not supported (only equal sizes)", f"key {arch}.attention.value_length")
+        context_length = int(key("context_length", int))
         embd = model.tensor(TOKEN_EMBD)
         return cls(
             arch=arch,
@@ -139,14 +285,13 @@ class ModelArgs:
             n_kv_heads=n_kv_heads,
             head_dim=head_dim,
             vocab_size=int(embd.shape[0]),
-            context_length=int(key("context_length", int)),
+            context_length=context_length,
             norm_eps=float(key("attention.layer_norm_rms_epsilon", float)),
             rope_base=float(key("rope.freq_base", float, 10000.0)),
             rope_dim=int(key("rope.dimension_count", int, head_dim)),
-            rope_neox=NEOX_ROPE[arch],
-            rope_linear_scale=factor if scaling == "linear" else 1.0,
+            rope_neox=ARCHITECTURES[arch].neox_rope,
+            rope_scaling=RopeScaling.from_gguf(model, arch, context_length),
         )
-
 
 def context_warning(args: ModelArgs, ctx_size: int, name: str) -> str | None:
     """One line when a run's context exceeds what the model was trained for (positions past it are
@@ -165,10 +310,6 @@ def output_name(model: GGUFModel) -> str:
     """The output projection: `output.weight`, or the token embeddings when the file ties them
     (SmolLM2 has no output.weight)."""
     return OUTPUT if OUTPUT in model.tensors else TOKEN_EMBD
-
-
-def has_qkv_bias(model: GGUFModel, layer: int) -> bool:
-    return any(tensor_name(layer, kind) in model.tensors for kind in BIAS_KINDS)
 
 
 def rope_freq_factors(model: GGUFModel, args: ModelArgs) -> np.ndarray | None:
@@ -200,7 +341,31 @@ def check_model(model: GGUFModel) -> ModelArgs:
     rope_freq_factors(model, args)
     for i in range(args.n_layers):
         for name, shape in args.layer_shapes(i).items():
-            if name.endswith(".bias") and name not in model.tensors:
+            if parse_tensor_name(name)[1] in args.arch_table.optional and name not in model.tensors:
                 continue
             checked_tensor(model, name, shape)
     return args
+
+
+def layer_vectors(args: ModelArgs, i: int, tensors: Mapping[str, np.ndarray]) -> dict[str, np.ndarray | None]:
+    """A block's vectors as every engine's layer takes them, from its float32 tensors by kind
+    (`tensors` may hold the matrices too): attn_norm, ffn_norm; bqkv, Q, K and V biases as one
+    (q_dim + 2 kv_dim) vector (zeros for a missing one) or None; q_norm, k_norm (head_dim) or None."""
+    import numpy as np
+
+    bqkv = None
+    if any(kind in tensors for kind in BIAS_KINDS):
+        sizes = (args.q_dim, args.kv_dim, args.kv_dim)
+        bqkv = np.concatenate([np.asarray(tensors[kind], np.float32).reshape(-1) if kind in tensors
+                               else np.zeros(n, np.float32) for kind, n in zip(BIAS_KINDS, sizes, strict=True)])
+    vector = {kind: np.asarray(tensors[kind], np.float32).reshape(-1) if kind in tensors else None
+              for kind in ("attn_norm", "ffn_norm", *QK_NORM_KINDS)}
+    if vector["attn_norm"] is None or vector["ffn_norm"] is None:
+        raise ValueError(f"layer {i} lacks attn_norm or ffn_norm")
+    return {"attn_norm": vector["attn_norm"], "ffn_norm": vector["ffn_norm"], "bqkv": bqkv,
+            "q_norm": vector["attn_q_norm"], "k_norm": vector["attn_k_norm"]}
+
+
+def layer_vector_kinds(args: ModelArgs) -> tuple[str, ...]:
+    """The kinds of a block's tensors that are vectors (norms, biases): what layer_vectors reads."""
+    return tuple(k for k in args.arch_table.kinds if k.endswith(".bias") or k.endswith("norm"))

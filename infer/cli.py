@@ -317,7 +317,7 @@ def main(ctx: click.Context, model: str | None, prompt: str | None, n_predict: i
          benchmark: bool, temp: float, top_k: int, top_p: float, min_p: float, repeat_penalty: float,
          ctx_size: int, seed: int | None, device: str, streaming: StreamingConfig, spec: SpecOptions,
          threads: int | None, exact: bool, as_json: bool) -> None:
-    """Run a GGUF language model (Llama or Qwen2 architecture) on the GPU or the CPU.
+    """Run a GGUF language model (Llama, Qwen2 or Qwen3 architecture) on the GPU or the CPU.
 
     With --streaming, weights that do not fit the VRAM budget are streamed each pass from pinned RAM
     (tier B) and from the file or an NVMe drive (tier C); --batch/--prompts decode several

@@ -1,4 +1,4 @@
-"""The Llama/Qwen2 decoder in NumPy float32: model arguments from GGUF metadata, per-layer weights
+"""The Llama/Qwen2/Qwen3 decoder in NumPy float32: model arguments from GGUF metadata, per-layer weights
 behind a small provider interface, and the forward pass over a KV cache.
 
 The forward pass follows llama.cpp's CPU numerics where that costs nothing: the KV cache is float16,
@@ -34,7 +34,8 @@ from infer.arch import (  # noqa: F401 - ModelArgs re-exported: the model's desc
     TOKEN_EMBD,
     ModelArgs,
     check_model,
-    has_qkv_bias,
+    layer_vector_kinds,
+    layer_vectors,
     output_name,
     rope_freq_factors,
     tensor_name,
@@ -85,10 +86,21 @@ class LayerWeights:
     ffn_norm: np.ndarray  # (dim,)
     gate_up: Linear  # (2 * ffn_dim, dim): gate then up
     down: Linear  # (dim, ffn_dim)
+    q_norm: np.ndarray | None = None  # (head_dim,): Qwen3's RMSNorm of each query head before rope
+    k_norm: np.ndarray | None = None  # (head_dim,): the same for each key head
+
+    @classmethod
+    def assemble(cls, vectors: dict[str, np.ndarray | None], qkv: Linear, wo: Linear, gate_up: Linear,
+                 down: Linear) -> LayerWeights:
+        """A block from arch.layer_vectors' vectors and its products."""
+        return cls(attn_norm=vectors["attn_norm"], qkv=qkv, bqkv=vectors["bqkv"], wo=wo,  # type: ignore[arg-type]
+                   ffn_norm=vectors["ffn_norm"], gate_up=gate_up, down=down,  # type: ignore[arg-type]
+                   q_norm=vectors["q_norm"], k_norm=vectors["k_norm"])
 
     @property
     def nbytes(self) -> int:
-        parts = [self.attn_norm, self.qkv, self.bqkv, self.wo, self.ffn_norm, self.gate_up, self.down]
+        parts = [self.attn_norm, self.qkv, self.bqkv, self.wo, self.ffn_norm, self.gate_up, self.down, self.q_norm,
+                 self.k_norm]
         return sum(p.nbytes for p in parts if p is not None)
 
 
@@ -149,17 +161,12 @@ class DequantizedWeights:
         def name(kind: str) -> str:
             return tensor_name(i, kind)
 
-        bqkv = None
-        if has_qkv_bias(self.model, i):
-            sizes = (self.args.q_dim, self.args.kv_dim, self.args.kv_dim)
-            bqkv = np.concatenate([self._f32(name(f"attn_{x}.bias")) if name(f"attn_{x}.bias") in self.model.tensors
-                                   else np.zeros(n, np.float32) for x, n in zip("qkv", sizes, strict=True)])
-        return LayerWeights(
-            attn_norm=self._f32(name("attn_norm")),
+        vectors = {kind: self._f32(name(kind)) for kind in layer_vector_kinds(self.args)
+                   if name(kind) in self.model.tensors}
+        return LayerWeights.assemble(
+            layer_vectors(self.args, i, vectors),
             qkv=self._linear(*(name(f"attn_{x}") for x in "qkv")),
-            bqkv=bqkv,
             wo=self._linear(name("attn_output")),
-            ffn_norm=self._f32(name("ffn_norm")),
             gate_up=self._linear(name("ffn_gate"), name("ffn_up")),
             down=self._linear(name("ffn_down")),
         )
@@ -273,12 +280,15 @@ class Rope:
                                       else np.float32(args.rope_base) ** np.float64(exponent))
         self.freq_factors = freq_factors
         self.fma = fma
+        # linear / YaRN scaling and the attention factor (infer.arch.RopeScaling)
+        self._scaled = args.rope_scaling.angle_scale(args.rope_dim, args.rope_base)
         self._table = np.zeros((2, 0, self.n_pairs), np.float32)  # cos, sin of positions 0.. so far
 
     def angles(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """cos and sin, each (T, n_pairs). The angle of pair i is pos * theta_scale**i, computed as
-        llama.cpp does (a running float32 product, then / freq_factor[i], then * 1/linear_scale) so
-        both sides rotate by the same rounded angles."""
+        llama.cpp does (a running float32 product, then / freq_factor[i], then linear or YaRN
+        scaling, and cos and sin times the attention factor) so both sides rotate by the same
+        rounded angles."""
         positions = np.asarray(positions, dtype=np.int64)
         if len(positions) and positions.max() >= self._table.shape[1]:
             known = self._table.shape[1]
@@ -292,13 +302,15 @@ class Rope:
         theta = np.cumprod(steps, axis=1, dtype=np.float32)
         if self.freq_factors is not None:
             theta = theta / self.freq_factors
-        if self.args.rope_linear_scale != 1.0:
-            theta = theta * np.float32(1.0 / self.args.rope_linear_scale)
+        theta, mscale = self._scaled(theta, np.arange(self.n_pairs))
         if _C_MATH is None:  # no C library: the correctly rounded values, almost always the same
-            return np.stack([np.cos(theta.astype(np.float64)), np.sin(theta.astype(np.float64))]).astype(np.float32)
-        cosf, sinf, _ = _C_MATH
-        flat = theta.ravel().tolist()
-        return np.stack([np.fromiter(map(f, flat), np.float32, len(flat)).reshape(theta.shape) for f in (cosf, sinf)])
+            cos_sin = np.stack([np.cos(theta.astype(np.float64)), np.sin(theta.astype(np.float64))]).astype(np.float32)
+        else:
+            cosf, sinf, _ = _C_MATH
+            flat = theta.ravel().tolist()
+            cos_sin = np.stack([np.fromiter(map(f, flat), np.float32, len(flat)).reshape(theta.shape)
+                                for f in (cosf, sinf)])
+        return cos_sin if mscale == 1 else cos_sin * np.float32(mscale)
 
     def apply(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
         """x: (T, heads, head_dim) -> rotated copy."""
@@ -447,6 +459,10 @@ class Transformer:
         q = qkv[:, : a.q_dim].reshape(n, a.n_heads, a.head_dim)
         k = qkv[:, a.q_dim : a.q_dim + a.kv_dim].reshape(n, a.n_kv_heads, a.head_dim)
         v = qkv[:, a.q_dim + a.kv_dim :].reshape(n, a.n_kv_heads, a.head_dim)
+        if layer.q_norm is not None:  # Qwen3: each head normalised before rope
+            q = self.norm(q, layer.q_norm)
+        if layer.k_norm is not None:
+            k = self.norm(k, layer.k_norm)
         q, k = self.rope.apply(q, cos, sin), self.rope.apply(k, cos, sin)
         keys, values = cache.store(index, start, k, v)  # (S, kv_heads, head_dim) float16
         group = a.n_heads // a.n_kv_heads  # query heads per KV head (GQA): head h reads KV head h // group

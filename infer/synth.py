@@ -25,6 +25,7 @@ from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import quantize
 
 T = GGMLQuantizationType
+ARCHS = ("llama", "qwen2", "qwen3")
 POOL_BLOCKS = 1 << 16
 ALIGNMENT = 32
 
@@ -41,6 +42,11 @@ class Shape:
     rope_base: float = 500000.0
     norm_eps: float = 1e-5
     arch: str = "llama"
+    head_dim: int = 0  # 0: dim / n_heads (Qwen3 sets its own: attention.key_length)
+
+    @property
+    def head_size(self) -> int:
+        return self.head_dim or self.dim // self.n_heads
 
 
 SHAPES: dict[str, Shape] = {
@@ -212,16 +218,17 @@ def _norm_writer(n: int, rng: np.random.Generator, mean: float) -> tuple[int, Ca
 
 def write_model(path: str | Path, shape: Shape, kind: str, seed: int = 0, name: str | None = None,
                 arch: str | None = None) -> int:
-    """Writes a random Llama-shaped GGUF; returns its size in bytes. arch (default the shape's)
-    "qwen2" adds Q/K/V biases (and readers apply NeoX-style rotary pairs to it)."""
+    """Writes a random Llama-shaped GGUF; returns its size in bytes. arch (default the shape's):
+    "qwen2" adds Q/K/V biases, "qwen3" per-head Q and K norms (readers apply NeoX-style rotary
+    pairs to both)."""
     arch = arch or shape.arch
-    if arch not in ("llama", "qwen2"):
-        raise ValueError(f"unknown architecture '{arch}' (known: llama, qwen2)")
+    if arch not in ARCHS:
+        raise ValueError(f"unknown architecture '{arch}' (known: {', '.join(ARCHS)})")
     if kind not in FILE_TYPES:
         raise ValueError(f"unknown model type '{kind}' (known: {', '.join(FILE_TYPES)})")
     rng = np.random.default_rng(seed)
     s = shape
-    head_dim = s.dim // s.n_heads
+    head_dim = s.head_size
     tokens, scores, types = vocabulary(s.vocab_size)
     meta: dict[str, object] = {
         "general.architecture": arch,
@@ -237,6 +244,8 @@ def write_model(path: str | Path, shape: Shape, kind: str, seed: int = 0, name: 
         f"{arch}.rope.dimension_count": head_dim,
         f"{arch}.attention.layer_norm_rms_epsilon": float(s.norm_eps),
         f"{arch}.vocab_size": s.vocab_size,
+        **({f"{arch}.attention.key_length": head_dim, f"{arch}.attention.value_length": head_dim}
+           if s.head_dim or arch == "qwen3" else {}),
         "tokenizer.ggml.model": "llama",
         "tokenizer.ggml.tokens": tokens,
         "tokenizer.ggml.scores": scores,
@@ -273,6 +282,9 @@ def write_model(path: str | Path, shape: Shape, kind: str, seed: int = 0, name: 
             norm(p + "attn_q.bias", q_dim, 0.0)
             norm(p + "attn_k.bias", kv_dim, 0.0)
             norm(p + "attn_v.bias", kv_dim, 0.0)
+        if arch == "qwen3":
+            norm(p + "attn_q_norm.weight", head_dim)
+            norm(p + "attn_k_norm.weight", head_dim)
         matrix(p + "attn_output.weight", "attn_output", i, s.dim, q_dim)
         norm(p + "ffn_norm.weight")
         matrix(p + "ffn_gate.weight", "ffn_gate", i, s.ffn_dim, s.dim)
@@ -304,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--type", dest="kind", choices=sorted(FILE_TYPES), default="q4_k_m")
     parser.add_argument("--layers", type=int, help="override the shape's layer count")
     parser.add_argument("--vocab", type=int, help="override the shape's vocab size")
-    parser.add_argument("--arch", choices=["llama", "qwen2"], help="default: the shape's (qwen2 for q05b, q15b)")
+    parser.add_argument("--arch", choices=ARCHS, help="default: the shape's (qwen2 for q05b, q15b)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("-o", "--output", required=True, help="GGUF file to write")
     args = parser.parse_args(argv)

@@ -160,16 +160,19 @@ class RowFields:
 
 
 def rope_rows(qkv: cupy.ndarray, shape: AttentionShape, cos: cupy.ndarray, sin: cupy.ndarray, layer: int,
-              rows: RowFields, n: int) -> None:
+              rows: RowFields, n: int, q_norm: cupy.ndarray | None = None, k_norm: cupy.ndarray | None = None,
+              eps: float = 0.0) -> None:
     """Rotates q (in place) and k of rows 0..n-1 of qkv (rows, shape.width) by their positions and
-    stores k and v in each row's cache at its slot (layer `layer`)."""
+    stores k and v in each row's cache at its slot (layer `layer`); with q_norm / k_norm (head_dim
+    floats) each query / key head is RMS-normalised (epsilon eps) and scaled by them first."""
     s = shape
     threads = min(128, max(32, -(-s.head_dim // 2 // 32) * 32))
     pos, slot, _base, _off, _anc, kptr, vptr, cap = rows.offset(0)
     kernels.function("attention", "rope_rows")(
         (n, s.n_heads + s.n_kv_heads), (threads,),
         (qkv, np.int32(s.width), cos, sin, np.int32(s.n_heads), np.int32(s.n_kv_heads), np.int32(s.head_dim),
-         np.int32(s.n_pairs), np.int32(1 if s.neox else 0), np.int32(layer), pos, slot, kptr, vptr, cap))
+         np.int32(s.n_pairs), np.int32(1 if s.neox else 0), np.int32(layer), pos, slot, kptr, vptr, cap,
+         NULL if q_norm is None else q_norm, NULL if k_norm is None else k_norm, np.float32(eps)))
 
 
 def attention(qkv: cupy.ndarray, shape: AttentionShape, layer: int, rows: RowFields, n: int, max_ctx: int,

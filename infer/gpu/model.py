@@ -1,4 +1,4 @@
-"""The Llama/Qwen2 forward pass on the GPU: one layer recipe for the N rows of a pass, whatever they
+"""The Llama/Qwen2/Qwen3 forward pass on the GPU: one layer recipe for the N rows of a pass, whatever they
 are — a sequence's next token (decode), one token of each of many sequences (a batch), a prompt
 chunk, a token tree's nodes, or a mix — over weights from a provider (infer.gpu.weights): all
 resident in VRAM, or streamed through the 3-tier pipeline.
@@ -181,7 +181,7 @@ class GpuTransformer:
             rows = sum(m.rows for m in parts)
             self._product(parts, xs[parts[0].act], "attn", qkv[row0:], shape, s.width,
                           bias=None if L.bqkv is None else L.bqkv[row0 : row0 + rows])
-        attention.rope_rows(self.qkv, s, *self.rope_tables, i, ix.fields, n)
+        attention.rope_rows(self.qkv, s, *self.rope_tables, i, ix.fields, n, L.q_norm, L.k_norm, a.norm_eps)
         att = inputs.get("att", L.wo.act) if L.wo.act in ops.EIGHT_BIT else self.att
         int8 = att if isinstance(att, ops.Int8Act) else None
         if half and attention.uses_prompt_attention(s) and products.uses_pmm(L.wo.fmt, L.wo.cols):

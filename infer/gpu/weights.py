@@ -17,7 +17,7 @@ from typing import Protocol
 import cupy
 import numpy as np
 
-from infer.arch import OUTPUT_NORM, TOKEN_EMBD, ModelArgs, has_qkv_bias, output_name, tensor_name
+from infer.arch import OUTPUT_NORM, TOKEN_EMBD, ModelArgs, output_name, tensor_name
 from infer.gguf_file import GGUFModel, TensorInfo
 from infer.gpu.layout import FLOAT_FORMATS
 from infer.gpu.memory import transient_pool
@@ -57,6 +57,8 @@ class GpuLayer:
     w_gate: GpuMatrix
     w_up: GpuMatrix
     w_down: GpuMatrix
+    q_norm: cupy.ndarray | None = None  # (head_dim,): Qwen3's RMSNorm of each query head before rope
+    k_norm: cupy.ndarray | None = None
 
     def matrices(self) -> list[GpuMatrix]:
         return [self.wq, self.wk, self.wv, self.wo, self.w_gate, self.w_up, self.w_down]
@@ -72,7 +74,8 @@ class GpuLayer:
     def addresses(self) -> tuple[int, ...]:
         """The device addresses the layer's kernels read (a captured graph of them is valid while
         these stay: a streamed layer's scratch)."""
-        arrays = [self.attn_norm, self.ffn_norm, self.bqkv, *(m.buffer for m in self.matrices())]
+        arrays = [self.attn_norm, self.ffn_norm, self.bqkv, self.q_norm, self.k_norm,
+                  *(m.buffer for m in self.matrices())]
         return tuple(0 if b is None else int(b.data.ptr) for b in arrays)
 
 
@@ -158,29 +161,23 @@ def embedding_on_host(model: GGUFModel) -> bool:
     return output_name(model) != TOKEN_EMBD
 
 
-def qkv_bias(model: GGUFModel, args: ModelArgs, layer: int) -> cupy.ndarray | None:
-    """The Q, K and V biases as one (q_dim + 2*kv_dim) vector (zeros for a missing one), or None."""
-    if not has_qkv_bias(model, layer):
-        return None
-    parts = []
-    for kind, n in zip(("attn_q.bias", "attn_k.bias", "attn_v.bias"), (args.q_dim, args.kv_dim, args.kv_dim),
-                       strict=True):
-        name = tensor_name(layer, kind)
-        parts.append(model.tensor(name).dequantize().reshape(-1) if name in model.tensors else np.zeros(n, np.float32))
-    return cupy.asarray(np.concatenate(parts).astype(np.float32))
-
-
 def assemble_layer(vectors: dict[str, cupy.ndarray | None], matrices: dict[str, GpuMatrix]) -> GpuLayer:
-    """A GpuLayer from its vectors (attn_norm, ffn_norm, bqkv) and its matrices by kind."""
-    m = matrices
-    return GpuLayer(attn_norm=vectors["attn_norm"], wq=m["attn_q"], wk=m["attn_k"], wv=m["attn_v"],  # type: ignore[arg-type]
-                    bqkv=vectors["bqkv"], wo=m["attn_output"], ffn_norm=vectors["ffn_norm"],  # type: ignore[arg-type]
-                    w_gate=m["ffn_gate"], w_up=m["ffn_up"], w_down=m["ffn_down"])
+    """A GpuLayer from its vectors (layer_vectors) and its matrices by kind."""
+    m, v = matrices, vectors
+    return GpuLayer(attn_norm=v["attn_norm"], wq=m["attn_q"], wk=m["attn_k"], wv=m["attn_v"],  # type: ignore[arg-type]
+                    bqkv=v["bqkv"], wo=m["attn_output"], ffn_norm=v["ffn_norm"],  # type: ignore[arg-type]
+                    w_gate=m["ffn_gate"], w_up=m["ffn_up"], w_down=m["ffn_down"], q_norm=v["q_norm"], k_norm=v["k_norm"])
 
 
 def layer_vectors(model: GGUFModel, args: ModelArgs, i: int) -> dict[str, cupy.ndarray | None]:
-    return {"attn_norm": upload_vector(model, tensor_name(i, "attn_norm")),
-            "ffn_norm": upload_vector(model, tensor_name(i, "ffn_norm")), "bqkv": qkv_bias(model, args, i)}
+    """The block's vectors (arch.layer_vectors) on the device."""
+    from infer.arch import layer_vector_kinds
+    from infer.arch import layer_vectors as host_vectors
+
+    names = {kind: tensor_name(i, kind) for kind in layer_vector_kinds(args)}
+    host = host_vectors(args, i, {kind: model.tensor(name).dequantize() for kind, name in names.items()
+                                  if name in model.tensors})
+    return {kind: None if v is None else cupy.asarray(v) for kind, v in host.items()}
 
 
 def layer_bytes(layers: list[GpuLayer], output: GpuMatrix) -> tuple[int, int]:

@@ -63,10 +63,13 @@ __device__ __forceinline__ __half* cache_at(unsigned long long base, int layer, 
 // grid (rows, n_heads + n_kv_heads): q rotated in place; k rotated and stored, v stored, at the row's
 // slot. qkv: (rows, W) float32 with q at 0, k at n_heads*D, v at (n_heads + n_kv_heads)*D. Pair i is
 // (2i, 2i+1) for Llama (GGUF permutes Q/K so pairs are adjacent), (i, i + n_pairs) for NeoX.
+// q_norm / k_norm (D floats, or null): each query / key head is first RMS-normalised over its D
+// values and multiplied by them (Qwen3), in the rmsnorm kernels' arithmetic (ops.cu).
 extern "C" __global__ void rope_rows(float* qkv, int W, const float* cos_t, const float* sin_t, int n_heads,
                                      int n_kv_heads, int D, int n_pairs, int neox, int layer, const int* pos,
                                      const int* slot, const unsigned long long* kptr,
-                                     const unsigned long long* vptr, const int* cap) {
+                                     const unsigned long long* vptr, const int* cap, const float* q_norm,
+                                     const float* k_norm, float eps) {
     const int r = blockIdx.x, h = blockIdx.y;
     const int p = pos[r];
     const float* c = cos_t + (long long)p * n_pairs;
@@ -76,10 +79,19 @@ extern "C" __global__ void rope_rows(float* qkv, int W, const float* cos_t, cons
     const int kh = h - n_heads;
     float* src = is_q ? row + h * D : row + (n_heads + kh) * D;
     __half* kdst = is_q ? nullptr : cache_at(kptr[r], layer, n_kv_heads, kh, cap[r], slot[r], D);
+    const float* nw = is_q ? q_norm : k_norm;  // the same for the whole block
+    float rms = 1.f;
+    if (nw) {
+        float ss = 0.f;
+        for (int d = threadIdx.x; d < D; d += blockDim.x) ss = __fmaf_rn(src[d], src[d], ss);
+        ss = block_sum(ss);  // every thread has read its values before any is written below
+        rms = sqrtf(__fadd_rn(__fdiv_rn(ss, (float)D), eps));
+    }
+    auto value = [&](int d) { return nw ? __fmul_rn(__fdiv_rn(src[d], rms), nw[d]) : src[d]; };
     for (int i = threadIdx.x; i < n_pairs; i += blockDim.x) {
         const int ia = neox ? i : 2 * i, ib = neox ? i + n_pairs : 2 * i + 1;
         float ra, rb;
-        rotate(src[ia], src[ib], c[i], s[i], ra, rb);
+        rotate(value(ia), value(ib), c[i], s[i], ra, rb);
         if (is_q) {
             src[ia] = ra;
             src[ib] = rb;
@@ -88,8 +100,12 @@ extern "C" __global__ void rope_rows(float* qkv, int W, const float* cos_t, cons
             kdst[ib] = __float2half_rn(rb);
         }
     }
-    if (is_q) return;
-    for (int d = 2 * n_pairs + threadIdx.x; d < D; d += blockDim.x) kdst[d] = __float2half_rn(src[d]);
+    if (is_q) {  // the dimensions past the rotated ones: normalised in place
+        if (nw)
+            for (int d = 2 * n_pairs + threadIdx.x; d < D; d += blockDim.x) src[d] = value(d);
+        return;
+    }
+    for (int d = 2 * n_pairs + threadIdx.x; d < D; d += blockDim.x) kdst[d] = __float2half_rn(value(d));
     const float* vs = row + (n_heads + n_kv_heads + kh) * D;
     __half* vdst = cache_at(vptr[r], layer, n_kv_heads, kh, cap[r], slot[r], D);
     for (int d = threadIdx.x; d < D; d += blockDim.x) vdst[d] = __float2half_rn(vs[d]);

@@ -20,7 +20,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import numpy as np
 
 from infer import quants
-from infer.arch import OUTPUT_NORM, TOKEN_EMBD, ModelArgs, output_name
+from infer.arch import OUTPUT_NORM, TOKEN_EMBD, ModelArgs, layer_vectors, output_name
 from infer.gguf_file import GGUFModel
 from infer.model import LayerWeights, Linear
 from infer.tiers.plan import Plan, Tensor, Tier
@@ -144,19 +144,11 @@ class StreamingCpuWeights:
         if index == 0:
             self.passes += 1
         values = {t.kind: (self._values(t), self._fmt_of(t.ggml_type)) for t in self._by_layer[index]}  # pass order
-        a = self.args
-        has_bias = any(f"attn_{x}.bias" in values for x in "qkv")
-        bqkv = None
-        if has_bias:
-            sizes = {"q": a.q_dim, "k": a.kv_dim, "v": a.kv_dim}
-            bqkv = np.concatenate([values[f"attn_{x}.bias"][0] if f"attn_{x}.bias" in values
-                                   else np.zeros(sizes[x], np.float32) for x in "qkv"])
-        return LayerWeights(
-            attn_norm=values["attn_norm"][0],
+        vectors = layer_vectors(self.args, index, {kind: v for kind, (v, _) in values.items() if v.ndim == 1})
+        return LayerWeights.assemble(
+            vectors,
             qkv=Linear([values["attn_q"], values["attn_k"], values["attn_v"]], self.exact),
-            bqkv=bqkv,
             wo=Linear([values["attn_output"]], self.exact),
-            ffn_norm=values["ffn_norm"][0],
             gate_up=Linear([values["ffn_gate"], values["ffn_up"]], self.exact),
             down=Linear([values["ffn_down"]], self.exact),
         )

@@ -170,7 +170,7 @@ def test_rmsnorm_rounded(rng: np.random.Generator, act: str, n: int) -> None:
 def _args(neox: bool, n_heads: int, n_kv: int, head_dim: int) -> ModelArgs:
     return ModelArgs(arch="qwen2" if neox else "llama", n_layers=1, dim=n_heads * head_dim, ffn_dim=64,
                      n_heads=n_heads, n_kv_heads=n_kv, head_dim=head_dim, vocab_size=32, context_length=4096,
-                     norm_eps=1e-5, rope_base=10000.0, rope_dim=head_dim, rope_neox=neox, rope_linear_scale=1.0)
+                     norm_eps=1e-5, rope_base=10000.0, rope_dim=head_dim, rope_neox=neox)
 
 
 @pytest.mark.parametrize("vocab", [151936, 151941, 1000])  # unrolled loads, with a tail, tail only
@@ -662,10 +662,14 @@ def test_attention_rounds_its_output(rng: np.random.Generator, act: str) -> None
         np.testing.assert_array_equal(cupy.asnumpy(int8.xsum), qsum)
 
 
-@pytest.mark.parametrize("neox", [False, True], ids=["adjacent", "neox"])
-def test_rope_rows(rng: np.random.Generator, neox: bool) -> None:
-    """q rotated in place; k rotated and v stored as float16 in each row's cache at its slot (layer 1)."""
-    n_heads, n_kv, hd, cap = 8, 2, 64, 300
+@pytest.mark.parametrize(("neox", "qk_norm"), [(False, False), (True, False), (True, True)],
+                         ids=["adjacent", "neox", "neox-qk-norm"])
+def test_rope_rows(rng: np.random.Generator, neox: bool, qk_norm: bool) -> None:
+    """q rotated in place; k rotated and v stored as float16 in each row's cache at its slot (layer 1);
+    with q/k norms (Qwen3) each head RMS-normalised and scaled first, as the CPU engine does."""
+    from infer.model import rms_norm
+
+    n_heads, n_kv, hd, cap, eps = 8, 2, 64, 300, 1e-6
     args = _args(neox, n_heads, n_kv, hd)
     rope = Rope(args, None)
     shape = attn.AttentionShape(n_heads, n_kv, hd, rope.n_pairs, neox)
@@ -673,15 +677,20 @@ def test_rope_rows(rng: np.random.Generator, neox: bool) -> None:
     caches = _Caches(rng, 2, n_kv, [cap, cap], hd)
     rows = [(0, 5, 5, 6, None), (1, 299, 299, 300, None), (0, 17, 200, 10, [200])]
     qkv = rng.standard_normal((len(rows), shape.width)).astype(np.float32)
+    qkv[:, : n_heads * hd] *= 7.0  # norms far from 1, so that a missing normalisation shows
+    q_norm, k_norm = (1 + 0.3 * rng.standard_normal((2, hd))).astype(np.float32) if qk_norm else (None, None)
     d = cupy.asarray(qkv)
     attn.rope_rows(d, shape, cupy.asarray(cos.astype(np.float32)), cupy.asarray(sin.astype(np.float32)), 1,
-                  caches.fields(rows), len(rows))
+                  caches.fields(rows), len(rows), None if q_norm is None else cupy.asarray(q_norm),
+                  None if k_norm is None else cupy.asarray(k_norm), eps)
     got = cupy.asnumpy(d)
     for i, (seq, pos, slot, _, _) in enumerate(rows):
         c, s_ = cos[pos], sin[pos]
         q = qkv[i, : n_heads * hd].reshape(n_heads, hd)
         k = qkv[i, n_heads * hd : (n_heads + n_kv) * hd].reshape(n_kv, hd)
         v = qkv[i, (n_heads + n_kv) * hd :].reshape(n_kv, hd)
+        if qk_norm:
+            q, k = rms_norm(q, q_norm, eps, exact=True), rms_norm(k, k_norm, eps, exact=True)
         np.testing.assert_allclose(got[i, : n_heads * hd].reshape(n_heads, hd), rope.apply(q[None], c[None], s_[None])[0],
                                    rtol=1e-5, atol=1e-5)
         kc, vc = cupy.asnumpy(caches.k[seq])[1, :, slot], cupy.asnumpy(caches.v[seq])[1, :, slot]

@@ -1,6 +1,7 @@
 """The GPU forward pass: every row's logits are the same bits in every pass it can ride in (alone,
 in a batch of other sequences, as a token-tree node, as a prompt position), for every weight type;
-they follow the CPU engine's function (synthetic models of every file type, Llama and Qwen2 layouts);
+they follow the CPU engine's function (synthetic models of every file type, Llama, Qwen2 and Qwen3
+layouts);
 generation on the device is the host's greedy loop over the same passes; stops, sampling seeds and
 the context limit behave.
 
@@ -18,7 +19,7 @@ without it that test skips.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -51,12 +52,13 @@ class Pair:
     path: Path
 
 
-@pytest.fixture(scope="module", params=[(k, a) for a in ("llama", "qwen2") for k in KINDS],
+@pytest.fixture(scope="module", params=[(k, a) for a in ("llama", "qwen2", "qwen3") for k in KINDS],
                 ids=lambda p: f"{p[1]}-{p[0]}")
 def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Pair:
     kind, arch = request.param
     path = tmp_path_factory.mktemp("models") / f"{arch}-{kind}.gguf"
-    write_model(path, SHAPE, kind, seed=11, arch=arch)
+    # Qwen3 with its own head size (attention.key_length): q_dim 1024 over a width of 512
+    write_model(path, replace(SHAPE, head_dim=128) if arch == "qwen3" else SHAPE, kind, seed=11, arch=arch)
     return Pair(kind, load_transformer(GGUFModel(path), exact=True), load_gpu_transformer(GGUFModel(path), 1024), path)
 
 

@@ -225,14 +225,22 @@ def test_a_rope_factor_without_a_type_is_linear_scaling(good_model: Path, tmp_pa
     assert not np.array_equal(scaled, original)
 
 
-def test_a_rope_attention_factor_is_refused_not_ignored(good_model: Path, tmp_path: Path) -> None:
-    """llama.cpp scales every rotation's cos and sin by `rope.scaling.attn_factor`; this engine does
-    not yet, so a file that sets it to anything but 1 stops with the key named (1 loads)."""
+def test_rope_scaling_llama_cpp_would_not_apply_is_refused_with_its_key(good_model: Path, tmp_path: Path) -> None:
+    """Linear and YaRN scaling and the attention factor are honoured (checked against llama.cpp in
+    test_oracle_architectures.py); any other type, or YaRN parameters llama.cpp does not read for
+    this architecture, stop with the key named rather than being ignored."""
     from infer.arch import ModelArgs
 
-    scaled = write_copy(good_model, tmp_path / "attn-factor.gguf", metadata={
+    longrope = write_copy(good_model, tmp_path / "longrope.gguf", metadata={
+        "llama.rope.scaling.type": ("longrope", GGUFValueType.STRING),
+        "llama.rope.scaling.factor": (4.0, GGUFValueType.FLOAT32)})
+    assert_one_line_error(longrope, "key llama.rope.scaling.type", "rope scaling 'longrope' is not supported")
+    beta = write_copy(good_model, tmp_path / "beta.gguf", metadata={
+        "llama.rope.scaling.type": ("yarn", GGUFValueType.STRING),
+        "llama.rope.scaling.factor": (4.0, GGUFValueType.FLOAT32),
+        "llama.rope.scaling.yarn_beta_fast": (16.0, GGUFValueType.FLOAT32)})
+    assert_one_line_error(beta, "key llama.rope.scaling.yarn_beta_fast", "16 is not supported")
+    factor = write_copy(good_model, tmp_path / "attn-factor.gguf", metadata={
         "llama.rope.scaling.attn_factor": (1.2, GGUFValueType.FLOAT32)})
-    assert_one_line_error(scaled, "key llama.rope.scaling.attn_factor", "rope attention factor of 1.2")
-    one = write_copy(good_model, tmp_path / "attn-factor-1.gguf", metadata={
-        "llama.rope.scaling.attn_factor": (1.0, GGUFValueType.FLOAT32)})
-    assert ModelArgs.from_gguf(GGUFModel(one)).rope_linear_scale == 1.0
+    scaling = ModelArgs.from_gguf(GGUFModel(factor)).rope_scaling
+    assert (scaling.kind, scaling.attn_factor) == ("none", pytest.approx(1.2))

@@ -40,13 +40,13 @@ class Row:
 # What kind of arithmetic each compared operation is (tests/infer/test_oracle.py bounds each kind).
 KINDS = {
     "embedding": "elementwise", "attn rms_norm": "elementwise", "ffn rms_norm": "elementwise",
-    "output rms_norm": "elementwise", "qkv + bias": "elementwise", "rope q": "elementwise", "rope k": "elementwise",
+    "output rms_norm": "elementwise", "qkv + bias": "elementwise", "q/k rms_norm": "elementwise", "rope q": "elementwise", "rope k": "elementwise",
     "swiglu": "swiglu", "rope + attention": "attention",
     "qkv matmul": "matmul", "wo + residual": "matmul", "gate matmul": "matmul", "up matmul": "matmul",
     "down matmul": "matmul", "output matmul": "matmul",
 }
 # The tensors compare() reads from a trace.
-TRACED = ["embd", "attn_norm", "Qcur", "Kcur", "Vcur", "kqv_out", "ffn_inp", "ffn_norm", "ffn_gate", "ffn_up",
+TRACED = ["embd", "attn_norm", "Qcur", "Kcur", "Vcur", "Qcur_normed", "Kcur_normed", "kqv_out", "ffn_inp", "ffn_norm", "ffn_gate", "ffn_up",
           "ffn_swiglu", "ffn_out", "l_out", "result_norm", "result_output"]
 
 
@@ -114,7 +114,8 @@ def compare(model: Transformer, tensors: dict[str, list[np.ndarray]], ids: list[
     rows.append(_diff(-1, "embedding", model.weights.embed(np.asarray(ids)), x))
     for i in range(a.n_layers):
         layer = model.weights.layer(i)
-        t = {name: tensors[f"{name}-{i}"] for name in ("attn_norm", "Qcur", "Kcur", "Vcur", "kqv_out", "ffn_inp",
+        t = {name: tensors[f"{name}-{i}"] for name in ("attn_norm", "Qcur", "Kcur", "Vcur", "Qcur_normed",
+                                                      "Kcur_normed", "kqv_out", "ffn_inp",
                                                       "ffn_norm", "ffn_gate", "ffn_up", "ffn_swiglu", "ffn_out",
                                                       "l_out") if f"{name}-{i}" in tensors}
         rows.append(_diff(i, "attn rms_norm", model.norm(x, layer.attn_norm), t["attn_norm"][-1]))
@@ -128,6 +129,14 @@ def compare(model: Transformer, tensors: dict[str, list[np.ndarray]], ids: list[
             rows.append(_diff(i, "qkv + bias", np.concatenate(pre, axis=1) + layer.bqkv,
                               np.concatenate(biased, axis=1)))
         qkv_in = np.concatenate([_flat(t[k][-2 if k != "Vcur" else -1], n) for k in ("Qcur", "Kcur", "Vcur")], axis=1)
+        if layer.q_norm is not None:  # Qwen3: rope takes the normalised heads
+            shaped = (n, -1, a.head_dim)
+            q_pre, k_pre = (_flat(t[k][1 if layer.bqkv is None else 2], n) for k in ("Qcur", "Kcur"))
+            normed = np.concatenate([model.norm(q_pre.reshape(shaped), layer.q_norm).reshape(n, -1),
+                                     model.norm(k_pre.reshape(shaped), layer.k_norm).reshape(n, -1)], axis=1)
+            want = np.concatenate([_flat(t[k][-1], n) for k in ("Qcur_normed", "Kcur_normed")], axis=1)
+            rows.append(_diff(i, "q/k rms_norm", normed, want))
+            qkv_in = np.concatenate([want, qkv_in[:, a.q_dim + a.kv_dim :]], axis=1)
         rows.append(_diff(i, "rope q", model.rope.apply(qkv_in[:, : a.q_dim].reshape(n, a.n_heads, a.head_dim),
                                                          cos, sin), t["Qcur"][-1]))
         k_in = qkv_in[:, a.q_dim : a.q_dim + a.kv_dim].reshape(n, a.n_kv_heads, a.head_dim)

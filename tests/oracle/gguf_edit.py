@@ -14,16 +14,20 @@ from gguf import GGUFReader, GGUFValueType, GGUFWriter
 def write_copy(source: Path, target: Path, n_layers: int | None = None,
                metadata: dict[str, tuple[Any, ...]] | None = None,
                drop_tensors: tuple[str, ...] = (), extra_tensors: dict[str, np.ndarray] | None = None,
-               reverse_tensor_order: bool = False) -> Path:
+               reverse_tensor_order: bool = False, drop_pattern: str | None = None) -> Path:
     """Copies `source` to `target`, keeping only blocks < n_layers, replacing or adding `metadata`
-    (key -> (value, type)), leaving out the tensors named in `drop_tensors` and adding
-    `extra_tensors` (name -> float32 array); reverse_tensor_order stores the tensors last to first."""
+    (key -> (value, type)), leaving out the tensors named in `drop_tensors` or matching the regular
+    expression `drop_pattern` and adding `extra_tensors` (name -> float32 array);
+    reverse_tensor_order stores the tensors last to first. A new `general.architecture` in
+    `metadata` also renames the old architecture's keys ("qwen2.block_count" -> "qwen3.block_count")."""
     reader = GGUFReader(source)
     overrides = dict(metadata or {})
     arch_value = overrides.pop("general.architecture", (None,))[0]
-    arch = arch_value or str(reader.fields["general.architecture"].contents())
+    old_arch = str(reader.fields["general.architecture"].contents())
+    arch = arch_value or old_arch
     writer = GGUFWriter(target, arch)
-    for key, field in reader.fields.items():
+    for field_key, field in reader.fields.items():
+        key = f"{arch}.{field_key[len(old_arch) + 1:]}" if field_key.startswith(f"{old_arch}.") else field_key
         if key.startswith("GGUF.") or key == "general.architecture" or key in overrides:
             continue
         value = field.contents()
@@ -35,7 +39,8 @@ def write_copy(source: Path, target: Path, n_layers: int | None = None,
         writer.add_key_value(key, value, vtype, sub_type=sub[0] if sub else None)
     for tensor in reversed(reader.tensors) if reverse_tensor_order else reader.tensors:
         block = re.match(r"blk\.(\d+)\.", tensor.name)
-        if tensor.name in drop_tensors or (block and n_layers is not None and int(block.group(1)) >= n_layers):
+        if tensor.name in drop_tensors or (drop_pattern and re.search(drop_pattern, tensor.name)) or \
+                (block and n_layers is not None and int(block.group(1)) >= n_layers):
             continue
         writer.add_tensor(tensor.name, np.asarray(tensor.data), raw_dtype=tensor.tensor_type)
     for name, values in (extra_tensors or {}).items():

@@ -19,6 +19,15 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_qwen3(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The same as a Qwen3: per-head Q/K norms (vectors that stay in VRAM), its own head size."""
+    path = tmp_path_factory.mktemp("synth") / "tiny4-qwen3-q4_k_m.gguf"
+    shape = Shape(**{**SHAPES["tiny"].__dict__, "n_layers": 4, "arch": "qwen3", "head_dim": 128})
+    write_model(path, shape, "q4_k_m", seed=11)
+    return path
+
+
+@pytest.fixture(scope="session")
 def smollm2() -> Path:
     path = smollm2_path()
     if not path.exists():

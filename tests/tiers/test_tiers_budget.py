@@ -17,7 +17,7 @@ from infer.tiers.budget import (
 
 ARGS_70B = ModelArgs(arch="llama", n_layers=80, dim=8192, ffn_dim=28672, n_heads=64, n_kv_heads=8, head_dim=128,
                      vocab_size=128256, context_length=8192, norm_eps=1e-5, rope_base=5e5, rope_dim=128,
-                     rope_neox=False, rope_linear_scale=1.0)
+                     rope_neox=False)
 
 
 @pytest.mark.parametrize(("text", "value"), [

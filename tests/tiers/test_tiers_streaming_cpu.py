@@ -77,6 +77,18 @@ def test_tiny_streaming_logits_equal_resident(tiny_model: Path, resident: float,
         s.close()
 
 
+def test_qwen3_streaming_logits_equal_resident(tiny_qwen3: Path) -> None:
+    """Qwen3's Q/K norms ride with the streamed layers' vectors: streamed logits are the resident ones."""
+    s = session(tiny_qwen3, 0.3, 0.3)
+    try:
+        assert s.engine.model.args.arch == "qwen3"
+        tokens = [t % 1024 for t in PROMPT]
+        got = s.engine.model.forward(np.asarray(tokens), s.engine.model.new_cache(CTX), all_logits=True)
+        np.testing.assert_array_equal(got, resident_logits(tiny_qwen3, tokens))
+    finally:
+        s.close()
+
+
 def test_tiny_generation_over_many_passes_equals_resident(tiny_model: Path) -> None:
     s = session(tiny_model, 0.25, 0.25)
     try:

@@ -26,7 +26,7 @@ def _w(r): return r.view(ndarray) if isinstance(r, np.ndarray) else r
 def asarray(x, dtype=None): return _w(np.array(x, dtype=dtype, copy=True))
 def asnumpy(a, stream=None): return np.array(a, copy=True).view(np.ndarray)
 def argsort(a, axis=-1): return _w(np.argsort(np.asarray(a), axis=axis, kind="stable"))
-for _n in ["zeros", "empty", "full", "arange", "concatenate", "stack", "where", "exp", "log", "take_along_axis", "matmul", "ascontiguousarray", "empty_like"]:
+for _n in ["zeros", "empty", "full", "arange", "concatenate", "stack", "where", "exp", "log", "subtract", "take_along_axis", "matmul", "ascontiguousarray", "empty_like"]:
     globals()[_n] = (lambda f: (lambda *a, **k: _w(f(*a, **k))))(getattr(np, _n))
 def empty(shape, dtype=np.float32): return _w(np.full(shape, np.nan if np.dtype(dtype).kind == 'f' else 0x5A, dtype))
 random = types.SimpleNamespace(random=lambda n, dtype=np.float64: _w(np.random.random(n).astype(dtype)))
@@ -278,7 +278,7 @@ class RawKernel:
             _arr(y, np.float32, rows * nn)[:] = v.reshape(-1)
             if _ptr(y16): _arr(y16, np.float16, rows * nn)[:] = v.reshape(-1).astype(np.float16)
         elif n == "rope_rows":
-            qkv, W, cos, sin, H, Hkv, D, npairs, neox, layer, pos, slot, kptr, vptr, cap = args
+            qkv, W, cos, sin, H, Hkv, D, npairs, neox, layer, pos, slot, kptr, vptr, cap, qn, kn, eps = args
             Tn = grid[0]; W, H, Hkv, D, npairs, neox, layer = map(int, (W, H, Hkv, D, npairs, neox, layer))
             P = _arr(pos, np.int32, Tn); SL = _arr(slot, np.int32, Tn); CAP = _arr(cap, np.int32, Tn)
             KP = _arr(kptr, np.uint64, Tn); VP = _arr(vptr, np.uint64, Tn)
@@ -287,6 +287,9 @@ class RawKernel:
             for t in range(Tn):
                 c, s_ = C[P[t]], S[P[t]]
                 q = X[t, : H * D].reshape(H, D); k = X[t, H * D : (H + Hkv) * D].reshape(Hkv, D); v = X[t, (H + Hkv) * D : (H + 2 * Hkv) * D].reshape(Hkv, D)
+                from infer.model import rms_norm
+                if _ptr(qn): q[...] = rms_norm(q.copy(), _arr(qn, np.float32, D).copy(), float(eps), exact=True)
+                if _ptr(kn): k = rms_norm(k.copy(), _arr(kn, np.float32, D).copy(), float(eps), exact=True)
                 q[...] = _rotate(q.copy(), c, s_, npairs, neox)
                 KC, VC = _layer_cache(KP[t], layer, Hkv, int(CAP[t]), D), _layer_cache(VP[t], layer, Hkv, int(CAP[t]), D)
                 KC[:, SL[t]] = _rotate(k, c, s_, npairs, neox).astype(np.float16); VC[:, SL[t]] = v.astype(np.float16)

@@ -1,0 +1,191 @@
+"""Architectures and rope variants without a small real file on PyPI, against llama.cpp: Qwen3
+(synthetic files of every weight type, and a two-layer copy of the real Qwen2.5-Coder-0.5B turned
+into a Qwen3 with per-head Q/K norms), YaRN rope scaling (a copy of the real Qwen2.5-Coder-0.5B) and
+the rope attention factor (a copy of SmolLM2).
+
+The rules are test_oracle.py's (docs/INFERENCE.md):
+- each operation of every layer fed llama.cpp's own input (its eval callback): elementwise ones
+  (RMSNorm, the new per-head Q/K RMSNorm, rope) bit-identical, products and attention within
+  float32 / float16 rounding (OP_BOUND);
+- our logit error, mean and max, at most NOISE_FACTOR times llama.cpp's own batching noise on the
+  same tokens (its one-batch logits against its token-by-token ones). Where that bar is not met the
+  test checks everything else first and reports an expected failure with the reason (BELOW_BAR),
+  never a pass.
+Each logit test also shows the feature matters there: without it (no Q/K norms, no scaling) the
+error is at least twice the bound, so a test cannot pass by ignoring what it checks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+from gguf import GGUFValueType
+
+from infer.gguf_file import GGUFModel
+from infer.model import Transformer, load_transformer
+from infer.synth import Shape, write_model
+from tests.infer.test_oracle import OP_BOUND
+from tests.oracle import compare_ops
+from tests.oracle.fixtures import botchan_text, model_path
+from tests.oracle.gguf_edit import write_copy
+from tests.oracle.reference import Reference
+from tests.oracle.trace import trace
+
+pytestmark = [pytest.mark.oracle, pytest.mark.slow]
+
+NOISE_FACTOR = 2.0  # test_oracle.py's
+TOKENS = 96
+# Logit bars not met, and why (docs/INFERENCE.md, "Bars not met"). Measured 2026-12-03 on this CPU:
+# every operation matches llama.cpp's fed its input (test_qwen3_operations_match_llama_cpp); the
+# whole-model error is 8-bit activation rounding amplified over the layers, while llama.cpp's two
+# batchings of these small files share more of their summation order than ours does with either.
+_PROPAGATED = ("every operation matches llama.cpp's to float32 rounding (the per-operation test); the "
+               "logit difference is rounding amplified by 8-bit activations, and llama.cpp's own batching "
+               "noise on this file is smaller than on the real models the bar was set on")
+BELOW_BAR = {"synthetic qwen3 q8_0": _PROPAGATED, "synthetic qwen3 q4_k_m": _PROPAGATED,
+             "qwen3 from Qwen2.5-Coder-0.5B": _PROPAGATED}
+# Qwen3-0.6B's proportions, small: head size 128 with 4 heads over a width of 256 (q_dim 512 != width)
+QWEN3 = Shape(n_layers=2, dim=256, ffn_dim=768, n_heads=4, n_kv_heads=2, vocab_size=1024, context_length=2048,
+              rope_base=1e6, norm_eps=1e-6, arch="qwen3", head_dim=128)
+
+
+def _errors(ours: np.ndarray, ref: Reference, ids: list[int]) -> tuple[np.ndarray, float, float, float, float]:
+    """(llama.cpp's logits, our mean and max error, its mean and max batching noise)."""
+    want = ref.logits(ids)
+    noise = np.abs(ref.logits_token_by_token(ids) - want)
+    error = np.abs(ours - want)
+    return want, float(error.mean()), float(error.max()), float(noise.mean()), float(noise.max())
+
+
+def _logits(model: Transformer, ids: list[int]) -> np.ndarray:
+    return model.forward(np.array(ids), model.new_cache(len(ids) + 8), all_logits=True)
+
+
+def _check(name: str, got: np.ndarray, without: np.ndarray, ref: Reference, ids: list[int]) -> None:
+    want, mean, worst, noise_mean, noise_max = _errors(got, ref, ids)
+    off = float(np.abs(without - want).mean())
+    top1 = float(np.mean(got.argmax(-1) == want.argmax(-1)))
+    print(f"\n{name}: |error| mean {mean:.5f} max {worst:.4f}; llama.cpp's batching noise mean {noise_mean:.5f} "
+          f"max {noise_max:.4f}; without the feature mean {off:.4f}; top-1 agreement {top1:.3f}")
+    assert off > 2 * max(NOISE_FACTOR * noise_mean, mean)  # the feature moves logits beyond the bound
+    met = mean <= NOISE_FACTOR * noise_mean and worst <= NOISE_FACTOR * noise_max
+    if not met and name in BELOW_BAR:
+        pytest.xfail(f"{name}: logit error {mean:.4f} / {worst:.3f} > {NOISE_FACTOR} x llama.cpp's noise "
+                     f"{noise_mean:.4f} / {noise_max:.3f}: {BELOW_BAR[name]}")
+    assert met
+
+
+class _WithoutQKNorm:
+    """The layers of a provider with their Q/K norms dropped (what an engine that ignored them computes)."""
+
+    def __init__(self, weights: object) -> None:
+        self._weights = weights
+
+    def layer(self, index: int) -> object:
+        return replace(self._weights.layer(index), q_norm=None, k_norm=None)  # type: ignore[attr-defined]
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._weights, name)
+
+
+def _without_qk_norm(model: Transformer) -> Transformer:
+    return Transformer(model.args, _WithoutQKNorm(model.weights), model.rope.freq_factors)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("kind", ["f16", "q8_0", "q4_k_m"])
+def test_synthetic_qwen3_matches_llama_cpp(kind: str, tmp_path: Path) -> None:
+    path = tmp_path / f"qwen3-{kind}.gguf"
+    write_model(path, QWEN3, kind, seed=3)
+    ours = load_transformer(GGUFModel(path))
+    assert ours.args.arch == "qwen3" and ours.args.q_dim == 512 and ours.weights.layer(0).q_norm is not None
+    ids = [int(t) for t in np.random.default_rng(0).integers(3, QWEN3.vocab_size, TOKENS)]
+    ref = Reference(path, n_ctx=128)
+    try:
+        _check(f"synthetic qwen3 {kind}", _logits(ours, ids), _logits(_without_qk_norm(ours), ids), ref, ids)
+    finally:
+        ref.close()
+
+
+def _qwen3_from_qwen25(tmp_path: Path) -> Path:
+    """Qwen2.5-Coder-0.5B's first two blocks as a Qwen3: Q/K/V biases dropped, per-head Q and K norms
+    added (weights around 1, as trained ones are), the keys renamed."""
+    rng = np.random.default_rng(5)
+    norms = {f"blk.{i}.attn_{x}_norm.weight": (1 + 0.25 * rng.standard_normal(64)).astype(np.float32)
+             for i in range(2) for x in "qk"}
+    return write_copy(model_path("qwen05b"), tmp_path / "qwen3-from-qwen25.gguf", n_layers=2,
+                      metadata={"general.architecture": ("qwen3", GGUFValueType.STRING)},
+                      drop_pattern=r"\.attn_[qkv]\.bias$", extra_tensors=norms)
+
+
+def _prose(ref: Reference) -> list[int]:
+    return ref.tokenize(botchan_text()[5000:9000])[:TOKENS]
+
+
+def test_qwen3_made_from_a_real_qwen25_matches_llama_cpp(tmp_path: Path) -> None:
+    path = _qwen3_from_qwen25(tmp_path)
+    ours = load_transformer(GGUFModel(path))
+    assert ours.args.arch == "qwen3" and ours.weights.layer(1).bqkv is None
+    ref = Reference(path, n_ctx=128)
+    try:
+        ids = _prose(ref)
+        _check("qwen3 from Qwen2.5-Coder-0.5B", _logits(ours, ids), _logits(_without_qk_norm(ours), ids), ref, ids)
+    finally:
+        ref.close()
+
+
+@pytest.mark.parametrize("original", [256, 32768])
+def test_yarn_rope_scaling_matches_llama_cpp(original: int, tmp_path: Path) -> None:
+    """Qwen2.5's long-context recipe (yarn, factor 4) on two blocks of the real 0.5B. An original
+    context of 256 puts the ramp between interpolated and kept dimensions among the pairs that turn
+    within 96 positions; at 32768 (the real files' value) the attention scale dominates."""
+    source = model_path("qwen05b")
+    path = write_copy(source, tmp_path / "yarn.gguf", n_layers=2, metadata={
+        "qwen2.rope.scaling.type": ("yarn", GGUFValueType.STRING),
+        "qwen2.rope.scaling.factor": (4.0, GGUFValueType.FLOAT32),
+        "qwen2.rope.scaling.original_context_length": (original, GGUFValueType.UINT32)})
+    ours = load_transformer(GGUFModel(path))
+    assert ours.args.rope_scaling.kind == "yarn" and ours.args.rope_scaling.original_context == original
+    plain = load_transformer(GGUFModel(write_copy(source, tmp_path / "plain.gguf", n_layers=2)))
+    ref = Reference(path, n_ctx=128)
+    try:
+        ids = _prose(ref)
+        _check(f"yarn x4 from {original}", _logits(ours, ids), _logits(plain, ids), ref, ids)
+    finally:
+        ref.close()
+
+
+def test_rope_attention_factor_matches_llama_cpp(tmp_path: Path) -> None:
+    """`rope.scaling.attn_factor` scales every rotation's cos and sin (queries and keys), with or
+    without a scaling type."""
+    source = model_path("smollm2-F16")
+    path = write_copy(source, tmp_path / "attn-factor.gguf", n_layers=2, metadata={
+        "llama.rope.scaling.attn_factor": (1.3, GGUFValueType.FLOAT32)})
+    ours = load_transformer(GGUFModel(path))
+    plain = load_transformer(GGUFModel(write_copy(source, tmp_path / "plain.gguf", n_layers=2)))
+    ref = Reference(path, n_ctx=128)
+    try:
+        ids = _prose(ref)
+        _check("attention factor 1.3", _logits(ours, ids), _logits(plain, ids), ref, ids)
+    finally:
+        ref.close()
+
+
+@pytest.mark.parametrize("which", ["real-copy", "synthetic-q4_k_m"])
+def test_qwen3_operations_match_llama_cpp(which: str, tmp_path: Path) -> None:
+    """Each operation of both blocks fed llama.cpp's own input: the per-head Q/K RMSNorm and rope
+    bit for bit, the rest within OP_BOUND."""
+    if which == "real-copy":
+        path = _qwen3_from_qwen25(tmp_path)
+    else:
+        path = tmp_path / "qwen3-q4_k_m.gguf"
+        write_model(path, QWEN3, "q4_k_m", seed=3)
+    ours = load_transformer(GGUFModel(path))
+    ids = [int(t) for t in np.random.default_rng(1).integers(3, min(ours.args.vocab_size, 30000), 32)]
+    rows = compare_ops.compare(ours, trace(path, ids, names=compare_ops.TRACED), ids)
+    assert {"q/k rms_norm", "rope q", "rope k"} <= {r.op for r in rows}
+    for row in rows:
+        bound = OP_BOUND[compare_ops.KINDS[row.op]]
+        assert row.rel <= bound + row.allowance, f"{row.op} in layer {row.layer}: relative error {row.rel:.2e}"
