@@ -24,10 +24,12 @@ import argparse
 import gzip
 import io
 import json
+import os
 import subprocess
 import sys
 import tempfile
 import time
+import traceback
 import zipfile
 from collections.abc import Sequence
 from pathlib import Path
@@ -426,7 +428,8 @@ def e2e(args: argparse.Namespace) -> dict[str, Any]:
             print(json.dumps(row), file=sys.stderr, flush=True)
         ppl_text = [t for p in humaneval_prompts(args.prompts + 24)[args.prompts:] for t in tokenizer.encode(p)]
         ppl_ctx = min(256, args.ctx) // 2 * 2
-        ppl = {"full": _ppl(target, ppl_text, ppl_ctx)}  # the cost of leaving layers out, on other prompts
+        # the cost of leaving layers out, on other prompts (the run's cache: the plan holds no second one)
+        ppl = {"full": _ppl(target, ppl_text, ppl_ctx, cache=cache)}
         for name, view in views.items():
             ppl[name] = _ppl(view, ppl_text, ppl_ctx)
     finally:
@@ -482,15 +485,18 @@ def _self_view(name: str, target: Any, tokenizer: Any, path: Path) -> Any:
     return skipping(target, self_draft_layers(target, similarity, threshold, name.startswith("self:")))
 
 
-def _ppl(model: Any, tokens: list[int], ctx: int = 256, chunks: int = 8) -> float | None:
-    """Perplexity (llama.cpp's method) of `model` on `tokens`: chunks of ctx from an empty cache."""
+def _ppl(model: Any, tokens: list[int], ctx: int = 256, chunks: int = 8, cache: Any = None) -> float | None:
+    """Perplexity (llama.cpp's method) of `model` on `tokens`: chunks of ctx from an empty cache
+    (`cache`, emptied for each chunk, or a new one each)."""
     from infer.perplexity import perplexity
 
     if len(tokens) < ctx:
         return None
 
     def logits(chunk: list[int]) -> np.ndarray:
-        cache = model.new_cache(ctx)
+        if cache is None:
+            return model.forward(np.asarray(chunk), model.new_cache(ctx), all_logits=True)
+        cache.length = 0
         return model.forward(np.asarray(chunk), cache, all_logits=True)
 
     return round(perplexity(tokens, ctx, logits, max_chunks=chunks).perplexity, 4)
@@ -608,6 +614,8 @@ def main(argv: list[str] | None = None) -> int:
 
         if not memory.is_out_of_memory(err):
             raise
+        if os.environ.get("NVMEDIRECT_TRACEBACK"):  # where the allocation came from
+            traceback.print_exc()
         print(f"error: {memory.over_budget(err, memory.current_account())}", file=sys.stderr)
         return 2
     result["command"] = " ".join(["python -m bench.spec_bench", *(argv if argv is not None else sys.argv[1:])])

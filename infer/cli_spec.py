@@ -15,11 +15,13 @@ import click
 
 DEFAULT_TREE_RESIDENT = 9  # --lookup: up to 8 tokens below the root
 DEFAULT_TREE_STREAMING = 33  # --lookup with --streaming: a streamed pass costs about the same up to hundreds
-# --draft-model without --draft-tree: the draft's chain with leaf siblings, its depth and width chosen
-# by the run's own measurements (infer.spec_tuner.ShapeTuner), starting here, within TUNED_NODES
-# (the verification pass planned for it)
+# --draft-model without --draft-tree: the draft's chain with leaf siblings, its depth chosen by the
+# run's own measurements (infer.spec_tuner.ShapeTuner), starting here, within TUNED_NODES (the
+# verification pass planned for it). The width stays 4: on the H200 (2026-12-03, the real pair, target
+# half streamed) the tuner free to choose widths 1-8 settled on 2-3 and gave 2.54x on code and 1.36x
+# on prose, where fixed 16x4 gave 2.79x and 4x4 1.66x (docs/SPECULATIVE.md).
 START_DEPTH_RESIDENT, START_DEPTH_STREAMING, MAX_DEPTH = 4, 12, 32
-START_WIDTH, MAX_WIDTH, TUNED_NODES = 4, 8, 65
+START_WIDTH, MAX_WIDTH, TUNED_NODES = 4, 4, 65
 
 
 @dataclass(frozen=True)
@@ -121,7 +123,7 @@ def tuned(spec: SpecOptions, streaming: bool) -> Any:
     if not spec.draft_model or spec.tree is not None:
         return None
     return ShapeTuner(START_DEPTH_STREAMING if streaming else START_DEPTH_RESIDENT, MAX_DEPTH, START_WIDTH,
-                      MAX_WIDTH, TUNED_NODES)
+                      MAX_WIDTH, TUNED_NODES, min_width=START_WIDTH)
 
 
 def generate(target: Any, cache: Any, tokenizer: Any, spec: SpecOptions, draft: Any, ctx: int, tree: int,

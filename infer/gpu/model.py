@@ -377,7 +377,8 @@ class GpuTransformer:
         n = len(rows)
         logits = self.run_pass(rows, range(n), to_host=n > self.logits_rows)
         this = self.passes
-        return TreeLogits(logits, self.stream, lambda: self.passes == this)
+        spare = self.logits[n:] if n < self.logits_rows else None
+        return TreeLogits(logits, self.stream, lambda: self.passes == this, spare)
 
     def forward_tree(self, tokens: np.ndarray, parents: np.ndarray, cache: GpuKVCache) -> np.ndarray:
         """As infer.model.Transformer.forward_tree: verify_tree's logits on the host."""
@@ -421,7 +422,10 @@ class GpuTransformer:
             self.forward(tokens[:-1], cache)
         start = cache.length  # position of the last fed token; the chain's tokens follow it
         with self.stream:
-            steps = cupy.empty((depth, self.args.vocab_size), F32) if width > 1 else None
+            steps = None
+            if width > 1:  # each step's logits, kept in the head's planned rows past row 0 when they fit
+                fits = depth < self.logits_rows
+                steps = self.logits[1 : 1 + depth] if fits else cupy.empty((depth, self.args.vocab_size), F32)
 
             def keep(d: int) -> None:
                 if steps is not None:

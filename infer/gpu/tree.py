@@ -21,8 +21,9 @@ class TreeLogits:
     `current` says whether that came), or already on the host for very large trees."""
 
     def __init__(self, rows: cupy.ndarray | np.ndarray, stream: cupy.cuda.Stream,
-                 current: Callable[[], bool] = lambda: True) -> None:
-        self.rows, self.stream, self._current = rows, stream, current
+                 current: Callable[[], bool] = lambda: True, spare: cupy.ndarray | None = None) -> None:
+        """spare: unused rows of the same logits block (planned VRAM), the scratch of top_children."""
+        self.rows, self.stream, self._current, self.spare = rows, stream, current, spare
         self.on_device = isinstance(rows, cupy.ndarray)
 
     def _check(self) -> None:
@@ -63,17 +64,32 @@ class TreeLogits:
     def top_children(self, nodes: list[int], k: int) -> tuple[np.ndarray, np.ndarray]:
         """((len(nodes), k) ids, log-probabilities) of each node's k most likely next tokens (ties to
         the lower id), computed on the device: one small copy instead of the nodes' rows."""
-        if not self.on_device:
-            from infer.draft_tree import top_children
+        from infer.draft_tree import top_children
 
+        if not self.on_device:
             return top_children(self.rows, nodes, k)
         self._check()
+        m = len(nodes)
+
+        if self.spare is None or self.spare.shape[0] < 2 * m:
+            # no planned room for the vocabulary-wide scratch: the rows to the host, one view at a time
+            with self.stream:
+                host = np.stack([cupy.asnumpy(self.rows[node], stream=self.stream) for node in nodes])
+            self.stream.synchronize()
+            return top_children(host, list(range(m)), k)
         with self.stream:
-            rows = self.rows[cupy.asarray(np.asarray(nodes, dtype=np.int64))]  # a copy: (len(nodes), vocab)
-            peak = rows.max(axis=1, keepdims=True)
-            logsum = peak[:, 0] + cupy.log(cupy.exp(rows - peak).sum(axis=1))
-            ids = ops.top_rows(rows.copy(), len(nodes), k)
-            logp = cupy.take_along_axis(rows, ids.astype(cupy.int64), axis=1) - logsum[:, None]
+            idx = cupy.asarray(np.asarray(nodes, dtype=np.int64))
+            # the nodes' rows and their exponentials in the block's spare rows (the plan counted the
+            # block; vocabulary-wide temporaries it did not)
+            spare = self.spare
+            rows = self.rows.take(idx, axis=0, out=spare[:m])
+            peak = rows.max(axis=1)
+            scratch = spare[m : 2 * m]
+            cupy.subtract(rows, peak[:, None], out=scratch)
+            cupy.exp(scratch, out=scratch)
+            logsum = peak + cupy.log(scratch.sum(axis=1))
+            ids = ops.top_rows(rows, m, k)  # overwrites the copies
+            logp = self.rows[idx[:, None], ids.astype(cupy.int64)] - logsum[:, None]
             ids_host, logp_host = cupy.asnumpy(ids, stream=self.stream), cupy.asnumpy(logp, stream=self.stream)
         self.stream.synchronize()
         return ids_host.astype(np.int64), logp_host.astype(np.float32)
