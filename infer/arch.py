@@ -10,8 +10,6 @@ names, shapes and options from here; a block's vectors (norms, biases) are put t
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import math
 import re
 from collections.abc import Callable, Mapping
@@ -152,7 +150,7 @@ class RopeScaling:
         # llama-context.cpp: the attention factor get_mscale(factor) / (1 + 0.1 ln factor) (about 1),
         # times the file's; ggml's rope_yarn then multiplies by 1 + 0.1 ln(1 / freq_scale)
         factor = f32(f32(1.0) / freq_scale)
-        mscale = f32(f32(f32(f32(0.1) * f32(1.0)) * logf(factor)) + f32(1.0))
+        mscale = f32(f32(f32(0.1) * logf(factor)) + f32(1.0))  # get_mscale(factor, 1): 0.1f * 1.0f * logf + 1
         mscale = f32(mscale * f32(f32(1.0) / f32(f32(1.0) + f32(f32(0.1) * logf(factor)))))
         mscale = f32(mscale * f32(self.attn_factor))
         mscale = f32(mscale * f32(f32(1.0) + f32(f32(0.1) * logf(f32(f32(1.0) / freq_scale)))))
@@ -188,12 +186,11 @@ def _c_logf() -> Callable[[float], np.float32]:
     """The C library's logf (float32 in, float32 out), as ggml calls it; NumPy's float32 log otherwise."""
     import numpy as np
 
-    name = ctypes.util.find_library("m")
-    try:
-        fn = ctypes.CDLL(name or "libm.so.6").logf
-    except (OSError, AttributeError):
+    from infer.cmath import c_float_function
+
+    fn = c_float_function("logf")
+    if fn is None:
         return lambda x: np.log(np.float32(x))
-    fn.restype, fn.argtypes = ctypes.c_float, [ctypes.c_float]
     return lambda x: np.float32(fn(float(x)))
 
 
@@ -292,6 +289,7 @@ class ModelArgs:
             rope_neox=ARCHITECTURES[arch].neox_rope,
             rope_scaling=RopeScaling.from_gguf(model, arch, context_length),
         )
+
 
 def context_warning(args: ModelArgs, ctx_size: int, name: str) -> str | None:
     """One line when a run's context exceeds what the model was trained for (positions past it are

@@ -19,8 +19,6 @@ whose activations have large outliers, one such flip moves logits by percents (d
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -40,6 +38,7 @@ from infer.arch import (  # noqa: F401 - ModelArgs re-exported: the model's desc
     rope_freq_factors,
     tensor_name,
 )
+from infer.cmath import c_float_function
 from infer.gguf_file import GGUFModel
 
 
@@ -246,17 +245,8 @@ def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float, exact: bool = False)
 
 def _c_math() -> tuple[Callable[[float], float], Callable[[float], float], Callable[[float, float], float]] | None:
     """The C library's cosf, sinf and powf, if there is one to load."""
-    name = ctypes.util.find_library("m")
-    try:
-        libm = ctypes.CDLL(name or "libm.so.6")
-    except OSError:
-        return None
-    functions = []
-    for fn, nargs in (("cosf", 1), ("sinf", 1), ("powf", 2)):
-        f = getattr(libm, fn)
-        f.restype, f.argtypes = ctypes.c_float, [ctypes.c_float] * nargs
-        functions.append(f)
-    return tuple(functions)  # type: ignore[return-value]
+    functions = [c_float_function(name, nargs) for name, nargs in (("cosf", 1), ("sinf", 1), ("powf", 2))]
+    return None if None in functions else tuple(functions)  # type: ignore[return-value]
 
 
 _C_MATH = _c_math()
