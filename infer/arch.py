@@ -30,9 +30,11 @@ ROPE_FREQS = "rope_freqs.weight"
 # Every tensor kind a block may hold, in the order the forward pass uses them (the planner streams
 # a layer's tensors in this order).
 LAYER_KINDS = ("attn_norm", "attn_q", "attn_q.bias", "attn_k", "attn_k.bias", "attn_v", "attn_v.bias",
-               "attn_q_norm", "attn_k_norm", "attn_output", "ffn_norm", "ffn_gate", "ffn_up", "ffn_down")
+               "attn_q_norm", "attn_k_norm", "attn_output", "post_attention_norm", "ffn_norm", "ffn_gate", "ffn_up",
+               "ffn_down", "post_ffw_norm")
 BIAS_KINDS = ("attn_q.bias", "attn_k.bias", "attn_v.bias")  # Qwen2 has them; a missing one is zeros
 QK_NORM_KINDS = ("attn_q_norm", "attn_k_norm")  # Qwen3: RMSNorm of each query and key head before rope
+POST_NORM_KINDS = ("post_attention_norm", "post_ffw_norm")  # Gemma: the attention and FFN outputs normed
 QKV_KINDS = ("attn_q", "attn_k", "attn_v")
 _DENSE = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm", "ffn_gate", "ffn_up", "ffn_down")
 
@@ -48,6 +50,10 @@ class Architecture:
     neox_rope: bool  # rotary pairs (i, i + d/2), the Hugging Face order; else (2i, 2i+1), Llama's GGUF order
     required: tuple[str, ...]
     optional: tuple[str, ...] = BIAS_KINDS
+    activation: str = "silu"  # the gated FFN's: silu (SwiGLU) or gelu_tanh (GeGLU, Gemma)
+    embed_scale: bool = False  # token embeddings times sqrt(width) (Gemma)
+    sliding_window_pattern: int = 0  # Gemma 3: of every n layers the first n - 1 see a sliding window
+    scale_queries: bool = False  # the attention scale multiplies Q (float32) before attention (Gemma)
 
     @property
     def kinds(self) -> tuple[str, ...]:
@@ -63,6 +69,9 @@ ARCHITECTURES: dict[str, Architecture] = {
     "llama": Architecture("llama", neox_rope=False, required=_DENSE),
     "qwen2": Architecture("qwen2", neox_rope=True, required=_DENSE),
     "qwen3": Architecture("qwen3", neox_rope=True, required=(*_DENSE, *QK_NORM_KINDS)),
+    "gemma3": Architecture("gemma3", neox_rope=True, required=(*_DENSE, *QK_NORM_KINDS, *POST_NORM_KINDS),
+                           activation="gelu_tanh", embed_scale=True, sliding_window_pattern=6,
+                           scale_queries=True),
 }
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 _LAYER_NAME = re.compile(r"^blk\.(\d+)\.(.+)\.(weight|bias)$")
@@ -210,6 +219,17 @@ class ModelArgs:
     rope_dim: int  # leading dimensions of each head that are rotated
     rope_neox: bool
     rope_scaling: RopeScaling = RopeScaling()
+    sliding_window: int = 0  # keys a local layer's query sees (itself included); 0: none
+    local_layers: tuple[bool, ...] = ()  # per layer: a local (sliding-window) layer
+    rope_base_local: float = 0.0  # Gemma 3's local layers' own rotary base, unscaled; 0: they rotate like the rest
+    attn_scale: float = 0.0  # the attention scores' factor; 0: 1 / sqrt(head_dim)
+
+    @property
+    def scores_scale(self) -> float:
+        return self.attn_scale or 1.0 / math.sqrt(self.head_dim)
+
+    def is_local(self, layer: int) -> bool:
+        return bool(self.local_layers) and self.local_layers[layer]
 
     @property
     def rope_linear_scale(self) -> float:
@@ -238,6 +258,7 @@ class ModelArgs:
         rows = {"attn_norm": (self.dim,), "attn_q": (self.q_dim, self.dim), "attn_k": (self.kv_dim, self.dim),
                 "attn_v": (self.kv_dim, self.dim), "attn_q.bias": (self.q_dim,), "attn_k.bias": (self.kv_dim,),
                 "attn_v.bias": (self.kv_dim,), "attn_q_norm": (self.head_dim,), "attn_k_norm": (self.head_dim,),
+                "post_attention_norm": (self.dim,), "post_ffw_norm": (self.dim,),
                 "attn_output": (self.dim, self.q_dim), "ffn_norm": (self.dim,),
                 "ffn_gate": (self.ffn_dim, self.dim), "ffn_up": (self.ffn_dim, self.dim),
                 "ffn_down": (self.dim, self.ffn_dim)}
@@ -272,10 +293,24 @@ class ModelArgs:
             raise UnsupportedModelError(model.path, f"value heads of {value_dim} beside key heads of {head_dim} are "
                                         "not supported (only equal sizes)", f"key {arch}.attention.value_length")
         context_length = int(key("context_length", int))
+        n_layers = int(key("block_count", int))
+        table = ARCHITECTURES[arch]
+        window, local = 0, ()
+        if f"{arch}.attention.sliding_window" in model.metadata:
+            window = int(key("attention.sliding_window", int))
+        if window > 0 and table.sliding_window_pattern:
+            pattern = key("attention.sliding_window_pattern", int, table.sliding_window_pattern)
+            if isinstance(pattern, list):  # llama.cpp reads an array as the flags themselves
+                raise UnsupportedModelError(model.path, "a per-layer sliding window array is not supported",
+                                            f"key {arch}.attention.sliding_window_pattern")
+            n = int(pattern)
+            local = tuple(n == 0 or i % n < n - 1 for i in range(n_layers))
+        elif window > 0:  # Mistral's: every layer (llama.cpp ignores the key in llama and qwen files)
+            local = (True,) * n_layers
         embd = model.tensor(TOKEN_EMBD)
         return cls(
             arch=arch,
-            n_layers=int(key("block_count", int)),
+            n_layers=n_layers,
             dim=dim,
             ffn_dim=int(key("feed_forward_length", int)),
             n_heads=n_heads,
@@ -288,6 +323,11 @@ class ModelArgs:
             rope_dim=int(key("rope.dimension_count", int, head_dim)),
             rope_neox=ARCHITECTURES[arch].neox_rope,
             rope_scaling=RopeScaling.from_gguf(model, arch, context_length),
+            sliding_window=window,
+            local_layers=local,
+            rope_base_local=float(key("rope.freq_base_swa", float, 10000.0)) if table.sliding_window_pattern else 0.0,
+            # llama.cpp: Gemma 3 27B scales by 1 / sqrt(width / heads), the others by 1 / sqrt(head size)
+            attn_scale=1.0 / math.sqrt(dim / n_heads) if arch == "gemma3" and n_layers == 62 else 0.0,
         )
 
 
@@ -345,6 +385,16 @@ def check_model(model: GGUFModel) -> ModelArgs:
     return args
 
 
+def check_gpu_support(args: ModelArgs, path: object) -> None:
+    """The GPU layer recipe computes SwiGLU blocks without post-norms, sliding windows or embedding
+    scale: a model that needs them stops here (one line) instead of computing something else."""
+    t = args.arch_table
+    if t.activation != "silu" or t.embed_scale or any(args.local_layers) or \
+            any(k in t.required for k in POST_NORM_KINDS):
+        raise UnsupportedModelError(path, f"architecture '{args.arch}' runs on the CPU only so far (--device cpu)",
+                                    "key general.architecture")
+
+
 def layer_vectors(args: ModelArgs, i: int, tensors: Mapping[str, np.ndarray]) -> dict[str, np.ndarray | None]:
     """A block's vectors as every engine's layer takes them, from its float32 tensors by kind
     (`tensors` may hold the matrices too): attn_norm, ffn_norm; bqkv, Q, K and V biases as one
@@ -357,11 +407,12 @@ def layer_vectors(args: ModelArgs, i: int, tensors: Mapping[str, np.ndarray]) ->
         bqkv = np.concatenate([np.asarray(tensors[kind], np.float32).reshape(-1) if kind in tensors
                                else np.zeros(n, np.float32) for kind, n in zip(BIAS_KINDS, sizes, strict=True)])
     vector = {kind: np.asarray(tensors[kind], np.float32).reshape(-1) if kind in tensors else None
-              for kind in ("attn_norm", "ffn_norm", *QK_NORM_KINDS)}
+              for kind in ("attn_norm", "ffn_norm", *QK_NORM_KINDS, *POST_NORM_KINDS)}
     if vector["attn_norm"] is None or vector["ffn_norm"] is None:
         raise ValueError(f"layer {i} lacks attn_norm or ffn_norm")
     return {"attn_norm": vector["attn_norm"], "ffn_norm": vector["ffn_norm"], "bqkv": bqkv,
-            "q_norm": vector["attn_q_norm"], "k_norm": vector["attn_k_norm"]}
+            "q_norm": vector["attn_q_norm"], "k_norm": vector["attn_k_norm"],
+            "post_attn_norm": vector["post_attention_norm"], "post_ffn_norm": vector["post_ffw_norm"]}
 
 
 def layer_vector_kinds(args: ModelArgs) -> tuple[str, ...]:

@@ -3,7 +3,8 @@
 `tokenizer.chat_template` is a Jinja template written for Hugging Face transformers; it is rendered
 the way transformers and llama-cpp-python render it (sandboxed, trim_blocks/lstrip_blocks, loop
 controls, `raise_exception`, a `tojson` that keeps non-ASCII text). A file without a template gets
-ChatML, with a warning.
+its architecture's turn format where that is fixed (Gemma: llama.cpp's built-in "gemma" format), and
+ChatML with a warning otherwise.
 
 `ChatSession` feeds the model only what is new: after a reply, the next user turn renders the whole
 conversation again and hands back the part after what the model has already seen.
@@ -26,6 +27,25 @@ CHATML_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
+
+# Gemma's turns, as llama.cpp's built-in "gemma" format writes them: the assistant is "model", system
+# text (trimmed) opens the next non-model turn, each turn's content trimmed. No BOS in the text: the
+# tokenizer adds it (the files ask for it).
+GEMMA_TEMPLATE = (
+    "{% set pending = namespace(system='') %}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'system' %}{% set pending.system = pending.system + message['content'] | trim %}"
+    "{% else %}"
+    "{% set role = 'model' if message['role'] == 'assistant' else message['role'] %}"
+    "{{ '<start_of_turn>' + role + '\n' }}"
+    "{% if pending.system and role != 'model' %}{{ pending.system + '\n\n' }}{% set pending.system = '' %}{% endif %}"
+    "{{ message['content'] | trim + '<end_of_turn>\n' }}"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}"
+)
+# Architectures whose files may lack tokenizer.chat_template but whose turn format is fixed.
+ARCHITECTURE_TEMPLATES = {"gemma3": GEMMA_TEMPLATE}
 
 Message = Mapping[str, Any]
 
@@ -74,10 +94,13 @@ class ChatTemplate:
 
     @classmethod
     def from_gguf(cls, metadata: Mapping[str, Any], tokenizer: Tokenizer) -> ChatTemplate:
-        """The file's `tokenizer.chat_template`, or ChatML (with a ChatTemplateWarning) when it has none."""
+        """The file's `tokenizer.chat_template`; without one its architecture's fixed turn format
+        (ARCHITECTURE_TEMPLATES), or else ChatML with a ChatTemplateWarning."""
         bos = tokenizer.token_text(tokenizer.bos_id) if tokenizer.bos_id is not None else ""
         eos = tokenizer.token_text(tokenizer.eos_id) if tokenizer.eos_id is not None else ""
         source = metadata.get("tokenizer.chat_template")
+        if not source and metadata.get("general.architecture") in ARCHITECTURE_TEMPLATES:
+            return cls(ARCHITECTURE_TEMPLATES[metadata["general.architecture"]], bos, eos)
         if not source:
             warnings.warn("the model has no chat template (tokenizer.chat_template); using ChatML",
                           ChatTemplateWarning, stacklevel=2)

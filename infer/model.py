@@ -1,4 +1,4 @@
-"""The Llama/Qwen2/Qwen3 decoder in NumPy float32: model arguments from GGUF metadata, per-layer weights
+"""The Llama/Qwen2/Qwen3/Gemma 3 decoder in NumPy float32: model arguments from GGUF metadata, per-layer weights
 behind a small provider interface, and the forward pass over a KV cache.
 
 The forward pass follows llama.cpp's CPU numerics where that costs nothing: the KV cache is float16,
@@ -19,6 +19,7 @@ whose activations have large outliers, one such flip moves logits by percents (d
 
 from __future__ import annotations
 
+import dataclasses
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -31,6 +32,7 @@ from infer.arch import (  # noqa: F401 - ModelArgs re-exported: the model's desc
     OUTPUT_NORM,
     TOKEN_EMBD,
     ModelArgs,
+    RopeScaling,
     check_model,
     layer_vector_kinds,
     layer_vectors,
@@ -40,6 +42,7 @@ from infer.arch import (  # noqa: F401 - ModelArgs re-exported: the model's desc
 )
 from infer.cmath import c_float_function
 from infer.gguf_file import GGUFModel
+from infer.layers import Batch, Rope, check_batch, tree_layout, visible
 
 
 class Linear:
@@ -87,6 +90,8 @@ class LayerWeights:
     down: Linear  # (dim, ffn_dim)
     q_norm: np.ndarray | None = None  # (head_dim,): Qwen3's RMSNorm of each query head before rope
     k_norm: np.ndarray | None = None  # (head_dim,): the same for each key head
+    post_attn_norm: np.ndarray | None = None  # (dim,): Gemma's RMSNorm of the attention output
+    post_ffn_norm: np.ndarray | None = None  # (dim,): and of the FFN output
 
     @classmethod
     def assemble(cls, vectors: dict[str, np.ndarray | None], qkv: Linear, wo: Linear, gate_up: Linear,
@@ -94,12 +99,13 @@ class LayerWeights:
         """A block from arch.layer_vectors' vectors and its products."""
         return cls(attn_norm=vectors["attn_norm"], qkv=qkv, bqkv=vectors["bqkv"], wo=wo,  # type: ignore[arg-type]
                    ffn_norm=vectors["ffn_norm"], gate_up=gate_up, down=down,  # type: ignore[arg-type]
-                   q_norm=vectors["q_norm"], k_norm=vectors["k_norm"])
+                   q_norm=vectors["q_norm"], k_norm=vectors["k_norm"], post_attn_norm=vectors.get("post_attn_norm"),
+                   post_ffn_norm=vectors.get("post_ffn_norm"))
 
     @property
     def nbytes(self) -> int:
         parts = [self.attn_norm, self.qkv, self.bqkv, self.wo, self.ffn_norm, self.gate_up, self.down, self.q_norm,
-                 self.k_norm]
+                 self.k_norm, self.post_attn_norm, self.post_ffn_norm]
         return sum(p.nbytes for p in parts if p is not None)
 
 
@@ -243,128 +249,59 @@ def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float, exact: bool = False)
     return x * scale * weight
 
 
-def _c_math() -> tuple[Callable[[float], float], Callable[[float], float], Callable[[float, float], float]] | None:
-    """The C library's cosf, sinf and powf, if there is one to load."""
-    functions = [c_float_function(name, nargs) for name, nargs in (("cosf", 1), ("sinf", 1), ("powf", 2))]
-    return None if None in functions else tuple(functions)  # type: ignore[return-value]
+_GELU_TABLE: np.ndarray | None = None  # geglu's: the GELU of every float16 value
 
 
-_C_MATH = _c_math()
+def _fma_f32(a: np.ndarray, b: np.ndarray, c: float) -> np.ndarray:
+    """a * b + c rounded once to float32, as the fused multiply-add does: the product of two float32
+    values is exact in float64; the sum's float64 rounding error (TwoSum) breaks the rare tie that a
+    second rounding to float32 would otherwise decide wrongly."""
+    p, c64 = a.astype(np.float64) * b.astype(np.float64), np.float64(c)
+    s = p + c64
+    bb = s - p
+    err = (p - (s - bb)) + (c64 - bb)
+    r = s.astype(np.float32)
+    tie = (np.abs(r.astype(np.float64) - s) == np.abs(np.nextafter(r, np.float32(np.inf)).astype(np.float64)
+                                                        - r.astype(np.float64)) / 2) & (err != 0)
+    nudged = np.where(err > 0, np.nextafter(s, np.inf), np.nextafter(s, -np.inf)).astype(np.float32)
+    return np.where(tie, nudged, r)
 
 
-class Rope:
-    """Rotary position embedding over the first `rope_dim` dimensions of each head.
-
-    The angles are llama.cpp's bit for bit: theta_scale = powf(base, -2/d), a running float32
-    product, cosf and sinf of the C library (NumPy's float32 cos and sin differ from them in the last
-    bit for about one angle in eight, and a rotated query or key one bit off rounds to another
-    float16 about once in 8000). With `fma` the rotation rounds as llama.cpp's compiled loop does,
-    which fuses the first product of each line: fma(a, c, -(b*s)) and fma(a, s, b*c); without it,
-    each product and the sum are rounded on their own (what the GPU kernels compute)."""
-
-    def __init__(self, args: ModelArgs, freq_factors: np.ndarray | None, fma: bool = False) -> None:
-        self.args = args
-        self.n_pairs = args.rope_dim // 2
-        exponent = np.float32(-2.0) / np.float32(args.rope_dim)
-        self.theta_scale = np.float32(_C_MATH[2](args.rope_base, exponent) if _C_MATH
-                                      else np.float32(args.rope_base) ** np.float64(exponent))
-        self.freq_factors = freq_factors
-        self.fma = fma
-        # linear / YaRN scaling and the attention factor (infer.arch.RopeScaling)
-        self._scaled = args.rope_scaling.angle_scale(args.rope_dim, args.rope_base)
-        self._table = np.zeros((2, 0, self.n_pairs), np.float32)  # cos, sin of positions 0.. so far
-
-    def angles(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """cos and sin, each (T, n_pairs). The angle of pair i is pos * theta_scale**i, computed as
-        llama.cpp does (a running float32 product, then / freq_factor[i], then linear or YaRN
-        scaling, and cos and sin times the attention factor) so both sides rotate by the same
-        rounded angles."""
-        positions = np.asarray(positions, dtype=np.int64)
-        if len(positions) and positions.max() >= self._table.shape[1]:
-            known = self._table.shape[1]
-            more = np.arange(known, max(int(positions.max()) + 1, 2 * known))
-            self._table = np.concatenate([self._table, self._cos_sin(more)], axis=1)
-        return self._table[0, positions], self._table[1, positions]
-
-    def _cos_sin(self, positions: np.ndarray) -> np.ndarray:
-        steps = np.full((len(positions), self.n_pairs), self.theta_scale, dtype=np.float32)
-        steps[:, 0] = positions.astype(np.float32)
-        theta = np.cumprod(steps, axis=1, dtype=np.float32)
-        if self.freq_factors is not None:
-            theta = theta / self.freq_factors
-        theta, mscale = self._scaled(theta, np.arange(self.n_pairs))
-        if _C_MATH is None:  # no C library: the correctly rounded values, almost always the same
-            cos_sin = np.stack([np.cos(theta.astype(np.float64)), np.sin(theta.astype(np.float64))]).astype(np.float32)
-        else:
-            cosf, sinf, _ = _C_MATH
-            flat = theta.ravel().tolist()
-            cos_sin = np.stack([np.fromiter(map(f, flat), np.float32, len(flat)).reshape(theta.shape)
-                                for f in (cosf, sinf)])
-        return cos_sin if mscale == 1 else cos_sin * np.float32(mscale)
-
-    def apply(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
-        """x: (T, heads, head_dim) -> rotated copy."""
-        n = self.n_pairs
-        out = x.copy()
-        c, s = cos[:, None, :], sin[:, None, :]
-        if self.args.rope_neox:
-            a, b = x[..., :n], x[..., n : 2 * n]
-            first, second = slice(0, n), slice(n, 2 * n)
-        else:
-            a, b = x[..., 0 : 2 * n : 2], x[..., 1 : 2 * n : 2]
-            first, second = slice(0, 2 * n, 2), slice(1, 2 * n, 2)
-        if self.fma:  # a float64 sum of an exact product and a float32 is one rounding away from fma's
-            wide = np.float64
-            out[..., first] = a.astype(wide) * c - b * s
-            out[..., second] = a.astype(wide) * s + b * c
-        else:
-            out[..., first] = a * c - b * s
-            out[..., second] = a * s + b * c
-        return out
+def _gelu_f32(x: np.ndarray) -> np.ndarray:
+    """ggml_gelu_f32 in float32 as llama.cpp's CPU build computes it: 0.5 x (1 + tanh(sqrt(2/pi) x
+    (1 + 0.044715 x^2))) with the C library's tanhf, the compiler fusing 1 + (0.044715 x) x into one
+    multiply-add (the table entry at x = -1.999 tells the two apart: it lands on either side of a
+    float16 rounding boundary)."""
+    f32 = np.float32
+    inner = (f32(0.79788456080286535587989211986876) * x).astype(f32) * _fma_f32((f32(0.044715) * x).astype(f32), x, 1.0)
+    tanh = _c_tanhf(inner.astype(f32))
+    return (f32(0.5) * x * (f32(1.0) + tanh)).astype(f32)
 
 
-Batch = Sequence[tuple[np.ndarray, KVCache]]
+def _c_tanhf(x: np.ndarray) -> np.ndarray:
+    fn = c_float_function("tanhf")
+    if fn is None:
+        return np.tanh(x)
+    return np.fromiter(map(fn, x.ravel().tolist()), np.float32, x.size).reshape(x.shape)
 
 
-def tree_depths(parents: Sequence[int] | np.ndarray) -> np.ndarray:
-    """Depths (N,) of the nodes of a token tree (parents[i] < i, -1 for a root)."""
-    depths = np.zeros(len(parents), np.int64)
-    for i, parent in enumerate(parents):
-        if not -1 <= parent < i:
-            raise ValueError(f"tree node {i} has parent {parent}: parents must come before their children")
-        if parent >= 0:
-            depths[i] = depths[parent] + 1
-    return depths
-
-
-def tree_layout(parents: np.ndarray, start: int) -> tuple[np.ndarray, np.ndarray]:
-    """Depths (N,) of the nodes of a token tree (parents[i] < i, -1 for a root), and the attention
-    mask (N, start + N): node i sees positions 0 .. start - 1 and the slots of its ancestors and itself."""
-    n = len(parents)
-    depths = tree_depths(parents)
-    allowed = np.zeros((n, start + n), bool)
-    allowed[:, :start] = True
-    for i, parent in enumerate(parents):
-        if parent >= 0:
-            allowed[i, start : start + i] = allowed[parent, start : start + i]
-        allowed[i, start + i] = True
-    return depths, allowed
-
-
-def check_batch(batch: Batch, vocab_size: int) -> list[int]:
-    """Token counts of a pass's sequences, after checking each has tokens that fit its cache and
-    lie in the vocabulary."""
-    sizes = []
-    for tokens, cache in batch:
-        n = len(tokens)
-        if n == 0:
-            raise ValueError("every sequence in a pass needs at least one token")
-        if cache.length + n > cache.max_tokens:
-            raise ValueError(f"context full: {cache.length} + {n} tokens exceed the context size {cache.max_tokens}")
-        if np.min(tokens) < 0 or np.max(tokens) >= vocab_size:
-            raise ValueError(f"token id outside the vocabulary of {vocab_size}")
-        sizes.append(n)
-    return sizes
+def geglu(gate: np.ndarray, up: np.ndarray, exact: bool = False) -> np.ndarray:
+    """gelu_tanh(gate) * up as llama.cpp's CPU computes it: the GELU read from a table over the
+    float16 value of the gate (ggml_table_gelu_f16: each entry the float32 GELU rounded to float16),
+    0 at or below -10, the gate itself at or above 10. `exact`: the tanh formula in float64."""
+    if exact:
+        g = gate.astype(np.float64)
+        gelu = 0.5 * g * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * g * (1.0 + 0.044715 * g * g)))
+        return (gelu * up).astype(np.float32)
+    global _GELU_TABLE
+    if _GELU_TABLE is None:
+        halves = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
+        with np.errstate(all="ignore"):
+            _GELU_TABLE = _gelu_f32(halves).astype(np.float16).astype(np.float32)
+    with np.errstate(over="ignore"):
+        bits = gate.astype(np.float16).view(np.uint16)
+    gelu = np.where(gate <= -10.0, np.float32(0.0), np.where(gate >= 10.0, gate, _GELU_TABLE[bits]))
+    return (gelu * up).astype(np.float32)
 
 
 class Transformer:
@@ -380,6 +317,9 @@ class Transformer:
         self.args = args
         self.weights = weights
         self.rope = Rope(args, rope_freq_factors, fma=not exact)  # llama.cpp's rounding, or the GPU's
+        # Gemma 3's local (sliding-window) layers rotate with their own base, unscaled (llama.cpp)
+        local = dataclasses.replace(args, rope_base=args.rope_base_local, rope_scaling=RopeScaling())
+        self.rope_local = Rope(local, None, fma=not exact) if args.rope_base_local else self.rope
         self.exact = exact  # float64 sums (module docstring); the weights' Linears must be exact too
 
     def new_cache(self, max_tokens: int) -> KVCache:
@@ -400,18 +340,24 @@ class Transformer:
         prompt_rows as the GPU's (ignored: one product here)."""
         sizes = check_batch(batch, self.args.vocab_size)
         bounds = np.cumsum([0, *sizes])
-        angles = [self.rope.angles(np.arange(c.length, c.length + n)) for (_, c), n in zip(batch, sizes, strict=True)]
-        x = self.weights.embed(np.concatenate([np.asarray(t, np.int64) for t, _ in batch]))  # (rows, dim)
+        positions = [np.arange(c.length, c.length + n) for (_, c), n in zip(batch, sizes, strict=True)]
+        angles = {rope: [rope.angles(p) for p in positions] for rope in {self.rope, self.rope_local}}
+        x = self._embed(np.concatenate([np.asarray(t, np.int64) for t, _ in batch]))  # (rows, dim)
         for i in range(self.args.n_layers):
             if i in self.skip:
                 continue
             layer = self.weights.layer(i)  # fetched once for the whole batch
             h = self.norm(x, layer.attn_norm)
+            attn = np.empty_like(x)
             for s, (_, cache) in enumerate(batch):
                 rows = slice(bounds[s], bounds[s + 1])
-                cos, sin = angles[s]
-                x[rows] += self._attention(h[rows], layer, cache, i, cache.length, cos, sin)
-            x = x + self._feed_forward(self.norm(x, layer.ffn_norm), layer)
+                cos, sin = angles[self._rope_of(i)][s]
+                seen = None
+                if self.args.is_local(i):  # causal within the window
+                    seen = visible(positions[s], np.arange(cache.length + sizes[s]), self.args.sliding_window)
+                attn[rows] = self._attention(h[rows], layer, cache, i, cache.length, cos, sin, seen)
+            x = self._residual(x, attn, layer.post_attn_norm)
+            x = self._residual(x, self._feed_forward(self.norm(x, layer.ffn_norm), layer), layer.post_ffn_norm)
         for (_, cache), n in zip(batch, sizes, strict=True):
             cache.length += n
         picked = x if all_logits else x[bounds[1:] - 1]
@@ -427,18 +373,37 @@ class Transformer:
         tokens, parents = np.asarray(tokens, dtype=np.int64), np.asarray(parents, dtype=np.int64)
         check_batch([(tokens, cache)], self.args.vocab_size)
         depths, allowed = tree_layout(parents, cache.length)
-        cos, sin = self.rope.angles(cache.length + depths)
-        x = self.weights.embed(tokens)
+        angles = {rope: rope.angles(cache.length + depths) for rope in {self.rope, self.rope_local}}
+        if any(self.args.local_layers):  # the window over each key's position (cache slots, then the nodes')
+            key_pos = np.concatenate([np.arange(cache.length), cache.length + depths])
+            local = allowed & visible(cache.length + depths, key_pos, self.args.sliding_window)
+        x = self._embed(tokens)
         for i in range(self.args.n_layers):
             if i in self.skip:
                 continue
             layer = self.weights.layer(i)
-            x = x + self._attention(self.norm(x, layer.attn_norm), layer, cache, i, cache.length, cos, sin, allowed)
-            x = x + self._feed_forward(self.norm(x, layer.ffn_norm), layer)
+            cos, sin = angles[self._rope_of(i)]
+            seen = local if self.args.is_local(i) else allowed
+            attn = self._attention(self.norm(x, layer.attn_norm), layer, cache, i, cache.length, cos, sin, seen)
+            x = self._residual(x, attn, layer.post_attn_norm)
+            x = self._residual(x, self._feed_forward(self.norm(x, layer.ffn_norm), layer), layer.post_ffn_norm)
         return self.weights.output()(self.norm(x, self.weights.output_norm()))
 
     def norm(self, x: np.ndarray, weight: np.ndarray) -> np.ndarray:
         return rms_norm(x, weight, self.args.norm_eps, self.exact)
+
+    def _rope_of(self, layer: int) -> Rope:
+        return self.rope_local if self.args.is_local(layer) else self.rope
+
+    def _embed(self, tokens: np.ndarray) -> np.ndarray:
+        x = self.weights.embed(tokens)
+        if self.args.arch_table.embed_scale:  # Gemma: ggml_scale by sqrtf(width)
+            x = x * np.float32(np.sqrt(np.float32(self.args.dim)))
+        return x
+
+    def _residual(self, x: np.ndarray, out: np.ndarray, post_norm: np.ndarray | None) -> np.ndarray:
+        """x + out, out first RMS-normalised where the block has a post-norm (Gemma)."""
+        return x + (out if post_norm is None else self.norm(out, post_norm))
 
     def _attention(self, h: np.ndarray, layer: LayerWeights, cache: KVCache, index: int, start: int,
                    cos: np.ndarray, sin: np.ndarray, allowed: np.ndarray | None = None) -> np.ndarray:
@@ -458,10 +423,13 @@ class Transformer:
         group = a.n_heads // a.n_kv_heads  # query heads per KV head (GQA): head h reads KV head h // group
         # float16 operands; float32 products, or float64 ones (exact) with `exact`
         wide = np.float64 if self.exact else np.float32
+        scale = np.float32(a.scores_scale)
+        if a.arch_table.scale_queries:  # Gemma: Q scaled in float32 (ggml_scale), attention's own scale 1
+            q, scale = (q * scale).astype(np.float32), np.float32(1.0)
         q = q.astype(np.float16).astype(wide).reshape(n, a.n_kv_heads, group, a.head_dim).transpose(1, 2, 0, 3)
         keys = keys.astype(wide).transpose(1, 2, 0)[:, None]  # (kv, 1, hd, S)
         values = values.astype(wide).transpose(1, 0, 2)[:, None]  # (kv, 1, S, hd)
-        scores = (q @ keys).astype(np.float32) * np.float32(1.0 / np.sqrt(a.head_dim))  # (kv, g, T, S)
+        scores = (q @ keys).astype(np.float32) * scale  # (kv, g, T, S)
         if allowed is not None:  # a token tree: each node sees the cache and its ancestors
             scores[..., ~allowed] = -np.inf
         elif n > 1:  # causal mask: query t (position start + t) sees keys 0..start + t
@@ -475,6 +443,8 @@ class Transformer:
     def _feed_forward(self, h: np.ndarray, layer: LayerWeights) -> np.ndarray:
         gate_up = layer.gate_up(h)  # (T, 2 ffn)
         gate, up = gate_up[:, : self.args.ffn_dim], gate_up[:, self.args.ffn_dim :]
+        if self.args.arch_table.activation == "gelu_tanh":  # GeGLU
+            return layer.down(geglu(gate, up, self.exact))
         if self.exact:  # evaluated in float64, rounded once
             gate = gate.astype(np.float64)
         return layer.down((gate / (1.0 + np.exp(-gate)) * up).astype(np.float32, copy=False))  # SwiGLU

@@ -25,7 +25,7 @@ from typing import Protocol
 import numpy as np
 
 from infer.engine import Cache, Model
-from infer.model import tree_depths
+from infer.layers import tree_depths
 from infer.spec_tuner import ShapeTuner, chain_and_leaf
 
 Chooser = Callable[[np.ndarray, list[int]], int]

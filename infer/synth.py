@@ -25,7 +25,7 @@ from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import quantize
 
 T = GGMLQuantizationType
-ARCHS = ("llama", "qwen2", "qwen3")
+ARCHS = ("llama", "qwen2", "qwen3", "gemma3")
 POOL_BLOCKS = 1 << 16
 ALIGNMENT = 32
 
@@ -43,6 +43,7 @@ class Shape:
     norm_eps: float = 1e-5
     arch: str = "llama"
     head_dim: int = 0  # 0: dim / n_heads (Qwen3 sets its own: attention.key_length)
+    sliding_window: int = 0  # attention.sliding_window when > 0 (Gemma 3: its local layers; Llama: every layer)
 
     @property
     def head_size(self) -> int:
@@ -220,7 +221,8 @@ def write_model(path: str | Path, shape: Shape, kind: str, seed: int = 0, name: 
                 arch: str | None = None) -> int:
     """Writes a random Llama-shaped GGUF; returns its size in bytes. arch (default the shape's):
     "qwen2" adds Q/K/V biases, "qwen3" per-head Q and K norms (readers apply NeoX-style rotary
-    pairs to both)."""
+    pairs to both), "gemma3" those norms and the post-attention and post-FFN norms (its readers add
+    GeGLU, the embedding scale and, with a sliding window, five local layers of every six)."""
     arch = arch or shape.arch
     if arch not in ARCHS:
         raise ValueError(f"unknown architecture '{arch}' (known: {', '.join(ARCHS)})")
@@ -245,7 +247,8 @@ def write_model(path: str | Path, shape: Shape, kind: str, seed: int = 0, name: 
         f"{arch}.attention.layer_norm_rms_epsilon": float(s.norm_eps),
         f"{arch}.vocab_size": s.vocab_size,
         **({f"{arch}.attention.key_length": head_dim, f"{arch}.attention.value_length": head_dim}
-           if s.head_dim or arch == "qwen3" else {}),
+           if s.head_dim or arch in ("qwen3", "gemma3") else {}),
+        **({f"{arch}.attention.sliding_window": s.sliding_window} if s.sliding_window else {}),
         "tokenizer.ggml.model": "llama",
         "tokenizer.ggml.tokens": tokens,
         "tokenizer.ggml.scores": scores,
@@ -282,14 +285,18 @@ def write_model(path: str | Path, shape: Shape, kind: str, seed: int = 0, name: 
             norm(p + "attn_q.bias", q_dim, 0.0)
             norm(p + "attn_k.bias", kv_dim, 0.0)
             norm(p + "attn_v.bias", kv_dim, 0.0)
-        if arch == "qwen3":
+        if arch in ("qwen3", "gemma3"):
             norm(p + "attn_q_norm.weight", head_dim)
             norm(p + "attn_k_norm.weight", head_dim)
         matrix(p + "attn_output.weight", "attn_output", i, s.dim, q_dim)
+        if arch == "gemma3":
+            norm(p + "post_attention_norm.weight")
         norm(p + "ffn_norm.weight")
         matrix(p + "ffn_gate.weight", "ffn_gate", i, s.ffn_dim, s.dim)
         matrix(p + "ffn_up.weight", "ffn_up", i, s.ffn_dim, s.dim)
         matrix(p + "ffn_down.weight", "ffn_down", i, s.dim, s.ffn_dim)
+        if arch == "gemma3":
+            norm(p + "post_ffw_norm.weight")
     norm("output_norm.weight")
     matrix("output.weight", "output", 0, s.vocab_size, s.dim)
 

@@ -68,7 +68,7 @@ def load_gpu_transformer(model: GGUFModel, max_context: int | None = None, vram_
     bits in any pass (docs/GPU.md)."""
     import cupy
 
-    from infer.arch import check_model, rope_freq_factors
+    from infer.arch import check_gpu_support, check_model, rope_freq_factors
     from infer.errors import UnsupportedModelError
     from infer.gpu import memory
     from infer.gpu.cache import GpuKVCache
@@ -78,6 +78,7 @@ def load_gpu_transformer(model: GGUFModel, max_context: int | None = None, vram_
     from infer.tiers.plan import planner_tensors
 
     args = check_model(model)
+    check_gpu_support(args, model.path)
     for info in model.tensors.values():
         if len(info.shape) == 2:
             try:

@@ -35,7 +35,7 @@ from infer.gpu.ops import GpuMatrix
 from infer.gpu.passes import PassIndex, PassShape, Row, bucket_of, pass_layout, sequence_rows, tree_rows
 from infer.gpu.tree import TreeLogits
 from infer.gpu.weights import GpuLayer, GpuWeightSource
-from infer.model import Rope, check_batch
+from infer.layers import Rope, check_batch
 from infer.tiers.budget import VramAccount
 
 F32 = cupy.float32

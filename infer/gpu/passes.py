@@ -109,7 +109,7 @@ def tree_ancestors(parents: np.ndarray, base: int) -> tuple[np.ndarray, np.ndarr
     """Host rows of a token tree's spans (node i in cache slot base + i, parents[i] < i, root -1):
     anc (nodes, deepest path + 1) int32, row i the slots of node i's ancestors from the root, then
     its own, and the nodes' positions (base + depth) int32."""
-    from infer.model import tree_depths
+    from infer.layers import tree_depths
 
     parents = np.asarray(parents, dtype=np.int64)
     depth = tree_depths(parents)

@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
+from infer.arch import ModelArgs
 from infer.gpu import layout
-from infer.model import ModelArgs, Rope
+from infer.layers import Rope
 from infer.synth import random_blocks
 
 cupy = pytest.importorskip("cupy")

@@ -4,6 +4,7 @@ ChatML), conversation history, and template errors."""
 from __future__ import annotations
 
 import ctypes
+import warnings
 from typing import Any
 
 import pytest
@@ -11,7 +12,7 @@ import pytest
 from infer.chat import ChatSession, ChatTemplate, ChatTemplateError, ChatTemplateWarning
 from infer.tokenizer import Tokenizer
 from tests.infer.test_tokenizer_models import _required_or_skip, read_metadata
-from tests.oracle.assets import qwen05b_path, smollm2_path
+from tests.oracle.assets import gemma3_path, qwen05b_path, smollm2_path
 
 SMOLLM2_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"  # its template's default
 CONVERSATION = [
@@ -31,6 +32,26 @@ def smollm2() -> tuple[dict[str, Any], Tokenizer]:
 def qwen() -> tuple[dict[str, Any], Tokenizer]:
     metadata = read_metadata(_required_or_skip(qwen05b_path()))
     return metadata, Tokenizer.from_gguf(metadata)
+
+
+@pytest.fixture(scope="module")
+def gemma3() -> tuple[dict[str, Any], Tokenizer]:
+    metadata = read_metadata(_required_or_skip(gemma3_path()))
+    return metadata, Tokenizer.from_gguf(metadata)
+
+
+def _builtin(name: bytes, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+    """llama.cpp's own formatting of `messages` by its built-in template `name`."""
+    import llama_cpp
+
+    keep = [(m["role"].encode(), m["content"].encode()) for m in messages]
+    chat = (llama_cpp.llama_chat_message * len(keep))(
+        *(llama_cpp.llama_chat_message(role=r, content=c) for r, c in keep)
+    )
+    buffer = ctypes.create_string_buffer(4096)
+    n = llama_cpp.llama_chat_apply_template(name, chat, len(keep), add_generation_prompt, buffer, len(buffer))
+    assert 0 < n <= len(buffer)
+    return buffer.raw[:n].decode()
 
 
 def _chatml(messages: list[dict[str, str]], generation_prompt: bool) -> str:
@@ -64,17 +85,31 @@ def test_templates_render_like_llama_cpp_python(which: str, request: pytest.Fixt
 
 @pytest.mark.oracle
 def test_smollm2_template_renders_like_llama_cpp_builtin_chatml(smollm2: tuple[dict, Tokenizer]) -> None:
-    import llama_cpp
-
     messages = [{"role": "system", "content": "Be brief."}, *CONVERSATION]
-    keep = [(m["role"].encode(), m["content"].encode()) for m in messages]
-    chat = (llama_cpp.llama_chat_message * len(keep))(
-        *(llama_cpp.llama_chat_message(role=r, content=c) for r, c in keep)
-    )
-    buffer = ctypes.create_string_buffer(4096)
-    n = llama_cpp.llama_chat_apply_template(b"chatml", chat, len(keep), True, buffer, len(buffer))
-    assert 0 < n <= len(buffer)
-    assert ChatTemplate.from_gguf(*smollm2).render(messages) == buffer.raw[:n].decode()
+    assert ChatTemplate.from_gguf(*smollm2).render(messages) == _builtin(b"chatml", messages)
+
+
+@pytest.mark.oracle
+def test_gemma3_without_a_template_gets_gemmas_turns_like_llama_cpp(gemma3: tuple[dict, Tokenizer]) -> None:
+    """The Gemma 3 270M file carries no chat template: its turns are llama.cpp's built-in "gemma"
+    format (system text inside the first user turn, the assistant as "model", contents trimmed)."""
+    metadata, tokenizer = gemma3
+    assert "tokenizer.chat_template" not in metadata
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no ChatML fallback warning
+        template = ChatTemplate.from_gguf(metadata, tokenizer)
+    assert not template.is_fallback
+    padded = [{"role": "user", "content": "  spaced out \n"}, {"role": "assistant", "content": "\nok "}]
+    for messages in (CONVERSATION[:1], CONVERSATION, [{"role": "system", "content": " Be brief. "}, *CONVERSATION],
+                     padded + [{"role": "system", "content": "Late system."}, {"role": "user", "content": "again"}]):
+        for prompt in (True, False):
+            assert template.render(messages, add_generation_prompt=prompt) == _builtin(b"gemma", messages, prompt)
+    session = ChatSession(template, tokenizer, system="Be brief.")
+    ids = session.tokens(session.add_user("Hi"))
+    assert ids[0] == tokenizer.bos_id and ids.count(tokenizer.bos_id) == 1
+    assert tokenizer.decode_bytes(ids[1:], special=True).decode() == "<start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n<start_of_turn>model\n"
+    end_of_turn = tokenizer.encode("<end_of_turn>", add_bos=False, special=True)
+    assert len(end_of_turn) == 1 and session.is_end_of_turn(end_of_turn[0])
 
 
 def test_session_keeps_history_and_feeds_only_the_new_part(smollm2: tuple[dict, Tokenizer]) -> None:

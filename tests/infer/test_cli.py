@@ -81,6 +81,27 @@ def test_chat_holds_a_two_turn_conversation(smollm2: Path) -> None:
     assert code == 0 and alone.strip() and alone.strip() != second_reply.strip()
 
 
+@pytest.mark.oracle
+def test_gemma3_chat_speaks_in_gemmas_turns() -> None:
+    """Gemma 3 270M's file has no chat template: --chat writes Gemma's turns (tests/infer/test_chat.py
+    checks them against llama.cpp's), so its first reply is the greedy continuation of that text.
+    The file is the pretrained model, not the instruction-tuned one: its replies are not answers."""
+    from infer.api import LLM
+
+    gemma3 = model_path("gemma3")
+    question = "What is the capital of France?"
+    code, out, err = invoke(["-m", str(gemma3), "--chat", "-t", "0", "-n", "12", "--device", "cpu"],
+                            stdin=f"{question}\nAnd of Italy?\n")
+    assert code == 0, err
+    llm = LLM.load(gemma3, ctx_size=512)
+    turn = llm.tokenizer.encode(f"<start_of_turn>user\n{question}<end_of_turn>\n<start_of_turn>model\n",
+                                add_bos=True, special=True)
+    first = llm.detokenize(list(llm.generate_ids(turn, 12)))
+    print(out)
+    assert first.strip() and out.startswith(first.strip())
+    assert len(out.strip()) > len(first.strip())  # and a second reply
+
+
 def test_benchmark_reports_tokens_per_second(smollm2: Path) -> None:
     code, out, _ = invoke(["-m", str(smollm2), "--benchmark", "-n", "8", "--json", "--device", "cpu"])
     assert code == 0

@@ -3,6 +3,8 @@ limits, generation stop rules, and the weight cache budget."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -14,10 +16,15 @@ from infer.synth import Shape, write_model
 SMALL = Shape(n_layers=3, dim=128, ffn_dim=256, n_heads=4, n_kv_heads=2, vocab_size=300, context_length=256)
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2"])
+# Gemma 3 with a global layer after five local ones; a Llama file with a window on every layer (Mistral's)
+SHAPES = {"llama": SMALL, "qwen2": SMALL, "gemma3": Shape(**{**SMALL.__dict__, "n_layers": 6, "sliding_window": 8}),
+          "llama-window": Shape(**{**SMALL.__dict__, "sliding_window": 8})}
+
+
+@pytest.fixture(scope="module", params=sorted(SHAPES))
 def model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> GGUFModel:
     path = tmp_path_factory.mktemp("engine") / f"{request.param}.gguf"
-    write_model(path, SMALL, "f16", seed=7, arch=request.param)
+    write_model(path, SHAPES[request.param], "f16", seed=7, arch=request.param.split("-")[0])
     return GGUFModel(path)
 
 
@@ -35,6 +42,23 @@ ONE_ULP = 2.0**-23  # relative: one float32 step
 
 def assert_same(got: np.ndarray, want: np.ndarray) -> None:
     np.testing.assert_allclose(got, want, rtol=ONE_ULP, atol=0)
+
+
+def test_a_llama_file_with_a_sliding_window_sees_only_the_window(tmp_path: Path) -> None:
+    """llama.attention.sliding_window (Mistral 7B v0.1's 4096) bounds every layer's attention. llama.cpp
+    ignores the key in llama files; we honour it, as the model was trained. Positions inside the
+    window compute exactly what the file without the key does; later ones differ."""
+    paths = {}
+    for window in (0, 8):
+        paths[window] = tmp_path / f"window{window}.gguf"
+        write_model(paths[window], Shape(**{**SMALL.__dict__, "sliding_window": window}), "f16", seed=7)
+    windowed, plain = (load_transformer(GGUFModel(paths[w]), exact=True) for w in (8, 0))
+    assert windowed.args.local_layers == (True,) * 3 and windowed.args.rope_base_local == 0.0
+    ids = np.array(prompt(20))
+    got = windowed.forward(ids, windowed.new_cache(20), all_logits=True)
+    want = plain.forward(ids, plain.new_cache(20), all_logits=True)
+    assert_same(got[:8], want[:8])
+    assert not np.allclose(got[8:], want[8:], atol=1e-3)
 
 
 def test_batch_split_does_not_change_logits(model: GGUFModel) -> None:

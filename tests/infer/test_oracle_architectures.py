@@ -189,3 +189,56 @@ def test_qwen3_operations_match_llama_cpp(which: str, tmp_path: Path) -> None:
     for row in rows:
         bound = OP_BOUND[compare_ops.KINDS[row.op]]
         assert row.rel <= bound + row.allowance, f"{row.op} in layer {row.layer}: relative error {row.rel:.2e}"
+
+
+def _gemma3() -> Path:
+    from tests.oracle.fixtures import require_asset
+
+    return require_asset(Path.home() / ".cache" / "nvmedirect" / "models" / "gemma-3-270m-q4_k_m.gguf")
+
+
+def test_gemma3_270m_past_its_sliding_window_matches_llama_cpp() -> None:
+    """Gemma 3 270M over 700 tokens: five of every six layers attend to a 512-token window with their
+    own rotary base, so the last 188 positions see only part of the text (test_oracle.py checks its
+    first 128 positions, its operations, perplexity and greedy text)."""
+    path = _gemma3()
+    ours = load_transformer(GGUFModel(path))
+    assert ours.args.sliding_window == 512 and sum(ours.args.local_layers) == 15
+    ref = Reference(path, n_ctx=1024)
+    try:
+        ids = ref.tokenize(botchan_text()[5000:60000])[:700]
+        assert len(ids) == 700
+        got = _logits(ours, ids)
+        want, mean, worst, noise_mean, noise_max = _errors(got, ref, ids)
+    finally:
+        ref.close()
+    print(f"\ngemma3 700 tokens: |error| mean {mean:.4f} max {worst:.3f}; noise {noise_mean:.4f} / {noise_max:.3f}")
+    assert mean <= NOISE_FACTOR * noise_mean and worst <= NOISE_FACTOR * noise_max
+    # without the window the same positions are further off: the window is what llama.cpp computes
+    unbounded = Transformer(replace(ours.args, local_layers=()), ours.weights, ours.rope.freq_factors)
+    tail = slice(600, 700)
+    far = float(np.abs(_logits(unbounded, ids)[tail] - want[tail]).mean())
+    near = float(np.abs(got[tail] - want[tail]).mean())
+    print(f"positions 600-699: |error| {near:.4f} with the window, {far:.4f} without")
+    assert far > 2 * near
+
+
+# Gemma 3's proportions, small: 7 layers (local 0-4 and 6, global 5), a 16-token window, head size 64
+GEMMA3 = Shape(n_layers=7, dim=256, ffn_dim=768, n_heads=4, n_kv_heads=1, vocab_size=1024, context_length=2048,
+               rope_base=1e6, norm_eps=1e-6, arch="gemma3", head_dim=64, sliding_window=16)
+
+
+def test_synthetic_gemma3_matches_llama_cpp(tmp_path: Path) -> None:
+    """Random Gemma 3 weights in float16 over 96 tokens, six times the window: GeGLU, post-norms, the
+    embedding scale, Q/K norms, and local layers with their own rotary base."""
+    path = tmp_path / "gemma3-f16.gguf"
+    write_model(path, GEMMA3, "f16", seed=4)
+    ours = load_transformer(GGUFModel(path))
+    assert ours.args.local_layers == (True,) * 5 + (False, True) and ours.args.sliding_window == 16
+    ids = [int(t) for t in np.random.default_rng(1).integers(3, GEMMA3.vocab_size, TOKENS)]
+    unbounded = Transformer(replace(ours.args, local_layers=()), ours.weights, ours.rope.freq_factors)
+    ref = Reference(path, n_ctx=128)
+    try:
+        _check("synthetic gemma3 f16", _logits(ours, ids), _logits(unbounded, ids), ref, ids)
+    finally:
+        ref.close()

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from infer.tokenizer import StreamDecoder, Tokenizer
-from tests.oracle.assets import botchan_path, qwen05b_path, smollm2_path
+from tests.oracle.assets import botchan_path, gemma3_path, qwen05b_path, smollm2_path
 
 EDGE_CASES = [
     "", " ", "  ", "   x", "\t", "\t\tfoo\n\n", "\n", "\r\n", " \n \n", "Hello  world   ", "  leading", "trailing  ",
@@ -95,7 +95,7 @@ def _spm_gguf(directory: Path) -> Path:
     return path
 
 
-MODELS = ["smollm2", "qwen05b", "spm-botchan"]
+MODELS = ["smollm2", "qwen05b", "gemma3", "spm-botchan"]
 
 
 @pytest.fixture(scope="module", params=MODELS)
@@ -104,6 +104,8 @@ def model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
         path = _required_or_skip(smollm2_path())
     elif request.param == "qwen05b":
         path = _required_or_skip(qwen05b_path())
+    elif request.param == "gemma3":
+        path = _required_or_skip(gemma3_path())
     else:
         path = _spm_gguf(tmp_path_factory.mktemp("spm"))
     return path, Tokenizer.from_gguf(read_metadata(path))

@@ -14,6 +14,7 @@ from pathlib import Path
 SMOLLM2_ORIGINAL = "SmolLM2-135M-Instruct.Q4_1.gguf"
 QWEN05B = "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
 QWEN15B = "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"
+GEMMA3 = "gemma-3-270m-q4_k_m.gguf"
 # variant name -> llama.cpp file type it is requantized to
 SMOLLM2_VARIANTS = ("F16", "Q8_0", "Q4_0", "Q4_K_M", "Q5_K_M", "Q6_K")
 
@@ -38,6 +39,10 @@ def qwen05b_path() -> Path:
 
 def qwen15b_path() -> Path:
     return models_dir() / QWEN15B
+
+
+def gemma3_path() -> Path:
+    return models_dir() / GEMMA3
 
 
 def botchan_path() -> Path:

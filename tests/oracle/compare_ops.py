@@ -21,7 +21,7 @@ import numpy as np
 from gguf.constants import GGMLQuantizationType
 
 from infer.gguf_file import GGUFModel
-from infer.model import LayerWeights, Linear, Transformer, load_transformer
+from infer.model import LayerWeights, Linear, Transformer, geglu, load_transformer
 from tests.oracle.fixtures import botchan_text
 from tests.oracle.reference import Reference
 from tests.oracle.trace import trace
@@ -41,13 +41,17 @@ class Row:
 KINDS = {
     "embedding": "elementwise", "attn rms_norm": "elementwise", "ffn rms_norm": "elementwise",
     "output rms_norm": "elementwise", "qkv + bias": "elementwise", "q/k rms_norm": "elementwise", "rope q": "elementwise", "rope k": "elementwise",
-    "swiglu": "swiglu", "rope + attention": "attention",
+    "swiglu": "swiglu", "geglu": "elementwise", "rope + attention": "attention",
+    "embedding x sqrt(width)": "elementwise", "wo + post-norm": "matmul", "post-norm + residual": "elementwise",
+    "ffn post-norm": "elementwise",
     "qkv matmul": "matmul", "wo + residual": "matmul", "gate matmul": "matmul", "up matmul": "matmul",
     "down matmul": "matmul", "output matmul": "matmul",
 }
 # The tensors compare() reads from a trace.
-TRACED = ["embd", "attn_norm", "Qcur", "Kcur", "Vcur", "Qcur_normed", "Kcur_normed", "kqv_out", "ffn_inp", "ffn_norm", "ffn_gate", "ffn_up",
-          "ffn_swiglu", "ffn_out", "l_out", "result_norm", "result_output"]
+TRACED = ["embd", "inp_scaled", "attn_norm", "Qcur", "Kcur", "Vcur", "Qcur_normed", "Kcur_normed", "kqv_out",
+          "attn_post_norm", "sa_out", "ffn_inp", "ffn_norm", "ffn_gate", "ffn_up", "ffn_swiglu", "ffn_geglu", "ffn_out",
+          "ffn_post_norm", "l_out", "result_norm", "result_output"]
+_LAYER_TRACED = [name for name in TRACED if name not in ("embd", "inp_scaled", "result_norm", "result_output")]
 
 
 def _diff(layer: int, op: str, ours: np.ndarray, ref: np.ndarray) -> Row:
@@ -109,15 +113,15 @@ def compare(model: Transformer, tensors: dict[str, list[np.ndarray]], ids: list[
     def matmul(layer: int, op: str, ours: np.ndarray, ref: np.ndarray, names: list[str], x: np.ndarray) -> Row:
         return dataclasses.replace(_diff(layer, op, ours, ref), allowance=_allowance(gguf, names, x, ref))
 
-    cos, sin = model.rope.angles(np.arange(n))
     x = tensors["embd"][-1].reshape(n, a.dim)
     rows.append(_diff(-1, "embedding", model.weights.embed(np.asarray(ids)), x))
+    if "inp_scaled" in tensors:  # Gemma
+        rows.append(_diff(-1, "embedding x sqrt(width)", model._embed(np.asarray(ids)), tensors["inp_scaled"][-1]))
+        x = tensors["inp_scaled"][-1].reshape(n, a.dim)
     for i in range(a.n_layers):
         layer = model.weights.layer(i)
-        t = {name: tensors[f"{name}-{i}"] for name in ("attn_norm", "Qcur", "Kcur", "Vcur", "Qcur_normed",
-                                                      "Kcur_normed", "kqv_out", "ffn_inp",
-                                                      "ffn_norm", "ffn_gate", "ffn_up", "ffn_swiglu", "ffn_out",
-                                                      "l_out") if f"{name}-{i}" in tensors}
+        cos, sin = model._rope_of(i).angles(np.arange(n))
+        t = {name: tensors[f"{name}-{i}"] for name in _LAYER_TRACED if f"{name}-{i}" in tensors}
         rows.append(_diff(i, "attn rms_norm", model.norm(x, layer.attn_norm), t["attn_norm"][-1]))
         h = _flat(t["attn_norm"][-1], n)
         qkv = layer.qkv(h)
@@ -137,17 +141,24 @@ def compare(model: Transformer, tensors: dict[str, list[np.ndarray]], ids: list[
             want = np.concatenate([_flat(t[k][-1], n) for k in ("Qcur_normed", "Kcur_normed")], axis=1)
             rows.append(_diff(i, "q/k rms_norm", normed, want))
             qkv_in = np.concatenate([want, qkv_in[:, a.q_dim + a.kv_dim :]], axis=1)
-        rows.append(_diff(i, "rope q", model.rope.apply(qkv_in[:, : a.q_dim].reshape(n, a.n_heads, a.head_dim),
-                                                         cos, sin), t["Qcur"][-1]))
+        rope = model._rope_of(i)
+        rows.append(_diff(i, "rope q", rope.apply(qkv_in[:, : a.q_dim].reshape(n, a.n_heads, a.head_dim), cos, sin),
+                          t["Qcur"][-1]))
         k_in = qkv_in[:, a.q_dim : a.q_dim + a.kv_dim].reshape(n, a.n_kv_heads, a.head_dim)
-        rows.append(_diff(i, "rope k", model.rope.apply(k_in, cos, sin), t["Kcur"][-1]))
+        rows.append(_diff(i, "rope k", rope.apply(k_in, cos, sin), t["Kcur"][-1]))
         bare = LayerWeights(layer.attn_norm, _identity(qkv_in.shape[1], model.exact), None,
                             _identity(a.q_dim, model.exact), layer.ffn_norm, layer.gate_up, layer.down)
         attn = model._attention(qkv_in, bare, model.new_cache(n), i, 0, cos, sin)
         rows.append(_diff(i, "rope + attention", attn, t["kqv_out"][-1]))
         kqv = _flat(t["kqv_out"][-1], n)
-        rows.append(matmul(i, "wo + residual", x + layer.wo(kqv), t["ffn_inp"][-1], [p + "attn_output.weight"], kqv))
-        f = _flat(t["ffn_inp"][-1], n)
+        if layer.post_attn_norm is not None:  # Gemma: the attention output normed, then added
+            rows.append(matmul(i, "wo + post-norm", model.norm(layer.wo(kqv), layer.post_attn_norm),
+                               t["attn_post_norm"][-1], [p + "attn_output.weight"], kqv))
+            rows.append(_diff(i, "post-norm + residual", _flat(t["attn_post_norm"][-1], n) + x, t["sa_out"][-1]))
+            f = _flat(t["sa_out"][-1], n)
+        else:
+            rows.append(matmul(i, "wo + residual", x + layer.wo(kqv), t["ffn_inp"][-1], [p + "attn_output.weight"], kqv))
+            f = _flat(t["ffn_inp"][-1], n)
         rows.append(_diff(i, "ffn rms_norm", model.norm(f, layer.ffn_norm), t["ffn_norm"][-1]))
         h = _flat(t["ffn_norm"][-1], n)
         g = layer.gate_up(h)
@@ -158,6 +169,14 @@ def compare(model: Transformer, tensors: dict[str, list[np.ndarray]], ids: list[
             rows.append(_diff(i, "swiglu", gate / (1.0 + np.exp(-gate)) * up, t["ffn_swiglu"][-1]))
             sw = _flat(t["ffn_swiglu"][-1], n)
             rows.append(matmul(i, "down matmul", layer.down(sw), t["ffn_out"][-1], [p + "ffn_down.weight"], sw))
+        if "ffn_geglu" in t:
+            rows.append(_diff(i, "geglu", geglu(gate.astype(np.float32), up.astype(np.float32)), t["ffn_geglu"][-1]))
+            gg = _flat(t["ffn_geglu"][-1], n)
+            rows.append(matmul(i, "down matmul", layer.down(gg), t["ffn_out"][-1], [p + "ffn_down.weight"], gg))
+        if layer.post_ffn_norm is not None:
+            rows.append(_diff(i, "ffn post-norm", model.norm(_flat(t["ffn_out"][-1], n), layer.post_ffn_norm),
+                              t["ffn_post_norm"][-1]))
+            rows.append(_diff(i, "post-norm + residual", _flat(t["ffn_post_norm"][-1], n) + f, t["l_out"][-1]))
         x = _flat(t["l_out"][-1], n)
     rows.append(_diff(a.n_layers, "output rms_norm", model.norm(x, model.weights.output_norm()),
                       tensors["result_norm"][-1]))
@@ -171,12 +190,13 @@ def propagated(model: Transformer, tensors: dict[str, list[np.ndarray]], ids: li
     """Our whole forward pass against llama.cpp's hidden state after each layer."""
     n, rows = len(ids), []
     cache = model.new_cache(n)
-    cos, sin = model.rope.angles(np.arange(n))
-    x = model.weights.embed(np.asarray(ids))
+    x = model._embed(np.asarray(ids))
     for i in range(model.args.n_layers):
         layer = model.weights.layer(i)
-        x = x + model._attention(model.norm(x, layer.attn_norm), layer, cache, i, 0, cos, sin)
-        x = x + model._feed_forward(model.norm(x, layer.ffn_norm), layer)
+        cos, sin = model._rope_of(i).angles(np.arange(n))
+        x = model._residual(x, model._attention(model.norm(x, layer.attn_norm), layer, cache, i, 0, cos, sin),
+                            layer.post_attn_norm)
+        x = model._residual(x, model._feed_forward(model.norm(x, layer.ffn_norm), layer), layer.post_ffn_norm)
         rows.append(_diff(i, "l_out", x, tensors[f"l_out-{i}"][-1]))
     logits = model.weights.output()(model.norm(x, model.weights.output_norm()))
     rows.append(_diff(model.args.n_layers, "logits", logits, tensors["logits"][-1]))

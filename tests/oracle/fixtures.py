@@ -21,11 +21,13 @@ def require_asset(path: Path) -> Path:
 
 
 def model_path(name: str) -> Path:
-    """'smollm2-F16', 'smollm2-Q4_1', ..., 'qwen05b' or 'qwen15b'."""
+    """'smollm2-F16', 'smollm2-Q4_1', ..., 'qwen05b', 'qwen15b' or 'gemma3'."""
     if name == "qwen05b":
         return require_asset(assets.qwen05b_path())
     if name == "qwen15b":
         return require_asset(assets.qwen15b_path())
+    if name == "gemma3":
+        return require_asset(assets.gemma3_path())
     return require_asset(assets.smollm2_path(name.split("-", 1)[1]))
 
 

@@ -14,7 +14,8 @@ import pytest
 
 from infer.engine import Engine, greedy
 from infer.gguf_file import GGUFModel
-from infer.model import load_transformer, tree_layout
+from infer.layers import tree_layout
+from infer.model import load_transformer
 from infer.sampler import Sampler, SamplerConfig
 from infer.speculative import LookupDrafter, ModelDrafter, Speculator, Tree, follow, lookup
 from infer.synth import SHAPES, Shape, write_model

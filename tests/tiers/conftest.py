@@ -28,6 +28,16 @@ def tiny_qwen3(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_gemma3(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """As a Gemma 3 of 6 layers: post-norms streamed with the layers, five local layers with an
+    8-token window and their own rotary base, GeGLU and the embedding scale."""
+    path = tmp_path_factory.mktemp("synth") / "tiny6-gemma3-q4_k_m.gguf"
+    shape = Shape(**{**SHAPES["tiny"].__dict__, "n_layers": 6, "arch": "gemma3", "head_dim": 128, "sliding_window": 8})
+    write_model(path, shape, "q4_k_m", seed=11)
+    return path
+
+
+@pytest.fixture(scope="session")
 def smollm2() -> Path:
     path = smollm2_path()
     if not path.exists():

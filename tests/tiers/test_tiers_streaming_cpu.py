@@ -77,14 +77,17 @@ def test_tiny_streaming_logits_equal_resident(tiny_model: Path, resident: float,
         s.close()
 
 
-def test_qwen3_streaming_logits_equal_resident(tiny_qwen3: Path) -> None:
-    """Qwen3's Q/K norms ride with the streamed layers' vectors: streamed logits are the resident ones."""
-    s = session(tiny_qwen3, 0.3, 0.3)
+@pytest.mark.parametrize("fixture", ["tiny_qwen3", "tiny_gemma3"])
+def test_later_architectures_stream_as_they_run_resident(fixture: str, request: pytest.FixtureRequest) -> None:
+    """Qwen3's Q/K norms and Gemma 3's post-norms ride with the streamed layers' vectors, Gemma's window
+    and local rotary base with the model: streamed logits are the resident ones."""
+    path = request.getfixturevalue(fixture)
+    s = session(path, 0.3, 0.3)
     try:
-        assert s.engine.model.args.arch == "qwen3"
+        assert s.engine.model.args.arch == fixture.removeprefix("tiny_")
         tokens = [t % 1024 for t in PROMPT]
         got = s.engine.model.forward(np.asarray(tokens), s.engine.model.new_cache(CTX), all_logits=True)
-        np.testing.assert_array_equal(got, resident_logits(tiny_qwen3, tokens))
+        np.testing.assert_array_equal(got, resident_logits(path, tokens))
     finally:
         s.close()
 
