@@ -177,7 +177,7 @@ def attention_and_friends() -> list[dict[str, object]]:
         out.append({"kernel": "rmsnorm + q8_k", "case": f"{n} rows", "us": round(us, 2)})
         gu = cupy.asarray(rng.standard_normal((n, 2 * FFN)).astype(np.float32))
         ff = ops.Int8Act.zeros(n, FFN, "q8_k")
-        us = _timed(stream, lambda gu=gu, ff=ff, n=n: ops.swiglu_round(gu, FFN, n, "q8_k", int8=ff), 1)
+        us = _timed(stream, lambda gu=gu, ff=ff, n=n: ops.glu_round(gu, FFN, n, "q8_k", int8=ff), 1)
         out.append({"kernel": "swiglu + q8_k", "case": f"{n} rows", "us": round(us, 2)})
         print(json.dumps(out[-2]), json.dumps(out[-1]), flush=True)
     return out

@@ -385,16 +385,6 @@ def check_model(model: GGUFModel) -> ModelArgs:
     return args
 
 
-def check_gpu_support(args: ModelArgs, path: object) -> None:
-    """The GPU layer recipe computes SwiGLU blocks without post-norms, sliding windows or embedding
-    scale: a model that needs them stops here (one line) instead of computing something else."""
-    t = args.arch_table
-    if t.activation != "silu" or t.embed_scale or any(args.local_layers) or \
-            any(k in t.required for k in POST_NORM_KINDS):
-        raise UnsupportedModelError(path, f"architecture '{args.arch}' runs on the CPU only so far (--device cpu)",
-                                    "key general.architecture")
-
-
 def layer_vectors(args: ModelArgs, i: int, tensors: Mapping[str, np.ndarray]) -> dict[str, np.ndarray | None]:
     """A block's vectors as every engine's layer takes them, from its float32 tensors by kind
     (`tensors` may hold the matrices too): attn_norm, ffn_norm; bqkv, Q, K and V biases as one

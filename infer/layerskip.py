@@ -72,16 +72,11 @@ def layer_similarity(model: Any, tokens: Sequence[int]) -> np.ndarray:
     ids = np.asarray(tokens, dtype=np.int64)
     if ids.size < 2:
         raise ValueError("calibration needs a text of at least two tokens")
-    cache = model.new_cache(len(ids))
-    cos, sin = model.rope.angles(np.arange(len(ids)))
-    x = model.weights.embed(ids)
+    states: list[np.ndarray] = []
+    model.forward_batch([(ids, model.new_cache(len(ids)))], hidden=states)
     sims = np.empty(model.args.n_layers)
-    for i in range(model.args.n_layers):
-        layer = model.weights.layer(i)
-        before = x.astype(np.float64)
-        x = x + model._attention(model.norm(x, layer.attn_norm), layer, cache, i, 0, cos, sin)
-        x = x + model._feed_forward(model.norm(x, layer.ffn_norm), layer)
-        after = x.astype(np.float64)
+    for i, (before, after) in enumerate(zip(states[:-1], states[1:], strict=True)):
+        before, after = before.astype(np.float64), after.astype(np.float64)
         num = (before * after).sum(1)
         den = np.linalg.norm(before, axis=1) * np.linalg.norm(after, axis=1)
         sims[i] = float(np.mean(num / np.maximum(den, 1e-30)))

@@ -334,15 +334,18 @@ class Transformer:
         """Appends prompt tokens whose logits nobody reads."""
         self.forward_batch([(np.asarray(tokens, dtype=np.int64), cache)])
 
-    def forward_batch(self, batch: Batch, all_logits: bool = False,
-                      prompt_rows: Sequence[int] | None = None) -> list[np.ndarray]:
+    def forward_batch(self, batch: Batch, all_logits: bool = False, prompt_rows: Sequence[int] | None = None,
+                      hidden: list[np.ndarray] | None = None) -> list[np.ndarray]:
         """Per sequence the logits of its last token (vocab,) or of every token (T, vocab);
-        prompt_rows as the GPU's (ignored: one product here)."""
+        prompt_rows as the GPU's (ignored: one product here). hidden: gets the residual stream
+        (rows, dim) entering the first layer and after each layer run."""
         sizes = check_batch(batch, self.args.vocab_size)
         bounds = np.cumsum([0, *sizes])
         positions = [np.arange(c.length, c.length + n) for (_, c), n in zip(batch, sizes, strict=True)]
         angles = {rope: [rope.angles(p) for p in positions] for rope in {self.rope, self.rope_local}}
         x = self._embed(np.concatenate([np.asarray(t, np.int64) for t, _ in batch]))  # (rows, dim)
+        if hidden is not None:
+            hidden.append(x)
         for i in range(self.args.n_layers):
             if i in self.skip:
                 continue
@@ -358,6 +361,8 @@ class Transformer:
                 attn[rows] = self._attention(h[rows], layer, cache, i, cache.length, cos, sin, seen)
             x = self._residual(x, attn, layer.post_attn_norm)
             x = self._residual(x, self._feed_forward(self.norm(x, layer.ffn_norm), layer), layer.post_ffn_norm)
+            if hidden is not None:
+                hidden.append(x)
         for (_, cache), n in zip(batch, sizes, strict=True):
             cache.length += n
         picked = x if all_logits else x[bounds[1:] - 1]

@@ -46,7 +46,8 @@ def gpu_pass_nbytes(model: GGUFModel, args: ModelArgs, capacity: int, context: i
     formats = [layer_formats(model, i) for i in range(args.n_layers)]
     out_act = matrix_format(model.tensor(output_name(model))).act
     rows = max(LOGITS_ROWS, logits_rows or 0)
-    return pass_buffers_nbytes(args, formats, out_act, capacity, context, rows) + 8 * context * (args.rope_dim // 2)
+    tables = 2 if args.rope_base_local else 1  # Gemma's local layers rotate by their own table
+    return pass_buffers_nbytes(args, formats, out_act, capacity, context, rows) + tables * 8 * context * (args.rope_dim // 2)
 
 
 def load_gpu_transformer(model: GGUFModel, max_context: int | None = None, vram_budget: str | int | None = None,
@@ -68,7 +69,7 @@ def load_gpu_transformer(model: GGUFModel, max_context: int | None = None, vram_
     bits in any pass (docs/GPU.md)."""
     import cupy
 
-    from infer.arch import check_gpu_support, check_model, rope_freq_factors
+    from infer.arch import check_model, rope_freq_factors
     from infer.errors import UnsupportedModelError
     from infer.gpu import memory
     from infer.gpu.cache import GpuKVCache
@@ -78,7 +79,6 @@ def load_gpu_transformer(model: GGUFModel, max_context: int | None = None, vram_
     from infer.tiers.plan import planner_tensors
 
     args = check_model(model)
-    check_gpu_support(args, model.path)
     for info in model.tensors.values():
         if len(info.shape) == 2:
             try:

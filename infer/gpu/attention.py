@@ -84,10 +84,12 @@ def uses_prompt_attention(shape: AttentionShape) -> bool:
 
 
 def prompt_attention(qkv: cupy.ndarray, shape: AttentionShape, layer: int, rows: RowFields, r0: int, n: int,
-                     out16: cupy.ndarray) -> None:
+                     out16: cupy.ndarray, scale: float | None = None) -> None:
     """out16 rows r0 .. r0 + n - 1 (float16, (rows, n_heads * head_dim)) = the attention of the
     prompt rows r0 .. of the pass over their sequences' slots 0..pos (keys and values stored by
-    rope_rows), on the tensor cores: a tile of 16 rows and a KV head a block, a warp per query head."""
+    rope_rows), on the tensor cores: a tile of 16 rows and a KV head a block, a warp per query head.
+    scale: the scores' factor (default 1 / sqrt(head_dim)). No sliding window: such layers take
+    attention()."""
     s = shape
     if n < 1:
         return
@@ -103,7 +105,8 @@ def prompt_attention(qkv: cupy.ndarray, shape: AttentionShape, layer: int, rows:
     q_values = s.n_heads * s.head_dim
     fn((s.n_kv_heads, -(-n // 16)), (32 * group,),
        (np.uint64(qkv.data.ptr + r0 * s.width * 4), np.int32(s.width), np.int32(s.n_heads), np.int32(s.n_kv_heads),
-        np.float32(1.0 / np.sqrt(s.head_dim)), np.int32(layer), pos, kptr, vptr, cap, np.int32(n),
+        np.float32(1.0 / np.sqrt(s.head_dim) if scale is None else scale), np.int32(layer), pos, kptr, vptr, cap,
+        np.int32(n),
         np.uint64(out16.data.ptr + r0 * q_values * 2)), shared_mem=smem)
 
 
@@ -177,14 +180,16 @@ def rope_rows(qkv: cupy.ndarray, shape: AttentionShape, cos: cupy.ndarray, sin: 
 
 def attention(qkv: cupy.ndarray, shape: AttentionShape, layer: int, rows: RowFields, n: int, max_ctx: int,
               work: cupy.ndarray, work_rows: int, out: cupy.ndarray, act: str, int8: Int8Act | None = None,
-              out16: cupy.ndarray | None = None) -> None:
+              out16: cupy.ndarray | None = None, window: int = 0, scale: float | None = None) -> None:
     """out (n, n_heads * head_dim) = each row's attention over its span (its position, slots and
     cache in `rows`; keys and values stored by rope_rows), rounded to activation format `act` (with
     its 8-bit form into int8; out16, float16: the values before rounding, for the prompt products). `work` holds the partials of work_rows rows at a time
-    (attention_work_nbytes); max_ctx bounds every row's position + 1."""
+    (attention_work_nbytes); max_ctx bounds every row's position + 1. window > 0: a row at position p
+    sees positions p - window + 1 .. p only (a sliding-window layer); scale: the scores' factor
+    (default 1 / sqrt(head_dim))."""
     s = shape
     nb = attention_blocks(max_ctx)
-    scale = np.float32(1.0 / np.sqrt(s.head_dim))
+    scale = np.float32(1.0 / np.sqrt(s.head_dim) if scale is None else scale)
     smem = s.chunks_shared_bytes()
     name = f"attn_chunks_d{s.head_dim}"
     chunks = with_shared(kernels.function("attention", name), (name,), smem)
@@ -199,7 +204,8 @@ def attention(qkv: cupy.ndarray, shape: AttentionShape, layer: int, rows: RowFie
         pos, _slot, base, anc_off, anc, kptr, vptr, cap = rows.offset(r0)
         chunks((s.n_kv_heads, position_blocks(nb, n), -(-m // group)), (ATTN_THREADS,),
                (np.uint64(qkv.data.ptr + r0 * s.width * 4), np.int32(s.width), np.int32(s.n_heads),
-                np.int32(s.n_kv_heads), scale, np.int32(layer), pos, base, anc_off, anc, kptr, vptr, cap, work,
+                np.int32(s.n_kv_heads), scale, np.int32(window), np.int32(layer), pos, base, anc_off, anc, kptr, vptr,
+                cap, work,
                 np.int32(nb), np.int32(m), np.int32(group)), shared_mem=smem)
         part = None if int8 is None else int8.rows(r0, r0 + m)
         merge((m, q_values // chunk), (chunk,), (work, np.int32(nb), np.int32(s.n_heads), np.int32(s.head_dim), pos,

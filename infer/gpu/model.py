@@ -20,12 +20,13 @@ without the host (`advance`), so only token ids come back.
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections.abc import Callable, Iterator, Sequence
 
 import cupy
 import numpy as np
 
-from infer.arch import ModelArgs
+from infer.arch import POST_NORM_KINDS, ModelArgs, RopeScaling
 from infer.gpu import attention, kernels, ops, products
 from infer.gpu.activations import Inputs, layer_inputs
 from infer.gpu.attention import AttentionShape
@@ -57,12 +58,17 @@ def pass_buffers_nbytes(args: ModelArgs, formats: list[dict], output_act: str, c
     shape = _shape(a, Rope(a, None))
     wanted = [w for f in formats for w in layer_inputs(a, f)]
     rows = capacity
-    hidden = 4 * ((rows + 1) * a.dim + rows * (shape.width + a.q_dim + 2 * a.ffn_dim))
+    post = rows * a.dim if has_post_norms(a) else 0  # a block's output before its post-norm (Gemma)
+    hidden = 4 * ((rows + 1) * a.dim + rows * (shape.width + a.q_dim + 2 * a.ffn_dim) + post)
     work = attention.attention_work_nbytes(shape, attention_work_rows(shape, capacity, max_context), max_context)
     head = Inputs.planned_nbytes(logits_rows, [("out", output_act, a.dim)]) + 4 * logits_rows * a.vocab_size
     index = (rows + 1) * 64 + 4 * capacity * (capacity + 1) // 2
     return (hidden + Inputs.planned_nbytes(rows, wanted) + work + head + index + GpuKVCache.nbytes_for(a, 1)
             + products.SPLIT_SCRATCH_BYTES)
+
+
+def has_post_norms(a: ModelArgs) -> bool:
+    return any(kind in a.arch_table.required for kind in POST_NORM_KINDS)
 
 
 def _shape(a: ModelArgs, rope: Rope) -> AttentionShape:
@@ -85,6 +91,8 @@ class GpuTransformer:
         self.prefill_chunk = prefill_chunk
         self.max_context = max_context
         self.rope = Rope(args, rope_freq_factors)
+        # Gemma: the embeddings times sqrt(width), as the CPU engine computes it
+        self.embed_scale = float(np.sqrt(np.float32(args.dim))) if args.arch_table.embed_scale else 1.0
         self.shape = _shape(args, self.rope)
         self.shape.check()
         self.account: VramAccount | None = None  # the VRAM budget it was planned in, when loaded with one
@@ -101,6 +109,12 @@ class GpuTransformer:
         cos, sin = self.rope.angles(np.arange(max_context))
         with self.stream:
             self.rope_tables = (cupy.asarray(cos.astype(np.float32)), cupy.asarray(sin.astype(np.float32)))
+            self.rope_tables_local = self.rope_tables
+            if args.rope_base_local:  # Gemma 3's local layers: their own base, unscaled (infer.model)
+                local = Rope(dataclasses.replace(args, rope_base=args.rope_base_local, rope_scaling=RopeScaling()), None)
+                cos, sin = local.angles(np.arange(max_context))
+                self.rope_tables_local = (cupy.asarray(cos.astype(np.float32)), cupy.asarray(sin.astype(np.float32)))
+            self.post = cupy.zeros((C, a.dim), F32) if has_post_norms(args) else None
             self.null_cache = GpuKVCache.allocate(args, 1, self.stream)
             self.index = PassIndex(C, self.null_cache, self.stream)
             self.x = cupy.zeros((C + 1, a.dim), F32)  # hidden states; row C: the null row
@@ -175,38 +189,53 @@ class GpuTransformer:
         """Layer i for the rows of a pass of `shape`: self.x in place."""
         a, s, ix, inputs, n = self.args, self.shape, self.index, self.inputs, shape.rows
         half = shape.prompt > 0  # the prompt rows' float16 inputs are wanted too
+        local = a.is_local(i)
+        window = a.sliding_window if local else 0
         xs = inputs.normed(self.x, L.attn_norm, "attn", [L.wq.act, L.wk.act, L.wv.act], n, half=half)
         qkv = self.qkv.reshape(-1)
         for parts, row0 in L.qkv():
             rows = sum(m.rows for m in parts)
             self._product(parts, xs[parts[0].act], "attn", qkv[row0:], shape, s.width,
                           bias=None if L.bqkv is None else L.bqkv[row0 : row0 + rows])
-        attention.rope_rows(self.qkv, s, *self.rope_tables, i, ix.fields, n, L.q_norm, L.k_norm, a.norm_eps)
+        tables = self.rope_tables_local if local else self.rope_tables
+        attention.rope_rows(self.qkv, s, *tables, i, ix.fields, n, L.q_norm, L.k_norm, a.norm_eps)
         att = inputs.get("att", L.wo.act) if L.wo.act in ops.EIGHT_BIT else self.att
         int8 = att if isinstance(att, ops.Int8Act) else None
-        if half and attention.uses_prompt_attention(s) and products.uses_pmm(L.wo.fmt, L.wo.cols):
+        scale = a.scores_scale
+        if half and not window and attention.uses_prompt_attention(s) and products.uses_pmm(L.wo.fmt, L.wo.cols):
             # the canonical rows through attention.cu, the prompt rows on the tensor cores (their
             # float16 output is all the prompt products of wo take)
             c = shape.canonical
             if c:
                 attention.attention(self.qkv, s, i, ix.fields, c, self.max_context, self.work, self.work_rows,
-                                    self.att, L.wo.act, int8)
-            attention.prompt_attention(self.qkv, s, i, ix.fields, c, shape.prompt, inputs.half("att"))
+                                    self.att, L.wo.act, int8, scale=scale)
+            attention.prompt_attention(self.qkv, s, i, ix.fields, c, shape.prompt, inputs.half("att"), scale=scale)
         else:
             attention.attention(self.qkv, s, i, ix.fields, n, self.max_context, self.work, self.work_rows, self.att,
-                                L.wo.act, int8, inputs.half("att") if half else None)
-        self._product([L.wo], att, "att", self.x, shape, a.dim, residual=self.x)
+                                L.wo.act, int8, inputs.half("att") if half else None, window=window, scale=scale)
+        self._residual_product(L.wo, att, "att", shape, L.post_attn_norm)
         xs = inputs.normed(self.x, L.ffn_norm, "ffn", [L.w_gate.act, L.w_up.act], n, half=half)
         gu = self.gu.reshape(-1)
         for parts, row0 in L.gate_up():
             self._product(parts, xs[parts[0].act], "ffn", gu[row0:], shape, 2 * a.ffn_dim)
         ff = inputs.get("ff", L.w_down.act)
         ff16 = inputs.half("ff") if half else None
+        activation = a.arch_table.activation
         if isinstance(ff, ops.Int8Act):
-            ops.swiglu_round(self.gu, a.ffn_dim, n, L.w_down.act, int8=ff, y16=ff16)
+            ops.glu_round(self.gu, a.ffn_dim, n, L.w_down.act, int8=ff, y16=ff16, activation=activation)
         else:
-            ops.swiglu_round(self.gu, a.ffn_dim, n, L.w_down.act, y=ff, y16=ff16)
-        self._product([L.w_down], ff, "ff", self.x, shape, a.dim, residual=self.x)
+            ops.glu_round(self.gu, a.ffn_dim, n, L.w_down.act, y=ff, y16=ff16, activation=activation)
+        self._residual_product(L.w_down, ff, "ff", shape, L.post_ffn_norm)
+
+    def _residual_product(self, m: GpuMatrix, x: products.Input, key: str, shape: PassShape,
+                          post_norm: cupy.ndarray | None) -> None:
+        """self.x += m times input `key`: fused into the product, or (a post-norm, Gemma) the product
+        into self.post, normalised and added."""
+        if post_norm is None:
+            self._product([m], x, key, self.x, shape, self.args.dim, residual=self.x)
+            return
+        self._product([m], x, key, self.post, shape, self.args.dim)
+        ops.norm_add(self.post, post_norm, self.x, shape.rows, self.args.dim, self.args.norm_eps)
 
     def _product(self, parts: list[GpuMatrix], x: products.Input, key: str, y: cupy.ndarray, shape: PassShape, ldy: int,
                  bias: cupy.ndarray | None = None, residual: cupy.ndarray | None = None) -> None:
@@ -250,7 +279,7 @@ class GpuTransformer:
     def _launch(self, items: list[int], shape: PassShape) -> None:
         for item in items:
             if item == EMBED:
-                ops.embed(self.token_embd, self.index.d["tok"], shape.rows, self.x)
+                ops.embed(self.token_embd, self.index.d["tok"], shape.rows, self.x, self.embed_scale)
             else:
                 self._layer(item, self.weights.layer(item), shape)
 

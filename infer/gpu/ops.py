@@ -170,17 +170,25 @@ def round_act(x: cupy.ndarray, y: cupy.ndarray, rows: int, n: int, act: str, y16
                                          (x, y, device_ptr(y16), np.int32(n), np.int32(ACT_CODES[act]), *int8_args(int8)))
 
 
-def swiglu_round(gu: cupy.ndarray, n: int, rows: int, act: str, y: cupy.ndarray | None = None,
-                 int8: Int8Act | None = None, y16: cupy.ndarray | None = None) -> None:
-    """SiLU(gate) * up of rows [gate (n) | up (n)] of gu, rounded to `act`: the 8-bit form into
-    int8 (q8_0/q8_k), and/or the rounded float32 values into y (rows, n); y16 (rows, n) float16:
-    the values before rounding (the prompt products' input)."""
+def glu_round(gu: cupy.ndarray, n: int, rows: int, act: str, y: cupy.ndarray | None = None,
+              int8: Int8Act | None = None, y16: cupy.ndarray | None = None, activation: str = "silu") -> None:
+    """SiLU(gate) * up (activation "gelu_tanh": GELU(gate) * up) of rows [gate (n) | up (n)] of gu,
+    rounded to `act`: the 8-bit form into int8 (q8_0/q8_k), and/or the rounded float32 values into
+    y (rows, n); y16 (rows, n) float16: the values before rounding (the prompt products' input)."""
     if act not in EIGHT_BIT and y is None:
-        raise ValueError(f"SwiGLU rounded to {act} needs the float32 output y")
+        raise ValueError(f"the gated activation rounded to {act} needs the float32 output y")
+    if activation not in ("silu", "gelu_tanh"):
+        raise ValueError(f"unknown gated activation {activation!r}")
     per_block = 8 * {"q8_0": 32, "q8_k": 256}.get(act, 128)
-    kernels.function("ops", "swiglu_round")((-(-n // per_block), rows), (256,),
-                                            (gu, np.int32(n), device_ptr(y), device_ptr(y16), np.int32(ACT_CODES[act]),
-                                             *int8_args(int8)))
+    kernels.function("ops", "glu_round")((-(-n // per_block), rows), (256,),
+                                         (gu, np.int32(n), device_ptr(y), device_ptr(y16), np.int32(ACT_CODES[act]),
+                                          *int8_args(int8), np.int32(activation == "gelu_tanh")))
+
+
+def norm_add(t: cupy.ndarray, weight: cupy.ndarray, x: cupy.ndarray, rows: int, n: int, eps: float) -> None:
+    """x[r] += RMSNorm(t[r]) * weight for rows r < rows of n values (Gemma's post-norms)."""
+    threads = 1024 if n >= 4096 else 256
+    kernels.function("ops", "norm_add")((rows,), (threads,), (t, weight, x, np.int32(n), np.float32(eps)))
 
 
 # ---------------------------------------------------------------------------- shared memory
@@ -205,11 +213,13 @@ def dequantize(m: GpuMatrix, out: cupy.ndarray) -> None:
     fn((grid_blocks(n, 256),), (256,), (*m.planes(), np.int64(n), out))
 
 
-def embed(m: GpuMatrix, ids: cupy.ndarray, n: int, out: cupy.ndarray) -> None:
-    """out[i, :] = row ids[i] of the matrix, float32 (ids: int32 on the device)."""
+def embed(m: GpuMatrix, ids: cupy.ndarray, n: int, out: cupy.ndarray, scale: float = 1.0) -> None:
+    """out[i, :] = row ids[i] of the matrix times `scale` (Gemma's sqrt(width)), float32 (ids: int32
+    on the device)."""
     fn = kernels.function("dequant", f"embed_{m.fmt}")
     work = n * m.cols if m.fmt in FLOAT_FORMATS else n * m.cols // 32
-    fn((grid_blocks(work, 256),), (256,), (*m.planes(), np.int32(m.rows), np.int32(m.cols), ids, np.int32(n), out))
+    fn((grid_blocks(work, 256),), (256,), (*m.planes(), np.int32(m.rows), np.int32(m.cols), ids, np.int32(n), out,
+                                           np.float32(scale)))
 
 
 # ---------------------------------------------------------------------------- sampling

@@ -59,6 +59,8 @@ class GpuLayer:
     w_down: GpuMatrix
     q_norm: cupy.ndarray | None = None  # (head_dim,): Qwen3's RMSNorm of each query head before rope
     k_norm: cupy.ndarray | None = None
+    post_attn_norm: cupy.ndarray | None = None  # (dim,): Gemma's RMSNorm of the attention output
+    post_ffn_norm: cupy.ndarray | None = None  # and of the FFN output
 
     def matrices(self) -> list[GpuMatrix]:
         return [self.wq, self.wk, self.wv, self.wo, self.w_gate, self.w_up, self.w_down]
@@ -74,8 +76,8 @@ class GpuLayer:
     def addresses(self) -> tuple[int, ...]:
         """The device addresses the layer's kernels read (a captured graph of them is valid while
         these stay: a streamed layer's scratch)."""
-        arrays = [self.attn_norm, self.ffn_norm, self.bqkv, self.q_norm, self.k_norm,
-                  *(m.buffer for m in self.matrices())]
+        arrays = [self.attn_norm, self.ffn_norm, self.bqkv, self.q_norm, self.k_norm, self.post_attn_norm,
+                  self.post_ffn_norm, *(m.buffer for m in self.matrices())]
         return tuple(0 if b is None else int(b.data.ptr) for b in arrays)
 
 
@@ -166,7 +168,8 @@ def assemble_layer(vectors: dict[str, cupy.ndarray | None], matrices: dict[str, 
     m, v = matrices, vectors
     return GpuLayer(attn_norm=v["attn_norm"], wq=m["attn_q"], wk=m["attn_k"], wv=m["attn_v"],  # type: ignore[arg-type]
                     bqkv=v["bqkv"], wo=m["attn_output"], ffn_norm=v["ffn_norm"],  # type: ignore[arg-type]
-                    w_gate=m["ffn_gate"], w_up=m["ffn_up"], w_down=m["ffn_down"], q_norm=v["q_norm"], k_norm=v["k_norm"])
+                    w_gate=m["ffn_gate"], w_up=m["ffn_up"], w_down=m["ffn_down"], q_norm=v["q_norm"], k_norm=v["k_norm"],
+                    post_attn_norm=v.get("post_attn_norm"), post_ffn_norm=v.get("post_ffn_norm"))
 
 
 def layer_vectors(model: GGUFModel, args: ModelArgs, i: int) -> dict[str, cupy.ndarray | None]:

@@ -14,7 +14,9 @@
 // the 32 lane sums added by a fixed pattern (attn_reduce8); the chunk's max is exact; its sum is a
 // butterfly over the lanes (position = lane); a lane's weighted values are fused multiply-adds over
 // the positions in ascending order. Chunk partials are combined by `merge` in the complete binary
-// tree over chunk indexes (chunks past the row's position are empty and pass through). A block
+// tree over chunk indexes (chunks past the row's position are empty and pass through; so are those
+// wholly before a sliding window, whose other positions before it weigh nothing: window > 0, a
+// row at position p sees positions p - window + 1 .. p). A block
 // holds an aligned power-of-two range of chunks (a subtree), so blocks and the final merge compute
 // the same tree. Single precision throughout.
 #include "formats.cuh"
@@ -232,8 +234,8 @@ __device__ __forceinline__ float attn_reduce8(float (&s)[ATTN_TILE], int lane) {
 // where its keys were copied from.
 template <int D>
 __device__ __forceinline__ bool attn_chunks_body(const float* qkv, int W, int n_heads, int n_kv_heads, float scale,
-                                                 int layer, const Rows& R, float* work, int nb, int n_rows,
-                                                 int group, int blk) {
+                                                 int window, int layer, const Rows& R, float* work, int nb,
+                                                 int n_rows, int group, int blk) {
     constexpr int DL = D / 32;     // dimensions per lane
     constexpr int PIECES = D / 8;  // 16-byte pieces of a key or value row
     extern __shared__ __align__(16) float attn_smem[];
@@ -265,6 +267,7 @@ __device__ __forceinline__ bool attn_chunks_body(const float* qkv, int W, int n_
     bool staged = false;
     for (int r = r_first; r < r_end; ++r) {
         const int p = R.pos[r], nchunks = p / ATTN_CHUNK + 1;
+        const int lo = window > 0 ? p - window + 1 : 0;  // the first position a sliding window shows
         if (c0 >= nchunks) continue;  // uniform over the block
         if (!staged || !shared_rows) {  // this warp's chunk into shared memory
             staged = true;
@@ -287,7 +290,7 @@ __device__ __forceinline__ bool attn_chunks_body(const float* qkv, int W, int n_
             }
             __syncwarp();
         }
-        if (chunk >= nchunks) {  // empty slot
+        if (chunk >= nchunks || t0 + ATTN_CHUNK <= lo) {  // empty slot: past the position, or before the window
             for (int g = lane; g < G; g += 32) mine[g * PART_STRIDE(D) + 1] = 0.f;
         } else {
             const __half* kbase = kst + lane * DL;
@@ -326,7 +329,8 @@ __device__ __forceinline__ bool attn_chunks_body(const float* qkv, int W, int n_
                             }
                             const float score = attn_reduce8(s, lane);
                             const int t = t1 + (lane >> 2);
-                            if ((lane & 3) == 0 && t < n) e_w[t * ATTN_HEADS + gg] = __fmul_rn(score, scale);
+                            if ((lane & 3) == 0 && t < n)  // positions before the window weigh nothing
+                                e_w[t * ATTN_HEADS + gg] = t0 + t < lo ? NEG_INF : __fmul_rn(score, scale);
                         }
                     }
                 }
@@ -421,13 +425,14 @@ __device__ __forceinline__ bool attn_chunks_body(const float* qkv, int W, int n_
 
 #define ATTN_CHUNKS(D)                                                                                       \
     extern "C" __global__ void __launch_bounds__(ATTN_THREADS)                                               \
-        attn_chunks_d##D(const float* qkv, int W, int n_heads, int n_kv_heads, float scale, int layer,        \
-                         const int* pos, const int* base, const int* anc_off, const int* anc,                 \
+        attn_chunks_d##D(const float* qkv, int W, int n_heads, int n_kv_heads, float scale, int window,      \
+                         int layer, const int* pos, const int* base, const int* anc_off, const int* anc,      \
                          const unsigned long long* kptr, const unsigned long long* vptr, const int* cap,      \
                          float* work, int nb, int n_rows, int group) {                                        \
         const Rows R{pos, nullptr, base, anc_off, anc, kptr, vptr, cap};                                     \
         for (int blk = blockIdx.y; blk < nb; blk += gridDim.y)                                               \
-            if (!attn_chunks_body<D>(qkv, W, n_heads, n_kv_heads, scale, layer, R, work, nb, n_rows, group, blk)) \
+            if (!attn_chunks_body<D>(qkv, W, n_heads, n_kv_heads, scale, window, layer, R, work, nb, n_rows,    \
+                                     group, blk))                                                            \
                 break;                                                                                       \
     }
 ATTN_CHUNKS(64)

@@ -18,9 +18,9 @@ __device__ __forceinline__ void dequant_matrix(Planes p, long long n_sb, __half*
     }
 }
 
-// out[i, :] = W[ids[i], :] for i < n; ids outside [0, rows) give a row of zeros
+// out[i, :] = W[ids[i], :] * scale for i < n (scale 1 leaves the bits); ids outside [0, rows) give a row of zeros
 template <class F>
-__device__ __forceinline__ void embed_rows(Planes p, int rows, int K, const int* ids, int n, float* out) {
+__device__ __forceinline__ void embed_rows(Planes p, int rows, int K, const int* ids, int n, float* out, float scale) {
     const int nsb = K >> 5;
     const long long g = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (g >= (long long)n * nsb) return;
@@ -35,16 +35,19 @@ __device__ __forceinline__ void embed_rows(Planes p, int rows, int K, const int*
     float v[32];
     F::dequant(F::load(p, (long long)row * nsb + sb), v);
 #pragma unroll
+    for (int k = 0; k < 32; ++k) v[k] = __fmul_rn(v[k], scale);
+#pragma unroll
     for (int c = 0; c < 8; ++c) dst[c] = make_float4(v[4 * c], v[4 * c + 1], v[4 * c + 2], v[4 * c + 3]);
 }
 
 template <typename T>
-__device__ __forceinline__ void embed_rows_float(const T* w, int rows, int K, const int* ids, int n, float* out) {
+__device__ __forceinline__ void embed_rows_float(const T* w, int rows, int K, const int* ids, int n, float* out,
+                                                 float scale) {
     const long long g = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (g >= (long long)n * K) return;
     const int i = (int)(g / K), k = (int)(g % K);
     const int row = ids[i];
-    out[g] = (row < 0 || row >= rows) ? 0.f : to_float(w[(long long)row * K + k]);
+    out[g] = (row < 0 || row >= rows) ? 0.f : __fmul_rn(to_float(w[(long long)row * K + k]), scale);
 }
 
 template <typename T>
@@ -60,8 +63,8 @@ __device__ __forceinline__ void to_half(const T* w, long long n, __half* out) {
     }                                                                                                       \
     extern "C" __global__ void embed_##NAME(const uint8_t* qs, const uint8_t* hi, const uint8_t* sm,        \
                                             const uint8_t* dm, int rows, int K, const int* ids, int n,      \
-                                            float* out) {                                                   \
-        embed_rows<F>(Planes{qs, hi, sm, dm}, rows, K, ids, n, out);                                        \
+                                            float* out, float scale) {                                      \
+        embed_rows<F>(Planes{qs, hi, sm, dm}, rows, K, ids, n, out, scale);                                 \
     }
 
 #define DEQUANT_FLOAT(NAME, T)                                                                              \
@@ -71,8 +74,8 @@ __device__ __forceinline__ void to_half(const T* w, long long n, __half* out) {
     }                                                                                                       \
     extern "C" __global__ void embed_##NAME(const uint8_t* qs, const uint8_t* hi, const uint8_t* sm,        \
                                             const uint8_t* dm, int rows, int K, const int* ids, int n,      \
-                                            float* out) {                                                   \
-        embed_rows_float<T>(reinterpret_cast<const T*>(qs), rows, K, ids, n, out);                          \
+                                            float* out, float scale) {                                      \
+        embed_rows_float<T>(reinterpret_cast<const T*>(qs), rows, K, ids, n, out, scale);                   \
     }
 
 DEQUANT_QUANT(q8, FmtQ8)

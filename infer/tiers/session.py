@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from infer.arch import check_gpu_support, check_model, rope_freq_factors
+from infer.arch import check_model, rope_freq_factors
 from infer.gguf_file import GGUFModel
 from infer.streaming import StreamingEngine
 from infer.tiers.budget import DEVICE_MARGIN, BudgetError, Budgets, VramAccount, compute_budgets, free_vram
@@ -139,8 +139,6 @@ def build_streaming_engine(model: GGUFModel | str | os.PathLike, config: Streami
     args = check_model(model)
     tensors = planner_tensors(model, device)
     on_gpu = device == "gpu"
-    if on_gpu:
-        check_gpu_support(args, model.path)
     account = None
     if on_gpu:
         from infer.gpu import memory

@@ -6,6 +6,7 @@ same bits. The seed of each test's inputs is printed, so a failure can be replay
 
 from __future__ import annotations
 
+import functools
 import os
 
 import numpy as np
@@ -84,6 +85,9 @@ def test_dequantize_and_embed(rng: np.random.Generator, ggml_type: int) -> None:
     got = cupy.asnumpy(emb)
     np.testing.assert_allclose(got[:4], w[ids[:4]], rtol=1e-6, atol=1e-7)
     assert not got[4:].any()
+    scale = float(np.sqrt(np.float32(640)))  # Gemma's sqrt(width): each value times it, rounded once
+    ops.embed(m, cupy.asarray(ids), len(ids), emb, scale)
+    np.testing.assert_array_equal(cupy.asnumpy(emb)[:4], got[:4] * np.float32(scale))
 
 
 def test_rmsnorm(rng: np.random.Generator) -> None:
@@ -466,33 +470,53 @@ def test_rmsnorm_of_selected_rows(rng: np.random.Generator) -> None:
     np.testing.assert_array_equal(q * np.repeat(cupy.asnumpy(int8.xs).reshape(4, -1), 256, axis=1), cupy.asnumpy(part))
 
 
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
 @pytest.mark.parametrize("act", ["q8_0", "q8_k", "f16", "f32"])
-def test_swiglu_round(rng: np.random.Generator, act: str) -> None:
-    """SiLU(gate) * up of [gate | up] rows, in float32 within rounding of float64, and its 8-bit form
-    exactly the rounding of those float32 values (the same bits as round_act on them)."""
+def test_glu_round(rng: np.random.Generator, act: str, activation: str) -> None:
+    """SiLU(gate) * up (or GELU(gate) * up, Gemma's GeGLU) of [gate | up] rows, in float32 within
+    rounding of float64, and its 8-bit form exactly the rounding of those float32 values (the same
+    bits as round_act on them)."""
     rows, n = 5, 14336
     gu = (rng.standard_normal((rows, 2 * n)) * 4).astype(np.float32)
     g, u = gu[:, :n].astype(np.float64), gu[:, n:].astype(np.float64)
     y = _poisoned((rows, n))
-    ops.swiglu_round(cupy.asarray(gu), n, rows, "f32", y=y)
+    glu_round = functools.partial(ops.glu_round, activation=activation)
+    glu_round(cupy.asarray(gu), n, rows, "f32", y=y)
     floats = cupy.asnumpy(y)
-    assert _rel(floats, g / (1 + np.exp(-g)) * u) < 1e-6
+    if activation == "silu":
+        want = g / (1 + np.exp(-g)) * u
+    else:
+        want = 0.5 * g * (1 + np.tanh(np.sqrt(2 / np.pi) * g * (1 + 0.044715 * g * g))) * u
+    assert _rel(floats, want) < 1e-6
     if act in ("q8_0", "q8_k"):
         int8 = ops.Int8Act.zeros(rows, n, act)
-        ops.swiglu_round(cupy.asarray(gu), n, rows, act, int8=int8)
+        glu_round(cupy.asarray(gu), n, rows, act, int8=int8)
         want = ops.Int8Act.zeros(rows, n, act)
         ops.round_act(cupy.asarray(floats), cupy.empty((rows, n), cupy.float32), rows, n, act, int8=want)
         for a, b in ((int8.xq, want.xq), (int8.xs, want.xs), (int8.xsum, want.xsum)):
             np.testing.assert_array_equal(cupy.asnumpy(a), cupy.asnumpy(b))
     elif act == "f16":
         y16 = _poisoned((rows, n))
-        ops.swiglu_round(cupy.asarray(gu), n, rows, act, y=y16)
+        glu_round(cupy.asarray(gu), n, rows, act, y=y16)
         np.testing.assert_array_equal(cupy.asnumpy(y16), floats.astype(np.float16).astype(np.float32))
     # the float16 copy before rounding (the prompt products' input), beside any rounding
     half = _poisoned((rows, n), cupy.float16)
     int8 = ops.Int8Act.zeros(rows, n, act) if act in ("q8_0", "q8_k") else None
-    ops.swiglu_round(cupy.asarray(gu), n, rows, act, y=None if int8 else _poisoned((rows, n)), int8=int8, y16=half)
+    glu_round(cupy.asarray(gu), n, rows, act, y=None if int8 else _poisoned((rows, n)), int8=int8, y16=half)
     np.testing.assert_array_equal(cupy.asnumpy(half), floats.astype(np.float16))
+
+
+def test_norm_add(rng: np.random.Generator) -> None:
+    """x += RMSNorm(t) * w per row (Gemma's post-norms), within float32 rounding of float64."""
+    rows, n = 6, 640
+    t = (rng.standard_normal((rows, n)) * 5).astype(np.float32)
+    w = rng.standard_normal(n).astype(np.float32)
+    x = rng.standard_normal((rows, n)).astype(np.float32)
+    out = cupy.asarray(x)
+    ops.norm_add(cupy.asarray(t), cupy.asarray(w), out, rows, n, 1e-6)
+    t64 = t.astype(np.float64)
+    want = x + t64 / np.sqrt(np.mean(t64 * t64, axis=1, keepdims=True) + 1e-6) * w
+    assert _rel(cupy.asnumpy(out), want) < 1e-6
 
 
 class _Caches:
@@ -519,14 +543,40 @@ class _Caches:
 
 
 def _attend(qkv: np.ndarray, shape: attn.AttentionShape, caches: _Caches, rows: list, layer: int,
-            act: str = "f32", work_rows: int = 3) -> np.ndarray:
+            act: str = "f32", work_rows: int = 3, window: int = 0, scale: float | None = None) -> np.ndarray:
     """(work_rows 3 by default: several launches over the rows, the slices are part of what is tested)"""
     n = len(rows)
     max_ctx = max(caches.caps)
     work = cupy.zeros(attn.attention_work_nbytes(shape, work_rows, max_ctx) // 4, cupy.float32)
     out = _poisoned((n, shape.n_heads * shape.head_dim))
-    attn.attention(cupy.asarray(qkv), shape, layer, caches.fields(rows), n, max_ctx, work, work_rows, out, act)
+    attn.attention(cupy.asarray(qkv), shape, layer, caches.fields(rows), n, max_ctx, work, work_rows, out, act,
+                   window=window, scale=scale)
     return cupy.asnumpy(out)
+
+
+@pytest.mark.parametrize("window", [1, 40, 512])
+def test_attention_over_a_sliding_window(rng: np.random.Generator, window: int) -> None:
+    """A sliding-window layer: a row at position p attends to positions p - window + 1 .. p only
+    (chunks wholly before the window skipped, the rest masked), with the file's own scale; a
+    token-tree row's span through its ancestors is windowed the same way."""
+    from infer.gpu.reference import attention_reference
+
+    hd, n_heads, n_kv = 256, 4, 1  # Gemma 3 270M's heads
+    shape = attn.AttentionShape(n_heads, n_kv, hd, hd // 2, True)
+    caches = _Caches(rng, 1, n_kv, [700, 300], hd)
+    rows = [(0, 0, 0, 1, None), (0, 39, 39, 40, None), (0, 40, 40, 41, None), (1, 100, 100, 101, None),
+            (0, 511, 511, 512, None), (0, 512, 512, 513, None), (0, 699, 699, 700, None),
+            (1, 130, 140, 129, [135, 140])]  # a tree node at depth 1 under the node in slot 135
+    qkv = rng.standard_normal((len(rows), shape.width)).astype(np.float32)
+    got = _attend(qkv, shape, caches, rows, layer=0, window=window, scale=0.0625)
+    for i, (seq, pos, _, base, anc) in enumerate(rows):
+        span = list(range(pos + 1)) if anc is None else list(range(base)) + anc
+        seen = span[max(0, pos + 1 - window):]
+        q = qkv[i, : n_heads * hd].reshape(n_heads, hd).astype(np.float16).astype(np.float32)
+        keys = caches.host[seq][0][:, seen].astype(np.float32)
+        vals = caches.vals[seq][0][:, seen].astype(np.float32)
+        want = attention_reference(q, keys, vals, 0.0625).reshape(-1)
+        assert _rel(got[i], want) < 1e-5, (i, pos)
 
 
 @pytest.mark.parametrize(("heads", "hd"), [((8, 2), 128), ((14, 2), 64), ((16, 1), 64), ((4, 4), 256)], ids=str)

@@ -1,7 +1,7 @@
 """The GPU forward pass: every row's logits are the same bits in every pass it can ride in (alone,
 in a batch of other sequences, as a token-tree node, as a prompt position), for every weight type;
-they follow the CPU engine's function (synthetic models of every file type, Llama, Qwen2 and Qwen3
-layouts);
+they follow the CPU engine's function (synthetic models of every file type, Llama, Qwen2, Qwen3 and
+Gemma 3 layouts, and a Llama file with a sliding window);
 generation on the device is the host's greedy loop over the same passes; stops, sampling seeds and
 the context limit behave.
 
@@ -52,13 +52,21 @@ class Pair:
     path: Path
 
 
-@pytest.fixture(scope="module", params=[(k, a) for a in ("llama", "qwen2", "qwen3") for k in KINDS],
-                ids=lambda p: f"{p[1]}-{p[0]}")
+# Qwen3 with its own head size (attention.key_length): q_dim 1024 over a width of 512. Gemma 3 with
+# Gemma 3 270M's head size of 256, post-norms, GeGLU and the embedding scale, five local layers with
+# a 100-token window (the prompts below run past it) and their own rotary base, then a global one. A
+# Llama file with a window on every layer (Mistral's).
+SHAPES = {"llama": SHAPE, "qwen2": SHAPE, "qwen3": replace(SHAPE, head_dim=128),
+          "gemma3": replace(SHAPE, n_layers=6, head_dim=256, n_kv_heads=1, sliding_window=100),
+          "llama-window": replace(SHAPE, sliding_window=100)}
+PAIRS = [(k, a) for a in ("llama", "qwen2", "qwen3", "gemma3") for k in KINDS] + [("q4_k_m", "llama-window")]
+
+
+@pytest.fixture(scope="module", params=PAIRS, ids=lambda p: f"{p[1]}-{p[0]}")
 def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Pair:
-    kind, arch = request.param
-    path = tmp_path_factory.mktemp("models") / f"{arch}-{kind}.gguf"
-    # Qwen3 with its own head size (attention.key_length): q_dim 1024 over a width of 512
-    write_model(path, replace(SHAPE, head_dim=128) if arch == "qwen3" else SHAPE, kind, seed=11, arch=arch)
+    kind, name = request.param
+    path = tmp_path_factory.mktemp("models") / f"{name}-{kind}.gguf"
+    write_model(path, SHAPES[name], kind, seed=11, arch=name.split("-")[0])
     return Pair(kind, load_transformer(GGUFModel(path), exact=True), load_gpu_transformer(GGUFModel(path), 1024), path)
 
 

@@ -31,11 +31,13 @@ SHAPE = Shape(n_layers=6, dim=512, ffn_dim=1536, n_heads=8, n_kv_heads=2, vocab_
 CTX = 320
 
 
-@pytest.fixture(scope="module", params=["q4_k_m", "q8_0", "f16", "qwen3-q4_k_m"])
+@pytest.fixture(scope="module", params=["q4_k_m", "q8_0", "f16", "qwen3-q4_k_m", "gemma3-q4_k_m"])
 def model_path(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("stream") / f"m-{request.param}.gguf"
     arch, _, kind = request.param.rpartition("-")
-    shape = Shape(**{**SHAPE.__dict__, "arch": arch, "head_dim": 128}) if arch else SHAPE
+    # Gemma 3: post-norms streamed with their layers, a 64-token window over the CTX positions
+    extra = {"sliding_window": 64} if arch == "gemma3" else {}
+    shape = Shape(**{**SHAPE.__dict__, "arch": arch, "head_dim": 128, **extra}) if arch else SHAPE
     write_model(path, shape, kind, seed=5)
     return path
 

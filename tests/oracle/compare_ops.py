@@ -189,14 +189,9 @@ def compare(model: Transformer, tensors: dict[str, list[np.ndarray]], ids: list[
 def propagated(model: Transformer, tensors: dict[str, list[np.ndarray]], ids: list[int]) -> list[Row]:
     """Our whole forward pass against llama.cpp's hidden state after each layer."""
     n, rows = len(ids), []
-    cache = model.new_cache(n)
-    x = model._embed(np.asarray(ids))
-    for i in range(model.args.n_layers):
-        layer = model.weights.layer(i)
-        cos, sin = model._rope_of(i).angles(np.arange(n))
-        x = model._residual(x, model._attention(model.norm(x, layer.attn_norm), layer, cache, i, 0, cos, sin),
-                            layer.post_attn_norm)
-        x = model._residual(x, model._feed_forward(model.norm(x, layer.ffn_norm), layer), layer.post_ffn_norm)
+    states: list[np.ndarray] = []
+    model.forward_batch([(np.asarray(ids), model.new_cache(n))], hidden=states)
+    for i, x in enumerate(states[1:]):
         rows.append(_diff(i, "l_out", x, tensors[f"l_out-{i}"][-1]))
     logits = model.weights.output()(model.norm(x, model.weights.output_norm()))
     rows.append(_diff(model.args.n_layers, "logits", logits, tensors["logits"][-1]))

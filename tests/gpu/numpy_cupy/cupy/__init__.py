@@ -247,12 +247,12 @@ class RawKernel:
             _arr(out, np.float16, w.size)[:] = w.astype(np.float16)
         elif n.startswith("embed_"):
             fmt = n[6:]
-            qs, hi, sm, dm, rows, K, ids, cnt, out = args
+            qs, hi, sm, dm, rows, K, ids, cnt, out, scale = args
             rows, K, cnt = int(rows), int(K), int(cnt)
             W = _weights(fmt, qs, hi, sm, dm, rows, K)
             o = _arr(out, np.float32, cnt * K).reshape(cnt, K)
             for i, r in enumerate(_arr(ids, np.int32, cnt)):
-                o[i] = W[r] if 0 <= r < rows else 0
+                o[i] = W[r] * np.float32(scale) if 0 <= r < rows else 0
         elif n in ("rmsnorm", "rmsnorm8"):
             x, w, y, y16, nn, eps, act, xq, xs8, xsum, src_rows = args
             rows, nn = grid[0], int(nn)
@@ -294,7 +294,7 @@ class RawKernel:
                 KC, VC = _layer_cache(KP[t], layer, Hkv, int(CAP[t]), D), _layer_cache(VP[t], layer, Hkv, int(CAP[t]), D)
                 KC[:, SL[t]] = _rotate(k, c, s_, npairs, neox).astype(np.float16); VC[:, SL[t]] = v.astype(np.float16)
         elif n.startswith("attn_chunks_d"):  # the whole attention of each row into its block 0 (m 0, l 1: the merge's o / l)
-            qkv, W, H, Hkv, scale, layer, pos, base, anc_off, anc, kptr, vptr, cap, work, nb, n_rows, _group = args
+            qkv, W, H, Hkv, scale, window, layer, pos, base, anc_off, anc, kptr, vptr, cap, work, nb, n_rows, _group = args
             D = int(n.split("_d")[1])
             rows = int(n_rows); W, H, Hkv, layer, nb = map(int, (W, H, Hkv, layer, nb)); G = H // Hkv
             P = _arr(pos, np.int32, rows); B = _arr(base, np.int32, rows); OFF = _arr(anc_off, np.int32, rows)
@@ -305,6 +305,7 @@ class RawKernel:
             for r in range(rows):
                 L = int(P[r]) + 1
                 idx = np.arange(L) if OFF[r] < 0 else np.concatenate([np.arange(B[r]), _arr(anc, np.int32, int(OFF[r]) + L - int(B[r]))[int(OFF[r]):]]).astype(np.int64)
+                if int(window) > 0: idx = idx[max(0, L - int(window)):]  # span index = position
                 KC, VC = _layer_cache(KP[r], layer, Hkv, int(CAP[r]), D), _layer_cache(VP[r], layer, Hkv, int(CAP[r]), D)
                 q = X[r, : H * D].reshape(H, D).astype(np.float16).astype(np.float32)
                 o = attention_reference(q, KC[:, idx], VC[:, idx], float(scale)).astype(np.float32)
@@ -333,18 +334,28 @@ class RawKernel:
             act = ACTS[int(act)]
             _arr(out, np.float32, rows * nn)[:] = round_activations(o.copy(), act).reshape(-1)
             if _ptr(xq): _write_int8(xq, xs8, xsum, o.reshape(-1), act)
-        elif n == "swiglu_round":
-            gu, nn, y, y16, act, xq, xs8, xsum = args
+        elif n == "glu_round":
+            gu, nn, y, y16, act, xq, xs8, xsum, gelu = args
             rows, nn = grid[1], int(nn)
             G = _arr(gu, np.float32, rows * 2 * nn).reshape(rows, 2 * nn)
             g, u = G[:, :nn], G[:, nn:]
-            v = (g / (np.float32(1) + np.exp(-g)) * u).astype(np.float32)
+            if int(gelu):
+                from infer.model import geglu
+                v = geglu(g.copy(), u.copy(), exact=True)
+            else:
+                v = (g / (np.float32(1) + np.exp(-g)) * u).astype(np.float32)
             if _ptr(y16): _arr(y16, np.float16, rows * nn)[:] = v.reshape(-1).astype(np.float16)
             act = ACTS[int(act)]
             if _ptr(xq): _write_int8(xq, xs8, xsum, v.reshape(-1), act)
             if _ptr(y):
                 from infer.quants import round_activations
                 _arr(y, np.float32, rows * nn)[:] = round_activations(v.copy(), act).reshape(-1)
+        elif n == "norm_add":
+            t, w, x, nn, eps = args
+            rows, nn = grid[0], int(nn)
+            from infer.model import rms_norm
+            X = _arr(x, np.float32, rows * nn).reshape(rows, nn)
+            X += rms_norm(_arr(t, np.float32, rows * nn).reshape(rows, nn).copy(), _arr(w, np.float32, nn).copy(), float(eps), exact=True)
         elif n == "argmax_rows":
             from infer.sampler import argmax_rows
             lg, vocab, ids, maxima, bad = args
