@@ -1,7 +1,12 @@
-"""The GGUF header — metadata and tensor table — parsed through a `read(offset, nbytes)` callable.
+"""The GGUF header — metadata and tensor table — parsed through a `read(offset, nbytes)` callable:
+the project's one GGUF parser.
 
 A model on raw LBAs has no file to mmap, so this parser pulls only the header bytes through the same
-backend that later reads the tensors. Type sizes and names come from the `gguf` package's constants.
+backend that later reads the tensors; the inference engine reads a memory-mapped file through it
+(infer/gguf_file.py). Type sizes and names come from the `gguf` package's constants. It checks what
+a reader could take on trust: known value and tensor types, tensor names unique, dimensions positive,
+rows of whole blocks, data aligned and inside the GGUF. A problem raises GGUFFormatError naming the
+key or tensor (`where`) and the problem.
 """
 
 from __future__ import annotations
@@ -27,7 +32,13 @@ _SCALARS: dict[GGUFValueType, str] = {
 
 
 class GGUFFormatError(ValueError):
-    """The bytes are not a GGUF header this parser understands."""
+    """The bytes are not a GGUF header this parser understands. `problem` says what is wrong,
+    `where` (may be empty) the key or tensor: "tensor blk.0.attn_q.weight"."""
+
+    def __init__(self, problem: str, where: str = "") -> None:
+        super().__init__(f"{where}: {problem}" if where else problem)
+        self.problem = problem
+        self.where = where
 
 
 @dataclass(frozen=True)
@@ -45,13 +56,16 @@ class TensorInfo:
         return (self.offset, self.nbytes)
 
 
-def tensor_nbytes(ggml_type: GGMLQuantizationType, shape: tuple[int, ...]) -> int:
+def tensor_nbytes(ggml_type: GGMLQuantizationType, shape: tuple[int, ...], where: str = "") -> int:
     block, block_bytes = GGML_QUANT_SIZES[ggml_type]
+    if not shape or any(d <= 0 for d in shape):
+        raise GGUFFormatError(f"invalid dimensions {list(shape)}", where)
     elements = 1
     for dim in shape:
         elements *= dim
-    if shape and shape[0] % block:
-        raise GGUFFormatError(f"row length {shape[0]} is not a multiple of the {ggml_type.name} block {block}")
+    if shape[0] % block:
+        raise GGUFFormatError(f"row length {shape[0]} is not a multiple of the {ggml_type.name} block size {block}",
+                              where)
     return elements // block * block_bytes
 
 
@@ -67,13 +81,13 @@ class _Cursor:
     def take(self, nbytes: int) -> bytes:
         end = self.pos + nbytes
         if end > self._limit:
-            raise GGUFFormatError(f"GGUF header runs past the end of the data ({self._limit} bytes)")
+            raise GGUFFormatError(f"truncated GGUF header (the GGUF ends at byte {self._limit}, inside its header)")
         while len(self._buf) < end:
             start = len(self._buf)
             want = min(max(_FETCH, end - start), self._limit - start)
             chunk = self._read(start, want)
             if not chunk:
-                raise GGUFFormatError("GGUF header truncated")
+                raise GGUFFormatError(f"truncated GGUF header (nothing could be read at byte {start})")
             self._buf += chunk
         data = self._buf[self.pos:end]
         self.pos = end
@@ -86,7 +100,10 @@ class _Cursor:
         length = self.scalar("Q")
         if length > _MAX_STRING:
             raise GGUFFormatError(f"string of {length} bytes in GGUF header: corrupt")
-        return self.take(length).decode("utf-8", errors="replace")
+        try:
+            return self.take(length).decode("utf-8")
+        except UnicodeDecodeError as err:
+            raise GGUFFormatError(f"a string that is not UTF-8 ({err.reason} at byte {err.start})") from None
 
     def value(self, vtype: GGUFValueType) -> Any:
         if vtype == GGUFValueType.STRING:
@@ -116,35 +133,48 @@ def parse_gguf_header(read: Callable[[int, int], bytes], total_size: int) -> GGU
     """Parses the header of a GGUF of `total_size` bytes; `read(offset, n)` returns its bytes."""
     cur = _Cursor(read, total_size)
     if cur.take(4) != GGUF_MAGIC:
-        raise GGUFFormatError("not a GGUF (magic differs)")
+        raise GGUFFormatError("not a GGUF file (bad magic)")
     version = cur.scalar("I")
     if version not in (2, 3):
-        raise GGUFFormatError(f"GGUF version {version} is not supported (2 and 3 are)")
+        raise GGUFFormatError(f"unsupported GGUF version {version} (2 and 3 are)")
     n_tensors, n_kv = cur.scalar("Q"), cur.scalar("Q")
     metadata: dict[str, Any] = {}
     for _ in range(n_kv):
         key = cur.string()
         try:
-            vtype = GGUFValueType(cur.scalar("I"))
+            metadata[key] = cur.value(GGUFValueType(cur.scalar("I")))
         except ValueError as exc:
-            raise GGUFFormatError(f"metadata {key!r}: {exc}") from None
-        metadata[key] = cur.value(vtype)
+            if isinstance(exc, GGUFFormatError) and (exc.where or "truncated" in exc.problem):
+                raise
+            raise GGUFFormatError(exc.problem if isinstance(exc, GGUFFormatError) else f"unknown value type ({exc})",
+                                  f"key {key}") from None
     raw_tensors = []
     for _ in range(n_tensors):
         name = cur.string()
         n_dims = cur.scalar("I")
+        if n_dims > 8:
+            raise GGUFFormatError(f"{n_dims} dimensions: corrupt", f"tensor {name}")
         shape = tuple(cur.scalar("Q") for _ in range(n_dims))
+        type_id = cur.scalar("I")
         try:
-            ggml_type = GGMLQuantizationType(cur.scalar("I"))
-        except ValueError as exc:
-            raise GGUFFormatError(f"tensor {name!r}: {exc}") from None
+            ggml_type = GGMLQuantizationType(type_id)
+        except ValueError:
+            raise GGUFFormatError(f"unknown tensor type id {type_id}", f"tensor {name}") from None
         raw_tensors.append((name, ggml_type, shape, cur.scalar("Q")))
     alignment = int(metadata.get("general.alignment", DEFAULT_ALIGNMENT))
+    if alignment <= 0:
+        raise GGUFFormatError(f"alignment {alignment}", "key general.alignment")
     data_offset = -(-cur.pos // alignment) * alignment
     tensors: dict[str, TensorInfo] = {}
     for name, ggml_type, shape, relative in raw_tensors:
-        info = TensorInfo(name, ggml_type, shape, data_offset + relative, tensor_nbytes(ggml_type, shape))
+        where = f"tensor {name}"
+        if name in tensors:
+            raise GGUFFormatError("duplicate tensor name", where)
+        if relative % alignment:
+            raise GGUFFormatError(f"data offset {relative} is not aligned to {alignment}", where)
+        info = TensorInfo(name, ggml_type, shape, data_offset + relative, tensor_nbytes(ggml_type, shape, where))
         if info.offset + info.nbytes > total_size:
-            raise GGUFFormatError(f"tensor {name!r} extends past the end of the GGUF")
+            raise GGUFFormatError(f"data (bytes {info.offset}..{info.offset + info.nbytes}) lies outside the file "
+                                  f"({total_size} bytes): truncated or corrupt offset", where)
         tensors[name] = info
     return GGUFIndex(version, metadata, tensors, alignment, data_offset)
