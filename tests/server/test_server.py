@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from tests.oracle.assets import smollm2_path
+from tests.oracle.fixtures import model_path
 
 openai = pytest.importorskip("openai")
 REPO = Path(__file__).resolve().parents[2]
@@ -110,7 +111,7 @@ def cli_text(model: Path, prompt: str, n: int) -> str:
     return done.stdout.removesuffix("\n")
 
 
-def test_completions_and_chat_equal_the_cli(server: Served, model: Path) -> None:
+def _completions_and_chat_equal_the_cli(server: Served, model: Path) -> None:
     client = server.client()
     prompt, n = PROMPTS[0], 24
     want = cli_text(model, prompt, n)
@@ -135,6 +136,21 @@ def test_completions_and_chat_equal_the_cli(server: Served, model: Path) -> None
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want_chat
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == chat.usage.completion_tokens
     assert [m.id for m in client.models.list().data] and server.get("/health")[0] == 200
+
+
+def test_completions_and_chat_equal_the_cli(server: Served, model: Path) -> None:
+    _completions_and_chat_equal_the_cli(server, model)
+
+
+@pytest.mark.oracle
+def test_gemma3_completions_and_chat_equal_the_cli() -> None:
+    """Gemma 3 (no chat template in its file: Gemma's turns) served as the CLI runs it."""
+    path = model_path("gemma3")
+    served = Served(path, "--max-batch", "2", "--api-key", KEY)
+    try:
+        _completions_and_chat_equal_the_cli(served, path)
+    finally:
+        assert served.stop() == 0
 
 
 def test_sixteen_concurrent_clients_get_their_solo_outputs(server: Served) -> None:

@@ -110,3 +110,25 @@ def test_speculation_on_the_cpu_without_exact_is_refused(pair: tuple[Path, Path]
     assert lines == ["Error: speculative decoding on the CPU needs --exact: the float32 engine's logits depend on "
                      "how many tokens a pass holds, so the text would differ from plain decoding (with --exact it is "
                      "the plain --exact text, token for token)"]
+
+
+@pytest.mark.oracle
+def test_gemma3_speculation_is_the_plain_text_and_a_foreign_draft_is_refused() -> None:
+    """Gemma 3 under prompt lookup and under a layer-skipping self-draft (its local and global layers,
+    post-norms and GeGLU in the draft too) gives the plain greedy text; SmolLM2 as its draft is refused
+    for its other vocabulary."""
+    from tests.oracle.fixtures import model_path
+
+    gemma = model_path("gemma3")
+    common = ["-m", str(gemma), "-p", "1, 2, 3, 4, 5, 6, 7, 8,", "-n", "12", "-t", "0", "--exact"]
+    code, plain, err = run(*common)
+    assert code == 0, err
+    for how in (["--lookup"], ["--skip-threshold", "0.9"]):
+        code, spec, err = run(*common, *how)
+        assert code == 0, err
+        assert spec == plain, how
+    smollm2 = smollm2_path("Q8_0")
+    if smollm2.exists():
+        code, out, err = run("-m", str(gemma), "-p", "hi", "-n", "2", "--exact", "--draft-model", str(smollm2))
+        lines = [line for line in (err + out).splitlines() if line.startswith("Error")]
+        assert code == 2 and len(lines) == 1 and "vocab" in lines[0].lower(), (out, err)
