@@ -292,6 +292,10 @@ class ModelArgs:
         if value_dim != head_dim:
             raise UnsupportedModelError(model.path, f"value heads of {value_dim} beside key heads of {head_dim} are "
                                         "not supported (only equal sizes)", f"key {arch}.attention.value_length")
+        for cap in ("final_logit_softcapping", "attn_logit_softcapping"):  # Gemma 2's; llama.cpp reads them for Gemma 3
+            value = model.metadata.get(f"{arch}.{cap}")
+            if value not in (None, 0, 0.0):
+                raise UnsupportedModelError(model.path, f"logit soft-capping ({value}) is not supported", f"key {arch}.{cap}")
         context_length = int(key("context_length", int))
         n_layers = int(key("block_count", int))
         table = ARCHITECTURES[arch]

@@ -244,3 +244,16 @@ def test_rope_scaling_llama_cpp_would_not_apply_is_refused_with_its_key(good_mod
         "llama.rope.scaling.attn_factor": (1.2, GGUFValueType.FLOAT32)})
     scaling = ModelArgs.from_gguf(GGUFModel(factor)).rope_scaling
     assert (scaling.kind, scaling.attn_factor) == ("none", pytest.approx(1.2))
+
+
+def test_logit_softcapping_is_refused_not_ignored(tmp_path: Path) -> None:
+    """A Gemma 3 file that sets final_logit_softcapping (llama.cpp applies it) is refused with the key
+    named, rather than run without it; 0 (no capping) loads."""
+    gemma = tmp_path / "gemma3.gguf"
+    write_model(gemma, Shape(**{**TINY.__dict__, "head_dim": 64}), "f16", seed=1, arch="gemma3")
+    capped = write_copy(gemma, tmp_path / "capped.gguf",
+                        metadata={"gemma3.final_logit_softcapping": (30.0, GGUFValueType.FLOAT32)})
+    assert_one_line_error(capped, "key gemma3.final_logit_softcapping", "soft-capping (30.0) is not supported")
+    zero = write_copy(gemma, tmp_path / "zero.gguf", metadata={"gemma3.final_logit_softcapping": (0.0, GGUFValueType.FLOAT32)})
+    code, stdout, err = run_cli(zero)
+    assert code == 0 and stdout.strip(), err
