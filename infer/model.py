@@ -343,6 +343,9 @@ class Transformer:
         bounds = np.cumsum([0, *sizes])
         positions = [np.arange(c.length, c.length + n) for (_, c), n in zip(batch, sizes, strict=True)]
         angles = {rope: [rope.angles(p) for p in positions] for rope in {self.rope, self.rope_local}}
+        # each sequence's local-layer mask, made once for every local layer: causal within the window
+        windows = [visible(p, np.arange(c.length + n), self.args.sliding_window) if any(self.args.local_layers)
+                   else None for p, (_, c), n in zip(positions, batch, sizes, strict=True)]
         x = self._embed(np.concatenate([np.asarray(t, np.int64) for t, _ in batch]))  # (rows, dim)
         if hidden is not None:
             hidden.append(x)
@@ -355,9 +358,7 @@ class Transformer:
             for s, (_, cache) in enumerate(batch):
                 rows = slice(bounds[s], bounds[s + 1])
                 cos, sin = angles[self._rope_of(i)][s]
-                seen = None
-                if self.args.is_local(i):  # causal within the window
-                    seen = visible(positions[s], np.arange(cache.length + sizes[s]), self.args.sliding_window)
+                seen = windows[s] if self.args.is_local(i) else None
                 attn[rows] = self._attention(h[rows], layer, cache, i, cache.length, cos, sin, seen)
             x = self._residual(x, attn, layer.post_attn_norm)
             x = self._residual(x, self._feed_forward(self.norm(x, layer.ffn_norm), layer), layer.post_ffn_norm)

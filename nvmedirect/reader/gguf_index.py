@@ -69,6 +69,13 @@ def tensor_nbytes(ggml_type: GGMLQuantizationType, shape: tuple[int, ...], where
     return elements // block * block_bytes
 
 
+def _value_type(code: int) -> GGUFValueType:
+    try:
+        return GGUFValueType(code)
+    except ValueError:
+        raise GGUFFormatError(f"unknown value type {code}") from None
+
+
 class _Cursor:
     """Sequential little-endian decoding over lazily fetched header bytes."""
 
@@ -109,7 +116,7 @@ class _Cursor:
         if vtype == GGUFValueType.STRING:
             return self.string()
         if vtype == GGUFValueType.ARRAY:
-            item_type = GGUFValueType(self.scalar("I"))
+            item_type = _value_type(self.scalar("I"))
             count = self.scalar("Q")
             if item_type in _SCALARS:
                 code = _SCALARS[item_type]
@@ -142,12 +149,11 @@ def parse_gguf_header(read: Callable[[int, int], bytes], total_size: int) -> GGU
     for _ in range(n_kv):
         key = cur.string()
         try:
-            metadata[key] = cur.value(GGUFValueType(cur.scalar("I")))
-        except ValueError as exc:
-            if isinstance(exc, GGUFFormatError) and (exc.where or "truncated" in exc.problem):
+            metadata[key] = cur.value(_value_type(cur.scalar("I")))
+        except GGUFFormatError as exc:  # name the key, unless the header simply ends here
+            if exc.problem.startswith("truncated"):
                 raise
-            raise GGUFFormatError(exc.problem if isinstance(exc, GGUFFormatError) else f"unknown value type ({exc})",
-                                  f"key {key}") from None
+            raise GGUFFormatError(exc.problem, f"key {key}") from None
     raw_tensors = []
     for _ in range(n_tensors):
         name = cur.string()
