@@ -25,13 +25,13 @@ from pathlib import Path
 
 def bench_model(path: Path, pp: int, tg: int, with_kernels: bool = True, vram_budget: str | None = None,
                 streaming: bool = False, ctx: int | None = None, batch: int = 0, batch_prompt: int = 128,
-                batch_new: int = 64) -> dict[str, object]:
+                batch_new: int = 64, depth: int = 0) -> dict[str, object]:
     from infer.gguf_file import GGUFModel
     from infer.gpu import load_gpu_transformer
     from infer.gpu.benchmark import measure
     from infer.gpu.memory import PeakMonitor
 
-    context = ctx or max(pp + tg + 16, batch_prompt + batch_new + 1 if batch else 0)
+    context = ctx or max(depth + pp + tg + 16, batch_prompt + batch_new + 1 if batch else 0)
     session = None
     with PeakMonitor() as peak:  # load and measurement: the peak the budget must hold
         started = time.perf_counter()
@@ -48,7 +48,7 @@ def bench_model(path: Path, pp: int, tg: int, with_kernels: bool = True, vram_bu
             gpu = load_gpu_transformer(GGUFModel(path), context, vram_budget, enforce_budget=True,
                                        batch=max(1, 2 * batch), kv_positions=kv)
         load_seconds = round(time.perf_counter() - started, 2)
-        result = measure(gpu, pp, tg, with_kernels and not streaming, batch, batch_prompt, batch_new)
+        result = measure(gpu, pp, tg, with_kernels and not streaming, batch, batch_prompt, batch_new, depth=depth)
     result["peak_vram_bytes"] = peak.peak
     if session is not None:
         result["streamed_bytes_per_pass"] = session.plan.streamed_nbytes
@@ -86,7 +86,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-kernels", action="store_true", help="skip the per-kernel timings")
     parser.add_argument("--vram-budget", help="device memory the engine may use, e.g. 8GB (default: free less a margin)")
     parser.add_argument("--streaming", action="store_true", help="load through the streaming engine")
-    parser.add_argument("--ctx", type=int, help="context (KV cache) to plan for (default: pp + tg + 16)")
+    parser.add_argument("--ctx", type=int, help="context (KV cache) to plan for (default: depth + pp + tg + 16)")
+    parser.add_argument("--depth", type=int, default=0,
+                        help="positions already in the cache when the prompt and the decode are timed (llama-bench -d)")
     parser.add_argument("--batch", type=int, default=0, help="also decode this many sequences together")
     parser.add_argument("--batch-prompt", type=int, default=128, help="prompt tokens of each batched sequence")
     parser.add_argument("--batch-new", type=int, default=64, help="new tokens of each batched sequence")
@@ -96,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         path = args.model or synth_path(args.synth, args.synth_dir)
         result = bench_model(path, args.pp, args.tg, not args.no_kernels, args.vram_budget, args.streaming, args.ctx,
-                             args.batch, args.batch_prompt, args.batch_new)
+                             args.batch, args.batch_prompt, args.batch_new, args.depth)
         result["command"] = " ".join(["python3 -m bench.gpu_bench", *(argv if argv is not None else sys.argv[1:])])
     except (ValueError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)

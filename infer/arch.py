@@ -231,6 +231,26 @@ class ModelArgs:
     def is_local(self, layer: int) -> bool:
         return bool(self.local_layers) and self.local_layers[layer]
 
+    def kv_ring(self, ctx_size: int, pass_rows: int) -> int:
+        """Positions a local layer's KV cache keeps for a context of ctx_size and passes of up to
+        pass_rows rows: its window and a pass (a ring; no query reads further back), at most ctx_size."""
+        return min(ctx_size, self.sliding_window + pass_rows) if self.sliding_window else ctx_size
+
+    def kv_cache_layout(self, ctx_size: int, pass_rows: int) -> str:
+        """The KV cache in words where local layers keep a ring ("" where every layer keeps ctx_size)."""
+        n_local, ring = sum(self.local_layers), self.kv_ring(ctx_size, pass_rows)
+        if not n_local or ring == ctx_size:
+            return ""
+        return (f"{self.n_layers - n_local} global layers x {ctx_size} positions, {n_local} local layers x a ring "
+                f"of {ring}")
+
+    def kv_cache_nbytes(self, ctx_size: int, pass_rows: int, itemsize: int = 2) -> int:
+        """Keys and values of one sequence (float16): ctx_size positions in each global layer,
+        kv_ring positions in each local one."""
+        n_local = sum(self.local_layers)
+        positions = (self.n_layers - n_local) * ctx_size + n_local * self.kv_ring(ctx_size, pass_rows)
+        return 2 * positions * self.kv_dim * itemsize
+
     @property
     def rope_linear_scale(self) -> float:
         """Positions are divided by this ("linear" rope scaling; 1 otherwise)."""

@@ -219,13 +219,13 @@ def run(model: str | None, spec: SpecOptions, streaming: Any, ctx_size: int, dev
             draft = c._load(spec.draft_model, ctx_size, where, streaming.vram_budget)
         planned = {"draft model": draft.transformer.account.planned_total} if draft is not None and where == "gpu" \
             else None  # type: ignore[attr-defined]
-        if spec.self_draft and where == "gpu":  # the self-draft's own KV cache, in the same budget
-            planned = {"self-draft KV cache": _self_draft_kv_bytes(model, ctx_size)}
         tree = spec.tree or (DEFAULT_TREE_STREAMING if streaming.enabled else DEFAULT_TREE_RESIDENT)
         if spec.self_draft:
             tree = 1 + (spec.draft_k or SELF_DRAFT_K)
         # the verification pass holds the whole tree (tuned trees: up to TUNED_NODES)
         nodes = max(tree, TUNED_NODES) if tuned(spec, streaming.enabled) is not None else tree
+        if spec.self_draft and where == "gpu":  # the self-draft's own KV cache, in the same budget
+            planned = {"self-draft KV cache": _self_draft_kv_bytes(model, ctx_size, max(512, nodes))}
         try:
             if streaming.enabled:
                 from infer.arch import ModelArgs
@@ -279,11 +279,11 @@ def _args_and_ctx(model: str, ctx_size: int) -> tuple[Any, int]:
     return args, ctx_size or min(args.context_length, 4096)
 
 
-def _self_draft_kv_bytes(model: str, ctx_size: int) -> int:
-    from infer.tiers.budget import kv_cache_nbytes
-
+def _self_draft_kv_bytes(model: str, ctx_size: int, pass_rows: int) -> int:
+    """The self-draft's cache: one sequence's keys, values and token history, for passes of at most
+    pass_rows rows (the target's)."""
     args, ctx = _args_and_ctx(model, ctx_size)
-    return kv_cache_nbytes(args, ctx, 1) + 4 * (ctx + 1)  # keys and values, the token history
+    return args.kv_cache_nbytes(ctx, pass_rows) + 4 * (ctx + 1)
 
 
 def self_drafter(spec: SpecOptions, model_path: str, target: Any, tokenizer: Any, ctx: int, note: Any) -> Any:

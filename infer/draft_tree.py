@@ -66,6 +66,8 @@ class BestFirstDrafter:
             if a != b:
                 break
             common += 1
+        if not self.cache.can_rewind(common):  # a local layer's ring moved past the prefix's window
+            common = 0
         self.cache.length = common
         if common < len(context):  # what the target accepted since: into the draft's cache, no logits read
             self.draft.prefill(np.asarray(context[common:]), self.cache)  # type: ignore[attr-defined]

@@ -14,13 +14,7 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 
 from infer.arch import ModelArgs
-
-
-class Cache(Protocol):
-    """One sequence's keys and values: positions [0, length) are filled."""
-
-    length: int
-    max_tokens: int
+from infer.layers import Cache
 
 
 class Model(Protocol):
@@ -158,6 +152,8 @@ class Engine:
             shared += 1
         if logits:
             shared = min(shared, len(prompt) - 1)  # the last prompt token is always run: its logits are needed
+        if not self.cache.can_rewind(shared):  # a local layer's ring moved past the prefix's window
+            shared = 0
         del self.tokens[shared:]
         self.cache.length = shared
         started = time.perf_counter()

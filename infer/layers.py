@@ -14,10 +14,16 @@ from infer.cmath import c_float_function
 
 
 class Cache(Protocol):
-    """What a pass needs of a KV cache (the CPU's and the GPU's)."""
+    """One sequence's keys and values, positions [0, length) filled: what a pass needs of a KV cache
+    (infer.kv_cache.KVCache on the CPU, infer.gpu.cache.GpuKVCache)."""
 
     length: int
     max_tokens: int
+
+    def can_rewind(self, length: int) -> bool:
+        """Whether `length` may be set back to this (a local layer's ring may have overwritten the
+        window before it)."""
+        ...
 
 
 Batch = Sequence[tuple[np.ndarray, Cache]]  # a pass's (tokens, cache) pairs

@@ -42,6 +42,7 @@ from infer.arch import (  # noqa: F401 - ModelArgs re-exported: the model's desc
 )
 from infer.cmath import c_float_function
 from infer.gguf_file import GGUFModel
+from infer.kv_cache import KVCache
 from infer.layers import Batch, Rope, check_batch, tree_layout, visible
 
 
@@ -82,29 +83,32 @@ class LayerWeights:
     """One transformer block; vectors float32, matrices as Linear (out_features, in_features)."""
 
     attn_norm: np.ndarray  # (dim,)
-    qkv: Linear  # (q_dim + 2 * kv_dim, dim): Q, K, V stacked
+    attn_qkv: Linear  # (q_dim + 2 * kv_dim, dim): attn_q, attn_k, attn_v stacked
     bqkv: np.ndarray | None  # (q_dim + 2 * kv_dim,) or None (qwen2 has biases, llama none)
-    wo: Linear  # (dim, q_dim)
+    attn_output: Linear  # (dim, q_dim)
     ffn_norm: np.ndarray  # (dim,)
-    gate_up: Linear  # (2 * ffn_dim, dim): gate then up
-    down: Linear  # (dim, ffn_dim)
+    ffn_gate_up: Linear  # (2 * ffn_dim, dim): ffn_gate then ffn_up
+    ffn_down: Linear  # (dim, ffn_dim)
     q_norm: np.ndarray | None = None  # (head_dim,): Qwen3's RMSNorm of each query head before rope
     k_norm: np.ndarray | None = None  # (head_dim,): the same for each key head
     post_attn_norm: np.ndarray | None = None  # (dim,): Gemma's RMSNorm of the attention output
     post_ffn_norm: np.ndarray | None = None  # (dim,): and of the FFN output
 
     @classmethod
-    def assemble(cls, vectors: dict[str, np.ndarray | None], qkv: Linear, wo: Linear, gate_up: Linear,
-                 down: Linear) -> LayerWeights:
-        """A block from arch.layer_vectors' vectors and its products."""
-        return cls(attn_norm=vectors["attn_norm"], qkv=qkv, bqkv=vectors["bqkv"], wo=wo,  # type: ignore[arg-type]
-                   ffn_norm=vectors["ffn_norm"], gate_up=gate_up, down=down,  # type: ignore[arg-type]
+    def assemble(cls, vectors: dict[str, np.ndarray | None], attn_qkv: Linear, attn_output: Linear,
+                 ffn_gate_up: Linear, ffn_down: Linear) -> LayerWeights:
+        """A block from arch.layer_vectors' vectors and its products (named by the kinds of the
+        architecture table, infer.arch; a stack by the kinds it stacks)."""
+        return cls(attn_norm=vectors["attn_norm"], attn_qkv=attn_qkv, bqkv=vectors["bqkv"],  # type: ignore[arg-type]
+                   attn_output=attn_output, ffn_norm=vectors["ffn_norm"],  # type: ignore[arg-type]
+                   ffn_gate_up=ffn_gate_up, ffn_down=ffn_down,
                    q_norm=vectors["q_norm"], k_norm=vectors["k_norm"], post_attn_norm=vectors.get("post_attn_norm"),
                    post_ffn_norm=vectors.get("post_ffn_norm"))
 
     @property
     def nbytes(self) -> int:
-        parts = [self.attn_norm, self.qkv, self.bqkv, self.wo, self.ffn_norm, self.gate_up, self.down, self.q_norm,
+        parts = [self.attn_norm, self.attn_qkv, self.bqkv, self.attn_output, self.ffn_norm, self.ffn_gate_up,
+                 self.ffn_down, self.q_norm,
                  self.k_norm, self.post_attn_norm, self.post_ffn_norm]
         return sum(p.nbytes for p in parts if p is not None)
 
@@ -170,10 +174,10 @@ class DequantizedWeights:
                    if name(kind) in self.model.tensors}
         return LayerWeights.assemble(
             layer_vectors(self.args, i, vectors),
-            qkv=self._linear(*(name(f"attn_{x}") for x in "qkv")),
-            wo=self._linear(name("attn_output")),
-            gate_up=self._linear(name("ffn_gate"), name("ffn_up")),
-            down=self._linear(name("ffn_down")),
+            attn_qkv=self._linear(*(name(f"attn_{x}") for x in "qkv")),
+            attn_output=self._linear(name("attn_output")),
+            ffn_gate_up=self._linear(name("ffn_gate"), name("ffn_up")),
+            ffn_down=self._linear(name("ffn_down")),
         )
 
     def layer(self, index: int) -> LayerWeights:
@@ -201,34 +205,6 @@ class DequantizedWeights:
 
     def output(self) -> Linear:
         return self._cached("output", lambda: self._linear(output_name(self.model)))  # type: ignore[return-value]
-
-
-class KVCache:
-    """Keys and values of every layer for positions [0, length), float16 like llama.cpp's default."""
-
-    def __init__(self, args: ModelArgs, max_tokens: int) -> None:
-        shape = (args.n_layers, max_tokens, args.n_kv_heads, args.head_dim)
-        self.keys = np.zeros(shape, dtype=np.float16)
-        self.values = np.zeros(shape, dtype=np.float16)
-        self.max_tokens = max_tokens
-        self.length = 0  # positions filled (committed after the last layer of a forward pass)
-
-    def store(self, layer: int, start: int, k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Writes (T, kv_heads, head_dim) at `start`; returns all keys/values up to start + T."""
-        end = start + k.shape[0]
-        self.keys[layer, start:end] = k
-        self.values[layer, start:end] = v
-        return self.keys[layer, :end], self.values[layer, :end]
-
-    def accept(self, nodes: Sequence[int]) -> None:
-        """After forward_tree: keep the keys and values of tree nodes `nodes` (a root-to-node path,
-        indices increasing) as the positions after `length`, and count them in."""
-        start = self.length
-        for j, node in enumerate(nodes):
-            if node != j:
-                self.keys[:, start + j] = self.keys[:, start + node]
-                self.values[:, start + j] = self.values[:, start + node]
-        self.length = start + len(nodes)
 
 
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float, exact: bool = False) -> np.ndarray:
@@ -414,7 +390,7 @@ class Transformer:
     def _attention(self, h: np.ndarray, layer: LayerWeights, cache: KVCache, index: int, start: int,
                    cos: np.ndarray, sin: np.ndarray, allowed: np.ndarray | None = None) -> np.ndarray:
         a, n = self.args, h.shape[0]
-        qkv = layer.qkv(h)  # (T, q_dim + 2 kv_dim)
+        qkv = layer.attn_qkv(h)  # (T, q_dim + 2 kv_dim)
         if layer.bqkv is not None:
             qkv += layer.bqkv
         q = qkv[:, : a.q_dim].reshape(n, a.n_heads, a.head_dim)
@@ -425,7 +401,9 @@ class Transformer:
         if layer.k_norm is not None:
             k = self.norm(k, layer.k_norm)
         q, k = self.rope.apply(q, cos, sin), self.rope.apply(k, cos, sin)
-        keys, values = cache.store(index, start, k, v)  # (S, kv_heads, head_dim) float16
+        # (S, kv_heads, head_dim) float16: slots first .. start + n - 1 (a local layer's ring may
+        # hold only the last of them; the rest are outside every row's window)
+        keys, values, first = cache.store(index, start, k, v)
         group = a.n_heads // a.n_kv_heads  # query heads per KV head (GQA): head h reads KV head h // group
         # float16 operands; float32 products, or float64 ones (exact) with `exact`
         wide = np.float64 if self.exact else np.float32
@@ -436,24 +414,24 @@ class Transformer:
         keys = keys.astype(wide).transpose(1, 2, 0)[:, None]  # (kv, 1, hd, S)
         values = values.astype(wide).transpose(1, 0, 2)[:, None]  # (kv, 1, S, hd)
         scores = (q @ keys).astype(np.float32) * scale  # (kv, g, T, S)
-        if allowed is not None:  # a token tree: each node sees the cache and its ancestors
-            scores[..., ~allowed] = -np.inf
+        if allowed is not None:  # a token tree or a window: each row sees the slots allowed
+            scores[..., ~allowed[:, first:]] = -np.inf
         elif n > 1:  # causal mask: query t (position start + t) sees keys 0..start + t
-            future = np.arange(start + n)[None, :] > np.arange(start, start + n)[:, None]
+            future = np.arange(first, start + n)[None, :] > np.arange(start, start + n)[:, None]
             scores[..., future] = -np.inf
         exps = np.exp(scores.astype(wide) - scores.max(axis=-1, keepdims=True))
         probs = (exps / exps.sum(axis=-1, keepdims=True)).astype(np.float32).astype(np.float16)
         out = (probs.astype(wide) @ values).astype(np.float32)  # (kv, g, T, hd)
-        return layer.wo(out.transpose(2, 0, 1, 3).reshape(n, a.q_dim))
+        return layer.attn_output(out.transpose(2, 0, 1, 3).reshape(n, a.q_dim))
 
     def _feed_forward(self, h: np.ndarray, layer: LayerWeights) -> np.ndarray:
-        gate_up = layer.gate_up(h)  # (T, 2 ffn)
+        gate_up = layer.ffn_gate_up(h)  # (T, 2 ffn)
         gate, up = gate_up[:, : self.args.ffn_dim], gate_up[:, self.args.ffn_dim :]
         if self.args.arch_table.activation == "gelu_tanh":  # GeGLU
-            return layer.down(geglu(gate, up, self.exact))
+            return layer.ffn_down(geglu(gate, up, self.exact))
         if self.exact:  # evaluated in float64, rounded once
             gate = gate.astype(np.float64)
-        return layer.down((gate / (1.0 + np.exp(-gate)) * up).astype(np.float32, copy=False))  # SwiGLU
+        return layer.ffn_down((gate / (1.0 + np.exp(-gate)) * up).astype(np.float32, copy=False))  # SwiGLU
 
 
 def load_transformer(model: GGUFModel, budget_bytes: int = 8 << 30, match_llama_cpp: bool = True,

@@ -221,6 +221,8 @@ class ModelDrafter:
                 break
             common += 1
         common = min(common, len(want) - 1)  # the last token is always run: its logits are needed
+        if not self.cache.can_rewind(common):  # a local layer's ring moved past the prefix's window
+            common = 0
         self.cache.length = common
         chain_step = getattr(self.draft, "draft_chain", None)
         if chain_step is not None:  # the whole chain on the device (GpuTransformer.draft_chain)

@@ -25,6 +25,9 @@
 #                                                         # the synthetic 8B (same file as ours); with a carried
 #                                                         # .peer/llama-bin.tar.xz (scripts/llama-cpp-cuda.sh built
 #                                                         # it on a CPU machine) no build: its binaries are used
+#   GPU_CHECK_COMPARE=m.gguf GPU_CHECK_COMPARE_DEPTHS=0,8192 ...
+#                                                         # that file: bench.gpu_bench --depth D and llama-bench -d D
+#                                                         # (pp512, tg128) at each depth
 #   GPU_CHECK_SPEC=1 ...                                  # speculative decoding: the CLI with a draft model on
 #                                                         # synthetic 8B/1B
 #   GPU_CHECK_70B=1 GPU_CHECK_VERIFY=1 ...                # after the 70B bench, on its file: the time of one
@@ -189,7 +192,7 @@ if [ -n "${GPU_CHECK_SWEEP:-}" ]; then
     grep '"kernel"' "$OUT/sweep.txt" | head -20
 fi
 
-if [ -n "${GPU_CHECK_LLAMA:-}" ] && [ -f .peer/llama-bin.tar.xz ]; then  # prebuilt: no build on this machine
+if [ -n "${GPU_CHECK_LLAMA:-}${GPU_CHECK_COMPARE:-}" ] && [ -f .peer/llama-bin.tar.xz ]; then  # prebuilt: no build here
     mkdir -p /tmp/lcbin && tar xJf .peer/llama-bin.tar.xz -C /tmp/lcbin && mkdir -p "$LLAMA_DIR/llama.cpp/build" &&
         ln -sfn /tmp/lcbin "$LLAMA_DIR/llama.cpp/build/bin" && echo "rc=0 (prebuilt)" > "$LLAMA_DIR/done"
     cublas=$(find /usr/local/cuda*/ /opt /usr/lib -name 'libcublas.so.1*' 2>/dev/null | head -1)  # toolkit or pip's
@@ -213,6 +216,27 @@ EOF
         note "llama.cpp: not built ($(cat "$LLAMA_DIR/done" 2>/dev/null || echo 'still building'); $LLAMA_DIR/build.log)"
         tail -5 "$LLAMA_DIR/build.log" 2>/dev/null
     fi
+fi
+
+if [ -n "${GPU_CHECK_COMPARE:-}" ]; then  # a given file, ours and llama-bench, at each depth
+    model=$GPU_CHECK_COMPARE
+    tag=$(basename "$model" .gguf)
+    for depth in $(echo "${GPU_CHECK_COMPARE_DEPTHS:-0}" | tr ',' ' '); do
+        section "$tag at depth $depth: ours (bench.gpu_bench) and llama-bench"
+        timeout 240 python3 -m bench.gpu_bench --model "$model" --pp 512 --tg 128 --depth "$depth" --no-kernels \
+            --out "$OUT/ours-$tag-d$depth.json" > "$OUT/ours-$tag-d$depth.txt" 2>&1
+        note "ours $tag depth $depth: exit $?; $(head -2 "$OUT/ours-$tag-d$depth.txt" | tail -1)"
+        if grep -q "rc=0" "$LLAMA_DIR/done" 2>/dev/null; then
+            timeout 300 "$LLAMA_DIR/llama.cpp/build/bin/llama-bench" -m "$model" -p 512 -n 128 -d "$depth" \
+                -ngl 99 -fa 1 -r 3 -o json > "$OUT/llama-bench-$tag-d$depth.json" 2> "$OUT/llama-bench-$tag-d$depth.log"
+            note "llama-bench $tag depth $depth: exit $?; $(python3 - "$OUT/llama-bench-$tag-d$depth.json" <<'EOF2' 2>&1 | tail -1
+import json, sys
+rows = json.load(open(sys.argv[1]))
+print(" ".join(f"{'pp' if r['n_prompt'] else 'tg'}{r['n_prompt'] or r['n_gen']} {r['avg_ts']:.1f} tok/s" for r in rows))
+EOF2
+)"
+        fi
+    done
 fi
 
 if [ -n "${GPU_CHECK_SPEC:-}" ]; then

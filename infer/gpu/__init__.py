@@ -72,7 +72,6 @@ def load_gpu_transformer(model: GGUFModel, max_context: int | None = None, vram_
     from infer.arch import check_model, rope_freq_factors
     from infer.errors import UnsupportedModelError
     from infer.gpu import memory
-    from infer.gpu.cache import GpuKVCache
     from infer.gpu.layout import format_of
     from infer.gpu.model import GpuTransformer
     from infer.gpu.weights import ResidentWeights
@@ -90,7 +89,13 @@ def load_gpu_transformer(model: GGUFModel, max_context: int | None = None, vram_
     tensors = planner_tensors(model, "gpu")
     weights_nbytes = sum(t.device_nbytes for t in tensors)
     account.plan("weights", weights_nbytes)
-    account.plan("KV cache", GpuKVCache.nbytes_for(args, kv_positions or batch * context) + 4 * batch)
+    # the global layers keep every position; a local layer a ring of its window and a pass per sequence
+    ring = args.kv_ring(context, prefill_chunk)
+    positions = kv_positions or batch * context
+    n_local = sum(args.local_layers)
+    kv = 2 * 2 * args.kv_dim * ((args.n_layers - n_local) * positions + n_local * min(positions, batch * ring))
+    layout = args.kv_cache_layout(context, prefill_chunk)
+    account.plan(f"KV cache ({layout})" if layout else "KV cache", kv + 4 * (positions + 2 * batch))
     logits_rows = max(batch, tree_nodes)
     account.plan("pass buffers", gpu_pass_nbytes(model, args, prefill_chunk, context, logits_rows))
     for name, nbytes in (planned or {}).items():

@@ -209,7 +209,7 @@ def attention(qkv: cupy.ndarray, shape: AttentionShape, layer: int, rows: RowFie
                 np.int32(nb), np.int32(m), np.int32(group)), shared_mem=smem)
         part = None if int8 is None else int8.rows(r0, r0 + m)
         merge((m, q_values // chunk), (chunk,), (work, np.int32(nb), np.int32(s.n_heads), np.int32(s.head_dim), pos,
-                                                 np.uint64(out.data.ptr + r0 * q_values * 4),
+                                                 np.int32(window), np.uint64(out.data.ptr + r0 * q_values * 4),
                                                  NULL if out16 is None else np.uint64(out16.data.ptr + r0 * q_values * 2),
                                                  np.int32(ACT_CODES[act]),
                                                  *int8_args(part)))

@@ -177,8 +177,8 @@ def product_timings(gpu, rows_list: tuple[int, ...] = (1, 32, 512), n_layers_cyc
                 inputs[key] = x
         return inputs[key]
 
-    kinds = [("qkv", lambda L: L.qkv()), ("wo", lambda L: [([L.wo], 0)]), ("gate_up", lambda L: L.gate_up()),
-             ("w_down", lambda L: [([L.w_down], 0)])]
+    kinds = [("attn_qkv", lambda L: L.attn_qkv()), ("attn_output", lambda L: [([L.attn_output], 0)]),
+             ("ffn_gate_up", lambda L: L.ffn_gate_up()), ("ffn_down", lambda L: [([L.ffn_down], 0)])]
     for n in rows_list:
         for name, runs_of in kinds:
             launches, nbytes, macs = [], 0, 0
@@ -191,7 +191,7 @@ def product_timings(gpu, rows_list: tuple[int, ...] = (1, 32, 512), n_layers_cyc
             ms = _events_ms(stream, lambda graph=graph: graph.launch(stream)) / len(layers)
             per_layer_bytes, per_layer_macs = nbytes / len(layers), macs / len(layers)
             out_rows.append({"product": name, "rows": n, "us": round(ms * 1e3, 2),
-                             "kernel": "qmm" if products.uses_qmm(layers[0].wo.fmt, layers[0].wo.cols, n) else "qgemv",
+                             "kernel": "qmm" if products.uses_qmm(layers[0].attn_output.fmt, layers[0].attn_output.cols, n) else "qgemv",
                              "GBps": round(per_layer_bytes / (ms * 1e-3) / 1e9, 1),
                              "TOPS": round(2 * per_layer_macs / (ms * 1e-3) / 1e12, 1)})
         out = gpu.output
@@ -205,8 +205,9 @@ def product_timings(gpu, rows_list: tuple[int, ...] = (1, 32, 512), n_layers_cyc
 
 # ---------------------------------------------------------------------------- the run
 def measure(gpu, pp: int = 512, tg: int = 128, with_kernels: bool = True, batch: int = 0,  # noqa: ANN001
-            batch_prompt: int = 128, batch_new: int = 64, check_alone: bool = True) -> dict[str, object]:
-    """Prompt (pp tokens) and decode (tg tokens) speed of a loaded GpuTransformer (resident or
+            batch_prompt: int = 128, batch_new: int = 64, check_alone: bool = True, depth: int = 0) -> dict[str, object]:
+    """Prompt (pp tokens) and decode (tg tokens) speed, after `depth` cached positions (llama-bench's
+    -d), of a loaded GpuTransformer (resident or
     streamed weights), each warmed up first, against the copy bandwidth of this device; bytes per
     token, VRAM; with `batch`, that many sequences (prompts of batch_prompt tokens) decoded together
     for batch_new tokens each, and (check_alone) each decoded alone to compare tokens; the FP64
@@ -218,14 +219,22 @@ def measure(gpu, pp: int = 512, tg: int = 128, with_kernels: bool = True, batch:
     result["copy_GBps"] = round(copy, 1) if copy else None
     a, stream = gpu.args, gpu.stream
     rng = np.random.default_rng(0)
-    cache = gpu.new_cache(min(gpu.max_context, pp + tg + 16))
+    cache = gpu.new_cache(min(gpu.max_context, depth + pp + tg + 16))
+    if depth:  # the cached positions every timed run starts from
+        gpu.forward(rng.integers(3, a.vocab_size, depth), cache, prompt=True)
+        result["depth"] = depth
+
+    def rewind() -> None:  # to the depth: a local layer's ring still holds the window before it
+        if not cache.can_rewind(depth):
+            raise RuntimeError(f"the KV cache cannot return to depth {depth} after {cache.length} positions")
+        cache.length = depth
 
     # prompt processing: pp tokens from an empty cache, as generation runs a prompt (every token but
     # the last as a prompt row, the logits of the last); and every row canonical (a scored prompt)
     prompt = rng.integers(3, a.vocab_size, pp)
 
     def prefill(as_prompt: bool = True) -> None:
-        cache.length = 0
+        rewind()
         gpu.forward(prompt, cache, prompt=as_prompt)
 
     for as_prompt, key in ((True, "pp_tok_s"), (False, "pp_canonical_tok_s")):
@@ -234,9 +243,9 @@ def measure(gpu, pp: int = 512, tg: int = 128, with_kernels: bool = True, batch:
         result[key] = round(pp / pp_s, 1)
     result["pp_tokens"] = pp
 
-    # decode: tg tokens from an empty cache, one step per token on the device
+    # decode: tg tokens after the depth, one step per token on the device
     def decode() -> None:
-        cache.length = 0
+        rewind()
         gpu.queue_steps(cache, int(prompt[0]), tg)
 
     with stream:
@@ -309,7 +318,8 @@ def _host_seconds(run: Callable[[], None]) -> float:
 
 def render(result: dict[str, object]) -> str:
     """The result as a short human-readable report (product table included when measured)."""
-    lines = [f"{result.get('model', 'model')} on {result['device']}",
+    depth = f" after {result['depth']} cached positions" if result.get("depth") else ""
+    lines = [f"{result.get('model', 'model')} on {result['device']}{depth}",
              f"  pp{result['pp_tokens']}: {result['pp_tok_s']} tok/s (every row canonical: {result['pp_canonical_tok_s']})"
              f"   tg{result['tg_tokens']}: {result['tg_tok_s']} tok/s ({result['step_us']} us/token)",
              f"  weights read per token: {result['vram_bytes_per_token'] / 1e9:.2f} GB (GGUF "  # type: ignore[operator]

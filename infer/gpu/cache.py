@@ -1,4 +1,10 @@
-"""The KV cache of one sequence on the GPU, and its token history."""
+"""The KV cache of one sequence on the GPU, and its token history.
+
+A global layer keeps every position of the context. A local (sliding-window) layer keeps a ring
+of `ring` positions, position p in slot p % ring: a query at position p reads only p - window + 1
+.. p, and a pass writes at most `capacity` rows, so window + capacity positions are enough for
+every row of every pass (the oldest key a pass still needs is never overwritten by the same pass).
+The kernels take each row's slot modulo its cache's positions (infer/kernels/attention.cu)."""
 
 from __future__ import annotations
 
@@ -12,27 +18,83 @@ from infer.arch import ModelArgs
 
 
 @dataclass
+class KVGroup:
+    """Keys and values of the layers of one kind (global or local): (layers, n_kv_heads, positions,
+    head_dim) float16 each."""
+
+    keys: cupy.ndarray
+    values: cupy.ndarray
+
+    @property
+    def positions(self) -> int:
+        return int(self.keys.shape[2])
+
+
+@dataclass
 class GpuKVCache:
     """Keys and values of one sequence; `length` = positions filled, as in infer.model.KVCache.
     `tokens[p]` is the token at position p where the device sampled it (generation on the GPU)."""
 
-    keys: cupy.ndarray  # (n_layers, n_kv_heads, max_tokens, head_dim) float16
-    values: cupy.ndarray
+    full: KVGroup  # the global layers: max_tokens positions
+    ring: KVGroup  # the local layers: a ring of min(max_tokens, window + capacity) positions
+    layer_group: tuple[tuple[bool, int], ...]  # per layer: (in the ring group, index in its group)
     max_tokens: int
     tokens: cupy.ndarray  # int32[max_tokens + 1]
     length: int = 0
     stream: cupy.cuda.Stream | None = None  # the model's: work on the cache is ordered on it
+    window: int = 0  # the local layers' sliding window
+    lost: int = 0  # positions below this were overwritten in the local layers' ring
 
     @classmethod
-    def allocate(cls, args: ModelArgs, max_tokens: int, stream: cupy.cuda.Stream | None) -> GpuKVCache:
-        shape = (args.n_layers, args.n_kv_heads, max_tokens, args.head_dim)
+    def allocate(cls, args: ModelArgs, max_tokens: int, capacity: int, stream: cupy.cuda.Stream | None) -> GpuKVCache:
+        """A cache of max_tokens positions for passes of up to `capacity` rows."""
+        ring = args.kv_ring(max_tokens, capacity)
+        local = [args.is_local(i) for i in range(args.n_layers)]
+        counts = {False: 0, True: 0}
+        layer_group = []
+        for is_local in local:
+            layer_group.append((is_local, counts[is_local]))
+            counts[is_local] += 1
+
+        def group(layers: int, positions: int) -> KVGroup:
+            shape = (layers, args.n_kv_heads, positions, args.head_dim)
+            return KVGroup(cupy.zeros(shape, cupy.float16), cupy.zeros(shape, cupy.float16))
+
         with stream or cupy.cuda.get_current_stream():
-            return cls(cupy.zeros(shape, cupy.float16), cupy.zeros(shape, cupy.float16), max_tokens,
-                       cupy.zeros(max_tokens + 1, cupy.int32), stream=stream)
+            return cls(group(counts[False], max_tokens), group(counts[True], ring), tuple(layer_group), max_tokens,
+                       cupy.zeros(max_tokens + 1, cupy.int32), stream=stream, window=args.sliding_window)
 
     @staticmethod
-    def nbytes_for(args: ModelArgs, max_tokens: int) -> int:
-        return 2 * 2 * args.n_layers * args.n_kv_heads * max_tokens * args.head_dim + 4 * (max_tokens + 1)
+    def nbytes_for(args: ModelArgs, max_tokens: int, capacity: int) -> int:
+        """Device bytes of one cache (keys, values and the token history)."""
+        return args.kv_cache_nbytes(max_tokens, capacity) + 4 * (max_tokens + 1)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(a.nbytes) for g in (self.full, self.ring) for a in (g.keys, g.values)) + int(self.tokens.nbytes)
+
+    def layer(self, i: int) -> tuple[KVGroup, int]:
+        """(the group holding layer i, its index there)."""
+        in_ring, index = self.layer_group[i]
+        return (self.ring if in_ring else self.full), index
+
+    def wrote(self, end: int) -> None:
+        """A pass writes slots up to end - 1: in the ring, it overwrites positions below end - ring."""
+        if self.ring.keys.shape[0]:
+            self.lost = max(self.lost, end - self.ring.positions)
+
+    def can_rewind(self, length: int) -> bool:
+        """Whether the cache still holds what a pass at position `length` reads (a rewind to a
+        shared prefix): the ring has not overwritten the window before it."""
+        return length == 0 or max(0, length - self.window + 1) >= self.lost
+
+    def copy_from(self, other: GpuKVCache) -> None:
+        """This cache made the same as `other` (a cache of the same model and size)."""
+        for mine, theirs in ((self.full, other.full), (self.ring, other.ring)):
+            mine.keys[...] = theirs.keys
+            mine.values[...] = theirs.values
+        self.tokens[...] = other.tokens
+        self.length, self.lost = other.length, other.lost
 
     def accept(self, nodes: Sequence[int]) -> None:
         """After a token-tree pass: keep tree nodes `nodes` (a root-to-node path) as the positions
@@ -41,7 +103,10 @@ class GpuKVCache:
         dst = self.length + np.arange(len(nodes))
         if (src != dst).any():
             with self.stream or cupy.cuda.get_current_stream():
-                take, put = cupy.asarray(src), cupy.asarray(dst)
-                self.keys[:, :, put] = self.keys[:, :, take]  # the right side is gathered first
-                self.values[:, :, put] = self.values[:, :, take]
+                for group in (self.full, self.ring):
+                    if not group.keys.shape[0]:
+                        continue
+                    take, put = cupy.asarray(src % group.positions), cupy.asarray(dst % group.positions)
+                    group.keys[:, :, put] = group.keys[:, :, take]  # the right side is gathered first
+                    group.values[:, :, put] = group.values[:, :, take]
         self.length += len(nodes)

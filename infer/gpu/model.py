@@ -62,8 +62,8 @@ def pass_buffers_nbytes(args: ModelArgs, formats: list[dict], output_act: str, c
     hidden = 4 * ((rows + 1) * a.dim + rows * (shape.width + a.q_dim + 2 * a.ffn_dim) + post)
     work = attention.attention_work_nbytes(shape, attention_work_rows(shape, capacity, max_context), max_context)
     head = Inputs.planned_nbytes(logits_rows, [("out", output_act, a.dim)]) + 4 * logits_rows * a.vocab_size
-    index = (rows + 1) * 64 + 4 * capacity * (capacity + 1) // 2
-    return (hidden + Inputs.planned_nbytes(rows, wanted) + work + head + index + GpuKVCache.nbytes_for(a, 1)
+    index = PassIndex.nbytes_for(capacity)
+    return (hidden + Inputs.planned_nbytes(rows, wanted) + work + head + index + GpuKVCache.nbytes_for(a, 1, 1)
             + products.SPLIT_SCRATCH_BYTES)
 
 
@@ -115,7 +115,7 @@ class GpuTransformer:
                 cos, sin = local.angles(np.arange(max_context))
                 self.rope_tables_local = (cupy.asarray(cos.astype(np.float32)), cupy.asarray(sin.astype(np.float32)))
             self.post = cupy.zeros((C, a.dim), F32) if has_post_norms(args) else None
-            self.null_cache = GpuKVCache.allocate(args, 1, self.stream)
+            self.null_cache = GpuKVCache.allocate(args, 1, 1, self.stream)
             self.index = PassIndex(C, self.null_cache, self.stream)
             self.x = cupy.zeros((C + 1, a.dim), F32)  # hidden states; row C: the null row
             self.qkv = cupy.zeros((C, self.shape.width), F32)
@@ -160,7 +160,7 @@ class GpuTransformer:
         if max_tokens > self.max_context:
             raise ValueError(f"a cache of {max_tokens} positions exceeds the model's context of {self.max_context} "
                              "(raise -c/--ctx-size)")
-        cache = GpuKVCache.allocate(self.args, max_tokens, self.stream)
+        cache = GpuKVCache.allocate(self.args, max_tokens, self.capacity, self.stream)
         self.stream.synchronize()
         return cache
 
@@ -191,41 +191,43 @@ class GpuTransformer:
         half = shape.prompt > 0  # the prompt rows' float16 inputs are wanted too
         local = a.is_local(i)
         window = a.sliding_window if local else 0
-        xs = inputs.normed(self.x, L.attn_norm, "attn", [L.wq.act, L.wk.act, L.wv.act], n, half=half)
+        xs = inputs.normed(self.x, L.attn_norm, "attn", [L.attn_q.act, L.attn_k.act, L.attn_v.act], n, half=half)
         qkv = self.qkv.reshape(-1)
-        for parts, row0 in L.qkv():
+        for parts, row0 in L.attn_qkv():
             rows = sum(m.rows for m in parts)
             self._product(parts, xs[parts[0].act], "attn", qkv[row0:], shape, s.width,
                           bias=None if L.bqkv is None else L.bqkv[row0 : row0 + rows])
         tables = self.rope_tables_local if local else self.rope_tables
-        attention.rope_rows(self.qkv, s, *tables, i, ix.fields, n, L.q_norm, L.k_norm, a.norm_eps)
-        att = inputs.get("att", L.wo.act) if L.wo.act in ops.EIGHT_BIT else self.att
+        fields = ix.fields_local if local else ix.fields
+        j = self.null_cache.layer(i)[1]  # the layer's index among the cache's global or local layers
+        attention.rope_rows(self.qkv, s, *tables, j, fields, n, L.q_norm, L.k_norm, a.norm_eps)
+        att = inputs.get("att", L.attn_output.act) if L.attn_output.act in ops.EIGHT_BIT else self.att
         int8 = att if isinstance(att, ops.Int8Act) else None
         scale = a.scores_scale
-        if half and not window and attention.uses_prompt_attention(s) and products.uses_pmm(L.wo.fmt, L.wo.cols):
+        if half and not window and attention.uses_prompt_attention(s) and products.uses_pmm(L.attn_output.fmt, L.attn_output.cols):
             # the canonical rows through attention.cu, the prompt rows on the tensor cores (their
             # float16 output is all the prompt products of wo take)
             c = shape.canonical
             if c:
-                attention.attention(self.qkv, s, i, ix.fields, c, self.max_context, self.work, self.work_rows,
-                                    self.att, L.wo.act, int8, scale=scale)
-            attention.prompt_attention(self.qkv, s, i, ix.fields, c, shape.prompt, inputs.half("att"), scale=scale)
+                attention.attention(self.qkv, s, j, fields, c, self.max_context, self.work, self.work_rows,
+                                    self.att, L.attn_output.act, int8, scale=scale)
+            attention.prompt_attention(self.qkv, s, j, fields, c, shape.prompt, inputs.half("att"), scale=scale)
         else:
-            attention.attention(self.qkv, s, i, ix.fields, n, self.max_context, self.work, self.work_rows, self.att,
-                                L.wo.act, int8, inputs.half("att") if half else None, window=window, scale=scale)
-        self._residual_product(L.wo, att, "att", shape, L.post_attn_norm)
-        xs = inputs.normed(self.x, L.ffn_norm, "ffn", [L.w_gate.act, L.w_up.act], n, half=half)
+            attention.attention(self.qkv, s, j, fields, n, self.max_context, self.work, self.work_rows, self.att,
+                                L.attn_output.act, int8, inputs.half("att") if half else None, window=window, scale=scale)
+        self._residual_product(L.attn_output, att, "att", shape, L.post_attn_norm)
+        xs = inputs.normed(self.x, L.ffn_norm, "ffn", [L.ffn_gate.act, L.ffn_up.act], n, half=half)
         gu = self.gu.reshape(-1)
-        for parts, row0 in L.gate_up():
+        for parts, row0 in L.ffn_gate_up():
             self._product(parts, xs[parts[0].act], "ffn", gu[row0:], shape, 2 * a.ffn_dim)
-        ff = inputs.get("ff", L.w_down.act)
+        ff = inputs.get("ff", L.ffn_down.act)
         ff16 = inputs.half("ff") if half else None
         activation = a.arch_table.activation
         if isinstance(ff, ops.Int8Act):
-            ops.glu_round(self.gu, a.ffn_dim, n, L.w_down.act, int8=ff, y16=ff16, activation=activation)
+            ops.glu_round(self.gu, a.ffn_dim, n, L.ffn_down.act, int8=ff, y16=ff16, activation=activation)
         else:
-            ops.glu_round(self.gu, a.ffn_dim, n, L.w_down.act, y=ff, y16=ff16, activation=activation)
-        self._residual_product(L.w_down, ff, "ff", shape, L.post_ffn_norm)
+            ops.glu_round(self.gu, a.ffn_dim, n, L.ffn_down.act, y=ff, y16=ff16, activation=activation)
+        self._residual_product(L.ffn_down, ff, "ff", shape, L.post_ffn_norm)
 
     def _residual_product(self, m: GpuMatrix, x: products.Input, key: str, shape: PassShape,
                           post_norm: cupy.ndarray | None) -> None:
@@ -304,6 +306,8 @@ class GpuTransformer:
         (valid until the next pass)."""
         slots, shape, where = pass_layout(rows, self.capacity)
         out_rows = [where[r] for r in out_rows]
+        for row in rows:
+            row.cache.wrote(row.slot + 1)
         with self.stream:
             self.index.fill(slots, shape, out_rows[: self.logits_rows])
             self.passes += 1
@@ -420,6 +424,8 @@ class GpuTransformer:
             raise ValueError(f"{len(rows)} sequences decoded together exceed the {self.logits_rows} logits rows "
                              "planned (load with batch=...)")
         n = bucket_of(len(rows), self.capacity)
+        for row in rows:
+            row.cache.wrote(row.slot + steps)
         self.index.fill([*rows, *[None] * (n - len(rows))], PassShape(n), range(len(rows)))
         self.passes += 1
         for step in range(steps):

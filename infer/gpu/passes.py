@@ -121,12 +121,21 @@ def tree_ancestors(parents: np.ndarray, base: int) -> tuple[np.ndarray, np.ndarr
     return anc, (base + depth).astype(np.int32)
 
 
+def _cache_fields(cache: GpuKVCache) -> dict[str, int]:
+    """A row's cache as the kernels see it: each group's keys, values and positions."""
+    full, ring = cache.full, cache.ring
+    return {"kptr": full.keys.data.ptr, "vptr": full.values.data.ptr, "cap": full.positions,
+            "kptr_l": ring.keys.data.ptr, "vptr_l": ring.values.data.ptr, "ring": ring.positions}
+
+
 class PassIndex:
     """The device table of up to `capacity` rows (row `capacity` is a null row: padding and unused
     logits rows point at it), filled from the host through a pinned staging buffer."""
 
-    I64 = ("kptr", "vptr", "hist")
-    I32 = ("tok", "pos", "slot", "base", "anc_off", "cap", "out_rows", "seeds")
+    # kptr/vptr/cap: the row's global layers' keys, values and positions; kptr_l/vptr_l/ring: its
+    # local layers' (infer.gpu.cache)
+    I64 = ("kptr", "vptr", "kptr_l", "vptr_l", "hist")
+    I32 = ("tok", "pos", "slot", "base", "anc_off", "cap", "ring", "out_rows", "seeds")
     F32 = ("temps",)
 
     def __init__(self, capacity: int, null_cache: GpuKVCache, stream: cupy.cuda.Stream) -> None:
@@ -134,7 +143,7 @@ class PassIndex:
         rows = capacity + 1
         self.anc_capacity = capacity * (capacity + 1) // 2  # any tree of `capacity` nodes
         self.header = rows * (8 * len(self.I64) + 4 * len(self.I32) + 4 * len(self.F32))
-        self.nbytes = self.header + 4 * self.anc_capacity
+        self.nbytes = self.nbytes_for(capacity)
         self._pinned = cupy.cuda.alloc_pinned_memory(self.nbytes)
         self.host = np.frombuffer(self._pinned, np.uint8, self.nbytes)
         with stream:
@@ -144,6 +153,12 @@ class PassIndex:
         self._uploaded.record(stream)
         self.n = 0  # real rows of the last fill
         self.shape = PassShape(0)
+
+    @classmethod
+    def nbytes_for(cls, capacity: int) -> int:
+        """Device (and pinned host) bytes of the index of `capacity` rows."""
+        per_row = 8 * len(cls.I64) + 4 * len(cls.I32) + 4 * len(cls.F32)
+        return (capacity + 1) * per_row + 4 * capacity * (capacity + 1) // 2
 
     def _views(self, rows: int) -> None:
         at = 0
@@ -160,8 +175,15 @@ class PassIndex:
 
     @property
     def fields(self) -> RowFields:
+        """The rows' fields for a global layer."""
         d = self.d
         return RowFields(d["pos"], d["slot"], d["base"], d["anc_off"], d["anc"], d["kptr"], d["vptr"], d["cap"])
+
+    @property
+    def fields_local(self) -> RowFields:
+        """The rows' fields for a local (sliding-window) layer: their rings."""
+        d = self.d
+        return RowFields(d["pos"], d["slot"], d["base"], d["anc_off"], d["anc"], d["kptr_l"], d["vptr_l"], d["ring"])
 
     def fill(self, slots: Sequence[Row | None], shape: PassShape, out_rows: Sequence[int]) -> None:
         """Lays out the pass's rows (`slots`, shape.rows of them: None a null row) and the rows whose
@@ -175,21 +197,20 @@ class PassIndex:
         real = [(r, row) for r, row in enumerate(slots) if row is not None]
         nulls = np.asarray([r for r, row in enumerate(slots) if row is None] + [cap], np.int64)
         # null rows: the null cache's one slot, no history
-        h["kptr"][nulls], h["vptr"][nulls], h["hist"][nulls] = null.keys.data.ptr, null.values.data.ptr, 0
+        for name, value in _cache_fields(null).items():
+            h[name][nulls] = value
+        h["hist"][nulls] = 0
         for name in ("tok", "pos", "slot", "seeds"):
             h[name][nulls] = 0
-        h["base"][nulls], h["anc_off"][nulls], h["cap"][nulls], h["temps"][nulls] = 1, -1, 1, 0.0
+        h["base"][nulls], h["anc_off"][nulls], h["temps"][nulls] = 1, -1, 0.0
         used = 0
         if real:
             idx = np.asarray([r for r, _ in real], np.int64)
             rows = [row for _, row in real]
-            caches = {id(row.cache): row.cache for row in rows}
-            ptrs = {k: (c.keys.data.ptr, c.values.data.ptr, c.tokens.data.ptr, c.max_tokens) for k, c in caches.items()}
-            at = [ptrs[id(row.cache)] for row in rows]
-            h["kptr"][idx] = [p[0] for p in at]
-            h["vptr"][idx] = [p[1] for p in at]
-            h["hist"][idx] = [p[2] if row.history else 0 for p, row in zip(at, rows, strict=True)]
-            h["cap"][idx] = [p[3] for p in at]
+            fields = {id(row.cache): _cache_fields(row.cache) for row in rows}
+            for name in ("kptr", "vptr", "kptr_l", "vptr_l", "cap", "ring"):
+                h[name][idx] = [fields[id(row.cache)][name] for row in rows]
+            h["hist"][idx] = [row.cache.tokens.data.ptr if row.history else 0 for row in rows]
             h["tok"][idx] = [row.token for row in rows]
             h["pos"][idx] = [row.pos for row in rows]
             h["slot"][idx] = [row.slot for row in rows]

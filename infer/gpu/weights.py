@@ -47,31 +47,34 @@ def runs(matrices: list[GpuMatrix]) -> list[Run]:
 
 @dataclass
 class GpuLayer:
+    """One block on the GPU: its matrices by their kinds in the architecture table (infer.arch, the
+    names the CPU engine's LayerWeights uses too), its vectors as infer.arch.layer_vectors names them."""
+
     attn_norm: cupy.ndarray
-    wq: GpuMatrix
-    wk: GpuMatrix
-    wv: GpuMatrix
+    attn_q: GpuMatrix
+    attn_k: GpuMatrix
+    attn_v: GpuMatrix
     bqkv: cupy.ndarray | None  # (q_dim + 2*kv_dim,) or None
-    wo: GpuMatrix
+    attn_output: GpuMatrix
     ffn_norm: cupy.ndarray
-    w_gate: GpuMatrix
-    w_up: GpuMatrix
-    w_down: GpuMatrix
+    ffn_gate: GpuMatrix
+    ffn_up: GpuMatrix
+    ffn_down: GpuMatrix
     q_norm: cupy.ndarray | None = None  # (head_dim,): Qwen3's RMSNorm of each query head before rope
     k_norm: cupy.ndarray | None = None
     post_attn_norm: cupy.ndarray | None = None  # (dim,): Gemma's RMSNorm of the attention output
     post_ffn_norm: cupy.ndarray | None = None  # and of the FFN output
 
     def matrices(self) -> list[GpuMatrix]:
-        return [self.wq, self.wk, self.wv, self.wo, self.w_gate, self.w_up, self.w_down]
+        return [getattr(self, kind) for kind in MATRIX_KINDS]
 
-    def qkv(self) -> list[Run]:
+    def attn_qkv(self) -> list[Run]:
         """Q, K and V as product launches into the (q_dim + 2*kv_dim) output."""
-        return runs([self.wq, self.wk, self.wv])
+        return runs([self.attn_q, self.attn_k, self.attn_v])
 
-    def gate_up(self) -> list[Run]:
+    def ffn_gate_up(self) -> list[Run]:
         """Gate and up as product launches into the (2 * ffn_dim) output [gate | up]."""
-        return runs([self.w_gate, self.w_up])
+        return runs([self.ffn_gate, self.ffn_up])
 
     def addresses(self) -> tuple[int, ...]:
         """The device addresses the layer's kernels read (a captured graph of them is valid while
@@ -166,9 +169,8 @@ def embedding_on_host(model: GGUFModel) -> bool:
 def assemble_layer(vectors: dict[str, cupy.ndarray | None], matrices: dict[str, GpuMatrix]) -> GpuLayer:
     """A GpuLayer from its vectors (layer_vectors) and its matrices by kind."""
     m, v = matrices, vectors
-    return GpuLayer(attn_norm=v["attn_norm"], wq=m["attn_q"], wk=m["attn_k"], wv=m["attn_v"],  # type: ignore[arg-type]
-                    bqkv=v["bqkv"], wo=m["attn_output"], ffn_norm=v["ffn_norm"],  # type: ignore[arg-type]
-                    w_gate=m["ffn_gate"], w_up=m["ffn_up"], w_down=m["ffn_down"], q_norm=v["q_norm"], k_norm=v["k_norm"],
+    return GpuLayer(attn_norm=v["attn_norm"], bqkv=v["bqkv"], ffn_norm=v["ffn_norm"],  # type: ignore[arg-type]
+                    **{kind: m[kind] for kind in MATRIX_KINDS}, q_norm=v["q_norm"], k_norm=v["k_norm"],
                     post_attn_norm=v.get("post_attn_norm"), post_ffn_norm=v.get("post_ffn_norm"))
 
 

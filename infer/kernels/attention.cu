@@ -40,7 +40,9 @@ __device__ __forceinline__ void rotate(float a, float b, float c, float s, float
 
 // The rows of a pass (infer/gpu/passes.py PassIndex): position, cache slot, span (positions from
 // `base` on are the slots anc[anc_off + t - base]; anc_off < 0: the span is the cache's own slots),
-// and the row's cache: keys and values (n_layers, n_kv_heads, cap, D) float16.
+// and the row's cache: keys and values (layers, n_kv_heads, cap, D) float16. Slot s lies at s % cap:
+// a local layer's cache is a ring of cap positions (infer/gpu/cache.py); a global one has cap
+// positions past every slot, where the modulo changes nothing.
 struct Rows {
     const int* pos;
     const int* slot;
@@ -59,7 +61,7 @@ __device__ __forceinline__ int span_slot(const Rows& R, int r, int t) {
 
 __device__ __forceinline__ __half* cache_at(unsigned long long base, int layer, int n_kv, int kvh, int cap, int slot,
                                             int D) {
-    return reinterpret_cast<__half*>(base) + (((long long)layer * n_kv + kvh) * cap + slot) * (long long)D;
+    return reinterpret_cast<__half*>(base) + (((long long)layer * n_kv + kvh) * cap + slot % cap) * (long long)D;
 }
 
 // grid (rows, n_heads + n_kv_heads): q rotated in place; k rotated and stored, v stored, at the row's
@@ -254,6 +256,9 @@ __device__ __forceinline__ bool attn_chunks_body(const float* qkv, int W, int n_
                       R.vptr[r] == R.vptr[r_first] && R.cap[r] == R.cap[r_first];
     }
     if (c0 >= p_max / ATTN_CHUNK + 1) return false;  // the merge reads only the blocks that hold positions
+    // nor, for a sliding window, those wholly before the row's window (attn_merge starts after them)
+    if (window > 0 && r_end - r_first == 1 && (c0 + ATTN_BLOCK_CHUNKS) * ATTN_CHUNK <= R.pos[r_first] - window + 1)
+        return true;
     float* part = attn_smem;  // 4 slots x G x (D + 2)
     float* e_all = part + ATTN_BLOCK_CHUNKS * G * PART_STRIDE(D);  // per warp [t][head]
     int* slots_all = reinterpret_cast<int*>(e_all + ATTN_BLOCK_CHUNKS * ATTN_CHUNK * ATTN_HEADS);
@@ -272,12 +277,16 @@ __device__ __forceinline__ bool attn_chunks_body(const float* qkv, int W, int n_
         if (!staged || !shared_rows) {  // this warp's chunk into shared memory
             staged = true;
             const int upto = shared_rows ? p_max : p;
-            const int n_copy = min(ATTN_CHUNK, upto + 1 - t0);
+            // nothing to copy past the last position, nor before the first a row's window shows (a
+            // ring's older slots hold later positions); rows sharing one copy take every chunk (a
+            // prompt's rows: the copy is made once for all of them)
+            const int lo_copy = shared_rows && r_end - r_first > 1 ? 0 : lo;
+            const int n_copy = t0 + ATTN_CHUNK <= lo_copy ? 0 : min(ATTN_CHUNK, upto + 1 - t0);
             if (n_copy > 0) {
                 const int row_cap = R.cap[r];
                 const __half* kg = cache_at(R.kptr[r], layer, n_kv_heads, kvh, row_cap, 0, D);
                 const __half* vg = cache_at(R.vptr[r], layer, n_kv_heads, kvh, row_cap, 0, D);
-                slots_w[lane] = lane < n_copy ? span_slot(R, r, t0 + lane) : 0;  // position t0 + t's slot
+                slots_w[lane] = lane < n_copy ? (int)((unsigned)span_slot(R, r, t0 + lane) % (unsigned)row_cap) : 0;  // position t0 + t's
                 __syncwarp();
                 for (int i = lane; i < n_copy * PIECES; i += 32) {
                     const int t = i / PIECES, pc = i % PIECES;
@@ -446,15 +455,17 @@ ATTN_CHUNKS(256)
 // subtrees, left to right, joined right to left at the end.
 #define MERGE_MAX_LEVELS 16
 extern "C" __global__ void __launch_bounds__(256)
-    attn_merge(const float* work, int nb, int n_heads, int D, const int* pos, float* out, __half* out16, int fmt,
-               signed char* xq, float* xs, int* xsum) {
+    attn_merge(const float* work, int nb, int n_heads, int D, const int* pos, int window, float* out, __half* out16,
+               int fmt, signed char* xq, float* xs, int* xsum) {
     const int r = blockIdx.x, chunk = blockDim.x;
-    const int nblk = (pos[r] / ATTN_CHUNK) / ATTN_BLOCK_CHUNKS + 1;
+    // the blocks from the first that holds a position of the row's window to the one of its position
+    const int b0 = window > 0 ? max(0, pos[r] - window + 1) / (ATTN_CHUNK * ATTN_BLOCK_CHUNKS) : 0;
+    const int nblk = (pos[r] / ATTN_CHUNK) / ATTN_BLOCK_CHUNKS + 1 - b0;
     const int n = n_heads * D;
     float* orow = out + (long long)r * n;
     const int i = blockIdx.y * chunk + threadIdx.x;
     const int h = i / D, d = i % D;
-    const float* w = work + ((long long)r * n_heads + h) * nb * PART_STRIDE(D);
+    const float* w = work + (((long long)r * n_heads + h) * nb + b0) * PART_STRIDE(D);
     float value;
     if (nblk == 1) {  // one block of positions: its partial is the whole softmax
         value = __fdiv_rn(w[2 + d], w[1]);

@@ -95,9 +95,10 @@ def parse_size(text: str) -> int:
     return int(number * scale)
 
 
-def kv_cache_nbytes(args: ModelArgs, ctx_size: int, batch: int, itemsize: int = 2) -> int:
-    """Keys and values of every layer for `batch` sequences of `ctx_size` positions (float16)."""
-    return 2 * args.n_layers * batch * ctx_size * args.kv_dim * itemsize
+def kv_cache_nbytes(args: ModelArgs, ctx_size: int, batch: int, pass_rows: int, itemsize: int = 2) -> int:
+    """Keys and values of every layer for `batch` sequences of `ctx_size` positions (float16), for
+    passes of up to pass_rows rows (a local layer keeps a ring of its window and a pass)."""
+    return batch * args.kv_cache_nbytes(ctx_size, pass_rows, itemsize)
 
 
 ATTENTION_SCORES_BYTES = 32 << 20  # CPU prompt attention computes scores in blocks of query rows of about this size
@@ -174,7 +175,7 @@ def compute_budgets(args: ModelArgs, ctx_size: int, batch: int, tokens_per_pass:
     requires both budgets to be given. device_reserved: device bytes outside the memory pool
     (measured by infer.gpu.memory; default DEVICE_MARGIN). activations: the engine's own count of
     its pass buffers (the GPU's), else activation_nbytes."""
-    kv = kv_cache_nbytes(args, ctx_size, batch) + 4 * batch * (ctx_size + 1)  # + the token histories
+    kv = kv_cache_nbytes(args, ctx_size, batch, tokens_per_pass) + 4 * batch * (ctx_size + 1)  # + the token histories
     act = activation_nbytes(args, tokens_per_pass, ctx_size, batch, largest_matrix) if activations is None \
         else activations
     if vram_budget is not None:

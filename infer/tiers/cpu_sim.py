@@ -147,10 +147,10 @@ class StreamingCpuWeights:
         vectors = layer_vectors(self.args, index, {kind: v for kind, (v, _) in values.items() if v.ndim == 1})
         return LayerWeights.assemble(
             vectors,
-            qkv=Linear([values["attn_q"], values["attn_k"], values["attn_v"]], self.exact),
-            wo=Linear([values["attn_output"]], self.exact),
-            gate_up=Linear([values["ffn_gate"], values["ffn_up"]], self.exact),
-            down=Linear([values["ffn_down"]], self.exact),
+            attn_qkv=Linear([values["attn_q"], values["attn_k"], values["attn_v"]], self.exact),
+            attn_output=Linear([values["attn_output"]], self.exact),
+            ffn_gate_up=Linear([values["ffn_gate"], values["ffn_up"]], self.exact),
+            ffn_down=Linear([values["ffn_down"]], self.exact),
         )
 
     def embed(self, tokens: np.ndarray) -> np.ndarray:

@@ -156,9 +156,11 @@ def build_streaming_engine(model: GGUFModel | str | os.PathLike, config: Streami
     budgets, plan = _budgets(args, tensors, config, ctx_size, prefill_chunk, on_gpu, account, activations)
     if account is not None:
         account.budget = budgets.vram_total
+        layout = args.kv_cache_layout(ctx_size, max(prefill_chunk, config.batch))
+        kv_name = f"KV cache ({layout})" if layout else "KV cache"
         for name, nbytes in (("weights (tier A)", plan.bytes_in(Tier.VRAM)),
                              ("ring slots", plan.n_slots * plan.slot_nbytes), ("layer scratch", plan.scratch_nbytes),
-                             ("KV cache", budgets.kv_cache), ("pass buffers", budgets.activations)):
+                             (kv_name, budgets.kv_cache), ("pass buffers", budgets.activations)):
             account.plan(name, nbytes)
         account.check(": lower -c/--ctx-size or --batch")
     closers: list[Callable[[], None]] = []

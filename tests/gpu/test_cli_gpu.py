@@ -50,3 +50,18 @@ def test_gpu_benchmark_reports_decode_and_the_roofline(tiny: Path) -> None:
     assert result["tg_tokens"] == 16 and result["pp_tokens"] == 512
     assert result["tg_tok_s"] > 0 and result["pp_tok_s"] > 0 and result["copy_GBps"] > 0
     assert 0 < result["peak_vram_bytes"] <= result["vram_budget_bytes"]
+
+
+def test_gpu_benchmark_at_a_depth_past_a_sliding_window(tmp_path: Path) -> None:
+    """bench.gpu_bench --depth (llama-bench's -d): the prompt and the decode are timed after 600
+    cached positions of a Gemma 3 file whose local layers keep a ring of their 100-token window and
+    a pass (each timed run rewinds to the depth, which the ring still holds)."""
+    from dataclasses import replace
+
+    from bench.gpu_bench import bench_model
+
+    path = tmp_path / "gemma3.gguf"
+    write_model(path, replace(SHAPES["tiny"], sliding_window=100), "q8_0", seed=5, arch="gemma3")
+    result = bench_model(path, pp=64, tg=16, with_kernels=False, depth=600)
+    assert result["depth"] == 600 and result["context"] == 600 + 64 + 16 + 16
+    assert result["pp_tok_s"] > 0 and result["tg_tok_s"] > 0

@@ -543,10 +543,12 @@ class _Caches:
 
 
 def _attend(qkv: np.ndarray, shape: attn.AttentionShape, caches: _Caches, rows: list, layer: int,
-            act: str = "f32", work_rows: int = 3, window: int = 0, scale: float | None = None) -> np.ndarray:
-    """(work_rows 3 by default: several launches over the rows, the slices are part of what is tested)"""
+            act: str = "f32", work_rows: int = 3, window: int = 0, scale: float | None = None,
+            max_ctx: int | None = None) -> np.ndarray:
+    """(work_rows 3 by default: several launches over the rows, the slices are part of what is tested;
+    max_ctx: past every row's position, by default the largest cache's positions)"""
     n = len(rows)
-    max_ctx = max(caches.caps)
+    max_ctx = max_ctx or max(caches.caps)
     work = cupy.zeros(attn.attention_work_nbytes(shape, work_rows, max_ctx) // 4, cupy.float32)
     out = _poisoned((n, shape.n_heads * shape.head_dim))
     attn.attention(cupy.asarray(qkv), shape, layer, caches.fields(rows), n, max_ctx, work, work_rows, out, act,
@@ -577,6 +579,40 @@ def test_attention_over_a_sliding_window(rng: np.random.Generator, window: int) 
         vals = caches.vals[seq][0][:, seen].astype(np.float32)
         want = attention_reference(q, keys, vals, 0.0625).reshape(-1)
         assert _rel(got[i], want) < 1e-5, (i, pos)
+
+
+@pytest.mark.parametrize("hd", [128, 256])
+def test_attention_over_a_ring(rng: np.random.Generator, hd: int) -> None:
+    """A local layer's cache as a ring (infer/gpu/cache.py): slot s lies at s % positions, so a
+    row at position 699 with a 100-token window reads its keys from a 164-position ring, and a tree
+    node reads its ancestors' slots past the ring's end where they wrap; rope_rows stores a row's
+    key and value at its slot modulo the ring."""
+    from infer.gpu.reference import attention_reference
+
+    n_heads, n_kv, window, ring = 4, 2, 100, 164
+    shape = attn.AttentionShape(n_heads, n_kv, hd, hd // 2, True)
+    caches = _Caches(rng, 2, n_kv, [ring, ring], hd)
+    rows = [(0, 0, 0, 1, None), (0, 163, 163, 164, None), (0, 164, 164, 165, None), (1, 300, 300, 301, None),
+            (0, 699, 699, 700, None), (1, 650, 660, 649, [655, 660])]  # a tree node under the node in slot 655
+    qkv = rng.standard_normal((len(rows), shape.width)).astype(np.float32)
+    got = _attend(qkv, shape, caches, rows, layer=1, window=window, max_ctx=700)  # positions past the ring
+    for i, (seq, pos, _, base, anc) in enumerate(rows):
+        span = list(range(pos + 1)) if anc is None else list(range(base)) + anc
+        seen = [s % ring for s in span[max(0, pos + 1 - window):]]
+        q = qkv[i, : n_heads * hd].reshape(n_heads, hd).astype(np.float16).astype(np.float32)
+        keys = caches.host[seq][1][:, seen].astype(np.float32)
+        vals = caches.vals[seq][1][:, seen].astype(np.float32)
+        want = attention_reference(q, keys, vals, 1 / np.sqrt(hd)).reshape(-1)
+        assert _rel(got[i], want) < 1e-5, (i, pos)
+    # rope_rows writes the last two rows' keys and values at slots 699 % 164 and 660 % 164
+    tables = [cupy.asarray(np.ones((700, hd // 2), np.float32)), cupy.asarray(np.zeros((700, hd // 2), np.float32))]
+    attn.rope_rows(cupy.asarray(qkv[4:]), shape, *tables, 1, caches.fields(rows[4:]), 2)
+    kv0 = (n_heads + n_kv) * hd  # the first value, after q and k
+    for r, (seq, _, slot, _, _) in enumerate(rows[4:]):
+        stored_k = cupy.asnumpy(caches.k[seq][1][:, slot % ring]).reshape(-1)
+        stored_v = cupy.asnumpy(caches.v[seq][1][:, slot % ring]).reshape(-1)
+        np.testing.assert_array_equal(stored_k, qkv[4 + r, n_heads * hd : kv0].astype(np.float16))
+        np.testing.assert_array_equal(stored_v, qkv[4 + r, kv0 : kv0 + n_kv * hd].astype(np.float16))
 
 
 @pytest.mark.parametrize(("heads", "hd"), [((8, 2), 128), ((14, 2), 64), ((16, 1), 64), ((4, 4), 256)], ids=str)

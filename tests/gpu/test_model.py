@@ -214,6 +214,45 @@ def test_every_row_is_the_same_bits_in_any_pass(kind: str, tmp_path: Path) -> No
     _invariance(_small_gpu_model(kind, tmp_path, 5), 20)
 
 
+@pytest.mark.parametrize("name", ["gemma3", "llama-window"])
+def test_local_layers_keep_a_ring_of_their_window_and_a_pass(name: str, tmp_path: Path) -> None:
+    """A local layer's cache is a ring of window + pass capacity positions (infer/gpu/cache.py):
+    with passes of 64 rows and a 100-token window, a 400-position cache keeps 164 per local layer.
+    Its logits are the same bits as a cache that keeps every position (passes of 512 rows): a
+    prompt run in passes of 64, decode steps past the ring's wrap, several sequences in one pass,
+    a token tree with siblings whose accepted path is moved across the wrap, and device decoding."""
+    path = tmp_path / f"{name}.gguf"
+    write_model(path, SHAPES[name], "q8_0", seed=5, arch=name.split("-")[0])
+    ringed, whole = (load_gpu_transformer(GGUFModel(path), 512, prefill_chunk=c) for c in (64, 512))
+    rc, wc = ringed.new_cache(400), whole.new_cache(400)
+    assert rc.ring.positions == 164 and wc.ring.positions == 400 and rc.full.positions == wc.full.positions == 400
+    n_global = sum(not ringed.args.is_local(i) for i in range(ringed.args.n_layers))
+    assert rc.nbytes == ringed.args.kv_cache_nbytes(400, 64) + 4 * 401 < wc.nbytes
+    assert rc.full.keys.shape[0] == n_global
+    planned = next(k for k in ringed.account.planned if k.startswith("KV cache"))  # the plan says so
+    assert f"{n_global} global layers x 512 positions" in planned and "local layers x a ring of 164" in planned
+    prompt, steps = _prompt(300, 21), _prompt(30, 22)
+    np.testing.assert_array_equal(ringed.forward(prompt, rc, all_logits=True), whole.forward(prompt, wc, all_logits=True))
+    for t in steps[:10]:
+        np.testing.assert_array_equal(ringed.forward(np.array([t]), rc), whole.forward(np.array([t]), wc))
+    other = _prompt(5, 23)  # the sequence beside another's prompt in one pass
+    rb, wb = ringed.new_cache(400), whole.new_cache(400)
+    got = ringed.forward_batch([(other, rb), (steps[10:12], rc)])
+    want = whole.forward_batch([(other, wb), (steps[10:12], wc)])
+    np.testing.assert_array_equal(got[1], want[1])
+    tokens, parents = np.array([*steps[12:17]]), np.array([-1, 0, 0, 2, 2])  # chain 0 -> 2 -> 4, siblings 1, 3
+    np.testing.assert_array_equal(ringed.verify_tree(tokens, parents, rc).to_host(),
+                                  whole.verify_tree(tokens, parents, wc).to_host())
+    rc.accept([0, 2, 4])
+    wc.accept([0, 2, 4])
+    assert rc.length == wc.length == 315
+    for t in steps[17:]:
+        np.testing.assert_array_equal(ringed.forward(np.array([t]), rc), whole.forward(np.array([t]), wc))
+    assert ringed.generate(steps[:1], rc, 20) == whole.generate(steps[:1], wc, 20)
+    # the device's steps count as writes: the window before position 100 is gone from the ring
+    assert rc.lost > 100 and not rc.can_rewind(100) and rc.can_rewind(rc.length) and wc.can_rewind(100)
+
+
 def test_batched_decoding_gives_each_sequence_its_own_tokens(pair: Pair) -> None:
     """decode_batch: every sequence's tokens are those it gets alone (greedy, and sampled with its
     seed), whoever else is decoded with it."""

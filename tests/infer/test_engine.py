@@ -61,6 +61,59 @@ def test_a_llama_file_with_a_sliding_window_sees_only_the_window(tmp_path: Path)
     assert not np.allclose(got[8:], want[8:], atol=1e-3)
 
 
+@pytest.mark.parametrize("name", ["gemma3", "llama-window"])
+def test_local_layers_keep_a_ring_of_their_window_and_a_pass(name: str, tmp_path: Path) -> None:
+    """A local layer keeps a ring of its window and the largest pass (infer/kv_cache.py): with a
+    window of 8 and passes of 4 rows, 12 positions, widened to 18 by a pass of 10. Its logits are
+    those of a cache that keeps every position: a prompt in passes of 4, a wider pass, a token tree
+    whose accepted path is moved across the ring's wrap, decode steps after it."""
+    from infer.kv_cache import KVCache
+
+    path = tmp_path / f"{name}.gguf"
+    write_model(path, SHAPES[name], "f16", seed=7, arch=name.split("-")[0])
+    transformer = load_transformer(GGUFModel(path), exact=True)
+    ringed, whole = KVCache(transformer.args, 200, pass_rows=4), KVCache(transformer.args, 200, pass_rows=200)
+    assert ringed.ring == 12 and whole.ring == 200 and ringed.nbytes < whole.nbytes
+    ids = prompt(80, seed=3)
+    for at in range(0, 60, 4):
+        assert_same(transformer.forward(np.array(ids[at : at + 4]), ringed, all_logits=True),
+                    transformer.forward(np.array(ids[at : at + 4]), whole, all_logits=True))
+    assert_same(transformer.forward(np.array(ids[60:70]), ringed, all_logits=True),
+                transformer.forward(np.array(ids[60:70]), whole, all_logits=True))
+    assert ringed.ring == 18
+    tokens, parents = np.array(ids[70:75]), np.array([-1, 0, 0, 2, 2])  # chain 0 -> 2 -> 4, siblings 1, 3
+    assert_same(transformer.forward_tree(tokens, parents, ringed), transformer.forward_tree(tokens, parents, whole))
+    for cache in (ringed, whole):
+        cache.accept([0, 2, 4])
+    for t in ids[75:]:
+        assert_same(transformer.forward(np.array([t]), ringed), transformer.forward(np.array([t]), whole))
+    assert ringed.length == 78 and ringed.lost == 78 - 18
+    # a pass at 71 reads 64..70, still in the ring; one at 60 would read 53..59, overwritten
+    assert ringed.can_rewind(71) and not ringed.can_rewind(60) and ringed.can_rewind(0) and whole.can_rewind(60)
+
+
+def test_a_prefix_the_ring_no_longer_holds_is_run_again(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Prefix reuse after the ring moved past the prefix's window: the engine runs the whole prompt
+    again (the cached prefix's window was overwritten) and gets the fresh engine's logits."""
+    from infer import kv_cache
+
+    monkeypatch.setattr(kv_cache, "PASS_ROWS", 4)
+    path = tmp_path / "gemma3.gguf"
+    write_model(path, SHAPES["gemma3"], "f16", seed=7, arch="gemma3")
+    transformer = load_transformer(GGUFModel(path), exact=True)
+    engine = Engine(transformer, 128, prefill_batch=4)
+    first = prompt(40, seed=4)
+    engine.prefill(first)
+    for t in prompt(30, seed=5):
+        engine.decode_one(t)
+    near = first + prompt(30, seed=5)[:27] + prompt(3, seed=6)  # diverges 3 tokens back: reused
+    assert_same(engine.prefill(near), Engine(transformer, 128, prefill_batch=4).prefill(near))
+    assert engine.stats.prompt_tokens == 3
+    far = first[:20] + prompt(4, seed=6)  # the window before position 20 is gone from the ring
+    assert_same(engine.prefill(far), Engine(transformer, 128, prefill_batch=4).prefill(far))
+    assert engine.stats.prompt_tokens == len(far)
+
+
 def test_batch_split_does_not_change_logits(model: GGUFModel) -> None:
     transformer = load_transformer(model, exact=True)
     ids = prompt(40)
@@ -114,4 +167,4 @@ def test_weight_cache_respects_its_budget(model: GGUFModel) -> None:
         small.layer(i)
     assert small._cached_bytes <= small.budget_bytes
     assert small.layer(args.n_layers - 1) is small.layer(args.n_layers - 1)  # the latest stays cached
-    np.testing.assert_array_equal(small.layer(0).qkv.segments[0][0], unlimited.layer(0).qkv.segments[0][0])
+    np.testing.assert_array_equal(small.layer(0).attn_qkv.segments[0][0], unlimited.layer(0).attn_qkv.segments[0][0])

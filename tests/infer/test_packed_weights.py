@@ -33,7 +33,7 @@ def test_every_product_is_the_dequantized_engines(q4km: Path) -> None:
     assert isinstance(packed, PackedWeights)
     rng = np.random.default_rng(7)
     pairs = [(getattr(plain.layer(i), k), getattr(packed.layer(i), k))
-             for i in (0, 17) for k in ("qkv", "wo", "gate_up", "down")] + [(plain.output(), packed.output())]
+             for i in (0, 17) for k in ("attn_qkv", "attn_output", "ffn_gate_up", "ffn_down")] + [(plain.output(), packed.output())]
     seen = set()
     for want, got in pairs:
         assert isinstance(got, PackedLinear)

@@ -124,7 +124,7 @@ def compare(model: Transformer, tensors: dict[str, list[np.ndarray]], ids: list[
         t = {name: tensors[f"{name}-{i}"] for name in _LAYER_TRACED if f"{name}-{i}" in tensors}
         rows.append(_diff(i, "attn rms_norm", model.norm(x, layer.attn_norm), t["attn_norm"][-1]))
         h = _flat(t["attn_norm"][-1], n)
-        qkv = layer.qkv(h)
+        qkv = layer.attn_qkv(h)
         pre = [_flat(t[k][0], n) for k in ("Qcur", "Kcur", "Vcur")]  # the matrix products, before bias
         p = f"blk.{i}."
         rows.append(matmul(i, "qkv matmul", qkv, np.concatenate(pre, axis=1), [p + f"attn_{x}.weight" for x in "qkv"], h))
@@ -147,32 +147,32 @@ def compare(model: Transformer, tensors: dict[str, list[np.ndarray]], ids: list[
         k_in = qkv_in[:, a.q_dim : a.q_dim + a.kv_dim].reshape(n, a.n_kv_heads, a.head_dim)
         rows.append(_diff(i, "rope k", rope.apply(k_in, cos, sin), t["Kcur"][-1]))
         bare = LayerWeights(layer.attn_norm, _identity(qkv_in.shape[1], model.exact), None,
-                            _identity(a.q_dim, model.exact), layer.ffn_norm, layer.gate_up, layer.down)
+                            _identity(a.q_dim, model.exact), layer.ffn_norm, layer.ffn_gate_up, layer.ffn_down)
         attn = model._attention(qkv_in, bare, model.new_cache(n), i, 0, cos, sin)
         rows.append(_diff(i, "rope + attention", attn, t["kqv_out"][-1]))
         kqv = _flat(t["kqv_out"][-1], n)
         if layer.post_attn_norm is not None:  # Gemma: the attention output normed, then added
-            rows.append(matmul(i, "wo + post-norm", model.norm(layer.wo(kqv), layer.post_attn_norm),
+            rows.append(matmul(i, "wo + post-norm", model.norm(layer.attn_output(kqv), layer.post_attn_norm),
                                t["attn_post_norm"][-1], [p + "attn_output.weight"], kqv))
             rows.append(_diff(i, "post-norm + residual", _flat(t["attn_post_norm"][-1], n) + x, t["sa_out"][-1]))
             f = _flat(t["sa_out"][-1], n)
         else:
-            rows.append(matmul(i, "wo + residual", x + layer.wo(kqv), t["ffn_inp"][-1], [p + "attn_output.weight"], kqv))
+            rows.append(matmul(i, "wo + residual", x + layer.attn_output(kqv), t["ffn_inp"][-1], [p + "attn_output.weight"], kqv))
             f = _flat(t["ffn_inp"][-1], n)
         rows.append(_diff(i, "ffn rms_norm", model.norm(f, layer.ffn_norm), t["ffn_norm"][-1]))
         h = _flat(t["ffn_norm"][-1], n)
-        g = layer.gate_up(h)
+        g = layer.ffn_gate_up(h)
         rows.append(matmul(i, "gate matmul", g[:, : a.ffn_dim], t["ffn_gate"][-1], [p + "ffn_gate.weight"], h))
         rows.append(matmul(i, "up matmul", g[:, a.ffn_dim :], t["ffn_up"][-1], [p + "ffn_up.weight"], h))
         gate, up = _flat(t["ffn_gate"][-1], n), _flat(t["ffn_up"][-1], n)
         if "ffn_swiglu" in t:
             rows.append(_diff(i, "swiglu", gate / (1.0 + np.exp(-gate)) * up, t["ffn_swiglu"][-1]))
             sw = _flat(t["ffn_swiglu"][-1], n)
-            rows.append(matmul(i, "down matmul", layer.down(sw), t["ffn_out"][-1], [p + "ffn_down.weight"], sw))
+            rows.append(matmul(i, "down matmul", layer.ffn_down(sw), t["ffn_out"][-1], [p + "ffn_down.weight"], sw))
         if "ffn_geglu" in t:
             rows.append(_diff(i, "geglu", geglu(gate.astype(np.float32), up.astype(np.float32)), t["ffn_geglu"][-1]))
             gg = _flat(t["ffn_geglu"][-1], n)
-            rows.append(matmul(i, "down matmul", layer.down(gg), t["ffn_out"][-1], [p + "ffn_down.weight"], gg))
+            rows.append(matmul(i, "down matmul", layer.ffn_down(gg), t["ffn_out"][-1], [p + "ffn_down.weight"], gg))
         if layer.post_ffn_norm is not None:
             rows.append(_diff(i, "ffn post-norm", model.norm(_flat(t["ffn_out"][-1], n), layer.post_ffn_norm),
                               t["ffn_post_norm"][-1]))

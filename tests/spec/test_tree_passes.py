@@ -19,9 +19,7 @@ SHAPE = Shape(n_layers=3, dim=256, ffn_dim=512, n_heads=4, n_kv_heads=2, vocab_s
 def _decoded(model, ref, path: list[int]) -> np.ndarray:  # noqa: ANN001
     """Logits after each token of `path` fed one decode step at a time to a copy of cache `ref`."""
     cache = model.new_cache(ref.max_tokens)
-    cache.keys[...] = ref.keys
-    cache.values[...] = ref.values
-    cache.length = ref.length
+    cache.copy_from(ref)
     return np.stack([model.forward(np.asarray([t]), cache) for t in path])
 
 
@@ -55,8 +53,9 @@ def test_graphs_replay_at_any_cache_length_with_decode_numbers(tmp_path: Path, f
     assert len(model.graphs) == captured  # replayed, not captured again
     planned = gpu_pass_nbytes(GGUFModel(file), model.args, model.capacity, 128, 32)
     buffers = [model.x, model.qkv, model.att, model.gu, model.work, model.logits, model.index.device,
-               model.null_cache.keys, model.null_cache.values, *model.rope_tables]
-    held = sum(int(b.nbytes) for b in buffers) + model.inputs.nbytes + model.head_inputs.nbytes
+               *model.rope_tables]
+    held = (sum(int(b.nbytes) for b in buffers) + model.inputs.nbytes + model.head_inputs.nbytes
+            + model.null_cache.nbytes)
     assert held <= planned, (held, planned)
 
     big = np.array([-1, *range(19)])  # 20 nodes: another bucket (32)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -37,8 +38,21 @@ def test_parse_size_refuses_with_one_line(text: str) -> None:
 
 def test_kv_cache_of_70b() -> None:
     # 80 layers x (K and V) x 1024 kv dims x 2 bytes = 320 KiB per position
-    assert kv_cache_nbytes(ARGS_70B, 4096, 1) == 4096 * 80 * 2 * 1024 * 2
-    assert kv_cache_nbytes(ARGS_70B, 512, 32) == 32 * kv_cache_nbytes(ARGS_70B, 512, 1)
+    assert kv_cache_nbytes(ARGS_70B, 4096, 1, 512) == 4096 * 80 * 2 * 1024 * 2
+    assert kv_cache_nbytes(ARGS_70B, 512, 32, 512) == 32 * kv_cache_nbytes(ARGS_70B, 512, 1, 512)
+
+
+def test_kv_cache_of_local_layers_is_a_ring_of_window_and_pass() -> None:
+    """Gemma 3 27B's shape: 62 layers, 52 of them local with a 1024-token window. At 32k positions
+    and passes of 512 rows a local layer keeps 1536 positions; a context inside its window and a
+    pass keeps them all; a file without a window keeps the whole context everywhere."""
+    local = tuple(i % 6 < 5 for i in range(62))
+    gemma = replace(ARGS_70B, arch="gemma3", n_layers=62, n_kv_heads=16, sliding_window=1024, local_layers=local)
+    per_position = 2 * 16 * 128 * 2  # K and V of one layer
+    assert sum(local) == 52 and gemma.kv_ring(32768, 512) == 1536
+    assert kv_cache_nbytes(gemma, 32768, 1, 512) == (10 * 32768 + 52 * 1536) * per_position
+    assert kv_cache_nbytes(gemma, 1200, 2, 512) == 2 * 62 * 1200 * per_position
+    assert kv_cache_nbytes(replace(gemma, sliding_window=0, local_layers=()), 32768, 1, 512) == 62 * 32768 * per_position
 
 
 def test_budgets_deduct_kv_activations_and_staging() -> None:

@@ -292,7 +292,8 @@ class RawKernel:
                 if _ptr(kn): k = rms_norm(k.copy(), _arr(kn, np.float32, D).copy(), float(eps), exact=True)
                 q[...] = _rotate(q.copy(), c, s_, npairs, neox)
                 KC, VC = _layer_cache(KP[t], layer, Hkv, int(CAP[t]), D), _layer_cache(VP[t], layer, Hkv, int(CAP[t]), D)
-                KC[:, SL[t]] = _rotate(k, c, s_, npairs, neox).astype(np.float16); VC[:, SL[t]] = v.astype(np.float16)
+                sl = SL[t] % CAP[t]  # a local layer's ring: slot s at s % positions
+                KC[:, sl] = _rotate(k, c, s_, npairs, neox).astype(np.float16); VC[:, sl] = v.astype(np.float16)
         elif n.startswith("attn_chunks_d"):  # the whole attention of each row into its block 0 (m 0, l 1: the merge's o / l)
             qkv, W, H, Hkv, scale, window, layer, pos, base, anc_off, anc, kptr, vptr, cap, work, nb, n_rows, _group = args
             D = int(n.split("_d")[1])
@@ -306,10 +307,12 @@ class RawKernel:
                 L = int(P[r]) + 1
                 idx = np.arange(L) if OFF[r] < 0 else np.concatenate([np.arange(B[r]), _arr(anc, np.int32, int(OFF[r]) + L - int(B[r]))[int(OFF[r]):]]).astype(np.int64)
                 if int(window) > 0: idx = idx[max(0, L - int(window)):]  # span index = position
+                idx = idx % int(CAP[r])
                 KC, VC = _layer_cache(KP[r], layer, Hkv, int(CAP[r]), D), _layer_cache(VP[r], layer, Hkv, int(CAP[r]), D)
                 q = X[r, : H * D].reshape(H, D).astype(np.float16).astype(np.float32)
                 o = attention_reference(q, KC[:, idx], VC[:, idx], float(scale)).astype(np.float32)
-                WK[r, :, :, 1] = 0; WK[r, :, 0, 0] = 0; WK[r, :, 0, 1] = 1; WK[r, :, 0, 2:] = o
+                b0 = max(0, L - int(window)) // 128 if int(window) > 0 else 0  # where attn_merge starts
+                WK[r, :, :, 1] = 0; WK[r, :, b0, 0] = 0; WK[r, :, b0, 1] = 1; WK[r, :, b0, 2:] = o
         elif n.startswith("attn_prompt_d"):  # the prompt rows' attention over slots 0..pos, in float64, as float16
             qkv, W, H, Hkv, scale, layer, pos, kptr, vptr, cap, n_rows, out16 = args
             D = int(n.split("_d")[1])
@@ -325,10 +328,13 @@ class RawKernel:
                 q = X[r, : H * D].reshape(H, D).astype(np.float16).astype(np.float32)
                 O[r] = attention_reference(q, KC[:, idx], VC[:, idx], float(scale)).reshape(-1).astype(np.float16)
         elif n == "attn_merge":
-            work, nb, H, D, pos, out, out16, act, xq, xs8, xsum = args
-            rows = grid[0]; nb, H, D = map(int, (nb, H, D)); nn = H * D
+            work, nb, H, D, pos, window, out, out16, act, xq, xs8, xsum = args
+            rows = grid[0]; nb, H, D, window = map(int, (nb, H, D, window)); nn = H * D
             WK = _arr(work, np.float32, rows * H * nb * (D + 2)).reshape(rows, H, nb, D + 2)
-            o = (WK[:, :, 0, 2:] / WK[:, :, 0, 1:2]).reshape(rows, nn)
+            P = _arr(pos, np.int32, rows)
+            first = [max(0, int(p) - window + 1) // 128 if window > 0 else 0 for p in P]  # the merge's first block
+            assert all(int(p) // 128 < nb for p in P), "a row's position past the attention blocks (max_ctx too small)"
+            o = np.stack([WK[r, :, first[r], 2:] / WK[r, :, first[r], 1:2] for r in range(rows)]).reshape(rows, nn)
             if _ptr(out16): _arr(out16, np.float16, rows * nn)[:] = o.reshape(-1).astype(np.float16)
             from infer.quants import round_activations
             act = ACTS[int(act)]
