@@ -351,7 +351,7 @@ class ModelArgs:
             local_layers=local,
             rope_base_local=float(key("rope.freq_base_swa", float, 10000.0)) if table.sliding_window_pattern else 0.0,
             # llama.cpp: Gemma 3 27B scales by 1 / sqrt(width / heads), the others by 1 / sqrt(head size)
-            attn_scale=1.0 / math.sqrt(dim / n_heads) if arch == "gemma3" and n_layers == 62 else 0.0,
+            attn_scale=1.0 / math.sqrt(dim // n_heads) if arch == "gemma3" and n_layers == 62 else 0.0,
         )
 
 

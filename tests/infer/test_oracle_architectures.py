@@ -242,3 +242,23 @@ def test_synthetic_gemma3_matches_llama_cpp(tmp_path: Path) -> None:
         _check("synthetic gemma3 f16", _logits(ours, ids), _logits(unbounded, ids), ref, ids)
     finally:
         ref.close()
+
+
+def test_gemma3_27b_attention_scale_matches_llama_cpp(tmp_path: Path) -> None:
+    """Gemma 3 27B scales its queries by 1 / sqrt(width / heads) instead of 1 / sqrt(head size):
+    llama.cpp picks that scale for 62-layer Gemma 3 files. A random 62-layer file whose head size
+    (64) is not width / heads (32), in float16: our logits follow llama.cpp's, and with the head
+    size's scale they do not."""
+    shape = replace(GEMMA3, n_layers=62, dim=128, ffn_dim=256, vocab_size=512)
+    path = tmp_path / "gemma3-62-f16.gguf"
+    write_model(path, shape, "f16", seed=5)
+    ours = load_transformer(GGUFModel(path))
+    assert ours.args.attn_scale == 1 / np.sqrt(32) and ours.args.head_dim == 64
+    ids = [int(t) for t in np.random.default_rng(2).integers(3, shape.vocab_size, 48)]
+    by_head_size = Transformer(replace(ours.args, attn_scale=0.0), ours.weights, ours.rope.freq_factors)
+    ref = Reference(path, n_ctx=64)
+    try:
+        _check("synthetic gemma3 27b scale f16", _logits(ours, ids), _logits(by_head_size, ids), ref, ids)
+    finally:
+        ref.close()
+
