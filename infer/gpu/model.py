@@ -13,15 +13,15 @@ either.
 
 The rows of a pass live on the device (infer.gpu.passes.PassIndex); the pass's launches are
 captured as CUDA graphs per row bucket (runs of resident layers, each streamed layer, the head)
-and replayed. Generation loops sample on the device and feed the sampled token to the next step
-without the host (`advance`), so only token ids come back.
+and replayed. The generation loops (infer/gpu/generation.py, a mixin) sample on the device and
+feed the sampled token to the next step without the host (`advance`), so only token ids come back.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Sequence
 
 import cupy
 import numpy as np
@@ -31,6 +31,7 @@ from infer.gpu import attention, kernels, ops, products
 from infer.gpu.activations import Inputs, layer_inputs
 from infer.gpu.attention import AttentionShape
 from infer.gpu.cache import GpuKVCache
+from infer.gpu.generation import DeviceGeneration
 from infer.gpu.graphs import GraphCache
 from infer.gpu.ops import GpuMatrix
 from infer.gpu.passes import PassIndex, PassShape, Row, bucket_of, pass_layout, sequence_rows, tree_rows
@@ -75,7 +76,7 @@ def _shape(a: ModelArgs, rope: Rope) -> AttentionShape:
     return AttentionShape(a.n_heads, a.n_kv_heads, a.head_dim, rope.n_pairs, a.rope_neox)
 
 
-class GpuTransformer:
+class GpuTransformer(DeviceGeneration):
     """new_cache(max_tokens), forward(tokens, cache, all_logits) and forward_batch(batch) -> NumPy
     logits, as infer.model.Transformer; verify_tree for token trees; generate_iter, draft_chain and
     decode_batch decode on the device."""
@@ -416,146 +417,3 @@ class GpuTransformer:
     def forward_tree(self, tokens: np.ndarray, parents: np.ndarray, cache: GpuKVCache) -> np.ndarray:
         """As infer.model.Transformer.forward_tree: verify_tree's logits on the host."""
         return self.verify_tree(tokens, parents, cache).to_host()
-
-    def _decode_rows(self, rows: Sequence[Row], steps: int, each: Callable[[int], None] | None = None) -> None:
-        """Queues `steps` decode steps of `rows` (each row's token at its position, history on):
-        each step samples every row's next token into its cache's history and moves the row on."""
-        if len(rows) > self.logits_rows:
-            raise ValueError(f"{len(rows)} sequences decoded together exceed the {self.logits_rows} logits rows "
-                             "planned (load with batch=...)")
-        n = bucket_of(len(rows), self.capacity)
-        for row in rows:
-            row.cache.wrote(row.slot + steps)
-        self.index.fill([*rows, *[None] * (n - len(rows))], PassShape(n), range(len(rows)))
-        self.passes += 1
-        for step in range(steps):
-            self._run_layers()
-            self._run_head(len(rows), sample=True, advance=True)
-            if each is not None:
-                each(step)
-
-    def queue_steps(self, cache: GpuKVCache, token: int, n: int, temperature: float = 0.0, seed: int = 0) -> None:
-        """Queues n decode steps from `token` at position cache.length, each sampling the next token on
-        the device (cache.tokens[p + 1] for the step at position p); nothing is waited for and
-        cache.length is not advanced (the caller reads cache.tokens)."""
-        p = cache.length
-        with self.stream:
-            self._decode_rows([Row(cache, int(token), p, p, p + 1, None, True, float(temperature), int(seed))], n)
-
-    def draft_chain(self, tokens: np.ndarray, cache: GpuKVCache, depth: int, width: int) -> np.ndarray:
-        """The draft side of speculation, queued on the device with one wait at the end: `tokens`
-        fed at cache.length (all but the last in one pass), then `depth` greedy decode steps, each
-        picking its next token on the device. Returns (depth, width) ids: column 0 the chain, the
-        others each step's runners-up (one sort of all steps' logits at the end). The cache then
-        holds `tokens` and the chain's first depth - 1 tokens (cache.length counts them)."""
-        tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
-        if len(tokens) == 0 or depth < 1 or width < 1:
-            raise ValueError("draft_chain needs tokens, depth >= 1 and width >= 1")
-        if cache.length + len(tokens) + depth - 1 > cache.max_tokens:
-            raise ValueError(f"context full: {cache.length} + {len(tokens)} + {depth - 1} exceed {cache.max_tokens}")
-        if len(tokens) > 1:
-            self.forward(tokens[:-1], cache)
-        start = cache.length  # position of the last fed token; the chain's tokens follow it
-        with self.stream:
-            steps = None
-            if width > 1:  # each step's logits, kept in the head's planned rows past row 0 when they fit
-                fits = depth < self.logits_rows
-                steps = self.logits[1 : 1 + depth] if fits else cupy.empty((depth, self.args.vocab_size), F32)
-
-            def keep(d: int) -> None:
-                if steps is not None:
-                    steps[d] = self.logits[0]
-
-            self._decode_rows([Row(cache, int(tokens[-1]), start, start, start + 1, None, True)], depth, keep)
-            chain = cache.tokens[start + 1 : start + 1 + depth]
-            if steps is None:
-                ids = cupy.asnumpy(chain, stream=self.stream).astype(np.int64)[:, None]
-            else:
-                top = ops.top_rows(steps, depth, width)
-                top[:, 0] = chain  # the chain as the device step chose it (ties: the same token either way)
-                ids = cupy.asnumpy(top, stream=self.stream).astype(np.int64)
-        self.stream.synchronize()
-        cache.length += depth  # the last fed token and the chain's first depth - 1
-        return ids
-
-    def generate(self, prompt: np.ndarray, cache: GpuKVCache, n_new: int, temperature: float = 0.0, seed: int = 0,
-                 stop: set[int] | frozenset[int] = frozenset(), check_every: int = 16,
-                 on_tokens: Callable[[list[int]], None] | None = None) -> list[int]:
-        """Prefill the prompt, then decode up to n_new tokens on the device; stops after a token in
-        `stop`. The last sampled token is not yet in the cache (cache.length counts the tokens
-        processed)."""
-        out: list[int] = []
-        for fresh in self.generate_iter(prompt, cache, n_new, temperature, seed, stop, check_every):
-            out.extend(fresh)
-            if on_tokens:
-                on_tokens(fresh)
-        return out
-
-    def generate_iter(self, prompt: np.ndarray, cache: GpuKVCache, n_new: int, temperature: float = 0.0,
-                      seed: int = 0, stop: set[int] | frozenset[int] = frozenset(),
-                      check_every: int = 16) -> Iterator[list[int]]:
-        """generate() as it goes: yields the new tokens in lists of up to `check_every` (the steps
-        queued between two looks at the sampled ids). cache.length is final once exhausted."""
-        prompt = np.asarray(prompt, dtype=np.int64).reshape(-1)
-        if len(prompt) == 0:
-            raise ValueError("generate needs at least one prompt token")
-        out = self.decode_iter([prompt], [cache], n_new, temperature, seed, stop, check_every)
-        for fresh in out:
-            if fresh[0]:
-                yield fresh[0]
-
-    def decode_batch(self, prompts: Sequence[np.ndarray], caches: Sequence[GpuKVCache], n_new: int,
-                     temperature: float = 0.0, seed: int = 0, stop: set[int] | frozenset[int] = frozenset(),
-                     check_every: int = 16) -> list[list[int]]:
-        """Each prompt (at its cache's next positions) prefilled, then up to n_new tokens of every
-        sequence decoded together, one pass a step, sampled on the device; a sequence stops after a
-        token in `stop`. Each sequence's tokens are those it gets alone (same seed)."""
-        outs: list[list[int]] = [[] for _ in prompts]
-        for fresh in self.decode_iter(prompts, caches, n_new, temperature, seed, stop, check_every):
-            for s, toks in enumerate(fresh):
-                outs[s].extend(toks)
-        return outs
-
-    def decode_iter(self, prompts: Sequence[np.ndarray], caches: Sequence[GpuKVCache], n_new: int,
-                    temperature: float = 0.0, seed: int = 0, stop: set[int] | frozenset[int] = frozenset(),
-                    check_every: int = 16) -> Iterator[list[list[int]]]:
-        """decode_batch as it goes: per look at the device, each sequence's new tokens."""
-        prompts = [np.asarray(p, dtype=np.int64).reshape(-1) for p in prompts]
-        if any(len(p) == 0 for p in prompts):
-            raise ValueError("generate needs at least one prompt token")
-        if len(prompts) > self.capacity:
-            raise ValueError(f"{len(prompts)} sequences exceed the pass capacity of {self.capacity}")
-        check_batch(list(zip(prompts, caches, strict=True)), self.args.vocab_size)
-        if n_new <= 0:
-            return
-        for p, c in zip(prompts, caches, strict=True):
-            if c.length + len(p) + n_new - 1 > c.max_tokens:
-                raise ValueError(f"context full: {c.length} + {len(p)} + {n_new} tokens exceed {c.max_tokens}")
-        heads = [(p[:-1], c) for p, c in zip(prompts, caches, strict=True) if len(p) > 1]
-        if heads:  # prompt rows; each prompt's last token is its first decode step
-            self.prefill_batch(heads)
-        # per sequence: the token the next step processes, its position, tokens produced
-        state = [[int(p[-1]), c.length, 0] for p, c in zip(prompts, caches, strict=True)]
-        live = list(range(len(prompts)))
-        while live:
-            steps = min(check_every, *(n_new - state[s][2] for s in live))
-            rows = [Row(caches[s], state[s][0], state[s][1], state[s][1], state[s][1] + 1, None, True,
-                        float(temperature), int(seed)) for s in live]
-            with self.stream:
-                self._decode_rows(rows, steps)
-                news = [cupy.asnumpy(caches[s].tokens[state[s][1] + 1 : state[s][1] + 1 + steps], stream=self.stream)
-                        for s in live]
-            self.stream.synchronize()
-            fresh: list[list[int]] = [[] for _ in prompts]
-            for s, new in zip(live, news, strict=True):
-                toks = [int(t) for t in new]
-                cut = next((j + 1 for j, t in enumerate(toks) if t in stop), None)
-                if cut is not None:
-                    toks = toks[:cut]
-                fresh[s] = toks
-                state[s][2] += len(toks)
-                state[s][1] += len(toks)
-                state[s][0] = toks[-1]
-                caches[s].length = state[s][1]  # the tokens processed; the last sampled one is not
-            live = [s for s in live if state[s][2] < n_new and not (fresh[s] and fresh[s][-1] in stop)]
-            yield fresh
