@@ -65,47 +65,48 @@ PROMPT_ATTENTION = os.environ.get("NVMEDIRECT_PROMPT_ATTENTION", "1") != "0"
 PROMPT_KEYS = 64  # prompt_attention.cu: keys per tile
 
 
-def _prompt_kernel(head_dim: int):  # noqa: ANN202
-    return kernels.function("prompt_attention", f"attn_prompt_d{head_dim}")
+def _prompt_kernel(head_dim: int, window: bool = False):  # noqa: ANN202
+    return kernels.function("prompt_attention", f"attn_prompt_{'window_' if window else ''}d{head_dim}")
 
 
-def prompt_attention_fits(shape: AttentionShape) -> bool:
+def prompt_attention_fits(shape: AttentionShape, window: bool = False) -> bool:
     """Whether a block of prompt_attention.cu (a warp per query head of a KV head) fits this device
     with the registers its compiled kernel uses (on the H200: 184 a thread at d128, 134 at d64, so
-    groups up to 10 and 15 query heads per KV head)."""
+    groups up to 10 and 15 query heads per KV head); `window`: the local layers' kernel."""
     return shape.head_dim in (64, 128) and \
-        32 * (shape.n_heads // shape.n_kv_heads) <= _prompt_kernel(shape.head_dim).max_threads_per_block
+        32 * (shape.n_heads // shape.n_kv_heads) <= _prompt_kernel(shape.head_dim, window).max_threads_per_block
 
 
-def uses_prompt_attention(shape: AttentionShape) -> bool:
+def uses_prompt_attention(shape: AttentionShape, window: bool = False) -> bool:
     """Whether the prompt rows of a model of this shape take prompt_attention.cu (otherwise attention.cu,
-    as the canonical rows)."""
-    return PROMPT_ATTENTION and prompt_attention_fits(shape)
+    as the canonical rows); `window`: of a local layer."""
+    return PROMPT_ATTENTION and prompt_attention_fits(shape, window)
 
 
 def prompt_attention(qkv: cupy.ndarray, shape: AttentionShape, layer: int, rows: RowFields, r0: int, n: int,
-                     out16: cupy.ndarray, scale: float | None = None) -> None:
+                     out16: cupy.ndarray, scale: float | None = None, window: int = 0) -> None:
     """out16 rows r0 .. r0 + n - 1 (float16, (rows, n_heads * head_dim)) = the attention of the
     prompt rows r0 .. of the pass over their sequences' slots 0..pos (keys and values stored by
     rope_rows), on the tensor cores: a tile of 16 rows and a KV head a block, a warp per query head.
-    scale: the scores' factor (default 1 / sqrt(head_dim)). No sliding window: such layers take
-    attention()."""
+    scale: the scores' factor (default 1 / sqrt(head_dim)). window > 0: a row at position p sees
+    positions p - window + 1 .. p only (a local layer; its cache a ring)."""
     s = shape
     if n < 1:
         return
     group = s.n_heads // s.n_kv_heads
-    if not prompt_attention_fits(s):
-        most = _prompt_kernel(s.head_dim).max_threads_per_block // 32 if s.head_dim in (64, 128) else 0
+    if not prompt_attention_fits(s, window > 0):
+        most = _prompt_kernel(s.head_dim, window > 0).max_threads_per_block // 32 if s.head_dim in (64, 128) else 0
         raise ValueError(f"prompt_attention.cu takes head size 64 or 128 (not {s.head_dim}) and at most {most} "
                          f"query heads per KV head on this device (not {group})")
     smem = 2 * PROMPT_KEYS * (s.head_dim + 8) * 2
-    name = f"attn_prompt_d{s.head_dim}"
+    name = f"attn_prompt_{'window_' if window else ''}d{s.head_dim}"
     fn = with_shared(kernels.function("prompt_attention", name), (name,), smem)
     pos, _slot, _base, _off, _anc, kptr, vptr, cap = rows.offset(r0)
     q_values = s.n_heads * s.head_dim
     fn((s.n_kv_heads, -(-n // 16)), (32 * group,),
        (np.uint64(qkv.data.ptr + r0 * s.width * 4), np.int32(s.width), np.int32(s.n_heads), np.int32(s.n_kv_heads),
-        np.float32(1.0 / np.sqrt(s.head_dim) if scale is None else scale), np.int32(layer), pos, kptr, vptr, cap,
+        np.float32(1.0 / np.sqrt(s.head_dim) if scale is None else scale), *([np.int32(window)] if window else []),
+        np.int32(layer), pos, kptr, vptr, cap,
         np.int32(n),
         np.uint64(out16.data.ptr + r0 * q_values * 2)), shared_mem=smem)
 

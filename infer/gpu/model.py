@@ -205,14 +205,16 @@ class GpuTransformer(DeviceGeneration):
         att = inputs.get("att", L.attn_output.act) if L.attn_output.act in ops.EIGHT_BIT else self.att
         int8 = att if isinstance(att, ops.Int8Act) else None
         scale = a.scores_scale
-        if half and not window and attention.uses_prompt_attention(s) and products.uses_pmm(L.attn_output.fmt, L.attn_output.cols):
+        if half and attention.uses_prompt_attention(s, window > 0) and \
+                products.uses_pmm(L.attn_output.fmt, L.attn_output.cols):
             # the canonical rows through attention.cu, the prompt rows on the tensor cores (their
             # float16 output is all the prompt products of wo take)
             c = shape.canonical
             if c:
                 attention.attention(self.qkv, s, j, fields, c, self.max_context, self.work, self.work_rows,
-                                    self.att, L.attn_output.act, int8, scale=scale)
-            attention.prompt_attention(self.qkv, s, j, fields, c, shape.prompt, inputs.half("att"), scale=scale)
+                                    self.att, L.attn_output.act, int8, window=window, scale=scale)
+            attention.prompt_attention(self.qkv, s, j, fields, c, shape.prompt, inputs.half("att"), scale=scale,
+                                       window=window)
         else:
             attention.attention(self.qkv, s, j, fields, n, self.max_context, self.work, self.work_rows, self.att,
                                 L.attn_output.act, int8, inputs.half("att") if half else None, window=window, scale=scale)

@@ -15,6 +15,14 @@
 // were (times exp2(0) = 1). Rows of another sequence in the same tile of 16 are done in another
 // round over their own keys (a tile of 16 rows holds one prompt chunk's rows, except where chunks
 // of two sequences meet). Prompt rows span their sequence's own slots 0..pos (no tree spans).
+//
+//   attn_prompt_window_d<D>  the same for a local (sliding-window) layer: a row sees pos - window +
+//                     1 .. pos. A round's tiles start at the tile of its rows' earliest window start;
+//                     a tile before a row's own window is all masked for it, which leaves its max,
+//                     sum and outputs as they were (-inf, 0, 0), so its bits again do not depend on
+//                     the rows beside it. Slot s lies at s % cap (the layer's cache is a ring,
+//                     infer/gpu/cache.py). A kernel of its own: the window's registers stay out of
+//                     the global layers' kernel.
 #include "formats.cuh"
 #include "async.cuh"
 
@@ -53,9 +61,10 @@ __device__ __forceinline__ uint32_t ap_pack(float lo, float hi) {
 
 #define AP_LOG2E 1.4426950408889634f
 
-template <int D>
+template <int D, bool WINDOW>
 __device__ __forceinline__ void attn_prompt_body(const float* qkv, int W, int n_heads, int n_kv_heads, float scale,
-                                                 int layer, const PromptRows R, int n_rows, __half* out16) {
+                                                 int window, int layer, const PromptRows R, int n_rows,
+                                                 __half* out16) {
     constexpr int KEYS = 64;         // keys per tile
     constexpr int PITCH = D + 8;     // halves per key row in shared memory (+16 bytes: ldmatrix hits 32 banks)
     constexpr int NT = KEYS / 8;     // 8-key tiles of the scores
@@ -108,13 +117,22 @@ __device__ __forceinline__ void attn_prompt_body(const float* qkv, int W, int n_
         const __half* kg = reinterpret_cast<const __half*>(kp) + ((long long)layer * n_kv_heads + kvh) * cap * D;
         const __half* vg = reinterpret_cast<const __half*>(vp) + ((long long)layer * n_kv_heads + kvh) * cap * D;
         const int ntiles = pmax / KEYS + 1;
-        for (int kt = 0; kt < ntiles; ++kt) {
+        int kt0 = 0;  // the round's first tile: the earliest key any of its rows sees
+        if (WINDOW) {
+            int lo = pmax;
+            for (int i = 0; i < AP_ROWS; ++i)
+                if ((active >> i) & 1u) lo = min(lo, R.pos[t0 + i] - window + 1);
+            kt0 = max(lo, 0) / KEYS;
+        }
+        for (int kt = kt0; kt < ntiles; ++kt) {
             __syncthreads();  // the previous tile is read by every warp
             for (int i = threadIdx.x; i < KEYS * (D / 8); i += nthreads) {  // 16-byte pieces of keys and values
                 const int key = i / (D / 8), piece = i % (D / 8), slot = kt * KEYS + key;
-                const bool valid = slot <= pmax && slot < cap;  // slots past the round's rows: zeros, never stale
-                                                                 // values (a masked key's 0 x inf would be NaN)
-                const long long off = (long long)(valid ? slot : 0) * D + piece * 8;
+                // slots past the round's rows: zeros, never stale values (a masked key's 0 x inf would be
+                // NaN); a ring's slot s at s % cap
+                const bool valid = slot <= pmax && (WINDOW || slot < cap);
+                const int at = WINDOW ? (int)((unsigned)slot % (unsigned)cap) : slot;
+                const long long off = (long long)(valid ? at : 0) * D + piece * 8;
                 cp_async16(ks + key * PITCH + piece * 8, kg + off, valid);
                 cp_async16(vs + key * PITCH + piece * 8, vg + off, valid);
             }
@@ -143,7 +161,9 @@ __device__ __forceinline__ void attn_prompt_body(const float* qkv, int W, int n_
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
                     const int key = kt * KEYS + nt * 8 + 2 * c + (e & 1), r = e >> 1;
-                    const float v = key <= (r ? p1 : p0) ? __fmul_rn(s[nt][e], scale) : NEG_INF;
+                    const int p = r ? p1 : p0;  // a row sees keys up to p (with a window: from p - window + 1)
+                    const bool seen = key <= p && (!WINDOW || key + window > p);
+                    const float v = seen ? __fmul_rn(s[nt][e], scale) : NEG_INF;
                     s[nt][e] = v;
                     tmax[r] = fmaxf(tmax[r], v);
                 }
@@ -213,8 +233,16 @@ __device__ __forceinline__ void attn_prompt_body(const float* qkv, int W, int n_
                                                 int layer, const int* pos, const unsigned long long* kptr,     \
                                                 const unsigned long long* vptr, const int* cap, int n_rows,    \
                                                 __half* out16) {                                               \
-        attn_prompt_body<D>(qkv, W, n_heads, n_kv_heads, scale, layer, PromptRows{pos, kptr, vptr, cap}, n_rows, \
-                            out16);                                                                            \
+        attn_prompt_body<D, false>(qkv, W, n_heads, n_kv_heads, scale, 0, layer, PromptRows{pos, kptr, vptr, cap}, \
+                                   n_rows, out16);                                                             \
+    }                                                                                                          \
+    extern "C" __global__ void attn_prompt_window_d##D(const float* qkv, int W, int n_heads, int n_kv_heads,    \
+                                                       float scale, int window, int layer, const int* pos,     \
+                                                       const unsigned long long* kptr,                          \
+                                                       const unsigned long long* vptr, const int* cap, int n_rows, \
+                                                       __half* out16) {                                        \
+        attn_prompt_body<D, true>(qkv, W, n_heads, n_kv_heads, scale, window, layer, PromptRows{pos, kptr, vptr, cap}, \
+                                  n_rows, out16);                                                              \
     }
 ATTN_PROMPT(64)
 ATTN_PROMPT(128)

@@ -637,10 +637,43 @@ def test_attention_matches_the_exact_softmax(rng: np.random.Generator, heads: tu
         assert _rel(got[i], want) < 1e-5, (i, pos)
 
 
-def _prompt_attend(qkv: np.ndarray, shape: attn.AttentionShape, caches: _Caches, rows: list, layer: int) -> np.ndarray:
+def _prompt_attend(qkv: np.ndarray, shape: attn.AttentionShape, caches: _Caches, rows: list, layer: int,
+                   window: int = 0) -> np.ndarray:
     out = _poisoned((len(rows), shape.n_heads * shape.head_dim), cupy.float16)
-    attn.prompt_attention(cupy.asarray(qkv), shape, layer, caches.fields(rows), 0, len(rows), out)
+    attn.prompt_attention(cupy.asarray(qkv), shape, layer, caches.fields(rows), 0, len(rows), out, window=window)
     return cupy.asnumpy(out)
+
+
+@pytest.mark.parametrize("hd", [64, 128])
+def test_prompt_attention_over_a_window_and_a_ring(rng: np.random.Generator, hd: int) -> None:
+    """The local layers' tensor-core prompt attention (attn_prompt_window_d*): a row at position p
+    sees p - 99 .. p (a 100-token window), read from a ring of 164 positions (slot s at s % 164)
+    for one sequence and from a cache of every position for another; prompt chunks meeting inside
+    tiles of 16 rows, windows starting inside tiles of 64 keys; each chunk alone gives the same bits."""
+    from infer.gpu.reference import attention_reference
+
+    n_heads, n_kv, window = 8, 2, 100
+    shape = attn.AttentionShape(n_heads, n_kv, hd, hd // 2, True)
+    caches = _Caches(rng, 2, n_kv, [164, 700], hd)
+    chunks = [[(0, p, p, p + 1, None) for p in range(600, 664)], [(1, p, p, p + 1, None) for p in range(30, 75)],
+              [(1, p, p, p + 1, None) for p in range(450, 470)]]
+    rows = [r for chunk in chunks for r in chunk]
+    qkv = rng.standard_normal((len(rows), shape.width)).astype(np.float32)
+    assert attn.prompt_attention_fits(shape, window=True)
+    got = _prompt_attend(qkv, shape, caches, rows, layer=1, window=window)
+    assert np.isfinite(got).all()
+    for i, (seq, pos, _, _, _) in enumerate(rows):
+        seen = [t % caches.caps[seq] for t in range(max(0, pos - window + 1), pos + 1)]
+        q = qkv[i, : n_heads * hd].reshape(n_heads, hd).astype(np.float16).astype(np.float32)
+        keys = caches.host[seq][1][:, seen].astype(np.float32)
+        vals = caches.vals[seq][1][:, seen].astype(np.float32)
+        want = attention_reference(q, keys, vals, 1 / np.sqrt(hd)).reshape(-1)
+        assert _rel(got[i].astype(np.float64), want) < 5e-3, (i, pos)  # probabilities rounded to float16
+    first = 0
+    for chunk in chunks:
+        alone = _prompt_attend(qkv[first : first + len(chunk)], shape, caches, chunk, layer=1, window=window)
+        np.testing.assert_array_equal(alone, got[first : first + len(chunk)])
+        first += len(chunk)
 
 
 @pytest.mark.parametrize(("heads", "hd"), [((8, 2), 128), ((14, 2), 64), ((16, 1), 64), ((4, 4), 128)], ids=str)

@@ -164,12 +164,14 @@ def _prompt_invariance(gpu: object, seed: int) -> None:
     np.testing.assert_array_equal(steps_after, want[1:])
 
 
-def _small_gpu_model(kind: str, tmp_path: Path, seed: int) -> object:
-    """A 2-layer synthetic model of weight type `kind` on the GPU, for the invariance tests."""
+def _small_gpu_model(kind: str, tmp_path: Path, seed: int, window: int = 0, prefill_chunk: int = 512) -> object:
+    """A 2-layer synthetic model of weight type `kind` on the GPU, for the invariance tests (with
+    `window`, a Llama file whose layers all see that sliding window)."""
     path = tmp_path / f"{kind}.gguf"
-    shape = Shape(n_layers=2, dim=512, ffn_dim=1024, n_heads=8, n_kv_heads=2, vocab_size=1000, context_length=512)
+    shape = Shape(n_layers=2, dim=512, ffn_dim=1024, n_heads=8, n_kv_heads=2, vocab_size=1000, context_length=512,
+                  sliding_window=window)
     write_model(path, shape, kind, seed=seed)
-    return load_gpu_transformer(GGUFModel(path), 256)
+    return load_gpu_transformer(GGUFModel(path), 256, prefill_chunk=prefill_chunk)
 
 
 @pytest.mark.parametrize("kind", sorted(FILE_TYPES))
@@ -186,6 +188,17 @@ def test_prompt_rows_without_tensor_core_attention_are_the_same_bits_however_the
 
     monkeypatch.setattr(attention, "PROMPT_ATTENTION", False)
     _prompt_invariance(_small_gpu_model(kind, tmp_path, 7), 50)
+
+
+@pytest.mark.parametrize("kind", ["q8_0", "q4_k_m"])
+def test_windowed_prompt_rows_are_the_same_bits_however_the_prompt_is_split(kind: str, tmp_path: Path) -> None:
+    """The same invariance for local layers (a 24-token window on every layer, passes of 64 rows: a
+    ring of 88 positions), whose prompt rows take the window's tensor-core kernel."""
+    from infer.gpu import attention
+
+    gpu = _small_gpu_model(kind, tmp_path, 8, window=24, prefill_chunk=64)
+    assert attention.uses_prompt_attention(gpu.shape, window=True) and gpu.new_cache(256).ring.positions == 88
+    _prompt_invariance(gpu, 60)
 
 
 def test_prompt_rows_follow_the_exact_function(pair: Pair) -> None:

@@ -313,8 +313,12 @@ class RawKernel:
                 o = attention_reference(q, KC[:, idx], VC[:, idx], float(scale)).astype(np.float32)
                 b0 = max(0, L - int(window)) // 128 if int(window) > 0 else 0  # where attn_merge starts
                 WK[r, :, :, 1] = 0; WK[r, :, b0, 0] = 0; WK[r, :, b0, 1] = 1; WK[r, :, b0, 2:] = o
-        elif n.startswith("attn_prompt_d"):  # the prompt rows' attention over slots 0..pos, in float64, as float16
-            qkv, W, H, Hkv, scale, layer, pos, kptr, vptr, cap, n_rows, out16 = args
+        elif n.startswith("attn_prompt_"):  # the prompt rows' attention over slots 0..pos, in float64, as float16
+            if n.startswith("attn_prompt_window_d"):  # a local layer's: with its window
+                qkv, W, H, Hkv, scale, window, layer, pos, kptr, vptr, cap, n_rows, out16 = args
+            else:
+                qkv, W, H, Hkv, scale, layer, pos, kptr, vptr, cap, n_rows, out16 = args
+                window = 0
             D = int(n.split("_d")[1])
             rows = int(n_rows); W, H, Hkv, layer = map(int, (W, H, Hkv, layer))
             P = _arr(pos, np.int32, rows); CAP = _arr(cap, np.int32, rows)
@@ -323,7 +327,8 @@ class RawKernel:
             O = _arr(out16, np.float16, rows * H * D).reshape(rows, H * D)
             from infer.gpu.reference import attention_reference
             for r in range(rows):
-                idx = np.arange(int(P[r]) + 1)
+                idx = np.arange(max(0, int(P[r]) + 1 - int(window)) if int(window) > 0 else 0, int(P[r]) + 1)
+                idx = idx % int(CAP[r])  # a local layer's ring: slot s at s % positions
                 KC, VC = _layer_cache(KP[r], layer, Hkv, int(CAP[r]), D), _layer_cache(VP[r], layer, Hkv, int(CAP[r]), D)
                 q = X[r, : H * D].reshape(H, D).astype(np.float16).astype(np.float32)
                 O[r] = attention_reference(q, KC[:, idx], VC[:, idx], float(scale)).reshape(-1).astype(np.float16)
