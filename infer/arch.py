@@ -244,12 +244,15 @@ class ModelArgs:
         return (f"{self.n_layers - n_local} global layers x {ctx_size} positions, {n_local} local layers x a ring "
                 f"of {ring}")
 
-    def kv_cache_nbytes(self, ctx_size: int, pass_rows: int, itemsize: int = 2) -> int:
-        """Keys and values of one sequence (float16): ctx_size positions in each global layer,
-        kv_ring positions in each local one."""
+    def kv_cache_nbytes(self, ctx_size: int, pass_rows: int, itemsize: int = 2, sequences: int = 1,
+                        positions: int | None = None) -> int:
+        """Keys and values (float16) of `sequences` sequences of ctx_size positions, or of `positions`
+        in all where they share fewer: every position in each global layer, at most a kv_ring per
+        sequence in each local one."""
+        total = sequences * ctx_size if positions is None else positions
         n_local = sum(self.local_layers)
-        positions = (self.n_layers - n_local) * ctx_size + n_local * self.kv_ring(ctx_size, pass_rows)
-        return 2 * positions * self.kv_dim * itemsize
+        local = min(total, sequences * self.kv_ring(ctx_size, pass_rows))
+        return 2 * ((self.n_layers - n_local) * total + n_local * local) * self.kv_dim * itemsize
 
     @property
     def rope_linear_scale(self) -> float:

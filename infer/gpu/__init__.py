@@ -90,10 +90,8 @@ def load_gpu_transformer(model: GGUFModel, max_context: int | None = None, vram_
     weights_nbytes = sum(t.device_nbytes for t in tensors)
     account.plan("weights", weights_nbytes)
     # the global layers keep every position; a local layer a ring of its window and a pass per sequence
-    ring = args.kv_ring(context, prefill_chunk)
     positions = kv_positions or batch * context
-    n_local = sum(args.local_layers)
-    kv = 2 * 2 * args.kv_dim * ((args.n_layers - n_local) * positions + n_local * min(positions, batch * ring))
+    kv = args.kv_cache_nbytes(context, prefill_chunk, sequences=batch, positions=positions)
     layout = args.kv_cache_layout(context, prefill_chunk)
     account.plan(f"KV cache ({layout})" if layout else "KV cache", kv + 4 * (positions + 2 * batch))
     logits_rows = max(batch, tree_nodes)

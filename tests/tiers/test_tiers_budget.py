@@ -53,6 +53,11 @@ def test_kv_cache_of_local_layers_is_a_ring_of_window_and_pass() -> None:
     assert kv_cache_nbytes(gemma, 32768, 1, 512) == (10 * 32768 + 52 * 1536) * per_position
     assert kv_cache_nbytes(gemma, 1200, 2, 512) == 2 * 62 * 1200 * per_position
     assert kv_cache_nbytes(replace(gemma, sliding_window=0, local_layers=()), 32768, 1, 512) == 62 * 32768 * per_position
+    # several sequences: a ring each; fewer positions in all than sequences x context (the GPU plan's
+    # kv_positions): the global layers hold those, a local layer no more than them either
+    assert gemma.kv_cache_nbytes(32768, 512, sequences=4) == 4 * gemma.kv_cache_nbytes(32768, 512)
+    assert gemma.kv_cache_nbytes(32768, 512, sequences=4, positions=5000) == (10 * 5000 + 52 * 5000) * per_position
+    assert gemma.kv_cache_nbytes(32768, 512, sequences=4, positions=40000) == (10 * 40000 + 52 * 4 * 1536) * per_position
 
 
 def test_budgets_deduct_kv_activations_and_staging() -> None:
