@@ -3,6 +3,12 @@ offline batch of the same N sequences on the same loaded model in the same run.
 
     python -m bench.server_bench --synth 70b:q4_k_m --streaming --vram-budget 24GB --clients 32 --tokens 64
     python -m bench.server_bench --synth 8b:q4_k_m --clients 64 --tokens 64
+    python -m bench.server_bench --url http://127.0.0.1:8080 --vocab-size 128256 --clients 32 --tokens 64
+
+With --url, the same load generator measures any OpenAI-compatible server already running (ours,
+llama-server, vLLM), so they are measured alike; nothing is loaded here and there is no offline row.
+Every request sends `ignore_eos` (llama-server's field, which ours takes too), so each client gets
+exactly --tokens tokens.
 
 The model is loaded once. Offline: `StreamingEngine.generate` of the N prompts (what
 `ntransformer --batch N` runs), greedy. Online: the server app (infer/server) on uvicorn in this
@@ -83,18 +89,19 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-async def _clients(port: int, prompts: list[list[int]], tokens: int) -> dict[str, Any]:
+async def _clients(base: str, prompts: list[list[int]], tokens: int, key: str | None = None) -> dict[str, Any]:
     import aiohttp
 
-    url = f"http://127.0.0.1:{port}/v1/completions"
+    url = f"{base.rstrip('/')}/v1/completions"
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
     began = time.perf_counter()
 
     async def one(session: aiohttp.ClientSession, prompt: list[int]) -> tuple[float, int, float]:
         sent = time.perf_counter()
         first, count = None, 0
-        body = {"prompt": prompt, "max_tokens": tokens, "temperature": 0, "stream": True,
+        body = {"prompt": prompt, "max_tokens": tokens, "temperature": 0, "stream": True, "ignore_eos": True,
                 "stream_options": {"include_usage": True}}
-        async with session.post(url, json=body) as response:
+        async with session.post(url, json=body, headers=headers) as response:
             if response.status != 200:
                 raise RuntimeError(f"HTTP {response.status}: {await response.text()}")
             async for raw in response.content:
@@ -137,8 +144,9 @@ def online(model: Any, tokenizer: Any, prompts: list[list[int]], tokens: int, ct
     if server.status != "ready":
         raise RuntimeError(f"the server did not become ready: {server.status} {server.failure}")
     try:
-        asyncio.run(_clients(port, prompts[:1], 2))  # warm-up through the server
-        result = asyncio.run(_clients(port, prompts, tokens))
+        base = f"http://127.0.0.1:{port}"
+        asyncio.run(_clients(base, prompts[:1], 2))  # warm-up through the server
+        result = asyncio.run(_clients(base, prompts, tokens))
         result["passes"] = server.scheduler.stats.passes  # type: ignore[union-attr]
         return result
     finally:
@@ -149,6 +157,7 @@ def online(model: Any, tokenizer: Any, prompts: list[list[int]], tokens: int, ct
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.server_bench", description=__doc__.splitlines()[0])
     source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--url", help="measure the OpenAI-compatible server at this address (no model loaded)")
     source.add_argument("--model", type=Path)
     source.add_argument("--synth", help="synthetic model SHAPE:TYPE, e.g. 70b:q4_k_m (written if missing)")
     parser.add_argument("--synth-dir", type=Path, default=Path("/tmp/nvmedirect-synth"))
@@ -159,15 +168,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--clients", type=int, default=32)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--prompt-tokens", type=int, default=32)
+    parser.add_argument("--vocab-size", type=int, default=32000, help="with --url: prompt ids are drawn below it")
+    parser.add_argument("--api-key", help="with --url: sent as Authorization: Bearer KEY")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
     args.ctx = args.prompt_tokens + args.tokens + 8
+    command = " ".join(["python -m bench.server_bench", *(argv or sys.argv[1:])])
+    if args.url:
+        return _measure_url(args, command)
     model, tokenizer, close = load(args)
     try:
         rng = np.random.default_rng(0)
         prompts = [rng.integers(3, model.args.vocab_size, args.prompt_tokens).tolist() for _ in range(args.clients)]
-        result: dict[str, Any] = {"command": " ".join(["python -m bench.server_bench", *(argv or sys.argv[1:])]),
-                                  "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+        result: dict[str, Any] = {"command": command, "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
         result["offline"] = offline(model, prompts, args.tokens, args.ctx)
         print(json.dumps(result["offline"]), file=sys.stderr)
         result["server"] = online(model, tokenizer, prompts, args.tokens, args.ctx)
@@ -176,6 +189,18 @@ def main(argv: list[str] | None = None) -> int:
                                                    / result["offline"]["decode_tok_s"], 3)
     finally:
         close()
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=1))
+    print(json.dumps(result))
+    return 0
+
+
+def _measure_url(args: argparse.Namespace, command: str) -> int:
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, args.vocab_size, args.prompt_tokens).tolist() for _ in range(args.clients)]
+    result: dict[str, Any] = {"command": command, "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "url": args.url}
+    asyncio.run(_clients(args.url, prompts[:1], 2, args.api_key))  # warm-up
+    result["server"] = asyncio.run(_clients(args.url, prompts, args.tokens, args.api_key))
     if args.out:
         args.out.write_text(json.dumps(result, indent=1))
     print(json.dumps(result))

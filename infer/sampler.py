@@ -1,8 +1,9 @@
 """Choosing the next token from a logits vector.
 
-Steps run in llama.cpp's default order: repetition penalty over the last `repeat_last_n` tokens,
-then top-k, top-p and min-p (all judged at temperature 1), then temperature, then a draw from the
-softmax of what is left. Temperature 0 skips the filters and the draw: the token is the argmax
+Steps run in llama.cpp's default order: logit biases, then the penalties over the last
+`repeat_last_n` tokens (repetition, then frequency and presence), then a constraint's mask (tokens a
+grammar forbids), then top-k, top-p and min-p (all judged at temperature 1), then temperature, then
+a draw from the softmax of what is left. Temperature 0 skips the filters and the draw: the token is the argmax
 (of the penalized logits, which are the raw logits when repeat_penalty is 1). So does any
 temperature below GREEDY_BELOW (1e-6): it could only split logits closer than a millionth, and
 dividing by it would overflow (1e-320 gave NaN probabilities and garbage).
@@ -16,6 +17,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
@@ -30,6 +32,9 @@ class SamplerConfig:
     repeat_penalty: float = 1.0  # >1 discourages tokens seen in the window; 1 = off
     repeat_last_n: int = 64    # window of the penalty in tokens; 0 = off, -1 = the whole history
     seed: int | None = None    # None = a different random sequence every run
+    frequency_penalty: float = 0.0  # minus this times a token's count in the window; 0 = off
+    presence_penalty: float = 0.0   # minus this from every token seen in the window; 0 = off
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit); -inf bans it
 
     def __post_init__(self) -> None:
         checks = [
@@ -39,6 +44,10 @@ class SamplerConfig:
             (0 <= self.min_p <= 1, f"min_p must be in [0, 1], not {self.min_p}"),
             (self.repeat_penalty > 0, f"repeat_penalty must be > 0, not {self.repeat_penalty}"),
             (self.repeat_last_n >= -1, f"repeat_last_n must be >= -1, not {self.repeat_last_n}"),
+            (math.isfinite(self.frequency_penalty), f"frequency_penalty must be finite, not {self.frequency_penalty}"),
+            (math.isfinite(self.presence_penalty), f"presence_penalty must be finite, not {self.presence_penalty}"),
+            (all(not math.isnan(b) and b != math.inf for _, b in self.logit_bias),
+             "a logit bias must be a number or -inf"),
         ]
         for ok, message in checks:
             if not ok:
@@ -47,6 +56,13 @@ class SamplerConfig:
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW
+
+    @property
+    def reshapes_logits(self) -> bool:
+        """True when a choice is not made from the raw logits: a penalty or a bias is on."""
+        penalties = (self.repeat_penalty != 1.0 or self.frequency_penalty != 0.0
+                     or self.presence_penalty != 0.0) and self.repeat_last_n != 0
+        return penalties or bool(self.logit_bias)
 
 
 def apply_repeat_penalty(logits: np.ndarray, history: Sequence[int], penalty: float, last_n: int) -> np.ndarray:
@@ -62,6 +78,38 @@ def apply_repeat_penalty(logits: np.ndarray, history: Sequence[int], penalty: fl
     values = out[seen]
     out[seen] = np.where(values <= 0, values * penalty, values / penalty)
     return out
+
+
+def apply_count_penalties(logits: np.ndarray, history: Sequence[int], frequency: float, presence: float,
+                          last_n: int) -> np.ndarray:
+    """`logits` (changed in place and returned) less frequency x count + presence for every token
+    that occurs in the last `last_n` ids of `history` (llama.cpp's penalties sampler, as OpenAI's
+    frequency_penalty and presence_penalty define them)."""
+    if (frequency == 0.0 and presence == 0.0) or last_n == 0 or not history:
+        return logits
+    window = np.asarray(history if last_n < 0 else history[-last_n:], dtype=np.int64)
+    window = window[(window >= 0) & (window < logits.size)]
+    seen, counts = np.unique(window, return_counts=True)
+    logits[seen] -= (counts * frequency + presence).astype(np.float32)
+    return logits
+
+
+def apply_logit_bias(logits: np.ndarray, bias: Sequence[tuple[int, float]]) -> np.ndarray:
+    """`logits` (changed in place and returned) with each (token id, bias) added; ids outside the
+    vocabulary are ignored (the server refuses them before)."""
+    for token, value in bias:
+        if 0 <= token < logits.size:
+            logits[token] += np.float32(value)
+    return logits
+
+
+class Constraint(Protocol):
+    """What limits the next token beyond the logits (a grammar): the tokens allowed now, and the
+    token chosen, told back."""
+
+    def allowed(self, vocab_size: int) -> np.ndarray: ...  # bool (vocab_size,)
+
+    def accept(self, token: int) -> None: ...
 
 
 def top_k_filter(ids: np.ndarray, logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
@@ -106,6 +154,20 @@ class NonFiniteLogits(ValueError):
                          "its weights are damaged or were read from the wrong place")
 
 
+def log_probabilities(logits: np.ndarray, token: int, top: int) -> tuple[float, list[tuple[int, float]]]:
+    """The log-probability of `token` under softmax(logits) (the model's distribution, before any
+    penalty, filter or temperature) and the `top` most likely ids with theirs, most likely first."""
+    scores = np.asarray(logits, dtype=np.float64)
+    peak = scores.max()
+    log_sum = peak + math.log(float(np.exp(scores - peak).sum()))
+    best: list[tuple[int, float]] = []
+    if top > 0:
+        part = np.argpartition(-scores, min(top, scores.size) - 1)[:top]
+        part = part[np.argsort(-scores[part], kind="stable")]
+        best = [(int(i), float(scores[i] - log_sum)) for i in part]
+    return float(scores[token] - log_sum), best
+
+
 def _softmax(logits: np.ndarray) -> np.ndarray:
     shifted = np.exp(logits.astype(np.float64) - logits.max())
     return shifted / shifted.sum()
@@ -114,8 +176,9 @@ def _softmax(logits: np.ndarray) -> np.ndarray:
 class Sampler:
     """`sample(logits, history)` returns the next token id; the same seed gives the same choices."""
 
-    def __init__(self, config: SamplerConfig | None = None) -> None:
+    def __init__(self, config: SamplerConfig | None = None, constraint: Constraint | None = None) -> None:
         self.config = config or SamplerConfig()
+        self.constraint = constraint  # told every token sample() returns
         self._rng = np.random.default_rng(self.config.seed)
 
     def __call__(self, logits: np.ndarray, history: Sequence[int] = ()) -> int:
@@ -125,7 +188,7 @@ class Sampler:
     def argmax_only(self) -> bool:
         """True when a choice is the plain arg-max of the logits (greedy, no repetition penalty):
         infer.speculative.follow may then take it from the device (ties to the lowest id either way)."""
-        return self.config.greedy and (self.config.repeat_penalty == 1.0 or self.config.repeat_last_n == 0)
+        return self.config.greedy and not self.config.reshapes_logits and self.constraint is None
 
     def distribution(self, logits: np.ndarray, history: Sequence[int] = ()) -> tuple[np.ndarray, np.ndarray]:
         """The candidates the draw picks from and their probabilities, most likely first."""
@@ -140,6 +203,8 @@ class Sampler:
         else:
             ids = np.argsort(-scores, kind="stable")
         kept = scores[ids]
+        allowed = int(np.count_nonzero(np.isfinite(kept)))  # banned tokens (-inf) sort last
+        ids, kept = ids[:allowed], kept[:allowed]
         ids, kept = top_k_filter(ids, kept, cfg.top_k)
         ids, kept = top_p_filter(ids, kept, cfg.top_p)
         ids, kept = min_p_filter(ids, kept, cfg.min_p)
@@ -148,9 +213,13 @@ class Sampler:
     def sample(self, logits: np.ndarray, history: Sequence[int] = ()) -> int:
         ids, probs = self.distribution(logits, history)
         if ids.size == 1:
-            return int(ids[0])
-        index = int(np.searchsorted(np.cumsum(probs), self._rng.random() * probs.sum(), side="right"))
-        return int(ids[min(index, ids.size - 1)])
+            token = int(ids[0])
+        else:
+            index = int(np.searchsorted(np.cumsum(probs), self._rng.random() * probs.sum(), side="right"))
+            token = int(ids[min(index, ids.size - 1)])
+        if self.constraint is not None:
+            self.constraint.accept(token)
+        return token
 
     def _penalized(self, logits: np.ndarray, history: Sequence[int]) -> np.ndarray:
         logits = np.asarray(logits)
@@ -158,4 +227,13 @@ class Sampler:
             raise ValueError(f"logits must be a non-empty vector, not an array of shape {logits.shape}")
         if np.isnan(logits).any() or np.isposinf(logits).any():  # -inf is a masked token, not a fault
             raise NonFiniteLogits(logits)
-        return apply_repeat_penalty(logits, history, self.config.repeat_penalty, self.config.repeat_last_n)
+        cfg = self.config
+        scores = np.array(logits, dtype=np.float32, copy=True)
+        apply_logit_bias(scores, cfg.logit_bias)
+        scores = apply_repeat_penalty(scores, history, cfg.repeat_penalty, cfg.repeat_last_n)
+        apply_count_penalties(scores, history, cfg.frequency_penalty, cfg.presence_penalty, cfg.repeat_last_n)
+        if self.constraint is not None:
+            scores[~self.constraint.allowed(scores.size)] = -np.inf
+        if not np.isfinite(scores.max()):
+            raise ValueError("every token is excluded (by logit_bias or a constraint): nothing can be chosen")
+        return scores

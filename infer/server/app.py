@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP server (FastAPI on uvicorn) over the continuous-batching scheduler.
 
-    /v1/models, /v1/completions, /v1/chat/completions (stream: server-sent events), /health
-    (loading / ready / failed), /metrics (Prometheus text)
+    /v1/models, /v1/completions, /v1/chat/completions (stream: server-sent events), /tokenize,
+    /detokenize (llama-server's), /health (loading / ready / failed), /metrics (Prometheus text)
 
 The model loads in a thread after the server starts, so /health answers during a long load. With
 an API key every /v1 request needs `Authorization: Bearer KEY` (else 401). Bad requests get 400 with
@@ -36,25 +36,33 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from infer.chat import ChatTemplate
 from infer.engine import Model
+from infer.grammar import GrammarError, json_constraint
 from infer.sampler import Sampler, SamplerConfig
 from infer.server.protocol import (
     ChatRequest,
     CompletionRequest,
+    DetokenizeRequest,
     RequestError,
+    TokenizeRequest,
     _Common,
     completion_body,
     error_response,
+    logprobs_body,
     new_id,
     usage,
 )
 from infer.server.scheduler import Event, Job, QueueFull, Scheduler
+from infer.server.tools import parse_tool_calls, template_message
 from infer.tokenizer import Tokenizer, TokenizerError
 
 COMPLETION_DEFAULT_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
 MAX_BODY_BYTES = 8 << 20
 # /metrics labels requests by these paths; any other path is "other", so a client cannot grow the
 # number of series (the server's memory) by asking for paths that do not exist
-ENDPOINTS = frozenset({"/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions"})
+ENDPOINTS = frozenset({"/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions", "/tokenize",
+                       "/detokenize"})
+KEYED = ("/v1/", "/tokenize", "/detokenize")  # paths that need the API key when one is set
+KEEPALIVE_SECONDS = 10.0  # a stream that has nothing to send (queued for a slot) sends a comment this often
 DISCONNECTED = "disconnected"  # the status label of a request whose client went away before its answer
 log = logging.getLogger("uvicorn.error")  # uvicorn's own log: one line where it prints its own
 
@@ -176,9 +184,25 @@ class Server:
             raise RequestError(f"this server's context is {self.ctx_size} tokens; the prompt has {len(prompt)} and "
                                f"{asked or 1} more were asked for", "max_tokens", code="context_length_exceeded")
         seed = None if body.seed is None else body.seed & ((1 << 64) - 1)
-        sampler = Sampler(SamplerConfig(temperature=body.temperature, top_k=0, top_p=body.top_p, min_p=0.0, seed=seed))
-        return Job(prompt=prompt, max_tokens=asked or min(default_tokens, room), sampler=sampler,
-                   stop_ids=loaded.tokenizer.vocab.eog_ids, stop=body.stops(), loop=asyncio.get_running_loop())
+        stop_ids = loaded.tokenizer.vocab.eog_ids
+        bias = body.bias(vocab)
+        if body.ignore_eos:  # llama-server's rule: end-of-generation tokens are banned, not just ignored
+            bias += [(token, float("-inf")) for token in sorted(stop_ids)]
+            stop_ids = frozenset()
+        # the penalties count over the last repeat_last_n tokens of prompt and reply, as llama-server's
+        config = SamplerConfig(temperature=body.temperature, top_k=body.top_k, top_p=body.top_p, min_p=body.min_p,
+                               repeat_penalty=body.repeat_penalty, repeat_last_n=body.repeat_last_n,
+                               frequency_penalty=body.frequency_penalty, presence_penalty=body.presence_penalty,
+                               logit_bias=tuple(bias), seed=seed)
+        constraint = None
+        if body.response_format is not None and body.response_format.type != "text":
+            try:
+                constraint = json_constraint(loaded.tokenizer, body.response_format.schema_or_none())
+            except GrammarError as err:
+                raise RequestError(str(err), "response_format") from None
+        return Job(prompt=prompt, max_tokens=asked or min(default_tokens, room), sampler=Sampler(config, constraint),
+                   stop_ids=stop_ids, stop=body.stops(), loop=asyncio.get_running_loop(),
+                   top_logprobs=body.top_logprobs_asked())
 
 
 def create_app(server: Server) -> FastAPI:
@@ -195,7 +219,7 @@ def create_app(server: Server) -> FastAPI:
     async def gate(request: Request, call_next: Callable) -> Response:
         """The API key and the body size are checked before the body is read or validated."""
         try:
-            if request.url.path.startswith("/v1"):
+            if request.url.path.startswith(KEYED):
                 server.check_key(request)
             if int(request.headers.get("content-length") or 0) > MAX_BODY_BYTES:
                 raise RequestError(f"request body over {MAX_BODY_BYTES} bytes", status=413)
@@ -259,16 +283,44 @@ def create_app(server: Server) -> FastAPI:
         loaded, _ = server.ready()
         if loaded.template is None:
             raise RequestError("this model has no chat template", "messages")
+        tools = body.offered_tools()
+        if tools and "tools" not in loaded.template.source:
+            raise RequestError("this model's chat template does not take tools, so it cannot be shown them", "tools")
+        messages = [template_message(x.for_template()) for x in body.messages]
         try:
-            text = loaded.template.render([x.model_dump() for x in body.messages], add_generation_prompt=True)
+            text = loaded.template.render(messages, add_generation_prompt=True, **({"tools": tools} if tools else {}))
         except ValueError as err:
             raise RequestError(str(err), "messages") from None
         bos = loaded.tokenizer.vocab.add_bos and not (loaded.template.bos_token and
                                                         text.startswith(loaded.template.bos_token))
         prompt = _encode(loaded, text, "messages", add_bos=bos)
-        return await _run(request, body, server.job(body, prompt, server.ctx_size), chat=True)
+        names = {t["function"]["name"] for t in tools}
+        return await _run(request, body, server.job(body, prompt, server.ctx_size), chat=True, tools=names)
 
-    async def _run(request: Request, body: _Common, job: Job, chat: bool) -> Response:
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> JSONResponse:
+        loaded, _ = server.ready()
+        tokenizer = loaded.tokenizer
+        try:
+            ids = tokenizer.encode(body.content, add_bos=body.add_special and tokenizer.vocab.add_bos,
+                                   special=body.parse_special)
+        except TokenizerError as err:
+            raise RequestError(f"content: {err}", "content") from None
+        if not body.with_pieces:
+            return JSONResponse({"tokens": ids})
+        pieces = [{"id": i, "piece": tokenizer.token_bytes(i, special=True).decode("utf-8", errors="replace")}
+                  for i in ids]
+        return JSONResponse({"tokens": pieces})
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> JSONResponse:
+        loaded, _ = server.ready()
+        vocab = loaded.tokenizer.vocab_size
+        if any(not 0 <= i < vocab for i in body.tokens):
+            raise RequestError(f"token ids must lie in [0, {vocab})", "tokens")
+        return JSONResponse({"content": loaded.tokenizer.decode(body.tokens, special=True)})
+
+    async def _run(request: Request, body: _Common, job: Job, chat: bool, tools: set[str] | None = None) -> Response:
         loaded, scheduler = server.ready()
         try:
             scheduler.submit(job)
@@ -279,7 +331,8 @@ def create_app(server: Server) -> FastAPI:
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             m.requests.labels(endpoint, "200").inc()
-            return StreamingResponse(_events(scheduler, job, rid, loaded.name, chat, include_usage),
+            events = _events(scheduler, job, rid, loaded.name, chat, include_usage, tools)
+            return StreamingResponse(events,
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         collected = await _collect(request, scheduler, job)
         if collected is None:  # nobody is left to answer: counted apart, no traceback, no 500
@@ -289,8 +342,11 @@ def create_app(server: Server) -> FastAPI:
         text, finish = collected
         m.requests.labels(endpoint, "200").inc()
         _count(job)
-        return JSONResponse(completion_body(rid, loaded.name, text, finish, chat, False,
-                                            usage(len(job.prompt), len(job.generated))))
+        logprobs = None if job.top_logprobs is None else logprobs_body(job.logprobs, chat)
+        content, calls = parse_tool_calls(text, tools) if tools else (text, [])
+        return JSONResponse(completion_body(rid, loaded.name, content, "tool_calls" if calls else finish, chat, False,
+                                            usage(len(job.prompt), len(job.generated)), logprobs=logprobs,
+                                            tool_calls=[c.body() for c in calls]))
 
     def _count(job: Job) -> None:
         m.tokens.labels("prompt").inc(len(job.prompt))
@@ -309,6 +365,8 @@ def create_app(server: Server) -> FastAPI:
                     get.cancel()
                     return None
                 event: Event = get.result()
+                if event.error and event.status < 500:
+                    raise RequestError(event.error, status=event.status)
                 if event.error:
                     raise RequestError(f"the engine failed: {event.error}", status=500, kind="server_error")
                 pieces.append(event.text)
@@ -320,17 +378,43 @@ def create_app(server: Server) -> FastAPI:
                 scheduler.cancel(job)
 
     async def _events(scheduler: Scheduler, job: Job, rid: str, name: str, chat: bool,
-                      include_usage: bool) -> AsyncIterator[str]:
+                      include_usage: bool, tools: set[str] | None = None) -> AsyncIterator[str]:
+        """The stream's events. With tools the reply is held back until it ends (a call is only
+        known to be one when it is complete), then sent as its content and calls."""
         try:
-            first = True
+            first, sent_chars, held = True, 0, []
+            get = asyncio.ensure_future(job.events.get())
             while True:
-                event: Event = await job.events.get()
+                done, _ = await asyncio.wait({get}, timeout=KEEPALIVE_SECONDS)
+                if not done:  # queued for a slot, or a long prompt: keep the connection (and proxies) alive
+                    yield ": keep-alive\n\n"
+                    continue
+                event: Event = get.result()
+                get = asyncio.ensure_future(job.events.get())
                 if event.error:
-                    yield _sse({"error": {"message": f"the engine failed: {event.error}", "type": "server_error"}})
+                    kind = "server_error" if event.status >= 500 else "invalid_request_error"
+                    message = event.error if event.status < 500 else f"the engine failed: {event.error}"
+                    yield _sse({"error": {"message": message, "type": kind}})
                     return
-                if event.text or event.finish_reason or (chat and first):
-                    yield _sse(completion_body(rid, name, event.text, event.finish_reason, chat, True, first=first))
-                    first = False
+                if tools and not event.finish_reason:
+                    held.append(event)
+                    continue
+                if tools:
+                    text = "".join(e.text for e in held) + event.text
+                    content, calls = parse_tool_calls(text, tools)
+                    lps = [lp for e in [*held, event] for lp in e.logprobs]
+                    logprobs = logprobs_body(lps, chat) if job.top_logprobs is not None else None
+                    yield _sse(completion_body(rid, name, content, "tool_calls" if calls else event.finish_reason, chat,
+                                               True, first=True, logprobs=logprobs,
+                                               tool_calls=[c.body() for c in calls]))
+                    break
+                if event.text or event.finish_reason or (chat and first) or event.logprobs:
+                    logprobs = None
+                    if job.top_logprobs is not None:
+                        logprobs = logprobs_body(event.logprobs, chat, sent_chars)
+                    yield _sse(completion_body(rid, name, event.text, event.finish_reason, chat, True, first=first,
+                                               logprobs=logprobs))
+                    first, sent_chars = False, sent_chars + len(event.text)
                 if event.finish_reason:
                     break
             _count(job)
@@ -340,6 +424,7 @@ def create_app(server: Server) -> FastAPI:
                 yield _sse(body)
             yield "data: [DONE]\n\n"
         finally:  # the client disconnected (the stream was cancelled) or it ended
+            get.cancel()
             if job.finish_reason is None:
                 scheduler.cancel(job)
 

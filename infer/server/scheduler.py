@@ -22,12 +22,21 @@ from typing import Any
 import numpy as np
 
 from infer.engine import Cache, Model
-from infer.sampler import Sampler
+from infer.sampler import NonFiniteLogits, Sampler, log_probabilities
 from infer.tokenizer import StreamDecoder, Tokenizer
 
 
 class QueueFull(Exception):
     """Every slot is busy and the waiting queue is full (the server answers 503)."""
+
+
+@dataclass
+class TokenLogprob:
+    """A generated token's bytes and log-probability, with the most likely alternatives'."""
+
+    text: bytes
+    logprob: float
+    top: list[tuple[bytes, float]]
 
 
 @dataclass
@@ -37,6 +46,8 @@ class Event:
     text: str = ""
     finish_reason: str | None = None
     error: str | None = None
+    status: int = 500  # of an error: 500 when the engine failed, 400 when the request's own choice did
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # of the tokens since the last event
 
 
 @dataclass
@@ -58,8 +69,12 @@ class Job:
     submitted: float = field(default_factory=time.perf_counter)
     first_token: float | None = None
     decoder: StreamDecoder | None = None
+    top_logprobs: int | None = None  # alternatives per token's log-probability; None: none asked
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    logprobs_sent: int = 0
 
     def push(self, event: Event) -> None:
+        event.logprobs, self.logprobs_sent = self.logprobs[self.logprobs_sent :], len(self.logprobs)
         self.loop.call_soon_threadsafe(self.events.put_nowait, event)
 
 
@@ -216,7 +231,15 @@ class Scheduler:
                 self._emit(j, out)
 
     def _emit(self, job: Job, logits: np.ndarray) -> None:
-        token = job.sampler.sample(logits, job.prompt + job.generated)
+        try:
+            token = job.sampler.sample(logits, job.prompt + job.generated)
+        except NonFiniteLogits:
+            raise  # the model is broken: every request fails
+        except ValueError as err:  # this request's own choice (its grammar, its biases) is impossible
+            job.finish_reason = "error"
+            job.push(Event(error=f"generation cannot go on: {err}", status=400))
+            self._release(job)
+            return
         if job.first_token is None:
             job.first_token = time.perf_counter()
         finish = None
@@ -225,9 +248,16 @@ class Scheduler:
         else:
             job.generated.append(token)
             job.text += job.decoder.push(token)  # type: ignore[union-attr]
+            if job.top_logprobs is not None:
+                logprob, top = log_probabilities(logits, token, job.top_logprobs)
+                text = self.tokenizer.token_bytes
+                job.logprobs.append(TokenLogprob(text(token), logprob, [(text(i), lp) for i, lp in top]))
             # the cache holds the prompt and all but the last generated token, which the next pass feeds
             if len(job.generated) >= job.max_tokens or len(job.prompt) + len(job.generated) > self.ctx_size:
                 finish = "length"
+            constraint = job.sampler.constraint
+            if getattr(constraint, "finished", False):  # the grammar is complete: nothing may follow
+                finish = "stop"
         cut = _stop_at(job.text, job.stop)
         if cut is not None:
             job.text, finish = job.text[:cut], "stop"

@@ -11,7 +11,9 @@ import pytest
 from infer.sampler import (
     Sampler,
     SamplerConfig,
+    apply_count_penalties,
     apply_repeat_penalty,
+    log_probabilities,
     min_p_filter,
     top_k_filter,
     top_p_filter,
@@ -211,3 +213,59 @@ def test_the_cli_takes_a_tiny_temperature_as_greedy(tmp_path) -> None:  # noqa: 
         assert result.exit_code == 0, result.output
         runs[temp] = json.loads(result.stdout)["ids"]
     assert runs["1e-320"] == runs["0"]
+
+
+def test_frequency_and_presence_penalties_follow_llama_cpp() -> None:
+    """logit - count x frequency - presence for every token seen in the window (llama.cpp's rule)."""
+    logits = np.array([1.0, 2.0, -1.0, 0.5], dtype=np.float32)
+    out = apply_count_penalties(logits.copy(), [1, 1, 1, 2, 0, 9], frequency=0.5, presence=0.25, last_n=5)
+    np.testing.assert_allclose(out, [1.0 - 0.75, 2.0 - 1.0 - 0.25, -1.0 - 0.75, 0.5])  # 9: outside the vocabulary
+    np.testing.assert_allclose(apply_count_penalties(logits.copy(), [1, 1], 0.5, 0.25, last_n=0), logits)
+
+
+def test_logit_bias_bans_and_forces_and_everything_banned_is_an_error() -> None:
+    logits = np.array([3.0, 2.0, 1.0], dtype=np.float32)
+    assert Sampler(_config(temperature=0, logit_bias=((0, float("-inf")),))).sample(logits) == 1
+    assert Sampler(_config(temperature=0, logit_bias=((2, 5.0),))).sample(logits) == 2
+    for seed in range(20):  # a banned token is never drawn
+        assert Sampler(_config(seed=seed, logit_bias=((1, float("-inf")),))).sample(logits) != 1
+    everything = tuple((i, float("-inf")) for i in range(3))
+    with pytest.raises(ValueError, match="every token is excluded"):
+        Sampler(_config(temperature=0, logit_bias=everything)).sample(logits)
+    assert not Sampler(_config(temperature=0, logit_bias=((2, 5.0),))).argmax_only
+    assert not Sampler(_config(temperature=0, frequency_penalty=0.5)).argmax_only
+    with pytest.raises(ValueError, match="logit bias"):
+        SamplerConfig(logit_bias=((0, float("inf")),))
+
+
+class _OnlyEven:
+    """A constraint that allows even ids only and records what it is told."""
+
+    def __init__(self) -> None:
+        self.told: list[int] = []
+
+    def allowed(self, vocab_size: int) -> np.ndarray:
+        return np.arange(vocab_size) % 2 == 0
+
+    def accept(self, token: int) -> None:
+        self.told.append(token)
+
+
+def test_a_constraint_bans_tokens_and_is_told_each_choice() -> None:
+    logits = np.array([0.0, 5.0, 1.0, 4.0, 0.5], dtype=np.float32)
+    constraint = _OnlyEven()
+    greedy = Sampler(_config(temperature=0), constraint)
+    assert not greedy.argmax_only and greedy.sample(logits) == 2
+    drawn = Sampler(_config(seed=3), constraint)
+    picks = [drawn.sample(logits) for _ in range(50)]
+    assert set(picks) <= {0, 2, 4} and constraint.told == [2, *picks]
+
+
+def test_log_probabilities_are_the_raw_distribution() -> None:
+    logits = np.random.default_rng(1).normal(size=50).astype(np.float32)
+    want = logits.astype(np.float64) - np.log(np.exp(logits.astype(np.float64)).sum())
+    value, top = log_probabilities(logits, 7, 3)
+    assert value == pytest.approx(want[7], abs=1e-12)
+    order = np.argsort(-want)[:3]
+    assert [i for i, _ in top] == list(order) and [v for _, v in top] == pytest.approx(want[order], abs=1e-12)
+    assert log_probabilities(logits, 7, 0)[1] == []

@@ -1,0 +1,81 @@
+"""Constrained decoding through llguidance, without a model: random logits drawn under a JSON
+schema's constraint always spell JSON that matches it, the mask bans what would break it, and a
+schema llguidance cannot compile is a GrammarError."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from infer.gguf_file import GGUFModel
+from infer.grammar import GrammarError, json_constraint
+from infer.sampler import Sampler, SamplerConfig
+from infer.tokenizer import Tokenizer
+from tests.oracle.assets import smollm2_path
+
+SCHEMA = {"type": "object", "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 999},
+                                           "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 3},
+                                           "ok": {"type": "boolean"}},
+          "required": ["id", "tags", "ok"], "additionalProperties": False}
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Tokenizer:
+    path = smollm2_path("Q8_0")
+    if not path.exists():
+        pytest.skip(f"{path} missing: run scripts/fetch-models.sh")
+    return Tokenizer.from_gguf(GGUFModel(path).metadata)
+
+
+def _draw(tokenizer: Tokenizer, schema: dict | None, seed: int, limit: int = 200) -> tuple[str, bool]:
+    """Tokens drawn from random logits under the constraint until an end-of-generation token."""
+    rng = np.random.default_rng(seed)
+    constraint = json_constraint(tokenizer, schema)
+    sampler = Sampler(SamplerConfig(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=seed), constraint)
+    ids: list[int] = []
+    for _ in range(limit):
+        token = sampler.sample(rng.normal(scale=3.0, size=tokenizer.vocab_size).astype(np.float32))
+        if tokenizer.is_eog(token) or constraint.finished:
+            if not tokenizer.is_eog(token):
+                ids.append(token)
+            return tokenizer.decode(ids), True
+        ids.append(token)
+    return tokenizer.decode(ids), False
+
+
+def test_random_draws_under_a_schema_are_valid_json(tokenizer: Tokenizer) -> None:
+    for seed in range(8):
+        text, ended = _draw(tokenizer, SCHEMA, seed)
+        assert ended, text
+        value = json.loads(text)
+        assert set(value) == {"id", "tags", "ok"} and isinstance(value["ok"], bool)
+        assert 0 <= value["id"] <= 999 and len(value["tags"]) <= 3 and set(value["tags"]) <= {"a", "b"}
+
+
+def test_any_object_without_a_schema(tokenizer: Tokenizer) -> None:
+    ended = 0
+    for seed in range(4):
+        text, done = _draw(tokenizer, None, seed, limit=400)
+        if done:
+            ended += 1
+            assert isinstance(json.loads(text), dict)
+        else:  # random logits may keep writing a string: still a JSON prefix
+            assert text.startswith("{")
+    assert ended
+
+
+def test_the_mask_bans_what_would_break_the_schema(tokenizer: Tokenizer) -> None:
+    constraint = json_constraint(tokenizer, SCHEMA)
+    allowed = constraint.allowed(tokenizer.vocab_size + 64)  # padded logits past the vocabulary stay banned
+    assert not allowed[tokenizer.vocab_size:].any()
+    texts = {tokenizer.decode([i]) for i in np.flatnonzero(allowed)}
+    assert texts and all(t.startswith("{") or t == "" or "{".startswith(t) for t in texts), sorted(texts)[:20]
+    assert not any(allowed[i] for i in tokenizer.eot_ids)  # nothing may end an empty object
+
+
+@pytest.mark.parametrize("schema", [{"type": "no-such-type"}, {"type": "object", "properties": 5}])
+def test_a_schema_that_does_not_compile_is_a_grammar_error(tokenizer: Tokenizer, schema: dict) -> None:
+    with pytest.raises(GrammarError, match="schema"):
+        json_constraint(tokenizer, schema)
