@@ -7,6 +7,12 @@ offline batch of the same N sequences on the same loaded model in the same run.
 
 With --url, the same load generator measures any OpenAI-compatible server already running (ours,
 llama-server, vLLM), so they are measured alike; nothing is loaded here and there is no offline row.
+
+--chat-turns T replays one T-turn chat through /v1/chat/completions instead, each turn resending the
+whole history (as chat clients and agents do), and reports each turn's time to first token and the
+median over turns 2..T. In process (--model/--synth) it runs the replay on a server with the prefix
+cache and on one without, and reports the ratio and whether the answers are identical; with --url,
+run it once against each server.
 Every request sends `ignore_eos` (llama-server's field, which ours takes too), so each client gets
 exactly --tokens tokens.
 
@@ -58,7 +64,7 @@ def load(args: argparse.Namespace) -> tuple[Any, Any, Any]:
         return gpu, tokenizer, lambda: None
     from infer.model import load_transformer
 
-    return load_transformer(gguf), tokenizer, lambda: None
+    return load_transformer(gguf, exact=args.exact), tokenizer, lambda: None
 
 
 def _synth(spec: str, directory: Path) -> Path:
@@ -126,12 +132,55 @@ async def _clients(base: str, prompts: list[list[int]], tokens: int, key: str | 
             "ttft_p50_s": round(statistics.median(ttft), 3), "ttft_p95_s": round(ttft[int(0.95 * (len(ttft) - 1))], 3)}
 
 
-def online(model: Any, tokenizer: Any, prompts: list[list[int]], tokens: int, ctx: int) -> dict[str, Any]:
+CHAT_TURNS = ["Tell me about the history of the bicycle.", "How did the gears change over time?",
+              "Which materials do modern frames use?", "Why is carbon fibre so stiff?", "And titanium?",
+              "What about tyres: tubes or tubeless?", "How often should a chain be replaced?",
+              "Which tools should a rider carry?", "How do disc brakes work?", "Are they better in the rain?",
+              "What is a good cadence for long rides?", "How should one train for a century ride?",
+              "What should one eat on the way?", "How is a wheel trued?", "What makes a saddle comfortable?",
+              "Thank you, summarise what we discussed."]
+
+
+async def _chat_replay(base: str, turns: int, tokens: int, key: str | None = None) -> dict[str, Any]:
+    """One chat of `turns` user turns (CHAT_TURNS, repeated), each request resending the history."""
+    import aiohttp
+
+    url = f"{base.rstrip('/')}/v1/chat/completions"
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    history: list[dict[str, str]] = [{"role": "system", "content": "You are a patient cycling mechanic."}]
+    ttft, answers = [], []
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600)) as session:
+        for turn in range(turns):
+            history.append({"role": "user", "content": CHAT_TURNS[turn % len(CHAT_TURNS)]})
+            body = {"messages": history, "max_tokens": tokens, "temperature": 0, "stream": True, "ignore_eos": True}
+            sent, first, pieces = time.perf_counter(), None, []
+            async with session.post(url, json=body, headers=headers) as response:
+                if response.status != 200:
+                    raise RuntimeError(f"HTTP {response.status}: {await response.text()}")
+                async for raw in response.content:
+                    line = raw.decode().strip()
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    event = json.loads(line[6:])
+                    if event["choices"] and event["choices"][0]["delta"].get("content"):
+                        first = first or time.perf_counter()
+                        pieces.append(event["choices"][0]["delta"]["content"])
+            ttft.append((first or time.perf_counter()) - sent)
+            answers.append("".join(pieces))
+            history.append({"role": "assistant", "content": answers[-1]})
+    return {"turns": turns, "ttft_s": [round(t, 4) for t in ttft],
+            "ttft_median_turns_2_on_s": round(statistics.median(ttft[1:]), 4) if turns > 1 else None,
+            "answers": answers}
+
+
+def _start(model: Any, tokenizer: Any, template: Any, ctx: int, slots: int,
+           prefix_cache: bool = True) -> tuple[Any, Any, threading.Thread, str]:
+    """The server app over the loaded model on uvicorn in a thread: (server, web, thread, base URL)."""
     import uvicorn
 
     from infer.server.app import Loaded, Server, create_app
 
-    server = Server(lambda: Loaded(model, tokenizer, None, "bench"), ctx, len(prompts), len(prompts))
+    server = Server(lambda: Loaded(model, tokenizer, template, "bench"), ctx, slots, slots, prefix_cache=prefix_cache)
     port = _free_port()
     web = uvicorn.Server(uvicorn.Config(create_app(server), host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=web.run, name="uvicorn", daemon=True)
@@ -143,8 +192,12 @@ def online(model: Any, tokenizer: Any, prompts: list[list[int]], tokens: int, ct
         time.sleep(0.05)
     if server.status != "ready":
         raise RuntimeError(f"the server did not become ready: {server.status} {server.failure}")
+    return server, web, thread, f"http://127.0.0.1:{port}"
+
+
+def online(model: Any, tokenizer: Any, prompts: list[list[int]], tokens: int, ctx: int) -> dict[str, Any]:
+    server, web, thread, base = _start(model, tokenizer, None, ctx, len(prompts))
     try:
-        base = f"http://127.0.0.1:{port}"
         asyncio.run(_clients(base, prompts[:1], 2))  # warm-up through the server
         result = asyncio.run(_clients(base, prompts, tokens))
         result["passes"] = server.scheduler.stats.passes  # type: ignore[union-attr]
@@ -152,6 +205,25 @@ def online(model: Any, tokenizer: Any, prompts: list[list[int]], tokens: int, ct
     finally:
         web.should_exit = True
         thread.join(timeout=120)
+
+
+def chat_replay(model: Any, tokenizer: Any, template: Any, turns: int, tokens: int, ctx: int) -> dict[str, Any]:
+    """The replay on a server with the prefix cache, then on one without; TTFT medians and their ratio."""
+    result: dict[str, Any] = {}
+    for name, on in (("prefix_cache", True), ("no_prefix_cache", False)):
+        server, web, thread, base = _start(model, tokenizer, template, ctx, 1, prefix_cache=on)
+        try:
+            asyncio.run(_chat_replay(base, 1, 2))  # warm-up
+            result[name] = asyncio.run(_chat_replay(base, turns, tokens))
+            result[name]["prefix_tokens_reused"] = server.scheduler.stats.prefix_tokens  # type: ignore[union-attr]
+        finally:
+            web.should_exit = True
+            thread.join(timeout=120)
+    on, off = result["prefix_cache"], result["no_prefix_cache"]
+    result["answers_identical"] = on["answers"] == off["answers"]
+    if turns > 1:
+        result["ttft_ratio_on_off"] = round(on["ttft_median_turns_2_on_s"] / off["ttft_median_turns_2_on_s"], 4)
+    return result
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -163,20 +235,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--synth-dir", type=Path, default=Path("/tmp/nvmedirect-synth"))
     parser.add_argument("--device", choices=["gpu", "cpu"], default="gpu")
     parser.add_argument("--streaming", action="store_true")
+    parser.add_argument("--exact", action="store_true", help="CPU: float64 sums (answers independent of batching)")
     parser.add_argument("--vram-budget")
     parser.add_argument("--ram-budget")
     parser.add_argument("--clients", type=int, default=32)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--prompt-tokens", type=int, default=32)
+    parser.add_argument("--chat-turns", type=int, default=0,
+                        help="replay a chat of this many turns (each resending the history) instead; TTFT per turn")
     parser.add_argument("--vocab-size", type=int, default=32000, help="with --url: prompt ids are drawn below it")
     parser.add_argument("--api-key", help="with --url: sent as Authorization: Bearer KEY")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
     args.ctx = args.prompt_tokens + args.tokens + 8
     command = " ".join(["python -m bench.server_bench", *(argv or sys.argv[1:])])
+    if args.chat_turns:  # the history grows by a question and an answer per turn
+        args.ctx, args.clients = 64 + args.chat_turns * (args.tokens + 32), 1
     if args.url:
         return _measure_url(args, command)
     model, tokenizer, close = load(args)
+    if args.chat_turns:
+        return _measure_chat(args, command, model, tokenizer, close)
     try:
         rng = np.random.default_rng(0)
         prompts = [rng.integers(3, model.args.vocab_size, args.prompt_tokens).tolist() for _ in range(args.clients)]
@@ -195,7 +274,31 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _measure_chat(args: argparse.Namespace, command: str, model: Any, tokenizer: Any, close: Any) -> int:
+    from infer.chat import ChatTemplate
+    from infer.gguf_file import GGUFModel
+
+    path = args.model or _synth(args.synth, args.synth_dir)
+    template = ChatTemplate.from_gguf(GGUFModel(path).metadata, tokenizer)
+    result: dict[str, Any] = {"command": command, "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+    try:
+        result |= chat_replay(model, tokenizer, template, args.chat_turns, args.tokens, args.ctx)
+    finally:
+        close()
+    return _report(args, result)
+
+
+def _report(args: argparse.Namespace, result: dict[str, Any]) -> int:
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=1))
+    print(json.dumps(result))
+    return 0
+
+
 def _measure_url(args: argparse.Namespace, command: str) -> int:
+    if args.chat_turns:
+        result = {"command": command, "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "url": args.url}
+        return _report(args, result | asyncio.run(_chat_replay(args.url, args.chat_turns, args.tokens, args.api_key)))
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, args.vocab_size, args.prompt_tokens).tolist() for _ in range(args.clients)]
     result: dict[str, Any] = {"command": command, "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "url": args.url}

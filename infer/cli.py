@@ -450,10 +450,13 @@ def perplexity_command(ctx: click.Context, model: str | None, text_file: str, ct
 @streaming_options(batch=False)
 @click.option("--exact", is_flag=True, help="CPU: float64 sums (batching-independent results, see ntransformer --help).")
 @click.option("--threads", type=click.IntRange(min=1), default=None, help="BLAS threads (default: all cores).")
+@click.option("--prefix-cache/--no-prefix-cache", default=True, show_default=True,
+              help="Reuse the KV cache of an earlier request whose tokens a new prompt starts with (a chat "
+                   "resending its history runs only the new turn).")
 @click.pass_context
 def serve_command(ctx: click.Context, model: str | None, host: str, port: int, api_key: str | None, max_batch: int,
                   queue_size: int, ctx_size: int, device: str, streaming: StreamingConfig, exact: bool,
-                  threads: int | None) -> None:
+                  threads: int | None, prefix_cache: bool) -> None:
     """An OpenAI-compatible HTTP server: /v1/completions, /v1/chat/completions (stream: true for
     server-sent events), /v1/models, /health, /metrics. Continuous batching: every pass over the
     weights serves every active request (with --streaming, the streamed weights too).
@@ -481,7 +484,7 @@ def serve_command(ctx: click.Context, model: str | None, host: str, port: int, a
     context = ctx_size or min(args.context_length, 4096)
     _context_note(args, context, model)
     server = Server(loader(model, where, context, max_batch, streaming, exact), context, max_batch, queue_size,
-                    api_key)
+                    api_key, prefix_cache=prefix_cache)
     _note(f"serving {Path(model).name} on http://{host}:{port} ({where}, {max_batch} slots of {context} tokens"
           f"{', API key required' if api_key else ''}); Ctrl-C stops after the requests in flight")
     serve(server, host, port)

@@ -96,6 +96,15 @@ class Metrics:
         self.batch_rows = Histogram("ntransformer_batch_rows", "Rows (tokens) in one pass", registry=r,
                                     buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024))
         self.batch_sequences = Gauge("ntransformer_batch_sequences", "Sequences in the last pass", registry=r)
+        self.prefix_requests = Counter("ntransformer_prefix_cache_requests", "Admitted requests by whether they "
+                                       "reused a cached prefix", ["result"], registry=r)
+        self.prefix_tokens = Counter("ntransformer_prefix_cache_tokens", "Prompt tokens reused from a cached "
+                                     "prefix or run", ["kind"], registry=r)
+
+    def on_admit(self, reused: int, computed: int) -> None:
+        self.prefix_requests.labels("hit" if reused else "miss").inc()
+        self.prefix_tokens.labels("reused").inc(reused)
+        self.prefix_tokens.labels("computed").inc(computed)
 
     def on_pass(self, seconds: float, rows: int, sequences: int) -> None:
         self.pass_seconds.observe(seconds)
@@ -107,8 +116,9 @@ class Server:
     """The state behind the endpoints: loading status, the scheduler once loaded, the key."""
 
     def __init__(self, load: Callable[[], Loaded], ctx_size: int, max_batch: int, queue_size: int,
-                 api_key: str | None = None, drain_seconds: float = 30.0) -> None:
+                 api_key: str | None = None, drain_seconds: float = 30.0, prefix_cache: bool = True) -> None:
         self.load, self.ctx_size, self.max_batch, self.queue_size = load, ctx_size, max_batch, queue_size
+        self.prefix_cache = prefix_cache
         self.api_key, self.drain_seconds = api_key, drain_seconds
         self.status, self.failure = "loading", ""
         self.loaded: Loaded | None = None
@@ -124,7 +134,8 @@ class Server:
         try:
             self.loaded = self.load()
             self.scheduler = Scheduler(self.loaded.model, self.loaded.tokenizer, self.ctx_size, self.max_batch,
-                                       self.queue_size, on_pass=self.metrics.on_pass, on_error=self._engine_failed)
+                                       self.queue_size, on_pass=self.metrics.on_pass, on_error=self._engine_failed,
+                                       prefix_cache=self.prefix_cache, on_admit=self.metrics.on_admit)
             self.status = "ready"
         except Exception as err:  # reported by /health and every request; the server stays up
             self.status, self.failure = "failed", f"{type(err).__name__}: {err}"

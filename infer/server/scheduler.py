@@ -7,6 +7,12 @@ request that is still prefilling (the prompt rows of a pass are about `prefill_c
 evenly), so long prompts never stall the running streams. Finished and cancelled requests give
 their cache back at once. Generated text goes to each request's asyncio queue from this thread
 (`loop.call_soon_threadsafe`).
+
+A cache given back keeps what it holds (the prompt and reply that ran in it) as a prefix cache: a new
+request takes the free cache whose tokens share the longest prefix with its prompt and runs only the
+rest (a chat that resends its history, a shared system prompt), or else the one unused longest. The
+model's logits do not depend on how a sequence's positions were split into passes (exactly so with
+--exact on the CPU and on the GPU, docs/GPU.md), so reuse changes no answer.
 """
 
 from __future__ import annotations
@@ -90,6 +96,8 @@ class Stats:
     last_batch_rows: int = 0
     last_batch_sequences: int = 0
     finish_reasons: collections.Counter = field(default_factory=collections.Counter)
+    prefix_hits: int = 0  # admitted requests that reused a cached prefix
+    prefix_tokens: int = 0  # prompt tokens they did not run again
 
 
 class Scheduler:
@@ -97,7 +105,8 @@ class Scheduler:
 
     def __init__(self, model: Model, tokenizer: Tokenizer, ctx_size: int, max_batch: int, queue_size: int,
                  prefill_chunk: int = 512, on_pass: Callable[[float, int, int], None] | None = None,
-                 on_error: Callable[[BaseException], None] | None = None) -> None:
+                 on_error: Callable[[BaseException], None] | None = None, prefix_cache: bool = True,
+                 on_admit: Callable[[int, int], None] | None = None) -> None:
         if max_batch < 1 or queue_size < 0:
             raise ValueError(f"max_batch must be >= 1 and queue_size >= 0, not {max_batch} and {queue_size}")
         self.model = model
@@ -108,7 +117,10 @@ class Scheduler:
         self.prefill_chunk = prefill_chunk
         self.on_pass = on_pass
         self.on_error = on_error  # told once when a pass fails, after every waiting client got the error
-        self.free: list[Cache] = [model.new_cache(ctx_size) for _ in range(max_batch)]
+        self.prefix_cache = prefix_cache
+        self.on_admit = on_admit  # (prompt tokens reused from a cache, prompt tokens to run) per request
+        self.free: list[Cache] = [model.new_cache(ctx_size) for _ in range(max_batch)]  # least recently used first
+        self._holds: dict[int, list[int]] = {}  # id(cache) -> the tokens at its positions, for a free cache
         self.waiting: collections.deque[Job] = collections.deque()
         self.active: list[Job] = []
         self.stats = Stats()
@@ -183,9 +195,34 @@ class Scheduler:
             job = self.waiting.popleft()
             if job.cancelled:
                 continue
-            job.cache = self.free.pop()
-            job.cache.length = 0
+            cache, shared = self._take_cache(job.prompt)
+            cache.length = job.prompt_done = shared
+            job.cache = cache
+            self.stats.prefix_hits += shared > 0
+            self.stats.prefix_tokens += shared
+            if self.on_admit is not None:
+                self.on_admit(shared, len(job.prompt) - shared)
             self.active.append(job)
+
+    def _take_cache(self, prompt: list[int]) -> tuple[Cache, int]:
+        """The free cache holding the longest prefix of `prompt` that it can rewind to (at most all
+        but the prompt's last token, whose logits are needed), when that prefix is at least half of
+        what the cache holds (llama-server's similarity rule: a short common opening, such as a chat
+        template's, must not take the cache of another conversation); else an empty cache, else the
+        least recently used one."""
+        best, shared = None, 0
+        if self.prefix_cache:
+            for i, cache in enumerate(self.free):
+                held = self._holds.get(id(cache), [])
+                n = _common_prefix(held, prompt, len(prompt) - 1)
+                if n > shared and 2 * n >= len(held) and cache.can_rewind(n):
+                    best, shared = i, n
+        if best is None:
+            empty = [i for i, cache in enumerate(self.free) if not self._holds.get(id(cache))]
+            best = empty[0] if empty else 0
+        cache = self.free.pop(best)
+        self._holds.pop(id(cache), None)
+        return cache, shared
 
     def _retire_cancelled(self) -> None:
         for job in [j for j in self.active if j.cancelled]:
@@ -195,6 +232,8 @@ class Scheduler:
     def _release(self, job: Job) -> None:
         self.active.remove(job)
         if job.cache is not None:
+            # the positions filled hold the prompt, then the reply but its last token (never fed)
+            self._holds[id(job.cache)] = (job.prompt + job.generated)[: job.cache.length]
             self.free.append(job.cache)
             job.cache = None
         self._cond.notify_all()
@@ -278,6 +317,16 @@ class Scheduler:
         self.stats.generated_tokens += len(job.generated)
         self.stats.finish_reasons[finish] += 1
         self._release(job)
+
+
+def _common_prefix(a: list[int], b: list[int], limit: int) -> int:
+    """How many leading tokens a and b share, at most `limit`."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if n >= limit or x != y:
+            break
+        n += 1
+    return n
 
 
 def _stop_at(text: str, stops: list[str]) -> int | None:
