@@ -1,0 +1,119 @@
+#!/bin/bash
+# Ours (`ntransformer serve`) and llama-server on one file, one at a time on the GPU, measured by the
+# same load generator (bench.server_bench --url): 1 streaming client, N streaming clients (ignore_eos,
+# --tokens each), and a 16-turn chat replay that resends its history (time to first token per turn),
+# ours with and without the prefix cache. JSON per run under $OUT, a summary last.
+#
+#   OUT=/path bash scripts/gpu-serve-compare.sh              # the synthetic 8B Q4_K_M, 32 clients x 64
+#   SERVE_COMPARE_MODEL=m.gguf SERVE_COMPARE_CLIENTS=16 ...  # another file, another load
+#   SERVE_COMPARE_WRITE_ONLY=1 ...                           # only write the synthetic model (setsid it)
+#
+# Carry .whl (the server's wheels: docs/SERVER.md) and .peer/llama-bin.tar.xz (scripts/llama-cpp-cuda.sh).
+set -u
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/serve-compare}
+SYNTH_DIR=${SYNTH_DIR:-/tmp/nvmedirect-synth}
+mkdir -p "$OUT" "$SYNTH_DIR"
+export PYTHONPATH="$PWD"
+if ls .whl/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl > /dev/null 2>&1
+    export PYTHONPATH="/tmp/site:$PWD"
+fi
+MODEL=${SERVE_COMPARE_MODEL:-$SYNTH_DIR/synth-8b-q4_k_m.gguf}
+if [ ! -f "$MODEL" ]; then
+    python3 -c "from bench.gpu_bench import synth_path; from pathlib import Path; synth_path('8b:q4_k_m', Path('$SYNTH_DIR'))"
+fi
+[ -n "${SERVE_COMPARE_WRITE_ONLY:-}" ] && exit 0
+CLIENTS=${SERVE_COMPARE_CLIENTS:-32}
+TOKENS=${SERVE_COMPARE_TOKENS:-64}
+TURNS=${SERVE_COMPARE_TURNS:-16}
+SLOT=${SERVE_COMPARE_SLOT:-2048}  # context per slot, both servers
+VOCAB=$(python3 -c "from infer.gguf_file import GGUFModel; from infer.arch import check_model; print(check_model(GGUFModel('$MODEL')).vocab_size)")
+SUMMARY="$OUT/summary.txt"
+: > "$SUMMARY"
+note() { echo "$*" | tee -a "$SUMMARY"; }
+
+DEVICE=${SERVE_COMPARE_DEVICE:-gpu}
+[ -f .peer/llama-bin.tar.xz ] && mkdir -p /tmp/lcbin && tar xJf .peer/llama-bin.tar.xz -C /tmp/lcbin
+cublas=$(find /usr/local/cuda*/ /opt /usr/lib -name 'libcublas.so.1*' 2>/dev/null | head -1)
+export LD_LIBRARY_PATH="/tmp/lcbin:${cublas:+$(dirname "$cublas"):}/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
+
+up() {  # waits for http://127.0.0.1:$1/health to answer 200
+    python3 - "$1" <<'EOF'
+import sys, time, urllib.request
+for _ in range(600):
+    try:
+        if urllib.request.urlopen(f"http://127.0.0.1:{sys.argv[1]}/health", timeout=2).status == 200:
+            sys.exit(0)
+    except Exception:
+        pass
+    time.sleep(0.5)
+sys.exit(1)
+EOF
+}
+bench() {  # name port args...: one bench.server_bench --url run, its headline in the summary
+    local name=$1 port=$2
+    shift 2
+    timeout 300 python3 -m bench.server_bench --url "http://127.0.0.1:$port" --vocab-size "$VOCAB" --tokens "$TOKENS" \
+        --out "$OUT/$name.json" "$@" > /dev/null 2> "$OUT/$name.err"
+    note "$name: exit $?; $(python3 - "$OUT/$name.json" <<'EOF' 2>&1 | tail -1
+import json, sys
+r = json.load(open(sys.argv[1]))
+s = r.get("server")
+if s:
+    print(f"{s['aggregate_tok_s']} tok/s, TTFT p50 {s['ttft_p50_s']} s p95 {s['ttft_p95_s']} s")
+else:
+    print(f"TTFT median turns 2..{r['turns']} {r['ttft_median_turns_2_on_s']} s; per turn {r['ttft_s']}")
+EOF
+)"
+}
+stop() { kill -INT "$1" 2>/dev/null; for _ in $(seq 1 60); do kill -0 "$1" 2>/dev/null || return; sleep 1; done; kill -9 "$1"; }
+
+note "model $MODEL ($(du -h "$MODEL" | cut -f1)), $CLIENTS clients x $TOKENS tokens, slots of $SLOT, $(cat /tmp/lcbin/BUILD 2>/dev/null | head -1)"
+/tmp/lcbin/llama-server -m "$MODEL" -ngl 99 -np "$CLIENTS" -c $((CLIENTS * SLOT)) -fa on --port 8090 \
+    > "$OUT/llama-server.log" 2>&1 &
+pid=$!
+if [ ! -x /tmp/lcbin/llama-server ]; then
+    note "llama-server: no binary (carry .peer/llama-bin.tar.xz)"
+elif up 8090; then
+    bench llama-server-1client 8090 --clients 1
+    bench "llama-server-${CLIENTS}clients" 8090 --clients "$CLIENTS"
+    bench "llama-server-chat$TURNS" 8090 --chat-turns "$TURNS"
+else
+    note "llama-server did not come up: $(tail -3 "$OUT/llama-server.log")"
+fi
+stop $pid
+
+python3 -c "from infer.cli import main; main()" serve -m "$MODEL" --device "$DEVICE" --max-batch "$CLIENTS" -c "$SLOT" \
+    --port 8091 > "$OUT/ours.log" 2>&1 &
+pid=$!
+if up 8091; then
+    bench ours-1client 8091 --clients 1
+    bench "ours-${CLIENTS}clients" 8091 --clients "$CLIENTS"
+    bench "ours-chat$TURNS" 8091 --chat-turns "$TURNS"
+else
+    note "ours did not come up: $(tail -3 "$OUT/ours.log")"
+fi
+stop $pid
+
+python3 -c "from infer.cli import main; main()" serve -m "$MODEL" --device "$DEVICE" --max-batch 1 -c "$SLOT" \
+    --no-prefix-cache --port 8092 > "$OUT/ours-nocache.log" 2>&1 &
+pid=$!
+if up 8092; then
+    bench "ours-nocache-chat$TURNS" 8092 --chat-turns "$TURNS"
+else
+    note "ours without the prefix cache did not come up: $(tail -3 "$OUT/ours-nocache.log")"
+fi
+stop $pid
+python3 - "$OUT" "$TURNS" <<'EOF' | tee -a "$SUMMARY"
+import json, sys
+out, turns = sys.argv[1], sys.argv[2]
+try:
+    on = json.load(open(f"{out}/ours-chat{turns}.json"))
+    off = json.load(open(f"{out}/ours-nocache-chat{turns}.json"))
+    print(f"prefix cache: TTFT median {on['ttft_median_turns_2_on_s']} s vs {off['ttft_median_turns_2_on_s']} s without "
+          f"({on['ttft_median_turns_2_on_s'] / off['ttft_median_turns_2_on_s']:.3f}x); answers identical: "
+          f"{on['answers'] == off['answers']}")
+except (OSError, KeyError, ValueError) as err:
+    print(f"prefix cache: no comparison ({err})")
+EOF
