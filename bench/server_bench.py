@@ -149,7 +149,9 @@ async def _chat_replay(base: str, turns: int, tokens: int, key: str | None = Non
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     history: list[dict[str, str]] = [{"role": "system", "content": "You are a patient cycling mechanic."}]
     ttft, answers = [], []
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600)) as session:
+    # a connection per turn: llama-server closes a stream's connection, which a pooled one would reuse
+    connector = aiohttp.TCPConnector(force_close=True)
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600), connector=connector) as session:
         for turn in range(turns):
             history.append({"role": "user", "content": CHAT_TURNS[turn % len(CHAT_TURNS)]})
             body = {"messages": history, "max_tokens": tokens, "temperature": 0, "stream": True, "ignore_eos": True}

@@ -8,10 +8,10 @@ evenly), so long prompts never stall the running streams. Finished and cancelled
 their cache back at once. Generated text goes to each request's asyncio queue from this thread
 (`loop.call_soon_threadsafe`).
 
-A cache given back keeps what it holds (the prompt and reply that ran in it) as a prefix cache: a new
+A cache given back keeps the prompt that ran in it (but its last token) as a prefix cache: a new
 request takes the free cache whose tokens share the longest prefix with its prompt and runs only the
-rest (a chat that resends its history, a shared system prompt), or else the one unused longest. The
-model's logits do not depend on how a sequence's positions were split into passes (exactly so with
+rest (a chat that resends its history, a shared system prompt), or else the one unused longest. A
+prompt row's keys and values do not depend on how the prompt was split into passes (exactly so with
 --exact on the CPU and on the GPU, docs/GPU.md), so reuse changes no answer.
 """
 
@@ -232,8 +232,12 @@ class Scheduler:
     def _release(self, job: Job) -> None:
         self.active.remove(job)
         if job.cache is not None:
-            # the positions filled hold the prompt, then the reply but its last token (never fed)
-            self._holds[id(job.cache)] = (job.prompt + job.generated)[: job.cache.length]
+            # only the positions that ran as prompt rows are kept for reuse: the prompt but its last
+            # token. The last prompt token and the reply ran as decode rows, whose numbers a prompt
+            # row does not reproduce on the GPU (8-bit against float16 products, docs/GPU.md), and a
+            # later request that resends them runs them as prompt rows, as a server without the
+            # cache would: so the answers are the same with and without it
+            self._holds[id(job.cache)] = job.prompt[: min(job.cache.length, len(job.prompt) - 1)]
             self.free.append(job.cache)
             job.cache = None
         self._cond.notify_all()

@@ -48,9 +48,9 @@ def test_a_resent_history_reuses_its_cache_and_answers_the_same(model: Path) -> 
     assert with_cache == without
     # every turn after a conversation's first finds its own history (2 x 4 turns); B's first turn
     # does not take A's cache for the few tokens of template they open with; what was reused is what
-    # was not run again
+    # was not run again (the replies run again: only prompt rows are kept, docs/SERVER.md)
     assert hits == 2 * (len(TURNS) - 1)
-    assert reused + computed == plain_computed and reused > 2 * computed
+    assert reused + computed == plain_computed and reused > computed
 
 
 def test_the_chat_replay_bench_compares_cache_on_and_off(model: Path, tmp_path: Path) -> None:  # noqa: F811
