@@ -450,16 +450,19 @@ def perplexity_command(ctx: click.Context, model: str | None, text_file: str, ct
 @streaming_options(batch=False)
 @click.option("--exact", is_flag=True, help="CPU: float64 sums (batching-independent results, see ntransformer --help).")
 @click.option("--threads", type=click.IntRange(min=1), default=None, help="BLAS threads (default: all cores).")
-@click.option("--prefix-cache/--no-prefix-cache", default=True, show_default=True,
-              help="Reuse the KV cache of an earlier request whose tokens a new prompt starts with (a chat "
-                   "resending its history runs only the new turn).")
+@click.option("--prefix-cache/--no-prefix-cache", default=None,
+              help="Reuse the KV cache of an earlier request whose prompt a new prompt starts with (a chat "
+                   "resending its history runs only the new turn). Default: on with the GPU and with --exact, "
+                   "where it changes no answer; off on the CPU's float32 numerics, whose results depend on "
+                   "how a prompt is split into passes.")
 @click.pass_context
 def serve_command(ctx: click.Context, model: str | None, host: str, port: int, api_key: str | None, max_batch: int,
                   queue_size: int, ctx_size: int, device: str, streaming: StreamingConfig, exact: bool,
-                  threads: int | None, prefix_cache: bool) -> None:
+                  threads: int | None, prefix_cache: bool | None) -> None:
     """An OpenAI-compatible HTTP server: /v1/completions, /v1/chat/completions (stream: true for
-    server-sent events), /v1/models, /health, /metrics. Continuous batching: every pass over the
-    weights serves every active request (with --streaming, the streamed weights too).
+    server-sent events; JSON schemas, tools, logprobs), /v1/models, /tokenize, /detokenize, /health,
+    /metrics, and a chat page at /. Continuous batching: every pass over the weights serves every
+    active request (with --streaming, the streamed weights too).
 
         ntransformer serve -m model.gguf --port 8080
         curl http://127.0.0.1:8080/v1/completions -H 'Content-Type: application/json' \\

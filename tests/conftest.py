@@ -1,8 +1,9 @@
 """Suite-wide markers policy.
 
-`gpu` tests skip where CuPy sees no GPU. `vm` and `oracle` tests skip when their prerequisites are
-missing, unless NVMEDIRECT_REQUIRE names them (scripts/test.sh sets it to "vm,oracle"): then a
-missing prerequisite is an error, so the full run can never pass by skipping them.
+`gpu` tests skip where CuPy sees no GPU. `vm`, `oracle` and `browser` tests skip when their
+prerequisites are missing, unless NVMEDIRECT_REQUIRE names them (scripts/test.sh sets it to
+"vm,oracle,browser"): then a missing prerequisite is an error, so the full run can never pass by
+skipping them.
 """
 
 from __future__ import annotations
@@ -45,9 +46,17 @@ def vm_available() -> bool:
     return shutil.which("qemu-system-x86_64") is not None
 
 
+def browser_available() -> bool:
+    try:
+        import selenium  # noqa: F401
+    except ImportError:
+        return False
+    return shutil.which("chromium") is not None and shutil.which("chromedriver") is not None
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     required = _required()
-    checks = {"gpu": gpu_available, "oracle": oracle_available, "vm": vm_available}
+    checks = {"gpu": gpu_available, "oracle": oracle_available, "vm": vm_available, "browser": browser_available}
     used = {marker for item in items for marker in checks if marker in item.keywords}
     missing = {marker for marker in used if not checks[marker]()}
     hard = missing & required

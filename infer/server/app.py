@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP server (FastAPI on uvicorn) over the continuous-batching scheduler.
 
-    /v1/models, /v1/completions, /v1/chat/completions (stream: server-sent events), /tokenize,
-    /detokenize (llama-server's), /health (loading / ready / failed), /metrics (Prometheus text)
+    / (a chat page), /v1/models, /v1/completions, /v1/chat/completions (stream: server-sent events),
+    /tokenize, /detokenize (llama-server's), /health (loading / ready / failed), /metrics (Prometheus text)
 
 The model loads in a thread after the server starts, so /health answers during a long load. With
 an API key every /v1 request needs `Authorization: Bearer KEY` (else 401). Bad requests get 400 with
@@ -19,11 +19,12 @@ import logging
 import threading
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import (
     CollectorRegistry,
     Counter,
@@ -59,7 +60,8 @@ COMPLETION_DEFAULT_TOKENS = 16  # OpenAI's default max_tokens for /v1/completion
 MAX_BODY_BYTES = 8 << 20
 # /metrics labels requests by these paths; any other path is "other", so a client cannot grow the
 # number of series (the server's memory) by asking for paths that do not exist
-ENDPOINTS = frozenset({"/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions", "/tokenize",
+CHAT_PAGE = Path(__file__).with_name("static") / "chat.html"
+ENDPOINTS = frozenset({"/", "/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions", "/tokenize",
                        "/detokenize"})
 KEYED = ("/v1/", "/tokenize", "/detokenize")  # paths that need the API key when one is set
 KEEPALIVE_SECONDS = 10.0  # a stream that has nothing to send (queued for a slot) sends a comment this often
@@ -116,7 +118,7 @@ class Server:
     """The state behind the endpoints: loading status, the scheduler once loaded, the key."""
 
     def __init__(self, load: Callable[[], Loaded], ctx_size: int, max_batch: int, queue_size: int,
-                 api_key: str | None = None, drain_seconds: float = 30.0, prefix_cache: bool = True) -> None:
+                 api_key: str | None = None, drain_seconds: float = 30.0, prefix_cache: bool | None = None) -> None:
         self.load, self.ctx_size, self.max_batch, self.queue_size = load, ctx_size, max_batch, queue_size
         self.prefix_cache = prefix_cache
         self.api_key, self.drain_seconds = api_key, drain_seconds
@@ -263,6 +265,11 @@ def create_app(server: Server) -> FastAPI:
         m.requests.labels(_endpoint(request), "500").inc()
         return error_response(RequestError(f"internal error: {type(err).__name__}: {err}", status=500,
                                            kind="server_error"))
+
+    @app.get("/")
+    async def chat_page() -> HTMLResponse:
+        """The chat page: static HTML and script that talk to /v1/chat/completions from the browser."""
+        return HTMLResponse(CHAT_PAGE.read_text(encoding="utf-8"))
 
     @app.get("/health")
     async def health() -> JSONResponse:

@@ -10,9 +10,10 @@ their cache back at once. Generated text goes to each request's asyncio queue fr
 
 A cache given back keeps the prompt that ran in it (but its last token) as a prefix cache: a new
 request takes the free cache whose tokens share the longest prefix with its prompt and runs only the
-rest (a chat that resends its history, a shared system prompt), or else the one unused longest. A
-prompt row's keys and values do not depend on how the prompt was split into passes (exactly so with
---exact on the CPU and on the GPU, docs/GPU.md), so reuse changes no answer.
+rest (a chat that resends its history, a shared system prompt), or else the one unused longest. On
+the GPU and with --exact on the CPU a prompt row's keys and values do not depend on how the prompt
+was split into passes (docs/GPU.md), so reuse changes no answer; the CPU's float32 sums do depend on
+it, so there the cache is off unless asked for.
 """
 
 from __future__ import annotations
@@ -105,7 +106,7 @@ class Scheduler:
 
     def __init__(self, model: Model, tokenizer: Tokenizer, ctx_size: int, max_batch: int, queue_size: int,
                  prefill_chunk: int = 512, on_pass: Callable[[float, int, int], None] | None = None,
-                 on_error: Callable[[BaseException], None] | None = None, prefix_cache: bool = True,
+                 on_error: Callable[[BaseException], None] | None = None, prefix_cache: bool | None = None,
                  on_admit: Callable[[int, int], None] | None = None) -> None:
         if max_batch < 1 or queue_size < 0:
             raise ValueError(f"max_batch must be >= 1 and queue_size >= 0, not {max_batch} and {queue_size}")
@@ -117,7 +118,7 @@ class Scheduler:
         self.prefill_chunk = prefill_chunk
         self.on_pass = on_pass
         self.on_error = on_error  # told once when a pass fails, after every waiting client got the error
-        self.prefix_cache = prefix_cache
+        self.prefix_cache = split_invariant(model) if prefix_cache is None else prefix_cache
         self.on_admit = on_admit  # (prompt tokens reused from a cache, prompt tokens to run) per request
         self.free: list[Cache] = [model.new_cache(ctx_size) for _ in range(max_batch)]  # least recently used first
         self._holds: dict[int, list[int]] = {}  # id(cache) -> the tokens at its positions, for a free cache
@@ -321,6 +322,12 @@ class Scheduler:
         self.stats.generated_tokens += len(job.generated)
         self.stats.finish_reasons[finish] += 1
         self._release(job)
+
+
+def split_invariant(model: Model) -> bool:
+    """Whether a prompt row's numbers do not depend on how the prompt was split into passes: on the
+    GPU, and on the CPU with exact (float64) sums; not with the CPU's float32 BLAS products."""
+    return model.device == "gpu" or bool(getattr(model, "exact", False))
 
 
 def _common_prefix(a: list[int], b: list[int], limit: int) -> int:

@@ -66,3 +66,15 @@ def test_the_chat_replay_bench_compares_cache_on_and_off(model: Path, tmp_path: 
     assert result["answers_identical"] and len(result["prefix_cache"]["ttft_s"]) == 3
     assert result["prefix_cache"]["prefix_tokens_reused"] > 0 == result["no_prefix_cache"]["prefix_tokens_reused"]
     assert result["ttft_ratio_on_off"] > 0
+
+
+def test_the_cache_is_on_by_default_only_where_it_changes_no_answer() -> None:
+    """The GPU and the exact CPU engine give a position the same numbers however a prompt is split
+    into passes; the CPU's float32 BLAS products do not, so there the cache is off unless asked for."""
+    from types import SimpleNamespace
+
+    from infer.server.scheduler import split_invariant
+
+    assert split_invariant(SimpleNamespace(device="gpu"))  # type: ignore[arg-type]
+    assert split_invariant(SimpleNamespace(device="cpu", exact=True))  # type: ignore[arg-type]
+    assert not split_invariant(SimpleNamespace(device="cpu", exact=False))  # type: ignore[arg-type]
