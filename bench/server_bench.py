@@ -7,6 +7,8 @@ offline batch of the same N sequences on the same loaded model in the same run.
 
 With --url, the same load generator measures any OpenAI-compatible server already running (ours,
 llama-server, vLLM), so they are measured alike; nothing is loaded here and there is no offline row.
+It first sends the same load (8 tokens each) with other prompts, so that what is measured is neither
+a first pass of a shape nor a cached prefix.
 
 --chat-turns T replays one T-turn chat through /v1/chat/completions instead, each turn resending the
 whole history (as chat clients and agents do), and reports each turn's time to first token and the
@@ -301,10 +303,15 @@ def _measure_url(args: argparse.Namespace, command: str) -> int:
     if args.chat_turns:
         result = {"command": command, "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "url": args.url}
         return _report(args, result | asyncio.run(_chat_replay(args.url, args.chat_turns, args.tokens, args.api_key)))
-    rng = np.random.default_rng(0)
-    prompts = [rng.integers(3, args.vocab_size, args.prompt_tokens).tolist() for _ in range(args.clients)]
+    def prompts_of(seed: int) -> list[list[int]]:
+        rng = np.random.default_rng(seed)
+        return [rng.integers(3, args.vocab_size, args.prompt_tokens).tolist() for _ in range(args.clients)]
+
+    prompts = prompts_of(0)
     result: dict[str, Any] = {"command": command, "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "url": args.url}
-    asyncio.run(_clients(args.url, prompts[:1], 2, args.api_key))  # warm-up
+    # warm-up with the same load on other prompts: the passes of that shape are compiled and
+    # captured, and no prefix of a measured prompt is cached by it
+    asyncio.run(_clients(args.url, prompts_of(1), 8, args.api_key))
     result["server"] = asyncio.run(_clients(args.url, prompts, args.tokens, args.api_key))
     if args.out:
         args.out.write_text(json.dumps(result, indent=1))
