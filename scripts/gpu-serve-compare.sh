@@ -109,6 +109,8 @@ python3 - "$OUT" "$TURNS" <<'EOF' | tee -a "$SUMMARY"
 import json, sys
 out, turns = sys.argv[1], sys.argv[2]
 try:
+    if int(turns) < 2:
+        raise ValueError("a replay of one turn has no later turns to compare")
     on = json.load(open(f"{out}/ours-chat{turns}.json"))
     off = json.load(open(f"{out}/ours-nocache-chat{turns}.json"))
     print(f"prefix cache: TTFT median {on['ttft_median_turns_2_on_s']} s vs {off['ttft_median_turns_2_on_s']} s without "
