@@ -168,6 +168,25 @@ def log_probabilities(logits: np.ndarray, token: int, top: int) -> tuple[float, 
     return float(scores[token] - log_sum), best
 
 
+def _checked_argmax(logits: np.ndarray) -> int:
+    """The greedy choice in one pass over the logits (a server samples a row per sequence per step):
+    the arg-max of their float32 values, ties to the lowest id. NumPy's arg-max returns a NaN's
+    position when there is one, and +inf is the largest value, so checking the chosen value alone
+    catches what the full path refuses (NonFiniteLogits)."""
+    logits = np.asarray(logits)
+    if logits.ndim != 1 or logits.size == 0:
+        raise ValueError(f"logits must be a non-empty vector, not an array of shape {logits.shape}")
+    if logits.dtype != np.float32:  # the full path compares float32 copies: ties there are ties here
+        logits = logits.astype(np.float32)
+    token = int(np.argmax(logits))
+    value = logits[token]
+    if np.isnan(value) or np.isposinf(value):
+        raise NonFiniteLogits(logits)
+    if np.isneginf(value):
+        raise ValueError("every token is excluded (by logit_bias or a constraint): nothing can be chosen")
+    return token
+
+
 def _softmax(logits: np.ndarray) -> np.ndarray:
     shifted = np.exp(logits.astype(np.float64) - logits.max())
     return shifted / shifted.sum()
@@ -211,6 +230,8 @@ class Sampler:
         return ids, _softmax(kept / cfg.temperature)
 
     def sample(self, logits: np.ndarray, history: Sequence[int] = ()) -> int:
+        if self.argmax_only:
+            return _checked_argmax(logits)
         ids, probs = self.distribution(logits, history)
         if ids.size == 1:
             token = int(ids[0])

@@ -269,3 +269,28 @@ def test_log_probabilities_are_the_raw_distribution() -> None:
     order = np.argsort(-want)[:3]
     assert [i for i, _ in top] == list(order) and [v for _, v in top] == pytest.approx(want[order], abs=1e-12)
     assert log_probabilities(logits, 7, 0)[1] == []
+
+
+def test_the_greedy_fast_path_chooses_as_the_full_path() -> None:
+    """sample() of a plain greedy sampler takes one arg-max pass; distribution() runs every step.
+    Same choice on random rows, rows with ties (lowest id wins) and float64 rows that tie only in
+    float32; the same refusals of NaN, +inf and a row that is all -inf."""
+    from infer.sampler import NonFiniteLogits
+
+    rng = np.random.default_rng(4)
+    greedy = Sampler(_config(temperature=0))
+    rows = [rng.normal(size=1000).astype(np.float32) for _ in range(20)]
+    tied = rng.normal(size=1000).astype(np.float32)
+    tied[[10, 500]] = tied.max() + 1
+    near = np.zeros(1000)
+    near[[3, 9]] = 1.0, 1.0 + 1e-12  # one float32 value
+    for row in [*rows, tied, near]:
+        assert greedy.sample(row) == int(greedy.distribution(row)[0][0])
+    assert greedy.sample(tied) == 10 and greedy.sample(near) == 3
+    for bad, error in ((np.nan, NonFiniteLogits), (np.inf, NonFiniteLogits)):
+        row = rows[0].copy()
+        row[42] = bad
+        with pytest.raises(error):
+            greedy.sample(row)
+    with pytest.raises(ValueError, match="every token is excluded"):
+        greedy.sample(np.full(10, -np.inf, dtype=np.float32))
