@@ -58,11 +58,15 @@ class SamplerConfig:
         return self.temperature < GREEDY_BELOW
 
     @property
+    def penalizes(self) -> bool:
+        """True when a repetition, frequency or presence penalty is on (the choice depends on history)."""
+        return (self.repeat_penalty != 1.0 or self.frequency_penalty != 0.0
+                or self.presence_penalty != 0.0) and self.repeat_last_n != 0
+
+    @property
     def reshapes_logits(self) -> bool:
         """True when a choice is not made from the raw logits: a penalty or a bias is on."""
-        penalties = (self.repeat_penalty != 1.0 or self.frequency_penalty != 0.0
-                     or self.presence_penalty != 0.0) and self.repeat_last_n != 0
-        return penalties or bool(self.logit_bias)
+        return self.penalizes or bool(self.logit_bias)
 
 
 def apply_repeat_penalty(logits: np.ndarray, history: Sequence[int], penalty: float, last_n: int) -> np.ndarray:
@@ -145,6 +149,9 @@ def argmax_rows(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return ids, clean[np.arange(len(ids)), ids], (nan | np.isposinf(rows)).sum(axis=1)
 
 
+NOTHING_LEFT = "every token is excluded (by logit_bias or a constraint): nothing can be chosen"
+
+
 class NonFiniteLogits(ValueError):
     """The model produced NaN or +inf logits: its weights (or how they were read) are broken."""
 
@@ -183,7 +190,7 @@ def _checked_argmax(logits: np.ndarray) -> int:
     if np.isnan(value) or np.isposinf(value):
         raise NonFiniteLogits(logits)
     if np.isneginf(value):
-        raise ValueError("every token is excluded (by logit_bias or a constraint): nothing can be chosen")
+        raise ValueError(NOTHING_LEFT)
     return token
 
 
@@ -209,6 +216,12 @@ class Sampler:
         infer.speculative.follow may then take it from the device (ties to the lowest id either way)."""
         return self.config.greedy and not self.config.reshapes_logits and self.constraint is None
 
+    @property
+    def biased_argmax_only(self) -> bool:
+        """True when a choice is the arg-max of the logits plus the logit_bias (greedy, no penalty, no
+        constraint): a server may find it where the logits are (ignore_eos is a bias of -inf)."""
+        return self.config.greedy and not self.config.penalizes and self.constraint is None
+
     def distribution(self, logits: np.ndarray, history: Sequence[int] = ()) -> tuple[np.ndarray, np.ndarray]:
         """The candidates the draw picks from and their probabilities, most likely first."""
         cfg = self.config
@@ -232,6 +245,8 @@ class Sampler:
     def sample(self, logits: np.ndarray, history: Sequence[int] = ()) -> int:
         if self.argmax_only:
             return _checked_argmax(logits)
+        if self.biased_argmax_only:  # the bias on a copy (NaN stays NaN, +inf banned becomes NaN: refused)
+            return _checked_argmax(apply_logit_bias(np.array(logits, np.float32, copy=True), self.config.logit_bias))
         ids, probs = self.distribution(logits, history)
         if ids.size == 1:
             token = int(ids[0])
@@ -256,5 +271,5 @@ class Sampler:
         if self.constraint is not None:
             scores[~self.constraint.allowed(scores.size)] = -np.inf
         if not np.isfinite(scores.max()):
-            raise ValueError("every token is excluded (by logit_bias or a constraint): nothing can be chosen")
+            raise ValueError(NOTHING_LEFT)
         return scores

@@ -294,3 +294,34 @@ def test_the_greedy_fast_path_chooses_as_the_full_path() -> None:
             greedy.sample(row)
     with pytest.raises(ValueError, match="every token is excluded"):
         greedy.sample(np.full(10, -np.inf, dtype=np.float32))
+
+
+def test_the_biased_greedy_fast_path_chooses_as_the_full_path() -> None:
+    """A greedy sampler with a logit_bias (ignore_eos bans the end tokens) and no penalty also takes
+    one arg-max pass, over a biased copy: the same choice as distribution() with bans, boosts that
+    win, a bias given twice to one id (added in order), ties made by a bias; the same refusals (NaN,
+    +inf even on a banned id, everything banned); the logits given are not changed."""
+    from infer.sampler import NonFiniteLogits
+
+    rng = np.random.default_rng(5)
+    rows = [rng.normal(size=500).astype(np.float32) for _ in range(10)]
+    top = int(np.argmax(rows[0]))
+    biases = [((top, float("-inf")),), ((7, 3.5), (7, 0.25), (9, -1.0)), ((11, float(rows[0][top] - rows[0][11])),),
+              ((1, float("-inf")), (2, float("-inf")), (400, 50.0))]
+    for bias in biases:
+        sampler = Sampler(_config(temperature=0, logit_bias=bias))
+        assert sampler.biased_argmax_only and not sampler.argmax_only
+        for row in rows:
+            kept = row.copy()
+            assert sampler.sample(row) == int(sampler.distribution(row)[0][0])
+            assert np.array_equal(row, kept)
+    assert not Sampler(_config(temperature=0, logit_bias=((1, 1.0),), repeat_penalty=1.1)).biased_argmax_only
+    assert not Sampler(_config(temperature=0.7, logit_bias=((1, 1.0),))).biased_argmax_only
+    banned = Sampler(_config(temperature=0, logit_bias=((42, float("-inf")),)))
+    for bad in (np.nan, np.inf):
+        row = rows[0].copy()
+        row[42] = bad
+        with pytest.raises(NonFiniteLogits):
+            banned.sample(row)
+    with pytest.raises(ValueError, match="every token is excluded"):
+        Sampler(_config(temperature=0, logit_bias=tuple((i, float("-inf")) for i in range(4)))).sample(rows[0][:4])
