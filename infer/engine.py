@@ -46,6 +46,17 @@ class DeviceGreedy(Protocol):
                       ) -> Iterator[list[int]]: ...
 
 
+@runtime_checkable
+class DeviceArgmax(Protocol):
+    """A model that finds greedy choices where its logits are (the GPU: a server step brings back
+    token ids, not rows of logits)."""
+
+    def forward_batch_argmax(self, batch: Sequence[tuple[np.ndarray, Cache]],
+                             prompt_rows: Sequence[int] | None = None,
+                             bias: Sequence[Sequence[tuple[int, float]]] | None = None) -> list[tuple[int, float]]:
+        """Per sequence (id, value) of the arg-max of its last logits plus its bias (-inf: none left)."""
+
+
 # Prompt tokens per forward pass: bounds the attention score buffer (heads x batch x context).
 PREFILL_BATCH = 512
 

@@ -28,8 +28,8 @@ from typing import Any
 
 import numpy as np
 
-from infer.engine import Cache, Model
-from infer.sampler import NonFiniteLogits, Sampler, log_probabilities
+from infer.engine import Cache, DeviceArgmax, Model
+from infer.sampler import NOTHING_LEFT, NonFiniteLogits, Sampler, log_probabilities
 from infer.tokenizer import StreamDecoder, Tokenizer
 
 
@@ -258,7 +258,18 @@ class Scheduler:
             batch.append((np.asarray(chunk), j.cache))  # type: ignore[arg-type]
             prompt_rows.append(len(chunk) - (j.prompt_done + len(chunk) == len(j.prompt)))
         began = time.perf_counter()
-        logits = self.model.forward_batch(batch, prompt_rows=prompt_rows)
+        # every choice greedy (biases allowed: ignore_eos is one) and no log-probability asked: only
+        # the choices come back from the device
+        ordered = [*decoding, *prefilling]
+        greedy = isinstance(self.model, DeviceArgmax) and all(
+            j.sampler.biased_argmax_only and j.top_logprobs is None for j in ordered)
+        picks: list[tuple[int, float] | None] = [None] * len(batch)
+        logits: list[np.ndarray | None] = [None] * len(batch)
+        if greedy:
+            picks[:] = self.model.forward_batch_argmax(  # type: ignore[union-attr]
+                batch, prompt_rows=prompt_rows, bias=[j.sampler.config.logit_bias for j in ordered])
+        else:
+            logits[:] = self.model.forward_batch(batch, prompt_rows=prompt_rows)
         seconds = time.perf_counter() - began
         rows = sum(len(t) for t, _ in batch)
         self.stats.passes += 1
@@ -269,14 +280,20 @@ class Scheduler:
         for j in prefilling:
             j.prompt_done = min(len(j.prompt), j.prompt_done + share)
         with self._cond:
-            for j, out in zip([*decoding, *prefilling], logits, strict=True):
+            for j, out, pick in zip(ordered, logits, picks, strict=True):
                 if j.cancelled or j.prompt_done < len(j.prompt):
                     continue
-                self._emit(j, out)
+                self._emit(j, out, pick)
 
-    def _emit(self, job: Job, logits: np.ndarray) -> None:
+    def _emit(self, job: Job, logits: np.ndarray | None, pick: tuple[int, float] | None = None) -> None:
+        """Samples (or takes the device's greedy `pick`: id and value) and sends the job's next text."""
         try:
-            token = job.sampler.sample(logits, job.prompt + job.generated)
+            if pick is None:
+                token = job.sampler.sample(logits, job.prompt + job.generated)
+            elif pick[1] == -np.inf:
+                raise ValueError(NOTHING_LEFT)
+            else:
+                token = pick[0]
         except NonFiniteLogits:
             raise  # the model is broken: every request fails
         except ValueError as err:  # this request's own choice (its grammar, its biases) is impossible

@@ -278,6 +278,49 @@ def test_batched_decoding_gives_each_sequence_its_own_tokens(pair: Pair) -> None
             assert gpu.generate(p, gpu.new_cache(128), 20, temperature, seed=3) == got
 
 
+def test_device_argmax_is_the_host_samplers_greedy_choice(pair: Pair) -> None:
+    """forward_batch_argmax (a server step of greedy requests: choices back, not logits) picks what
+    Sampler.sample picks from forward_batch's logits of the same step, a prompt chunk and decode
+    rows together, with and without a logit_bias per sequence (a ban of the best token, a boost, one
+    id biased twice, everything banned: value -inf); NaN and +inf are refused as on the host."""
+    import cupy
+
+    from infer.gpu.tree import greedy_choices
+    from infer.sampler import NonFiniteLogits, Sampler, SamplerConfig
+
+    gpu, vocab = pair.gpu, pair.gpu.args.vocab_size
+    prompts = [_prompt(n, 50 + n) for n in (9, 30, 4)]
+
+    def step() -> list[tuple[np.ndarray, object]]:  # three decode rows and a prompt of 30
+        caches = [gpu.new_cache(128) for _ in prompts]
+        gpu.prefill_batch([(p[:-1], cache) for p, cache in zip(prompts, caches, strict=True)])
+        return [(p[-1:], cache) for p, cache in zip(prompts, caches, strict=True)] + [(prompts[1], gpu.new_cache(64))]
+
+    rows = [0, 0, 0, len(prompts[1]) - 1]
+    logits = gpu.forward_batch(step(), prompt_rows=rows)
+    best = [int(np.argmax(row)) for row in logits]
+    biases = [[(best[0], float("-inf"))], [(5, 2.5), (5, 0.125), (best[1], -1.0)], [],
+              [(t, float("-inf")) for t in range(vocab)]]
+    for bias in ([()] * 4, biases):
+        picks = gpu.forward_batch_argmax(step(), prompt_rows=rows, bias=bias)
+        for (token, value), row, b in zip(picks, logits, bias, strict=True):
+            sampler = Sampler(SamplerConfig(temperature=0.0, logit_bias=tuple(b)))
+            if len(b) == vocab:
+                assert value == -np.inf
+                with pytest.raises(ValueError, match="every token is excluded"):
+                    sampler.sample(row)
+            else:
+                assert isinstance(token, int) and token == sampler.sample(row)
+    # a row with NaN (and one with +inf, also banned) among finite ones: refused as Sampler.sample refuses it
+    for bad in (np.nan, np.inf):
+        block = np.stack(logits).astype(np.float32)
+        block[1, 7] = bad
+        with pytest.raises(NonFiniteLogits):
+            greedy_choices(cupy.asarray(block), gpu.stream, [(1, [(7, float("-inf"))])])
+        with pytest.raises(NonFiniteLogits):
+            Sampler(SamplerConfig(temperature=0.0, logit_bias=((7, float("-inf")),))).sample(block[1])
+
+
 def test_graph_generation_is_the_host_loop(pair: Pair) -> None:
     gpu, prompt, n = pair.gpu, _prompt(20, 4), 24
     cache = gpu.new_cache(128)

@@ -24,7 +24,9 @@ class ndarray(np.ndarray):
     def set(self, arr, stream=None): self[...] = np.asarray(arr).reshape(self.shape)
 def _w(r): return r.view(ndarray) if isinstance(r, np.ndarray) else r
 def asarray(x, dtype=None): return _w(np.array(x, dtype=dtype, copy=True))
-def asnumpy(a, stream=None): return np.array(a, copy=True).view(np.ndarray)
+def asnumpy(a, stream=None, out=None):
+    if out is None: return np.array(a, copy=True).view(np.ndarray)
+    out[...] = a; return out
 def argsort(a, axis=-1): return _w(np.argsort(np.asarray(a), axis=axis, kind="stable"))
 for _n in ["zeros", "empty", "full", "arange", "concatenate", "stack", "where", "exp", "log", "subtract", "take_along_axis", "matmul", "ascontiguousarray", "empty_like"]:
     globals()[_n] = (lambda f: (lambda *a, **k: _w(f(*a, **k))))(getattr(np, _n))
