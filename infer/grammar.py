@@ -70,8 +70,12 @@ def ll_tokenizer(tokenizer: Tokenizer) -> Any:
         built = _LL_TOKENIZERS.get(tokenizer)
         if built is None:
             eog = sorted(tokenizer.eot_ids | ({tokenizer.eos_id} if tokenizer.eos_id is not None else set()))
-            built = ll.LLTokenizer(ll.TokenizerWrapper(_Encoder(tokenizer)), n_vocab=tokenizer.vocab_size,
-                                   eos_token=eog or None)
+            wrapper = ll.TokenizerWrapper(_Encoder(tokenizer))
+            try:
+                built = ll.LLTokenizer(wrapper, n_vocab=tokenizer.vocab_size, eos_token=eog or None)
+            except TypeError:  # older llguidance takes one end token (1.6.1, the newest wheel for glibc 2.28)
+                one = tokenizer.eos_id if tokenizer.eos_id is not None else (eog[0] if eog else None)
+                built = ll.LLTokenizer(wrapper, n_vocab=tokenizer.vocab_size, eos_token=one)
             _LL_TOKENIZERS[tokenizer] = built
     return built
 

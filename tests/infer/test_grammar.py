@@ -79,3 +79,24 @@ def test_the_mask_bans_what_would_break_the_schema(tokenizer: Tokenizer) -> None
 def test_a_schema_that_does_not_compile_is_a_grammar_error(tokenizer: Tokenizer, schema: dict) -> None:
     with pytest.raises(GrammarError, match="schema"):
         json_constraint(tokenizer, schema)
+
+
+def test_an_llguidance_that_takes_one_end_token_still_works(monkeypatch: pytest.MonkeyPatch) -> None:
+    """llguidance 1.6.1 (the newest wheel for glibc 2.28, the GPU machine's) takes eos_token as one
+    id: a list there was a TypeError, each JSON request a 500. The tokenizer falls back to one id."""
+    import llguidance
+
+    real = llguidance.LLTokenizer
+    given: list[object] = []
+
+    def one_end_token(*args: object, eos_token: object = None, **kwargs: object) -> object:
+        given.append(eos_token)
+        if isinstance(eos_token, list):
+            raise TypeError("argument 'eos_token': 'list' object cannot be interpreted as an integer")
+        return real(*args, eos_token=eos_token, **kwargs)
+
+    monkeypatch.setattr(llguidance, "LLTokenizer", one_end_token)
+    fresh = Tokenizer.from_gguf(GGUFModel(smollm2_path("Q8_0")).metadata)  # not in the per-tokenizer cache
+    text, ended = _draw(fresh, SCHEMA, seed=1)
+    assert ended and set(json.loads(text)) == {"id", "tags", "ok"}
+    assert isinstance(given[0], list) and given[1] == fresh.eos_id
