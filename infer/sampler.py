@@ -194,6 +194,38 @@ def _checked_argmax(logits: np.ndarray) -> int:
     return token
 
 
+def _top_k_ids(scores: np.ndarray, k: int) -> np.ndarray:
+    """The ids of the k highest scores, highest first, ties to the lower id, without sorting the
+    vocabulary: the k-th highest of every 8th score is at most the k-th highest of all, so the scores
+    at or above it hold the top k (and every tie at its edge); only those are sorted."""
+    sample = scores[:: 8]
+    if sample.size > k:
+        floor = np.partition(sample, sample.size - k)[sample.size - k]
+        pool = np.flatnonzero(scores >= floor)
+    else:
+        pool = np.arange(scores.size)
+    return pool[np.argsort(-scores[pool], kind="stable")[:k]]
+
+
+def _nucleus_ids(scores: np.ndarray, p: float) -> np.ndarray:
+    """top_p_filter over the whole vocabulary without sorting it: the shortest prefix of the scores,
+    highest first (ties to the lower id), whose probability reaches p. The k highest scores (and their
+    ties) are found by a partition, k growing until they hold the mass p; only they are sorted."""
+    weights = np.exp(scores.astype(np.float64) - scores.max())  # banned tokens (-inf) weigh 0
+    total = weights.sum()
+    n, k = scores.size, 256
+    while k < n:
+        pool = np.flatnonzero(scores >= np.partition(scores, n - k)[n - k])
+        if weights[pool].sum() >= p * total:
+            break
+        k *= 8
+    else:
+        pool = np.arange(n)
+    order = pool[np.argsort(-scores[pool], kind="stable")]
+    keep = int(np.searchsorted(np.cumsum(weights[order]) / total, p, side="left")) + 1
+    return order[:keep]
+
+
 def _softmax(logits: np.ndarray) -> np.ndarray:
     shifted = np.exp(logits.astype(np.float64) - logits.max())
     return shifted / shifted.sum()
@@ -228,45 +260,63 @@ class Sampler:
         scores = self._penalized(logits, history)
         if cfg.greedy:
             return np.array([int(np.argmax(scores))]), np.ones(1)
+        nucleus = not 0 < cfg.top_k < scores.size and cfg.top_p < 1.0
         if 0 < cfg.top_k < scores.size:
-            # only the k best need sorting
-            part = np.argpartition(-scores, cfg.top_k - 1)[: cfg.top_k]
-            ids = part[np.argsort(-scores[part], kind="stable")]
+            ids = _top_k_ids(scores, cfg.top_k)  # only the k best are sorted
+        elif nucleus:
+            ids = _nucleus_ids(scores, cfg.top_p)  # top-p over the whole vocabulary: only the nucleus is sorted
         else:
             ids = np.argsort(-scores, kind="stable")
         kept = scores[ids]
         allowed = int(np.count_nonzero(np.isfinite(kept)))  # banned tokens (-inf) sort last
         ids, kept = ids[:allowed], kept[:allowed]
         ids, kept = top_k_filter(ids, kept, cfg.top_k)
-        ids, kept = top_p_filter(ids, kept, cfg.top_p)
+        if not nucleus:
+            ids, kept = top_p_filter(ids, kept, cfg.top_p)
         ids, kept = min_p_filter(ids, kept, cfg.min_p)
         return ids, _softmax(kept / cfg.temperature)
 
     def sample(self, logits: np.ndarray, history: Sequence[int] = ()) -> int:
+        cfg = self.config
         if self.argmax_only:
             return _checked_argmax(logits)
         if self.biased_argmax_only:  # the bias on a copy (NaN stays NaN, +inf banned becomes NaN: refused)
-            return _checked_argmax(apply_logit_bias(np.array(logits, np.float32, copy=True), self.config.logit_bias))
-        ids, probs = self.distribution(logits, history)
+            return _checked_argmax(apply_logit_bias(np.array(logits, np.float32, copy=True), cfg.logit_bias))
+        if not cfg.greedy and not 0 < cfg.top_k < np.size(logits) and cfg.top_p >= 1.0 and cfg.min_p <= 0.0:
+            # no filter: the draw runs over the whole vocabulary in id order, with no sort (OpenAI's
+            # defaults; a sort of 128k logits per token costs a server several ms a sequence)
+            scores = self._penalized(logits, history)
+            weights = np.exp(((scores - scores.max()) / np.float32(cfg.temperature)).astype(np.float64))
+            cumulative = np.cumsum(weights)  # a banned token weighs 0: the draw never lands on it
+            token = int(np.searchsorted(cumulative, self._rng.random() * cumulative[-1], side="right"))
+            if token >= scores.size:  # the draw rounded up to the total: the last token that weighs
+                token = int(np.flatnonzero(weights)[-1])
+        else:
+            token = self._draw(*self.distribution(logits, history))
+        if self.constraint is not None:
+            self.constraint.accept(token)
+        return token
+
+    def _draw(self, ids: np.ndarray, probs: np.ndarray) -> int:
         if ids.size == 1:
             token = int(ids[0])
         else:
             index = int(np.searchsorted(np.cumsum(probs), self._rng.random() * probs.sum(), side="right"))
             token = int(ids[min(index, ids.size - 1)])
-        if self.constraint is not None:
-            self.constraint.accept(token)
         return token
 
     def _penalized(self, logits: np.ndarray, history: Sequence[int]) -> np.ndarray:
         logits = np.asarray(logits)
         if logits.ndim != 1 or logits.size == 0:
             raise ValueError(f"logits must be a non-empty vector, not an array of shape {logits.shape}")
-        if np.isnan(logits).any() or np.isposinf(logits).any():  # -inf is a masked token, not a fault
+        top = logits.max()  # NaN when any is NaN (one pass); -inf is a masked token, not a fault
+        if np.isnan(top) or np.isposinf(top):
             raise NonFiniteLogits(logits)
         cfg = self.config
         scores = np.array(logits, dtype=np.float32, copy=True)
         apply_logit_bias(scores, cfg.logit_bias)
-        scores = apply_repeat_penalty(scores, history, cfg.repeat_penalty, cfg.repeat_last_n)
+        if cfg.repeat_penalty != 1.0 and cfg.repeat_last_n != 0:
+            scores = apply_repeat_penalty(scores, history, cfg.repeat_penalty, cfg.repeat_last_n)
         apply_count_penalties(scores, history, cfg.frequency_penalty, cfg.presence_penalty, cfg.repeat_last_n)
         if self.constraint is not None:
             scores[~self.constraint.allowed(scores.size)] = -np.inf

@@ -325,3 +325,26 @@ def test_the_biased_greedy_fast_path_chooses_as_the_full_path() -> None:
             banned.sample(row)
     with pytest.raises(ValueError, match="every token is excluded"):
         Sampler(_config(temperature=0, logit_bias=tuple((i, float("-inf")) for i in range(4)))).sample(rows[0][:4])
+
+
+def test_top_k_and_nucleus_without_sorting_the_vocabulary_are_the_sorted_prefixes() -> None:
+    """_top_k_ids and _nucleus_ids (a server samples 128k logits per sequence per token) give what
+    sorting the whole vocabulary gives: the same ids in the same order (ties to the lower id), on
+    random rows, peaked rows, rows full of ties and rows with banned tokens."""
+    from infer.sampler import _nucleus_ids, _top_k_ids
+
+    rng = np.random.default_rng(6)
+    rows = [rng.normal(scale=s, size=5000).astype(np.float32) for s in (0.5, 3.0, 12.0)]
+    rows.append(np.round(rng.normal(size=5000), 1).astype(np.float32))  # many ties everywhere
+    banned = rng.normal(size=5000).astype(np.float32)
+    banned[rng.choice(5000, 4000, replace=False)] = -np.inf
+    rows.append(banned)
+    for row in rows:
+        order = np.argsort(-row, kind="stable")
+        for k in (1, 7, 40, 600, 4999):
+            assert np.array_equal(_top_k_ids(row, k), order[:k])
+        finite = order[: int(np.isfinite(row).sum())]
+        for p in (0.05, 0.5, 0.9, 0.95, 0.999):
+            want, _ = top_p_filter(finite, row[finite], p)
+            got = _nucleus_ids(row, p)
+            assert np.array_equal(got, want), (p, got.size, want.size)
