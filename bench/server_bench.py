@@ -144,13 +144,15 @@ CHAT_TURNS = ["Tell me about the history of the bicycle.", "How did the gears ch
 
 
 async def _chat_replay(base: str, turns: int, tokens: int, key: str | None = None) -> dict[str, Any]:
-    """One chat of `turns` user turns (CHAT_TURNS, repeated), each request resending the history."""
+    """One chat of `turns` user turns (CHAT_TURNS, repeated), each request resending the history; it
+    ends early, saying at which turn, when the history outgrows the server's context."""
     import aiohttp
 
     url = f"{base.rstrip('/')}/v1/chat/completions"
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     history: list[dict[str, str]] = [{"role": "system", "content": "You are a patient cycling mechanic."}]
     ttft, answers = [], []
+    full = None  # the turn whose history no longer fit the server's context, if one did not
     # a connection per turn: llama-server closes a stream's connection, which a pooled one would reuse
     connector = aiohttp.TCPConnector(force_close=True)
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600), connector=connector) as session:
@@ -160,7 +162,11 @@ async def _chat_replay(base: str, turns: int, tokens: int, key: str | None = Non
             sent, first, pieces = time.perf_counter(), None, []
             async with session.post(url, json=body, headers=headers) as response:
                 if response.status != 200:
-                    raise RuntimeError(f"HTTP {response.status}: {await response.text()}")
+                    text = await response.text()
+                    if response.status == 400 and "context" in text and turn > 0:
+                        full = turn + 1  # the history outgrew the server's context (ours and llama-server say so)
+                        break
+                    raise RuntimeError(f"HTTP {response.status}: {text}")
                 async for raw in response.content:
                     line = raw.decode().strip()
                     if not line.startswith("data: ") or line == "data: [DONE]":
@@ -172,8 +178,9 @@ async def _chat_replay(base: str, turns: int, tokens: int, key: str | None = Non
             ttft.append((first or time.perf_counter()) - sent)
             answers.append("".join(pieces))
             history.append({"role": "assistant", "content": answers[-1]})
-    return {"turns": turns, "ttft_s": [round(t, 4) for t in ttft],
-            "ttft_median_turns_2_on_s": round(statistics.median(ttft[1:]), 4) if turns > 1 else None,
+    return {"turns": turns, "turns_done": len(ttft), "context_full_at_turn": full,
+            "ttft_s": [round(t, 4) for t in ttft],
+            "ttft_median_turns_2_on_s": round(statistics.median(ttft[1:]), 4) if len(ttft) > 1 else None,
             "answers": answers}
 
 

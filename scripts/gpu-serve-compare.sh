@@ -63,7 +63,9 @@ s = r.get("server")
 if s:
     print(f"{s['aggregate_tok_s']} tok/s, TTFT p50 {s['ttft_p50_s']} s p95 {s['ttft_p95_s']} s")
 else:
-    print(f"TTFT median turns 2..{r['turns']} {r['ttft_median_turns_2_on_s']} s; per turn {r['ttft_s']}")
+    full = f" (context full at turn {r['context_full_at_turn']})" if r.get("context_full_at_turn") else ""
+    print(f"TTFT median turns 2..{r.get('turns_done', r['turns'])}{full} {r['ttft_median_turns_2_on_s']} s; "
+          f"per turn {r['ttft_s']}")
 EOF
 )"
 }

@@ -240,3 +240,17 @@ def test_the_server_bench_measures_a_running_server_by_url(served: InProcess, tm
     result = json.loads(out.read_text())["server"]
     assert result["clients"] == 3 and result["generated_tokens"] == 15 and result["aggregate_tok_s"] > 0
     assert 0 < result["ttft_p50_s"] <= result["ttft_p95_s"] <= result["wall_seconds"]
+
+
+def test_a_chat_replay_that_outgrows_the_context_ends_early_and_says_where(served: InProcess, tmp_path: Path) -> None:
+    """bench.server_bench --url --chat-turns: when the resent history no longer fits the server's
+    context (a 400 that says so), the replay stops there and reports the turn, keeping the others."""
+    from bench import server_bench
+
+    out = tmp_path / "chat.json"
+    assert server_bench.main(["--url", f"http://127.0.0.1:{served.port}", "--chat-turns", "16", "--tokens", "40",
+                              "--api-key", KEY, "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert 1 < result["context_full_at_turn"] <= 16
+    assert result["turns_done"] == result["context_full_at_turn"] - 1 == len(result["answers"]) == len(result["ttft_s"])
+    assert result["ttft_median_turns_2_on_s"] is None or result["ttft_median_turns_2_on_s"] > 0
