@@ -194,17 +194,20 @@ def _checked_argmax(logits: np.ndarray) -> int:
     return token
 
 
+def _sorted_from(scores: np.ndarray, floor: float) -> np.ndarray:
+    """The ids of the scores at or above `floor`, highest first, ties to the lower id."""
+    pool = np.flatnonzero(scores >= floor)
+    return pool[np.argsort(-scores[pool], kind="stable")]
+
+
 def _top_k_ids(scores: np.ndarray, k: int) -> np.ndarray:
     """The ids of the k highest scores, highest first, ties to the lower id, without sorting the
     vocabulary: the k-th highest of every 8th score is at most the k-th highest of all, so the scores
     at or above it hold the top k (and every tie at its edge); only those are sorted."""
     sample = scores[:: 8]
-    if sample.size > k:
-        floor = np.partition(sample, sample.size - k)[sample.size - k]
-        pool = np.flatnonzero(scores >= floor)
-    else:
-        pool = np.arange(scores.size)
-    return pool[np.argsort(-scores[pool], kind="stable")[:k]]
+    if sample.size <= k:
+        return np.argsort(-scores, kind="stable")[:k]
+    return _sorted_from(scores, np.partition(sample, sample.size - k)[sample.size - k])[:k]
 
 
 def _nucleus_ids(scores: np.ndarray, p: float) -> np.ndarray:
@@ -215,13 +218,12 @@ def _nucleus_ids(scores: np.ndarray, p: float) -> np.ndarray:
     total = weights.sum()
     n, k = scores.size, 256
     while k < n:
-        pool = np.flatnonzero(scores >= np.partition(scores, n - k)[n - k])
-        if weights[pool].sum() >= p * total:
+        order = _sorted_from(scores, np.partition(scores, n - k)[n - k])
+        if weights[order].sum() >= p * total:
             break
         k *= 8
     else:
-        pool = np.arange(n)
-    order = pool[np.argsort(-scores[pool], kind="stable")]
+        order = np.argsort(-scores, kind="stable")
     keep = int(np.searchsorted(np.cumsum(weights[order]) / total, p, side="left")) + 1
     return order[:keep]
 
@@ -278,10 +280,10 @@ class Sampler:
 
     def sample(self, logits: np.ndarray, history: Sequence[int] = ()) -> int:
         cfg = self.config
-        if self.argmax_only:
+        if self.biased_argmax_only:  # a bias goes on a copy (NaN stays NaN, +inf banned becomes NaN: refused)
+            if cfg.logit_bias:
+                logits = apply_logit_bias(np.array(logits, np.float32, copy=True), cfg.logit_bias)
             return _checked_argmax(logits)
-        if self.biased_argmax_only:  # the bias on a copy (NaN stays NaN, +inf banned becomes NaN: refused)
-            return _checked_argmax(apply_logit_bias(np.array(logits, np.float32, copy=True), cfg.logit_bias))
         if not cfg.greedy and not 0 < cfg.top_k < np.size(logits) and cfg.top_p >= 1.0 and cfg.min_p <= 0.0:
             # no filter: the draw runs over the whole vocabulary in id order, with no sort (OpenAI's
             # defaults; a sort of 128k logits per token costs a server several ms a sequence)

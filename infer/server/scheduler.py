@@ -119,6 +119,7 @@ class Scheduler:
         self.on_pass = on_pass
         self.on_error = on_error  # told once when a pass fails, after every waiting client got the error
         self.prefix_cache = split_invariant(model) if prefix_cache is None else prefix_cache
+        self._device_argmax = isinstance(model, DeviceArgmax)  # greedy steps bring back choices, not logits
         self.on_admit = on_admit  # (prompt tokens reused from a cache, prompt tokens to run) per request
         self.free: list[Cache] = [model.new_cache(ctx_size) for _ in range(max_batch)]  # least recently used first
         self._holds: dict[int, list[int]] = {}  # id(cache) -> the tokens at its positions, for a free cache
@@ -261,7 +262,7 @@ class Scheduler:
         # every choice greedy (biases allowed: ignore_eos is one) and no log-probability asked: only
         # the choices come back from the device
         ordered = [*decoding, *prefilling]
-        greedy = isinstance(self.model, DeviceArgmax) and all(
+        greedy = self._device_argmax and all(
             j.sampler.biased_argmax_only and j.top_logprobs is None for j in ordered)
         picks: list[tuple[int, float] | None] = [None] * len(batch)
         logits: list[np.ndarray | None] = [None] * len(batch)
