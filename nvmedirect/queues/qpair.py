@@ -147,6 +147,19 @@ class QueuePair:
         return self._native.sq_doorbells, self._native.cq_doorbells
 
     @property
+    def posted_completions(self) -> int:
+        """CQEs the device has posted that `poll()` has not reaped yet (read-only: the phase tags
+        from the CQ head on, no doorbell written)."""
+        q, cq = self._native, self._native.cq
+        head, phase, posted = q.cq_head, q.phase, 0
+        while posted < self.cq_depth and (cq[head].status & 1) == phase:
+            posted += 1
+            head += 1
+            if head == self.cq_depth:
+                head, phase = 0, phase ^ 1
+        return posted
+
+    @property
     def sq_tail(self) -> int:
         return self._native.sq_tail
 

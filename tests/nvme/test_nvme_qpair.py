@@ -57,6 +57,20 @@ def test_the_cq_head_is_announced_before_the_controller_needs_the_room(ctrl, ns,
     ctrl.delete_io_qpair(qpair)
 
 
+def test_posted_completions_counts_what_poll_has_not_reaped_across_a_lap(ns, qpair, fake):
+    buf = ns.ctrl.dma.alloc(4096)
+    for i in range(qpair.depth - 3):  # the next five CQEs wrap the ring and flip the phase
+        ns.submit_read(qpair, i, 1, buf).result()
+    fake.hold = True
+    commands = [ns.submit_read(qpair, i, 1, buf) for i in range(5)]
+    assert qpair.posted_completions == 0
+    fake.hold = False
+    fake.release()
+    assert qpair.posted_completions == 5 and not any(c.done for c in commands)
+    assert qpair.poll() == 5
+    assert qpair.posted_completions == 0
+
+
 def test_queue_full_is_a_clear_signal(ns, qpair, fake):
     buf = ns.ctrl.dma.alloc(4096)
     fake.hold = True

@@ -351,6 +351,9 @@ class Vm:
                            if line.startswith("nvd-init") and "FAILED:" in line]
             failure = "the VM failed before the job started: " + (
                 init_errors[-1] if init_errors else stderr or f"QEMU exited with {self._proc.returncode}")
+        elif rc is None and self._proc.returncode is not None and self._proc.returncode < 0:
+            failure = (f"QEMU itself died of {signal.Signals(-self._proc.returncode).name} (an emulator crash: "
+                       "the host's kernel log names where)")
         elif rc is None:
             failure = "the guest stopped without reporting the job's exit code (kernel panic?)"
         return VmResult(rc=None if timed_out else rc, console=console, results_dir=self.share,

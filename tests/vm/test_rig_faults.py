@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 
 import pytest
 from rig import Vm, VmConfig, VmError, run_in_vm
@@ -58,3 +59,14 @@ def test_guest_kernel_panic_is_reported(vm_workdir):
                        vm_workdir, timeout=180)
     assert result.rc is None and not result.timed_out
     assert "the guest kernel panicked" in result.failure
+
+
+@pytest.mark.vm
+def test_qemu_dying_is_told_apart_from_a_guest_failure(vm_workdir):
+    """QEMU 7.2's NVMe model can segfault (see test_controller_reset_fails_in_flight_commands_and_recovers);
+    the report names the emulator's signal instead of blaming the guest. SIGKILL stands in for the
+    segfault so no core file of the guest's memory is written."""
+    result = run_in_vm(VmConfig(iommu=False, controllers=[]), "echo nvd-kill-qemu-now; sleep 60", vm_workdir,
+                       timeout=180, on_console=[("nvd-kill-qemu-now", lambda vm: os.kill(vm.pid, signal.SIGKILL))])
+    assert result.rc is None and not result.timed_out
+    assert result.failure.startswith("QEMU itself died of SIGKILL"), result.failure
