@@ -18,11 +18,12 @@ import numpy as np
 
 from infer.arch import ModelArgs
 from infer.chat import ChatSession, ChatTemplate
-from infer.engine import DeviceGreedy, Engine, GenerationStats, Model
+from infer.engine import ContextFullError, Engine, GenerationStats, Model
 from infer.gguf_file import GGUFModel
 from infer.model import load_transformer
 from infer.perplexity import PerplexityResult, perplexity
 from infer.sampler import Sampler, SamplerConfig
+from infer.scheduler import Request, Scheduler, common_prefix
 from infer.tokenizer import StreamDecoder, Tokenizer
 
 DEFAULT_CTX = 4096
@@ -49,7 +50,9 @@ class LLM:
         self.gguf = gguf
         self.transformer = transformer
         self.tokenizer = tokenizer
-        self.engine = Engine(transformer, ctx_size)
+        self.engine = Engine(transformer, ctx_size)  # the one KV cache, and scoring (logits, perplexity)
+        # generation is a request to the generation loop, on that cache
+        self._scheduler = Scheduler(transformer, ctx_size, 1, caches=[self.engine.cache], prefix_cache=False)
 
     @classmethod
     def load(cls, path: str | Path, ctx_size: int | None = None, device: str = "cpu",
@@ -118,22 +121,46 @@ class LLM:
 
     def generate_ids(self, prompt: str | Sequence[int], max_tokens: int = 128, sampler: SamplerConfig | None = None,
                      stop_at_eog: bool = True, reuse_cache: bool = False) -> Iterator[int]:
-        """Token ids after `prompt` (an end-of-generation id is yielded, then generation stops).
+        """Token ids after `prompt` (an end-of-generation id is yielded, then generation stops), as
+        a request to the generation loop (infer.scheduler) on this model's one KV cache.
 
         reuse_cache: keep the keys/values of the prefix this prompt shares with the sequence
         already in the cache (what chat turns do). Off by default so that a call gives the same
         result every time: with quantized weights, logits depend slightly on how a prompt is
         split into batches, as in llama.cpp."""
-        config = sampler or SamplerConfig(temperature=0.0)
-        if not reuse_cache:
-            self.engine.reset()
-        if config.greedy and config.repeat_penalty == 1 and isinstance(self.transformer, DeviceGreedy):
-            # greedy on the GPU: the CUDA-graph decode loop picks the tokens on the device
-            stop = self.tokenizer.vocab.eog_ids if stop_at_eog else frozenset()
-            return self.engine.generate_on_device(self._ids(prompt), max_tokens, stop)
-        chooser = Sampler(config)
-        is_end = self.tokenizer.is_eog if stop_at_eog else (lambda _: False)
-        return self.engine.generate(self._ids(prompt), max_tokens, chooser.sample, is_end)
+        ids = self._ids(prompt)
+        if not ids:
+            raise ValueError("the prompt has no tokens")
+        if len(ids) > self.engine.ctx_size:
+            raise ContextFullError(f"a prompt of {len(ids)} tokens exceeds the context size {self.engine.ctx_size} "
+                                   "(raise -c/--ctx-size)")
+        shared = 0
+        if reuse_cache:  # the last prompt token always runs: its logits are needed
+            shared = min(common_prefix(self.engine.tokens, ids, len(ids)), len(ids) - 1)
+        stop = self.tokenizer.vocab.eog_ids if stop_at_eog else frozenset()
+        request = Request(ids, max_tokens, Sampler(sampler or SamplerConfig(temperature=0.0)), stop_ids=stop)
+        return self._run(request, shared)
+
+    def _run(self, request: Request, shared: int) -> Iterator[int]:
+        engine, run = self.engine, self._scheduler.stats
+        before = (run.passes, run.prompt_passes, run.pass_seconds, run.prompt_pass_seconds)
+        engine.stats = stats = GenerationStats(stop_reason="length")
+        cache = engine.cache
+        chosen: list[int] = []
+        try:
+            for token in self._scheduler.run_one(request, shared):
+                chosen.append(token)
+                stats.generated_tokens = len(chosen)
+                yield token
+        finally:  # the cache holds the prompt and every chosen token but the last
+            engine.tokens = (request.prompt + chosen)[: cache.length]
+            stats.prompt_tokens = len(request.prompt) - min(shared, cache.length)
+            stats.prompt_seconds = run.prompt_pass_seconds - before[3]
+            stats.decode_seconds = run.pass_seconds - before[2] - stats.prompt_seconds
+            if request.finish_reason == "stop":
+                stats.stop_reason = "eog"
+            elif request.finish_reason == "length" and len(request.generated) < request.max_tokens:
+                stats.stop_reason = "context"
 
     def generate(self, prompt: str | Sequence[int], max_tokens: int = 128, temperature: float = 0.8,
                  top_k: int = 40, top_p: float = 0.95, min_p: float = 0.05, repeat_penalty: float = 1.0,

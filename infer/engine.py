@@ -173,43 +173,6 @@ class Engine:
         self.stats.prompt_seconds = time.perf_counter() - started
         return out
 
-    def generate_on_device(self, prompt: Sequence[int], max_new_tokens: int,
-                           stop_ids: frozenset[int] = frozenset()) -> Iterator[int]:
-        """generate() with greedy sampling done by the model itself (a DeviceGreedy model: the
-        GPU's CUDA-graph decode, only token ids come back): the tokens of
-        generate(prompt, n, greedy, stop_ids.__contains__) up to float32 rounding, without a
-        logits copy and a Python launch sequence per token. The last prompt token runs with the
-        first decode steps, so its time counts as decode time."""
-        if not prompt:
-            raise ValueError("the prompt has no tokens")
-        if len(prompt) > self.ctx_size:
-            raise ContextFullError(f"a prompt of {len(prompt)} tokens exceeds the context size {self.ctx_size} "
-                                   "(raise -c/--ctx-size)")
-        self.stats = GenerationStats()
-        if len(prompt) > 1:
-            self.prefill(list(prompt[:-1]), logits=False)  # reuses a shared prefix; sets the prompt's stats
-        else:
-            self.reset()
-        self.stats.prompt_tokens += 1
-        n_new = min(max_new_tokens, self.ctx_size - len(prompt) + 1)  # the last token needs no room
-        self.stats.stop_reason = "length" if n_new == max_new_tokens else "context"
-        decode_started = time.perf_counter()
-        out: list[int] = []
-        try:
-            if not isinstance(self.model, DeviceGreedy):
-                raise TypeError(f"{type(self.model).__name__} does not decode on its device")
-            for fresh in self.model.generate_iter(np.asarray(prompt[-1:]), self.cache, n_new, stop=stop_ids):
-                for token in fresh:
-                    out.append(token)
-                    self.stats.generated_tokens = len(out)
-                    self.stats.decode_seconds = time.perf_counter() - decode_started
-                    yield token
-        finally:  # the cache holds the prompt and every generated token but the last
-            self.tokens = list(prompt) + out[:-1]
-            self.cache.length = len(self.tokens)
-        if out and out[-1] in stop_ids:
-            self.stats.stop_reason = "eog"
-
     def decode_one(self, token: int) -> np.ndarray:
         """Appends one token; returns the logits for the next position."""
         return self.evaluate([token])

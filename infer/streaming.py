@@ -15,13 +15,13 @@ streamed weights.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from infer.engine import Cache, Model, Throughput
+from infer.engine import Model, Throughput
+from infer.scheduler import Request, Scheduler, as_sampler
 
 PREFILL_CHUNK = 512  # prompt rows per pass, shared by the sequences still in their prompt
 Chooser = Callable[[np.ndarray, list[int]], int]
@@ -50,44 +50,13 @@ class StreamingEngine:
         self._bytes_moved = bytes_moved
         self.stats = BatchStats()
 
-    def _pass(self, batch: list[tuple[np.ndarray, Cache]], prompt_rows: list[int] | None = None) -> list[np.ndarray]:
-        return self.model.forward_batch(batch, prompt_rows=prompt_rows)
-
-    def prefill(self, prompts: Sequence[Sequence[int]]) -> tuple[list[Cache], list[np.ndarray]]:
-        """New caches holding each prompt; the logits after each prompt's last token. The prompts
-        share passes: each pass takes about `prefill_chunk` rows, split evenly between the
-        sequences whose prompt is not finished (it bounds the activations a pass needs)."""
-        for p in prompts:
-            if not p:
-                raise ValueError("a prompt has no tokens")
-            if len(p) > self.ctx_size:
-                raise ValueError(f"a prompt of {len(p)} tokens exceeds the context size {self.ctx_size} (raise -c)")
-        caches = [self.model.new_cache(self.ctx_size) for _ in prompts]
-        last: list[np.ndarray | None] = [None] * len(prompts)
-        started = time.perf_counter()
-        done = [0] * len(prompts)  # prompt tokens already in each cache
-        while True:
-            live = [s for s, p in enumerate(prompts) if done[s] < len(p)]
-            if not live:
-                break
-            share = max(1, self.prefill_chunk // len(live))  # a pass holds about prefill_chunk rows
-            batch = [(np.asarray(prompts[s][done[s]:done[s] + share]), caches[s]) for s in live]
-            # every prompt token but each prompt's last is a prompt row (docs/GPU.md)
-            prompt_rows = [len(t) - (done[s] + len(t) == len(prompts[s])) for (t, _), s in zip(batch, live, strict=True)]
-            for s, logits in zip(live, self._pass(batch, prompt_rows), strict=True):
-                last[s] = logits
-                done[s] = min(len(prompts[s]), done[s] + share)
-            self.stats.prefill_passes += 1
-        self.stats.prompt_tokens += sum(len(p) for p in prompts)
-        self.stats.prompt_seconds += time.perf_counter() - started
-        return caches, last  # type: ignore[return-value]
-
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int,
                  choose: Chooser | Sequence[Chooser],
                  is_end: Callable[[int], bool] = lambda _: False,
                  on_token: Callable[[int, int], None] | None = None) -> list[list[int]]:
         """Up to `max_new_tokens` new ids per prompt (an end id is kept and stops its sequence;
-        a full context stops it too). One decode pass per step serves every live sequence.
+        a full context stops it too), as requests to one infer.scheduler.Scheduler with a slot per
+        prompt: a pass serves every live sequence, prompt chunks beside decode tokens.
         `choose(logits, history)` picks the next id: one function for all, or one per sequence
         (samplers with their own random state). on_token(sequence, id) hears of each id as soon
         as it is chosen (a streamed pass can take seconds: the CLI prints it then)."""
@@ -95,35 +64,47 @@ class StreamingEngine:
         if len(choosers) != len(prompts):
             raise ValueError(f"{len(choosers)} choosers for {len(prompts)} prompts")
         self.stats = BatchStats(sequences=len(prompts))
+        if not prompts or max_new_tokens <= 0:
+            return [[] for _ in prompts]
         before = self._bytes_moved() if self._bytes_moved else {}
-        caches, logits = self.prefill(prompts)
-        histories = [list(p) for p in prompts]
+        # passes only (no device runs): a streamed model's steps are passes over the streamed weights
+        scheduler = Scheduler(self.model, self.ctx_size, len(prompts), prefill_chunk=self.prefill_chunk,
+                              prefix_cache=False, device_runs=False)
         outputs: list[list[int]] = [[] for _ in prompts]
-        live = list(range(len(prompts)))
-        started = time.perf_counter()
-        while live and max_new_tokens > 0:
-            next_live, batch = [], []
-            for s in live:
-                token = int(choosers[s](logits[s], histories[s]))
-                outputs[s].append(token)
-                histories[s].append(token)
-                self.stats.generated_tokens += 1
+
+        def heard(s: int) -> Callable[[int], None]:
+            def token(t: int) -> None:
+                outputs[s].append(t)
                 if on_token is not None:
-                    on_token(s, token)
-                if is_end(token) or len(outputs[s]) >= max_new_tokens or caches[s].length + 1 > self.ctx_size:
-                    continue
-                next_live.append(s)
-                batch.append((np.asarray([token]), caches[s]))
-            live = next_live
-            if batch:
-                for s, out in zip(live, self._pass(batch), strict=True):
-                    logits[s] = out
-                self.stats.decode_passes += 1
-        self.stats.decode_seconds = time.perf_counter() - started
+                    on_token(s, t)
+            return token
+
+        requests = [Request(list(p), max_new_tokens, as_sampler(c), stop_ids=_Ends(is_end), on_token=heard(s))
+                    for s, (p, c) in enumerate(zip(prompts, choosers, strict=True))]
+        scheduler.run(requests)
+        failed = [r.error for r in requests if r.error]
+        if failed:
+            raise ValueError(failed[0])
+        run = scheduler.stats
+        self.stats.prompt_tokens = sum(len(p) for p in prompts)
+        self.stats.generated_tokens = sum(len(o) for o in outputs)
+        self.stats.prefill_passes, self.stats.decode_passes = run.prompt_passes, run.passes - run.prompt_passes
+        self.stats.prompt_seconds = run.prompt_pass_seconds
+        self.stats.decode_seconds = run.pass_seconds - run.prompt_pass_seconds
         if self._bytes_moved:
             after = self._bytes_moved()
             self.stats.bytes_moved = {k: after[k] - before.get(k, 0) for k in after}
         return outputs
+
+
+class _Ends:
+    """`is_end` as the stop-id container a Request checks."""
+
+    def __init__(self, is_end: Callable[[int], bool]) -> None:
+        self.is_end = is_end
+
+    def __contains__(self, token: object) -> bool:
+        return bool(self.is_end(token))  # type: ignore[arg-type]
 
 
 def read_prompts_file(path: str) -> list[str]:

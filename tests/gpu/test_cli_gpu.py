@@ -1,5 +1,5 @@
 """`ntransformer --device gpu` end to end on a tiny synthetic model: greedy generation (through the
-CUDA-graph loop of Engine.generate_on_device) and --benchmark. The GPU path of the CLI had no test,
+CUDA-graph loop the scheduler hands a lone greedy request to) and --benchmark. The GPU path of the CLI had no test,
 and crashed at load until run 11 found it."""
 
 from __future__ import annotations

@@ -362,28 +362,33 @@ def test_engine_runs_on_the_gpu_transformer(pair: Pair) -> None:
     assert len(out) == 6 and engine.cache.length == 9 + 5
 
 
-def test_engine_generate_on_device_is_the_greedy_loop(pair: Pair) -> None:
-    """Engine.generate_on_device (graph decode, sampling on the GPU) yields what Engine.generate
-    with host-side greedy sampling yields, stops after a stop id and at the context's end, and
-    leaves the engine's tokens and cache as generate() does."""
+def test_a_lone_greedy_request_decodes_on_the_device(pair: Pair, monkeypatch: pytest.MonkeyPatch) -> None:
+    """infer.scheduler hands a lone greedy request to the device's decode loop (graph steps,
+    sampling on the GPU): it yields what Engine.generate with host-side greedy sampling yields,
+    stops after a stop id and at the context's end, and a later request reusing the cached prefix
+    continues as generate() does."""
+    from infer.request import Request, as_sampler
+    from infer.scheduler import Scheduler
+
     gpu, prompt = pair.gpu, list(_prompt(9, 7))
-    reference = Engine(gpu, 64)
-    want = list(reference.generate(prompt, 12, greedy))
-    engine = Engine(gpu, 64)
-    got = list(engine.generate_on_device(prompt, 12))
-    assert got == want
-    assert engine.tokens == prompt + got[:-1] and engine.cache.length == len(prompt) + 11
-    assert engine.stats.generated_tokens == 12 and engine.stats.stop_reason == "length"
-    assert engine.stats.prompt_tokens == len(prompt)
-    stop = got[5]
-    cut = Engine(gpu, 64)
-    assert list(cut.generate_on_device(prompt, 12, frozenset({stop}))) == got[: got.index(stop) + 1]
-    assert cut.stats.stop_reason == "eog"
-    short = Engine(gpu, 16)
-    assert list(short.generate_on_device(prompt, 12)) == got[:8] and short.stats.stop_reason == "context"
-    # a second call continues from the cache like generate() does (shared prefix reused)
-    again = list(engine.generate_on_device(prompt + got[:3], 4))
-    assert again == got[3:7]
+    runs = []
+    real = type(gpu).generate_iter
+    monkeypatch.setattr(type(gpu), "generate_iter", lambda self, *a, **k: (runs.append(1), real(self, *a, **k))[1])
+    want = list(Engine(gpu, 64).generate(prompt, 12, greedy))
+    scheduler = Scheduler(gpu, 64, 1)
+    first = Request(prompt, 12, as_sampler(greedy))
+    assert list(scheduler.run_one(first)) == want and runs == [1]
+    cache = scheduler.free[0]
+    assert cache.length == len(prompt) + 11 and first.finish_reason == "length"
+    stop = want[5]
+    cut = Request(prompt, 12, as_sampler(greedy), stop_ids=frozenset({stop}))
+    assert list(Scheduler(gpu, 64, 1).run_one(cut)) == want[: want.index(stop) + 1]
+    assert cut.finish_reason == "stop"
+    short = Request(prompt, 12, as_sampler(greedy))
+    assert list(Scheduler(gpu, 16, 1).run_one(short)) == want[:8] and len(short.generated) == 8
+    # a second request continues from the cache (its shared prefix reused)
+    again = Request(prompt + want[:3], 4, as_sampler(greedy))
+    assert list(scheduler.run_one(again, shared=len(prompt) + 2)) == want[3:7]
 
 
 def test_context_full_is_refused(pair: Pair) -> None:

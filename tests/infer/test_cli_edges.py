@@ -138,17 +138,17 @@ def test_the_drivers_notices_are_one_line(tiny: Path, monkeypatch: pytest.Monkey
 def test_the_streaming_engine_prints_tokens_as_they_come(tiny: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Issue 29: --streaming printed the text only at exit. Each pass after the first must find
     the text of the tokens before it already on stdout."""
-    from infer.streaming import StreamingEngine
+    from infer.scheduler import Scheduler
 
     seen: list[int] = []
-    real = StreamingEngine._pass
+    real = Scheduler._pass
 
-    def spy(self, batch, *rest):  # noqa: ANN001, ANN002, ANN202 - rest: the prefill's prompt rows
+    def spy(self, requests):  # noqa: ANN001, ANN202
         seen.append(len(sys.stdout.getvalue() if hasattr(sys.stdout, "getvalue") else
                         sys.stdout.buffer.getvalue()))  # type: ignore[attr-defined]
-        return real(self, batch, *rest)
+        return real(self, requests)
 
-    monkeypatch.setattr(StreamingEngine, "_pass", spy)
+    monkeypatch.setattr(Scheduler, "_pass", spy)
     result = CliRunner().invoke(main, ["-m", str(tiny), "-p", "w1 w2 w3", "-n", "12", "-t", "0", "--device",
                                        "cpu", "--streaming", "--ignore-eos"] if False else
                                 ["-m", str(tiny), "-p", "w1 w2 w3", "-n", "12", "-t", "0", "--device", "cpu",

@@ -133,15 +133,24 @@ def test_batch_of_sequences_equals_each_alone(tiny_model: Path) -> None:
         np.testing.assert_allclose(logits, single, rtol=ONE_ULP, atol=0)
 
 
-def test_prefill_chunks_share_passes(tiny_model: Path) -> None:
-    model = load_transformer(GGUFModel(tiny_model), exact=True)  # chunking as an identity (above)
-    engine = StreamingEngine(model, CTX, prefill_chunk=5)
-    caches, last = engine.prefill([[1] + list(range(2, 14)), [1, 2, 3]])
-    # 5 rows a pass: 2 + 2, then 2 + 1 (the short prompt ends), then 5 and 4 for the long one
-    assert engine.stats.prefill_passes == 4
-    assert [c.length for c in caches] == [13, 3]
-    whole = model.forward(np.asarray([1] + list(range(2, 14))), model.new_cache(CTX))
-    np.testing.assert_allclose(last[0], whole, rtol=ONE_ULP, atol=0)
+def test_prompt_chunks_ride_beside_decode_tokens(tiny_model: Path) -> None:
+    """infer.scheduler: a prompt is cut into chunks that share passes with the other requests'
+    decode tokens, and a request's tokens do not depend on that (exact numerics: an identity)."""
+    from infer.scheduler import Request, Scheduler, as_sampler
+
+    model = load_transformer(GGUFModel(tiny_model), exact=True)
+    passes: list[tuple[int, int]] = []
+    scheduler = Scheduler(model, CTX, slots=2, prefill_chunk=5, on_pass=lambda _s, rows, seqs: passes.append((rows, seqs)))
+    prompts = [[1] + list(range(2, 14)), [1, 2, 3]]
+    requests = [Request(p, 3, as_sampler(greedy)) for p in prompts]
+    scheduler.run(requests)
+    # 5 rows a pass: 2 + 2, then 2 + 1 (the short prompt ends and its first token comes), then its
+    # decode token beside 4 prompt rows twice (it ends), then the long prompt's last row and its decode
+    assert passes == [(4, 2), (3, 2), (5, 2), (5, 2), (1, 1), (1, 1), (1, 1)]
+    assert scheduler.stats.prompt_passes == 5 and scheduler.idle and len(scheduler.free) == 2
+    alone = StreamingEngine(model, CTX)
+    assert [r.generated for r in requests] == [alone.generate([p], 3, greedy)[0] for p in prompts]
+    assert [r.finish_reason for r in requests] == ["length", "length"]
 
 
 @pytest.mark.slow
