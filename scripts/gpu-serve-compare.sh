@@ -7,6 +7,13 @@
 #   OUT=/path bash scripts/gpu-serve-compare.sh              # the synthetic 8B Q4_K_M, 32 clients x 64
 #   SERVE_COMPARE_MODEL=m.gguf SERVE_COMPARE_CLIENTS=16 ...  # another file, another load
 #   SERVE_COMPARE_WRITE_ONLY=1 ...                           # only write the synthetic model (setsid it)
+#   SERVE_COMPARE_PARTS="many offline" ...                   # which runs (default "one many chat"):
+#       one = 1 client, many = N clients, chat = the replay with and without the prefix cache,
+#       offline = ours in process (bench.server_bench --model): N clients and the offline batch of
+#       the same N sequences on the same loaded model
+#   SERVE_COMPARE_SYNTH=70b:q4_k_m SERVE_COMPARE_NGL=40 SERVE_COMPARE_OURS_ARGS="--streaming --vram-budget 24GB"
+#       another synthetic shape, llama-server's GPU layers (default 99) and ours' extra flags
+#       (the streamed 70B of issue 27 bar 2)
 #
 # Carry .whl (the server's wheels: docs/SERVER.md) and .peer/llama-bin.tar.xz (scripts/llama-cpp-cuda.sh).
 set -u
@@ -19,15 +26,21 @@ if ls .whl/*.whl >/dev/null 2>&1; then
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl > /dev/null 2>&1
     export PYTHONPATH="/tmp/site:$PWD"
 fi
-MODEL=${SERVE_COMPARE_MODEL:-$SYNTH_DIR/synth-8b-q4_k_m.gguf}
+SYNTH_SHAPE=${SERVE_COMPARE_SYNTH:-8b:q4_k_m}
+MODEL=${SERVE_COMPARE_MODEL:-$SYNTH_DIR/synth-${SYNTH_SHAPE/:/-}.gguf}
 if [ ! -f "$MODEL" ]; then
-    python3 -c "from bench.gpu_bench import synth_path; from pathlib import Path; synth_path('8b:q4_k_m', Path('$SYNTH_DIR'))"
+    python3 -c "from bench.gpu_bench import synth_path; from pathlib import Path; synth_path('$SYNTH_SHAPE', Path('$SYNTH_DIR'))"
 fi
 [ -n "${SERVE_COMPARE_WRITE_ONLY:-}" ] && exit 0
 CLIENTS=${SERVE_COMPARE_CLIENTS:-32}
 TOKENS=${SERVE_COMPARE_TOKENS:-64}
 TURNS=${SERVE_COMPARE_TURNS:-16}
 SLOT=${SERVE_COMPARE_SLOT:-2048}  # context per slot, both servers
+PARTS=" ${SERVE_COMPARE_PARTS:-one many chat} "
+has() { [[ "$PARTS" == *" $1 "* ]]; }
+NGL=${SERVE_COMPARE_NGL:-99}
+read -r -a OURS_ARGS <<< "${SERVE_COMPARE_OURS_ARGS:-}"
+BENCH_TIMEOUT=${SERVE_COMPARE_TIMEOUT:-300}
 VOCAB=$(python3 -c "from infer.gguf_file import GGUFModel; from infer.arch import check_model; print(check_model(GGUFModel('$MODEL')).vocab_size)")
 SUMMARY="$OUT/summary.txt"
 : > "$SUMMARY"
@@ -54,7 +67,7 @@ EOF
 bench() {  # name port args...: one bench.server_bench --url run, its headline in the summary
     local name=$1 port=$2
     shift 2
-    timeout 300 python3 -m bench.server_bench --url "http://127.0.0.1:$port" --vocab-size "$VOCAB" --tokens "$TOKENS" \
+    timeout "$BENCH_TIMEOUT" python3 -m bench.server_bench --url "http://127.0.0.1:$port" --vocab-size "$VOCAB" --tokens "$TOKENS" \
         --out "$OUT/$name.json" "$@" > /dev/null 2> "$OUT/$name.err"
     note "$name: exit $?; $(python3 - "$OUT/$name.json" <<'EOF' 2>&1 | tail -1
 import json, sys
@@ -72,34 +85,52 @@ EOF
 stop() { kill -INT "$1" 2>/dev/null; for _ in $(seq 1 60); do kill -0 "$1" 2>/dev/null || return; sleep 1; done; kill -9 "$1"; }
 
 note "model $MODEL ($(du -h "$MODEL" | cut -f1)), $CLIENTS clients x $TOKENS tokens, slots of $SLOT, $(cat /tmp/lcbin/BUILD 2>/dev/null | head -1)"
-/tmp/lcbin/llama-server -m "$MODEL" -ngl 99 -np "$CLIENTS" -c $((CLIENTS * SLOT)) -fa on --port 8090 \
+/tmp/lcbin/llama-server -m "$MODEL" -ngl "$NGL" -np "$CLIENTS" -c $((CLIENTS * SLOT)) -fa on --port 8090 \
     > "$OUT/llama-server.log" 2>&1 &
 pid=$!
 if [ ! -x /tmp/lcbin/llama-server ]; then
     note "llama-server: no binary (carry .peer/llama-bin.tar.xz)"
 elif up 8090; then
-    bench llama-server-1client 8090 --clients 1
-    bench "llama-server-${CLIENTS}clients" 8090 --clients "$CLIENTS"
-    bench "llama-server-chat$TURNS" 8090 --chat-turns "$TURNS"
+    has one && bench llama-server-1client 8090 --clients 1
+    { has many || has offline; } && bench "llama-server-${CLIENTS}clients" 8090 --clients "$CLIENTS"
+    has chat && bench "llama-server-chat$TURNS" 8090 --chat-turns "$TURNS"
 else
     note "llama-server did not come up: $(tail -3 "$OUT/llama-server.log")"
 fi
 stop $pid
 
-python3 -c "from infer.cli import main; main()" serve -m "$MODEL" --device "$DEVICE" --max-batch "$CLIENTS" -c "$SLOT" \
-    --port 8091 > "$OUT/ours.log" 2>&1 &
-pid=$!
-if up 8091; then
-    bench ours-1client 8091 --clients 1
-    bench "ours-${CLIENTS}clients" 8091 --clients "$CLIENTS"
-    bench "ours-chat$TURNS" 8091 --chat-turns "$TURNS"
-else
-    note "ours did not come up: $(tail -3 "$OUT/ours.log")"
+if has offline; then  # ours in process: the server and the offline batch on one loaded model
+    timeout "$BENCH_TIMEOUT" python3 -m bench.server_bench --model "$MODEL" --device "$DEVICE" "${OURS_ARGS[@]}" \
+        --clients "$CLIENTS" --tokens "$TOKENS" --out "$OUT/ours-inprocess-${CLIENTS}clients.json" \
+        > "$OUT/ours-inprocess.log" 2>&1
+    note "ours in process: exit $?; $(python3 - "$OUT/ours-inprocess-${CLIENTS}clients.json" <<'EOF' 2>&1 | tail -1
+import json, sys
+r = json.load(open(sys.argv[1]))
+s, o = r["server"], r["offline"]
+print(f"server {s['aggregate_tok_s']} tok/s (TTFT p50 {s['ttft_p50_s']} s), offline batch {o['aggregate_tok_s']} tok/s "
+      f"end to end, {o['decode_tok_s']} decode only: {r['server_vs_offline']}x / {r['server_vs_offline_decode']}x")
+EOF
+)"
 fi
-stop $pid
 
-python3 -c "from infer.cli import main; main()" serve -m "$MODEL" --device "$DEVICE" --max-batch 1 -c "$SLOT" \
-    --no-prefix-cache --port 8092 > "$OUT/ours-nocache.log" 2>&1 &
+if has one || has many || has chat; then
+    python3 -c "from infer.cli import main; main()" serve -m "$MODEL" --device "$DEVICE" "${OURS_ARGS[@]}" \
+        --max-batch "$CLIENTS" -c "$SLOT" --port 8091 > "$OUT/ours.log" 2>&1 &
+    pid=$!
+    if up 8091; then
+        has one && bench ours-1client 8091 --clients 1
+        has many && bench "ours-${CLIENTS}clients" 8091 --clients "$CLIENTS"
+        has chat && bench "ours-chat$TURNS" 8091 --chat-turns "$TURNS"
+    else
+        note "ours did not come up: $(tail -3 "$OUT/ours.log")"
+    fi
+    stop $pid
+fi
+
+has chat || exit 0
+
+python3 -c "from infer.cli import main; main()" serve -m "$MODEL" --device "$DEVICE" "${OURS_ARGS[@]}" --max-batch 1 \
+    -c "$SLOT" --no-prefix-cache --port 8092 > "$OUT/ours-nocache.log" 2>&1 &
 pid=$!
 if up 8092; then
     bench "ours-nocache-chat$TURNS" 8092 --chat-turns "$TURNS"
