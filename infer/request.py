@@ -55,6 +55,7 @@ class Request:
     deliver: Callable[[Event], None] | None = None
     on_token: Callable[[int], None] | None = None
     top_logprobs: int | None = None  # alternatives per token's log-probability; None: none asked
+    speculator: Any = None  # infer.speculative.Speculator: each step verifies a drafted tree
     cache: Cache | None = None
     prompt_done: int = 0  # prompt tokens in the cache
     generated: list[int] = field(default_factory=list)
@@ -73,6 +74,16 @@ class Request:
         event.logprobs, self.logprobs_sent = self.logprobs[self.logprobs_sent :], len(self.logprobs)
         if self.deliver is not None:
             self.deliver(event)
+
+
+class StopWhen:
+    """A predicate (`tokenizer.is_eog`) as the stop-id container a Request checks."""
+
+    def __init__(self, is_stop: Callable[[int], bool]) -> None:
+        self.is_stop = is_stop
+
+    def __contains__(self, token: object) -> bool:
+        return bool(self.is_stop(token))  # type: ignore[arg-type]
 
 
 class ChooserSampler:

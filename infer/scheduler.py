@@ -158,8 +158,13 @@ class Scheduler:
         solo = self._solo(requests)
         if solo is not None:
             self._device_run(solo)
-        else:
-            self._pass(requests)
+            return True
+        # a speculative request's step is its tree's verification (a pass of its own, for now)
+        for request in [r for r in requests if r.speculator is not None]:
+            self._tree_step(request)
+        rest = [r for r in requests if r.speculator is None]
+        if rest:
+            self._pass(rest)
         return True
 
     def admit(self) -> None:
@@ -265,7 +270,8 @@ class Scheduler:
         if not self._device_greedy or len(requests) != 1 or self.waiting:
             return None
         request = requests[0]
-        if request.top_logprobs is not None or not getattr(request.sampler, "argmax_only", False):
+        if request.top_logprobs is not None or request.speculator is not None \
+                or not getattr(request.sampler, "argmax_only", False):
             return None
         return request
 
@@ -309,6 +315,39 @@ class Scheduler:
                     break
         finally:
             steps.close()  # the cache holds what the device ran (decode_iter keeps its length current)
+
+    def _tree_step(self, request: Request) -> None:
+        """A speculative request: its prompt but the last token as prompt rows (one call, as plain
+        generation runs them), then each step drafts a tree from the last chosen token, verifies it
+        in one target pass and emits the accepted path and the token chosen after it."""
+        head = len(request.prompt) - 1
+        began = time.perf_counter()
+        if request.prompt_done < head:
+            self.model.prefill(np.asarray(request.prompt[request.prompt_done : head]), request.cache)  # type: ignore[arg-type]
+            rows, request.prompt_done = head - request.prompt_done, head
+            seconds = time.perf_counter() - began
+            self.stats.passes += 1
+            self.stats.prompt_passes += 1
+            self.stats.pass_seconds += seconds
+            self.stats.prompt_pass_seconds += seconds
+            if self.on_pass:
+                self.on_pass(seconds, rows, 1)
+            return
+        root = request.prompt[-1] if request.prompt_done == head else request.generated[-1]
+        request.prompt_done = len(request.prompt)
+        context = (request.prompt + request.generated)[: request.cache.length]  # type: ignore[union-attr]
+        tokens = request.speculator.step(context, root, request.cache, request.max_tokens - len(request.generated),
+                                         request.sampler.sample)
+        seconds = time.perf_counter() - began
+        self.stats.passes += 1
+        self.stats.pass_seconds += seconds
+        if self.on_pass:
+            self.on_pass(seconds, len(tokens), 1)
+        with self._guard:
+            for token in tokens:
+                if request.cache is None or request.cancelled:
+                    break
+                self._emit(request, None, (token, 0.0))
 
     def fail_all(self, message: str) -> None:
         """The model failed: every request in flight or waiting gets the error (caller holds the lock)."""

@@ -119,8 +119,12 @@ class Speculator:
 
     def generate(self, prompt: Sequence[int], max_new_tokens: int, choose: Chooser,
                  is_end: Callable[[int], bool] = lambda _: False, cache: Cache | None = None) -> Iterator[int]:
-        """Up to `max_new_tokens` ids after `prompt` (an end id is yielded, then generation stops).
+        """Up to `max_new_tokens` ids after `prompt` (an end id is yielded, then generation stops), as
+        a request to the generation loop (infer.scheduler), each of its steps one `step()`.
         `cache`: the target's KV cache to use (emptied first; default a new one)."""
+        from infer.request import Request, StopWhen, as_sampler
+        from infer.scheduler import Scheduler
+
         if not prompt:
             raise ValueError("the prompt has no tokens")
         if len(prompt) > self.ctx_size:
@@ -129,48 +133,44 @@ class Speculator:
         reset = getattr(self.drafter, "reset", None)
         if reset is not None:  # a new sequence: the draft's cache may hold another's tokens
             reset()
-        if cache is None:
-            cache = self.target.new_cache(self.ctx_size)
-        cache.length = 0
-        context = list(prompt[:-1])
-        if context:  # prompt rows, as plain generation runs them (its last token is the first tree's root)
-            self.target.prefill(np.asarray(context), cache)
-        root, produced = int(prompt[-1]), 0
-        while produced < max_new_tokens:
-            room = self.ctx_size - cache.length  # positions the tree may take
-            if room < 1:
-                return
-            size = self.tree_size
-            if self.tuner is not None:
-                self.drafter.depth = self.tuner.depth  # type: ignore[attr-defined]
-                self.drafter.width = self.tuner.width  # type: ignore[attr-defined]
-                size = 1 + self.tuner.depth * self.tuner.width
-            began = time.perf_counter()
-            tree = self.drafter.propose(context, root, min(size, room, max_new_tokens - produced + 1))
-            draft_s = time.perf_counter() - began
-            began = time.perf_counter()
-            logits = self._verify(np.asarray(tree.tokens), np.asarray(tree.parents), cache)
-            path, chosen = follow(tree, logits, choose, context)
-            cache.accept(path)  # type: ignore[attr-defined]
-            verify_s = time.perf_counter() - began
-            self.stats.draft_seconds += draft_s
-            self.stats.verify_seconds += verify_s
-            if self.tuner is not None:
-                depth, width, kept, leaf = self.drafter.outcome(tree, path)  # type: ignore[attr-defined]
-                self.tuner.observe(depth, width, len(tree.tokens), kept, leaf, draft_s, verify_s)
-            self.stats.passes += 1
-            self.stats.proposed += len(tree.tokens) - 1
-            self.stats.accepted += len(path) - 1
-            for depth in range(1, len(path)):
-                self.stats.accepted_at_depth[depth] += 1
-            context.extend(tree.tokens[n] for n in path)
-            for token in [*(tree.tokens[n] for n in path[1:]), chosen]:
-                produced += 1
-                self.stats.generated += 1
-                yield token
-                if is_end(token) or produced >= max_new_tokens:
-                    return
-            root = chosen
+        scheduler = Scheduler(self.target, self.ctx_size, 1, caches=[cache] if cache is not None else None,
+                              prefix_cache=False, device_runs=False)
+        request = Request(list(prompt), max_new_tokens, as_sampler(choose), stop_ids=StopWhen(is_end),
+                          speculator=self)
+        for token in scheduler.run_one(request):
+            self.stats.generated += 1
+            yield token
+
+    def step(self, context: list[int], root: int, cache: Cache, left: int, choose: Chooser) -> list[int]:
+        """One speculative step: a tree drafted from `root` (the token chosen last, not in `cache`,
+        which holds `context`), verified in one target pass; the cache keeps the accepted path.
+        Returns the path's tokens after the root and the token chosen after it (at most `left` + 1
+        tokens are drafted for, as the request has `left` to go)."""
+        size = self.tree_size
+        if self.tuner is not None:
+            self.drafter.depth = self.tuner.depth  # type: ignore[attr-defined]
+            self.drafter.width = self.tuner.width  # type: ignore[attr-defined]
+            size = 1 + self.tuner.depth * self.tuner.width
+        room = self.ctx_size - cache.length  # positions the tree may take (at least 1 while the request runs)
+        began = time.perf_counter()
+        tree = self.drafter.propose(context, root, min(size, room, left + 1))
+        draft_s = time.perf_counter() - began
+        began = time.perf_counter()
+        logits = self._verify(np.asarray(tree.tokens), np.asarray(tree.parents), cache)
+        path, chosen = follow(tree, logits, choose, context)
+        cache.accept(path)  # type: ignore[attr-defined]
+        verify_s = time.perf_counter() - began
+        self.stats.draft_seconds += draft_s
+        self.stats.verify_seconds += verify_s
+        if self.tuner is not None:
+            depth, width, kept, leaf = self.drafter.outcome(tree, path)  # type: ignore[attr-defined]
+            self.tuner.observe(depth, width, len(tree.tokens), kept, leaf, draft_s, verify_s)
+        self.stats.passes += 1
+        self.stats.proposed += len(tree.tokens) - 1
+        self.stats.accepted += len(path) - 1
+        for depth in range(1, len(path)):
+            self.stats.accepted_at_depth[depth] += 1
+        return [*(tree.tokens[n] for n in path[1:]), chosen]
 
 
 def tree_shape(depth: int, width: int, size: int) -> tuple[int, int]:

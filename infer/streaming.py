@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from infer.engine import Model, Throughput
-from infer.scheduler import Request, Scheduler, as_sampler
+from infer.request import Request, StopWhen, as_sampler
+from infer.scheduler import Scheduler
 
 PREFILL_CHUNK = 512  # prompt rows per pass, shared by the sequences still in their prompt
 Chooser = Callable[[np.ndarray, list[int]], int]
@@ -79,7 +80,7 @@ class StreamingEngine:
                     on_token(s, t)
             return token
 
-        requests = [Request(list(p), max_new_tokens, as_sampler(c), stop_ids=_Ends(is_end), on_token=heard(s))
+        requests = [Request(list(p), max_new_tokens, as_sampler(c), stop_ids=StopWhen(is_end), on_token=heard(s))
                     for s, (p, c) in enumerate(zip(prompts, choosers, strict=True))]
         scheduler.run(requests)
         failed = [r.error for r in requests if r.error]
@@ -95,16 +96,6 @@ class StreamingEngine:
             after = self._bytes_moved()
             self.stats.bytes_moved = {k: after[k] - before.get(k, 0) for k in after}
         return outputs
-
-
-class _Ends:
-    """`is_end` as the stop-id container a Request checks."""
-
-    def __init__(self, is_end: Callable[[int], bool]) -> None:
-        self.is_end = is_end
-
-    def __contains__(self, token: object) -> bool:
-        return bool(self.is_end(token))  # type: ignore[arg-type]
 
 
 def read_prompts_file(path: str) -> list[str]:

@@ -133,3 +133,17 @@ def test_closing_the_stream_gives_the_cache_back(exact: Any) -> None:
     assert request.cancelled and scheduler.idle and len(scheduler.free) == 1
     again = Request(PROMPTS[2], 5, as_sampler(greedy))
     assert list(scheduler.run_one(again)) == alone(exact, PROMPTS[2], 5)
+
+
+def test_a_speculative_request_beside_a_plain_one(exact: Any) -> None:
+    """Speculation is a request too: its steps verify drafted trees (prompt lookup here) while the
+    other request decodes in passes; both get their plain greedy tokens."""
+    from infer.speculative import LookupDrafter, Speculator
+
+    repetitive = [1] + [40, 41, 42, 43] * 6
+    speculator = Speculator(exact, LookupDrafter(), 6, CTX)
+    drafted = Request(repetitive, 16, as_sampler(greedy), speculator=speculator)
+    plain = Request(PROMPTS[1], 12, as_sampler(greedy))
+    Scheduler(exact, CTX, 2).run([drafted, plain])
+    assert drafted.generated == alone(exact, repetitive, 16) and plain.generated == alone(exact, PROMPTS[1], 12)
+    assert 0 < speculator.stats.passes <= 16 and speculator.stats.proposed > 0
