@@ -29,7 +29,9 @@ SUPPORTED_TYPES: frozenset[GGMLQuantizationType] = frozenset(
 IMPLEMENTATIONS = ("avx2", "portable")
 
 _ERRORS = {-1: "unsupported weight type", -2: "bad column count", -3: "bad row range or token count",
-           -4: "out of memory", -5: "implementation not available on this CPU"}
+           -4: "out of memory", -5: "implementation not available on this CPU",
+           -6: "activations contain NaN or infinity"}
+MAX_PARTS = 8  # matrices in one FusedProduct (native/cpu_qdot.c)
 
 
 def available() -> bool:
@@ -97,6 +99,28 @@ def default_threads() -> int:
     return max(1, min(physical, usable))
 
 
+@functools.cache
+def single_threaded_blas() -> bool:
+    """Sets NumPy's OpenBLAS to one thread (once per process); whether it found the call. The engine's
+    attention products are small, and two thread pools on the same cores take turns: OpenBLAS's idle
+    threads spin after each product, against this module's workers (2026-12-04, the 2-core machine
+    beside another job, under cProfile: a 127-token SmolLM2 prompt 4.4 s with OpenBLAS at 2 threads,
+    1.0 s at 1)."""
+    import ctypes
+    from pathlib import Path
+
+    libs = Path(np.__file__).resolve().parent.parent / "numpy.libs"
+    for path in sorted(libs.glob("*openblas*.so*")) if libs.is_dir() else []:
+        lib = ctypes.CDLL(str(path))  # already loaded by NumPy: the same handle
+        for name in ("scipy_openblas_set_num_threads64_", "openblas_set_num_threads64_", "openblas_set_num_threads"):
+            fn = getattr(lib, name, None)
+            if fn is not None:
+                fn.argtypes, fn.restype = [ctypes.c_int], None
+                fn(1)
+                return True
+    return False
+
+
 def implementation() -> str:
     """The code path in use: "avx2" or "portable" (NVMEDIRECT_CPU_KERNELS=portable forces the latter)."""
     return IMPLEMENTATIONS[0] if _lib().qdot_implementation() else IMPLEMENTATIONS[1]
@@ -139,6 +163,17 @@ def quantize_activations(x: np.ndarray, ggml_type: int) -> np.ndarray:
     return out
 
 
+def half_to_float(a: np.ndarray) -> np.ndarray:
+    """a float16 array -> the same values as float32 (exact; F16C where the AVX2 path runs)."""
+    a = np.ascontiguousarray(a)
+    if a.dtype != np.float16:
+        raise ValueError(f"half_to_float takes float16, got {a.dtype}")
+    out = np.empty(a.shape, dtype=np.float32)
+    ffi = _cpu_kernels.ffi
+    _lib().qdot_half_to_float(ffi.from_buffer(a), ffi.from_buffer("float[]", out, require_writable=True), a.size)
+    return out
+
+
 def matmul_quantized(raw: np.ndarray, ggml_type: int, rows: int, cols: int, xq: np.ndarray,
                      threads: int | None = None) -> np.ndarray:
     """Like `matmul`, with activations already from quantize_activations (reuse them across the
@@ -174,3 +209,54 @@ def matmul(raw: np.ndarray, ggml_type: int, rows: int, cols: int, x: np.ndarray,
     _check_type(ggml_type)
     x = _activations(x, cols)
     return matmul_quantized(raw, ggml_type, rows, cols, quantize_activations(x, ggml_type), threads)
+
+
+class FusedProduct:
+    """y = x @ [W_0; W_1; ...].T for packed matrices stacked row-wise (Q, K, V or gate, up), each in
+    its own type, in one native call: x is rounded once per activation format inside it, and the
+    threads share one task over all the parts' rows. The same bits as `matmul` on each part. What can
+    be checked once (types, sizes, the buffers' addresses) is, at construction."""
+
+    def __init__(self, parts: list[tuple[np.ndarray, int, int, int]], threads: int | None = None) -> None:
+        if not 1 <= len(parts) <= MAX_PARTS:
+            raise ValueError(f"a fused product takes 1 to {MAX_PARTS} matrices, not {len(parts)}")
+        cols = {int(c) for _, _, _, c in parts}
+        if len(cols) != 1:
+            raise ValueError(f"the matrices of a fused product must share their column count, got {sorted(cols)}")
+        self.cols = cols.pop()
+        self.rows = sum(int(r) for _, _, r, _ in parts)
+        self.threads = default_threads() if threads is None else int(threads)
+        if self.threads < 1:
+            raise ValueError(f"threads must be >= 1, got {self.threads}")
+        _lib()  # raises if the extension is not built
+        ffi = _cpu_kernels.ffi
+        raws = []
+        for raw, ggml_type, rows, cols_ in parts:
+            row_bytes = weight_row_nbytes(ggml_type, cols_)
+            raw = np.ascontiguousarray(np.asarray(raw).reshape(-1).view(np.uint8))
+            if raw.size != rows * row_bytes:
+                raise ValueError(f"{raw.size} bytes given for a {rows}x{cols_} {_type_name(ggml_type)} matrix "
+                                 f"({rows * row_bytes} expected)")
+            raws.append(raw)
+        self._keep = raws  # the buffers the pointers below point into
+        self._w = ffi.new("const void *[]", [ffi.from_buffer(r) for r in raws])
+        self._types = ffi.new("int[]", [int(t) for _, t, _, _ in parts])
+        self._rows = ffi.new("int[]", [int(r) for _, _, r, _ in parts])
+        self._n = len(parts)
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        """x (..., cols) float32 -> (..., rows) float32. A decode step makes ~100 of these calls, so
+        the Python here is kept to a few operations."""
+        if x.shape[-1] != self.cols:
+            raise ValueError(f"activations have {x.shape[-1]} columns, the weights {self.cols}")
+        if x.dtype != np.float32 or not x.flags.c_contiguous:
+            x = np.ascontiguousarray(x, dtype=np.float32)
+        y = np.empty((*x.shape[:-1], self.rows), dtype=np.float32)
+        ffi = _cpu_kernels.ffi
+        rc = _cpu_kernels.lib.matmul_q_parts(self._n, self._w, self._types, self._rows, self.cols,
+                                             ffi.from_buffer("float[]", x), x.size // self.cols,
+                                             ffi.from_buffer("float[]", y, require_writable=True), self.threads)
+        if rc == -6:  # checked in C, where the values are read anyway
+            raise ValueError("activations contain NaN or infinity")
+        _check(rc, "matmul")
+        return y

@@ -297,6 +297,7 @@ class Transformer:
         local = dataclasses.replace(args, rope_base=args.rope_base_local, rope_scaling=RopeScaling())
         self.rope_local = Rope(local, None, fma=not exact) if args.rope_base_local else self.rope
         self.exact = exact  # float64 sums (module docstring); the weights' Linears must be exact too
+        self._widen_half = None if exact else getattr(weights, "widen_half", None)  # packed: native f16 -> f32
 
     def new_cache(self, max_tokens: int) -> KVCache:
         return KVCache(self.args, max_tokens)
@@ -411,8 +412,9 @@ class Transformer:
         if a.arch_table.scale_queries:  # Gemma: Q scaled in float32 (ggml_scale), attention's own scale 1
             q, scale = (q * scale).astype(np.float32), np.float32(1.0)
         q = q.astype(np.float16).astype(wide).reshape(n, a.n_kv_heads, group, a.head_dim).transpose(1, 2, 0, 3)
-        keys = keys.astype(wide).transpose(1, 2, 0)[:, None]  # (kv, 1, hd, S)
-        values = values.astype(wide).transpose(1, 0, 2)[:, None]  # (kv, 1, S, hd)
+        widen = self._widen_half or (lambda t: t.astype(wide))  # packed weights: the same conversion, native
+        keys = widen(keys).transpose(1, 2, 0)[:, None]  # (kv, 1, hd, S)
+        values = widen(values).transpose(1, 0, 2)[:, None]  # (kv, 1, S, hd)
         scores = (q @ keys).astype(np.float32) * scale  # (kv, g, T, S)
         if allowed is not None:  # a token tree or a window: each row sees the slots allowed
             scores[..., ~allowed[:, first:]] = -np.inf

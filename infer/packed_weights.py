@@ -12,7 +12,7 @@ import os
 
 import numpy as np
 
-from infer import cpu_kernels, quants
+from infer import cpu_kernels
 from infer.arch import ModelArgs
 from infer.gguf_file import GGUFModel
 from infer.model import DequantizedWeights, Linear
@@ -23,30 +23,18 @@ def native_products_requested() -> bool:
     return os.environ.get("NVMEDIRECT_CPU_PRODUCTS", "") == "native"
 
 
-class PackedLinear:
+class PackedLinear(cpu_kernels.FusedProduct):
     """y = x @ W.T for W made of GGUF tensors stacked row-wise (Q, K, V or gate, up), each left in its
-    packed bytes; x is rounded once per activation format and shared by the parts that take it."""
+    packed bytes: one native call (cpu_kernels.FusedProduct) rounds x once per activation format,
+    shares it among the parts that take it and writes every part's outputs side by side."""
 
     def __init__(self, parts: list[tuple[np.ndarray, int, int, int]], threads: int | None = None) -> None:
+        super().__init__(parts, threads)
         self.parts = parts  # (raw uint8 bytes, GGML type, rows, cols)
-        self.threads = threads
 
     @property
     def nbytes(self) -> int:
         return 0  # pages of the mapped file, not memory this process allocated
-
-    def __call__(self, x: np.ndarray) -> np.ndarray:
-        lead = x.shape[:-1]
-        rows = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, x.shape[-1])
-        rounded: dict[str, np.ndarray] = {}
-        outs = []
-        for raw, ggml_type, n_rows, cols in self.parts:
-            fmt = quants.activation_format(ggml_type)
-            if fmt not in rounded:
-                rounded[fmt] = cpu_kernels.quantize_activations(rows, ggml_type)
-            outs.append(cpu_kernels.matmul_quantized(raw, ggml_type, n_rows, cols, rounded[fmt], self.threads))
-        y = outs[0] if len(outs) == 1 else np.concatenate(outs, axis=-1)
-        return y.reshape(*lead, y.shape[-1])
 
 
 class PackedWeights(DequantizedWeights):
@@ -60,6 +48,12 @@ class PackedWeights(DequantizedWeights):
             raise RuntimeError("NVMEDIRECT_CPU_PRODUCTS=native needs the native CPU kernels: run "
                                "`bash scripts/bootstrap.sh` (or `python native/build_cpu_kernels.py`)")
         self.threads = threads
+        cpu_kernels.single_threaded_blas()  # the cores are the products' (see there why)
+
+    @staticmethod
+    def widen_half(a: np.ndarray) -> np.ndarray:
+        """The KV cache's float16 -> float32 for attention, natively (infer.model.Transformer)."""
+        return cpu_kernels.half_to_float(a)
 
     def _linear(self, *names: str) -> Linear | PackedLinear:  # type: ignore[override]
         infos = [self.model.tensor(name) for name in names]

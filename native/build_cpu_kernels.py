@@ -22,6 +22,9 @@ void quantize_row_q8_K(const float *x, void *out, int k);
 int qdot_quantize_activations(int ggml_type, const float *x, int n_tokens, int cols, void *out);
 int matmul_q(const void *w, int ggml_type, int rows, int cols, const void *xq, int n_tokens, float *y,
              int row0, int row1, int n_threads);
+int matmul_q_parts(int n_parts, const void *const *w, const int *types, const int *rows, int cols,
+                   const float *x, int n_tokens, float *y, int n_threads);
+void qdot_half_to_float(const void *src, float *dst, size_t n);
 int qdot_implementation(void);
 int qdot_set_implementation(int avx2);
 int qdot_cpu_has_avx2(void);
@@ -29,7 +32,8 @@ int qdot_cpu_has_avx2(void);
 
 # The kernels' files, compiled as one translation unit (their helpers are static inline, and the
 # kernels inline into their dispatchers) in this order; cpu_qdot_common.h holds what they share.
-SOURCES = ["cpu_qdot_quant.c", "cpu_qdot_portable.c", "cpu_qdot_avx2_legacy.c", "cpu_qdot_avx2_k.c", "cpu_qdot.c"]
+SOURCES = ["cpu_qdot_quant.c", "cpu_qdot_portable.c", "cpu_qdot_avx2_legacy.c", "cpu_qdot_avx2_k.c",
+           "cpu_qdot_pool.c", "cpu_qdot.c"]
 HEADERS = ["cpu_qdot.h", "cpu_qdot_common.h"]
 # Their text is inlined (as build_vfio.py does) so the setuptools build needs no source paths; #line
 # keeps the compiler's messages pointing at the real files.
@@ -38,13 +42,17 @@ SOURCE = "".join(f'#line 1 "native/{name}"\n' + (HERE / name).read_text() for na
 ffibuilder = FFI()
 ffibuilder.cdef(CDEF)
 # -ffp-contract=off: the bit-identity of the AVX2 and portable paths needs every a * b + c rounded
-# twice, never fused. -fopenmp: the thread pool over output rows.
+# twice, never fused. -pthread: the pool of threads over output rows (cpu_qdot_pool.c).
 ffibuilder.set_source("infer._cpu_kernels", SOURCE, include_dirs=[str(HERE)],
-                      extra_compile_args=["-O3", "-ffp-contract=off", "-fopenmp"], extra_link_args=["-fopenmp"],
+                      extra_compile_args=["-O3", "-ffp-contract=off", "-pthread"], extra_link_args=["-pthread"],
                       depends=[str(HERE / name) for name in SOURCES + HEADERS])
 
 if __name__ == "__main__":
     built = Path(ffibuilder.compile(tmpdir=str(ROOT / "build" / "cpu_kernels"), verbose=True))
     target = ROOT / "infer" / built.name
-    shutil.copyfile(built, target)
+    # a new file renamed over the old one: a process that has the old one loaded keeps its pages
+    # (copying over it in place would change the code under that process)
+    staged = target.with_name(target.name + ".new")
+    shutil.copyfile(built, staged)
+    staged.replace(target)
     print(f"installed {target}")

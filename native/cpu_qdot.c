@@ -1,12 +1,9 @@
-/* Quantized CPU products (cpu_qdot.h): the choice of implementation and matmul_q, which decodes
- * the activations' block scales once and splits the rows over threads. The kernels are in
- * cpu_qdot_portable.c, cpu_qdot_avx2_legacy.c and cpu_qdot_avx2_k.c; the shared definitions and the
- * summation order that makes them bit-identical in cpu_qdot_common.h. */
+/* Quantized CPU products (cpu_qdot.h): the choice of implementation, matmul_q and matmul_q_parts,
+ * which decode the activations' block scales once and hand chunks of rows to the thread pool
+ * (cpu_qdot_pool.c). The kernels are in cpu_qdot_portable.c, cpu_qdot_avx2_legacy.c and
+ * cpu_qdot_avx2_k.c; the shared definitions and the summation order that makes them bit-identical
+ * in cpu_qdot_common.h. */
 #include "cpu_qdot_common.h"
-
-#ifdef _OPENMP
-#include <omp.h>
-#endif
 
 /* ---------------------------------------------------------------- dispatch */
 
@@ -65,8 +62,76 @@ static int rows_any(const struct job *J, int r0, int r1, int avx2)
     return 0;
 }
 
-int matmul_q(const void *w, int type, int rows, int cols, const void *xq, int n_tokens, float *y,
-             int row0, int row1, int n_threads)
+/* The activations in the form the kernels read: per-block scales (and q8_0 sums) as plain arrays
+ * for the quantized families, float values for the float types. Decoded once per product. */
+struct xdec {
+    float *dx, *xf, *dxT;
+    int32_t *xsum, *xsumT;
+};
+
+static void xdec_free(struct xdec *D)
+{
+    free(D->dx);
+    free(D->xf);
+    free(D->xsum);
+    free(D->dxT);
+    free(D->xsumT);
+}
+
+static int xdec_make(struct xdec *D, int type, int family, int cols, int nb, const uint8_t *x, size_t xrow,
+                     int n_tokens)
+{
+    memset(D, 0, sizeof *D);
+    if (family == FAM_FLOAT) {
+        D->xf = malloc((size_t)n_tokens * cols * sizeof(float));
+        if (!D->xf)
+            return QDOT_ENOMEM;
+        for (int t = 0; t < n_tokens; t++)
+            for (int i = 0; i < cols; i++)
+                D->xf[(size_t)t * cols + i] = weight_to_f32(type, x + (size_t)t * xrow, i);
+        return 0;
+    }
+    size_t nblk = (size_t)n_tokens * nb;
+    D->dx = malloc(nblk * sizeof(float));
+    D->xsum = malloc(nblk * sizeof(int32_t));
+    if (!D->dx || !D->xsum) {
+        xdec_free(D);
+        return QDOT_ENOMEM;
+    }
+    for (int t = 0; t < n_tokens; t++)
+        for (int b = 0; b < nb; b++) {
+            size_t i = (size_t)t * nb + b;
+            if (family == FAM_K) {
+                D->dx[i] = load_f32(x + (size_t)t * xrow + (size_t)b * Q8_K_BYTES);
+                D->xsum[i] = 0;
+            } else {
+                const uint8_t *blk = x + (size_t)t * xrow + (size_t)b * Q8_0_BYTES;
+                int32_t s = 0;
+                for (int k = 0; k < QK; k++)
+                    s += (int8_t)blk[2 + k];
+                D->dx[i] = fp16_to_f32(load_u16(blk));
+                D->xsum[i] = s;
+            }
+        }
+    if (n_tokens > 1) {  /* the 8-token AVX2 tiles read eight tokens' scales at once */
+        D->dxT = malloc(nblk * sizeof(float));
+        D->xsumT = malloc(nblk * sizeof(int32_t));
+        if (!D->dxT || !D->xsumT) {
+            xdec_free(D);
+            return QDOT_ENOMEM;
+        }
+        for (int t = 0; t < n_tokens; t++)
+            for (int b = 0; b < nb; b++) {
+                D->dxT[(size_t)b * n_tokens + t] = D->dx[(size_t)t * nb + b];
+                D->xsumT[(size_t)b * n_tokens + t] = D->xsum[(size_t)t * nb + b];
+            }
+    }
+    return 0;
+}
+
+/* A job for weights w (type, rows x cols) against decoded activations; y points at its first column. */
+static int job_make(struct job *J, const void *w, int type, int rows, int cols, const uint8_t *xq, int n_tokens,
+                    const struct xdec *D, float *y, size_t ystride)
 {
     int block, wblock, family;
     if (qdot_type_info(type, &block, &wblock, &family))
@@ -74,69 +139,169 @@ int matmul_q(const void *w, int type, int rows, int cols, const void *xq, int n_
     long long wrow = qdot_weight_row_bytes(type, cols), xrow = qdot_activation_row_bytes(type, cols);
     if (wrow < 0)
         return (int)wrow;
+    *J = (struct job){
+        .type = type, .family = family, .rows = rows, .cols = cols, .nb = cols / block, .n_tokens = n_tokens,
+        .w = w, .wrow = (size_t)wrow, .wblock = wblock, .x = xq, .xrow = (size_t)xrow,
+        .dx = D ? D->dx : NULL, .xsum = D ? D->xsum : NULL, .xf = D ? D->xf : NULL, .y = y, .ystride = ystride,
+        .dxT = D ? D->dxT : NULL, .xsumT = D ? D->xsumT : NULL,
+    };
+    return 0;
+}
+
+#define MAX_PARTS 8
+
+/* Rows [row0[p], row0[p] + span[p]) of each job, cut into chunks of chunk[p] rows for the pool. */
+struct task {
+    struct job jobs[MAX_PARTS];
+    int row0[MAX_PARTS], span[MAX_PARTS], chunk[MAX_PARTS], first[MAX_PARTS + 1];
+    int n_jobs, avx2;
+};
+
+static int task_chunk(void *ctx, int i)
+{
+    const struct task *T = ctx;
+    int p = 0;
+    while (i >= T->first[p + 1])
+        p++;
+    int a = T->row0[p] + (i - T->first[p]) * T->chunk[p];
+    int b = a + T->chunk[p] < T->row0[p] + T->span[p] ? a + T->chunk[p] : T->row0[p] + T->span[p];
+    return rows_any(&T->jobs[p], a, b, T->avx2);
+}
+
+/* Rows per chunk: about eight chunks per thread (a thread that is descheduled holds up at most one),
+ * at most ~256 KB of weights times tokens each, a multiple of 8 (the one-token tile). */
+static int chunk_rows(const struct job *J, int span, int threads)
+{
+    if (threads <= 1)
+        return span > 0 ? span : 1;
+    long long per = (span + 8LL * threads - 1) / (8LL * threads);
+    long long cap = (1LL << 18) / ((long long)J->wrow * J->n_tokens);
+    per = per < cap ? per : cap;
+    per = (per + 7) & ~7LL;
+    return per < 8 ? 8 : (int)per;
+}
+
+static int task_run(struct task *T, int n_threads)
+{
+    int threads = n_threads < 1 ? 1 : n_threads;
+    T->avx2 = qdot_implementation();
+    T->first[0] = 0;
+    for (int p = 0; p < T->n_jobs; p++) {
+        T->chunk[p] = chunk_rows(&T->jobs[p], T->span[p], threads);
+        T->first[p + 1] = T->first[p] + (T->span[p] + T->chunk[p] - 1) / T->chunk[p];
+    }
+    return qdot_pool_run(threads, T->first[T->n_jobs], task_chunk, T);
+}
+
+int matmul_q(const void *w, int type, int rows, int cols, const void *xq, int n_tokens, float *y,
+             int row0, int row1, int n_threads)
+{
+    struct task T = {.n_jobs = 1, .row0 = {row0}, .span = {row1 - row0}};
+    int rc = job_make(&T.jobs[0], w, type, rows, cols, xq, n_tokens, NULL, y, (size_t)rows);
+    if (rc)
+        return rc;
     if (rows < 0 || n_tokens < 0 || row0 < 0 || row1 > rows || row0 > row1)
         return QDOT_ERANGE;
     if (n_tokens == 0 || row0 == row1)
         return 0;
-    struct job J = {
-        .type = type, .family = family, .rows = rows, .cols = cols, .nb = cols / block, .n_tokens = n_tokens,
-        .w = w, .wrow = (size_t)wrow, .wblock = wblock, .x = xq, .xrow = (size_t)xrow, .y = y,
-    };
-    /* Per-block activation scales (and q8_0 sums) as plain arrays, decoded once per product. */
-    float *dx = NULL, *xf = NULL;
-    int32_t *xsum = NULL;
-    size_t nblk = (size_t)n_tokens * J.nb;
-    if (family == FAM_FLOAT) {
-        xf = malloc((size_t)n_tokens * cols * sizeof(float));
-        if (!xf)
-            return QDOT_ENOMEM;
-        for (int t = 0; t < n_tokens; t++)
-            for (int i = 0; i < cols; i++)
-                xf[(size_t)t * cols + i] = weight_to_f32(type, J.x + (size_t)t * J.xrow, i);
-    } else {
-        dx = malloc(nblk * sizeof(float));
-        xsum = malloc(nblk * sizeof(int32_t));
-        if (!dx || !xsum) {
-            free(dx);
-            free(xsum);
-            return QDOT_ENOMEM;
-        }
-        for (int t = 0; t < n_tokens; t++)
-            for (int b = 0; b < J.nb; b++) {
-                size_t i = (size_t)t * J.nb + b;
-                if (family == FAM_K) {
-                    dx[i] = load_f32(J.x + (size_t)t * J.xrow + (size_t)b * Q8_K_BYTES);
-                    xsum[i] = 0;
-                } else {
-                    const uint8_t *blk = J.x + (size_t)t * J.xrow + (size_t)b * Q8_0_BYTES;
-                    int32_t s = 0;
-                    for (int k = 0; k < QK; k++)
-                        s += (int8_t)blk[2 + k];
-                    dx[i] = fp16_to_f32(load_u16(blk));
-                    xsum[i] = s;
-                }
+    struct xdec D;
+    if ((rc = xdec_make(&D, type, T.jobs[0].family, cols, T.jobs[0].nb, xq, T.jobs[0].xrow, n_tokens)))
+        return rc;
+    T.jobs[0].dx = D.dx;
+    T.jobs[0].xsum = D.xsum;
+    T.jobs[0].xf = D.xf;
+    T.jobs[0].dxT = D.dxT;
+    T.jobs[0].xsumT = D.xsumT;
+    rc = task_run(&T, n_threads);
+    xdec_free(&D);
+    return rc;
+}
+
+/* A prompt's activations rounded on the pool's threads, a few tokens per chunk (each row is
+ * rounded on its own, so the bytes do not depend on who rounds it). */
+struct qtask {
+    int type, cols, n_tokens;
+    const float *x;
+    uint8_t *out;
+    size_t xrow;
+};
+
+#define QUANT_TOKENS 4
+
+static int qtask_chunk(void *ctx, int i)
+{
+    const struct qtask *Q = ctx;
+    int t0 = i * QUANT_TOKENS, n = Q->n_tokens - t0 < QUANT_TOKENS ? Q->n_tokens - t0 : QUANT_TOKENS;
+    return qdot_quantize_activations(Q->type, Q->x + (size_t)t0 * Q->cols, n, Q->cols, Q->out + (size_t)t0 * Q->xrow);
+}
+
+static int quantize_on_pool(int type, const float *x, int n_tokens, int cols, uint8_t *out, size_t xrow, int threads)
+{
+    struct qtask Q = {.type = type, .cols = cols, .n_tokens = n_tokens, .x = x, .out = out, .xrow = xrow};
+    return qdot_pool_run(threads, (n_tokens + QUANT_TOKENS - 1) / QUANT_TOKENS, qtask_chunk, &Q);
+}
+
+/* The activation format a weight type multiplies with, as one representative type. */
+static int format_of(int type)
+{
+    int block, bytes, family;
+    if (qdot_type_info(type, &block, &bytes, &family))
+        return -1;
+    return family == FAM_K ? T_Q4_K : family == FAM_LEGACY ? T_Q8_0 : type;
+}
+
+int matmul_q_parts(int n_parts, const void *const *w, const int *types, const int *rows, int cols,
+                   const float *x, int n_tokens, float *y, int n_threads)
+{
+    if (n_parts < 1 || n_parts > MAX_PARTS || n_tokens < 0)
+        return QDOT_ERANGE;
+    size_t total = 0;
+    for (int p = 0; p < n_parts; p++) {
+        long long n = qdot_activation_row_bytes(types[p], cols);
+        if (n < 0)
+            return (int)n;
+        if (rows[p] < 0)
+            return QDOT_ERANGE;
+        total += (size_t)rows[p];
+    }
+    if (n_tokens == 0 || total == 0)
+        return 0;
+    for (size_t i = 0; i < (size_t)n_tokens * cols; i++)
+        if (!isfinite(x[i]))
+            return QDOT_ENONFINITE;
+    /* x rounded once per activation format, shared by the parts that take it */
+    int fmt[MAX_PARTS], n_fmt = 0, rc = 0;
+    uint8_t *xq[MAX_PARTS] = {0};
+    struct xdec D[MAX_PARTS] = {0};
+    struct task T = {.n_jobs = n_parts};
+    size_t col0 = 0;
+    for (int p = 0; p < n_parts && !rc; p++) {
+        int f = format_of(types[p]), k = 0;
+        while (k < n_fmt && fmt[k] != f)
+            k++;
+        if (k == n_fmt) {
+            size_t xrow = (size_t)qdot_activation_row_bytes(f, cols);
+            fmt[n_fmt++] = f;
+            if (!(xq[k] = malloc(xrow * (size_t)n_tokens))) {
+                rc = QDOT_ENOMEM;
+                break;
             }
+            int block, bytes, family;
+            qdot_type_info(f, &block, &bytes, &family);
+            if ((rc = quantize_on_pool(f, x, n_tokens, cols, xq[k], xrow, n_threads)) ||
+                (rc = xdec_make(&D[k], f, family, cols, cols / block, xq[k], xrow, n_tokens)))
+                break;
+        }
+        rc = job_make(&T.jobs[p], w[p], types[p], rows[p], cols, xq[k], n_tokens, &D[k], y + col0, total);
+        T.row0[p] = 0;
+        T.span[p] = rows[p];
+        col0 += (size_t)rows[p];
     }
-    J.dx = dx;
-    J.xsum = xsum;
-    J.xf = xf;
-    int avx2 = qdot_implementation();
-    int span = row1 - row0, threads = n_threads < 1 ? 1 : n_threads;
-    if (threads > span)
-        threads = span;
-    int rc = 0;
-#ifdef _OPENMP
-#pragma omp parallel num_threads(threads) if (threads > 1) reduction(min : rc)
-    {
-        int i = omp_get_thread_num(), n = omp_get_num_threads();
-        int a = row0 + (int)((long long)span * i / n), b = row0 + (int)((long long)span * (i + 1) / n);
-        rc = rows_any(&J, a, b, avx2);
+    if (!rc)
+        rc = task_run(&T, n_threads);
+    for (int k = 0; k < n_fmt; k++) {
+        free(xq[k]);
+        xdec_free(&D[k]);
     }
-#else
-    rc = rows_any(&J, row0, row1, avx2);
-#endif
-    free(dx);
-    free(xsum);
-    free(xf);
     return rc;
 }

@@ -21,6 +21,7 @@
 #define QDOT_ERANGE -3       /* bad rows / row range / token count */
 #define QDOT_ENOMEM -4
 #define QDOT_ENOIMPL -5      /* the requested implementation is not available on this CPU */
+#define QDOT_ENONFINITE -6   /* activations contain NaN or infinity */
 
 /* Bytes of one packed weight row of `cols` elements; negative error code if unsupported. */
 long long qdot_weight_row_bytes(int ggml_type, int cols);
@@ -39,9 +40,22 @@ int qdot_quantize_activations(int ggml_type, const float *x, int n_tokens, int c
 
 /* y[t * rows + r] = dot(weight row r, activation row t) for r in [row0, row1), t in [0, n_tokens).
  * w: rows packed rows; xq: n_tokens rows from qdot_quantize_activations. Other entries of y are
- * left untouched. n_threads <= 1 runs on the calling thread. 0 or a negative error code. */
+ * left untouched. n_threads <= 1 runs on the calling thread; more share the rows through a
+ * persistent pool of threads (cpu_qdot_pool.c). 0 or a negative error code. */
 int matmul_q(const void *w, int ggml_type, int rows, int cols, const void *xq, int n_tokens, float *y,
              int row0, int row1, int n_threads);
+
+/* One fused product: y = x @ [W_0; W_1; ...].T for n_parts (at most 8) weight matrices stacked
+ * row-wise, each in its own type (w[p]: rows[p] packed rows of `cols`), x: n_tokens rows of `cols`
+ * floats. x is rounded once per activation format and shared by the parts that take it; y is
+ * (n_tokens, sum of rows), part p's outputs after those of the parts before it. One call, one task
+ * for the threads, the same bits as matmul_q on each part. 0 or a negative error code. */
+int matmul_q_parts(int n_parts, const void *const *w, const int *types, const int *rows, int cols,
+                   const float *x, int n_tokens, float *y, int n_threads);
+
+/* dst[i] = the float value of the float16 src[i] (exact), for i < n: the engine's float16 KV cache
+ * widened for attention (NumPy's conversion runs about ten times slower). */
+void qdot_half_to_float(const void *src, float *dst, size_t n);
 
 /* Implementation in use: 1 = AVX2, 0 = portable C. The initial choice is AVX2 where the CPU has
  * AVX2 and F16C, unless the environment variable NVMEDIRECT_CPU_KERNELS=portable. */

@@ -11,8 +11,6 @@
 
 #ifdef QDOT_X86
 
-#define KPF 2  /* one token: prefetch distance in blocks (4096-column rows, this machine) */
-
 /* pshufb masks: in each 128-bit half, the int16 element e (of 8) repeated. */
 #define REP16(e) 2 * (e), 2 * (e) + 1, 2 * (e), 2 * (e) + 1, 2 * (e), 2 * (e) + 1, 2 * (e), 2 * (e) + 1, \
                  2 * (e), 2 * (e) + 1, 2 * (e), 2 * (e) + 1, 2 * (e), 2 * (e) + 1, 2 * (e), 2 * (e) + 1
@@ -131,9 +129,9 @@ AVX2_INLINE void k_tile_avx2(const struct job *J, const int *rr, const int *tt, 
             xb[t] = xrow[t] + (size_t)b * Q8_K_BYTES;
         for (int r = 0; r < R; r++) {
             const uint8_t *blk = wrow[r] + (size_t)b * J->wblock;
-            if (T == 1)  /* one token: prefetch the row's stream (8 of them) a few blocks ahead */
+            if (T == 1)  /* one token: the same block of the next tile's rows (cpu_qdot_common.h) */
                 for (int o = 0; o < bytes; o += 64)
-                    _mm_prefetch((const char *)blk + KPF * bytes + o, _MM_HINT_T0);
+                    _mm_prefetch((const char *)blk + 8 * J->wrow + o, _MM_HINT_T0);
             uint32_t d;
             if (six) {
                 q6k_block(blk, xb, T, isc + r * T, imn + r * T);
@@ -148,6 +146,8 @@ AVX2_INLINE void k_tile_avx2(const struct job *J, const int *rr, const int *tt, 
         __m256 dx;
         if (T == 1) {
             dx = _mm256_set1_ps(J->dx[(size_t)tt[0] * J->nb + b]);
+        } else if (T == 8 && nt == 8) {  /* eight consecutive tokens: one load from the block-major copy */
+            dx = _mm256_loadu_ps(J->dxT + (size_t)b * J->n_tokens + tt[0]);
         } else {
             for (int r = 0; r < R; r++)
                 for (int t = 0; t < T; t++)
@@ -170,22 +170,23 @@ AVX2_INLINE void k_tile_avx2(const struct job *J, const int *rr, const int *tt, 
     store_tile(J, acc, rr, tt, nr, nt, T);
 }
 
-/* One token: 8 rows per tile; several: 2 rows x 4 tokens, so each weight block decoded serves four
- * tokens. */
-#define K_CASE(type_const)                                                                      \
+/* One token: 8 rows per tile; several: 1 row x 8 tokens for Q4_K/Q5_K (each super-block decoded
+ * once for eight tokens), 2 rows x 4 tokens for Q6_K (whose eight accumulators and four decoded
+ * vectors would not fit the registers: measured slower at 1 x 8). */
+#define K_CASE(type_const, RN, TN)                                                              \
     case type_const:                                                                            \
         if (J->n_tokens == 1)                                                                   \
             FOR_TILES(J, r0, r1, 8, 1, k_tile_avx2(J, rr, tt, nr, nt, 8, 1, type_const));       \
         else                                                                                    \
-            FOR_TILES(J, r0, r1, 2, 4, k_tile_avx2(J, rr, tt, nr, nt, 2, 4, type_const));       \
+            FOR_TILES(J, r0, r1, RN, TN, k_tile_avx2(J, rr, tt, nr, nt, RN, TN, type_const));   \
         break;
 
 AVX2 void qdot_k_rows_avx2(const struct job *J, int r0, int r1)
 {
     switch (J->type) {
-    K_CASE(T_Q4_K)
-    K_CASE(T_Q5_K)
-    K_CASE(T_Q6_K)
+    K_CASE(T_Q4_K, 1, 8)
+    K_CASE(T_Q5_K, 1, 8)
+    K_CASE(T_Q6_K, 2, 4)
     default: break;
     }
 }

@@ -9,8 +9,6 @@
 
 #ifdef QDOT_X86
 
-#define LPF 384  /* one token: prefetch distance in bytes */
-
 /* Legacy weights of one block as bytes: unsigned 0..31 (Q4_*, Q5_*) or signed (Q8_0). */
 AVX2_INLINE __m256i legacy_bytes(int type, const uint8_t *b)
 {
@@ -46,16 +44,17 @@ AVX2_INLINE void legacy_tile_avx2(const struct job *J, const int *rr, const int 
     for (int b = 0; b < J->nb; b++) {
         __m256i xv[8], dots[8];
         uint32_t dm[8];  /* lane p: d (low half) and m (high half, Q4_1/Q5_1) of its row */
-        for (int t = 0; t < T; t++)
+        for (int t = 0; t < T && R > 1; t++)  /* one row: each is read once, below (no spills) */
             xv[t] = _mm256_loadu_si256((const __m256i *)(xrow[t] + (size_t)b * Q8_0_BYTES + 2));
         for (int r = 0; r < R; r++) {
             const uint8_t *blk = wrow[r] + (size_t)b * J->wblock;
-            if (T == 1)  /* one token: prefetch the row's stream (8 of them) ahead */
-                _mm_prefetch((const char *)blk + LPF, _MM_HINT_T0);
+            if (T == 1)  /* one token: the same block of the next tile's rows (cpu_qdot_common.h) */
+                _mm_prefetch((const char *)blk + 8 * J->wrow, _MM_HINT_T0);
             __m256i wq = legacy_bytes(type, blk);
             uint32_t d = has_min ? load_u32(blk) : load_u16(blk);
             for (int t = 0; t < T; t++) {
-                dots[r * T + t] = type == T_Q8_0 ? dot_i8_i8(wq, xv[t]) : dot_u8_i8(wq, xv[t]);
+                __m256i x = R > 1 ? xv[t] : _mm256_loadu_si256((const __m256i *)(xrow[t] + (size_t)b * Q8_0_BYTES + 2));
+                dots[r * T + t] = type == T_Q8_0 ? dot_i8_i8(wq, x) : dot_u8_i8(wq, x);
                 dm[r * T + t] = d;
             }
         }
@@ -65,6 +64,10 @@ AVX2_INLINE void legacy_tile_avx2(const struct job *J, const int *rr, const int 
             size_t xi = (size_t)tt[0] * J->nb + b;
             dx = _mm256_set1_ps(J->dx[xi]);
             xsum = _mm256_set1_epi32(J->xsum[xi]);
+        } else if (T == 8 && nt == 8) {  /* eight consecutive tokens: one load from the block-major copy */
+            size_t xi = (size_t)b * J->n_tokens + tt[0];
+            dx = _mm256_loadu_ps(J->dxT + xi);
+            xsum = _mm256_loadu_si256((const __m256i *)(J->xsumT + xi));
         } else {
             float dxl[8];
             int32_t xsl[8];
@@ -81,7 +84,13 @@ AVX2_INLINE void legacy_tile_avx2(const struct job *J, const int *rr, const int 
         if (offset_shift)
             isum = _mm256_sub_epi32(isum, _mm256_slli_epi32(xsum, offset_shift));
         __m256 dw, mw;
-        halves_to_f32(dm, &dw, &mw);
+        if (R == 1) {  /* one row: its d (and m) in every lane */
+            __m128 h = _mm_cvtph_ps(_mm_cvtsi32_si128((int)dm[0]));
+            dw = _mm256_broadcastss_ps(h);
+            mw = _mm256_broadcastss_ps(_mm_movehdup_ps(h));
+        } else {
+            halves_to_f32(dm, &dw, &mw);
+        }
         __m256 term = _mm256_mul_ps(_mm256_mul_ps(dw, dx), _mm256_cvtepi32_ps(isum));
         if (has_min)
             term = _mm256_add_ps(term, _mm256_mul_ps(_mm256_mul_ps(mw, dx), _mm256_cvtepi32_ps(xsum)));
@@ -120,29 +129,30 @@ AVX2_INLINE void float_tile_avx2(const struct job *J, const int *rr, const int *
         for (int t = 0; t < nt; t++) {
             float lanes[8];
             _mm256_storeu_ps(lanes, acc[r * T + t]);
-            J->y[(size_t)tt[t] * J->rows + rr[r]] = finish_lanes(lanes, wtail, J->xf + (size_t)tt[t] * J->cols + n8, rem);
+            J->y[(size_t)tt[t] * J->ystride + rr[r]] = finish_lanes(lanes, wtail, J->xf + (size_t)tt[t] * J->cols + n8, rem);
         }
     }
 }
 
 /* One token: 8 rows per tile (4 for floats); several: 2 rows x 4 tokens, so each weight block
- * loaded serves four tokens. */
-#define TILE_CASE(tile, type_const, R1, T1)                                                     \
+ * loaded serves four tokens (floats), or 1 row x 8 tokens (legacy quants: the block is decoded
+ * once for eight tokens, and their scales are one load, from the block-major copy). */
+#define TILE_CASE(tile, type_const, R1, T1, RN, TN)                                             \
     case type_const:                                                                            \
         if (J->n_tokens == 1)                                                                   \
             FOR_TILES(J, r0, r1, R1, T1, tile(J, rr, tt, nr, nt, R1, T1, type_const));          \
         else                                                                                    \
-            FOR_TILES(J, r0, r1, 2, 4, tile(J, rr, tt, nr, nt, 2, 4, type_const));              \
+            FOR_TILES(J, r0, r1, RN, TN, tile(J, rr, tt, nr, nt, RN, TN, type_const));          \
         break;
 
 AVX2 void qdot_legacy_rows_avx2(const struct job *J, int r0, int r1)
 {
     switch (J->type) {
-    TILE_CASE(legacy_tile_avx2, T_Q4_0, 8, 1)
-    TILE_CASE(legacy_tile_avx2, T_Q4_1, 8, 1)
-    TILE_CASE(legacy_tile_avx2, T_Q5_0, 8, 1)
-    TILE_CASE(legacy_tile_avx2, T_Q5_1, 8, 1)
-    TILE_CASE(legacy_tile_avx2, T_Q8_0, 8, 1)
+    TILE_CASE(legacy_tile_avx2, T_Q4_0, 8, 1, 1, 8)
+    TILE_CASE(legacy_tile_avx2, T_Q4_1, 8, 1, 1, 8)
+    TILE_CASE(legacy_tile_avx2, T_Q5_0, 8, 1, 1, 8)
+    TILE_CASE(legacy_tile_avx2, T_Q5_1, 8, 1, 1, 8)
+    TILE_CASE(legacy_tile_avx2, T_Q8_0, 8, 1, 1, 8)
     default: break;
     }
 }
@@ -150,9 +160,9 @@ AVX2 void qdot_legacy_rows_avx2(const struct job *J, int r0, int r1)
 AVX2 void qdot_float_rows_avx2(const struct job *J, int r0, int r1)
 {
     switch (J->type) {
-    TILE_CASE(float_tile_avx2, T_F32, 4, 1)
-    TILE_CASE(float_tile_avx2, T_F16, 4, 1)
-    TILE_CASE(float_tile_avx2, T_BF16, 4, 1)
+    TILE_CASE(float_tile_avx2, T_F32, 4, 1, 2, 4)
+    TILE_CASE(float_tile_avx2, T_F16, 4, 1, 2, 4)
+    TILE_CASE(float_tile_avx2, T_BF16, 4, 1, 2, 4)
     default: break;
     }
 }

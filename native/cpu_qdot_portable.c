@@ -100,7 +100,7 @@ void qdot_legacy_rows_portable(const struct job *J, int r0, int r1)
                 }
             }
             for (int t = 0; t < nt; t++)
-                J->y[(size_t)(t0 + t) * J->rows + r] = acc[t];
+                J->y[(size_t)(t0 + t) * J->ystride + r] = acc[t];
         }
     }
 }
@@ -143,7 +143,7 @@ void qdot_k_rows_portable(const struct job *J, int r0, int r1)
                 }
             }
             for (int t = 0; t < nt; t++)
-                J->y[(size_t)(t0 + t) * J->rows + r] = acc[t];
+                J->y[(size_t)(t0 + t) * J->ystride + r] = acc[t];
         }
     }
 }
@@ -164,7 +164,7 @@ int qdot_float_rows_portable(const struct job *J, int r0, int r1)
             for (int i = 0; i < n8; i += 8)
                 for (int j = 0; j < 8; j++)
                     lanes[j] = lanes[j] + wf[i + j] * x[i + j];
-            J->y[(size_t)t * J->rows + r] = finish_lanes(lanes, wf + n8, x + n8, J->cols - n8);
+            J->y[(size_t)t * J->ystride + r] = finish_lanes(lanes, wf + n8, x + n8, J->cols - n8);
         }
     }
     free(wf);

@@ -106,6 +106,12 @@ def test_quantized_activations_are_the_python_emulation(rng: np.random.Generator
     cols = 512
     x = np.concatenate([_activations(rng, 9, cols), _awkward_rows(rng, cols)])
     fmt = quants.activation_format(ggml_type)
+    for name in _implementations():  # both roundings: the AVX2 one and the portable C
+        cpu_kernels.set_implementation(name)
+        _check_quantized(x, ggml_type, fmt, cols)
+
+
+def _check_quantized(x: np.ndarray, ggml_type: int, fmt: str, cols: int) -> None:
     xq = cpu_kernels.quantize_activations(x, ggml_type)
     assert xq.shape == (len(x), cpu_kernels.activation_row_nbytes(ggml_type, cols))
     got = _decode_activations(xq, fmt, cols)
@@ -281,6 +287,58 @@ def test_environment_variable_forces_the_portable_path() -> None:
     env = dict(os.environ, NVMEDIRECT_CPU_KERNELS="portable")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "portable"
+
+
+# ---------------------------------------------------------------- fused products (the engine's)
+
+FUSED = [T.Q5_0, T.Q8_0, T.Q6_K, T.Q4_K, T.F16, T.Q4_1]  # every family, shared and separate formats
+
+
+@pytest.mark.parametrize("n_tokens", [1, 3, 17, 40])
+def test_fused_product_is_each_parts_product(rng: np.random.Generator, n_tokens: int) -> None:
+    """One call over matrices of several types (activations rounded inside, once per format, on the
+    pool's threads for a prompt) gives, bit for bit, each part's own product side by side."""
+    cols = 512
+    parts = [(_weights(rng, t, rows, cols), t, rows, cols) for t, rows in zip(FUSED, (37, 8, 45, 16, 9, 3), strict=True)]
+    x = _activations(rng, n_tokens, cols)
+    for name in _implementations():
+        cpu_kernels.set_implementation(name)
+        want = np.concatenate([cpu_kernels.matmul(raw, t, rows, cols, x, threads=1) for raw, t, rows, _ in parts], axis=1)
+        for threads in (1, 2, 3):
+            got = cpu_kernels.FusedProduct(parts, threads)(x)
+            assert got.shape == (n_tokens, 118) and np.array_equal(_bits(got), _bits(want)), f"{name}, {threads} threads"
+        assert np.array_equal(_bits(cpu_kernels.FusedProduct(parts[2:3], 2)(x[None])[0]), _bits(want[:, 45:90]))
+
+
+def test_fused_product_refusals(rng: np.random.Generator) -> None:
+    raw = _weights(rng, T.Q8_0, 4, 64)
+    with pytest.raises(ValueError, match="1 to 8"):
+        cpu_kernels.FusedProduct([(raw, T.Q8_0, 4, 64)] * 9)
+    with pytest.raises(ValueError, match="column count"):
+        cpu_kernels.FusedProduct([(raw, T.Q8_0, 4, 64), (raw, T.Q8_0, 2, 128)])
+    with pytest.raises(ValueError, match="bytes given"):
+        cpu_kernels.FusedProduct([(raw[:-1], T.Q8_0, 4, 64)])
+    fused = cpu_kernels.FusedProduct([(raw, T.Q8_0, 4, 64)])
+    x = _activations(rng, 2, 64)
+    with pytest.raises(ValueError, match="columns"):
+        fused(x[:, :32])
+    x[1, 3] = np.inf
+    with pytest.raises(ValueError, match="NaN or infinity"):
+        fused(x)
+
+
+def test_half_to_float_is_numpys() -> None:
+    """Every float16 bit pattern; signalling NaNs may come back quiet (F16C), still NaN."""
+    h = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16).reshape(256, 256)
+    want = h.astype(np.float32)
+    for name in _implementations():
+        cpu_kernels.set_implementation(name)
+        got = cpu_kernels.half_to_float(h)
+        assert got.shape == h.shape and got.dtype == np.float32
+        nan = np.isnan(want)
+        assert np.array_equal(np.isnan(got), nan)
+        assert np.array_equal(_bits(got)[~nan], _bits(want)[~nan]), name
+    assert np.array_equal(cpu_kernels.half_to_float(h[:, ::3]), want[:, ::3], equal_nan=True)  # not contiguous
 
 
 # ---------------------------------------------------------------- errors
