@@ -248,14 +248,8 @@ class Scheduler:
             logits[:] = self.model.forward_batch(batch, prompt_rows=prompt_rows)
         seconds = time.perf_counter() - began
         rows = sum(len(t) for t, _ in batch)
-        self.stats.passes += 1
-        self.stats.pass_seconds += seconds
-        if prefilling:
-            self.stats.prompt_passes += 1
-            self.stats.prompt_pass_seconds += seconds
+        self._count(seconds, rows, len(batch), prompt=bool(prefilling))
         self.stats.last_batch_rows, self.stats.last_batch_sequences = rows, len(batch)
-        if self.on_pass:
-            self.on_pass(seconds, rows, len(batch))
         for r in prefilling:
             r.prompt_done = min(len(r.prompt), r.prompt_done + share)
         with self._guard:
@@ -285,13 +279,7 @@ class Scheduler:
             chunk = request.prompt[request.prompt_done : min(head, request.prompt_done + self.prefill_chunk)]
             self.model.prefill(np.asarray(chunk), request.cache)  # type: ignore[arg-type]
             request.prompt_done += len(chunk)
-            seconds = time.perf_counter() - began
-            self.stats.passes += 1
-            self.stats.prompt_passes += 1
-            self.stats.pass_seconds += seconds
-            self.stats.prompt_pass_seconds += seconds
-            if self.on_pass:
-                self.on_pass(seconds, len(chunk), 1)
+            self._count(time.perf_counter() - began, len(chunk), 1, prompt=True)
             return
         feed = request.prompt[-1:] if request.prompt_done == head else request.generated[-1:]
         request.prompt_done = len(request.prompt)
@@ -302,10 +290,7 @@ class Scheduler:
         try:
             for fresh in steps:
                 seconds, began = time.perf_counter() - began, time.perf_counter()
-                self.stats.passes += len(fresh)
-                self.stats.pass_seconds += seconds
-                if self.on_pass:
-                    self.on_pass(seconds, len(fresh), 1)
+                self._count(seconds, len(fresh), 1, passes=len(fresh))
                 with self._guard:
                     for token in fresh:
                         if request.cache is None or request.cancelled:
@@ -325,29 +310,30 @@ class Scheduler:
         if request.prompt_done < head:
             self.model.prefill(np.asarray(request.prompt[request.prompt_done : head]), request.cache)  # type: ignore[arg-type]
             rows, request.prompt_done = head - request.prompt_done, head
-            seconds = time.perf_counter() - began
-            self.stats.passes += 1
-            self.stats.prompt_passes += 1
-            self.stats.pass_seconds += seconds
-            self.stats.prompt_pass_seconds += seconds
-            if self.on_pass:
-                self.on_pass(seconds, rows, 1)
+            self._count(time.perf_counter() - began, rows, 1, prompt=True)
             return
         root = request.prompt[-1] if request.prompt_done == head else request.generated[-1]
         request.prompt_done = len(request.prompt)
         context = (request.prompt + request.generated)[: request.cache.length]  # type: ignore[union-attr]
         tokens = request.speculator.step(context, root, request.cache, request.max_tokens - len(request.generated),
                                          request.sampler.sample)
-        seconds = time.perf_counter() - began
-        self.stats.passes += 1
-        self.stats.pass_seconds += seconds
-        if self.on_pass:
-            self.on_pass(seconds, len(tokens), 1)
+        self._count(time.perf_counter() - began, len(tokens), 1)
         with self._guard:
             for token in tokens:
                 if request.cache is None or request.cancelled:
                     break
                 self._emit(request, None, (token, 0.0))
+
+    def _count(self, seconds: float, rows: int, sequences: int, prompt: bool = False, passes: int = 1) -> None:
+        """A pass (or `passes` device steps) of `seconds` over `rows` rows of `sequences` sequences;
+        `prompt`: it held prompt rows."""
+        self.stats.passes += passes
+        self.stats.pass_seconds += seconds
+        if prompt:
+            self.stats.prompt_passes += passes
+            self.stats.prompt_pass_seconds += seconds
+        if self.on_pass:
+            self.on_pass(seconds, rows, sequences)
 
     def fail_all(self, message: str) -> None:
         """The model failed: every request in flight or waiting gets the error (caller holds the lock)."""
