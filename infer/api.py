@@ -136,14 +136,14 @@ class LLM:
                                    "(raise -c/--ctx-size)")
         shared = 0
         if reuse_cache:  # the last prompt token always runs: its logits are needed
-            shared = min(common_prefix(self.engine.tokens, ids, len(ids)), len(ids) - 1)
+            shared = common_prefix(self.engine.tokens, ids, len(ids) - 1)
         stop = self.tokenizer.vocab.eog_ids if stop_at_eog else frozenset()
         request = Request(ids, max_tokens, Sampler(sampler or SamplerConfig(temperature=0.0)), stop_ids=stop)
         return self._run(request, shared)
 
     def _run(self, request: Request, shared: int) -> Iterator[int]:
         engine, run = self.engine, self._scheduler.stats
-        before = (run.passes, run.prompt_passes, run.pass_seconds, run.prompt_pass_seconds)
+        seconds_before, prompt_seconds_before = run.pass_seconds, run.prompt_pass_seconds
         engine.stats = stats = GenerationStats(stop_reason="length")
         cache = engine.cache
         chosen: list[int] = []
@@ -155,8 +155,8 @@ class LLM:
         finally:  # the cache holds the prompt and every chosen token but the last
             engine.tokens = (request.prompt + chosen)[: cache.length]
             stats.prompt_tokens = len(request.prompt) - min(shared, cache.length)
-            stats.prompt_seconds = run.prompt_pass_seconds - before[3]
-            stats.decode_seconds = run.pass_seconds - before[2] - stats.prompt_seconds
+            stats.prompt_seconds = run.prompt_pass_seconds - prompt_seconds_before
+            stats.decode_seconds = run.pass_seconds - seconds_before - stats.prompt_seconds
             if request.finish_reason == "stop":
                 stats.stop_reason = "eog"
             elif request.finish_reason == "length" and len(request.generated) < request.max_tokens:

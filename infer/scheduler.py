@@ -97,6 +97,10 @@ class Scheduler:
     # -- requests in ---------------------------------------------------------------------------
     def submit(self, request: Request) -> None:
         """Queue a request (the caller holds the lock when there is one)."""
+        self._check(request)
+        self.waiting.append(request)
+
+    def _check(self, request: Request) -> None:
         if not request.prompt:
             raise ValueError("a prompt has no tokens")
         if len(request.prompt) > self.ctx_size:
@@ -104,7 +108,6 @@ class Scheduler:
                              "(raise -c)")
         if self.tokenizer is not None:
             request.decoder = StreamDecoder(self.tokenizer)
-        self.waiting.append(request)
 
     def run(self, requests: Sequence[Request]) -> None:
         """Submit `requests` and step until every request in the scheduler has finished."""
@@ -119,18 +122,19 @@ class Scheduler:
         Yields every chosen id as it comes (a stop id too); closing the iterator cancels it."""
         if not self.idle:
             raise RuntimeError("run_one needs an idle scheduler")
-        self.submit(request)
-        self.waiting.remove(request)
+        self._check(request)
         cache = self.free.pop(0)
         self._holds.pop(id(cache), None)
-        if not 0 <= shared < len(request.prompt) or not cache.can_rewind(shared):
-            shared = 0
-        cache.length = request.prompt_done = shared
-        request.cache = cache
-        self.active.append(request)
+        self._place(request, cache, shared if 0 <= shared < len(request.prompt) and cache.can_rewind(shared) else 0)
         chosen: list[int] = []
         told = request.on_token
-        request.on_token = lambda t: (chosen.append(t), told(t) if told else None)  # type: ignore[func-returns-value]
+
+        def hear(token: int) -> None:
+            chosen.append(token)
+            if told is not None:
+                told(token)
+
+        request.on_token = hear
         try:
             while request.cache is not None and self.step():
                 yield from chosen
@@ -173,13 +177,17 @@ class Scheduler:
             if request.cancelled:
                 continue
             cache, shared = self._take_cache(request.prompt)
-            cache.length = request.prompt_done = shared
-            request.cache = cache
             self.stats.prefix_hits += shared > 0
             self.stats.prefix_tokens += shared
             if self.on_admit is not None:
                 self.on_admit(shared, len(request.prompt) - shared)
-            self.active.append(request)
+            self._place(request, cache, shared)
+
+    def _place(self, request: Request, cache: Cache, shared: int) -> None:
+        """`request` becomes active in `cache`, whose first `shared` positions hold its prompt's."""
+        cache.length = request.prompt_done = shared
+        request.cache = cache
+        self.active.append(request)
 
     def retire_cancelled(self) -> None:
         for request in [r for r in self.active if r.cancelled]:

@@ -51,19 +51,7 @@ DEVICE=${SERVE_COMPARE_DEVICE:-gpu}
 cublas=$(find /usr/local/cuda*/ /opt /usr/lib -name 'libcublas.so.1*' 2>/dev/null | head -1)
 export LD_LIBRARY_PATH="/tmp/lcbin:${cublas:+$(dirname "$cublas"):}/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
 
-up() {  # waits for http://127.0.0.1:$1/health to answer 200
-    python3 - "$1" <<'EOF'
-import sys, time, urllib.request
-for _ in range(600):
-    try:
-        if urllib.request.urlopen(f"http://127.0.0.1:{sys.argv[1]}/health", timeout=2).status == 200:
-            sys.exit(0)
-    except Exception:
-        pass
-    time.sleep(0.5)
-sys.exit(1)
-EOF
-}
+up() { python3 scripts/wait_health.py "$1"; }  # /health answers 200 within 5 minutes
 bench() {  # name port args...: one bench.server_bench --url run, its headline in the summary
     local name=$1 port=$2
     shift 2

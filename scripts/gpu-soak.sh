@@ -28,17 +28,7 @@ vram() { nvidia-smi --query-gpu=memory.used --format=csv,noheader > "$OUT/$1" 2>
 python3 -c "from infer.cli import main; main()" serve -m "$MODEL" --device "$DEVICE" "${SERVE_ARGS[@]}" \
     --port 8093 > "$OUT/server.log" 2>&1 &
 pid=$!
-python3 - <<'EOF' || { echo "server did not come up: $(tail -3 "$OUT/server.log")"; kill -9 $pid; exit 1; }
-import sys, time, urllib.request
-for _ in range(600):
-    try:
-        if urllib.request.urlopen("http://127.0.0.1:8093/health", timeout=2).status == 200:
-            sys.exit(0)
-    except Exception:
-        pass
-    time.sleep(0.5)
-sys.exit(1)
-EOF
+python3 scripts/wait_health.py 8093 || { echo "server did not come up: $(tail -3 "$OUT/server.log")"; kill -9 $pid; exit 1; }
 vram vram-before.txt
 python3 -m bench.server_soak --url http://127.0.0.1:8093 --pid $pid --seconds "$SECONDS_" --clients "$CLIENTS" \
     --out "$OUT/soak-gpu-${SECONDS_}s.json" > "$OUT/soak.log" 2>&1

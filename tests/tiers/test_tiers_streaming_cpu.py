@@ -142,8 +142,16 @@ def test_prompt_chunks_ride_beside_decode_tokens(tiny_model: Path) -> None:
     passes: list[tuple[int, int]] = []
     scheduler = Scheduler(model, CTX, slots=2, prefill_chunk=5, on_pass=lambda _s, rows, seqs: passes.append((rows, seqs)))
     prompts = [[1] + list(range(2, 14)), [1, 2, 3]]
-    requests = [Request(p, 3, as_sampler(greedy)) for p in prompts]
+    seen: list[np.ndarray] = []  # the logits each choice of the long prompt's request was made from
+
+    def recorded(logits: np.ndarray, history: list[int]) -> int:
+        seen.append(logits.copy())
+        return greedy(logits, history)
+
+    requests = [Request(prompts[0], 3, as_sampler(recorded)), Request(prompts[1], 3, as_sampler(greedy))]
     scheduler.run(requests)
+    whole = model.forward(np.asarray(prompts[0]), model.new_cache(CTX))
+    np.testing.assert_allclose(seen[0], whole, rtol=ONE_ULP, atol=0)  # its prompt over four passes
     # 5 rows a pass: 2 + 2, then 2 + 1 (the short prompt ends and its first token comes), then its
     # decode token beside 4 prompt rows twice (it ends), then the long prompt's last row and its decode
     assert passes == [(4, 2), (3, 2), (5, 2), (5, 2), (1, 1), (1, 1), (1, 1)]
