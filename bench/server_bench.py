@@ -97,18 +97,23 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-async def _clients(base: str, prompts: list[list[int]], tokens: int, key: str | None = None) -> dict[str, Any]:
+async def _clients(base: str, prompts: list[list[int]] | list[str], tokens: int, key: str | None = None,
+                   chat: bool = False) -> dict[str, Any]:
+    """Each prompt (ids, or text) streamed by a client of its own, greedy, `tokens` each
+    (ignore_eos); with `chat`, text prompts are user messages to /v1/chat/completions. Text prompts'
+    replies are kept (speculation's runs compare them with the plain server's)."""
     import aiohttp
 
-    url = f"{base.rstrip('/')}/v1/completions"
+    url = f"{base.rstrip('/')}/v1/{'chat/completions' if chat else 'completions'}"
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     began = time.perf_counter()
 
-    async def one(session: aiohttp.ClientSession, prompt: list[int]) -> tuple[float, int, float]:
+    async def one(session: aiohttp.ClientSession, prompt: list[int] | str) -> tuple[float, int, float, str]:
         sent = time.perf_counter()
-        first, count = None, 0
-        body = {"prompt": prompt, "max_tokens": tokens, "temperature": 0, "stream": True, "ignore_eos": True,
+        first, count, text = None, 0, []
+        body = {"max_tokens": tokens, "temperature": 0, "stream": True, "ignore_eos": True,
                 "stream_options": {"include_usage": True}}
+        body |= {"messages": [{"role": "user", "content": prompt}]} if chat else {"prompt": prompt}
         async with session.post(url, json=body, headers=headers) as response:
             if response.status != 200:
                 raise RuntimeError(f"HTTP {response.status}: {await response.text()}")
@@ -119,9 +124,11 @@ async def _clients(base: str, prompts: list[list[int]], tokens: int, key: str | 
                 event = json.loads(line[6:])
                 if event.get("usage"):
                     count = event["usage"]["completion_tokens"]
-                elif event["choices"] and first is None:
-                    first = time.perf_counter()
-        return (first or time.perf_counter()) - sent, count, time.perf_counter()
+                if event.get("choices"):
+                    first = first or time.perf_counter()
+                    choice = event["choices"][0]
+                    text.append(choice.get("text") or (choice.get("delta") or {}).get("content") or "")
+        return (first or time.perf_counter()) - sent, count, time.perf_counter(), "".join(text)
 
     timeout = aiohttp.ClientTimeout(total=3600)
     async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
@@ -129,9 +136,12 @@ async def _clients(base: str, prompts: list[list[int]], tokens: int, key: str | 
     wall = max(r[2] for r in results) - began
     ttft = sorted(r[0] for r in results)
     generated = sum(r[1] for r in results)
-    return {"clients": len(prompts), "generated_tokens": generated, "wall_seconds": round(wall, 3),
-            "aggregate_tok_s": round(generated / wall, 2),
-            "ttft_p50_s": round(statistics.median(ttft), 3), "ttft_p95_s": round(ttft[int(0.95 * (len(ttft) - 1))], 3)}
+    out = {"clients": len(prompts), "generated_tokens": generated, "wall_seconds": round(wall, 3),
+           "aggregate_tok_s": round(generated / wall, 2),
+           "ttft_p50_s": round(statistics.median(ttft), 3), "ttft_p95_s": round(ttft[int(0.95 * (len(ttft) - 1))], 3)}
+    if prompts and isinstance(prompts[0], str):
+        out["replies"] = [r[3] for r in results]
+    return out
 
 
 CHAT_TURNS = ["Tell me about the history of the bicycle.", "How did the gears change over time?",
@@ -256,6 +266,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="replay a chat of this many turns (each resending the history) instead; TTFT per turn")
     parser.add_argument("--vocab-size", type=int, default=32000, help="with --url: prompt ids are drawn below it")
     parser.add_argument("--api-key", help="with --url: sent as Authorization: Bearer KEY")
+    parser.add_argument("--prompt-file", type=Path, help="with --url: text prompts, one a line (the first --clients "
+                        "of them; fewer lines are reused), instead of random ids; the replies are kept")
+    parser.add_argument("--chat", action="store_true", help="with --prompt-file: each line a user message to "
+                        "/v1/chat/completions")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
     args.ctx = args.prompt_tokens + args.tokens + 8
@@ -310,7 +324,11 @@ def _measure_url(args: argparse.Namespace, command: str) -> int:
     if args.chat_turns:
         result = {"command": command, "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "url": args.url}
         return _report(args, result | asyncio.run(_chat_replay(args.url, args.chat_turns, args.tokens, args.api_key)))
-    def prompts_of(seed: int) -> list[list[int]]:
+    def prompts_of(seed: int) -> list[list[int]] | list[str]:
+        if args.prompt_file:  # the warm-up (seed 1) takes the lines after the measured ones
+            lines = [line for line in args.prompt_file.read_text().splitlines() if line.strip()]
+            first = seed * args.clients
+            return [lines[(first + i) % len(lines)] for i in range(args.clients)]
         rng = np.random.default_rng(seed)
         return [rng.integers(3, args.vocab_size, args.prompt_tokens).tolist() for _ in range(args.clients)]
 
@@ -318,8 +336,8 @@ def _measure_url(args: argparse.Namespace, command: str) -> int:
     result: dict[str, Any] = {"command": command, "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "url": args.url}
     # warm-up with the same load on other prompts: the passes of that shape are compiled and
     # captured, and no prefix of a measured prompt is cached by it
-    asyncio.run(_clients(args.url, prompts_of(1), 8, args.api_key))
-    result["server"] = asyncio.run(_clients(args.url, prompts, args.tokens, args.api_key))
+    asyncio.run(_clients(args.url, prompts_of(1), 8, args.api_key, args.chat))
+    result["server"] = asyncio.run(_clients(args.url, prompts, args.tokens, args.api_key, args.chat))
     if args.out:
         args.out.write_text(json.dumps(result, indent=1))
     print(json.dumps(result))

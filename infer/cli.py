@@ -455,10 +455,18 @@ def perplexity_command(ctx: click.Context, model: str | None, text_file: str, ct
                    "resending its history runs only the new turn). Default: on with the GPU and with --exact, "
                    "where it changes no answer; off on the CPU's float32 numerics, whose results depend on "
                    "how a prompt is split into passes.")
+@click.option("--draft-model", type=click.Path(), help="Speculation: a small model with the target's vocabulary "
+              "drafts a tree for every running request (a draft KV cache per slot) and one pass verifies all "
+              "of them; replies unchanged (greedy: token for token).")
+@click.option("--lookup", is_flag=True, help="Speculation from n-gram matches in each request's prompt and output "
+              "(no draft model).")
+@click.option("--draft-tree", type=click.IntRange(min=1), default=None,
+              help="Nodes of each request's draft tree (default 9, 33 with --streaming).")
 @click.pass_context
 def serve_command(ctx: click.Context, model: str | None, host: str, port: int, api_key: str | None, max_batch: int,
                   queue_size: int, ctx_size: int, device: str, streaming: StreamingConfig, exact: bool,
-                  threads: int | None, prefix_cache: bool | None) -> None:
+                  threads: int | None, prefix_cache: bool | None, draft_model: str | None, lookup: bool,
+                  draft_tree: int | None) -> None:
     """An OpenAI-compatible HTTP server: /v1/completions, /v1/chat/completions (stream: true for
     server-sent events; JSON schemas, tools, logprobs), /v1/models, /tokenize, /detokenize, /health,
     /metrics, and a chat page at /. Continuous batching: every pass over the weights serves every
@@ -474,20 +482,22 @@ def serve_command(ctx: click.Context, model: str | None, host: str, port: int, a
     if not model:
         _fail("no model given: use -m/--model FILE.gguf", EXIT_BAD_INPUT)
     from infer.arch import check_model
+    from infer.cli_spec import serve_speculation
     from infer.errors import ModelError
     from infer.gguf_file import GGUFModel
     from infer.server.app import Server
     from infer.server.run import loader, serve
 
     where = _resolve_device(device)
+    speculation = serve_speculation(model, draft_model, lookup, draft_tree, where, exact, streaming.enabled)
     try:  # a bad file stops here, before the server listens
         args = check_model(GGUFModel(model))
     except (ValueError, ModelError) as err:
         _fail(str(err), EXIT_BAD_INPUT)
     context = ctx_size or min(args.context_length, 4096)
     _context_note(args, context, model)
-    server = Server(loader(model, where, context, max_batch, streaming, exact), context, max_batch, queue_size,
-                    api_key, prefix_cache=prefix_cache)
+    server = Server(loader(model, where, context, max_batch, streaming, exact, speculation), context, max_batch,
+                    queue_size, api_key, prefix_cache=prefix_cache)
     _note(f"serving {Path(model).name} on http://{host}:{port} ({where}, {max_batch} slots of {context} tokens"
           f"{', API key required' if api_key else ''}); Ctrl-C stops after the requests in flight")
     serve(server, host, port)

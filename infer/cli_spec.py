@@ -110,10 +110,15 @@ def drafter(spec: SpecOptions, draft: Any, ctx: int, tree: int) -> Any:
     from infer.speculative import LookupDrafter, ModelDrafter
 
     if spec.draft_model:
-        depth = max(1, min(16, (tree - 1) // 2 if tree <= 9 else (tree - 1) // 4))
-        width = max(1, (tree - 1) // depth)
+        depth, width = chain_shape(tree)
         return ModelDrafter(draft.transformer, ctx, depth=depth, width=width, cache=draft.engine.cache)
     return LookupDrafter(max_ngram=3, depth=max(1, tree - 1))
+
+
+def chain_shape(tree: int) -> tuple[int, int]:
+    """(depth, width) of a draft model's chain with leaf siblings for a tree of `tree` nodes."""
+    depth = max(1, min(16, (tree - 1) // 2 if tree <= 9 else (tree - 1) // 4))
+    return depth, max(1, (tree - 1) // depth)
 
 
 def tuned(spec: SpecOptions, streaming: bool) -> Any:
@@ -319,3 +324,35 @@ def _context(gguf: Any) -> int:
     from infer.arch import ModelArgs
 
     return ModelArgs.from_gguf(gguf).context_length
+
+
+def serve_speculation(model: str, draft_model: str | None, lookup: bool, tree: int | None, where: str, exact: bool,
+                       streamed: bool) -> Any:
+    """serve's --draft-model/--lookup/--draft-tree checked (bad input exits 2 before the server
+    listens), as an infer.server.run.ServeSpeculation or None."""
+    from infer.cli import EXIT_BAD_INPUT, _fail
+    from infer.server.run import ServeSpeculation
+
+    if draft_model and lookup:
+        _fail("--draft-model and --lookup are two drafters: choose one", EXIT_BAD_INPUT)
+    if not (draft_model or lookup):
+        if tree is not None:
+            _fail("--draft-tree sizes the tree of --draft-model or --lookup: add one of them", EXIT_BAD_INPUT)
+        return None
+    if where == "cpu" and not exact:
+        _fail(CPU_NEEDS_EXACT, EXIT_BAD_INPUT)
+    if draft_model:
+        from infer.arch import check_model
+        from infer.errors import ModelError
+        from infer.gguf_file import GGUFModel
+        from infer.tokenizer import Tokenizer
+
+        try:
+            check_model(GGUFModel(draft_model))
+            check_vocabulary(Tokenizer.from_gguf(GGUFModel(model).metadata),
+                                      Tokenizer.from_gguf(GGUFModel(draft_model).metadata), draft_model)
+        except (ValueError, ModelError) as err:
+            _fail(str(err), EXIT_BAD_INPUT)
+    default = DEFAULT_TREE_STREAMING if streamed else DEFAULT_TREE_RESIDENT
+    return ServeSpeculation(draft_model, tree or default)
+

@@ -312,17 +312,41 @@ class Transformer:
         self.forward_batch([(np.asarray(tokens, dtype=np.int64), cache)])
 
     def forward_batch(self, batch: Batch, all_logits: bool = False, prompt_rows: Sequence[int] | None = None,
-                      hidden: list[np.ndarray] | None = None) -> list[np.ndarray]:
+                      hidden: list[np.ndarray] | None = None,
+                      trees: Sequence[np.ndarray | None] | None = None) -> list[np.ndarray]:
         """Per sequence the logits of its last token (vocab,) or of every token (T, vocab);
         prompt_rows as the GPU's (ignored: one product here). hidden: gets the residual stream
-        (rows, dim) entering the first layer and after each layer run."""
+        (rows, dim) entering the first layer and after each layer run. trees[s]: the parents of
+        sequence s's tokens, a token tree verified in this pass (forward_tree): all its logits come
+        back and its cache's length stays (KVCache.accept keeps a path)."""
         sizes = check_batch(batch, self.args.vocab_size)
+        trees = list(trees) if trees is not None else [None] * len(batch)
+        if len(trees) != len(batch):
+            raise ValueError(f"{len(trees)} trees for {len(batch)} sequences")
         bounds = np.cumsum([0, *sizes])
-        positions = [np.arange(c.length, c.length + n) for (_, c), n in zip(batch, sizes, strict=True)]
+        positions: list[np.ndarray] = []
+        masks: list[np.ndarray | None] = []  # a tree's: each node sees the cache and its ancestors
+        for (_, cache), n, parents in zip(batch, sizes, trees, strict=True):
+            if parents is None:
+                positions.append(np.arange(cache.length, cache.length + n))
+                masks.append(None)
+                continue
+            if len(parents) != n:
+                raise ValueError(f"a token tree of {n} tokens has {len(parents)} parents")
+            depths, allowed = tree_layout(np.asarray(parents, np.int64), cache.length)
+            positions.append(cache.length + depths)
+            masks.append(allowed)
         angles = {rope: [rope.angles(p) for p in positions] for rope in {self.rope, self.rope_local}}
-        # each sequence's local-layer mask, made once for every local layer: causal within the window
-        windows = [visible(p, np.arange(c.length + n), self.args.sliding_window) if any(self.args.local_layers)
-                   else None for p, (_, c), n in zip(positions, batch, sizes, strict=True)]
+        # each sequence's local-layer mask, made once for every local layer: its own (causal or the
+        # tree's) within the window over the keys' positions
+        windows: list[np.ndarray | None] = []
+        for p, (_, cache), mask in zip(positions, batch, masks, strict=True):
+            if not any(self.args.local_layers):
+                windows.append(None)
+                continue
+            keys = np.arange(cache.length + len(p)) if mask is None else np.concatenate([np.arange(cache.length), p])
+            seen = visible(p, keys, self.args.sliding_window)
+            windows.append(seen if mask is None else seen & mask)
         x = self._embed(np.concatenate([np.asarray(t, np.int64) for t, _ in batch]))  # (rows, dim)
         if hidden is not None:
             hidden.append(x)
@@ -335,42 +359,30 @@ class Transformer:
             for s, (_, cache) in enumerate(batch):
                 rows = slice(bounds[s], bounds[s + 1])
                 cos, sin = angles[self._rope_of(i)][s]
-                seen = windows[s] if self.args.is_local(i) else None
+                seen = windows[s] if self.args.is_local(i) else masks[s]
                 attn[rows] = self._attention(h[rows], layer, cache, i, cache.length, cos, sin, seen)
             x = self._residual(x, attn, layer.post_attn_norm)
             x = self._residual(x, self._feed_forward(self.norm(x, layer.ffn_norm), layer), layer.post_ffn_norm)
             if hidden is not None:
                 hidden.append(x)
-        for (_, cache), n in zip(batch, sizes, strict=True):
-            cache.length += n
-        picked = x if all_logits else x[bounds[1:] - 1]
-        logits = self.weights.output()(self.norm(picked, self.weights.output_norm()))
-        if all_logits:
-            return [logits[bounds[s]:bounds[s + 1]] for s in range(len(batch))]
-        return [logits[s] for s in range(len(batch))]
+        for (_, cache), n, parents in zip(batch, sizes, trees, strict=True):
+            if parents is None:
+                cache.length += n
+        # the rows whose logits come back: every row of a tree (or with all_logits), else the last
+        every = [all_logits or parents is not None for parents in trees]
+        picked = np.concatenate([np.arange(bounds[s], bounds[s + 1]) if every[s] else bounds[s + 1 : s + 2] - 1
+                                 for s in range(len(batch))])
+        logits = self.weights.output()(self.norm(x[picked], self.weights.output_norm()))
+        counts = np.cumsum([0, *(sizes[s] if every[s] else 1 for s in range(len(batch)))])
+        return [logits[counts[s]:counts[s + 1]] if every[s] else logits[counts[s]] for s in range(len(batch))]
+
     def forward_tree(self, tokens: np.ndarray, parents: np.ndarray, cache: KVCache) -> np.ndarray:
         """Logits (N, vocab) of every node of a token tree after the cache's positions, in one pass:
         node i (parents[i] < i, or -1 for a root that follows the cache) sits at position
         cache.length + its depth and sees the cache and its ancestors. Its keys and values go to cache
         slot cache.length + i; cache.length does not move (KVCache.accept keeps a path)."""
         tokens, parents = np.asarray(tokens, dtype=np.int64), np.asarray(parents, dtype=np.int64)
-        check_batch([(tokens, cache)], self.args.vocab_size)
-        depths, allowed = tree_layout(parents, cache.length)
-        angles = {rope: rope.angles(cache.length + depths) for rope in {self.rope, self.rope_local}}
-        if any(self.args.local_layers):  # the window over each key's position (cache slots, then the nodes')
-            key_pos = np.concatenate([np.arange(cache.length), cache.length + depths])
-            local = allowed & visible(cache.length + depths, key_pos, self.args.sliding_window)
-        x = self._embed(tokens)
-        for i in range(self.args.n_layers):
-            if i in self.skip:
-                continue
-            layer = self.weights.layer(i)
-            cos, sin = angles[self._rope_of(i)]
-            seen = local if self.args.is_local(i) else allowed
-            attn = self._attention(self.norm(x, layer.attn_norm), layer, cache, i, cache.length, cos, sin, seen)
-            x = self._residual(x, attn, layer.post_attn_norm)
-            x = self._residual(x, self._feed_forward(self.norm(x, layer.ffn_norm), layer), layer.post_ffn_norm)
-        return self.weights.output()(self.norm(x, self.weights.output_norm()))
+        return self.forward_batch([(tokens, cache)], trees=[parents])[0]
 
     def norm(self, x: np.ndarray, weight: np.ndarray) -> np.ndarray:
         return rms_norm(x, weight, self.args.norm_eps, self.exact)

@@ -2,17 +2,12 @@
 
 Every generation that runs many sequences is a `Request` to a `Scheduler`: the server's clients
 (infer/server/scheduler.py runs it on a thread) and `--batch`/`--prompts` (infer/streaming.py runs
-it to the end). A step is one pass: one new token of every request that is decoding and a chunk of
-the prompt of every request still prefilling (about `prefill_chunk` prompt rows a pass, shared
+it to the end). A step is one pass: one new token of every request that is decoding, a drafted tree
+of every speculative one (infer.spec_serve: one pass verifies all their trees) and a chunk of the
+prompt of every request still prefilling (about `prefill_chunk` prompt rows a pass, shared
 evenly), so a long prompt never stalls the running sequences. A request holds one of `slots` KV
-caches of `ctx_size` positions, made once (the memory plans count them); the rest wait.
-
-A cache given back keeps the prompt that ran in it (but its last token) as a prefix cache: a new
-request takes the free cache whose tokens share the longest prefix with its prompt and runs only the
-rest (a chat that resends its history, a shared system prompt), or else the one unused longest. On
-the GPU and with --exact on the CPU a prompt row's keys and values do not depend on how the prompt
-was split into passes (docs/GPU.md), so reuse changes no answer; the CPU's float32 sums do depend on
-it, so there the cache is off unless asked for.
+caches of `ctx_size` positions, made once (the memory plans count them); the rest wait. A cache
+given back keeps its prompt's prefix for a later request (infer.cache_pool).
 
     scheduler = Scheduler(model, ctx_size=2048, slots=4)
     requests = [Request(prompt, max_tokens=32, sampler=as_sampler(greedy)) for prompt in prompts]
@@ -28,12 +23,16 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
+from infer.cache_pool import CachePool, common_prefix, split_invariant
 from infer.engine import Cache, DeviceArgmax, DeviceGreedy, Model
 from infer.request import Event, Request, TokenLogprob, as_sampler, greedy_bias, stop_at
 from infer.sampler import NOTHING_LEFT, NonFiniteLogits, log_probabilities
+from infer.spec_serve import can_speculate, draft_together
+from infer.speculative import Speculator, Tree
 from infer.tokenizer import StreamDecoder, Tokenizer
 
 __all__ = ["Event", "Request", "Scheduler", "Stats", "TokenLogprob", "as_sampler", "common_prefix", "split_invariant"]
@@ -55,6 +54,8 @@ class Stats:
     finish_reasons: collections.Counter = field(default_factory=collections.Counter)
     prefix_hits: int = 0  # admitted requests that reused a cached prefix
     prefix_tokens: int = 0  # prompt tokens they did not run again
+    draft_tokens: int = 0  # tree nodes drafted for speculative requests (roots not counted)
+    accepted_tokens: int = 0  # of those, the ones the target kept
 
 
 class Scheduler:
@@ -67,7 +68,7 @@ class Scheduler:
                  on_pass: Callable[[float, int, int], None] | None = None,
                  on_admit: Callable[[int, int], None] | None = None,
                  lock: threading.Condition | None = None, caches: Sequence[Cache] | None = None,
-                 device_runs: bool = True) -> None:
+                 device_runs: bool = True, speculation: Callable[[Cache], Speculator] | None = None) -> None:
         if slots < 1:
             raise ValueError(f"slots must be >= 1, not {slots}")
         if ctx_size <= 0:
@@ -77,9 +78,10 @@ class Scheduler:
         self.ctx_size = ctx_size
         self.slots = slots
         self.prefill_chunk = prefill_chunk
-        self.prefix_cache = split_invariant(model) if prefix_cache is None else prefix_cache
         self.on_pass = on_pass
         self.on_admit = on_admit  # (prompt tokens reused from a cache, prompt tokens to run) per request
+        # the speculator of a cache (infer.spec_serve.DraftPool): requests that can speculate do there
+        self.speculation = speculation
         self._lock = lock
         self._guard = lock if lock is not None else contextlib.nullcontext()
         self._device_argmax = isinstance(model, DeviceArgmax)  # greedy steps bring back choices, not logits
@@ -87,9 +89,9 @@ class Scheduler:
         self._device_greedy = device_runs and isinstance(model, DeviceGreedy)
         if caches is not None and len(caches) != slots:
             raise ValueError(f"{len(caches)} caches for {slots} slots")
-        # least recently used first; `caches`: the caller's (planned in its budget)
-        self.free: list[Cache] = list(caches) if caches is not None else [model.new_cache(ctx_size) for _ in range(slots)]
-        self._holds: dict[int, list[int]] = {}  # id(cache) -> the tokens at its positions, for a free cache
+        # `caches`: the caller's (planned in its budget)
+        self.pool = CachePool(caches if caches is not None else [model.new_cache(ctx_size) for _ in range(slots)],
+                              split_invariant(model) if prefix_cache is None else prefix_cache)
         self.waiting: collections.deque[Request] = collections.deque()
         self.active: list[Request] = []
         self.stats = Stats()
@@ -123,8 +125,7 @@ class Scheduler:
         if not self.idle:
             raise RuntimeError("run_one needs an idle scheduler")
         self._check(request)
-        cache = self.free.pop(0)
-        self._holds.pop(id(cache), None)
+        cache = self.pool.oldest()
         self._place(request, cache, shared if 0 <= shared < len(request.prompt) and cache.can_rewind(shared) else 0)
         chosen: list[int] = []
         told = request.on_token
@@ -146,6 +147,15 @@ class Scheduler:
                 self.retire_cancelled()
 
     @property
+    def free(self) -> list[Cache]:
+        """The free caches, least recently used first."""
+        return self.pool.free
+
+    @property
+    def prefix_cache(self) -> bool:
+        return self.pool.prefix_cache
+
+    @property
     def idle(self) -> bool:
         return not self.active and not self.waiting
 
@@ -163,20 +173,15 @@ class Scheduler:
         if solo is not None:
             self._device_run(solo)
             return True
-        # a speculative request's step is its tree's verification (a pass of its own, for now)
-        for request in [r for r in requests if r.speculator is not None]:
-            self._tree_step(request)
-        rest = [r for r in requests if r.speculator is None]
-        if rest:
-            self._pass(rest)
+        self._pass(requests)
         return True
 
     def admit(self) -> None:
-        while self.waiting and self.free:
+        while self.waiting and self.pool:
             request = self.waiting.popleft()
             if request.cancelled:
                 continue
-            cache, shared = self._take_cache(request.prompt)
+            cache, shared = self.pool.take(request.prompt)
             self.stats.prefix_hits += shared > 0
             self.stats.prefix_tokens += shared
             if self.on_admit is not None:
@@ -187,6 +192,8 @@ class Scheduler:
         """`request` becomes active in `cache`, whose first `shared` positions hold its prompt's."""
         cache.length = request.prompt_done = shared
         request.cache = cache
+        if self.speculation is not None and request.speculator is None and can_speculate(request):
+            request.speculator = self.speculation(cache)
         self.active.append(request)
 
     def retire_cancelled(self) -> None:
@@ -194,64 +201,57 @@ class Scheduler:
             self._release(request)
         self.waiting = collections.deque(r for r in self.waiting if not r.cancelled)
 
-    def _take_cache(self, prompt: list[int]) -> tuple[Cache, int]:
-        """The free cache holding the longest prefix of `prompt` that it can rewind to (at most all
-        but the prompt's last token, whose logits are needed), when that prefix is at least half of
-        what the cache holds (llama-server's similarity rule: a short common opening, such as a chat
-        template's, must not take the cache of another conversation); else an empty cache, else the
-        least recently used one."""
-        best, shared = None, 0
-        if self.prefix_cache:
-            for i, cache in enumerate(self.free):
-                held = self._holds.get(id(cache), [])
-                n = common_prefix(held, prompt, len(prompt) - 1)
-                if n > shared and 2 * n >= len(held) and cache.can_rewind(n):
-                    best, shared = i, n
-        if best is None:
-            empty = [i for i, cache in enumerate(self.free) if not self._holds.get(id(cache))]
-            best = empty[0] if empty else 0
-        cache = self.free.pop(best)
-        self._holds.pop(id(cache), None)
-        return cache, shared
-
     def _release(self, request: Request) -> None:
         self.active.remove(request)
         if request.cache is not None:
-            # only the positions that ran as prompt rows are kept for reuse: the prompt but its last
-            # token. The last prompt token and the reply ran as decode rows, whose numbers a prompt
-            # row does not reproduce on the GPU (8-bit against float16 products, docs/GPU.md), and a
-            # later request that resends them runs them as prompt rows, as a server without the
-            # cache would: so the answers are the same with and without it
-            self._holds[id(request.cache)] = request.prompt[: min(request.cache.length, len(request.prompt) - 1)]
-            self.free.append(request.cache)
+            self.pool.give_back(request.cache, request.prompt)
             request.cache = None
         if self._lock is not None:
             self._lock.notify_all()
 
     def _pass(self, requests: list[Request]) -> None:
-        """A token of each decoding request, prompt chunks of the prefilling ones."""
-        decoding = [r for r in requests if r.prompt_done == len(r.prompt)]
-        prefilling = [r for r in requests if r.prompt_done < len(r.prompt)]
-        share = max(1, (self.prefill_chunk - len(decoding)) // max(1, len(prefilling)))
+        """A token of each decoding request, a drafted tree of each speculative one, prompt chunks of
+        the prefilling ones: one pass."""
+        # a speculative request runs its prompt but the last token as prompt rows; the last token is
+        # its first tree's root
+        head = {id(r): len(r.prompt) - (r.speculator is not None) for r in requests}
+        drafting = [r for r in requests if r.speculator is not None and r.prompt_done >= head[id(r)]]
+        decoding = [r for r in requests if r.speculator is None and r.prompt_done == len(r.prompt)]
+        prefilling = [r for r in requests if r.prompt_done < head[id(r)]]
+        trees = self._draft(drafting, len(decoding) + len(prefilling), bool(prefilling))
+        nodes = sum(len(tree.tokens) for tree, _ in trees)
+        share = max(1, (self.prefill_chunk - len(decoding) - nodes) // max(1, len(prefilling)))
+        room = getattr(self.model, "prompt_room", None)
+        if trees and room is not None and prefilling:  # one pass holds it all (the GPU's capacity)
+            share = min(share, room(len(decoding) + nodes + len(prefilling)) // len(prefilling))
+            if share == 0:  # no room beside the trees: the prompts wait for the next pass
+                prefilling, share = [], 1
         batch: list[tuple[np.ndarray, Cache]] = []
         prompt_rows: list[int] = []  # every prompt token but the prompt's last is a prompt row (docs/GPU.md)
         for r in decoding:
             batch.append((np.array([r.generated[-1]]), r.cache))  # type: ignore[arg-type]
             prompt_rows.append(0)
         for r in prefilling:
-            chunk = r.prompt[r.prompt_done : r.prompt_done + share]
+            chunk = r.prompt[r.prompt_done : min(head[id(r)], r.prompt_done + share)]
             batch.append((np.asarray(chunk), r.cache))  # type: ignore[arg-type]
             prompt_rows.append(len(chunk) - (r.prompt_done + len(chunk) == len(r.prompt)))
+        for r, (tree, _) in zip(drafting, trees, strict=True):
+            batch.append((np.asarray(tree.tokens), r.cache))  # type: ignore[arg-type]
+            prompt_rows.append(0)
         began = time.perf_counter()
         ordered = [*decoding, *prefilling]
         # every choice greedy (biases allowed: ignore_eos is one) and no log-probability asked: only
         # the choices come back from the device
-        biases = [greedy_bias(r) for r in ordered] if self._device_argmax else [None]
-        picks: list[tuple[int, float] | None] = [None] * len(batch)
-        logits: list[np.ndarray | None] = [None] * len(batch)
+        biases = [greedy_bias(r) for r in ordered] if self._device_argmax and not trees else [None]
+        picks: list[tuple[int, float] | None] = [None] * len(ordered)
+        logits: list[Any] = [None] * len(ordered)
         if all(b is not None for b in biases):
             picks[:] = self.model.forward_batch_argmax(batch, prompt_rows=prompt_rows,  # type: ignore[attr-defined]
                                                        bias=biases)
+        elif trees:
+            out = self.model.forward_batch(batch, prompt_rows=prompt_rows,  # type: ignore[call-arg]
+                                           trees=[None] * len(ordered) + [np.asarray(t.parents) for t, _ in trees])
+            logits[:], scored = out[: len(ordered)], out[len(ordered) :]
         else:
             logits[:] = self.model.forward_batch(batch, prompt_rows=prompt_rows)
         seconds = time.perf_counter() - began
@@ -259,12 +259,55 @@ class Scheduler:
         self._count(seconds, rows, len(batch), prompt=bool(prefilling))
         self.stats.last_batch_rows, self.stats.last_batch_sequences = rows, len(batch)
         for r in prefilling:
-            r.prompt_done = min(len(r.prompt), r.prompt_done + share)
+            r.prompt_done = min(head[id(r)], r.prompt_done + share)
+        settled = [self._settle(r, tree, draft_s, nodes_logits, seconds) for r, (tree, draft_s), nodes_logits
+                   in zip(drafting, trees, scored if trees else [], strict=True)]
         with self._guard:
             for r, out, pick in zip(ordered, logits, picks, strict=True):
                 if r.cancelled or r.prompt_done < len(r.prompt):
                     continue
                 self._emit(r, out, pick)
+            for r, tokens in zip(drafting, settled, strict=True):
+                for token in tokens:
+                    if r.cache is None or r.cancelled:
+                        break
+                    self._emit(r, None, (token, 0.0))
+
+    def _draft(self, requests: list[Request], others: int, prompts: bool) -> list[tuple[Tree, float]]:
+        """The trees of the speculative requests' next steps (with each one's drafting seconds), each
+        within its share of what the model's pass holds beside `others` sequences (at most half of
+        it when `prompts` are prefilling: their chunks need room too)."""
+        if not requests:
+            return []
+        capacity = getattr(self.model, "capacity", None)
+        if capacity:
+            limit = max(1, ((capacity // 2 if prompts else capacity) - others) // len(requests))
+        else:
+            limit = 1 << 30
+        steps = []
+        for r in requests:
+            root = r.prompt[-1] if r.prompt_done < len(r.prompt) else r.generated[-1]
+            context = (r.prompt + r.generated)[: r.cache.length]  # type: ignore[union-attr]
+            steps.append((r.speculator, context, root, r.cache, r.max_tokens - len(r.generated), limit))
+        return draft_together(steps)  # type: ignore[arg-type]
+
+    def _settle(self, request: Request, tree: Tree, draft_s: float, logits: Any, seconds: float) -> list[int]:
+        """A verified tree: the request's cache keeps the path the target accepts; the path's tokens
+        and the target's next choice are the request's next tokens."""
+        request.prompt_done = len(request.prompt)
+        context = (request.prompt + request.generated)[: request.cache.length]  # type: ignore[union-attr]
+        try:
+            tokens = request.speculator.settle(tree, logits, request.cache, request.sampler.sample, context,
+                                               draft_s, seconds)
+        except NonFiniteLogits:
+            raise  # the model is broken: every request fails
+        except ValueError as err:  # this request's own choice (its biases) is impossible
+            with self._guard:
+                self._refuse(request, err)
+            return []
+        self.stats.draft_tokens += len(tree.tokens) - 1
+        self.stats.accepted_tokens += len(tokens) - 1
+        return tokens
 
     def _solo(self, requests: list[Request]) -> Request | None:
         """The request that may decode on the device (CUDA-graph steps, only ids come back): alone,
@@ -309,29 +352,6 @@ class Scheduler:
         finally:
             steps.close()  # the cache holds what the device ran (decode_iter keeps its length current)
 
-    def _tree_step(self, request: Request) -> None:
-        """A speculative request: its prompt but the last token as prompt rows (one call, as plain
-        generation runs them), then each step drafts a tree from the last chosen token, verifies it
-        in one target pass and emits the accepted path and the token chosen after it."""
-        head = len(request.prompt) - 1
-        began = time.perf_counter()
-        if request.prompt_done < head:
-            self.model.prefill(np.asarray(request.prompt[request.prompt_done : head]), request.cache)  # type: ignore[arg-type]
-            rows, request.prompt_done = head - request.prompt_done, head
-            self._count(time.perf_counter() - began, rows, 1, prompt=True)
-            return
-        root = request.prompt[-1] if request.prompt_done == head else request.generated[-1]
-        request.prompt_done = len(request.prompt)
-        context = (request.prompt + request.generated)[: request.cache.length]  # type: ignore[union-attr]
-        tokens = request.speculator.step(context, root, request.cache, request.max_tokens - len(request.generated),
-                                         request.sampler.sample)
-        self._count(time.perf_counter() - began, len(tokens), 1)
-        with self._guard:
-            for token in tokens:
-                if request.cache is None or request.cancelled:
-                    break
-                self._emit(request, None, (token, 0.0))
-
     def _count(self, seconds: float, rows: int, sequences: int, prompt: bool = False, passes: int = 1) -> None:
         """A pass (or `passes` device steps) of `seconds` over `rows` rows of `sequences` sequences;
         `prompt`: it held prompt rows."""
@@ -351,6 +371,11 @@ class Scheduler:
         if self._lock is not None:
             self._lock.notify_all()
 
+    def _refuse(self, request: Request, err: ValueError) -> None:
+        request.finish_reason, request.error = "error", f"generation cannot go on: {err}"
+        request.push(Event(error=request.error, status=400))
+        self._release(request)
+
     def _emit(self, request: Request, logits: np.ndarray | None, pick: tuple[int, float] | None = None) -> None:
         """Samples (or takes the device's greedy `pick`: id and value) and sends the request's next text."""
         try:
@@ -363,9 +388,7 @@ class Scheduler:
         except NonFiniteLogits:
             raise  # the model is broken: every request fails
         except ValueError as err:  # this request's own choice (its grammar, its biases) is impossible
-            request.finish_reason, request.error = "error", f"generation cannot go on: {err}"
-            request.push(Event(error=request.error, status=400))
-            self._release(request)
+            self._refuse(request, err)
             return
         if request.first_token is None:
             request.first_token = time.perf_counter()
@@ -409,18 +432,3 @@ class Scheduler:
         self.stats.finish_reasons[finish] += 1
         self._release(request)
 
-
-def split_invariant(model: Model) -> bool:
-    """Whether a prompt row's numbers do not depend on how the prompt was split into passes: on the
-    GPU, and on the CPU with exact (float64) sums; not with the CPU's float32 BLAS products."""
-    return model.device == "gpu" or bool(getattr(model, "exact", False))
-
-
-def common_prefix(a: list[int], b: list[int], limit: int) -> int:
-    """How many leading tokens a and b share, at most `limit`."""
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if n >= limit or x != y:
-            break
-        n += 1
-    return n

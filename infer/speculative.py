@@ -83,7 +83,9 @@ def follow(tree: Tree, logits: np.ndarray, choose: Chooser, history: list[int]) 
     children = tree.children()
     path, node = [0], 0
     seen = list(history) + [tree.tokens[0]]
-    row_argmax = getattr(logits, "row_argmax", None) if getattr(choose, "argmax_only", False) else None
+    # the chooser, or the sampler whose bound `sample` it is (a request's)
+    greedy = getattr(choose, "argmax_only", False) or getattr(getattr(choose, "__self__", None), "argmax_only", False)
+    row_argmax = getattr(logits, "row_argmax", None) if greedy else None
     best = row_argmax() if row_argmax is not None else None
     while True:
         if best is not None and best[2][node] == 0:
@@ -110,9 +112,6 @@ class Speculator:
         self.target, self.drafter, self.tree_size, self.ctx_size = target, drafter, tree_size, ctx_size
         self.tuner = tuner
         self.stats = SpecStats()
-        # the decode step's own numbers where the engine has them (GPU: verify_tree), so greedy
-        # output is the plain engine's token for token; else forward_tree (CPU: one function)
-        self._verify = getattr(target, "verify_tree", None) or target.forward_tree  # type: ignore[attr-defined]
         reserve = getattr(target, "reserve_tree", None)
         if reserve is not None:  # the GPU's verification buffers, made once for the largest tree
             reserve(tree_size)
@@ -120,7 +119,8 @@ class Speculator:
     def generate(self, prompt: Sequence[int], max_new_tokens: int, choose: Chooser,
                  is_end: Callable[[int], bool] = lambda _: False, cache: Cache | None = None) -> Iterator[int]:
         """Up to `max_new_tokens` ids after `prompt` (an end id is yielded, then generation stops), as
-        a request to the generation loop (infer.scheduler), each of its steps one `step()`.
+        a request to the generation loop (infer.scheduler): each of its steps a tree drafted
+        (`draft`), verified in one target pass and walked (`settle`).
         `cache`: the target's KV cache to use (emptied first; default a new one)."""
         from infer.request import Request, StopWhen, as_sampler
         from infer.scheduler import Scheduler
@@ -141,25 +141,29 @@ class Speculator:
             self.stats.generated += 1
             yield token
 
-    def step(self, context: list[int], root: int, cache: Cache, left: int, choose: Chooser) -> list[int]:
-        """One speculative step: a tree drafted from `root` (the token chosen last, not in `cache`,
-        which holds `context`), verified in one target pass; the cache keeps the accepted path.
-        Returns the path's tokens after the root and the token chosen after it (at most `left` + 1
-        tokens are drafted for, as the request has `left` to go)."""
+    def tree_budget(self, cache: Cache, left: int) -> int:
+        """Nodes the next tree may have: the configured (or tuned) size, within the positions the
+        cache has left and the `left` + 1 tokens the request may still use."""
         size = self.tree_size
         if self.tuner is not None:
             self.drafter.depth = self.tuner.depth  # type: ignore[attr-defined]
             self.drafter.width = self.tuner.width  # type: ignore[attr-defined]
             size = 1 + self.tuner.depth * self.tuner.width
-        room = self.ctx_size - cache.length  # positions the tree may take (at least 1 while the request runs)
+        return max(1, min(size, self.ctx_size - cache.length, left + 1))
+
+    def draft(self, context: list[int], root: int, cache: Cache, left: int, limit: int | None = None) -> Tree:
+        """The tree of the next step (at most `limit` nodes: the share of a pass it rides in)."""
+        size = self.tree_budget(cache, left)
+        return self.drafter.propose(context, root, size if limit is None else max(1, min(size, limit)))
+
+    def settle(self, tree: Tree, logits: np.ndarray, cache: Cache, choose: Chooser, context: list[int],
+               draft_s: float, verify_s: float) -> list[int]:
+        """After the target's pass scored `tree` (its nodes' `logits`): the path the target keeps goes
+        into the cache; returns its tokens after the root and the token chosen after it."""
         began = time.perf_counter()
-        tree = self.drafter.propose(context, root, min(size, room, left + 1))
-        draft_s = time.perf_counter() - began
-        began = time.perf_counter()
-        logits = self._verify(np.asarray(tree.tokens), np.asarray(tree.parents), cache)
         path, chosen = follow(tree, logits, choose, context)
         cache.accept(path)  # type: ignore[attr-defined]
-        verify_s = time.perf_counter() - began
+        verify_s += time.perf_counter() - began
         self.stats.draft_seconds += draft_s
         self.stats.verify_seconds += verify_s
         if self.tuner is not None:
@@ -211,9 +215,19 @@ class ModelDrafter:
 
     def propose(self, context: Sequence[int], root: int, size: int) -> Tree:
         depth, width = self.shape(size)
-        tokens, parents = [root], [-1]
         if depth == 0:
-            return Tree(tokens, parents)
+            return Tree([root], [-1])
+        fresh = self._rewind(context, root)
+        chain_step = getattr(self.draft, "draft_chain", None)
+        if chain_step is not None:  # the whole chain on the device (GpuTransformer.draft_chain)
+            ranked = chain_step(fresh, self.cache, depth, width)
+        else:
+            ranked = self._chain(fresh, depth, width)
+        return self._tree(root, ranked)
+
+    def _rewind(self, context: Sequence[int], root: int) -> np.ndarray:
+        """Rolls the draft's cache back to what it shares with `context` + root; returns the tokens
+        to feed it from there (at least the root, whose logits are needed)."""
         want = [*context, root]
         common = 0
         for a, b in zip(self.fed, want, strict=False):
@@ -224,20 +238,59 @@ class ModelDrafter:
         if not self.cache.can_rewind(common):  # a local layer's ring moved past the prefix's window
             common = 0
         self.cache.length = common
-        chain_step = getattr(self.draft, "draft_chain", None)
-        if chain_step is not None:  # the whole chain on the device (GpuTransformer.draft_chain)
-            ranked = chain_step(np.asarray(want[common:]), self.cache, depth, width)
-        else:
-            ranked = self._chain(np.asarray(want[common:]), depth, width)
-        self.fed = [*want, *(int(r[0]) for r in ranked[:-1])]
+        self.fed = want
+        return np.asarray(want[common:])
+
+    def _tree(self, root: int, ranked: np.ndarray) -> Tree:
+        """The tree of a ranked chain (depth, width): the most likely token of each depth continues
+        the chain, the others are its leaf siblings. The draft's cache holds the chain but its last."""
+        self.fed = [*self.fed, *(int(r[0]) for r in ranked[:-1])]
+        tokens, parents = [root], [-1]
         chain_parent = 0
         for row in ranked:
-            chain = len(tokens)  # the most likely token continues the chain, the others are leaves
+            chain = len(tokens)
             for token in row:
                 tokens.append(int(token))
                 parents.append(chain_parent)
             chain_parent = chain
         return Tree(tokens, parents)
+
+    @staticmethod
+    def propose_many(drafters: Sequence[ModelDrafter], contexts: Sequence[Sequence[int]], roots: Sequence[int],
+                     sizes: Sequence[int]) -> list[Tree]:
+        """propose() for several drafters of ONE draft model (each with its own cache): a draft pass
+        over all of them per depth, instead of one per drafter and depth."""
+        shapes = [d.shape(size) for d, size in zip(drafters, sizes, strict=True)]
+        live = [i for i, (depth, _) in enumerate(shapes) if depth > 0]
+        feeds = {i: drafters[i]._rewind(contexts[i], roots[i]) for i in live}
+        model = drafters[0].draft
+        chains = getattr(model, "draft_chains", None)
+        if chains is not None:  # on the device, the drafters of one shape together (GpuTransformer.draft_chains)
+            ranked = {}
+            for shape in sorted({shapes[i] for i in live}):
+                group = [i for i in live if shapes[i] == shape]
+                for i, ids in zip(group, chains([(feeds[i], drafters[i].cache) for i in group], *shape), strict=True):
+                    ranked[i] = ids
+        else:
+            ranked = {i: np.stack(rows) for i, rows in ModelDrafter._host_chains(model, drafters, feeds, shapes).items()}
+        return [drafters[i]._tree(roots[i], ranked[i]) if i in ranked else Tree([roots[i]], [-1])
+                for i in range(len(drafters))]
+
+    @staticmethod
+    def _host_chains(model: Model, drafters: Sequence[ModelDrafter], feeds: dict[int, np.ndarray],
+                     shapes: Sequence[tuple[int, int]]) -> dict[int, list[np.ndarray]]:
+        """The drafters' ranked chains (as _chain), a forward_batch of all of them per depth."""
+        live = list(feeds)
+        ranked: dict[int, list[np.ndarray]] = {i: [] for i in live}
+        step = 0
+        while live:
+            logits = model.forward_batch([(feeds[i], drafters[i].cache) for i in live])
+            for i, row in zip(live, logits, strict=True):
+                ranked[i].append(top_k(np.asarray(row), shapes[i][1]))
+                feeds[i] = np.asarray([ranked[i][-1][0]])
+            step += 1
+            live = [i for i in live if shapes[i][0] > step]
+        return ranked
 
     def _chain(self, fresh: np.ndarray, depth: int, width: int) -> np.ndarray:
         """(depth, width): the `width` most likely tokens at each step of the greedy chain after

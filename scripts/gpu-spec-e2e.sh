@@ -26,7 +26,7 @@ mkdir -p "$DIR/pieces"
 case "${1:-}" in
 piece)
     cp "${2:-.carry}"/p* "$DIR/pieces/" && ls "$DIR/pieces" | tr "\n" " " && du -sb "$DIR/pieces" ;;
-run)
+join|run)  # join: only the models, into $DIR/target.gguf and $DIR/draft.gguf, checked (gpu-spec-serve.sh)
     OUT=${OUT:-/tmp/spec-e2e}
     mkdir -p "$OUT"
     if [ ! -f "$DIR/draft.gguf" ]; then
@@ -38,6 +38,7 @@ run)
     echo "$TARGET_SHA  $DIR/target.gguf" > "$DIR/sums"
     echo "$DRAFT_SHA  $DIR/draft.gguf" >> "$DIR/sums"
     sha256sum -c "$DIR/sums" 2>&1 | tee "$OUT/models-sha256.txt" || { echo "models: checksum FAILED"; exit 1; }
+    [ "$1" = join ] && exit 0
     if [ ! -d /tmp/site ] && ls .whl/*.whl > /dev/null 2>&1; then
         python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl > "$OUT/pip.log" 2>&1 \
             || { echo "wheels: install FAILED (pip.log)"; exit 1; }
@@ -61,5 +62,5 @@ for name, row in r["shapes"].items():
     print(name, row)
 PY
     ;;
-*) echo "usage: scripts/gpu-spec-e2e.sh piece|run" >&2; exit 2 ;;
+*) echo "usage: scripts/gpu-spec-e2e.sh piece|join|run" >&2; exit 2 ;;
 esac

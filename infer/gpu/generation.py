@@ -73,34 +73,46 @@ class DeviceGeneration:
         picking its next token on the device. Returns (depth, width) ids: column 0 the chain, the
         others each step's runners-up (one sort of all steps' logits at the end). The cache then
         holds `tokens` and the chain's first depth - 1 tokens (cache.length counts them)."""
-        tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
-        if len(tokens) == 0 or depth < 1 or width < 1:
+        return self.draft_chains([(tokens, cache)], depth, width)[0]
+
+    def draft_chains(self, feeds: Sequence[tuple[np.ndarray, GpuKVCache]], depth: int, width: int) -> list[np.ndarray]:
+        """draft_chain for several sequences of the draft at once (a server's requests): their
+        tokens fed together, then `depth` decode steps of all of them, one wait at the end."""
+        feeds = [(np.asarray(t, dtype=np.int64).reshape(-1), c) for t, c in feeds]
+        if not feeds or any(len(t) == 0 for t, _ in feeds) or depth < 1 or width < 1:
             raise ValueError("draft_chain needs tokens, depth >= 1 and width >= 1")
-        if cache.length + len(tokens) + depth - 1 > cache.max_tokens:
-            raise ValueError(f"context full: {cache.length} + {len(tokens)} + {depth - 1} exceed {cache.max_tokens}")
-        if len(tokens) > 1:
-            self.forward(tokens[:-1], cache)
-        start = cache.length  # position of the last fed token; the chain's tokens follow it
+        for tokens, cache in feeds:
+            if cache.length + len(tokens) + depth - 1 > cache.max_tokens:
+                raise ValueError(f"context full: {cache.length} + {len(tokens)} + {depth - 1} exceed {cache.max_tokens}")
+        heads = [(t[:-1], c) for t, c in feeds if len(t) > 1]
+        if heads:  # canonical rows (as a forward of them), no logits read
+            self._passes(heads, False, None, logits=False)  # type: ignore[attr-defined]
+        m = len(feeds)
+        starts = [c.length for _, c in feeds]  # positions of the last fed tokens; the chains follow them
         with self.stream:
             steps = None
-            if width > 1:  # each step's logits, kept in the head's planned rows past row 0 when they fit
-                fits = depth < self.logits_rows
-                steps = self.logits[1 : 1 + depth] if fits else cupy.empty((depth, self.args.vocab_size), cupy.float32)
+            if width > 1:  # each step's logits (step d, sequence i: row d * m + i), in the head's spare rows when they fit
+                fits = m + depth * m <= self.logits_rows
+                steps = self.logits[m : m + depth * m] if fits else cupy.empty((depth * m, self.args.vocab_size), cupy.float32)
 
             def keep(d: int) -> None:
                 if steps is not None:
-                    steps[d] = self.logits[0]
+                    steps[d * m : (d + 1) * m] = self.logits[:m]
 
-            self._decode_rows([Row(cache, int(tokens[-1]), start, start, start + 1, None, True)], depth, keep)
-            chain = cache.tokens[start + 1 : start + 1 + depth]
+            rows = [Row(c, int(t[-1]), p, p, p + 1, None, True) for (t, c), p in zip(feeds, starts, strict=True)]
+            self._decode_rows(rows, depth, keep)
+            chains = [c.tokens[p + 1 : p + 1 + depth] for (_, c), p in zip(feeds, starts, strict=True)]
             if steps is None:
-                ids = cupy.asnumpy(chain, stream=self.stream).astype(np.int64)[:, None]
+                ids = [cupy.asnumpy(chain, stream=self.stream).astype(np.int64)[:, None] for chain in chains]
             else:
-                top = ops.top_rows(steps, depth, width)
-                top[:, 0] = chain  # the chain as the device step chose it (ties: the same token either way)
-                ids = cupy.asnumpy(top, stream=self.stream).astype(np.int64)
+                top = ops.top_rows(steps, depth * m, width).reshape(depth, m, width)
+                for i, chain in enumerate(chains):  # the chain as the device step chose it (ties: the same token)
+                    top[:, i, 0] = chain
+                host = cupy.asnumpy(top, stream=self.stream).astype(np.int64)
+                ids = [host[:, i, :] for i in range(m)]
         self.stream.synchronize()
-        cache.length += depth  # the last fed token and the chain's first depth - 1
+        for _, cache in feeds:
+            cache.length += depth  # the last fed token and the chain's first depth - 1
         return ids
 
     def generate(self, prompt: np.ndarray, cache: GpuKVCache, n_new: int, temperature: float = 0.0, seed: int = 0,

@@ -69,6 +69,16 @@ def pass_buffers_nbytes(args: ModelArgs, formats: list[dict], output_act: str, c
             + products.SPLIT_SCRATCH_BYTES)
 
 
+def check_tree(parents: Sequence[int] | np.ndarray, nodes: int) -> np.ndarray:
+    """The parents of a token tree of `nodes` nodes as int64, checked: one root first (-1), then
+    0 <= parents[i] < i."""
+    parents = np.asarray(parents, dtype=np.int64).reshape(-1)
+    if len(parents) != nodes or parents[0] != -1 or (parents[1:] >= np.arange(1, nodes)).any() \
+            or (parents[1:] < 0).any():
+        raise ValueError("a token tree needs one parent per node, parents[0] == -1 and 0 <= parents[i] < i")
+    return parents
+
+
 def has_post_norms(a: ModelArgs) -> bool:
     return any(kind in a.arch_table.required for kind in POST_NORM_KINDS)
 
@@ -351,12 +361,68 @@ class GpuTransformer(DeviceGeneration):
         self._passes(batch, False, [len(np.asarray(t).reshape(-1)) for t, _ in batch], logits=False)
 
     def forward_batch(self, batch: Sequence[tuple[np.ndarray, GpuKVCache]], all_logits: bool = False,
-                      prompt_rows: Sequence[int] | None = None) -> list[np.ndarray]:
+                      prompt_rows: Sequence[int] | None = None,
+                      trees: Sequence[np.ndarray | None] | None = None) -> list[np.ndarray | TreeLogits]:
         """Each (tokens, cache) at its cache's next positions; per sequence the logits of its last
         token (vocab,) or of every token (T, vocab). prompt_rows[s]: how many of sequence s's first
         tokens are prompt rows (their logits, if returned, are the prompt products'). Passes of at
-        most `capacity` rows, shared evenly by the sequences with tokens left."""
+        most `capacity` rows, shared evenly by the sequences with tokens left. trees[s]: the parents
+        of sequence s's tokens, a token tree verified as verify_tree does (then the whole batch is
+        ONE pass: see _tree_pass)."""
+        if trees is not None and any(t is not None for t in trees):
+            return self._tree_pass(batch, prompt_rows, trees)
         return self._passes(batch, all_logits, prompt_rows)
+
+    def prompt_room(self, canonical: int) -> int:
+        """Prompt rows a pass with `canonical` other rows (decode tokens, tree nodes, prompts' last
+        tokens) still holds: the canonical region is padded to a bucket (pass_layout)."""
+        return max(0, self.capacity - bucket_of(min(max(1, canonical), self.capacity), self.capacity))
+
+    def _tree_pass(self, batch: Sequence[tuple[np.ndarray, GpuKVCache]], prompt_rows: Sequence[int] | None,
+                   trees: Sequence[np.ndarray | None]) -> list[np.ndarray | TreeLogits]:
+        """forward_batch with token trees, in one pass (the caller keeps it within the capacity): the
+        trees of several requests verified together beside decode tokens and prompt chunks. A tree's
+        logits come as TreeLogits (on the device while the pass's logits fit its block: a greedy walk
+        reads arg-maxes, not rows; valid until the next pass), a sequence's last token's on the host.
+        A tree's cache keeps its length (cache.accept keeps a path); a sequence's grows."""
+        sizes = check_batch(batch, self.args.vocab_size)
+        prompt_rows = list(prompt_rows) if prompt_rows is not None else [0] * len(batch)
+        if len(trees) != len(batch) or len(prompt_rows) != len(batch):
+            raise ValueError(f"{len(trees)} trees and {len(prompt_rows)} prompt-row counts for {len(batch)} sequences")
+        rows: list[Row] = []
+        out_rows: list[int] = []
+        spans: list[tuple[int, int]] = []  # per sequence: (first logits row, count)
+        for (tokens, cache), n, prompt, parents in zip(batch, sizes, prompt_rows, trees, strict=True):
+            tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
+            first = len(rows)
+            if parents is None:
+                rows += sequence_rows(cache, tokens, cache.length, prompt)
+                spans.append((len(out_rows), 1))
+                out_rows.append(len(rows) - 1)
+                continue
+            parents = check_tree(parents, n)
+            rows += tree_rows(cache, tokens.tolist(), parents)
+            spans.append((len(out_rows), n))
+            out_rows += range(first, first + n)
+        if len(rows) > self.capacity:
+            raise ValueError(f"a pass of {len(rows)} rows (token trees beside other sequences) exceeds the pass "
+                             f"capacity of {self.capacity}")
+        on_device = len(out_rows) <= self.logits_rows
+        got = self.run_pass(rows, out_rows, to_host=not on_device)
+        this = self.passes
+        plain = [j0 for (j0, _), parents in zip(spans, trees, strict=True) if parents is None]
+        host = got  # the sequences' rows in one copy when they are on the device
+        if on_device and plain:
+            host = cupy.asnumpy(got[plain], stream=self.stream)
+            self.stream.synchronize()
+        out: list[np.ndarray | TreeLogits] = []
+        for s, ((j0, count), parents) in enumerate(zip(spans, trees, strict=True)):
+            if parents is None:
+                batch[s][1].length += sizes[s]
+                out.append(host[plain.index(j0)] if on_device else got[j0])
+            else:
+                out.append(TreeLogits(got[j0 : j0 + count], self.stream, lambda: self.passes == this))
+        return out
 
     def forward_batch_argmax(self, batch: Sequence[tuple[np.ndarray, GpuKVCache]],
                              prompt_rows: Sequence[int] | None = None,
@@ -418,11 +484,9 @@ class GpuTransformer(DeviceGeneration):
         """Logits of every node of a token tree (node i in cache slot cache.length + i, root's parent
         -1, parents[i] < i) in one pass; node i's logits are the bits plain decoding gets at its
         position after its path. cache.length stays; cache.accept keeps a path."""
-        tokens, parents = np.asarray(tokens, dtype=np.int64).reshape(-1), np.asarray(parents, dtype=np.int64)
+        tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
         check_batch([(tokens, cache)], self.args.vocab_size)
-        if len(parents) != len(tokens) or parents[0] != -1 or (parents[1:] >= np.arange(1, len(parents))).any() \
-                or (parents[1:] < 0).any():
-            raise ValueError("a token tree needs parents[0] == -1 and 0 <= parents[i] < i")
+        parents = check_tree(parents, len(tokens))
         if cache.length + len(tokens) > cache.max_tokens:
             raise ValueError(f"context full: {cache.length} + {len(tokens)} tree nodes exceed {cache.max_tokens}")
         rows = tree_rows(cache, tokens.tolist(), parents)

@@ -81,6 +81,8 @@ class Loaded:
     title: str | None = None  # the metadata's general.name, reported beside the id
     # why the weights can no longer be read (a tier C device taken away), or None while they can
     problem: Callable[[], str | None] = lambda: None
+    # serve --draft-model/--lookup: each KV cache's speculator (infer.spec_serve.DraftPool), or None
+    speculation: Callable[[Any], Any] | None = None
 
 
 class Metrics:
@@ -102,6 +104,8 @@ class Metrics:
                                        "reused a cached prefix", ["result"], registry=r)
         self.prefix_tokens = Counter("ntransformer_prefix_cache_tokens", "Prompt tokens reused from a cached "
                                      "prefix or run", ["kind"], registry=r)
+        self.draft_tokens = Gauge("ntransformer_draft_tokens", "Speculation: tree nodes drafted and the ones the "
+                                  "target kept, since the start", ["kind"], registry=r)
 
     def on_admit(self, reused: int, computed: int) -> None:
         self.prefix_requests.labels("hit" if reused else "miss").inc()
@@ -137,7 +141,8 @@ class Server:
             self.loaded = self.load()
             self.scheduler = Scheduler(self.loaded.model, self.loaded.tokenizer, self.ctx_size, self.max_batch,
                                        self.queue_size, on_pass=self.metrics.on_pass, on_error=self._engine_failed,
-                                       prefix_cache=self.prefix_cache, on_admit=self.metrics.on_admit)
+                                       prefix_cache=self.prefix_cache, on_admit=self.metrics.on_admit,
+                                       speculation=self.loaded.speculation)
             self.status = "ready"
         except Exception as err:  # reported by /health and every request; the server stays up
             self.status, self.failure = "failed", f"{type(err).__name__}: {err}"
@@ -282,6 +287,8 @@ def create_app(server: Server) -> FastAPI:
         if server.scheduler is not None:
             m.active.set(server.scheduler.busy_slots)
             m.queued.set(server.scheduler.queued)
+            m.draft_tokens.labels("drafted").set(server.scheduler.stats.draft_tokens)
+            m.draft_tokens.labels("accepted").set(server.scheduler.stats.accepted_tokens)
         return PlainTextResponse(generate_latest(m.registry).decode(), media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")

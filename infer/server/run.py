@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 from infer.server.app import Loaded, Server, create_app
 from infer.tiers.config import StreamingConfig
 
 
 def loader(model_path: str, device: str, ctx_size: int, max_batch: int, streaming: StreamingConfig,
-           exact: bool = False):  # noqa: ANN201 - a Callable[[], Loaded]
+           exact: bool = False, speculation: ServeSpeculation | None = None):  # noqa: ANN201 - a Callable[[], Loaded]
     """The function the server calls (in a thread) to load the model: resident on the GPU or the
-    CPU, or through the streaming engine, planned for `max_batch` caches of `ctx_size` positions."""
+    CPU, or through the streaming engine, planned for `max_batch` caches of `ctx_size` positions.
+    speculation: the draft model (loaded first, in the same budget) or prompt lookup."""
 
     def load() -> Loaded:
         from infer.chat import ChatTemplate, ChatTemplateError
@@ -21,6 +23,13 @@ def loader(model_path: str, device: str, ctx_size: int, max_batch: int, streamin
 
         gguf = GGUFModel(model_path)
         tokenizer = Tokenizer.from_gguf(gguf.metadata)
+        draft, planned, tree_nodes = None, None, 0
+        if speculation is not None:
+            draft = speculation.load_draft(tokenizer, device, ctx_size, max_batch, streaming.vram_budget, exact)
+            account = getattr(draft, "account", None)
+            planned = {"draft model": account.planned_total} if account is not None else None
+            # every slot's tree in one pass: their logits stay on the device (within a pass's rows)
+            tree_nodes = min(speculation.tree * max_batch, 512)
         try:
             template: ChatTemplate | None = ChatTemplate.from_gguf(gguf.metadata, tokenizer)
         except ChatTemplateError:
@@ -32,21 +41,69 @@ def loader(model_path: str, device: str, ctx_size: int, max_batch: int, streamin
             from infer.tiers.session import build_streaming_engine
 
             session = build_streaming_engine(gguf, replace(streaming, batch=max_batch), ctx_size, device,
-                                             enforce_budget=device == "gpu", exact=exact)
+                                             enforce_budget=device == "gpu", exact=exact, planned=planned,
+                                             tree_nodes=tree_nodes)
             model, close, problem = session.engine.model, session.close, session.problem
         elif device == "gpu":
             from infer.gpu import load_gpu_transformer
 
-            model = load_gpu_transformer(gguf, ctx_size, streaming.vram_budget, batch=max_batch, enforce_budget=True)
+            model = load_gpu_transformer(gguf, ctx_size, streaming.vram_budget, batch=max_batch, enforce_budget=True,
+                                         planned=planned, tree_nodes=tree_nodes)
         else:
             from infer.model import load_transformer
 
             model = load_transformer(gguf, exact=exact)
             model.weights.warm()  # type: ignore[attr-defined]
+        pool = speculation.pool(model, draft, ctx_size) if speculation is not None else None
         return Loaded(model, tokenizer, template, Path(model_path).stem, close, str(title) if title else None,
-                      problem)
+                      problem, pool)
 
     return load
+
+
+@dataclass(frozen=True)
+class ServeSpeculation:
+    """serve --draft-model FILE / --lookup: every request that can (infer.spec_serve.can_speculate)
+    gets trees of up to `tree` nodes from a drafter of its slot's own, and one pass verifies the
+    trees of all running requests."""
+
+    draft_model: str | None
+    tree: int
+
+    def load_draft(self, tokenizer: Any, device: str, ctx_size: int, slots: int, vram_budget: str | None,
+                   exact: bool) -> Any:
+        """The draft model (None for prompt lookup): resident, with room for a KV cache per slot;
+        its vocabulary must be the target's."""
+        if self.draft_model is None:
+            return None
+        from infer.cli_spec import check_vocabulary
+        from infer.gguf_file import GGUFModel
+        from infer.tokenizer import Tokenizer
+
+        gguf = GGUFModel(self.draft_model)
+        check_vocabulary(tokenizer, Tokenizer.from_gguf(gguf.metadata), self.draft_model)
+        if device == "gpu":
+            from infer.gpu import load_gpu_transformer
+
+            return load_gpu_transformer(gguf, ctx_size, vram_budget, batch=slots, enforce_budget=True)
+        from infer.model import load_transformer
+
+        draft = load_transformer(gguf, exact=exact)
+        draft.weights.warm()  # type: ignore[attr-defined]
+        return draft
+
+    def pool(self, target: Any, draft: Any, ctx_size: int) -> Any:
+        """The speculators of the target's caches: a model drafter (its own draft cache) or prompt
+        lookup for each."""
+        from infer.cli_spec import chain_shape
+        from infer.spec_serve import DraftPool
+        from infer.speculative import LookupDrafter, ModelDrafter
+
+        if draft is None:
+            lookup = LookupDrafter(max_ngram=3, depth=max(1, self.tree - 1))  # no state: one for all
+            return DraftPool(target, lambda: lookup, self.tree, ctx_size)
+        depth, width = chain_shape(self.tree)
+        return DraftPool(target, lambda: ModelDrafter(draft, ctx_size, depth=depth, width=width), self.tree, ctx_size)
 
 
 def serve(server: Server, host: str, port: int) -> None:

@@ -14,6 +14,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from infer.engine import Model
 from infer.request import Event, Request, TokenLogprob, describe
@@ -45,7 +46,8 @@ class Scheduler:
     def __init__(self, model: Model, tokenizer: Tokenizer, ctx_size: int, max_batch: int, queue_size: int,
                  prefill_chunk: int = 512, on_pass: Callable[[float, int, int], None] | None = None,
                  on_error: Callable[[BaseException], None] | None = None, prefix_cache: bool | None = None,
-                 on_admit: Callable[[int, int], None] | None = None) -> None:
+                 on_admit: Callable[[int, int], None] | None = None,
+                 speculation: Callable[[Any], Any] | None = None) -> None:
         if max_batch < 1 or queue_size < 0:
             raise ValueError(f"max_batch must be >= 1 and queue_size >= 0, not {max_batch} and {queue_size}")
         self.max_batch = max_batch
@@ -54,7 +56,7 @@ class Scheduler:
         self._cond = threading.Condition()
         # no device runs: a streaming client gets each token as it comes, not 16 at a time
         self.core = Core(model, ctx_size, max_batch, tokenizer, prefill_chunk, prefix_cache, on_pass, on_admit,
-                         lock=self._cond, device_runs=False)
+                         lock=self._cond, device_runs=False, speculation=speculation)
         self._stopping = False
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="scheduler", daemon=True)

@@ -184,3 +184,34 @@ def test_best_first_trees_and_the_shape_tuner_keep_plain_generation(path: Path) 
                       f"{tuned.stats.tokens_per_pass:.2f} tokens per pass, identical")
         finally:
             close()
+
+
+def test_speculation_in_the_server_loop_is_plain_serving(path: Path) -> None:
+    """Speculation as serve runs it (infer.spec_serve): 4 greedy requests, each drafting a tree (a
+    one-layer draft of another seed: often wrong; prompt lookup), ONE pass verifying all trees beside
+    a plain request's decode token and a prompt chunk: every reply is the non-speculative loop's."""
+    from infer.gpu import load_gpu_transformer
+    from infer.request import Request, as_sampler
+    from infer.scheduler import Scheduler
+    from infer.spec_serve import DraftPool
+    from infer.speculative import LookupDrafter
+
+    draft_file = path.parent / "draft-q4_k_m.gguf"
+    write_model(draft_file, Shape(**{**SHAPE.__dict__, "n_layers": 1}), "q4_k_m", seed=9)
+    draft = load_gpu_transformer(GGUFModel(draft_file), CTX, batch=4)
+    rng = np.random.default_rng(5)
+    prompts = [[int(t) for t in rng.integers(3, SHAPE.vocab_size, n)] for n in (40, 7, 90, 3)]
+    prompts[1] = [11, 12, 13, 14] * 6  # something for prompt lookup to find
+    for name, model, close in _models(path):
+        try:
+            plain = [Request(p, 24, as_sampler(greedy)) for p in prompts]
+            Scheduler(model, CTX, 4, device_runs=False).run(plain)
+            for drafter in (lambda: ModelDrafter(draft, CTX, depth=3, width=2), lambda: LookupDrafter(depth=6)):
+                spec = [Request(p, 24, as_sampler(greedy)) for p in prompts]
+                scheduler = Scheduler(model, CTX, 4, device_runs=False,
+                                      speculation=DraftPool(model, drafter, 7, CTX))
+                scheduler.run(spec)
+                assert [r.generated for r in spec] == [r.generated for r in plain], name
+                assert scheduler.stats.draft_tokens > 0
+        finally:
+            close()

@@ -223,6 +223,31 @@ def test_gpu_glue_draft_chain_is_the_host_loop(model_path: Path, fake_cupy: obje
         s.close()
 
 
+@pytest.mark.parametrize("width", [1, 3])
+def test_gpu_glue_draft_chains_of_several_sequences(model_path: Path, fake_cupy: object, width: int) -> None:
+    """GpuTransformer.draft_chains (a server's drafters on one draft model, their chains decoded
+    together on the device) gives each sequence the tree its drafter proposes alone, and leaves each
+    draft cache where proposing alone leaves it."""
+    from infer.speculative import ModelDrafter
+
+    s = gpu_session(model_path, 0.3, 0.3)
+    try:
+        m = s.engine.model
+        rng = np.random.default_rng(9)
+        contexts = [[int(t) for t in rng.integers(3, SHAPE.vocab_size, n)] for n in (5, 1, 9)]
+        roots, sizes = [4, 6, 8], [1 + 3 * width, 1 + 3 * width, 1 + 2 * width]  # two shapes: two device runs
+        alone = [ModelDrafter(m, CTX, 3, width) for _ in contexts]
+        together = [ModelDrafter(m, CTX, 3, width) for _ in contexts]
+        for _ in range(2):  # the second time each rewinds to what it shares with the longer context
+            want = [d.propose(c, r, n) for d, c, r, n in zip(alone, contexts, roots, sizes, strict=True)]
+            got = ModelDrafter.propose_many(together, contexts, roots, sizes)
+            assert [(t.tokens, t.parents) for t in got] == [(t.tokens, t.parents) for t in want]
+            assert [d.cache.length for d in together] == [d.cache.length for d in alone]
+            contexts = [[*c, r] for c, r in zip(contexts, roots, strict=True)]
+    finally:
+        s.close()
+
+
 def test_gpu_glue_best_first_drafter_on_the_device(model_path: Path, fake_cupy: object) -> None:
     """The best-first drafter on the streamed GPU engine (stand-in): the device's top children of a
     tree pass are the host's from the same rows, and speculation with it gives plain decoding's text."""
