@@ -31,12 +31,17 @@ ROPE_FREQS = "rope_freqs.weight"
 # a layer's tensors in this order).
 LAYER_KINDS = ("attn_norm", "attn_q", "attn_q.bias", "attn_k", "attn_k.bias", "attn_v", "attn_v.bias",
                "attn_q_norm", "attn_k_norm", "attn_output", "post_attention_norm", "ffn_norm", "ffn_gate", "ffn_up",
-               "ffn_down", "post_ffw_norm")
+               "ffn_down", "ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps", "post_ffw_norm")
 BIAS_KINDS = ("attn_q.bias", "attn_k.bias", "attn_v.bias")  # Qwen2 has them; a missing one is zeros
 QK_NORM_KINDS = ("attn_q_norm", "attn_k_norm")  # Qwen3: RMSNorm of each query and key head before rope
 POST_NORM_KINDS = ("post_attention_norm", "post_ffw_norm")  # Gemma: the attention and FFN outputs normed
 QKV_KINDS = ("attn_q", "attn_k", "attn_v")
-_DENSE = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm", "ffn_gate", "ffn_up", "ffn_down")
+FFN_KINDS = ("ffn_gate", "ffn_up", "ffn_down")  # a dense block's feed-forward
+# A mixture-of-experts block's feed-forward: the router (n_experts, dim), then the experts' matrices
+# stacked along a third axis (n_experts, rows, cols); infer/moe.py computes it
+EXPERT_KINDS = ("ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
+_ATTENTION = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm")
+_DENSE = (*_ATTENTION, *FFN_KINDS)
 
 
 @dataclass(frozen=True)
@@ -54,11 +59,21 @@ class Architecture:
     embed_scale: bool = False  # token embeddings times sqrt(width) (Gemma)
     sliding_window_pattern: int = 0  # Gemma 3: of every n layers the first n - 1 see a sliding window
     scale_queries: bool = False  # the attention scale multiplies Q (float32) before attention (Gemma)
+    # "never": a dense feed-forward whatever the file says (llama.cpp ignores an expert count there);
+    # "optional": experts in place of it when the file counts them (`expert_count`, Mixtral's llama
+    # files); "always": experts only (qwen3moe)
+    experts: str = "never"
 
     @property
     def kinds(self) -> tuple[str, ...]:
         """The block's tensor kinds in pass order."""
+        return self.block_kinds(self.experts == "always")
+
+    def block_kinds(self, with_experts: bool) -> tuple[str, ...]:
+        """The kinds of a block whose feed-forward is a mixture of experts or dense, in pass order."""
         mine = set(self.required) | set(self.optional)
+        if with_experts:
+            mine = (mine - set(FFN_KINDS)) | set(EXPERT_KINDS)
         return tuple(k for k in LAYER_KINDS if k in mine)
 
 
@@ -66,12 +81,14 @@ class Architecture:
 # Hugging Face order, where dimension i pairs with i + d/2 (NeoX style). Checked against llama.cpp by
 # tests/infer/test_oracle.py.
 ARCHITECTURES: dict[str, Architecture] = {
-    "llama": Architecture("llama", neox_rope=False, required=_DENSE),
+    "llama": Architecture("llama", neox_rope=False, required=_DENSE, experts="optional"),
     "qwen2": Architecture("qwen2", neox_rope=True, required=_DENSE),
     "qwen3": Architecture("qwen3", neox_rope=True, required=(*_DENSE, *QK_NORM_KINDS)),
     "gemma3": Architecture("gemma3", neox_rope=True, required=(*_DENSE, *QK_NORM_KINDS, *POST_NORM_KINDS),
                            activation="gelu_tanh", embed_scale=True, sliding_window_pattern=6,
                            scale_queries=True),
+    "qwen3moe": Architecture("qwen3moe", neox_rope=True, required=(*_ATTENTION, *QK_NORM_KINDS, *EXPERT_KINDS),
+                             experts="always"),
 }
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 _LAYER_NAME = re.compile(r"^blk\.(\d+)\.(.+)\.(weight|bias)$")
@@ -223,6 +240,10 @@ class ModelArgs:
     local_layers: tuple[bool, ...] = ()  # per layer: a local (sliding-window) layer
     rope_base_local: float = 0.0  # Gemma 3's local layers' own rotary base, unscaled; 0: they rotate like the rest
     attn_scale: float = 0.0  # the attention scores' factor; 0: 1 / sqrt(head_dim)
+    n_experts: int = 0  # experts of each block's feed-forward (infer/moe.py); 0: a dense feed-forward
+    n_experts_used: int = 0  # experts each token is routed to (the top k of the router's softmax)
+    expert_ffn_dim: int = 0  # an expert's hidden width
+    expert_weights_norm: bool = True  # the top k's weights divided by their sum (llama.cpp's, for qwen3moe and Mixtral)
 
     @property
     def scores_scale(self) -> float:
@@ -264,6 +285,12 @@ class ModelArgs:
         return ARCHITECTURES[self.arch]
 
     @property
+    def layer_kinds(self) -> tuple[str, ...]:
+        """A block's tensor kinds in pass order: the table's, with the experts in place of the dense
+        feed-forward where this file has them."""
+        return self.arch_table.block_kinds(self.n_experts > 0)
+
+    @property
     def q_dim(self) -> int:
         return self.n_heads * self.head_dim
 
@@ -284,8 +311,11 @@ class ModelArgs:
                 "post_attention_norm": (self.dim,), "post_ffw_norm": (self.dim,),
                 "attn_output": (self.dim, self.q_dim), "ffn_norm": (self.dim,),
                 "ffn_gate": (self.ffn_dim, self.dim), "ffn_up": (self.ffn_dim, self.dim),
-                "ffn_down": (self.dim, self.ffn_dim)}
-        return {tensor_name(layer, kind): rows[kind] for kind in self.arch_table.kinds}
+                "ffn_down": (self.dim, self.ffn_dim), "ffn_gate_inp": (self.n_experts, self.dim),
+                "ffn_gate_exps": (self.n_experts, self.expert_ffn_dim, self.dim),
+                "ffn_up_exps": (self.n_experts, self.expert_ffn_dim, self.dim),
+                "ffn_down_exps": (self.n_experts, self.dim, self.expert_ffn_dim)}
+        return {tensor_name(layer, kind): rows[kind] for kind in self.layer_kinds}
 
     @classmethod
     def from_gguf(cls, model: GGUFModel) -> ModelArgs:
@@ -334,12 +364,16 @@ class ModelArgs:
             local = tuple(n == 0 or i % n < n - 1 for i in range(n_layers))
         elif window > 0:  # Mistral's: every layer (llama.cpp ignores the key in llama and qwen files)
             local = (True,) * n_layers
+        # llama.cpp does not require the dense width of an all-experts architecture
+        ffn_dim = int(key("feed_forward_length", int, 0 if table.experts == "always" else None))
+        from infer.moe import expert_shape  # NumPy is in by now: the file is open
+        n_experts, n_used, expert_ffn = expert_shape(model, arch, table, n_layers, ffn_dim)
         embd = model.tensor(TOKEN_EMBD)
         return cls(
             arch=arch,
             n_layers=n_layers,
             dim=dim,
-            ffn_dim=int(key("feed_forward_length", int)),
+            ffn_dim=ffn_dim,
             n_heads=n_heads,
             n_kv_heads=n_kv_heads,
             head_dim=head_dim,
@@ -355,6 +389,9 @@ class ModelArgs:
             rope_base_local=float(key("rope.freq_base_swa", float, 10000.0)) if table.sliding_window_pattern else 0.0,
             # llama.cpp: Gemma 3 27B scales by 1 / sqrt(width / heads), the others by 1 / sqrt(head size)
             attn_scale=1.0 / math.sqrt(dim // n_heads) if arch == "gemma3" and n_layers == 62 else 0.0,
+            n_experts=n_experts,
+            n_experts_used=n_used,
+            expert_ffn_dim=expert_ffn,
         )
 
 
@@ -434,4 +471,13 @@ def layer_vectors(args: ModelArgs, i: int, tensors: Mapping[str, np.ndarray]) ->
 
 def layer_vector_kinds(args: ModelArgs) -> tuple[str, ...]:
     """The kinds of a block's tensors that are vectors (norms, biases): what layer_vectors reads."""
-    return tuple(k for k in args.arch_table.kinds if k.endswith(".bias") or k.endswith("norm"))
+    return tuple(k for k in args.layer_kinds if k.endswith(".bias") or k.endswith("norm"))
+
+
+def refuse_experts(args: ModelArgs, path: object, engine: str, instead: str) -> None:
+    """A one-line UnsupportedModelError for an engine that has no mixture-of-experts path yet
+    (issue 26); `instead` says what runs the file."""
+    if args.n_experts:
+        raise UnsupportedModelError(str(path), f"a mixture-of-experts model ({args.n_experts} experts) runs only on "
+                                    f"the resident CPU engine so far, not {engine}: {instead}",
+                                    f"key {args.arch}.expert_count")

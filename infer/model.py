@@ -1,4 +1,5 @@
-"""The Llama/Qwen2/Qwen3/Gemma 3 decoder in NumPy float32: model arguments from GGUF metadata, per-layer weights
+"""The Llama/Qwen2/Qwen3/Gemma 3 decoder in NumPy float32 (and Qwen3-MoE / Mixtral's mixtures of experts, whose
+feed-forward is infer.moe's): model arguments from GGUF metadata, per-layer weights
 behind a small provider interface, and the forward pass over a KV cache.
 
 The forward pass follows llama.cpp's CPU numerics where that costs nothing: the KV cache is float16,
@@ -44,6 +45,7 @@ from infer.cmath import c_float_function
 from infer.gguf_file import GGUFModel
 from infer.kv_cache import KVCache
 from infer.layers import Batch, Rope, check_batch, tree_layout, visible
+from infer.moe import MixtureOfExperts
 
 
 class Linear:
@@ -87,29 +89,31 @@ class LayerWeights:
     bqkv: np.ndarray | None  # (q_dim + 2 * kv_dim,) or None (qwen2 has biases, llama none)
     attn_output: Linear  # (dim, q_dim)
     ffn_norm: np.ndarray  # (dim,)
-    ffn_gate_up: Linear  # (2 * ffn_dim, dim): ffn_gate then ffn_up
-    ffn_down: Linear  # (dim, ffn_dim)
+    ffn_gate_up: Linear | None  # (2 * ffn_dim, dim): ffn_gate then ffn_up; None in a block of experts
+    ffn_down: Linear | None  # (dim, ffn_dim); None in a block of experts
     q_norm: np.ndarray | None = None  # (head_dim,): Qwen3's RMSNorm of each query head before rope
     k_norm: np.ndarray | None = None  # (head_dim,): the same for each key head
     post_attn_norm: np.ndarray | None = None  # (dim,): Gemma's RMSNorm of the attention output
     post_ffn_norm: np.ndarray | None = None  # (dim,): and of the FFN output
+    experts: MixtureOfExperts | None = None  # the feed-forward of a mixture-of-experts block (infer.moe)
 
     @classmethod
     def assemble(cls, vectors: dict[str, np.ndarray | None], attn_qkv: Linear, attn_output: Linear,
-                 ffn_gate_up: Linear, ffn_down: Linear) -> LayerWeights:
+                 ffn_gate_up: Linear | None, ffn_down: Linear | None,
+                 experts: MixtureOfExperts | None = None) -> LayerWeights:
         """A block from arch.layer_vectors' vectors and its products (named by the kinds of the
         architecture table, infer.arch; a stack by the kinds it stacks)."""
         return cls(attn_norm=vectors["attn_norm"], attn_qkv=attn_qkv, bqkv=vectors["bqkv"],  # type: ignore[arg-type]
                    attn_output=attn_output, ffn_norm=vectors["ffn_norm"],  # type: ignore[arg-type]
                    ffn_gate_up=ffn_gate_up, ffn_down=ffn_down,
                    q_norm=vectors["q_norm"], k_norm=vectors["k_norm"], post_attn_norm=vectors.get("post_attn_norm"),
-                   post_ffn_norm=vectors.get("post_ffn_norm"))
+                   post_ffn_norm=vectors.get("post_ffn_norm"), experts=experts)
 
     @property
     def nbytes(self) -> int:
         parts = [self.attn_norm, self.attn_qkv, self.bqkv, self.attn_output, self.ffn_norm, self.ffn_gate_up,
                  self.ffn_down, self.q_norm,
-                 self.k_norm, self.post_attn_norm, self.post_ffn_norm]
+                 self.k_norm, self.post_attn_norm, self.post_ffn_norm, self.experts]
         return sum(p.nbytes for p in parts if p is not None)
 
 
@@ -176,9 +180,23 @@ class DequantizedWeights:
             layer_vectors(self.args, i, vectors),
             attn_qkv=self._linear(*(name(f"attn_{x}") for x in "qkv")),
             attn_output=self._linear(name("attn_output")),
-            ffn_gate_up=self._linear(name("ffn_gate"), name("ffn_up")),
-            ffn_down=self._linear(name("ffn_down")),
+            ffn_gate_up=None if self.args.n_experts else self._linear(name("ffn_gate"), name("ffn_up")),
+            ffn_down=None if self.args.n_experts else self._linear(name("ffn_down")),
+            experts=self._experts(i) if self.args.n_experts else None,
         )
+
+    def _experts(self, i: int) -> MixtureOfExperts:
+        """Block i's router and experts. The expert stacks are dequantized whole and multiplied in
+        NumPy on every path (the packed one too), until experts are placed one by one (issue 26)."""
+        def stack(kind: str) -> tuple[np.ndarray, str]:  # (n_experts, rows, cols), its activation format
+            info = self.model.tensor(tensor_name(i, kind))
+            fmt = quants.activation_format(info.ggml_type) if self.match_llama_cpp else "f32"
+            return info.dequantize(np.float64 if self.exact else np.float32), fmt
+
+        return MixtureOfExperts.from_stacks(
+            self._linear(tensor_name(i, "ffn_gate_inp")), stack("ffn_gate_exps"), stack("ffn_up_exps"),
+            stack("ffn_down_exps"), lambda parts: Linear(parts, self.exact), self.args.n_experts_used,
+            self.args.expert_weights_norm)
 
     def layer(self, index: int) -> LayerWeights:
         return self._cached(("layer", index), lambda: self._build_layer(index))  # type: ignore[return-value]
@@ -439,13 +457,20 @@ class Transformer:
         return layer.attn_output(out.transpose(2, 0, 1, 3).reshape(n, a.q_dim))
 
     def _feed_forward(self, h: np.ndarray, layer: LayerWeights) -> np.ndarray:
-        gate_up = layer.ffn_gate_up(h)  # (T, 2 ffn)
+        if layer.experts is not None:  # the routed experts' gated products, weighted (infer.moe)
+            return layer.experts(h, self._glu, self.exact)
+        gate_up = layer.ffn_gate_up(h)  # type: ignore[misc]  # (T, 2 ffn)
         gate, up = gate_up[:, : self.args.ffn_dim], gate_up[:, self.args.ffn_dim :]
-        if self.args.arch_table.activation == "gelu_tanh":  # GeGLU
-            return layer.ffn_down(geglu(gate, up, self.exact))
-        if self.exact:  # evaluated in float64, rounded once
+        return layer.ffn_down(self._glu(gate, up))  # type: ignore[misc]
+
+    def _glu(self, gate: np.ndarray, up: np.ndarray) -> np.ndarray:
+        """The gated activation, float32: GeGLU (Gemma) or SwiGLU, with `exact` evaluated in float64
+        and rounded once."""
+        if self.args.arch_table.activation == "gelu_tanh":
+            return geglu(gate, up, self.exact)
+        if self.exact:
             gate = gate.astype(np.float64)
-        return layer.ffn_down((gate / (1.0 + np.exp(-gate)) * up).astype(np.float32, copy=False))  # SwiGLU
+        return (gate / (1.0 + np.exp(-gate)) * up).astype(np.float32, copy=False)
 
 
 def load_transformer(model: GGUFModel, budget_bytes: int = 8 << 30, match_llama_cpp: bool = True,

@@ -8,6 +8,13 @@ activations stay finite through any number of layers. Large files are written fa
 data is a pool of random quantized blocks written over and over (the pool holds up to POOL_BLOCKS
 blocks, so small models are fully random). The vocabulary is a byte-level SentencePiece ("llama")
 one: <unk>, <s>, </s>, the 256 byte tokens, the space piece, then filler pieces up to the shape's vocab size.
+
+Mixture-of-experts shapes (`qwen3moe`, and `llama` with experts: Mixtral's layout) get a float32
+router (`ffn_gate_inp`, never quantized, as llama.cpp's quantizer leaves it) and the experts' matrices
+stacked (`ffn_{gate,up,down}_exps`). Random routers send tokens to experts nearly uniformly;
+`--router-skew S` makes some experts popular: expert e's router row is scaled by S^(-e / (n - 1)), so
+expert 0's logits spread S times wider than the last one's and it wins the top k far more often (an
+assumption for cache studies, not a property of trained models).
 """
 
 from __future__ import annotations
@@ -24,9 +31,15 @@ import numpy as np
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import quantize
 
+from infer.arch import ARCHITECTURES
+
 T = GGMLQuantizationType
-ARCHS = ("llama", "qwen2", "qwen3", "gemma3")
+ARCHS = ("llama", "qwen2", "qwen3", "gemma3", "qwen3moe")
 POOL_BLOCKS = 1 << 16
+# Expert stacks of up to this many weights get all their own random data, so that no two experts (nor
+# the gate and up stacks) are copies of one pool, which would make routing irrelevant; larger ones a
+# pool of their own, one block longer than POOL_BLOCKS, so consecutive experts start at other offsets
+EXPERT_OWN_WEIGHTS = 1 << 24
 ALIGNMENT = 32
 
 
@@ -44,6 +57,9 @@ class Shape:
     arch: str = "llama"
     head_dim: int = 0  # 0: dim / n_heads (Qwen3 sets its own: attention.key_length)
     sliding_window: int = 0  # attention.sliding_window when > 0 (Gemma 3: its local layers; Llama: every layer)
+    n_experts: int = 0  # expert_count: > 0 makes every block's feed-forward a mixture of experts
+    n_experts_used: int = 0  # expert_used_count: experts per token
+    expert_ffn_dim: int = 0  # qwen3moe's expert_feed_forward_length (a llama file's experts are ffn_dim wide)
 
     @property
     def head_size(self) -> int:
@@ -60,6 +76,16 @@ SHAPES: dict[str, Shape] = {
                   context_length=32768, rope_base=1e6, norm_eps=1e-6, arch="qwen2"),
     "q15b": Shape(n_layers=28, dim=1536, ffn_dim=8960, n_heads=12, n_kv_heads=2, vocab_size=151936,
                   context_length=32768, rope_base=1e6, norm_eps=1e-6, arch="qwen2"),
+    # mixtures of experts: Qwen3-30B-A3B's config.json (8 of 128 experts of width 768 per token), Mixtral
+    # 8x7B's (2 of 8 of width 14336), and a small qwen3moe for tests
+    "qwen3-30b-a3b": Shape(n_layers=48, dim=2048, ffn_dim=6144, n_heads=32, n_kv_heads=4, vocab_size=151936,
+                           context_length=40960, rope_base=1e6, norm_eps=1e-6, arch="qwen3moe", head_dim=128,
+                           n_experts=128, n_experts_used=8, expert_ffn_dim=768),
+    "mixtral-8x7b": Shape(n_layers=32, dim=4096, ffn_dim=14336, n_heads=32, n_kv_heads=8, vocab_size=32000,
+                          context_length=32768, rope_base=1e6, n_experts=8, n_experts_used=2),
+    "tiny-moe": Shape(n_layers=2, dim=256, ffn_dim=768, n_heads=4, n_kv_heads=2, vocab_size=1024, context_length=2048,
+                      rope_base=1e6, norm_eps=1e-6, arch="qwen3moe", head_dim=128, n_experts=16, n_experts_used=4,
+                      expert_ffn_dim=256),
 }
 
 # llama.cpp's file_type numbers (LLAMA_FTYPE_*) for general.file_type
@@ -78,13 +104,16 @@ def _more_bits(layer: int, n_layers: int) -> bool:
 K_FALLBACK = {T.Q4_K: T.Q5_0, T.Q5_K: T.Q5_1, T.Q6_K: T.Q8_0}
 
 
-def tensor_type(kind: str, name: str, layer: int, n_layers: int, cols: int = 256) -> int:
-    """The GGML type of a matrix of rows of `cols` weights in a file of `kind` (norms are always F32)."""
-    chosen = _tensor_type(kind, name, layer, n_layers)
+def tensor_type(kind: str, name: str, layer: int, n_layers: int, cols: int = 256, n_experts: int = 0) -> int:
+    """The GGML type of a matrix of rows of `cols` weights in a file of `kind` (norms and expert
+    routers are always F32)."""
+    if name == "ffn_gate_inp":
+        return T.F32
+    chosen = _tensor_type(kind, name, layer, n_layers, n_experts)
     return K_FALLBACK.get(chosen, chosen) if cols % 256 else chosen
 
 
-def _tensor_type(kind: str, name: str, layer: int, n_layers: int) -> int:
+def _tensor_type(kind: str, name: str, layer: int, n_layers: int, n_experts: int = 0) -> int:
     if kind in _ONE_TYPE:
         return _ONE_TYPE[kind]
     if kind == "f16":
@@ -96,7 +125,11 @@ def _tensor_type(kind: str, name: str, layer: int, n_layers: int) -> int:
     if kind == "q4_k_m":
         if name == "output":
             return T.Q6_K
-        if name in ("attn_v", "ffn_down") and _more_bits(layer, n_layers):
+        if n_experts == 8 and name in ("attn_k", "attn_v"):  # llama.cpp's bump for 8-expert (Mixtral) files
+            return T.Q8_0
+        if n_experts == 8 and name == "attn_output":
+            return T.Q5_K
+        if name in ("attn_v", "ffn_down", "ffn_down_exps") and _more_bits(layer, n_layers):
             return T.Q6_K
         return T.Q4_K
     raise ValueError(f"unknown model type '{kind}' (known: {', '.join(FILE_TYPES)})")
@@ -187,16 +220,19 @@ class _Tensor:
 
 
 def _matrix_writer(ggml_type: int, rows: int, cols: int, rng: np.random.Generator,
-                   pools: dict[tuple[int, float], np.ndarray]) -> tuple[int, Callable[[object], None]]:
+                   pools: dict[tuple[int, float, str], np.ndarray],
+                   expert_stack: str = "") -> tuple[int, Callable[[object], None]]:
+    """expert_stack: the kind of an expert stack (its own data or pool: EXPERT_OWN_WEIGHTS)."""
     block, size = GGML_QUANT_SIZES[T(ggml_type)]
     n_blocks = rows * cols // block
     sigma = 1.0 / np.sqrt(cols)
-    if n_blocks <= POOL_BLOCKS:  # small tensors: all their own random data
+    own = EXPERT_OWN_WEIGHTS // block if expert_stack else POOL_BLOCKS
+    if n_blocks <= own:  # small tensors: all their own random data
         pool = random_blocks(ggml_type, n_blocks, rng, sigma).reshape(-1)
-    else:  # large ones: a shared pool per type and scale, written over and over
-        key = (int(ggml_type), round(float(sigma), 8))
+    else:  # large ones: a shared pool per type and scale (and expert stack), written over and over
+        key = (int(ggml_type), round(float(sigma), 8), expert_stack)
         if key not in pools:
-            pools[key] = random_blocks(ggml_type, POOL_BLOCKS, rng, sigma).reshape(-1)
+            pools[key] = random_blocks(ggml_type, POOL_BLOCKS + bool(expert_stack), rng, sigma).reshape(-1)
         pool = pools[key]
     pool_blocks = pool.size // size
 
@@ -217,15 +253,33 @@ def _norm_writer(n: int, rng: np.random.Generator, mean: float) -> tuple[int, Ca
     return values.nbytes, lambda f: f.write(values.tobytes())  # type: ignore[attr-defined]
 
 
+def _router_writer(n_experts: int, dim: int, rng: np.random.Generator,
+                   skew: float) -> tuple[int, Callable[[object], None]]:
+    """A float32 router (n_experts, dim) ~ N(0, 1/dim), expert e's row times skew^(-e / (n - 1))."""
+    scales = float(skew) ** (-np.arange(n_experts) / max(n_experts - 1, 1))
+    values = (rng.standard_normal((n_experts, dim)) / np.sqrt(dim) * scales[:, None]).astype("<f4")
+    return values.nbytes, lambda f: f.write(values.tobytes())  # type: ignore[attr-defined]
+
+
 def write_model(path: str | Path, shape: Shape, kind: str, seed: int = 0, name: str | None = None,
-                arch: str | None = None) -> int:
+                arch: str | None = None, router_skew: float = 1.0) -> int:
     """Writes a random Llama-shaped GGUF; returns its size in bytes. arch (default the shape's):
     "qwen2" adds Q/K/V biases, "qwen3" per-head Q and K norms (readers apply NeoX-style rotary
     pairs to both), "gemma3" those norms and the post-attention and post-FFN norms (its readers add
-    GeGLU, the embedding scale and, with a sliding window, five local layers of every six)."""
+    GeGLU, the embedding scale and, with a sliding window, five local layers of every six),
+    "qwen3moe" the Q/K norms and experts. A shape with experts writes them in place of the dense
+    feed-forward (qwen3moe, or llama: Mixtral's layout); router_skew: see the module docstring."""
     arch = arch or shape.arch
     if arch not in ARCHS:
         raise ValueError(f"unknown architecture '{arch}' (known: {', '.join(ARCHS)})")
+    experts = ARCHITECTURES[arch].experts  # infer.arch's table: never, optional or always
+    if (experts == "always" and not shape.n_experts) or (experts == "never" and shape.n_experts):
+        raise ValueError(f"{arch} {'needs' if experts == 'always' else 'takes no'} experts (shapes with experts: "
+                         f"{', '.join(n for n, sh in SHAPES.items() if sh.n_experts)})")
+    if shape.n_experts and not 0 < shape.n_experts_used <= shape.n_experts:
+        raise ValueError(f"{shape.n_experts_used} experts per token of {shape.n_experts}")
+    if router_skew <= 0:
+        raise ValueError(f"a router skew of {router_skew:g} is not positive")
     if kind not in FILE_TYPES:
         raise ValueError(f"unknown model type '{kind}' (known: {', '.join(FILE_TYPES)})")
     rng = np.random.default_rng(seed)
@@ -247,8 +301,11 @@ def write_model(path: str | Path, shape: Shape, kind: str, seed: int = 0, name: 
         f"{arch}.attention.layer_norm_rms_epsilon": float(s.norm_eps),
         f"{arch}.vocab_size": s.vocab_size,
         **({f"{arch}.attention.key_length": head_dim, f"{arch}.attention.value_length": head_dim}
-           if s.head_dim or arch in ("qwen3", "gemma3") else {}),
+           if s.head_dim or arch in ("qwen3", "gemma3", "qwen3moe") else {}),
         **({f"{arch}.attention.sliding_window": s.sliding_window} if s.sliding_window else {}),
+        **({f"{arch}.expert_count": s.n_experts, f"{arch}.expert_used_count": s.n_experts_used}
+           if s.n_experts else {}),
+        **({f"{arch}.expert_feed_forward_length": s.expert_ffn_dim} if arch == "qwen3moe" else {}),
         "tokenizer.ggml.model": "llama",
         "tokenizer.ggml.tokens": tokens,
         "tokenizer.ggml.scores": scores,
@@ -259,15 +316,16 @@ def write_model(path: str | Path, shape: Shape, kind: str, seed: int = 0, name: 
         "tokenizer.ggml.add_bos_token": True,
         "tokenizer.ggml.add_eos_token": False,
     }
-    pools: dict[tuple[int, float], np.ndarray] = {}
+    pools: dict[tuple[int, float, str], np.ndarray] = {}
     tensors: list[_Tensor] = []
 
-    def matrix(tname: str, base: str, layer: int, rows: int, cols: int) -> None:
-        ggml_type = tensor_type(kind, base, layer, s.n_layers, cols)
+    def matrix(tname: str, base: str, layer: int, rows: int, cols: int, stacked: int = 0) -> None:
+        """A (rows, cols) matrix, or `stacked` of them (the experts' (stacked, rows, cols))."""
+        ggml_type = tensor_type(kind, base, layer, s.n_layers, cols, s.n_experts)
         if base == "token_embd" and kind == "q4_k_m":
             ggml_type = K_FALLBACK[T.Q4_K] if cols % 256 else T.Q4_K
-        nbytes, write = _matrix_writer(ggml_type, rows, cols, rng, pools)
-        tensors.append(_Tensor(tname, (cols, rows), ggml_type, nbytes, write))
+        nbytes, write = _matrix_writer(ggml_type, rows * max(stacked, 1), cols, rng, pools, base if stacked else "")
+        tensors.append(_Tensor(tname, (cols, rows, stacked) if stacked else (cols, rows), ggml_type, nbytes, write))
 
     def norm(tname: str, n: int = s.dim, mean: float = 1.0) -> None:
         nbytes, write = _norm_writer(n, rng, mean)
@@ -285,16 +343,24 @@ def write_model(path: str | Path, shape: Shape, kind: str, seed: int = 0, name: 
             norm(p + "attn_q.bias", q_dim, 0.0)
             norm(p + "attn_k.bias", kv_dim, 0.0)
             norm(p + "attn_v.bias", kv_dim, 0.0)
-        if arch in ("qwen3", "gemma3"):
+        if arch in ("qwen3", "gemma3", "qwen3moe"):
             norm(p + "attn_q_norm.weight", head_dim)
             norm(p + "attn_k_norm.weight", head_dim)
         matrix(p + "attn_output.weight", "attn_output", i, s.dim, q_dim)
         if arch == "gemma3":
             norm(p + "post_attention_norm.weight")
         norm(p + "ffn_norm.weight")
-        matrix(p + "ffn_gate.weight", "ffn_gate", i, s.ffn_dim, s.dim)
-        matrix(p + "ffn_up.weight", "ffn_up", i, s.ffn_dim, s.dim)
-        matrix(p + "ffn_down.weight", "ffn_down", i, s.dim, s.ffn_dim)
+        if s.n_experts:
+            width = s.expert_ffn_dim if arch == "qwen3moe" else s.ffn_dim
+            nbytes, write = _router_writer(s.n_experts, s.dim, rng, router_skew)
+            tensors.append(_Tensor(p + "ffn_gate_inp.weight", (s.dim, s.n_experts), T.F32, nbytes, write))
+            matrix(p + "ffn_gate_exps.weight", "ffn_gate_exps", i, width, s.dim, s.n_experts)
+            matrix(p + "ffn_up_exps.weight", "ffn_up_exps", i, width, s.dim, s.n_experts)
+            matrix(p + "ffn_down_exps.weight", "ffn_down_exps", i, s.dim, width, s.n_experts)
+        else:
+            matrix(p + "ffn_gate.weight", "ffn_gate", i, s.ffn_dim, s.dim)
+            matrix(p + "ffn_up.weight", "ffn_up", i, s.ffn_dim, s.dim)
+            matrix(p + "ffn_down.weight", "ffn_down", i, s.dim, s.ffn_dim)
         if arch == "gemma3":
             norm(p + "post_ffw_norm.weight")
     norm("output_norm.weight")
@@ -324,6 +390,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, help="override the shape's layer count")
     parser.add_argument("--vocab", type=int, help="override the shape's vocab size")
     parser.add_argument("--arch", choices=ARCHS, help="default: the shape's (qwen2 for q05b, q15b)")
+    parser.add_argument("--router-skew", type=float, default=1.0,
+                        help="experts only: expert e's router row scaled by S^(-e/(n-1)) (1: uniform routing)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("-o", "--output", required=True, help="GGUF file to write")
     args = parser.parse_args(argv)
@@ -334,7 +402,7 @@ def main(argv: list[str] | None = None) -> int:
         shape = Shape(**{**shape.__dict__, "vocab_size": args.vocab})
     start = time.perf_counter()
     try:
-        size = write_model(args.output, shape, args.kind, args.seed, arch=args.arch)
+        size = write_model(args.output, shape, args.kind, args.seed, arch=args.arch, router_skew=args.router_skew)
     except (ValueError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -67,6 +67,9 @@ def load_gpu_transformer(model: GGUFModel, max_context: int | None = None, vram_
     upload (a load bar). The inputs of the matrix products are rounded
     as llama.cpp rounds them (8-bit forms for quantized weights); every row's logits are the same
     bits in any pass (docs/GPU.md)."""
+    from infer.arch import ModelArgs, refuse_experts
+
+    refuse_experts(ModelArgs.from_gguf(model), model.path, "the GPU", "use --device cpu")  # before CuPy: any machine
     import cupy
 
     from infer.arch import check_model, rope_freq_factors

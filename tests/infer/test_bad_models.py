@@ -257,3 +257,48 @@ def test_logit_softcapping_is_refused_not_ignored(tmp_path: Path) -> None:
     zero = write_copy(gemma, tmp_path / "zero.gguf", metadata={"gemma3.final_logit_softcapping": (0.0, GGUFValueType.FLOAT32)})
     code, stdout, err = run_cli(zero)
     assert code == 0 and stdout.strip(), err
+
+
+MOE = Shape(**{**TINY.__dict__, "arch": "qwen3moe", "head_dim": 16, "n_experts": 4, "n_experts_used": 2,
+               "expert_ffn_dim": 64})
+
+
+@pytest.fixture(scope="module")
+def moe_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("models") / "moe.gguf"
+    write_model(path, MOE, "q8_0", seed=1)
+    return path
+
+
+def test_a_mixture_of_experts_file_runs_and_its_faults_are_named(moe_model: Path, tmp_path: Path) -> None:
+    """A qwen3moe file runs; a missing expert stack, a stack whose shape the expert keys contradict,
+    and expert counts llama.cpp would refuse each stop with one line naming the tensor or key."""
+    code, stdout, err = run_cli(moe_model)
+    assert code == 0 and stdout.strip(), err
+    missing = write_copy(moe_model, tmp_path / "no-up.gguf", drop_tensors=("blk.1.ffn_up_exps.weight",))
+    assert_one_line_error(missing, "tensor blk.1.ffn_up_exps.weight", "required tensor is missing")
+    no_router = write_copy(moe_model, tmp_path / "no-router.gguf", drop_tensors=("blk.0.ffn_gate_inp.weight",))
+    assert_one_line_error(no_router, "tensor blk.0.ffn_gate_inp.weight", "required tensor is missing")
+    wider = write_copy(moe_model, tmp_path / "wider.gguf",
+                       metadata={"qwen3moe.expert_feed_forward_length": (128, GGUFValueType.UINT32)})
+    assert_one_line_error(wider, "tensor blk.0.ffn_gate_exps.weight", "shape [4, 64, 64] where [4, 128, 64]")
+    more = write_copy(moe_model, tmp_path / "more.gguf", metadata={"qwen3moe.expert_count": (8, GGUFValueType.UINT32)})
+    assert_one_line_error(more, "tensor blk.0.ffn_gate_inp.weight", "shape")
+    greedy = write_copy(moe_model, tmp_path / "used.gguf",
+                        metadata={"qwen3moe.expert_used_count": (5, GGUFValueType.UINT32)})
+    assert_one_line_error(greedy, "key qwen3moe.expert_used_count", "5 experts per token do not fit 1..4")
+    none = write_copy(moe_model, tmp_path / "none.gguf", metadata={"qwen3moe.expert_count": (0, GGUFValueType.UINT32)})
+    assert_one_line_error(none, "key qwen3moe.expert_count", "qwen3moe needs experts")
+
+
+def test_expert_gating_llama_cpp_would_not_apply_is_refused_with_its_key(moe_model: Path, tmp_path: Path) -> None:
+    """llama.cpp routes qwen3moe and Mixtral files by softmax with normalised weights whatever these
+    keys say; a file that asks for other gating is refused rather than run another way."""
+    sigmoid = write_copy(moe_model, tmp_path / "sigmoid.gguf",
+                         metadata={"qwen3moe.expert_gating_func": (2, GGUFValueType.UINT32)})
+    assert_one_line_error(sigmoid, "key qwen3moe.expert_gating_func", "expert gating 2 is not supported")
+    raw = write_copy(moe_model, tmp_path / "raw.gguf", metadata={"qwen3moe.expert_weights_norm": (False, GGUFValueType.BOOL)})
+    assert_one_line_error(raw, "key qwen3moe.expert_weights_norm", "unnormalised expert weights")
+    per_layer = write_copy(moe_model, tmp_path / "per-layer.gguf", metadata={
+        "qwen3moe.expert_used_count": ([2, 1], GGUFValueType.ARRAY, GGUFValueType.UINT32)})
+    assert_one_line_error(per_layer, "key qwen3moe.expert_used_count", "per-layer values [2, 1] are not supported")

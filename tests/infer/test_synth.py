@@ -71,3 +71,40 @@ def test_cli_rejects_bad_type(tmp_path: Path, capsys: pytest.CaptureFixture[str]
         main(["--type", "q3_k", "-o", str(tmp_path / "x.gguf")])
     assert main(["--shape", "tiny", "--type", "q4_0", "-o", str(tmp_path / "t.gguf")]) == 0
     assert "wrote" in capsys.readouterr().out
+
+
+def test_moe_shapes_match_the_published_models() -> None:
+    q = SHAPES["qwen3-30b-a3b"]  # Qwen3-30B-A3B's config.json
+    assert (q.arch, q.n_layers, q.dim, q.n_heads, q.n_kv_heads, q.head_dim, q.vocab_size) == (
+        "qwen3moe", 48, 2048, 32, 4, 128, 151936)
+    assert (q.n_experts, q.n_experts_used, q.expert_ffn_dim, q.ffn_dim) == (128, 8, 768, 6144)
+    m = SHAPES["mixtral-8x7b"]  # Mixtral-8x7B's: a llama file with 2 of 8 experts of the dense width
+    assert (m.arch, m.n_layers, m.dim, m.ffn_dim, m.n_heads, m.n_kv_heads, m.vocab_size) == (
+        "llama", 32, 4096, 14336, 32, 8, 32000)
+    assert (m.n_experts, m.n_experts_used) == (8, 2)
+    # llama.cpp's Q4_K_M: the experts' down stack takes ffn_down's extra bits; 8-expert files Q8_0 K and V
+    assert tensor_type("q4_k_m", "ffn_down_exps", 0, 48, 768).name == "Q6_K"
+    assert tensor_type("q4_k_m", "ffn_gate_exps", 5, 48).name == "Q4_K"
+    assert tensor_type("q4_k_m", "ffn_gate_inp", 5, 48).name == "F32"
+    assert tensor_type("q4_k_m", "attn_k", 5, 32, n_experts=8).name == "Q8_0"
+
+
+@pytest.mark.parametrize("kind", ["f16", "q4_k_m"])
+def test_moe_file_holds_distinct_experts(tmp_path: Path, kind: str) -> None:
+    """Every expert (and the gate and up stacks) its own random weights, so that routing matters; the
+    router float32, as llama.cpp's quantizer leaves it."""
+    path = tmp_path / f"moe-{kind}.gguf"
+    assert main(["--shape", "tiny-moe", "--type", kind, "-o", str(path)]) == 0
+    model = GGUFModel(path)
+    args = ModelArgs.from_gguf(model)
+    assert (args.arch, args.n_experts, args.n_experts_used, args.expert_ffn_dim) == ("qwen3moe", 16, 4, 256)
+    assert model.tensor("blk.0.ffn_gate_inp.weight").type_name == "F32"
+    gate, up = (model.tensor(f"blk.1.ffn_{x}_exps.weight").dequantize() for x in ("gate", "up"))
+    assert gate.shape == (16, 256, 256) and not np.array_equal(gate, up)
+    assert all(not np.array_equal(gate[0], gate[e]) for e in range(1, 16))
+    assert abs(float(gate.std()) - 1 / 16) < 0.2 / 16
+
+
+def test_moe_cli_refuses_a_shape_without_experts(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--shape", "tiny", "--arch", "qwen3moe", "-o", str(tmp_path / "x.gguf")]) == 2
+    assert "qwen3moe needs experts" in capsys.readouterr().err
