@@ -56,7 +56,7 @@ class Rope:
                                       else np.float32(args.rope_base) ** np.float64(exponent))
         self.freq_factors = freq_factors
         self.fma = fma
-        # linear / YaRN scaling and the attention factor (infer.arch.RopeScaling)
+        # linear / YaRN scaling and the attention factor (infer.rope_scaling.RopeScaling)
         self._scaled = args.rope_scaling.angle_scale(args.rope_dim, args.rope_base)
         self._table = np.zeros((2, 0, self.n_pairs), np.float32)  # cos, sin of positions 0.. so far
 
