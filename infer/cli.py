@@ -457,7 +457,7 @@ def perplexity_command(ctx: click.Context, model: str | None, text_file: str, ct
                    "how a prompt is split into passes.")
 @click.option("--draft-model", type=click.Path(), help="Speculation: a small model with the target's vocabulary "
               "drafts a tree for every running request (a draft KV cache per slot) and one pass verifies all "
-              "of them; replies unchanged (greedy: token for token).")
+              "of them; replies unchanged (greedy: token for token; on the CPU it needs --exact).")
 @click.option("--lookup", is_flag=True, help="Speculation from n-gram matches in each request's prompt and output "
               "(no draft model).")
 @click.option("--draft-tree", type=click.IntRange(min=1), default=None,
