@@ -260,3 +260,110 @@ class FusedProduct:
             raise ValueError("activations contain NaN or infinity")
         _check(rc, "matmul")
         return y
+
+
+# ---------------------------------------------------------------- the layers around the products
+# (native/cpu_layers.c). Called ~100 times a decode step, so the checks are the few that keep the C
+# code inside its buffers.
+
+def _f32(a: np.ndarray) -> np.ndarray:
+    return a if a.dtype == np.float32 and a.flags.c_contiguous else np.ascontiguousarray(a, dtype=np.float32)
+
+
+def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    """infer.model.rms_norm (not exact) bit for bit: x (..., cols) float32 and weight (cols,)."""
+    x, weight = _f32(x), _f32(weight)
+    cols = x.shape[-1]
+    if weight.shape != (cols,):
+        raise ValueError(f"weight of shape {weight.shape} for rows of {cols}")
+    out = np.empty_like(x)
+    ffi = _cpu_kernels.ffi
+    _lib().qdot_rms_norm(ffi.from_buffer("float[]", x), ffi.from_buffer("float[]", weight), x.size // max(cols, 1),
+                         cols, float(eps), ffi.from_buffer("float[]", out, require_writable=True))
+    return out
+
+
+def _cos_sin(cos: np.ndarray, sin: np.ndarray, n: int, n_pairs: int) -> tuple[np.ndarray, np.ndarray]:
+    cos, sin = _f32(cos), _f32(sin)
+    if cos.shape != (n, n_pairs) or sin.shape != (n, n_pairs):
+        raise ValueError(f"cos/sin {cos.shape}/{sin.shape} for {n} rows and {n_pairs} pairs")
+    return cos, sin
+
+
+def rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, n_pairs: int, neox: bool, fma: bool) -> np.ndarray:
+    """infer.layers.Rope.apply bit for bit: x (T, heads, head_dim) float32, cos and sin (T, n_pairs)
+    -> a new (T, heads, head_dim)."""
+    x = _f32(x)  # a strided view (the K columns of a QKV product) copied: cheaper than its address
+    n, heads, head_dim = x.shape
+    if not 0 <= 2 * n_pairs <= head_dim:
+        raise ValueError(f"{n_pairs} pairs in heads of {head_dim}")
+    cos, sin = _cos_sin(cos, sin, n, n_pairs)
+    out = np.empty((n, heads, head_dim), np.float32)
+    ffi = _cpu_kernels.ffi
+    _lib().qdot_rope(ffi.from_buffer("float[]", x), n, heads, head_dim, n_pairs, ffi.from_buffer("float[]", cos),
+                     ffi.from_buffer("float[]", sin), int(neox), int(fma),
+                     ffi.from_buffer("float[]", out, require_writable=True))
+    return out
+
+
+class Attention:
+    """Softmax attention over a float16 KV cache in native/cpu_layers.c, for one model's heads,
+    rotary embedding and scales (fixed at construction). It rounds as
+    infer.model.Transformer._attention does (the rotated query times q_scale, and the probabilities,
+    to float16), but sums in its own fixed order, so the last bits differ from the reference's."""
+
+    def __init__(self, n_heads: int, n_kv_heads: int, head_dim: int, n_pairs: int, neox: bool, fma: bool,
+                 q_scale: float, scale: float, threads: int | None = None) -> None:
+        if n_heads < 1 or n_kv_heads < 1 or n_heads % n_kv_heads or not 0 <= 2 * n_pairs <= head_dim:
+            raise ValueError(f"{n_heads} query heads, {n_kv_heads} KV heads of {head_dim} with {n_pairs} "
+                             "rotated pairs")
+        _lib()
+        self.n_heads, self.n_kv_heads, self.head_dim, self.n_pairs = n_heads, n_kv_heads, head_dim, n_pairs
+        self.threads = default_threads() if threads is None else int(threads)
+        self._shape = _cpu_kernels.ffi.new("struct qdot_attn_shape *", {
+            "n_heads": n_heads, "n_kv_heads": n_kv_heads, "head_dim": head_dim, "n_pairs": n_pairs,
+            "neox": int(neox), "fma": int(fma), "q_scale": q_scale, "scale": scale})
+
+    def __call__(self, q: np.ndarray, cos: np.ndarray | None, sin: np.ndarray | None, keys: np.ndarray,
+                 values: np.ndarray, first: int, start: int, mask: np.ndarray | None = None) -> np.ndarray:
+        """q (T, heads, head_dim) float32, not yet rotated when cos and sin (T, n_pairs) are given;
+        keys, values (S, kv_heads, head_dim) float16, the slots of positions
+        first..first+S-1. Query t (position start + t) sees the slots up to its position, or where
+        mask (T, S) is true. -> (T, heads * head_dim) float32."""
+        n = q.shape[0]
+        if q.shape[1:] != (self.n_heads, self.head_dim):
+            raise ValueError(f"queries of shape {q.shape} for {self.n_heads} heads of {self.head_dim}")
+        q = _f32(q)
+        keys, values = np.ascontiguousarray(keys), np.ascontiguousarray(values)
+        n_keys = keys.shape[0]
+        if keys.dtype != np.float16 or values.dtype != np.float16 or keys.shape != values.shape or \
+                keys.shape[1:] != (self.n_kv_heads, self.head_dim):
+            raise ValueError(f"keys/values {keys.dtype} {keys.shape} / {values.dtype} {values.shape} for "
+                             f"{self.n_kv_heads} KV heads of {self.head_dim}")
+        ffi = _cpu_kernels.ffi
+        if mask is not None:
+            if mask.shape != (n, n_keys):
+                raise ValueError(f"mask of shape {mask.shape} for {n} rows and {n_keys} slots")
+            mask = np.ascontiguousarray(mask, dtype=np.bool_).view(np.uint8)
+        elif start < first or start - first + n > n_keys:
+            raise ValueError(f"rows at {start}..{start + n - 1} past the slots {first}..{first + n_keys - 1}")
+        rotate = cos is not None and sin is not None
+        if rotate:
+            cos, sin = _cos_sin(cos, sin, n, self.n_pairs)  # type: ignore[arg-type]
+        out = np.empty((n, self.n_heads * self.head_dim), np.float32)
+        rc = _cpu_kernels.lib.qdot_attention(
+            self._shape, ffi.from_buffer("float[]", q), n, ffi.from_buffer("float[]", cos) if rotate else ffi.NULL,
+            ffi.from_buffer("float[]", sin) if rotate else ffi.NULL, ffi.from_buffer(keys), ffi.from_buffer(values),
+            n_keys, first, start, ffi.NULL if mask is None else ffi.from_buffer(mask),
+            ffi.from_buffer("float[]", out, require_writable=True), self.threads)
+        _check(rc, "attention")
+        return out
+
+
+def exp_softmax(x: np.ndarray) -> np.ndarray:
+    """The attention's exp of x <= 0 (float32; 0 below -87), for tests."""
+    x = _f32(x)
+    y = np.empty_like(x)
+    ffi = _cpu_kernels.ffi
+    _lib().qdot_exp_softmax(ffi.from_buffer("float[]", x), ffi.from_buffer("float[]", y, require_writable=True), x.size)
+    return y

@@ -315,7 +315,8 @@ class Transformer:
         local = dataclasses.replace(args, rope_base=args.rope_base_local, rope_scaling=RopeScaling())
         self.rope_local = Rope(local, None, fma=not exact) if args.rope_base_local else self.rope
         self.exact = exact  # float64 sums (module docstring); the weights' Linears must be exact too
-        self._widen_half = None if exact else getattr(weights, "widen_half", None)  # packed: native f16 -> f32
+        # packed weights: norms, rope and attention in C too (infer.cpu_layers); never with exact
+        self._native = None if exact else getattr(weights, "native_layers", None)
 
     def new_cache(self, max_tokens: int) -> KVCache:
         return KVCache(self.args, max_tokens)
@@ -403,6 +404,8 @@ class Transformer:
         return self.forward_batch([(tokens, cache)], trees=[parents])[0]
 
     def norm(self, x: np.ndarray, weight: np.ndarray) -> np.ndarray:
+        if self._native is not None:
+            return self._native.norm(x, weight, self.args.norm_eps)
         return rms_norm(x, weight, self.args.norm_eps, self.exact)
 
     def _rope_of(self, layer: int) -> Rope:
@@ -431,6 +434,9 @@ class Transformer:
             q = self.norm(q, layer.q_norm)
         if layer.k_norm is not None:
             k = self.norm(k, layer.k_norm)
+        if self._native is not None:  # rope and attention in C, not the reference's bits (infer.cpu_layers)
+            out = self._native.attention(a, self.rope, q, k, v, cache, index, start, cos, sin, allowed)
+            return layer.attn_output(out)
         q, k = self.rope.apply(q, cos, sin), self.rope.apply(k, cos, sin)
         # (S, kv_heads, head_dim) float16: slots first .. start + n - 1 (a local layer's ring may
         # hold only the last of them; the rest are outside every row's window)
@@ -442,9 +448,8 @@ class Transformer:
         if a.arch_table.scale_queries:  # Gemma: Q scaled in float32 (ggml_scale), attention's own scale 1
             q, scale = (q * scale).astype(np.float32), np.float32(1.0)
         q = q.astype(np.float16).astype(wide).reshape(n, a.n_kv_heads, group, a.head_dim).transpose(1, 2, 0, 3)
-        widen = self._widen_half or (lambda t: t.astype(wide))  # packed weights: the same conversion, native
-        keys = widen(keys).transpose(1, 2, 0)[:, None]  # (kv, 1, hd, S)
-        values = widen(values).transpose(1, 0, 2)[:, None]  # (kv, 1, S, hd)
+        keys = keys.astype(wide).transpose(1, 2, 0)[:, None]  # (kv, 1, hd, S)
+        values = values.astype(wide).transpose(1, 0, 2)[:, None]  # (kv, 1, S, hd)
         scores = (q @ keys).astype(np.float32) * scale  # (kv, g, T, S)
         if allowed is not None:  # a token tree or a window: each row sees the slots allowed
             scores[..., ~allowed[:, first:]] = -np.inf

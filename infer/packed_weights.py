@@ -14,6 +14,7 @@ import numpy as np
 
 from infer import cpu_kernels
 from infer.arch import ModelArgs
+from infer.cpu_layers import NativeLayers
 from infer.gguf_file import GGUFModel
 from infer.model import DequantizedWeights, Linear
 
@@ -48,12 +49,8 @@ class PackedWeights(DequantizedWeights):
             raise RuntimeError("NVMEDIRECT_CPU_PRODUCTS=native needs the native CPU kernels: run "
                                "`bash scripts/bootstrap.sh` (or `python native/build_cpu_kernels.py`)")
         self.threads = threads
+        self.native_layers = NativeLayers(threads)  # norms, rope and attention (infer.model.Transformer)
         cpu_kernels.single_threaded_blas()  # the cores are the products' (see there why)
-
-    @staticmethod
-    def widen_half(a: np.ndarray) -> np.ndarray:
-        """The KV cache's float16 -> float32 for attention, natively (infer.model.Transformer)."""
-        return cpu_kernels.half_to_float(a)
 
     def _linear(self, *names: str) -> Linear | PackedLinear:  # type: ignore[override]
         infos = [self.model.tensor(name) for name in names]

@@ -25,6 +25,18 @@ int matmul_q(const void *w, int ggml_type, int rows, int cols, const void *xq, i
 int matmul_q_parts(int n_parts, const void *const *w, const int *types, const int *rows, int cols,
                    const float *x, int n_tokens, float *y, int n_threads);
 void qdot_half_to_float(const void *src, float *dst, size_t n);
+void qdot_rms_norm(const float *x, const float *weight, int rows, int cols, float eps, float *out);
+void qdot_rope(const float *x, int n_tokens, int n_heads, int head_dim, int n_pairs, const float *cos,
+               const float *sin, int neox, int fma, float *out);
+struct qdot_attn_shape {
+    int n_heads, n_kv_heads, head_dim;
+    int n_pairs, neox, fma;
+    float q_scale, scale;
+};
+int qdot_attention(const struct qdot_attn_shape *shape, const float *q, int n_tokens,
+                   const float *cos, const float *sin, const void *k, const void *v, int n_keys, int first,
+                   int start, const uint8_t *mask, float *out, int n_threads);
+void qdot_exp_softmax(const float *x, float *y, size_t n);
 int qdot_implementation(void);
 int qdot_set_implementation(int avx2);
 int qdot_cpu_has_avx2(void);
@@ -33,7 +45,7 @@ int qdot_cpu_has_avx2(void);
 # The kernels' files, compiled as one translation unit (their helpers are static inline, and the
 # kernels inline into their dispatchers) in this order; cpu_qdot_common.h holds what they share.
 SOURCES = ["cpu_qdot_quant.c", "cpu_qdot_portable.c", "cpu_qdot_avx2_legacy.c", "cpu_qdot_avx2_k.c",
-           "cpu_qdot_pool.c", "cpu_qdot.c"]
+           "cpu_qdot_pool.c", "cpu_qdot.c", "cpu_layers.c"]
 HEADERS = ["cpu_qdot.h", "cpu_qdot_common.h"]
 # Their text is inlined (as build_vfio.py does) so the setuptools build needs no source paths; #line
 # keeps the compiler's messages pointing at the real files.

@@ -57,6 +57,32 @@ int matmul_q_parts(int n_parts, const void *const *w, const int *types, const in
  * widened for attention (NumPy's conversion runs about ten times slower). */
 void qdot_half_to_float(const void *src, float *dst, size_t n);
 
+/* The layers around the products (cpu_layers.c). out[r] = RMSNorm of x's row r (rows x cols) times
+ * weight, bit for bit infer.model.rms_norm (NumPy's pairwise double sum of the float32 squares). */
+void qdot_rms_norm(const float *x, const float *weight, int rows, int cols, float eps, float *out);
+/* Rotary embedding of x (n_tokens, n_heads, head_dim): pairs i < n_pairs rotated by cos/sin[t][i]
+ * (NeoX halves or adjacent pairs), the rest copied, into out (the same shape). Bit for bit
+ * infer.layers.Rope.apply (fma: its float64 form). */
+void qdot_rope(const float *x, int n_tokens, int n_heads, int head_dim, int n_pairs, const float *cos,
+               const float *sin, int neox, int fma, float *out);
+/* What stays the same for a model's attention calls: heads, rope and scales. */
+struct qdot_attn_shape {
+    int n_heads, n_kv_heads, head_dim;
+    int n_pairs, neox, fma;  /* qdot_rope's */
+    float q_scale, scale;    /* the query times q_scale before its float16 rounding; the scores times scale */
+};
+/* Attention of q (n_tokens, n_heads, head_dim) over n_keys float16 slots k, v (n_keys, n_kv_heads,
+ * head_dim) of positions first..: query row t (position start + t), rotated by cos/sin[t] as
+ * qdot_rope does (unless cos is NULL), sees the slots up to its position, or those where
+ * mask[t * n_keys + j] is nonzero. The query and the probabilities are rounded to float16, as the
+ * reference does; out is (n_tokens, n_heads, head_dim). Every sum runs in a fixed order over the
+ * slots a row sees, in slot order (cpu_layers.c), not NumPy's. 0 or a negative error code. */
+int qdot_attention(const struct qdot_attn_shape *shape, const float *q, int n_tokens,
+                   const float *cos, const float *sin, const void *k, const void *v, int n_keys, int first,
+                   int start, const uint8_t *mask, float *out, int n_threads);
+/* y[i] = the softmax's exp of x[i] <= 0 (cpu_layers.c's polynomial, within ~1 ulp; 0 below -87). */
+void qdot_exp_softmax(const float *x, float *y, size_t n);
+
 /* Implementation in use: 1 = AVX2, 0 = portable C. The initial choice is AVX2 where the CPU has
  * AVX2 and F16C, unless the environment variable NVMEDIRECT_CPU_KERNELS=portable. */
 int qdot_implementation(void);

@@ -1,8 +1,8 @@
-/* Internals shared by the cpu_qdot*.c files (see cpu_qdot.h for the contract).
+/* Internals shared by the cpu_qdot*.c and cpu_layers.c files (see cpu_qdot.h for the contract).
  *
  * native/build_cpu_kernels.py compiles the files as one translation unit, in the order
  * cpu_qdot_quant.c, cpu_qdot_portable.c, cpu_qdot_avx2_legacy.c, cpu_qdot_avx2_k.c,
- * cpu_qdot_pool.c, cpu_qdot.c, so
+ * cpu_qdot_pool.c, cpu_qdot.c, cpu_layers.c, so
  * the helpers below are static inline and the kernels can be inlined into their dispatchers.
  *
  * Summation order (the same in both implementations, which is what makes them bit-identical):

@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -25,23 +24,6 @@ pytestmark = pytest.mark.skipif(not cpu_kernels.available(),
 T = GGMLQuantizationType
 TYPES = [T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q4_K, T.Q5_K, T.Q6_K]
 U = 2.0**-24  # float32 unit roundoff
-
-
-@pytest.fixture
-def rng() -> np.random.Generator:
-    seed = int.from_bytes(os.urandom(4), "little")
-    print(f"seed {seed}")
-    return np.random.default_rng(seed)
-
-
-@pytest.fixture(autouse=True)
-def _restore_implementation() -> Iterator[None]:
-    if not cpu_kernels.available():
-        yield
-        return
-    before = cpu_kernels.implementation()
-    yield
-    cpu_kernels.set_implementation(before)
 
 
 def _cols(ggml_type: int, blocks: int) -> int:

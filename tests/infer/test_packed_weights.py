@@ -59,3 +59,41 @@ def test_the_switch(q4km: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     assert not isinstance(load_transformer(GGUFModel(q4km), exact=True).weights, PackedWeights)  # never exact
     monkeypatch.delenv("NVMEDIRECT_CPU_PRODUCTS")
     assert type(load_transformer(GGUFModel(q4km)).weights) is DequantizedWeights
+
+
+def test_a_sequences_logits_do_not_depend_on_its_pass(q4km: Path) -> None:
+    """With norms, rope and attention in C as well (infer.cpu_layers), every output of the packed
+    path has one fixed order of its own: a prompt in one pass, its tokens one at a time, and its
+    tokens beside another sequence's give the same logits, bit for bit (the NumPy attention's
+    OpenBLAS products sum a row differently in a one-row and a many-row pass)."""
+    model = load_transformer(GGUFModel(q4km), packed=True)
+    assert model._native is not None
+    ids = np.arange(100, 120)
+    whole = model.forward(ids, model.new_cache(64), all_logits=True)
+    cache = model.new_cache(64)
+    steps = np.stack([model.forward(ids[i : i + 1], cache) for i in range(len(ids))])
+    assert np.array_equal(whole.view(np.uint32), steps.view(np.uint32))
+    cache, other = model.new_cache(64), model.new_cache(64)
+    model.forward(ids[:5], cache)
+    beside = model.forward_batch([(ids[5:9], cache), (np.arange(300, 317), other)], all_logits=True)[0]
+    assert np.array_equal(beside.view(np.uint32), whole[5:9].view(np.uint32))
+
+
+def test_a_token_trees_logits_are_its_paths_decoded(q4km: Path) -> None:
+    """Speculation's verify pass (a token tree, each node seeing the cache and its ancestors) gives
+    each node the logits of decoding its path one token at a time, bit for bit: the attention sums
+    over the slots a row sees in their order, wherever the slots it does not see lie."""
+    model = load_transformer(GGUFModel(q4km), packed=True)
+    prompt, tokens, parents = np.arange(100, 120), np.array([5, 6, 7, 8, 9, 10, 11]), np.array([-1, 0, 0, 1, 2, 3, 5])
+    cache = model.new_cache(64)
+    model.forward(prompt, cache)
+    tree = model.forward_tree(tokens, parents, cache)
+    for node in range(len(tokens)):
+        path = [node]
+        while parents[path[-1]] >= 0:
+            path.append(int(parents[path[-1]]))
+        alone = model.new_cache(64)
+        model.forward(prompt, alone)
+        for i in reversed(path):
+            logits = model.forward(tokens[i : i + 1], alone)
+        assert np.array_equal(logits.view(np.uint32), tree[node].view(np.uint32)), f"node {node}"
