@@ -104,6 +104,24 @@ def check_vocabulary(target: Any, draft: Any, draft_path: str) -> None:
                          f"tokens, first difference at id {first}): it cannot draft for this model")
 
 
+def check_draft(model: str, draft_model: str) -> None:
+    """Bad input exits 2 with one line before anything loads: an architecture we cannot run (the
+    target's, then the draft's), then a draft whose vocabulary is not the target's."""
+    from infer import cli as c
+    from infer.arch import ModelArgs
+    from infer.errors import ModelError
+    from infer.gguf_file import GGUFModel
+    from infer.tokenizer import Tokenizer
+
+    try:
+        for path in (model, draft_model):
+            ModelArgs.from_gguf(GGUFModel(path))
+        check_vocabulary(Tokenizer.from_gguf(GGUFModel(model).metadata),
+                         Tokenizer.from_gguf(GGUFModel(draft_model).metadata), draft_model)
+    except (ValueError, ModelError) as err:
+        c._fail(str(err), c.EXIT_BAD_INPUT)
+
+
 def drafter(spec: SpecOptions, draft: Any, ctx: int, tree: int) -> Any:
     """The drafter for a tree of `tree` nodes; `draft` an LLM whose KV cache (counted in the budget)
     the drafter uses."""
@@ -206,18 +224,7 @@ def run(model: str | None, spec: SpecOptions, streaming: Any, ctx_size: int, dev
     if where == "cpu" and not exact:
         c._fail(CPU_NEEDS_EXACT, c.EXIT_BAD_INPUT)
     if spec.draft_model:  # before anything loads: a draft with another vocabulary is bad input
-        from infer.gguf_file import GGUFModel
-        from infer.tokenizer import Tokenizer
-
-        try:
-            from infer.arch import ModelArgs
-
-            for path in (model, spec.draft_model):  # an architecture we cannot run first, then the vocabularies
-                ModelArgs.from_gguf(GGUFModel(path))
-            check_vocabulary(Tokenizer.from_gguf(GGUFModel(model).metadata),
-                             Tokenizer.from_gguf(GGUFModel(spec.draft_model).metadata), spec.draft_model)
-        except (ValueError, ModelError) as err:
-            c._fail(str(err), c.EXIT_BAD_INPUT)
+        check_draft(model, spec.draft_model)
     with c._storage_errors(), c._device_errors(where):
         draft = None
         if spec.draft_model:  # resident, inside the budget
@@ -342,17 +349,7 @@ def serve_speculation(model: str, draft_model: str | None, lookup: bool, tree: i
     if where == "cpu" and not exact:
         _fail(CPU_NEEDS_EXACT, EXIT_BAD_INPUT)
     if draft_model:
-        from infer.arch import check_model
-        from infer.errors import ModelError
-        from infer.gguf_file import GGUFModel
-        from infer.tokenizer import Tokenizer
-
-        try:
-            check_model(GGUFModel(draft_model))
-            check_vocabulary(Tokenizer.from_gguf(GGUFModel(model).metadata),
-                                      Tokenizer.from_gguf(GGUFModel(draft_model).metadata), draft_model)
-        except (ValueError, ModelError) as err:
-            _fail(str(err), EXIT_BAD_INPUT)
+        check_draft(model, draft_model)
     default = DEFAULT_TREE_STREAMING if streamed else DEFAULT_TREE_RESIDENT
     return ServeSpeculation(draft_model, tree or default)
 

@@ -218,7 +218,9 @@ class Scheduler:
         drafting = [r for r in requests if r.speculator is not None and r.prompt_done >= head[id(r)]]
         decoding = [r for r in requests if r.speculator is None and r.prompt_done == len(r.prompt)]
         prefilling = [r for r in requests if r.prompt_done < head[id(r)]]
-        trees = self._draft(drafting, len(decoding) + len(prefilling), bool(prefilling))
+        # what each speculative request's cache holds: its tree's context, for drafting and the walk
+        contexts = [(r.prompt + r.generated)[: r.cache.length] for r in drafting]  # type: ignore[union-attr]
+        trees = self._draft(drafting, contexts, len(decoding) + len(prefilling), bool(prefilling))
         nodes = sum(len(tree.tokens) for tree, _ in trees)
         share = max(1, (self.prefill_chunk - len(decoding) - nodes) // max(1, len(prefilling)))
         room = getattr(self.model, "prompt_room", None)
@@ -260,8 +262,8 @@ class Scheduler:
         self.stats.last_batch_rows, self.stats.last_batch_sequences = rows, len(batch)
         for r in prefilling:
             r.prompt_done = min(head[id(r)], r.prompt_done + share)
-        settled = [self._settle(r, tree, draft_s, nodes_logits, seconds) for r, (tree, draft_s), nodes_logits
-                   in zip(drafting, trees, scored if trees else [], strict=True)]
+        settled = [self._settle(r, context, tree, draft_s, nodes_logits, seconds) for r, context, (tree, draft_s),
+                   nodes_logits in zip(drafting, contexts, trees, scored if trees else [], strict=True)]
         with self._guard:
             for r, out, pick in zip(ordered, logits, picks, strict=True):
                 if r.cancelled or r.prompt_done < len(r.prompt):
@@ -273,7 +275,8 @@ class Scheduler:
                         break
                     self._emit(r, None, (token, 0.0))
 
-    def _draft(self, requests: list[Request], others: int, prompts: bool) -> list[tuple[Tree, float]]:
+    def _draft(self, requests: list[Request], contexts: list[list[int]], others: int,
+               prompts: bool) -> list[tuple[Tree, float]]:
         """The trees of the speculative requests' next steps (with each one's drafting seconds), each
         within its share of what the model's pass holds beside `others` sequences (at most half of
         it when `prompts` are prefilling: their chunks need room too)."""
@@ -285,17 +288,16 @@ class Scheduler:
         else:
             limit = 1 << 30
         steps = []
-        for r in requests:
+        for r, context in zip(requests, contexts, strict=True):
             root = r.prompt[-1] if r.prompt_done < len(r.prompt) else r.generated[-1]
-            context = (r.prompt + r.generated)[: r.cache.length]  # type: ignore[union-attr]
             steps.append((r.speculator, context, root, r.cache, r.max_tokens - len(r.generated), limit))
         return draft_together(steps)  # type: ignore[arg-type]
 
-    def _settle(self, request: Request, tree: Tree, draft_s: float, logits: Any, seconds: float) -> list[int]:
-        """A verified tree: the request's cache keeps the path the target accepts; the path's tokens
-        and the target's next choice are the request's next tokens."""
+    def _settle(self, request: Request, context: list[int], tree: Tree, draft_s: float, logits: Any,
+                seconds: float) -> list[int]:
+        """A verified tree over `context` (what the request's cache held): the cache keeps the path
+        the target accepts; the path's tokens and the target's next choice are the next tokens."""
         request.prompt_done = len(request.prompt)
-        context = (request.prompt + request.generated)[: request.cache.length]  # type: ignore[union-attr]
         try:
             tokens = request.speculator.settle(tree, logits, request.cache, request.sampler.sample, context,
                                                draft_s, seconds)

@@ -411,15 +411,16 @@ class GpuTransformer(DeviceGeneration):
         got = self.run_pass(rows, out_rows, to_host=not on_device)
         this = self.passes
         plain = [j0 for (j0, _), parents in zip(spans, trees, strict=True) if parents is None]
-        host = got  # the sequences' rows in one copy when they are on the device
+        rows_of = {j0: got[j0] for j0 in plain}  # the sequences' rows, in one copy when on the device
         if on_device and plain:
             host = cupy.asnumpy(got[plain], stream=self.stream)
             self.stream.synchronize()
+            rows_of = dict(zip(plain, host, strict=True))
         out: list[np.ndarray | TreeLogits] = []
         for s, ((j0, count), parents) in enumerate(zip(spans, trees, strict=True)):
             if parents is None:
                 batch[s][1].length += sizes[s]
-                out.append(host[plain.index(j0)] if on_device else got[j0])
+                out.append(rows_of[j0])
             else:
                 out.append(TreeLogits(got[j0 : j0 + count], self.stream, lambda: self.passes == this))
         return out

@@ -25,7 +25,7 @@ def loader(model_path: str, device: str, ctx_size: int, max_batch: int, streamin
         tokenizer = Tokenizer.from_gguf(gguf.metadata)
         draft, planned, tree_nodes = None, None, 0
         if speculation is not None:
-            draft = speculation.load_draft(tokenizer, device, ctx_size, max_batch, streaming.vram_budget, exact)
+            draft = speculation.load_draft(device, ctx_size, max_batch, streaming.vram_budget, exact)
             account = getattr(draft, "account", None)
             planned = {"draft model": account.planned_total} if account is not None else None
             # every slot's tree in one pass: their logits stay on the device (within a pass's rows)
@@ -70,18 +70,14 @@ class ServeSpeculation:
     draft_model: str | None
     tree: int
 
-    def load_draft(self, tokenizer: Any, device: str, ctx_size: int, slots: int, vram_budget: str | None,
-                   exact: bool) -> Any:
-        """The draft model (None for prompt lookup): resident, with room for a KV cache per slot;
-        its vocabulary must be the target's."""
+    def load_draft(self, device: str, ctx_size: int, slots: int, vram_budget: str | None, exact: bool) -> Any:
+        """The draft model (None for prompt lookup): resident, with room for a KV cache per slot
+        (the CLI checked its vocabulary before the server listened: infer.cli_spec.check_draft)."""
         if self.draft_model is None:
             return None
-        from infer.cli_spec import check_vocabulary
         from infer.gguf_file import GGUFModel
-        from infer.tokenizer import Tokenizer
 
         gguf = GGUFModel(self.draft_model)
-        check_vocabulary(tokenizer, Tokenizer.from_gguf(gguf.metadata), self.draft_model)
         if device == "gpu":
             from infer.gpu import load_gpu_transformer
 
