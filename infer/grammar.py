@@ -60,7 +60,9 @@ class _Encoder:
     def __call__(self, text: str | bytes) -> list[int]:
         if isinstance(text, bytes):
             raise TypeError("takes str")  # llguidance probes with bytes, then passes str
-        return self.tokenizer.encode(text, add_bos=False, add_eos=False, special=False)
+        # the text continues the answer: no sentencepiece leading space, or llguidance would force
+        # a space token before the '{' of a JSON answer and then refuse that very token
+        return self.tokenizer.encode(text, add_bos=False, add_eos=False, special=False, continues=True)
 
 
 def ll_tokenizer(tokenizer: Tokenizer) -> Any:

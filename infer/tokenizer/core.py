@@ -70,7 +70,8 @@ class Tokenizer:
     # --- text -> ids -----------------------------------------------------------------------
 
     def encode(
-        self, text: str, add_bos: bool | None = None, special: bool = True, add_eos: bool | None = None
+        self, text: str, add_bos: bool | None = None, special: bool = True, add_eos: bool | None = None,
+        continues: bool = False,
     ) -> list[int]:
         """Token ids of `text`.
 
@@ -78,6 +79,8 @@ class Tokenizer:
         with llama.cpp's defaults), True or False forces it. special: special and control tokens
         written in the text (e.g. '<|im_start|>') become those tokens; with False they are
         tokenized as plain text. User-defined tokens are matched either way, as in llama.cpp.
+        continues: the text goes on from earlier tokens (a grammar's forced text inside an answer),
+        so sentencepiece's leading space is not put in front of it.
         """
         try:
             text.encode("utf-8")
@@ -88,7 +91,7 @@ class Tokenizer:
         ids: list[int] = []
         if add_bos:
             ids.append(self._required(self.vocab.bos_id, "BOS"))
-        after_special = True
+        after_special = not continues
         for fragment in self._splitter.split(text, special):
             if isinstance(fragment, int):
                 ids.append(fragment)
