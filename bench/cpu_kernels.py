@@ -2,12 +2,14 @@
 NumPy path they replace (dequantize to float32, then multiply), with the machine's memory copy
 bandwidth as the roofline for the weights' reads:
 
-    python -m bench.cpu_kernels [--threads N] [--tokens 1,64] [--json]
+    python -m bench.cpu_kernels [--threads N] [--tokens 1,64] [--impl avx512,avx2] [--json]
 
 Weights are random bytes with valid scales (timing does not depend on the values). Each case cycles
 through enough copies of the matrix to exceed the last-level cache, so one-token figures are reads
 from memory, not cache. Times are the median and the best of several runs; GB/s (weight bytes read),
-GOP/s and the speedup over NumPy (its best of two) use the best.
+GOP/s and the speedup over NumPy (its best of two) use the best. --impl times each listed code path
+of the kernels (avx512, avx2, portable; "all": those this CPU runs) one after another, on the same
+weights, for a before/after comparison in one run.
 """
 
 from __future__ import annotations
@@ -28,6 +30,25 @@ SHAPES = [(4096, 4096), (14336, 4096)]
 TYPES = [T.Q4_K, T.Q6_K, T.Q8_0]
 SCALE_OFFSETS = {T.Q4_K: (0, 2), T.Q6_K: (208,), T.Q8_0: (0,)}  # float16 scale fields in a block
 CYCLE_BYTES = 160 << 20  # more than this machine's last-level cache
+# native/cpu_qdot.h's QDOT_IMPL_* codes: set through the library itself, since infer.cpu_kernels'
+# set_implementation names only "avx2" and "portable"
+IMPL_CODES = {"portable": 0, "avx2": 1, "avx512": 2}
+
+
+def implementation_name() -> str:
+    code = cpu_kernels._lib().qdot_implementation()
+    return next((name for name, c in IMPL_CODES.items() if c == code), str(code))
+
+
+def available_implementations() -> list[str]:
+    lib = cpu_kernels._lib()
+    has = {"avx512": getattr(lib, "qdot_cpu_has_avx512", lambda: 0)(), "avx2": lib.qdot_cpu_has_avx2(), "portable": 1}
+    return [name for name in ("avx512", "avx2", "portable") if has[name]]
+
+
+def set_implementation(name: str) -> None:
+    if name not in IMPL_CODES or cpu_kernels._lib().qdot_set_implementation(IMPL_CODES[name]) < 0:
+        raise SystemExit(f"this build or CPU cannot run the {name} kernels (available: {available_implementations()})")
 
 
 def _random_weights(rng: np.random.Generator, ggml_type: int, rows: int, cols: int) -> np.ndarray:
@@ -67,7 +88,7 @@ def bench_case(rng: np.random.Generator, ggml_type: int, rows: int, cols: int, n
     seconds, best = _timings(lambda i: cpu_kernels.matmul(copies[i % len(copies)], ggml_type, rows, cols, x, threads),
                              reps)
     result = {"type": T(ggml_type).name, "rows": rows, "cols": cols, "tokens": n_tokens, "threads": threads,
-              "implementation": cpu_kernels.implementation(), "us": seconds * 1e6, "best_us": best * 1e6,
+              "implementation": implementation_name(), "us": seconds * 1e6, "best_us": best * 1e6,
               "weight_gbs": raw.nbytes / best / 1e9, "gops": 2 * rows * cols * n_tokens / best / 1e9}
     if baseline:
         def numpy_product(_: int) -> None:
@@ -85,26 +106,36 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", default="1,64", help="comma-separated token counts")
     parser.add_argument("--no-baseline", action="store_true", help="skip the (slow) NumPy baseline")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    parser.add_argument("--impl", default=None,
+                        help="comma-separated code paths to time in turn (avx512, avx2, portable) or 'all'; "
+                             "default: the one in use")
     args = parser.parse_args(argv)
     if not cpu_kernels.available():
         print("CPU kernels not built: python native/build_cpu_kernels.py", file=sys.stderr)
         return 1
+    impls = (available_implementations() if args.impl == "all" else
+             args.impl.split(",") if args.impl else [implementation_name()])
     threads = args.threads or cpu_kernels.default_threads()
-    rng = np.random.default_rng(0)
     roofline = copy_bandwidth_gbs()
-    cases = [bench_case(rng, t, rows, cols, int(n), threads, not args.no_baseline)
-             for rows, cols in SHAPES for t in TYPES for n in args.tokens.split(",")]
+    cases = []
+    for rows, cols in SHAPES:
+        for t in TYPES:
+            for n in args.tokens.split(","):
+                for impl in impls:  # the same weights and activations for each path (same seed)
+                    set_implementation(impl)
+                    rng = np.random.default_rng([rows, t, int(n)])
+                    cases.append(bench_case(rng, t, rows, cols, int(n), threads, not args.no_baseline))
     if args.json:
         print(json.dumps({"copy_gbs": roofline, "threads": threads, "cases": cases}, indent=1))
         return 0
     print(f"memory copy bandwidth (np.copyto, read + write traffic): {roofline:.1f} GB/s; "
-          f"threads {threads}; {cpu_kernels.implementation()}")
-    print(f"{'type':6} {'rows x cols':>12} {'tok':>4} {'median us':>10} {'best us':>9} {'GB/s':>7} {'GOP/s':>7} {'numpy us':>11} {'speedup':>8}")
+          f"threads {threads}; {', '.join(impls)}")
+    print(f"{'type':6} {'rows x cols':>12} {'tok':>4} {'impl':>8} {'median us':>10} {'best us':>9} {'GB/s':>7} "
+          f"{'GOP/s':>7} {'numpy us':>11} {'speedup':>8}")
     for c in cases:
         base = f"{c['numpy_us']:11.0f} {c['speedup']:7.1f}x" if "numpy_us" in c else ""
-        print(f"{c['type']:6} {c['rows']:>6}x{c['cols']:<5} {c['tokens']:>4} {c['us']:10.0f} {c['best_us']:9.0f} "
-              f"{c['weight_gbs']:7.2f} "
-              f"{c['gops']:7.1f} {base}")
+        print(f"{c['type']:6} {c['rows']:>6}x{c['cols']:<5} {c['tokens']:>4} {c['implementation']:>8} {c['us']:10.0f} "
+              f"{c['best_us']:9.0f} {c['weight_gbs']:7.2f} {c['gops']:7.1f} {base}")
     return 0
 
 

@@ -26,7 +26,8 @@ T = GGMLQuantizationType
 SUPPORTED_TYPES: frozenset[GGMLQuantizationType] = frozenset(
     {T.F32, T.F16, T.BF16, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K}
 )
-IMPLEMENTATIONS = ("avx2", "portable")
+IMPLEMENTATIONS = ("avx512", "avx2", "portable")  # the fastest first; all give the same bits
+_IMPLEMENTATION_CODES = {"portable": 0, "avx2": 1, "avx512": 2}  # native/cpu_qdot.h's QDOT_IMPL_*
 
 _ERRORS = {-1: "unsupported weight type", -2: "bad column count", -3: "bad row range or token count",
            -4: "out of memory", -5: "implementation not available on this CPU",
@@ -122,20 +123,28 @@ def single_threaded_blas() -> bool:
 
 
 def implementation() -> str:
-    """The code path in use: "avx2" or "portable" (NVMEDIRECT_CPU_KERNELS=portable forces the latter)."""
-    return IMPLEMENTATIONS[0] if _lib().qdot_implementation() else IMPLEMENTATIONS[1]
+    """The code path in use: "avx512" (F, BW, VL and VNNI), "avx2" or "portable", the best the CPU
+    runs unless NVMEDIRECT_CPU_KERNELS=avx2 or =portable caps it."""
+    code = _lib().qdot_implementation()
+    return next(name for name, c in _IMPLEMENTATION_CODES.items() if c == code)
 
 
 def set_implementation(name: str) -> None:
-    """Force a code path for this process ("avx2" or "portable"); both give bit-identical results."""
+    """Force a code path for this process ("avx512", "avx2" or "portable"); all give bit-identical
+    results."""
     if name not in IMPLEMENTATIONS:
         raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, not {name!r}")
-    if _lib().qdot_set_implementation(int(name == "avx2")) < 0:
+    if _lib().qdot_set_implementation(_IMPLEMENTATION_CODES[name]) < 0:
         raise ValueError(f"this CPU cannot run the {name} kernels")
 
 
 def cpu_has_avx2() -> bool:
     return bool(_lib().qdot_cpu_has_avx2())
+
+
+def cpu_has_avx512() -> bool:
+    """AVX-512 F, BW, VL and VNNI (the avx512 kernels' instructions)."""
+    return bool(_lib().qdot_cpu_has_avx512())
 
 
 def _activations(x: np.ndarray, cols: int | None = None) -> np.ndarray:

@@ -3,7 +3,8 @@
 Built by `pip install -e .` through setup.py's cffi_modules, or standalone for development:
 `python native/build_cpu_kernels.py` compiles under build/cpu_kernels/ and copies the extension
 into infer/. The AVX2 functions carry their own target attribute, so the module is compiled for the
-baseline ISA and still loads on CPUs without AVX2 (they run the portable code).
+baseline ISA and still loads on CPUs without AVX2 (they run the portable code); likewise the AVX-512
+functions (cpu_qdot_avx512.c), chosen at run time where the CPU has them.
 """
 
 import shutil
@@ -38,14 +39,15 @@ int qdot_attention(const struct qdot_attn_shape *shape, const float *q, int n_to
                    int start, const uint8_t *mask, float *out, int n_threads);
 void qdot_exp_softmax(const float *x, float *y, size_t n);
 int qdot_implementation(void);
-int qdot_set_implementation(int avx2);
+int qdot_set_implementation(int impl);
 int qdot_cpu_has_avx2(void);
+int qdot_cpu_has_avx512(void);
 """
 
 # The kernels' files, compiled as one translation unit (their helpers are static inline, and the
 # kernels inline into their dispatchers) in this order; cpu_qdot_common.h holds what they share.
 SOURCES = ["cpu_qdot_quant.c", "cpu_qdot_portable.c", "cpu_qdot_avx2_legacy.c", "cpu_qdot_avx2_k.c",
-           "cpu_qdot_pool.c", "cpu_qdot.c", "cpu_layers.c"]
+           "cpu_qdot_avx512.c", "cpu_qdot_pool.c", "cpu_qdot.c", "cpu_layers.c"]
 HEADERS = ["cpu_qdot.h", "cpu_qdot_common.h"]
 # Their text is inlined (as build_vfio.py does) so the setuptools build needs no source paths; #line
 # keeps the compiler's messages pointing at the real files.

@@ -1,13 +1,13 @@
 /* Quantized CPU products (cpu_qdot.h): the choice of implementation, matmul_q and matmul_q_parts,
  * which decode the activations' block scales once and hand chunks of rows to the thread pool
- * (cpu_qdot_pool.c). The kernels are in cpu_qdot_portable.c, cpu_qdot_avx2_legacy.c and
- * cpu_qdot_avx2_k.c; the shared definitions and the summation order that makes them bit-identical
- * in cpu_qdot_common.h. */
+ * (cpu_qdot_pool.c). The kernels are in cpu_qdot_portable.c, cpu_qdot_avx2_legacy.c,
+ * cpu_qdot_avx2_k.c and cpu_qdot_avx512.c; the shared definitions and the summation order that
+ * makes them bit-identical in cpu_qdot_common.h. */
 #include "cpu_qdot_common.h"
 
 /* ---------------------------------------------------------------- dispatch */
 
-static int g_impl = -1;  /* -1: not chosen yet */
+static int g_impl = -1;  /* -1: not chosen yet; else a QDOT_IMPL_* */
 
 int qdot_cpu_has_avx2(void)
 {
@@ -19,29 +19,53 @@ int qdot_cpu_has_avx2(void)
 #endif
 }
 
+int qdot_cpu_has_avx512(void)
+{
+#ifdef QDOT_X86
+    __builtin_cpu_init();  /* libgcc's answers include the OS's saving of the 512-bit state */
+    return qdot_cpu_has_avx2() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+#else
+    return 0;
+#endif
+}
+
 int qdot_implementation(void)
 {
     if (g_impl < 0) {
         const char *force = getenv("NVMEDIRECT_CPU_KERNELS");
-        g_impl = (force && strcmp(force, "portable") == 0) ? 0 : qdot_cpu_has_avx2();
+        if (force && strcmp(force, "portable") == 0)
+            g_impl = QDOT_IMPL_PORTABLE;
+        else if (qdot_cpu_has_avx512() && !(force && strcmp(force, "avx2") == 0))
+            g_impl = QDOT_IMPL_AVX512;
+        else
+            g_impl = qdot_cpu_has_avx2() ? QDOT_IMPL_AVX2 : QDOT_IMPL_PORTABLE;
     }
     return g_impl;
 }
 
-int qdot_set_implementation(int avx2)
+int qdot_set_implementation(int impl)
 {
-    if (avx2 && !qdot_cpu_has_avx2())
+    if ((impl == QDOT_IMPL_AVX2 && !qdot_cpu_has_avx2()) || (impl == QDOT_IMPL_AVX512 && !qdot_cpu_has_avx512()) ||
+        impl < QDOT_IMPL_PORTABLE || impl > QDOT_IMPL_AVX512)
         return QDOT_ENOIMPL;
-    g_impl = avx2 ? 1 : 0;
+    g_impl = impl;
     return 0;
 }
 
-static int rows_any(const struct job *J, int r0, int r1, int avx2)
+static int rows_any(const struct job *J, int r0, int r1, int impl)
 {
     if (r0 >= r1)
         return 0;
 #ifdef QDOT_X86
-    if (avx2) {
+    if (impl == QDOT_IMPL_AVX512 && J->family != FAM_FLOAT) {  /* float weights stay on AVX2 */
+        if (J->family == FAM_LEGACY)
+            qdot_legacy_rows_avx512(J, r0, r1);
+        else
+            qdot_k_rows_avx512(J, r0, r1);
+        return 0;
+    }
+    if (impl) {
         if (J->family == FAM_LEGACY)
             qdot_legacy_rows_avx2(J, r0, r1);
         else if (J->family == FAM_K)
@@ -51,7 +75,7 @@ static int rows_any(const struct job *J, int r0, int r1, int avx2)
         return 0;
     }
 #else
-    (void)avx2;
+    (void)impl;
 #endif
     if (J->family == FAM_LEGACY)
         qdot_legacy_rows_portable(J, r0, r1);
@@ -154,7 +178,7 @@ static int job_make(struct job *J, const void *w, int type, int rows, int cols, 
 struct task {
     struct job jobs[MAX_PARTS];
     int row0[MAX_PARTS], span[MAX_PARTS], chunk[MAX_PARTS], first[MAX_PARTS + 1];
-    int n_jobs, avx2;
+    int n_jobs, impl;
 };
 
 static int task_chunk(void *ctx, int i)
@@ -165,7 +189,7 @@ static int task_chunk(void *ctx, int i)
         p++;
     int a = T->row0[p] + (i - T->first[p]) * T->chunk[p];
     int b = a + T->chunk[p] < T->row0[p] + T->span[p] ? a + T->chunk[p] : T->row0[p] + T->span[p];
-    return rows_any(&T->jobs[p], a, b, T->avx2);
+    return rows_any(&T->jobs[p], a, b, T->impl);
 }
 
 /* Rows per chunk: about eight chunks per thread (a thread that is descheduled holds up at most one),
@@ -184,7 +208,7 @@ static int chunk_rows(const struct job *J, int span, int threads)
 static int task_run(struct task *T, int n_threads)
 {
     int threads = n_threads < 1 ? 1 : n_threads;
-    T->avx2 = qdot_implementation();
+    T->impl = qdot_implementation();
     T->first[0] = 0;
     for (int p = 0; p < T->n_jobs; p++) {
         T->chunk[p] = chunk_rows(&T->jobs[p], T->span[p], threads);

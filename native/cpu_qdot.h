@@ -83,12 +83,20 @@ int qdot_attention(const struct qdot_attn_shape *shape, const float *q, int n_to
 /* y[i] = the softmax's exp of x[i] <= 0 (cpu_layers.c's polynomial, within ~1 ulp; 0 below -87). */
 void qdot_exp_softmax(const float *x, float *y, size_t n);
 
-/* Implementation in use: 1 = AVX2, 0 = portable C. The initial choice is AVX2 where the CPU has
- * AVX2 and F16C, unless the environment variable NVMEDIRECT_CPU_KERNELS=portable. */
+/* Implementations (qdot_implementation's values). AVX-512 means F + BW + VL + VNNI; its float
+ * weight types (F32/F16/BF16) and the activations' rounding run the AVX2 code. */
+#define QDOT_IMPL_PORTABLE 0
+#define QDOT_IMPL_AVX2 1
+#define QDOT_IMPL_AVX512 2
+/* Implementation in use: a QDOT_IMPL_* (nonzero: the AVX2 instructions are there). The initial
+ * choice is the best the CPU runs (AVX-512, else AVX2 with F16C, else portable); the environment
+ * variable NVMEDIRECT_CPU_KERNELS=avx2 caps it at AVX2, =portable forces portable C. */
 int qdot_implementation(void);
-/* Force an implementation (1 = AVX2, 0 = portable); QDOT_ENOIMPL if the CPU cannot run it. */
-int qdot_set_implementation(int avx2);
-/* Whether this CPU can run the AVX2 path. */
+/* Force an implementation (a QDOT_IMPL_*; 1 = AVX2 and 0 = portable as before); QDOT_ENOIMPL if
+ * the CPU cannot run it. */
+int qdot_set_implementation(int impl);
+/* Whether this CPU can run the AVX2 path, the AVX-512 path. */
 int qdot_cpu_has_avx2(void);
+int qdot_cpu_has_avx512(void);
 
 #endif

@@ -2,7 +2,7 @@
  *
  * native/build_cpu_kernels.py compiles the files as one translation unit, in the order
  * cpu_qdot_quant.c, cpu_qdot_portable.c, cpu_qdot_avx2_legacy.c, cpu_qdot_avx2_k.c,
- * cpu_qdot_pool.c, cpu_qdot.c, cpu_layers.c, so
+ * cpu_qdot_avx512.c, cpu_qdot_pool.c, cpu_qdot.c, cpu_layers.c, so
  * the helpers below are static inline and the kernels can be inlined into their dispatchers.
  *
  * Summation order (the same in both implementations, which is what makes them bit-identical):
@@ -13,6 +13,8 @@
  * The AVX2 code reduces each block's integer products horizontally (maddubs/madd, then exact int32
  * sums), and forms the float terms with one output per vector lane (8 (row, token) pairs), never
  * across the blocks of one output, so every lane performs exactly the portable scalar sequence.
+ * The AVX-512 code (cpu_qdot_avx512.c) sums the same block integers with vpdpbusd / vpdpwssd and
+ * forms the terms with the AVX2 code's 8-lane float sequence, so it is bit-identical too.
  * Float weights (F32/F16/BF16) use 8 running lanes (element i goes to lane i % 8, in order), then a
  * fixed pairwise tree over the lanes.
  */
@@ -213,6 +215,13 @@ AVX2_INLINE void store_tile(const struct job *J, __m256 acc, const int *rr, cons
             }                                                                       \
         }                                                                           \
     } while (0)
+
+/* ---------------------------------------------------------------- AVX-512 helpers */
+/* F + BW (byte/word ops, masks) + VL + VNNI (vpdpbusd, vpdpwssd); avx2/f16c for the 8-lane float
+ * code shared with the AVX2 kernels (inlined into these functions). */
+#define AVX512_TARGET "avx512f,avx512bw,avx512vl,avx512vnni,avx2,f16c"
+#define AVX512 __attribute__((target(AVX512_TARGET)))
+#define AVX512_INLINE static inline __attribute__((always_inline, target(AVX512_TARGET)))
 #endif /* QDOT_X86 */
 
 /* ---------------------------------------------------------------- between the files */
@@ -229,6 +238,8 @@ int qdot_float_rows_portable(const struct job *J, int r0, int r1);
 void qdot_legacy_rows_avx2(const struct job *J, int r0, int r1);
 void qdot_k_rows_avx2(const struct job *J, int r0, int r1);
 void qdot_float_rows_avx2(const struct job *J, int r0, int r1);
+void qdot_legacy_rows_avx512(const struct job *J, int r0, int r1);
+void qdot_k_rows_avx512(const struct job *J, int r0, int r1);
 #endif
 
 #endif

@@ -225,7 +225,8 @@ def test_extreme_values_are_exact(rng: np.random.Generator, ggml_type: int) -> N
 # ---------------------------------------------------------------- bit-identity
 
 def _implementations() -> list[str]:
-    return ["avx2", "portable"] if cpu_kernels.cpu_has_avx2() else ["portable"]
+    return [name for name, runs in (("avx512", cpu_kernels.cpu_has_avx512()), ("avx2", cpu_kernels.cpu_has_avx2()),
+                                    ("portable", True)) if runs]
 
 
 def _bits(y: np.ndarray) -> np.ndarray:
@@ -349,4 +350,94 @@ def test_bad_inputs_are_refused(rng: np.random.Generator) -> None:
     with pytest.raises(ValueError, match="quantized activations"):
         cpu_kernels.matmul_quantized(raw, T.Q4_K, 4, 256, cpu_kernels.quantize_activations(x, T.Q8_0))
     with pytest.raises(ValueError, match="implementation"):
+        cpu_kernels.set_implementation("neon")
+
+
+# ---------------------------------------------------------------- the AVX-512 VNNI path
+
+needs_avx512 = pytest.mark.skipif(not cpu_kernels.available() or not cpu_kernels.cpu_has_avx512(),
+                                  reason="this CPU lacks AVX-512 F/BW/VL/VNNI: the AVX-512 kernels cannot run")
+
+
+@needs_avx512
+@pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: T(t).name)
+def test_avx512_and_portable_paths_agree_bit_for_bit(rng: np.random.Generator, ggml_type: int) -> None:
+    """Every type (the float ones run AVX2 code under AVX-512), odd row counts (partial 8-row tiles),
+    the smallest and a non-power-of-two column count, 1, 2, 7 and 64 tokens (one-token kernels,
+    partial and full 8-token tiles), two threads against one."""
+    block = GGML_QUANT_SIZES[T(ggml_type)][0]
+    col_counts = [block, 3 * block] if block == 256 else [block, 5 * block] if block > 1 else [1, 45]
+    for cols in col_counts:
+        for rows in (1, 3, 17, 33):
+            raw = _weights(rng, ggml_type, rows, cols)
+            for n_tokens in (1, 2, 7, 64):
+                x = _activations(rng, n_tokens, cols)
+                cpu_kernels.set_implementation("avx512")
+                got = cpu_kernels.matmul(raw, ggml_type, rows, cols, x, threads=2)
+                cpu_kernels.set_implementation("portable")
+                want = cpu_kernels.matmul(raw, ggml_type, rows, cols, x, threads=1)
+                assert np.array_equal(_bits(got), _bits(want)), f"{rows} x {cols}, {n_tokens} tokens"
+
+
+@needs_avx512
+@pytest.mark.parametrize("ggml_type", list(_VALUE_BYTES), ids=lambda t: T(t).name)
+def test_avx512_extreme_values_agree_bit_for_bit(rng: np.random.Generator, ggml_type: int) -> None:
+    """Weights at their extremes (nibbles all 15 or 0, Q8_0 at 127 or -128, K-quant scales at their
+    largest, Q6_K's at +127 and -128) against +-127 activations: vpdpbusd's unsigned x signed bytes,
+    Q8_0's +128 offset and the int16 pair sums of maddubs must all stay exact."""
+    block, size = GGML_QUANT_SIZES[T(ggml_type)]
+    rows, cols = 19, 3 * block if block == 256 else 9 * block
+    raw = _weights(rng, ggml_type, rows, cols).reshape(rows, -1, size)
+    values, *scales = _VALUE_BYTES[T(ggml_type)]
+    fills = [0x7F, 0x80] if ggml_type == T.Q8_0 else [0xFF, 0x00]
+    scale_fills = [0x7F, 0x80] if ggml_type == T.Q6_K else [0xFF]
+    for i in range(rows - 3):  # the last rows keep random values
+        raw[i, :, values[0] : values[1]] = fills[i % 2]
+        for lo, hi in scales:
+            raw[i, :, lo:hi] = scale_fills[(i // 2) % len(scale_fills)]
+    raw = raw.reshape(-1)
+    x = np.array([np.ones(cols), -np.ones(cols), np.resize([1.0, -1.0], cols), np.resize([1.0, 1.0, -1.0, -1.0], cols),
+                  *np.where(rng.random((5, cols)) < 0.5, -1.0, 1.0)], dtype=np.float32)
+    for n in (1, 3, len(x)):
         cpu_kernels.set_implementation("avx512")
+        got = cpu_kernels.matmul(raw, ggml_type, rows, cols, x[:n], threads=1)
+        cpu_kernels.set_implementation("portable")
+        want = cpu_kernels.matmul(raw, ggml_type, rows, cols, x[:n], threads=1)
+        assert np.array_equal(_bits(got), _bits(want)), f"{n} token(s)"
+
+
+@needs_avx512
+@pytest.mark.parametrize("n_tokens", [1, 17])
+def test_avx512_fused_product_is_the_portable_one(rng: np.random.Generator, n_tokens: int) -> None:
+    cols = 512
+    parts = [(_weights(rng, t, rows, cols), t, rows, cols) for t, rows in zip(FUSED, (37, 8, 45, 16, 9, 3), strict=True)]
+    x = _activations(rng, n_tokens, cols)
+    results = {}
+    for name in ("avx512", "portable"):
+        cpu_kernels.set_implementation(name)
+        results[name] = cpu_kernels.FusedProduct(parts, 2)(x)
+    assert np.array_equal(_bits(results["avx512"]), _bits(results["portable"]))
+
+
+@pytest.mark.parametrize("force", [None, "avx2", "portable"])
+def test_environment_variable_chooses_the_native_path(force: str | None) -> None:
+    """The first choice: the best path the CPU runs, NVMEDIRECT_CPU_KERNELS=avx2 caps it at AVX2,
+    =portable forces portable C."""
+    code = "from infer import cpu_kernels; print(cpu_kernels.implementation())"
+    env = {k: v for k, v in os.environ.items() if k != "NVMEDIRECT_CPU_KERNELS"}
+    if force:
+        env["NVMEDIRECT_CPU_KERNELS"] = force
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    best = _implementations()[0]
+    want = {None: best, "avx2": "avx2" if cpu_kernels.cpu_has_avx2() else "portable", "portable": "portable"}[force]
+    assert out.stdout.strip() == want
+
+
+def test_unknown_native_paths_are_refused() -> None:
+    lib = cpu_kernels._lib()
+    before = lib.qdot_implementation()
+    assert lib.qdot_set_implementation(3) < 0 and lib.qdot_set_implementation(-1) < 0
+    assert lib.qdot_implementation() == before
+    if not cpu_kernels.cpu_has_avx512():
+        with pytest.raises(ValueError, match="cannot run the avx512"):
+            cpu_kernels.set_implementation("avx512")
