@@ -4,9 +4,10 @@ A request holds one of `slots` KV caches of `ctx_size` positions, made once (the
 them). A cache given back keeps the prompt that ran in it (but its last token): a new request takes
 the free cache whose tokens share the longest prefix with its prompt and runs only the rest (a chat
 that resends its history, a shared system prompt), or else an unused one, or else the one unused
-longest. On the GPU and with --exact on the CPU a prompt row's keys and values do not depend on how
-the prompt was split into passes (docs/GPU.md), so reuse changes no answer; the CPU's float32 sums
-do depend on it, so there the prefix cache is off unless asked for (`split_invariant`).
+longest. On the GPU, with --exact on the CPU and on the CPU's packed native engine a prompt row's keys
+and values do not depend on how the prompt was split into passes (docs/GPU.md, infer.packed_weights),
+so reuse changes no answer; the NumPy engine's float32 sums do depend on it, so there the prefix
+cache is off unless asked for (`split_invariant`).
 """
 
 from __future__ import annotations
@@ -66,8 +67,10 @@ class CachePool:
 
 def split_invariant(model: Model) -> bool:
     """Whether a prompt row's numbers do not depend on how the prompt was split into passes: on the
-    GPU, and on the CPU with exact (float64) sums; not with the CPU's float32 BLAS products."""
-    return model.device == "gpu" or bool(getattr(model, "exact", False))
+    GPU, and on the CPU with exact (float64) sums or the packed native engine (infer.packed_weights);
+    not with the NumPy engine's float32 BLAS products."""
+    return model.device == "gpu" or bool(getattr(model, "exact", False)) or \
+        bool(getattr(getattr(model, "weights", None), "batch_invariant", False))
 
 
 def common_prefix(a: list[int], b: list[int], limit: int) -> int:

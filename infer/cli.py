@@ -54,9 +54,9 @@ class _Main(click.Group):
             with notices_as_lines():  # e.g. fewer queue pairs than asked for: one `note:` line
                 return super().invoke(ctx)
         except ValueError as err:
-            from infer.sampler import NonFiniteLogits  # NumPy is loaded by now: the BLAS threads are set
+            from infer.errors import NonFiniteValues
 
-            if not isinstance(err, NonFiniteLogits):
+            if not isinstance(err, NonFiniteValues):  # NaN logits, or NaN activations on the packed engine
                 raise
             raise CliError(f"{ctx.params.get('model') or 'the model'}: {err}", EXIT_BAD_INPUT) from None
 
@@ -75,10 +75,15 @@ def _stream(piece: str) -> None:
     sys.stdout.flush()
 
 
+THREADS_HELP = ("CPU threads: the native kernels' (default: the physical cores; NVMEDIRECT_CPU_THREADS) and "
+                "BLAS's (default: all cores).")
+
+
 def _set_threads(threads: int | None) -> None:
-    # BLAS reads its thread count when NumPy is first imported, so this only works before that.
+    # BLAS reads its thread count when NumPy is first imported, so this only works before that; the
+    # native kernels' pool reads NVMEDIRECT_CPU_THREADS when it first runs (infer.cpu_kernels)
     if threads:
-        for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "NVMEDIRECT_CPU_THREADS"):
             os.environ[var] = str(threads)
 
 
@@ -307,7 +312,7 @@ def _chat(llm: LLM, sampler: Any, n_predict: int, system: str | None) -> None:
               help="Where to run; auto = the GPU when CuPy sees one, else the CPU.")
 @streaming_options
 @spec_options
-@click.option("--threads", type=click.IntRange(min=1), default=None, help="BLAS threads (default: all cores).")
+@click.option("--threads", type=click.IntRange(min=1), default=None, help=THREADS_HELP)
 @click.option("--exact", is_flag=True,
               help="CPU: take every sum in float64 and round once (results independent of batching, the same "
                    "logits as the GPU's decode kernels; about 2x slower, 2x the memory). Default: float32 as llama.cpp.")
@@ -393,7 +398,7 @@ def _run_streaming(model: str | None, streaming: StreamingConfig, ctx_size: int,
 @click.option("-c", "--ctx-size", type=click.IntRange(min=4), default=256, show_default=True,
               help="Tokens per chunk (the second half of each is scored).")
 @click.option("--chunks", type=click.IntRange(min=1), default=None, help="Score at most this many chunks.")
-@click.option("--threads", type=click.IntRange(min=1), default=None, help="BLAS threads (default: all cores).")
+@click.option("--threads", type=click.IntRange(min=1), default=None, help=THREADS_HELP)
 @click.option("--exact", is_flag=True, help="Float64 sums on the CPU (see ntransformer --help).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @click.pass_context
@@ -449,15 +454,16 @@ def perplexity_command(ctx: click.Context, model: str | None, text_file: str, ct
 @click.option("--device", type=click.Choice(["auto", "cpu", "gpu"]), default="auto", show_default=True)
 @streaming_options(batch=False)
 @click.option("--exact", is_flag=True, help="CPU: float64 sums (batching-independent results, see ntransformer --help).")
-@click.option("--threads", type=click.IntRange(min=1), default=None, help="BLAS threads (default: all cores).")
+@click.option("--threads", type=click.IntRange(min=1), default=None, help=THREADS_HELP)
 @click.option("--prefix-cache/--no-prefix-cache", default=None,
               help="Reuse the KV cache of an earlier request whose prompt a new prompt starts with (a chat "
-                   "resending its history runs only the new turn). Default: on with the GPU and with --exact, "
-                   "where it changes no answer; off on the CPU's float32 numerics, whose results depend on "
-                   "how a prompt is split into passes.")
+                   "resending its history runs only the new turn). Default: on where it changes no answer (the "
+                   "GPU, the CPU's packed native engine, --exact); off on the NumPy engine "
+                   "(NVMEDIRECT_CPU_PRODUCTS=numpy), whose results depend on how a prompt is split into passes.")
 @click.option("--draft-model", type=click.Path(), help="Speculation: a small model with the target's vocabulary "
               "drafts a tree for every running request (a draft KV cache per slot) and one pass verifies all "
-              "of them; replies unchanged (greedy: token for token; on the CPU it needs --exact).")
+              "of them; replies unchanged (greedy: token for token; on the CPU on the packed native engine, "
+              "the default, or with --exact).")
 @click.option("--lookup", is_flag=True, help="Speculation from n-gram matches in each request's prompt and output "
               "(no draft model).")
 @click.option("--draft-tree", type=click.IntRange(min=1), default=None,

@@ -221,7 +221,7 @@ def run(model: str | None, spec: SpecOptions, streaming: Any, ctx_size: int, dev
         c._fail("no model given: use -m/--model FILE.gguf", c.EXIT_BAD_INPUT)
 
     where = c._resolve_device(device)
-    if where == "cpu" and not exact:
+    if where == "cpu" and not cpu_speculation_allowed(model, exact, streaming.enabled):
         c._fail(CPU_NEEDS_EXACT, c.EXIT_BAD_INPUT)
     if spec.draft_model:  # before anything loads: a draft with another vocabulary is bad input
         check_draft(model, spec.draft_model)
@@ -272,14 +272,31 @@ def run(model: str | None, spec: SpecOptions, streaming: Any, ctx_size: int, dev
 
 
 SELF_DRAFT_K = 4  # --draft-k's default
-# The CPU's float32 engine sums a pass's rows in an order that depends on how many the pass holds
+# The NumPy float32 engine sums a pass's rows in an order that depends on how many the pass holds
 # (a tree pass and a plain pass give a position logits up to ~0.9 apart on SmolLM2 Q4_0), so the
-# text of a speculative run would drift from plain decoding; its float64 engine (--exact) does not
-# depend on the batch, and there the output is plain decoding's, token for token. Until the
-# float32 kernels are batch-invariant, speculation on the CPU runs only with --exact.
-CPU_NEEDS_EXACT = ("speculative decoding on the CPU needs --exact: the float32 engine's logits depend on how many "
-                   "tokens a pass holds, so the text would differ from plain decoding (with --exact it is the "
-                   "plain --exact text, token for token)")
+# text of a speculative run would drift from plain decoding. The packed engine (native kernels, the
+# CPU's default where they are built) and the float64 one (--exact) do not depend on the batch, and
+# there the output is plain decoding's, token for token: speculation on the CPU runs on those.
+CPU_NEEDS_EXACT = ("speculative decoding on the CPU needs an engine whose logits do not depend on how many tokens a "
+                   "pass holds, or the text would differ from plain decoding: the packed native engine (the default "
+                   "where the native kernels are built; not --streaming, mixture-of-experts files or "
+                   "NVMEDIRECT_CPU_PRODUCTS=numpy) or --exact")
+
+
+def cpu_speculation_allowed(model: str, exact: bool, streamed: bool) -> bool:
+    """Whether speculation on the CPU keeps plain decoding's text (CPU_NEEDS_EXACT says when)."""
+    from infer.errors import ModelError
+    from infer.gguf_file import GGUFModel
+    from infer.packed_weights import batch_invariant, native_products_requested
+
+    if exact:
+        return True
+    if streamed or not native_products_requested():
+        return False
+    try:
+        return batch_invariant(GGUFModel(model))
+    except (OSError, ModelError):
+        return True  # a file that does not load: the load says why, in its own words
 
 
 def _args_and_ctx(model: str, ctx_size: int) -> tuple[Any, int]:
@@ -346,7 +363,7 @@ def serve_speculation(model: str, draft_model: str | None, lookup: bool, tree: i
         if tree is not None:
             _fail("--draft-tree sizes the tree of --draft-model or --lookup: add one of them", EXIT_BAD_INPUT)
         return None
-    if where == "cpu" and not exact:
+    if where == "cpu" and not cpu_speculation_allowed(model, exact, streamed):
         _fail(CPU_NEEDS_EXACT, EXIT_BAD_INPUT)
     if draft_model:
         check_draft(model, draft_model)

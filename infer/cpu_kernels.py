@@ -17,6 +17,8 @@ import os
 import numpy as np
 from gguf.constants import GGMLQuantizationType
 
+from infer.errors import NonFiniteActivations
+
 try:
     from infer import _cpu_kernels  # type: ignore[attr-defined]
 except ImportError:  # not built yet
@@ -88,13 +90,21 @@ def activation_row_nbytes(ggml_type: int, cols: int) -> int:
     return _row_bytes("qdot_activation_row_bytes", ggml_type, cols)
 
 
+THREADS_VARIABLE = "NVMEDIRECT_CPU_THREADS"  # the CLI's --threads sets it
+
+
 @functools.cache
 def default_threads() -> int:
-    """The physical cores this process may run on (hyperthreads add nothing to these products).
-    Counted once: psutil reads the CPU topology from /sys (~0.3 ms), and a decode step makes
-    hundreds of products."""
+    """NVMEDIRECT_CPU_THREADS when set, else the physical cores this process may run on
+    (hyperthreads add nothing to these products). Counted once: psutil reads the CPU topology from
+    /sys (~0.3 ms), and a decode step makes hundreds of products."""
     import psutil
 
+    given = os.environ.get(THREADS_VARIABLE, "")
+    if given:
+        if not given.isdigit() or int(given) < 1:
+            raise ValueError(f"{THREADS_VARIABLE}={given!r}: expected a whole number of threads, 1 or more")
+        return int(given)
     usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     physical = psutil.cpu_count(logical=False) or usable
     return max(1, min(physical, usable))
@@ -156,7 +166,7 @@ def _activations(x: np.ndarray, cols: int | None = None) -> np.ndarray:
     if cols is not None and x.shape[1] != cols:
         raise ValueError(f"activations have {x.shape[1]} columns, the weights {cols}")
     if not np.isfinite(x).all():
-        raise ValueError("activations contain NaN or infinity")
+        raise NonFiniteActivations
     return np.ascontiguousarray(x)
 
 
@@ -266,7 +276,7 @@ class FusedProduct:
                                              ffi.from_buffer("float[]", x), x.size // self.cols,
                                              ffi.from_buffer("float[]", y, require_writable=True), self.threads)
         if rc == -6:  # checked in C, where the values are read anyway
-            raise ValueError("activations contain NaN or infinity")
+            raise NonFiniteActivations
         _check(rc, "matmul")
         return y
 

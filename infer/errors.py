@@ -32,3 +32,16 @@ class UnsupportedTensorTypeError(ValueError):
 class StorageUnavailable(Exception):
     """Tier C's source cannot be opened: no such device, a controller nobody can reach, no model
     stored there. `str(err)` is one line; the CLI exits with code 4 (not ready)."""
+
+
+class NonFiniteValues(ValueError):
+    """A model computed NaN or infinity (damaged weights, or weights read from the wrong place): the
+    CLI names the model in one line, a server fails every request in flight."""
+
+
+class NonFiniteActivations(NonFiniteValues):
+    """A matrix product's input holds NaN or infinity (infer.cpu_kernels checks it where it reads it)."""
+
+    def __init__(self) -> None:
+        super().__init__("the model produced non-finite activations (NaN or infinity) before a matrix product: "
+                         "its weights are damaged or were read from the wrong place")

@@ -482,7 +482,8 @@ def load_transformer(model: GGUFModel, budget_bytes: int = 8 << 30, match_llama_
                      exact: bool = False, packed: bool | None = None) -> Transformer:
     """The CPU forward pass for a checked file (every tensor present, with its shape and type).
     packed: matrices left in the mapped file and multiplied by the native kernels
-    (infer.packed_weights; default NVMEDIRECT_CPU_PRODUCTS=native); never with exact."""
+    (infer.packed_weights; None: NVMEDIRECT_CPU_PRODUCTS, by default packed when the native kernels are
+    built); never with exact."""
     from infer.packed_weights import PackedWeights, native_products_requested
 
     args = check_model(model)

@@ -21,6 +21,8 @@ from typing import Protocol
 
 import numpy as np
 
+from infer.errors import NonFiniteValues
+
 GREEDY_BELOW = 1e-6  # temperatures under this are greedy (the module docstring says why)
 
 @dataclass(frozen=True)
@@ -152,7 +154,7 @@ def argmax_rows(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 NOTHING_LEFT = "every token is excluded (by logit_bias or a constraint): nothing can be chosen"
 
 
-class NonFiniteLogits(ValueError):
+class NonFiniteLogits(NonFiniteValues):
     """The model produced NaN or +inf logits: its weights (or how they were read) are broken."""
 
     def __init__(self, logits: np.ndarray) -> None:

@@ -8,6 +8,10 @@ What stands for what:
   into a slot after the slot's previous occupant was released;
 - consuming a streamed tensor: dequantize it out of its slot (the GPU repacks it into the layer
   scratch), then release the slot.
+With `packed` (the CPU's default engine, infer.packed_weights) the matrices are not dequantized:
+tier A's stay in the mapped file, a streamed one's bytes are copied out of its slot (the slot is then
+free), and the native kernels multiply them, so the streamed engine computes what the packed resident
+engine computes, bit for bit.
 The forward pass sees an ordinary WeightProvider.
 """
 
@@ -16,10 +20,11 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
 
 import numpy as np
 
-from infer import quants
+from infer import cpu_kernels, quants
 from infer.arch import OUTPUT_NORM, TOKEN_EMBD, ModelArgs, layer_vectors, output_name
 from infer.gguf_file import GGUFModel
 from infer.model import LayerWeights, Linear
@@ -27,6 +32,9 @@ from infer.tiers.plan import Plan, Tensor, Tier
 from infer.tiers.ring import StagingReader, StreamRing
 from infer.tiers.tier_b import HostTier
 from infer.tiers.tier_c import StorageSource
+
+# a layer's fused products (infer.model.LayerWeights), each its matrices stacked row-wise in this order
+PRODUCTS = (("attn_q", "attn_k", "attn_v"), ("attn_output",), ("ffn_gate", "ffn_up"), ("ffn_down",))
 
 
 class CpuTransport:
@@ -82,7 +90,7 @@ class StreamingCpuWeights:
 
     def __init__(self, model: GGUFModel, args: ModelArgs, plan: Plan, host: HostTier | None,
                  source: StorageSource | None, n_staging: int = 3, match_llama_cpp: bool = True,
-                 exact: bool = False) -> None:
+                 exact: bool = False, packed: bool = False) -> None:
         self.model = model
         self.args = args
         self.plan = plan
@@ -100,8 +108,14 @@ class StreamingCpuWeights:
             if t.layer is not None:
                 self._by_layer.setdefault(t.layer, []).append(t)
         self._resident: dict[str, np.ndarray] = {}
-        self._output: Linear | None = None
+        self._output: Any = None
         self.passes = 0
+        self.packed = packed and match_llama_cpp and not exact
+        if self.packed:  # as infer.packed_weights.PackedWeights: native norms, rope and attention too
+            from infer.cpu_layers import NativeLayers
+
+            self.native_layers = NativeLayers()
+            cpu_kernels.single_threaded_blas()
         self.ring.start()
 
     # -- tensors -----------------------------------------------------------------------------------
@@ -119,10 +133,25 @@ class StreamingCpuWeights:
         finally:
             self.ring.release(slot)
 
+    def _raw(self, t: Tensor) -> np.ndarray:
+        """A matrix's packed bytes: tier A's in the mapped file, a streamed one's copied out of its slot."""
+        if self.plan.tier[t.name] is Tier.VRAM:
+            return self.model.tensor(t.name).data
+        slot = self.ring.acquire(t.name)
+        try:
+            return self.transport.slots[slot][: t.nbytes].copy()
+        finally:
+            self.ring.release(slot)
+
+    def _packs(self, tensors: list[Tensor]) -> bool:
+        """Whether a fused product of these matrices is packed (every type one the kernels take)."""
+        return self.packed and all(t.ggml_type in cpu_kernels.SUPPORTED_TYPES for t in tensors)
+
     def warm(self, progress: Callable[[int, int], None] | None = None) -> None:
         """Dequantizes the tier A tensors and the output matrix now, not during the first pass (on
         a large model that is most of the load); progress(done, total) after each."""
-        resident = [t for t in self.plan.tensors if t.layer is not None and self.plan.tier[t.name] is Tier.VRAM]
+        resident = [t for t in self.plan.tensors if t.layer is not None and self.plan.tier[t.name] is Tier.VRAM
+                    and not (len(t.shape) == 2 and self._packs([t]))]  # packed ones stay in the file
         total = len(resident) + 1
         for done, t in enumerate(resident, start=1):
             self._values(t)
@@ -143,15 +172,31 @@ class StreamingCpuWeights:
     def layer(self, index: int) -> LayerWeights:
         if index == 0:
             self.passes += 1
-        values = {t.kind: (self._values(t), self._fmt_of(t.ggml_type)) for t in self._by_layer[index]}  # pass order
-        vectors = layer_vectors(self.args, index, {kind: v for kind, (v, _) in values.items() if v.ndim == 1})
-        return LayerWeights.assemble(
-            vectors,
-            attn_qkv=Linear([values["attn_q"], values["attn_k"], values["attn_v"]], self.exact),
-            attn_output=Linear([values["attn_output"]], self.exact),
-            ffn_gate_up=Linear([values["ffn_gate"], values["ffn_up"]], self.exact),
-            ffn_down=Linear([values["ffn_down"]], self.exact),
-        )
+        tensors = self._by_layer[index]
+        kinds = {t.kind: t for t in tensors}
+        groups = [[kinds[kind] for kind in product] for product in PRODUCTS]
+        packs = {t.kind: self._packs(group) for group in groups for t in group}
+        got: dict[str, Any] = {}
+        for t in tensors:  # in pass order: the ring hands the streamed tensors out in it
+            if len(t.shape) == 1:
+                got[t.kind] = self._values(t)
+            elif packs[t.kind]:
+                got[t.kind] = (self._raw(t), t.ggml_type, t.shape[0], t.shape[1])
+            else:
+                got[t.kind] = (self._values(t), self._fmt_of(t.ggml_type))
+        products = []
+        for group in groups:
+            parts = [got[t.kind] for t in group]
+            if packs[group[0].kind]:
+                from infer.packed_weights import PackedLinear
+
+                products.append(PackedLinear(parts))
+            else:
+                products.append(Linear(parts, self.exact))
+        vectors = {kind: v for kind, v in got.items() if isinstance(v, np.ndarray)}
+        attn_qkv, attn_output, ffn_gate_up, ffn_down = products
+        return LayerWeights.assemble(layer_vectors(self.args, index, vectors), attn_qkv=attn_qkv,
+                                     attn_output=attn_output, ffn_gate_up=ffn_gate_up, ffn_down=ffn_down)
 
     def embed(self, tokens: np.ndarray) -> np.ndarray:
         info = self.model.tensor(TOKEN_EMBD)
@@ -162,10 +207,15 @@ class StreamingCpuWeights:
             self._resident[OUTPUT_NORM] = self.model.tensor(OUTPUT_NORM).dequantize()
         return self._resident[OUTPUT_NORM]
 
-    def output(self) -> Linear:
+    def output(self) -> Any:
         if self._output is None:
             info = self.model.tensor(output_name(self.model))
-            self._output = Linear([(info.dequantize(self._matrix), self._fmt_of(info.ggml_type))], self.exact)
+            if self.packed and info.ggml_type in cpu_kernels.SUPPORTED_TYPES:
+                from infer.packed_weights import PackedLinear
+
+                self._output = PackedLinear([(info.data, info.ggml_type, info.shape[0], info.shape[1])])
+            else:
+                self._output = Linear([(info.dequantize(self._matrix), self._fmt_of(info.ggml_type))], self.exact)
         return self._output
 
     def bytes_moved(self) -> dict[Tier, int]:

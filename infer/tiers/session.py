@@ -197,10 +197,12 @@ def build_streaming_engine(model: GGUFModel | str | os.PathLike, config: Streami
             transformer.account = account
         else:
             from infer.model import Transformer
+            from infer.packed_weights import native_products_requested
             from infer.tiers.cpu_sim import StreamingCpuWeights
 
             weights = StreamingCpuWeights(model, args, plan, host, source, n_staging=config.staging_buffers,
-                                          match_llama_cpp=match_llama_cpp, exact=exact)
+                                          match_llama_cpp=match_llama_cpp, exact=exact,
+                                          packed=native_products_requested())
             closers.append(weights.close)
             transformer = Transformer(args, weights, factors, exact)
     except BaseException:

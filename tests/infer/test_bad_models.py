@@ -11,6 +11,7 @@ import pytest
 from click.testing import CliRunner
 from gguf import GGUFReader, GGUFValueType
 
+from infer import cpu_kernels
 from infer.cli import main
 from infer.errors import ModelError
 from infer.gguf_file import GGUFModel
@@ -144,7 +145,13 @@ def test_tokenizer_error_names_the_file(good_model: Path, tmp_path: Path) -> Non
     assert_one_line_error(path, "tokenizer", "unsupported tokenizer model")
 
 
-def test_nan_weights_end_in_one_line_naming_the_model(model_copy: Path) -> None:
+@pytest.mark.parametrize("engine", ["numpy", "native"])
+def test_nan_weights_end_in_one_line_naming_the_model(model_copy: Path, engine: str,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """The NumPy engine finds the NaN in the logits; the packed one in the output product's input."""
+    if engine == "native" and not cpu_kernels.available():
+        pytest.skip("the native CPU kernels are not built (scripts/bootstrap.sh builds them)")
+    monkeypatch.setenv("NVMEDIRECT_CPU_PRODUCTS", engine)
     reader = GGUFReader(model_copy, "r+")
     norm = next(t for t in reader.tensors if t.name == "output_norm.weight")
     norm.data[...] = np.nan
@@ -153,7 +160,8 @@ def test_nan_weights_end_in_one_line_naming_the_model(model_copy: Path) -> None:
     code, stdout, stderr = run_cli(model_copy)
     assert code == 2 and stdout == "" and "Traceback" not in stderr, (code, stderr)
     last = stderr.strip().splitlines()[-1]  # after the "loaded ..." note
-    assert str(model_copy) in last and "non-finite logits" in last and "NaN" in last, last
+    what = "non-finite logits" if engine == "numpy" else "non-finite activations"
+    assert str(model_copy) in last and what in last and "NaN" in last, last
 
 
 def _untyped_unknown_token(source: Path, target: Path, arch: str, unk: int) -> Path:

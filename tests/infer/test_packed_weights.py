@@ -57,8 +57,15 @@ def test_the_switch(q4km: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("NVMEDIRECT_CPU_PRODUCTS", "native")
     assert isinstance(load_transformer(GGUFModel(q4km)).weights, PackedWeights)
     assert not isinstance(load_transformer(GGUFModel(q4km), exact=True).weights, PackedWeights)  # never exact
-    monkeypatch.delenv("NVMEDIRECT_CPU_PRODUCTS")
+    monkeypatch.setenv("NVMEDIRECT_CPU_PRODUCTS", "numpy")
     assert type(load_transformer(GGUFModel(q4km)).weights) is DequantizedWeights
+    monkeypatch.delenv("NVMEDIRECT_CPU_PRODUCTS")  # the default: packed where the kernels are built
+    assert isinstance(load_transformer(GGUFModel(q4km)).weights, PackedWeights)
+    monkeypatch.setattr(cpu_kernels, "_cpu_kernels", None)  # not built: the NumPy engine, no error
+    assert type(load_transformer(GGUFModel(q4km)).weights) is DequantizedWeights
+    monkeypatch.setenv("NVMEDIRECT_CPU_PRODUCTS", "vector")
+    with pytest.raises(ValueError, match="NVMEDIRECT_CPU_PRODUCTS='vector'"):
+        load_transformer(GGUFModel(q4km))
 
 
 def test_a_sequences_logits_do_not_depend_on_its_pass(q4km: Path) -> None:
@@ -97,3 +104,22 @@ def test_a_token_trees_logits_are_its_paths_decoded(q4km: Path) -> None:
         for i in reversed(path):
             logits = model.forward(tokens[i : i + 1], alone)
         assert np.array_equal(logits.view(np.uint32), tree[node].view(np.uint32)), f"node {node}"
+
+
+def test_threads_come_from_the_cli(monkeypatch: pytest.MonkeyPatch) -> None:
+    """--threads reaches the native kernels' pool (NVMEDIRECT_CPU_THREADS), not only BLAS; a bad value
+    is an error naming the variable."""
+    from infer.cli import _set_threads
+
+    for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS", cpu_kernels.THREADS_VARIABLE):
+        monkeypatch.setenv(var, "")  # what _set_threads writes is undone after the test
+    cpu_kernels.default_threads.cache_clear()
+    try:
+        _set_threads(1)
+        assert cpu_kernels.default_threads() == 1
+        cpu_kernels.default_threads.cache_clear()
+        monkeypatch.setenv(cpu_kernels.THREADS_VARIABLE, "zero")
+        with pytest.raises(ValueError, match="NVMEDIRECT_CPU_THREADS='zero'"):
+            cpu_kernels.default_threads()
+    finally:
+        cpu_kernels.default_threads.cache_clear()

@@ -1,7 +1,8 @@
 """The prefix cache (issue 27): a chat that resends its history runs only the new turn, and the
 answers are those of a server without the cache. Two conversations interleave over two slots, so
-each turn must find the cache its own history is in. SmolLM2 Q8_0 with --exact (float64 sums: a
-sequence's logits do not depend on how its positions were split into passes)."""
+each turn must find the cache its own history is in. SmolLM2 Q8_0 with --exact (float64 sums) and on
+the packed native engine, the CPU's default: on both a sequence's logits do not depend on how its
+positions were split into passes, so the cache is on by default."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from infer import cpu_kernels
 from tests.server.test_server import KEY, Served, model  # noqa: F401 - the model fixture
 
 TURNS = ["Hi! Who are you?", "Name a colour.", "And a fruit?", "Which is sweeter?", "Thanks, bye."]
@@ -29,8 +31,11 @@ def _replay(server: Served) -> list[str]:
 
 
 @pytest.mark.slow
-def test_a_resent_history_reuses_its_cache_and_answers_the_same(model: Path) -> None:  # noqa: F811
-    cached = Served(model, "--max-batch", "2", "--api-key", KEY)
+@pytest.mark.parametrize("exact", [True, False], ids=["exact", "packed"])
+def test_a_resent_history_reuses_its_cache_and_answers_the_same(model: Path, exact: bool) -> None:  # noqa: F811
+    if not exact and not cpu_kernels.available():
+        pytest.skip("the native CPU kernels are not built (scripts/bootstrap.sh builds them)")
+    cached = Served(model, "--max-batch", "2", "--api-key", KEY, exact=exact)
     try:
         with_cache = _replay(cached)
         hits = cached.metric('ntransformer_prefix_cache_requests_total{result="hit"}')
@@ -38,7 +43,7 @@ def test_a_resent_history_reuses_its_cache_and_answers_the_same(model: Path) -> 
         computed = cached.metric('ntransformer_prefix_cache_tokens_total{kind="computed"}')
     finally:
         assert cached.stop() == 0
-    plain = Served(model, "--max-batch", "2", "--api-key", KEY, "--no-prefix-cache")
+    plain = Served(model, "--max-batch", "2", "--api-key", KEY, "--no-prefix-cache", exact=exact)
     try:
         without = _replay(plain)
         assert plain.metric('ntransformer_prefix_cache_requests_total{result="hit"}') == 0
@@ -69,8 +74,9 @@ def test_the_chat_replay_bench_compares_cache_on_and_off(model: Path, tmp_path: 
 
 
 def test_the_cache_is_on_by_default_only_where_it_changes_no_answer() -> None:
-    """The GPU and the exact CPU engine give a position the same numbers however a prompt is split
-    into passes; the CPU's float32 BLAS products do not, so there the cache is off unless asked for."""
+    """The GPU, the exact CPU engine and the packed native one give a position the same numbers however
+    a prompt is split into passes; the NumPy engine's float32 BLAS products do not, so there the cache
+    is off unless asked for."""
     from types import SimpleNamespace
 
     from infer.server.scheduler import split_invariant
@@ -78,3 +84,7 @@ def test_the_cache_is_on_by_default_only_where_it_changes_no_answer() -> None:
     assert split_invariant(SimpleNamespace(device="gpu"))  # type: ignore[arg-type]
     assert split_invariant(SimpleNamespace(device="cpu", exact=True))  # type: ignore[arg-type]
     assert not split_invariant(SimpleNamespace(device="cpu", exact=False))  # type: ignore[arg-type]
+    packed = SimpleNamespace(batch_invariant=True)
+    assert split_invariant(SimpleNamespace(device="cpu", exact=False, weights=packed))  # type: ignore[arg-type]
+    mixed = SimpleNamespace(batch_invariant=False)  # a matrix the kernels do not take, or experts
+    assert not split_invariant(SimpleNamespace(device="cpu", exact=False, weights=mixed))  # type: ignore[arg-type]

@@ -49,11 +49,12 @@ def _free_port() -> int:
 
 
 class Served:
-    def __init__(self, model: Path, *args: str) -> None:
+    def __init__(self, model: Path, *args: str, exact: bool = True) -> None:
+        """exact=False: the CPU's default engine (the packed native one where the kernels are built)."""
         self.port = _free_port()
         env = {**os.environ, "OPENBLAS_NUM_THREADS": "1"}
         cmd = [sys.executable, "-c", "from infer.cli import main; main()", "serve", "-m", str(model), "--device",
-               "cpu", "--exact", "-c", str(CTX), "--port", str(self.port), *args]
+               "cpu", *(["--exact"] if exact else []), "-c", str(CTX), "--port", str(self.port), *args]
         self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      text=True)
         deadline = time.monotonic() + 120

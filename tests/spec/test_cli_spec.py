@@ -1,5 +1,6 @@
-"""`ntransformer --draft-model / --lookup` on the CPU: the text equals the plain run's (exact numerics,
-which speculation on the CPU requires), the statistics are reported, and bad input is one line with
+"""`ntransformer --draft-model / --lookup` on the CPU: the text equals the plain run's (on the packed
+native engine, the CPU's default, and with exact numerics: the two batch-invariant engines that
+speculation on the CPU requires), the statistics are reported, and bad input is one line with
 exit 2."""
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+from infer import cpu_kernels
 from infer.cli import main
 from tests.oracle.assets import qwen05b_path, smollm2_path
 
@@ -27,11 +29,18 @@ def run(*args: str) -> tuple[int, str, str]:
     return result.exit_code, result.stdout, result.stderr
 
 
+@pytest.mark.parametrize("numerics", ["--exact", "packed"])
 @pytest.mark.parametrize("how", [["--draft-model", "DRAFT"], ["--lookup"], ["--draft-model", "DRAFT", "--lookup"],
                                  ["--self-spec", "--draft-k", "3"], ["--skip-threshold", "0.9"]])
-def test_speculative_text_is_the_plain_text(pair: tuple[Path, Path], how: list[str]) -> None:
+def test_speculative_text_is_the_plain_text(pair: tuple[Path, Path], how: list[str], numerics: str,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
     target, draft = pair
-    common = ["-m", str(target), "-p", "1, 2, 3, 4, 5, 6,", "-n", "20", "-t", "0", "--exact"]
+    if numerics == "packed":
+        if not cpu_kernels.available():
+            pytest.skip("the native CPU kernels are not built (scripts/bootstrap.sh builds them)")
+        monkeypatch.delenv("NVMEDIRECT_CPU_PRODUCTS", raising=False)  # the default engine
+    common = ["-m", str(target), "-p", "1, 2, 3, 4, 5, 6,", "-n", "20", "-t", "0",
+              *(["--exact"] if numerics == "--exact" else [])]
     code, plain, _ = run(*common)
     assert code == 0
     code, spec, err = run(*common, *[str(draft) if a == "DRAFT" else a for a in how])
@@ -99,17 +108,20 @@ def test_self_spec_on_the_streamed_cpu_engine_leaves_the_streamed_layers_out(pai
 
 
 @pytest.mark.parametrize("how", [["--lookup"], ["--draft-model", "DRAFT"], ["--self-spec"]])
-def test_speculation_on_the_cpu_without_exact_is_refused(pair: tuple[Path, Path], how: list[str]) -> None:
-    """Issue 29: on the float32 engine a speculative run's text drifted from plain decoding (4 of 20
-    prompts identical with --lookup); it is refused with one line saying to add --exact."""
+def test_speculation_on_the_cpu_without_exact_is_refused(pair: tuple[Path, Path], how: list[str],
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 29: on the NumPy float32 engine a speculative run's text drifted from plain decoding (4 of
+    20 prompts identical with --lookup); it is refused with one line naming the engines that work."""
+    monkeypatch.setenv("NVMEDIRECT_CPU_PRODUCTS", "numpy")
     target, draft = pair
     code, out, err = run("-m", str(target), "-p", "hi", "-n", "4", "-t", "0",
                          *[str(draft) if a == "DRAFT" else a for a in how])
     lines = [line for line in (err + out).splitlines() if line.startswith("Error")]
     assert code == 2 and out == "", (code, out, err)
-    assert lines == ["Error: speculative decoding on the CPU needs --exact: the float32 engine's logits depend on "
-                     "how many tokens a pass holds, so the text would differ from plain decoding (with --exact it is "
-                     "the plain --exact text, token for token)"]
+    assert lines == ["Error: speculative decoding on the CPU needs an engine whose logits do not depend on how many "
+                     "tokens a pass holds, or the text would differ from plain decoding: the packed native engine (the "
+                     "default where the native kernels are built; not --streaming, mixture-of-experts files or "
+                     "NVMEDIRECT_CPU_PRODUCTS=numpy) or --exact"]
 
 
 @pytest.mark.oracle
