@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 import click
 
+from infer import cli_run
 from infer.cli_options import streaming_options
 from infer.cli_spec import SpecOptions, spec_options
 from infer.tiers.config import StreamingConfig
@@ -204,91 +205,6 @@ def _sampler(temp: float, top_k: int, top_p: float, min_p: float, repeat_penalty
         _fail(str(err), EXIT_BAD_INPUT)
 
 
-def _generate(llm: LLM, prompt: str, n_predict: int, sampler: Any, as_json: bool) -> None:
-    from infer.engine import ContextFullError
-    from infer.tokenizer import StreamDecoder
-
-    ids = llm.tokenize(prompt)
-    if not ids:
-        _fail("the prompt is empty after tokenization", EXIT_BAD_INPUT)
-    decoder = StreamDecoder(llm.tokenizer)
-    out_ids: list[int] = []
-    pieces: list[str] = []
-    try:
-        for token in llm.generate_ids(ids, n_predict, sampler):
-            if llm.tokenizer.is_eog(token):
-                break
-            out_ids.append(token)
-            pieces.append(decoder.push(token))
-            if not as_json:
-                click.echo(pieces[-1], nl=False)
-                sys.stdout.flush()
-    except ContextFullError as err:
-        _fail(str(err), EXIT_BAD_INPUT)
-    pieces.append(decoder.flush())
-    stats = llm.stats
-    if as_json:
-        click.echo(json.dumps({"prompt": prompt, "prompt_ids": ids, "text": "".join(pieces), "ids": out_ids,
-                               **stats.as_dict()}))
-    else:
-        click.echo(pieces[-1])
-        _note(f"prompt {stats.prompt_tokens} tokens {stats.prompt_tokens_per_second:.1f} tok/s, "
-              f"generated {stats.generated_tokens} tokens {stats.decode_tokens_per_second:.1f} tok/s")
-
-
-def _benchmark(llm: LLM, n_predict: int, as_json: bool, peak: Any = None) -> None:
-    from infer.benchmark import measure, render
-
-    result = {"model": str(llm.gguf.path), **measure(llm.transformer, n_predict)}
-    if peak is not None:  # load and the measurement
-        peak.sample()
-        result["peak_vram_bytes"] = peak.peak
-    click.echo(json.dumps(result) if as_json else render(result))
-
-
-def _chat(llm: LLM, sampler: Any, n_predict: int, system: str | None) -> None:
-    from infer.chat import ChatTemplateError
-
-    try:
-        chat = llm.chat(system=system)
-    except ChatTemplateError as err:
-        _fail(f"{llm.gguf.path}: {err}", EXIT_BAD_INPUT)
-    interactive = sys.stdin.isatty()
-    interrupted = False  # the last thing was a Ctrl-C: a second one in a row leaves
-    while True:
-        if interactive:
-            click.echo("> ", nl=False, err=True)
-        try:
-            line = sys.stdin.readline()
-        except KeyboardInterrupt:
-            if interrupted:
-                click.echo(err=True)
-                break
-            interrupted = True
-            _note("\n(Ctrl-C again, Ctrl-D or /exit leaves)")
-            continue
-        if not line:
-            break
-        message = line.rstrip("\r\n")
-        if not message.strip():
-            continue
-        if message.strip() in ("/exit", "/quit"):
-            break
-        interrupted = False
-        reply = chat.send(message, max_tokens=n_predict, sampler=sampler)
-        try:
-            for piece in reply:
-                click.echo(piece, nl=False)
-                sys.stdout.flush()
-        except KeyboardInterrupt:  # stops this reply only; what it said so far stays in the conversation
-            reply.close()
-            interrupted = True
-            click.echo()
-            _note("(reply stopped; Ctrl-C again, Ctrl-D or /exit leaves)")
-            continue
-        click.echo()
-
-
 @click.group(cls=_Main, invoke_without_command=True, context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("-m", "--model", type=click.Path(), help="GGUF model file.")
 @click.option("-p", "--prompt", help="Text to continue.")
@@ -352,11 +268,11 @@ def main(ctx: click.Context, model: str | None, prompt: str | None, n_predict: i
     with _device_errors(where, measure_peak=benchmark or as_json) as peak:
         llm = _load(model, ctx_size, where, streaming.vram_budget, exact)
         if benchmark:
-            _benchmark(llm, n_predict, as_json, peak)
+            cli_run.benchmark(llm, n_predict, as_json, peak)
         elif chat:
-            _chat(llm, sampler, n_predict, system)
+            cli_run.chat(llm, sampler, n_predict, system)
         else:
-            _generate(llm, prompt or "", n_predict, sampler, as_json)
+            cli_run.generate(llm, prompt or "", n_predict, sampler, as_json)
 
 
 def _warn_unused(where: str, streaming: StreamingConfig, exact: bool) -> None:
