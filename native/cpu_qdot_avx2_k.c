@@ -123,7 +123,6 @@ AVX2_INLINE void k_tile_avx2(const struct job *J, const int *rr, const int *tt, 
     for (int b = 0; b < J->nb; b++) {
         __m256i isc[8], imn[8];
         uint32_t dd[8];  /* lane p: d (low half) and dmin (high half, Q4_K/Q5_K) of its row */
-        float dxl[8];
         const uint8_t *xb[8];
         for (int t = 0; t < T; t++)
             xb[t] = xrow[t] + (size_t)b * Q8_K_BYTES;
@@ -143,29 +142,7 @@ AVX2_INLINE void k_tile_avx2(const struct job *J, const int *rr, const int *tt, 
             for (int t = 0; t < T; t++)
                 dd[r * T + t] = d;
         }
-        __m256 dx;
-        if (T == 1) {
-            dx = _mm256_set1_ps(J->dx[(size_t)tt[0] * J->nb + b]);
-        } else if (T == 8 && nt == 8) {  /* eight consecutive tokens: one load from the block-major copy */
-            dx = _mm256_loadu_ps(J->dxT + (size_t)b * J->n_tokens + tt[0]);
-        } else {
-            for (int r = 0; r < R; r++)
-                for (int t = 0; t < T; t++)
-                    dxl[r * T + t] = J->dx[(size_t)tt[t] * J->nb + b];
-            dx = _mm256_loadu_ps(dxl);
-        }
-        __m256i is = sum8_epi32(isc), im = sum8_epi32(imn);
-        __m256 dw, dm;
-        halves_to_f32(dd, &dw, &dm);
-        __m256 term;
-        if (six) {
-            is = _mm256_sub_epi32(is, _mm256_slli_epi32(im, 5));  /* the weights' -32 offset */
-            term = _mm256_mul_ps(_mm256_mul_ps(dw, dx), _mm256_cvtepi32_ps(is));
-        } else {
-            term = _mm256_sub_ps(_mm256_mul_ps(_mm256_mul_ps(dw, dx), _mm256_cvtepi32_ps(is)),
-                                 _mm256_mul_ps(_mm256_mul_ps(dm, dx), _mm256_cvtepi32_ps(im)));
-        }
-        acc = _mm256_add_ps(acc, term);
+        acc = k_terms(J, acc, sum8_epi32(isc), sum8_epi32(imn), dd, tt, nt, b, R, T, six);
     }
     store_tile(J, acc, rr, tt, nr, nt, T);
 }

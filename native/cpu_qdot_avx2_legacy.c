@@ -58,43 +58,7 @@ AVX2_INLINE void legacy_tile_avx2(const struct job *J, const int *rr, const int 
                 dm[r * T + t] = d;
             }
         }
-        __m256 dx;
-        __m256i xsum;
-        if (T == 1) {
-            size_t xi = (size_t)tt[0] * J->nb + b;
-            dx = _mm256_set1_ps(J->dx[xi]);
-            xsum = _mm256_set1_epi32(J->xsum[xi]);
-        } else if (T == 8 && nt == 8) {  /* eight consecutive tokens: one load from the block-major copy */
-            size_t xi = (size_t)b * J->n_tokens + tt[0];
-            dx = _mm256_loadu_ps(J->dxT + xi);
-            xsum = _mm256_loadu_si256((const __m256i *)(J->xsumT + xi));
-        } else {
-            float dxl[8];
-            int32_t xsl[8];
-            for (int r = 0; r < R; r++)
-                for (int t = 0; t < T; t++) {
-                    size_t xi = (size_t)tt[t] * J->nb + b;
-                    dxl[r * T + t] = J->dx[xi];
-                    xsl[r * T + t] = J->xsum[xi];
-                }
-            dx = _mm256_loadu_ps(dxl);
-            xsum = _mm256_loadu_si256((const __m256i *)xsl);
-        }
-        __m256i isum = sum8_epi32(dots);
-        if (offset_shift)
-            isum = _mm256_sub_epi32(isum, _mm256_slli_epi32(xsum, offset_shift));
-        __m256 dw, mw;
-        if (R == 1) {  /* one row: its d (and m) in every lane */
-            __m128 h = _mm_cvtph_ps(_mm_cvtsi32_si128((int)dm[0]));
-            dw = _mm256_broadcastss_ps(h);
-            mw = _mm256_broadcastss_ps(_mm_movehdup_ps(h));
-        } else {
-            halves_to_f32(dm, &dw, &mw);
-        }
-        __m256 term = _mm256_mul_ps(_mm256_mul_ps(dw, dx), _mm256_cvtepi32_ps(isum));
-        if (has_min)
-            term = _mm256_add_ps(term, _mm256_mul_ps(_mm256_mul_ps(mw, dx), _mm256_cvtepi32_ps(xsum)));
-        acc = _mm256_add_ps(acc, term);
+        acc = legacy_terms(J, acc, sum8_epi32(dots), dm, tt, nt, b, R, T, has_min, offset_shift);
     }
     store_tile(J, acc, rr, tt, nr, nt, T);
 }

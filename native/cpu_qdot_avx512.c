@@ -24,48 +24,6 @@ AVX512_INLINE __m512i join256(__m256i lo, __m256i hi)
     return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
 }
 
-/* The float terms of one block for the 8 (row, token) lanes of a tile, as legacy_tile_avx2 forms them. */
-AVX512_INLINE __m256 legacy_terms(const struct job *J, __m256 acc, __m256i isum, const uint32_t dm[8], const int *tt,
-                                  int nt, int b, const int R, const int T, int has_min, int offset_shift)
-{
-    __m256 dx;
-    __m256i xsum;
-    if (T == 1) {
-        size_t xi = (size_t)tt[0] * J->nb + b;
-        dx = _mm256_set1_ps(J->dx[xi]);
-        xsum = _mm256_set1_epi32(J->xsum[xi]);
-    } else if (T == 8 && nt == 8) {
-        size_t xi = (size_t)b * J->n_tokens + tt[0];
-        dx = _mm256_loadu_ps(J->dxT + xi);
-        xsum = _mm256_loadu_si256((const __m256i *)(J->xsumT + xi));
-    } else {
-        float dxl[8];
-        int32_t xsl[8];
-        for (int r = 0; r < R; r++)
-            for (int t = 0; t < T; t++) {
-                size_t xi = (size_t)tt[t] * J->nb + b;
-                dxl[r * T + t] = J->dx[xi];
-                xsl[r * T + t] = J->xsum[xi];
-            }
-        dx = _mm256_loadu_ps(dxl);
-        xsum = _mm256_loadu_si256((const __m256i *)xsl);
-    }
-    if (offset_shift)
-        isum = _mm256_sub_epi32(isum, _mm256_slli_epi32(xsum, offset_shift));
-    __m256 dw, mw;
-    if (R == 1) {
-        __m128 h = _mm_cvtph_ps(_mm_cvtsi32_si128((int)dm[0]));
-        dw = _mm256_broadcastss_ps(h);
-        mw = _mm256_broadcastss_ps(_mm_movehdup_ps(h));
-    } else {
-        halves_to_f32(dm, &dw, &mw);
-    }
-    __m256 term = _mm256_mul_ps(_mm256_mul_ps(dw, dx), _mm256_cvtepi32_ps(isum));
-    if (has_min)
-        term = _mm256_add_ps(term, _mm256_mul_ps(_mm256_mul_ps(mw, dx), _mm256_cvtepi32_ps(xsum)));
-    return _mm256_add_ps(acc, term);
-}
-
 /* ---------------------------------------------------------------- legacy quants */
 
 /* A legacy block's weights as unsigned bytes: Q4/Q5 values 0..31, Q8_0 values + 128 (256-bit
@@ -256,7 +214,6 @@ AVX512_INLINE void k_tile_avx512(const struct job *J, const int *rr, const int *
         __m512i isc[8], xg[4];
         __m256i imn[8];
         uint32_t dd[8];
-        float dxl[8];
         const uint8_t *xb[8];
         for (int t = 0; t < T; t++)
             xb[t] = xrow[t] + (size_t)b * Q8_K_BYTES;
@@ -283,32 +240,10 @@ AVX512_INLINE void k_tile_avx512(const struct job *J, const int *rr, const int *
             for (int t = 0; t < T; t++)
                 dd[r * T + t] = d;
         }
-        __m256 dx;
-        if (T == 1) {
-            dx = _mm256_set1_ps(J->dx[(size_t)tt[0] * J->nb + b]);
-        } else if (T == 8 && nt == 8) {
-            dx = _mm256_loadu_ps(J->dxT + (size_t)b * J->n_tokens + tt[0]);
-        } else {
-            for (int r = 0; r < R; r++)
-                for (int t = 0; t < T; t++)
-                    dxl[r * T + t] = J->dx[(size_t)tt[t] * J->nb + b];
-            dx = _mm256_loadu_ps(dxl);
-        }
         __m256i is256[8];  /* 512 -> 256 bits first: the 256-bit tree is cheaper on Zen 4 than sum8_epi32_512 */
         for (int p = 0; p < 8; p++)
             is256[p] = _mm256_add_epi32(_mm512_castsi512_si256(isc[p]), _mm512_extracti64x4_epi64(isc[p], 1));
-        __m256i is = sum8_epi32(is256), im = sum8_epi32(imn);
-        __m256 dw, dm;
-        halves_to_f32(dd, &dw, &dm);
-        __m256 term;
-        if (six) {
-            is = _mm256_sub_epi32(is, _mm256_slli_epi32(im, 5));  /* the weights' -32 offset */
-            term = _mm256_mul_ps(_mm256_mul_ps(dw, dx), _mm256_cvtepi32_ps(is));
-        } else {
-            term = _mm256_sub_ps(_mm256_mul_ps(_mm256_mul_ps(dw, dx), _mm256_cvtepi32_ps(is)),
-                                 _mm256_mul_ps(_mm256_mul_ps(dm, dx), _mm256_cvtepi32_ps(im)));
-        }
-        acc = _mm256_add_ps(acc, term);
+        acc = k_terms(J, acc, sum8_epi32(is256), sum8_epi32(imn), dd, tt, nt, b, R, T, six);
     }
     store_tile(J, acc, rr, tt, nr, nt, T);
 }

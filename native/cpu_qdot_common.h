@@ -13,8 +13,9 @@
  * The AVX2 code reduces each block's integer products horizontally (maddubs/madd, then exact int32
  * sums), and forms the float terms with one output per vector lane (8 (row, token) pairs), never
  * across the blocks of one output, so every lane performs exactly the portable scalar sequence.
- * The AVX-512 code (cpu_qdot_avx512.c) sums the same block integers with vpdpbusd / vpdpwssd and
- * forms the terms with the AVX2 code's 8-lane float sequence, so it is bit-identical too.
+ * The AVX-512 code (cpu_qdot_avx512.c) sums the same block integers with vpdpbusd / vpdpwssd; both
+ * form the float terms through the same helpers below (legacy_terms, k_terms), so it is
+ * bit-identical too.
  * Float weights (F32/F16/BF16) use 8 running lanes (element i goes to lane i % 8, in order), then a
  * fixed pairwise tree over the lanes.
  */
@@ -181,6 +182,80 @@ AVX2_INLINE void halves_to_f32(const uint32_t v[8], __m256 *lo, __m256 *hi)
     p = _mm256_permute4x64_epi64(p, 0xd8);  /* [lo 0..3, lo 4..7 | hi 0..3, hi 4..7] */
     *lo = _mm256_cvtph_ps(_mm256_castsi256_si128(p));
     *hi = _mm256_cvtph_ps(_mm256_extracti128_si256(p, 1));
+}
+
+/* A legacy block's float terms for the 8 (row, token) lanes of a tile, added to acc (legacy_term's
+ * sequence, lane by lane): the AVX2 and AVX-512 kernels share it, so both form the same floats. */
+AVX2_INLINE __m256 legacy_terms(const struct job *J, __m256 acc, __m256i isum, const uint32_t dm[8], const int *tt,
+                                  int nt, int b, const int R, const int T, int has_min, int offset_shift)
+{
+    __m256 dx;
+    __m256i xsum;
+    if (T == 1) {
+        size_t xi = (size_t)tt[0] * J->nb + b;
+        dx = _mm256_set1_ps(J->dx[xi]);
+        xsum = _mm256_set1_epi32(J->xsum[xi]);
+    } else if (T == 8 && nt == 8) {
+        size_t xi = (size_t)b * J->n_tokens + tt[0];
+        dx = _mm256_loadu_ps(J->dxT + xi);
+        xsum = _mm256_loadu_si256((const __m256i *)(J->xsumT + xi));
+    } else {
+        float dxl[8];
+        int32_t xsl[8];
+        for (int r = 0; r < R; r++)
+            for (int t = 0; t < T; t++) {
+                size_t xi = (size_t)tt[t] * J->nb + b;
+                dxl[r * T + t] = J->dx[xi];
+                xsl[r * T + t] = J->xsum[xi];
+            }
+        dx = _mm256_loadu_ps(dxl);
+        xsum = _mm256_loadu_si256((const __m256i *)xsl);
+    }
+    if (offset_shift)
+        isum = _mm256_sub_epi32(isum, _mm256_slli_epi32(xsum, offset_shift));
+    __m256 dw, mw;
+    if (R == 1) {
+        __m128 h = _mm_cvtph_ps(_mm_cvtsi32_si128((int)dm[0]));
+        dw = _mm256_broadcastss_ps(h);
+        mw = _mm256_broadcastss_ps(_mm_movehdup_ps(h));
+    } else {
+        halves_to_f32(dm, &dw, &mw);
+    }
+    __m256 term = _mm256_mul_ps(_mm256_mul_ps(dw, dx), _mm256_cvtepi32_ps(isum));
+    if (has_min)
+        term = _mm256_add_ps(term, _mm256_mul_ps(_mm256_mul_ps(mw, dx), _mm256_cvtepi32_ps(xsum)));
+    return _mm256_add_ps(acc, term);
+}
+
+/* A K-quant super-block's float terms for the 8 (row, token) lanes of a tile from its integer sums
+ * `is` and minimum sums `im` (Q4_K/Q5_K; Q6_K's -32 offset with `six`), added to acc
+ * (kquant_term's sequence): shared by the AVX2 and AVX-512 kernels. */
+AVX2_INLINE __m256 k_terms(const struct job *J, __m256 acc, __m256i is, __m256i im, const uint32_t dd[8], const int *tt,
+                           int nt, int b, const int R, const int T, int six)
+{
+    __m256 dx;
+    if (T == 1) {
+        dx = _mm256_set1_ps(J->dx[(size_t)tt[0] * J->nb + b]);
+    } else if (T == 8 && nt == 8) {  /* eight consecutive tokens: one load from the block-major copy */
+        dx = _mm256_loadu_ps(J->dxT + (size_t)b * J->n_tokens + tt[0]);
+    } else {
+        float dxl[8];
+        for (int r = 0; r < R; r++)
+            for (int t = 0; t < T; t++)
+                dxl[r * T + t] = J->dx[(size_t)tt[t] * J->nb + b];
+        dx = _mm256_loadu_ps(dxl);
+    }
+    __m256 dw, dm;
+    halves_to_f32(dd, &dw, &dm);
+    __m256 term;
+    if (six) {
+        is = _mm256_sub_epi32(is, _mm256_slli_epi32(im, 5));  /* the weights' -32 offset */
+        term = _mm256_mul_ps(_mm256_mul_ps(dw, dx), _mm256_cvtepi32_ps(is));
+    } else {
+        term = _mm256_sub_ps(_mm256_mul_ps(_mm256_mul_ps(dw, dx), _mm256_cvtepi32_ps(is)),
+                             _mm256_mul_ps(_mm256_mul_ps(dm, dx), _mm256_cvtepi32_ps(im)));
+    }
+    return _mm256_add_ps(acc, term);
 }
 
 /* y[tt[t]][rr[r]] = lane r * T + t of acc, for the nr x nt valid outputs of a tile. */
