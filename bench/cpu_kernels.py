@@ -106,10 +106,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", default="1,64", help="comma-separated token counts")
     parser.add_argument("--no-baseline", action="store_true", help="skip the (slow) NumPy baseline")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    parser.add_argument("--shapes", default=None,
+                        help="comma-separated ROWSxCOLS matrices instead of the 8B's (e.g. 17920x1536,6720x4096: "
+                             "the same bytes in short and long rows)")
     parser.add_argument("--impl", default=None,
                         help="comma-separated code paths to time in turn (avx512, avx2, portable) or 'all'; "
                              "default: the one in use")
     args = parser.parse_args(argv)
+    try:
+        shapes = [tuple(int(v) for v in shape.lower().split("x")) for shape in args.shapes.split(",")] \
+            if args.shapes else SHAPES
+        if any(len(shape) != 2 or min(shape) < 1 for shape in shapes):
+            raise ValueError
+    except ValueError:
+        parser.error(f"--shapes takes ROWSxCOLS[,ROWSxCOLS...], not {args.shapes!r}")
     if not cpu_kernels.available():
         print("CPU kernels not built: python native/build_cpu_kernels.py", file=sys.stderr)
         return 1
@@ -118,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     threads = args.threads or cpu_kernels.default_threads()
     roofline = copy_bandwidth_gbs()
     cases = []
-    for rows, cols in SHAPES:
+    for rows, cols in shapes:
         for t in TYPES:
             for n in args.tokens.split(","):
                 for impl in impls:  # the same weights and activations for each path (same seed)
