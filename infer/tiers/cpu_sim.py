@@ -109,6 +109,7 @@ class StreamingCpuWeights:
                 self._by_layer.setdefault(t.layer, []).append(t)
         self._resident: dict[str, np.ndarray] = {}
         self._output: Any = None
+        self._resident_products: dict[tuple[int, int], Any] = {}  # packed products wholly in tier A, made once
         self.passes = 0
         self.packed = packed and match_llama_cpp and not exact
         if self.packed:  # as infer.packed_weights.PackedWeights: native norms, rope and attention too
@@ -185,14 +186,20 @@ class StreamingCpuWeights:
             else:
                 got[t.kind] = (self._values(t), self._fmt_of(t.ggml_type))
         products = []
-        for group in groups:
+        for g, group in enumerate(groups):
             parts = [got[t.kind] for t in group]
-            if packs[group[0].kind]:
+            if not packs[group[0].kind]:
+                products.append(Linear(parts, self.exact))
+            elif all(self.plan.tier[t.name] is Tier.VRAM for t in group):
+                if (index, g) not in self._resident_products:
+                    from infer.packed_weights import PackedLinear
+
+                    self._resident_products[index, g] = PackedLinear(parts)
+                products.append(self._resident_products[index, g])
+            else:
                 from infer.packed_weights import PackedLinear
 
                 products.append(PackedLinear(parts))
-            else:
-                products.append(Linear(parts, self.exact))
         vectors = {kind: v for kind, v in got.items() if isinstance(v, np.ndarray)}
         attn_qkv, attn_output, ffn_gate_up, ffn_down = products
         return LayerWeights.assemble(layer_vectors(self.args, index, vectors), attn_qkv=attn_qkv,
