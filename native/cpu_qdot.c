@@ -89,8 +89,8 @@ static int rows_any(const struct job *J, int r0, int r1, int impl)
 /* The activations in the form the kernels read: per-block scales (and q8_0 sums) as plain arrays
  * for the quantized families, float values for the float types. Decoded once per product. */
 struct xdec {
-    float *dx, *xf, *dxT;
-    int32_t *xsum, *xsumT;
+    float *dx, *xf, *dxT, *dx8;
+    int32_t *xsum, *xsumT, *xsum8;
 };
 
 static void xdec_free(struct xdec *D)
@@ -100,6 +100,8 @@ static void xdec_free(struct xdec *D)
     free(D->xsum);
     free(D->dxT);
     free(D->xsumT);
+    free(D->dx8);
+    free(D->xsum8);
 }
 
 static int xdec_make(struct xdec *D, int type, int family, int cols, int nb, const uint8_t *x, size_t xrow,
@@ -137,6 +139,18 @@ static int xdec_make(struct xdec *D, int type, int family, int cols, int nb, con
                 D->xsum[i] = s;
             }
         }
+    if (n_tokens == 1 && nb <= ROWS8_MAX_NB) {  /* ROWS8: eight rows' worth, in the order of a run */
+        D->dx8 = malloc(8 * (size_t)nb * sizeof(float));
+        D->xsum8 = malloc(8 * (size_t)nb * sizeof(int32_t));
+        if (!D->dx8 || !D->xsum8) {
+            xdec_free(D);
+            return QDOT_ENOMEM;
+        }
+        for (int j = 0; j < 8 * nb; j++) {
+            D->dx8[j] = D->dx[j % nb];
+            D->xsum8[j] = D->xsum[j % nb];
+        }
+    }
     if (n_tokens > 1) {  /* the 8-token AVX2 tiles read eight tokens' scales at once */
         D->dxT = malloc(nblk * sizeof(float));
         D->xsumT = malloc(nblk * sizeof(int32_t));
@@ -167,7 +181,8 @@ static int job_make(struct job *J, const void *w, int type, int rows, int cols, 
         .type = type, .family = family, .rows = rows, .cols = cols, .nb = cols / block, .n_tokens = n_tokens,
         .w = w, .wrow = (size_t)wrow, .wblock = wblock, .x = xq, .xrow = (size_t)xrow,
         .dx = D ? D->dx : NULL, .xsum = D ? D->xsum : NULL, .xf = D ? D->xf : NULL, .y = y, .ystride = ystride,
-        .dxT = D ? D->dxT : NULL, .xsumT = D ? D->xsumT : NULL,
+        .dxT = D ? D->dxT : NULL, .xsumT = D ? D->xsumT : NULL, .dx8 = D ? D->dx8 : NULL,
+        .xsum8 = D ? D->xsum8 : NULL,
     };
     return 0;
 }
@@ -236,6 +251,8 @@ int matmul_q(const void *w, int type, int rows, int cols, const void *xq, int n_
     T.jobs[0].xf = D.xf;
     T.jobs[0].dxT = D.dxT;
     T.jobs[0].xsumT = D.xsumT;
+    T.jobs[0].dx8 = D.dx8;
+    T.jobs[0].xsum8 = D.xsum8;
     rc = task_run(&T, n_threads);
     xdec_free(&D);
     return rc;

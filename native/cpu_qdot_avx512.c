@@ -75,10 +75,51 @@ AVX512_INLINE void legacy_tile_avx512(const struct job *J, const int *rr, const 
     store_tile(J, acc, rr, tt, nr, nt, T);
 }
 
-/* One token: 8 rows per tile; several: 1 row x 8 tokens (each block decoded once for eight). */
+/* One token, rows r0..r0 + 7 (ROWS8 in cpu_qdot_common.h): legacy_term8 on eight blocks of the run at
+ * a time, block index b following the run through the rows. */
+AVX512_INLINE void legacy_rows8_avx512(const struct job *J, int r0, const int type)
+{
+    const int has_min = type == T_Q4_1 || type == T_Q5_1;
+    const int offset_shift = type == T_Q4_0 ? 3 : type == T_Q5_0 ? 4 : type == T_Q8_0 ? 7 : 0;
+    const int wb = type == T_Q4_0 ? 18 : type == T_Q4_1 ? 20 : type == T_Q5_0 ? 22 : type == T_Q5_1 ? 24 : 34;
+    const int nb = J->nb, run = 8 * nb;
+    const uint8_t *w = J->w + (size_t)r0 * J->wrow, *x = J->x;
+    float terms[8 * ROWS8_MAX_NB + 8] __attribute__((aligned(32)));
+    for (int j = 0, b = 0; j < run; j += 8) {
+        const uint8_t *blk = w + (size_t)j * wb;
+        for (int o = 0; o < 8 * wb; o += 64)
+            _mm_prefetch((const char *)blk + ROWS8_PREFETCH + o, _MM_HINT_NTA);
+        __m256i dots[8];
+        uint32_t dm[8];
+#pragma GCC unroll 8
+        for (int k = 0; k < 8; k++) {
+            __m256i xv = _mm256_loadu_si256((const __m256i *)(x + (size_t)b * Q8_0_BYTES + 2));
+            dots[k] = _mm256_dpbusd_epi32(_mm256_setzero_si256(), legacy_bytes512(type, blk + k * wb), xv);
+            dm[k] = has_min ? load_u32(blk + k * wb) : load_u16(blk + k * wb);
+            b = b + 1 == nb ? 0 : b + 1;
+        }
+        __m256 dw, mw;
+        halves_to_f32(dm, &dw, &mw);
+        _mm256_store_ps(terms + j, legacy_term8(sum8_epi32(dots), _mm256_loadu_ps(J->dx8 + j),
+                                                _mm256_loadu_si256((const __m256i *)(J->xsum8 + j)), dw, mw,
+                                                has_min, offset_shift));
+    }
+    int rr[8], tt[1] = {0};
+    for (int r = 0; r < 8; r++)
+        rr[r] = r0 + r;
+    store_tile(J, rows8_add(_mm256_setzero_ps(), terms, nb), rr, tt, 8, 1, 1);
+}
+
+/* One token: whole 8-row tiles of rows up to ROWS8_MAX_NB blocks row by row (ROWS8), the rest in
+ * lockstep; several: 1 row x 8 tokens (each block decoded once for eight). */
 #define LEGACY_CASE(type_const)                                                                      \
     case type_const:                                                                                 \
-        if (J->n_tokens == 1)                                                                        \
+        if (J->n_tokens == 1 && J->nb <= ROWS8_MAX_NB && J->dx8) {                                   \
+            int r = r0;                                                                              \
+            for (; r + 8 <= r1; r += 8)                                                              \
+                legacy_rows8_avx512(J, r, type_const);                                               \
+            FOR_TILES(J, r, r1, 8, 1, legacy_tile_avx512(J, rr, tt, nr, nt, 8, 1, type_const));      \
+        } else if (J->n_tokens == 1)                                                                 \
             FOR_TILES(J, r0, r1, 8, 1, legacy_tile_avx512(J, rr, tt, nr, nt, 8, 1, type_const));     \
         else                                                                                         \
             FOR_TILES(J, r0, r1, 1, 8, legacy_tile_avx512(J, rr, tt, nr, nt, 1, 8, type_const));     \
@@ -248,10 +289,65 @@ AVX512_INLINE void k_tile_avx512(const struct job *J, const int *rr, const int *
     store_tile(J, acc, rr, tt, nr, nt, T);
 }
 
-/* One token: 8 rows per tile; several: 1 row x 8 tokens (32 vector registers hold Q6_K's too). */
+/* One token, rows r0..r0 + 7 (ROWS8 in cpu_qdot_common.h): k_term8 on eight super-blocks of the run
+ * at a time, block index b following the run through the rows. */
+AVX512_INLINE void k_rows8_avx512(const struct job *J, int r0, const int type)
+{
+    const int six = type == T_Q6_K, bytes = six ? 210 : type == T_Q5_K ? 176 : 144;
+    const int nb = J->nb, run = 8 * nb;
+    const uint8_t *w = J->w + (size_t)r0 * J->wrow, *x = J->x;
+    float terms[8 * ROWS8_MAX_NB + 8] __attribute__((aligned(32)));
+    __m512i xg[ROWS8_MAX_NB_K45 * 4];  /* Q4_K/Q5_K: the activations in the order of the stored nibbles */
+    if (!six)
+        for (int b = 0; b < nb; b++)
+            for (int h = 0; h < 2; h++) {
+                const uint8_t *xb = x + (size_t)b * Q8_K_BYTES;
+                __m512i x0 = _mm512_loadu_si512((const void *)(xb + 4 + 128 * h));
+                __m512i x1 = _mm512_loadu_si512((const void *)(xb + 68 + 128 * h));
+                xg[b * 4 + 2 * h] = _mm512_shuffle_i64x2(x0, x1, _MM_SHUFFLE(1, 0, 1, 0));
+                xg[b * 4 + 2 * h + 1] = _mm512_shuffle_i64x2(x0, x1, _MM_SHUFFLE(3, 2, 3, 2));
+            }
+    for (int j = 0, b = 0; j < run; j += 8) {
+        const uint8_t *blk = w + (size_t)j * bytes;
+        for (int o = 0; o < 8 * bytes; o += 64)
+            _mm_prefetch((const char *)blk + ROWS8_PREFETCH + o, _MM_HINT_NTA);
+        __m256i is256[8], imn[8];
+        uint32_t dd[8];
+#pragma GCC unroll 8
+        for (int k = 0; k < 8; k++) {
+            const uint8_t *xb = x + (size_t)b * Q8_K_BYTES;
+            __m512i isc;
+            if (six) {
+                q6k_block512(blk + k * bytes, &xb, 1, &isc, &imn[k]);
+                dd[k] = load_u16(blk + k * bytes + 208);
+            } else {
+                k45_block512(blk + k * bytes, &xb, xg + b * 4, 1, type, &isc, &imn[k]);
+                dd[k] = load_u32(blk + k * bytes);
+            }
+            is256[k] = _mm256_add_epi32(_mm512_castsi512_si256(isc), _mm512_extracti64x4_epi64(isc, 1));
+            b = b + 1 == nb ? 0 : b + 1;
+        }
+        __m256 dw, dm;
+        halves_to_f32(dd, &dw, &dm);
+        _mm256_store_ps(terms + j, k_term8(sum8_epi32(is256), sum8_epi32(imn), _mm256_loadu_ps(J->dx8 + j), dw, dm, six));
+    }
+    int rr[8], tt[1] = {0};
+    for (int r = 0; r < 8; r++)
+        rr[r] = r0 + r;
+    store_tile(J, rows8_add(_mm256_setzero_ps(), terms, nb), rr, tt, 8, 1, 1);
+}
+
+/* One token: whole 8-row tiles of rows up to ROWS8_MAX_NB (Q6_K) or ROWS8_MAX_NB_K45 (Q4_K, Q5_K)
+ * super-blocks row by row (ROWS8), the rest in lockstep; several: 1 row x 8 tokens (32 vector
+ * registers hold Q6_K's too). */
 #define K512_CASE(type_const)                                                                   \
     case type_const:                                                                            \
-        if (J->n_tokens == 1)                                                                   \
+        if (J->n_tokens == 1 && J->nb <= (type_const == T_Q6_K ? ROWS8_MAX_NB : ROWS8_MAX_NB_K45) && J->dx8) { \
+            int r = r0;                                                                         \
+            for (; r + 8 <= r1; r += 8)                                                         \
+                k_rows8_avx512(J, r, type_const);                                               \
+            FOR_TILES(J, r, r1, 8, 1, k_tile_avx512(J, rr, tt, nr, nt, 8, 1, type_const));      \
+        } else if (J->n_tokens == 1)                                                            \
             FOR_TILES(J, r0, r1, 8, 1, k_tile_avx512(J, rr, tt, nr, nt, 8, 1, type_const));     \
         else                                                                                    \
             FOR_TILES(J, r0, r1, 1, 8, k_tile_avx512(J, rr, tt, nr, nt, 1, 8, type_const));     \

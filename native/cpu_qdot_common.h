@@ -106,6 +106,8 @@ struct job {
     const int32_t *xsum;/* [t * nb + b]: sum of a q8_0 block's int8 values (legacy) */
     const float *dxT;   /* [b * n_tokens + t]: dx block-major (several tokens) */
     const int32_t *xsumT;/* [b * n_tokens + t]: xsum block-major (several tokens) */
+    const float *dx8;   /* [j]: dx[j % nb], j < 8 * nb (one token: a tile's 8 rows as one run, ROWS8) */
+    const int32_t *xsum8;/* [j]: xsum[j % nb], likewise (legacy) */
     const float *xf;    /* [t * cols + i]: activations as floats (float types) */
     float *y;           /* y[t * ystride + r]: output of row r for token t */
     size_t ystride;     /* floats per output row (the rows of every part of a fused product) */
@@ -144,7 +146,24 @@ static inline float weight_to_f32(int type, const uint8_t *row, int i)
     return type == T_F16 ? fp16_to_f32(h) : bf16_to_f32(h);
 }
 
+/* ROWS8: a one-token tile of 8 rows, which are one contiguous stretch of the matrix, read in the
+ * memory's order as one run of 8 * nb blocks, eight blocks' float terms formed at a time (lane by
+ * lane, as legacy_term8 / k_term8 form them for the lockstep tile) into terms[r * nb + b], and then
+ * added block by block over the 8 rows (rows8_add): the same bits as the lockstep tile. Reading the 8
+ * rows in lockstep, a block of each in turn, measured half the bandwidth on short rows (2026-12-05,
+ * 2-core Zen 4, one thread, from DRAM, Q8_0: 11.9 GB/s on 1536-wide rows against 22.6 on 10752-wide
+ * ones; a bare read of the two orders, 12.9 against 26.0 GB/s): the hardware prefetcher follows one
+ * stream through a page, not several interleaved ones. Long rows keep the lockstep tile: legacy rows
+ * over 4096 wide (the run's terms would outgrow the stack; Q8_0 10752 wide reads as fast either way)
+ * and Q4_K/Q5_K rows over 4096 wide (8960 wide, the 1.5B's down matrices: the same time either way
+ * within the noise, and lockstep ahead on a benchmark whose matrices partly stay in L3). Only the
+ * AVX-512 kernels have ROWS8 so far. */
+#define ROWS8_MAX_NB 128     /* blocks (legacy) or super-blocks (Q6_K) of a row, at most */
+#define ROWS8_MAX_NB_K45 16  /* Q4_K, Q5_K super-blocks of a row, at most */
+#define ROWS8_PREFETCH 2048  /* bytes ahead of the run (non-temporal: the weights are read once) */
+
 /* ---------------------------------------------------------------- AVX2 helpers */
+
 #ifdef QDOT_X86
 #define AVX2 __attribute__((target("avx2,f16c")))
 #define AVX2_INLINE static inline __attribute__((always_inline, target("avx2,f16c")))
@@ -184,6 +203,31 @@ AVX2_INLINE void halves_to_f32(const uint32_t v[8], __m256 *lo, __m256 *hi)
     *hi = _mm256_cvtph_ps(_mm256_extracti128_si256(p, 1));
 }
 
+/* Eight legacy block terms, lane by lane (legacy_term's sequence): block sums isum, activation
+ * scales dx and sums xsum, weight scales dw and mins mw. */
+AVX2_INLINE __m256 legacy_term8(__m256i isum, __m256 dx, __m256i xsum, __m256 dw, __m256 mw, int has_min,
+                                int offset_shift)
+{
+    if (offset_shift)
+        isum = _mm256_sub_epi32(isum, _mm256_slli_epi32(xsum, offset_shift));
+    __m256 term = _mm256_mul_ps(_mm256_mul_ps(dw, dx), _mm256_cvtepi32_ps(isum));
+    if (has_min)
+        term = _mm256_add_ps(term, _mm256_mul_ps(_mm256_mul_ps(mw, dx), _mm256_cvtepi32_ps(xsum)));
+    return term;
+}
+
+/* Eight K-quant super-block terms, lane by lane (kquant_term's sequence): sums is, minimum sums im
+ * (Q6_K: the -32 offset with `six`), activation scales dx, weight scales dw and mins dm. */
+AVX2_INLINE __m256 k_term8(__m256i is, __m256i im, __m256 dx, __m256 dw, __m256 dm, int six)
+{
+    if (six) {
+        is = _mm256_sub_epi32(is, _mm256_slli_epi32(im, 5));  /* the weights' -32 offset */
+        return _mm256_mul_ps(_mm256_mul_ps(dw, dx), _mm256_cvtepi32_ps(is));
+    }
+    return _mm256_sub_ps(_mm256_mul_ps(_mm256_mul_ps(dw, dx), _mm256_cvtepi32_ps(is)),
+                         _mm256_mul_ps(_mm256_mul_ps(dm, dx), _mm256_cvtepi32_ps(im)));
+}
+
 /* A legacy block's float terms for the 8 (row, token) lanes of a tile, added to acc (legacy_term's
  * sequence, lane by lane): the AVX2 and AVX-512 kernels share it, so both form the same floats. */
 AVX2_INLINE __m256 legacy_terms(const struct job *J, __m256 acc, __m256i isum, const uint32_t dm[8], const int *tt,
@@ -211,8 +255,6 @@ AVX2_INLINE __m256 legacy_terms(const struct job *J, __m256 acc, __m256i isum, c
         dx = _mm256_loadu_ps(dxl);
         xsum = _mm256_loadu_si256((const __m256i *)xsl);
     }
-    if (offset_shift)
-        isum = _mm256_sub_epi32(isum, _mm256_slli_epi32(xsum, offset_shift));
     __m256 dw, mw;
     if (R == 1) {
         __m128 h = _mm_cvtph_ps(_mm_cvtsi32_si128((int)dm[0]));
@@ -221,10 +263,7 @@ AVX2_INLINE __m256 legacy_terms(const struct job *J, __m256 acc, __m256i isum, c
     } else {
         halves_to_f32(dm, &dw, &mw);
     }
-    __m256 term = _mm256_mul_ps(_mm256_mul_ps(dw, dx), _mm256_cvtepi32_ps(isum));
-    if (has_min)
-        term = _mm256_add_ps(term, _mm256_mul_ps(_mm256_mul_ps(mw, dx), _mm256_cvtepi32_ps(xsum)));
-    return _mm256_add_ps(acc, term);
+    return _mm256_add_ps(acc, legacy_term8(isum, dx, xsum, dw, mw, has_min, offset_shift));
 }
 
 /* A K-quant super-block's float terms for the 8 (row, token) lanes of a tile from its integer sums
@@ -247,15 +286,7 @@ AVX2_INLINE __m256 k_terms(const struct job *J, __m256 acc, __m256i is, __m256i 
     }
     __m256 dw, dm;
     halves_to_f32(dd, &dw, &dm);
-    __m256 term;
-    if (six) {
-        is = _mm256_sub_epi32(is, _mm256_slli_epi32(im, 5));  /* the weights' -32 offset */
-        term = _mm256_mul_ps(_mm256_mul_ps(dw, dx), _mm256_cvtepi32_ps(is));
-    } else {
-        term = _mm256_sub_ps(_mm256_mul_ps(_mm256_mul_ps(dw, dx), _mm256_cvtepi32_ps(is)),
-                             _mm256_mul_ps(_mm256_mul_ps(dm, dx), _mm256_cvtepi32_ps(im)));
-    }
-    return _mm256_add_ps(acc, term);
+    return _mm256_add_ps(acc, k_term8(is, im, dx, dw, dm, six));
 }
 
 /* y[tt[t]][rr[r]] = lane r * T + t of acc, for the nr x nt valid outputs of a tile. */
@@ -273,6 +304,7 @@ AVX2_INLINE void store_tile(const struct job *J, __m256 acc, const int *rr, cons
  * tile's rows (8 * wrow bytes on) is prefetched: one tile ahead, whatever the row length (measured
  * 2026-12-04 on the 2-core machine, whole decode passes from DRAM: SmolLM2 Q8_0 layers 9.8 -> 8.1 ms,
  * against 384 bytes ahead per row; a fixed distance is too short for short rows).
+ * The AVX-512 kernels read a one-token tile's rows one after another instead where it pays (ROWS8).
  * Walk [r0, r1) x all tokens in R x T tiles (R * T == 8 lanes, lane p = r * T + t); rr/tt repeat the
  * last valid index to fill a tile, and only the first nr x nt outputs are stored. */
 #define FOR_TILES(J, r0, r1, R, T, CALL)                                            \
@@ -292,6 +324,35 @@ AVX2_INLINE void store_tile(const struct job *J, __m256 acc, const int *rr, cons
     } while (0)
 
 /* ---------------------------------------------------------------- AVX-512 helpers */
+/* ROWS8's second half: terms[r * nb + b] holds row r's term of block b (and the array 8 floats more);
+ * adds them to acc (lane r) block after block, eight blocks at a time through an 8x8 transpose. */
+AVX2_INLINE __m256 rows8_add(__m256 acc, const float *terms, int n)
+{
+    for (int j = 0; j < n; j += 8) {
+        __m256 v[8];
+        for (int r = 0; r < 8; r++)
+            v[r] = _mm256_loadu_ps(terms + (size_t)r * n + j);
+        __m256 t0 = _mm256_unpacklo_ps(v[0], v[1]), t1 = _mm256_unpackhi_ps(v[0], v[1]);
+        __m256 t2 = _mm256_unpacklo_ps(v[2], v[3]), t3 = _mm256_unpackhi_ps(v[2], v[3]);
+        __m256 t4 = _mm256_unpacklo_ps(v[4], v[5]), t5 = _mm256_unpackhi_ps(v[4], v[5]);
+        __m256 t6 = _mm256_unpacklo_ps(v[6], v[7]), t7 = _mm256_unpackhi_ps(v[6], v[7]);
+        __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xee);
+        __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xee);
+        __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xee);
+        __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xee);
+        __m256 col[8] = {  /* col[k]: block j + k's terms of rows 0..7 */
+            _mm256_permute2f128_ps(u0, u4, 0x20), _mm256_permute2f128_ps(u1, u5, 0x20),
+            _mm256_permute2f128_ps(u2, u6, 0x20), _mm256_permute2f128_ps(u3, u7, 0x20),
+            _mm256_permute2f128_ps(u0, u4, 0x31), _mm256_permute2f128_ps(u1, u5, 0x31),
+            _mm256_permute2f128_ps(u2, u6, 0x31), _mm256_permute2f128_ps(u3, u7, 0x31),
+        };
+        const int m = n - j < 8 ? n - j : 8;
+        for (int k = 0; k < m; k++)
+            acc = _mm256_add_ps(acc, col[k]);
+    }
+    return acc;
+}
+
 /* F + BW (byte/word ops, masks) + VL + VNNI (vpdpbusd, vpdpwssd); avx2/f16c for the 8-lane float
  * code shared with the AVX2 kernels (inlined into these functions). */
 #define AVX512_TARGET "avx512f,avx512bw,avx512vl,avx512vnni,avx2,f16c"

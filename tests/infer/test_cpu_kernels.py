@@ -380,6 +380,27 @@ def test_avx512_and_portable_paths_agree_bit_for_bit(rng: np.random.Generator, g
 
 
 @needs_avx512
+@pytest.mark.parametrize("ggml_type", [T.Q4_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K], ids=lambda t: T(t).name)
+def test_avx512_one_token_widths_agree_bit_for_bit(rng: np.random.Generator, ggml_type: int) -> None:
+    """One token at the widths where the AVX-512 kernels switch between reading a tile's 8 rows one
+    after another and in lockstep (ROWS8 in native/cpu_qdot_common.h): block counts around 8, 16
+    and 128, whole and partial tiles, one and two threads."""
+    block = GGML_QUANT_SIZES[T(ggml_type)][0]
+    blocks = (6, 16, 17, 35, 128, 129) if block == 256 else (18, 28, 128, 129, 150)
+    for nb in blocks:
+        cols = nb * block
+        for rows in (8, 41):
+            raw = _weights(rng, ggml_type, rows, cols)
+            x = _activations(rng, 1, cols)
+            cpu_kernels.set_implementation("portable")
+            want = cpu_kernels.matmul(raw, ggml_type, rows, cols, x, threads=1)
+            cpu_kernels.set_implementation("avx512")
+            for threads in (1, 2):
+                got = cpu_kernels.matmul(raw, ggml_type, rows, cols, x, threads=threads)
+                assert np.array_equal(_bits(got), _bits(want)), f"{rows} x {cols}, {threads} thread(s)"
+
+
+@needs_avx512
 @pytest.mark.parametrize("ggml_type", list(_VALUE_BYTES), ids=lambda t: T(t).name)
 def test_avx512_extreme_values_agree_bit_for_bit(rng: np.random.Generator, ggml_type: int) -> None:
     """Weights at their extremes (nibbles all 15 or 0, Q8_0 at 127 or -128, K-quant scales at their
