@@ -54,6 +54,32 @@ def _check(rc: int, what: str) -> None:
         raise RuntimeError(f"{what} failed: {_ERRORS.get(rc, f'error {rc}')}")
 
 
+def native():  # noqa: ANN201 - cffi's ffi and lib objects have no useful static types
+    """(ffi, lib) of the extension, for a module that builds its structures (infer.cpu_decode)."""
+    return _cpu_kernels.ffi, _lib()
+
+
+def raise_for(rc: int, what: str) -> None:
+    """NonFiniteActivations for a native call that met NaN or infinity, RuntimeError for another
+    negative return code."""
+    if rc == -6:
+        raise NonFiniteActivations
+    _check(rc, what)
+
+
+def swiglu(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
+    """silu(gate) * up in float32, elementwise, with native/cpu_decode.c's fixed exp polynomial (not
+    NumPy's): the packed path's SwiGLU, the same bits in its batched and its one-call decode recipe."""
+    gate, up = _f32(gate), _f32(up)
+    if gate.shape != up.shape:
+        raise ValueError(f"gate {gate.shape} and up {up.shape} differ")
+    out = np.empty_like(gate)
+    ffi = _cpu_kernels.ffi
+    _lib().qdot_swiglu(ffi.from_buffer("float[]", gate), ffi.from_buffer("float[]", up), gate.size,
+                       ffi.from_buffer("float[]", out, require_writable=True))
+    return out
+
+
 def _type_name(ggml_type: int) -> str:
     try:
         return T(ggml_type).name
@@ -263,6 +289,12 @@ class FusedProduct:
         self._rows = ffi.new("int[]", [int(r) for _, _, r, _ in parts])
         self._n = len(parts)
 
+    @property
+    def native_parts(self) -> tuple[int, object, object, object, int]:
+        """(parts, weight pointers, types, rows, cols) as native/cpu_qdot.h's struct qdot_product
+        takes them (infer.cpu_decode); valid while this object lives."""
+        return self._n, self._w, self._types, self._rows, self.cols
+
     def __call__(self, x: np.ndarray) -> np.ndarray:
         """x (..., cols) float32 -> (..., rows) float32. A decode step makes ~100 of these calls, so
         the Python here is kept to a few operations."""
@@ -342,6 +374,11 @@ class Attention:
         self._shape = _cpu_kernels.ffi.new("struct qdot_attn_shape *", {
             "n_heads": n_heads, "n_kv_heads": n_kv_heads, "head_dim": head_dim, "n_pairs": n_pairs,
             "neox": int(neox), "fma": int(fma), "q_scale": q_scale, "scale": scale})
+
+    @property
+    def native_shape(self) -> object:
+        """The struct qdot_attn_shape it calls with (infer.cpu_decode copies it)."""
+        return self._shape[0]
 
     def __call__(self, q: np.ndarray, cos: np.ndarray | None, sin: np.ndarray | None, keys: np.ndarray,
                  values: np.ndarray, first: int, start: int, mask: np.ndarray | None = None) -> np.ndarray:

@@ -37,14 +37,22 @@ class NativeLayers:
             return rms_norm(x, weight, eps)
         return cpu_kernels.rms_norm(x, weight, eps)
 
-    def _attention_of(self, args: ModelArgs, rope: Rope) -> cpu_kernels.Attention:
-        """The native attention for a Transformer's args and rope (made once: a test may run one
-        model's weights under other args, such as the other rope pairing)."""
-        q_scale, scale = 1.0, float(np.float32(args.scores_scale))
-        if args.arch_table.scale_queries:  # Gemma: Q scaled in float32 before its float16 rounding
-            q_scale, scale = scale, 1.0
-        return cpu_kernels.Attention(args.n_heads, args.n_kv_heads, args.head_dim, rope.n_pairs,
-                                     rope.args.rope_neox, rope.fma, q_scale, scale, self.threads)
+    @staticmethod
+    def swiglu(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
+        return cpu_kernels.swiglu(gate, up)
+
+    def attention_for(self, args: ModelArgs, rope: Rope) -> cpu_kernels.Attention:
+        """The native attention for a Transformer's args and rope (made once per rope: a test may
+        run one model's weights under other args, such as the other rope pairing)."""
+        attend = self._attention.get(rope)
+        if attend is None:
+            q_scale, scale = 1.0, float(np.float32(args.scores_scale))
+            if args.arch_table.scale_queries:  # Gemma: Q scaled in float32 before its float16 rounding
+                q_scale, scale = scale, 1.0
+            attend = self._attention[rope] = cpu_kernels.Attention(
+                args.n_heads, args.n_kv_heads, args.head_dim, rope.n_pairs, rope.args.rope_neox, rope.fma, q_scale,
+                scale, self.threads)
+        return attend
 
     def attention(self, args: ModelArgs, rope: Rope, q: np.ndarray, k: np.ndarray, v: np.ndarray, cache: KVCache,
                   index: int, start: int, cos: np.ndarray, sin: np.ndarray,
@@ -52,9 +60,7 @@ class NativeLayers:
         """Transformer._attention after the QKV product (and Qwen3's / Gemma's q and k norms): q (T,
         heads, head_dim), k and v (T, kv_heads, head_dim) -> (T, q_dim), the input of attn_output.
         K is rotated here for the cache; Q inside the attention call (one call less a layer)."""
-        attend = self._attention.get(rope)
-        if attend is None:
-            attend = self._attention[rope] = self._attention_of(args, rope)
+        attend = self.attention_for(args, rope)
         k = cpu_kernels.rope(k, cos, sin, rope.n_pairs, rope.args.rope_neox, rope.fma)
         keys, values, first = cache.store(index, start, k, v)  # (S, kv_heads, head_dim) float16
         return attend(q, cos, sin, keys, values, first, start, None if allowed is None else allowed[:, first:])

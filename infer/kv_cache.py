@@ -36,6 +36,11 @@ class KVCache:
     def nbytes(self) -> int:
         return sum(a.nbytes for a in (*self._full, *self._rings))
 
+    def global_arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        """The global layers' keys and values, each (layers, max_tokens, kv_heads, head_dim) float16
+        (layer i at index[i]): for a native writer (infer.cpu_decode)."""
+        return self._full[0], self._full[1]
+
     def store(self, layer: int, start: int, k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
         """Writes (T, kv_heads, head_dim) at slots start ..; returns the keys and values of the slots
         the layer still holds up to start + T, in slot order (S, kv_heads, head_dim), and the first

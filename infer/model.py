@@ -317,6 +317,7 @@ class Transformer:
         self.exact = exact  # float64 sums (module docstring); the weights' Linears must be exact too
         # packed weights: norms, rope and attention in C too (infer.cpu_layers); never with exact
         self._native = None if exact else getattr(weights, "native_layers", None)
+        self._decode: tuple[frozenset[int], Any] | None = None  # (skip, its infer.cpu_decode.DecodeLayers or None)
 
     def new_cache(self, max_tokens: int) -> KVCache:
         return KVCache(self.args, max_tokens)
@@ -342,6 +343,14 @@ class Transformer:
         trees = list(trees) if trees is not None else [None] * len(batch)
         if len(trees) != len(batch):
             raise ValueError(f"{len(trees)} trees for {len(batch)} sequences")
+        if sizes == [1] and trees == [None] and hidden is None and self._native is not None:
+            decode = self._decode_layers()
+            if decode is not None:  # one token: every layer in one native call, the same bits
+                tokens, cache = batch[0]
+                cos, sin = self.rope.angles(np.array([cache.length]))
+                x = decode(self._embed(np.asarray(tokens, np.int64))[0], cache, cache.length, cos, sin)
+                cache.length += 1
+                return [self.weights.output()(self.norm(x[None], self.weights.output_norm()))[0]]
         bounds = np.cumsum([0, *sizes])
         positions: list[np.ndarray] = []
         masks: list[np.ndarray | None] = []  # a tree's: each node sees the cache and its ancestors
@@ -402,6 +411,15 @@ class Transformer:
         slot cache.length + i; cache.length does not move (KVCache.accept keeps a path)."""
         tokens, parents = np.asarray(tokens, dtype=np.int64), np.asarray(parents, dtype=np.int64)
         return self.forward_batch([(tokens, cache)], trees=[parents])[0]
+
+    def _decode_layers(self) -> Any:
+        """The one-call decode of the packed path (infer.cpu_decode) for this model's layers, or None
+        where it does not apply; made on first use (a layer-skipping view makes its own)."""
+        if self._decode is None or self._decode[0] != self.skip:
+            from infer.cpu_decode import DecodeLayers
+
+            self._decode = (self.skip, DecodeLayers.for_model(self))
+        return self._decode[1]
 
     def norm(self, x: np.ndarray, weight: np.ndarray) -> np.ndarray:
         if self._native is not None:
@@ -473,6 +491,8 @@ class Transformer:
         and rounded once."""
         if self.args.arch_table.activation == "gelu_tanh":
             return geglu(gate, up, self.exact)
+        if self._native is not None:  # packed: a fixed exp of its own (infer.cpu_decode uses it too)
+            return self._native.swiglu(gate, up)
         if self.exact:
             gate = gate.astype(np.float64)
         return (gate / (1.0 + np.exp(-gate)) * up).astype(np.float32, copy=False)

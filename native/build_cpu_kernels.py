@@ -38,6 +38,26 @@ int qdot_attention(const struct qdot_attn_shape *shape, const float *q, int n_to
                    const float *cos, const float *sin, const void *k, const void *v, int n_keys, int first,
                    int start, const uint8_t *mask, float *out, int n_threads);
 void qdot_exp_softmax(const float *x, float *y, size_t n);
+void qdot_swiglu(const float *gate, const float *up, size_t n, float *out);
+struct qdot_product {
+    int n_parts;
+    const void *const *w;
+    const int *types, *rows;
+    int cols;
+};
+struct qdot_decode_shape {
+    struct qdot_attn_shape attn;
+    int dim, ffn_dim;
+    float eps;
+};
+struct qdot_decode_layer {
+    const float *attn_norm, *ffn_norm, *bqkv, *q_norm, *k_norm;
+    struct qdot_product qkv, o, gate_up, down;
+    uint16_t *keys, *values;
+};
+long long qdot_decode_scratch_floats(const struct qdot_decode_shape *shape);
+int qdot_decode_layers(const struct qdot_decode_shape *shape, const struct qdot_decode_layer *layers, int n_layers,
+                       float *x, const float *cos, const float *sin, int pos, float *scratch, int n_threads);
 int qdot_implementation(void);
 int qdot_set_implementation(int impl);
 int qdot_cpu_has_avx2(void);
@@ -47,7 +67,7 @@ int qdot_cpu_has_avx512(void);
 # The kernels' files, compiled as one translation unit (their helpers are static inline, and the
 # kernels inline into their dispatchers) in this order; cpu_qdot_common.h holds what they share.
 SOURCES = ["cpu_qdot_quant.c", "cpu_qdot_portable.c", "cpu_qdot_avx2_legacy.c", "cpu_qdot_avx2_k.c",
-           "cpu_qdot_avx512.c", "cpu_qdot_pool.c", "cpu_qdot.c", "cpu_layers.c"]
+           "cpu_qdot_avx512.c", "cpu_qdot_pool.c", "cpu_qdot.c", "cpu_layers.c", "cpu_decode.c"]
 HEADERS = ["cpu_qdot.h", "cpu_qdot_common.h"]
 # Their text is inlined (as build_vfio.py does) so the setuptools build needs no source paths; #line
 # keeps the compiler's messages pointing at the real files.

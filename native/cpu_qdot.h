@@ -83,6 +83,37 @@ int qdot_attention(const struct qdot_attn_shape *shape, const float *q, int n_to
 /* y[i] = the softmax's exp of x[i] <= 0 (cpu_layers.c's polynomial, within ~1 ulp; 0 below -87). */
 void qdot_exp_softmax(const float *x, float *y, size_t n);
 
+/* The decode step (cpu_decode.c). out[i] = silu(gate[i]) * up[i]: g / (1 + exp(-g)) * u in float32,
+ * exp by a fixed polynomial (the same bits in the AVX2 and the portable code). */
+void qdot_swiglu(const float *gate, const float *up, size_t n, float *out);
+/* A fused product's matrices, as matmul_q_parts takes them. */
+struct qdot_product {
+    int n_parts;
+    const void *const *w;
+    const int *types, *rows;
+    int cols;
+};
+/* What stays the same for a model's decode steps. */
+struct qdot_decode_shape {
+    struct qdot_attn_shape attn;
+    int dim, ffn_dim;
+    float eps;  /* RMSNorm's */
+};
+/* One dense pre-norm layer: its norms (dim), optional QKV bias (q_dim + 2 kv_dim) and per-head q/k
+ * norms (head_dim), its products, and its KV cache (max positions, n_kv_heads, head_dim) float16. */
+struct qdot_decode_layer {
+    const float *attn_norm, *ffn_norm, *bqkv, *q_norm, *k_norm;
+    struct qdot_product qkv, o, gate_up, down;
+    uint16_t *keys, *values;
+};
+/* Floats of scratch qdot_decode_layers needs. */
+long long qdot_decode_scratch_floats(const struct qdot_decode_shape *shape);
+/* x (dim) through n_layers layers in place as the token at position pos (cos/sin its rope angles,
+ * n_pairs each): each layer writes the token's key and value at slot pos and attends over slots
+ * 0..pos. 0 or a negative error code (QDOT_ENONFINITE: a product met a NaN or infinity). */
+int qdot_decode_layers(const struct qdot_decode_shape *shape, const struct qdot_decode_layer *layers, int n_layers,
+                       float *x, const float *cos, const float *sin, int pos, float *scratch, int n_threads);
+
 /* Implementations (qdot_implementation's values). AVX-512 means F + BW + VL + VNNI; its float
  * weight types (F32/F16/BF16) and the activations' rounding run the AVX2 code. */
 #define QDOT_IMPL_PORTABLE 0
