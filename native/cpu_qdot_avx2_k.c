@@ -147,12 +147,55 @@ AVX2_INLINE void k_tile_avx2(const struct job *J, const int *rr, const int *tt, 
     store_tile(J, acc, rr, tt, nr, nt, T);
 }
 
-/* One token: 8 rows per tile; several: 1 row x 8 tokens for Q4_K/Q5_K (each super-block decoded
+/* One token, rows r0..r0 + 7 (ROWS8 in cpu_qdot_common.h): k_term8 on eight super-blocks of the run
+ * at a time, block index b following the run through the rows (k_rows8_avx512's, with this file's
+ * block products). */
+AVX2_INLINE void k_rows8_avx2(const struct job *J, int r0, const int type)
+{
+    const int six = type == T_Q6_K, bytes = six ? 210 : type == T_Q5_K ? 176 : 144;
+    const int nb = J->nb, run = 8 * nb;
+    const uint8_t *w = J->w + (size_t)r0 * J->wrow;
+    float terms[8 * ROWS8_MAX_NB + 8] __attribute__((aligned(32)));
+    for (int j = 0, b = 0; j < run; j += 8) {
+        const uint8_t *blk = w + (size_t)j * bytes;
+        for (int o = 0; o < 8 * bytes; o += 64)
+            _mm_prefetch((const char *)blk + ROWS8_PREFETCH + o, _MM_HINT_NTA);
+        __m256i isc[8], imn[8];
+        uint32_t dd[8];
+#pragma GCC unroll 8
+        for (int k = 0; k < 8; k++) {
+            const uint8_t *xb = J->x + (size_t)b * Q8_K_BYTES;
+            if (six) {
+                q6k_block(blk + k * bytes, &xb, 1, &isc[k], &imn[k]);
+                dd[k] = load_u16(blk + k * bytes + 208);
+            } else {
+                k45_block(blk + k * bytes, &xb, 1, type, &isc[k], &imn[k]);
+                dd[k] = load_u32(blk + k * bytes);
+            }
+            b = b + 1 == nb ? 0 : b + 1;
+        }
+        __m256 dw, dm;
+        halves_to_f32(dd, &dw, &dm);
+        _mm256_store_ps(terms + j, k_term8(sum8_epi32(isc), sum8_epi32(imn), _mm256_loadu_ps(J->dx8 + j), dw, dm, six));
+    }
+    int rr[8], tt[1] = {0};
+    for (int r = 0; r < 8; r++)
+        rr[r] = r0 + r;
+    store_tile(J, rows8_add(_mm256_setzero_ps(), terms, nb), rr, tt, 8, 1, 1);
+}
+
+/* One token: 8 rows per tile (whole tiles of rows up to ROWS8_MAX_NB (Q6_K) or ROWS8_MAX_NB_K45
+ * (Q4_K, Q5_K) super-blocks row by row, ROWS8); several: 1 row x 8 tokens for Q4_K/Q5_K (each super-block decoded
  * once for eight tokens), 2 rows x 4 tokens for Q6_K (whose eight accumulators and four decoded
  * vectors would not fit the registers: measured slower at 1 x 8). */
 #define K_CASE(type_const, RN, TN)                                                              \
     case type_const:                                                                            \
-        if (J->n_tokens == 1)                                                                   \
+        if (J->n_tokens == 1 && J->nb <= (type_const == T_Q6_K ? ROWS8_MAX_NB : ROWS8_MAX_NB_K45) && J->dx8) { \
+            int r = r0;                                                                         \
+            for (; r + 8 <= r1; r += 8)                                                         \
+                k_rows8_avx2(J, r, type_const);                                                 \
+            FOR_TILES(J, r, r1, 8, 1, k_tile_avx2(J, rr, tt, nr, nt, 8, 1, type_const));        \
+        } else if (J->n_tokens == 1)                                                            \
             FOR_TILES(J, r0, r1, 8, 1, k_tile_avx2(J, rr, tt, nr, nt, 8, 1, type_const));       \
         else                                                                                    \
             FOR_TILES(J, r0, r1, RN, TN, k_tile_avx2(J, rr, tt, nr, nt, RN, TN, type_const));   \

@@ -63,6 +63,43 @@ AVX2_INLINE void legacy_tile_avx2(const struct job *J, const int *rr, const int 
     store_tile(J, acc, rr, tt, nr, nt, T);
 }
 
+/* One token, rows r0..r0 + 7 (ROWS8 in cpu_qdot_common.h): legacy_term8 on eight blocks of the run at
+ * a time, block index b following the run through the rows (legacy_rows8_avx512's, with this
+ * file's block products). */
+AVX2_INLINE void legacy_rows8_avx2(const struct job *J, int r0, const int type)
+{
+    const int has_min = type == T_Q4_1 || type == T_Q5_1;
+    const int offset_shift = type == T_Q4_0 ? 3 : type == T_Q5_0 ? 4 : 0;
+    const int wb = type == T_Q4_0 ? 18 : type == T_Q4_1 ? 20 : type == T_Q5_0 ? 22 : type == T_Q5_1 ? 24 : 34;
+    const int nb = J->nb, run = 8 * nb;
+    const uint8_t *w = J->w + (size_t)r0 * J->wrow, *x = J->x;
+    float terms[8 * ROWS8_MAX_NB + 8] __attribute__((aligned(32)));
+    for (int j = 0, b = 0; j < run; j += 8) {
+        const uint8_t *blk = w + (size_t)j * wb;
+        for (int o = 0; o < 8 * wb; o += 64)
+            _mm_prefetch((const char *)blk + ROWS8_PREFETCH + o, _MM_HINT_NTA);
+        __m256i dots[8];
+        uint32_t dm[8];
+#pragma GCC unroll 8
+        for (int k = 0; k < 8; k++) {
+            __m256i xv = _mm256_loadu_si256((const __m256i *)(x + (size_t)b * Q8_0_BYTES + 2));
+            __m256i wq = legacy_bytes(type, blk + k * wb);
+            dots[k] = type == T_Q8_0 ? dot_i8_i8(wq, xv) : dot_u8_i8(wq, xv);
+            dm[k] = has_min ? load_u32(blk + k * wb) : load_u16(blk + k * wb);
+            b = b + 1 == nb ? 0 : b + 1;
+        }
+        __m256 dw, mw;
+        halves_to_f32(dm, &dw, &mw);
+        _mm256_store_ps(terms + j, legacy_term8(sum8_epi32(dots), _mm256_loadu_ps(J->dx8 + j),
+                                                _mm256_loadu_si256((const __m256i *)(J->xsum8 + j)), dw, mw,
+                                                has_min, offset_shift));
+    }
+    int rr[8], tt[1] = {0};
+    for (int r = 0; r < 8; r++)
+        rr[r] = r0 + r;
+    store_tile(J, rows8_add(_mm256_setzero_ps(), terms, nb), rr, tt, 8, 1, 1);
+}
+
 AVX2_INLINE __m256 weights8(int type, const uint8_t *row, int i)
 {
     if (type == T_F32)
@@ -109,14 +146,29 @@ AVX2_INLINE void float_tile_avx2(const struct job *J, const int *rr, const int *
             FOR_TILES(J, r0, r1, RN, TN, tile(J, rr, tt, nr, nt, RN, TN, type_const));          \
         break;
 
+/* One token: whole 8-row tiles of rows up to ROWS8_MAX_NB blocks row by row (ROWS8), the rest in
+ * lockstep; several: as TILE_CASE. */
+#define LEGACY_CASE(type_const)                                                                      \
+    case type_const:                                                                                 \
+        if (J->n_tokens == 1 && J->nb <= ROWS8_MAX_NB && J->dx8) {                                   \
+            int r = r0;                                                                              \
+            for (; r + 8 <= r1; r += 8)                                                              \
+                legacy_rows8_avx2(J, r, type_const);                                                 \
+            FOR_TILES(J, r, r1, 8, 1, legacy_tile_avx2(J, rr, tt, nr, nt, 8, 1, type_const));        \
+        } else if (J->n_tokens == 1)                                                                 \
+            FOR_TILES(J, r0, r1, 8, 1, legacy_tile_avx2(J, rr, tt, nr, nt, 8, 1, type_const));       \
+        else                                                                                         \
+            FOR_TILES(J, r0, r1, 1, 8, legacy_tile_avx2(J, rr, tt, nr, nt, 1, 8, type_const));       \
+        break;
+
 AVX2 void qdot_legacy_rows_avx2(const struct job *J, int r0, int r1)
 {
     switch (J->type) {
-    TILE_CASE(legacy_tile_avx2, T_Q4_0, 8, 1, 1, 8)
-    TILE_CASE(legacy_tile_avx2, T_Q4_1, 8, 1, 1, 8)
-    TILE_CASE(legacy_tile_avx2, T_Q5_0, 8, 1, 1, 8)
-    TILE_CASE(legacy_tile_avx2, T_Q5_1, 8, 1, 1, 8)
-    TILE_CASE(legacy_tile_avx2, T_Q8_0, 8, 1, 1, 8)
+    LEGACY_CASE(T_Q4_0)
+    LEGACY_CASE(T_Q4_1)
+    LEGACY_CASE(T_Q5_0)
+    LEGACY_CASE(T_Q5_1)
+    LEGACY_CASE(T_Q8_0)
     default: break;
     }
 }

@@ -156,8 +156,8 @@ static inline float weight_to_f32(int type, const uint8_t *row, int i)
  * stream through a page, not several interleaved ones. Long rows keep the lockstep tile: legacy rows
  * over 4096 wide (the run's terms would outgrow the stack; Q8_0 10752 wide reads as fast either way)
  * and Q4_K/Q5_K rows over 4096 wide (8960 wide, the 1.5B's down matrices: the same time either way
- * within the noise, and lockstep ahead on a benchmark whose matrices partly stay in L3). Only the
- * AVX-512 kernels have ROWS8 so far. */
+ * within the noise, and lockstep ahead on a benchmark whose matrices partly stay in L3). The AVX2
+ * and AVX-512 kernels both have it. */
 #define ROWS8_MAX_NB 128     /* blocks (legacy) or super-blocks (Q6_K) of a row, at most */
 #define ROWS8_MAX_NB_K45 16  /* Q4_K, Q5_K super-blocks of a row, at most */
 #define ROWS8_PREFETCH 2048  /* bytes ahead of the run (non-temporal: the weights are read once) */
@@ -304,7 +304,8 @@ AVX2_INLINE void store_tile(const struct job *J, __m256 acc, const int *rr, cons
  * tile's rows (8 * wrow bytes on) is prefetched: one tile ahead, whatever the row length (measured
  * 2026-12-04 on the 2-core machine, whole decode passes from DRAM: SmolLM2 Q8_0 layers 9.8 -> 8.1 ms,
  * against 384 bytes ahead per row; a fixed distance is too short for short rows).
- * The AVX-512 kernels read a one-token tile's rows one after another instead where it pays (ROWS8).
+ * The AVX2 and AVX-512 kernels read a one-token tile's rows one after another instead where it pays
+ * (ROWS8).
  * Walk [r0, r1) x all tokens in R x T tiles (R * T == 8 lanes, lane p = r * T + t); rr/tt repeat the
  * last valid index to fill a tile, and only the first nr x nt outputs are stored. */
 #define FOR_TILES(J, r0, r1, R, T, CALL)                                            \

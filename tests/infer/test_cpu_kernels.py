@@ -379,12 +379,14 @@ def test_avx512_and_portable_paths_agree_bit_for_bit(rng: np.random.Generator, g
                 assert np.array_equal(_bits(got), _bits(want)), f"{rows} x {cols}, {n_tokens} tokens"
 
 
-@needs_avx512
+@pytest.mark.parametrize("impl", ["avx512", "avx2"])
 @pytest.mark.parametrize("ggml_type", [T.Q4_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K], ids=lambda t: T(t).name)
-def test_avx512_one_token_widths_agree_bit_for_bit(rng: np.random.Generator, ggml_type: int) -> None:
-    """One token at the widths where the AVX-512 kernels switch between reading a tile's 8 rows one
+def test_one_token_widths_agree_bit_for_bit(rng: np.random.Generator, ggml_type: int, impl: str) -> None:
+    """One token at the widths where the vector kernels switch between reading a tile's 8 rows one
     after another and in lockstep (ROWS8 in native/cpu_qdot_common.h): block counts around 8, 16
     and 128, whole and partial tiles, one and two threads."""
+    if impl not in _implementations():
+        pytest.skip(f"this CPU cannot run the {impl} kernels")
     block = GGML_QUANT_SIZES[T(ggml_type)][0]
     blocks = (6, 16, 17, 35, 128, 129) if block == 256 else (18, 28, 128, 129, 150)
     for nb in blocks:
@@ -394,7 +396,7 @@ def test_avx512_one_token_widths_agree_bit_for_bit(rng: np.random.Generator, ggm
             x = _activations(rng, 1, cols)
             cpu_kernels.set_implementation("portable")
             want = cpu_kernels.matmul(raw, ggml_type, rows, cols, x, threads=1)
-            cpu_kernels.set_implementation("avx512")
+            cpu_kernels.set_implementation(impl)
             for threads in (1, 2):
                 got = cpu_kernels.matmul(raw, ggml_type, rows, cols, x, threads=threads)
                 assert np.array_equal(_bits(got), _bits(want)), f"{rows} x {cols}, {threads} thread(s)"
