@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from infer import cpu_kernels
+from infer import cpu_kernels, cpu_layers
 from infer.arch import ModelArgs
 from infer.kv_cache import KVCache
 
@@ -31,7 +31,7 @@ class DecodeLayers:
     writing the token's keys and values at slot pos of `cache`. Made by `for_model` where the model
     qualifies."""
 
-    def __init__(self, args: ModelArgs, layers: list[Any], indices: list[int], attention: cpu_kernels.Attention,
+    def __init__(self, args: ModelArgs, layers: list[Any], indices: list[int], attention: cpu_layers.Attention,
                  threads: int) -> None:
         ffi, lib = cpu_kernels.native()
         self.args, self.indices, self.threads = args, indices, threads

@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from infer import cpu_kernels
+from infer import cpu_kernels, cpu_layers
 from infer.layers import Rope
 from infer.model import rms_norm
 
@@ -44,14 +44,14 @@ def test_rms_norm_is_the_reference(rng: np.random.Generator, cols: int) -> None:
     for rows in (1, 3):
         x, w = _wide(rng, (rows, cols)), rng.standard_normal(cols).astype(np.float32)
         for eps in (1e-5, 1e-6):
-            assert np.array_equal(_bits(cpu_kernels.rms_norm(x, w, eps)), _bits(rms_norm(x, w, eps)))
+            assert np.array_equal(_bits(cpu_layers.rms_norm(x, w, eps)), _bits(rms_norm(x, w, eps)))
 
 
 def test_rms_norm_of_heads_in_a_strided_view(rng: np.random.Generator) -> None:
     """Qwen3's and Gemma's per-head norms take the Q columns of a QKV product."""
     qkv = _wide(rng, (5, 9 * 64 + 2 * 3 * 64))
     q, w = qkv[:, : 9 * 64].reshape(5, 9, 64), rng.standard_normal(64).astype(np.float32)
-    assert np.array_equal(_bits(cpu_kernels.rms_norm(q, w, 1e-6)), _bits(rms_norm(q, w, 1e-6)))
+    assert np.array_equal(_bits(cpu_layers.rms_norm(q, w, 1e-6)), _bits(rms_norm(q, w, 1e-6)))
 
 
 def _rope(n_pairs: int, neox: bool, fma: bool) -> Rope:
@@ -75,7 +75,7 @@ def test_rope_is_the_reference(rng: np.random.Generator, neox: bool, fma: bool, 
     for x in (qkv[:, : heads * head_dim].reshape(n, heads, head_dim),  # rows strided, as in the engine
               np.ascontiguousarray(qkv[:1, heads * head_dim : (heads + 1) * head_dim].reshape(1, 1, head_dim))):
         want = Rope.apply(rope, x, cos[: len(x)], sin[: len(x)])
-        got = cpu_kernels.rope(x, cos[: len(x)], sin[: len(x)], rope.n_pairs, neox, fma)
+        got = cpu_layers.rope(x, cos[: len(x)], sin[: len(x)], rope.n_pairs, neox, fma)
         assert np.array_equal(_bits(got), _bits(want))
 
 
@@ -84,10 +84,10 @@ def test_rope_is_the_reference(rng: np.random.Generator, neox: bool, fma: bool, 
 def test_exp_softmax_is_within_one_ulp(rng: np.random.Generator) -> None:
     x = np.concatenate([-rng.uniform(0, 87, 200_000), -rng.uniform(0, 1e-3, 1000),
                         [0.0, -0.0, -1e-30, -87.0, -0.5, -np.log(2)]]).astype(np.float32)
-    got, want = cpu_kernels.exp_softmax(x).astype(np.float64), np.exp(x.astype(np.float64))
+    got, want = cpu_layers.exp_softmax(x).astype(np.float64), np.exp(x.astype(np.float64))
     ulp = np.spacing(want.astype(np.float32)).astype(np.float64)
     assert np.max(np.abs(got - want) / ulp) <= 1.0
-    assert np.all(cpu_kernels.exp_softmax(np.array([-87.01, -100, -np.inf], np.float32)) == 0)
+    assert np.all(cpu_layers.exp_softmax(np.array([-87.01, -100, -np.inf], np.float32)) == 0)
 
 
 def reference_attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, first: int, start: int,
@@ -169,11 +169,11 @@ def test_attention_is_within_the_bound_of_the_reference(rng: np.random.Generator
     bound = _bound(rotated * np.float32(q_scale), keys, values, probs, scale)
     for name in _implementations():
         cpu_kernels.set_implementation(name)
-        attend = cpu_kernels.Attention(heads, kv, hd, n_pairs, True, True, q_scale, scale, threads=2)
+        attend = cpu_layers.Attention(heads, kv, hd, n_pairs, True, True, q_scale, scale, threads=2)
         got = attend(q, cos, sin, keys, values, first, start, mask)
         err = np.abs(got.astype(np.float64) - want)
         assert np.all(err <= bound), f"{name}: worst error {np.max(err / bound):.3g} x the bound"
-        unrotated = cpu_kernels.Attention(heads, kv, hd, 0, True, True, q_scale, scale, threads=1)
+        unrotated = cpu_layers.Attention(heads, kv, hd, 0, True, True, q_scale, scale, threads=1)
         assert np.array_equal(_bits(unrotated(rotated, None, None, keys, values, first, start, mask)), _bits(got))
 
 
@@ -190,11 +190,11 @@ def test_attention_is_the_same_everywhere(rng: np.random.Generator, case: str) -
     for name in _implementations():
         cpu_kernels.set_implementation(name)
         for threads in (1, 2, 3):
-            results.append(cpu_kernels.Attention(heads, kv, hd, 0, False, True, 1.0, scale, threads)(
+            results.append(cpu_layers.Attention(heads, kv, hd, 0, False, True, 1.0, scale, threads)(
                 q, None, None, keys, values, first, start, mask))
     for got in results[1:]:
         assert np.array_equal(_bits(got), _bits(results[0]))
-    attend = cpu_kernels.Attention(heads, kv, hd, 0, False, True, 1.0, scale, threads=2)
+    attend = cpu_layers.Attention(heads, kv, hd, 0, False, True, 1.0, scale, threads=2)
     causal = np.arange(first, first + s)[None, :] <= np.arange(start, start + n)[:, None]
     seen = causal if mask is None else mask
     for t in range(n):  # row t alone, its slots gathered in order as the last positions of a cache
