@@ -279,8 +279,8 @@ SELF_DRAFT_K = 4  # --draft-k's default
 # there the output is plain decoding's, token for token: speculation on the CPU runs on those.
 CPU_NEEDS_EXACT = ("speculative decoding on the CPU needs an engine whose logits do not depend on how many tokens a "
                    "pass holds, or the text would differ from plain decoding: the packed native engine (the default "
-                   "where the native kernels are built; not --streaming, mixture-of-experts files or "
-                   "NVMEDIRECT_CPU_PRODUCTS=numpy) or --exact")
+                   "where the native kernels are built; not --streaming, files with a matrix type the kernels do not "
+                   "take, or NVMEDIRECT_CPU_PRODUCTS=numpy) or --exact")
 
 
 def cpu_speculation_allowed(model: str, exact: bool, streamed: bool) -> bool:

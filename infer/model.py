@@ -186,8 +186,8 @@ class DequantizedWeights:
         )
 
     def _experts(self, i: int) -> MixtureOfExperts:
-        """Block i's router and experts. The expert stacks are dequantized whole and multiplied in
-        NumPy on every path (the packed one too), until experts are placed one by one (issue 26)."""
+        """Block i's router and experts, the expert stacks dequantized whole and multiplied in NumPy
+        (the packed engine keeps them packed: infer.packed_weights.PackedWeights._experts)."""
         def stack(kind: str) -> tuple[np.ndarray, str]:  # (n_experts, rows, cols), its activation format
             info = self.model.tensor(tensor_name(i, kind))
             fmt = quants.activation_format(info.ggml_type) if self.match_llama_cpp else "f32"

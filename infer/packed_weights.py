@@ -14,10 +14,11 @@ import os
 import numpy as np
 
 from infer import cpu_kernels
-from infer.arch import ModelArgs, check_model
+from infer.arch import ModelArgs, check_model, tensor_name
 from infer.cpu_layers import NativeLayers
 from infer.gguf_file import GGUFModel
 from infer.model import DequantizedWeights, Linear
+from infer.moe import MixtureOfExperts
 
 CHOICES = ("native", "numpy")
 
@@ -35,16 +36,16 @@ def native_products_requested() -> bool:
 def batch_invariant(model: GGUFModel) -> bool:
     """Whether load_transformer's default engine gives this file's rows the same logits in any pass (a
     prompt at once or token by token, a tree node or its path decoded, beside other sequences or
-    alone): the packed engine with every matrix in a type the native kernels take (their sums run in
-    a fixed order per output, infer.cpu_layers' too) and no experts (infer.moe groups tokens by
-    expert through NumPy). Speculation on the CPU needs it, or --exact."""
+    alone): the packed engine with every matrix and expert stack in a type the native kernels take
+    (their sums run in a fixed order per output, infer.cpu_layers' too; infer.moe's routing and
+    weighted sum work row by row). Speculation on the CPU needs it, or --exact."""
     return native_products_requested() and packs_invariantly(model, check_model(model))
 
 
 def packs_invariantly(model: GGUFModel, args: ModelArgs) -> bool:
-    """Every matrix of the file in a type the native kernels take, and no experts (batch_invariant)."""
-    return not args.n_experts and all(info.ggml_type in cpu_kernels.SUPPORTED_TYPES
-                                      for info in model.tensors.values() if len(info.shape) == 2)
+    """Every matrix and expert stack of the file in a type the native kernels take (batch_invariant)."""
+    return all(info.ggml_type in cpu_kernels.SUPPORTED_TYPES for info in model.tensors.values()
+               if len(info.shape) in (2, 3))
 
 
 class PackedLinear(cpu_kernels.FusedProduct):
@@ -76,6 +77,22 @@ class PackedWeights(DequantizedWeights):
         self.batch_invariant = match_llama_cpp and not exact and packs_invariantly(model, args)
         self.native_layers = NativeLayers(threads)  # norms, rope and attention (infer.model.Transformer)
         cpu_kernels.single_threaded_blas()  # the cores are the products' (see there why)
+
+    def _experts(self, i: int) -> MixtureOfExperts:
+        """Block i's experts as packed products, each a slice of its stacks in the mapped file (the
+        dequantized float32 stacks of a 30B-A3B model would need ~120 GB), where the kernels take
+        every stack's type; else the parent's dequantized stacks."""
+        names = [tensor_name(i, kind) for kind in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")]
+        infos = [self.model.tensor(name) for name in names]
+        if self.exact or not self.match_llama_cpp or \
+                any(info.ggml_type not in cpu_kernels.SUPPORTED_TYPES for info in infos):
+            return super()._experts(i)
+        gate, up, down = ([(info.data.reshape(info.shape[0], -1)[e], info.ggml_type, info.shape[1], info.shape[2])
+                           for e in range(info.shape[0])] for info in infos)
+        return MixtureOfExperts(self._linear(tensor_name(i, "ffn_gate_inp")),
+                                [PackedLinear([g, u], self.threads) for g, u in zip(gate, up, strict=True)],
+                                [PackedLinear([d], self.threads) for d in down],
+                                self.args.n_experts_used, self.args.expert_weights_norm)
 
     def _linear(self, *names: str) -> Linear | PackedLinear:  # type: ignore[override]
         infos = [self.model.tensor(name) for name in names]

@@ -1,6 +1,6 @@
 """Mixture-of-experts blocks on the CPU engine (infer.moe): the routing rules (softmax, top k with
 ties to the lower id, weights divided by their sum), the grouped computation against a plain
-per-token one, exact numerics that do not depend on batching, the engines that refuse these files
+per-token one, exact numerics and packed experts that do not depend on batching, the engines that refuse these files
 with one line, and the skewed router synth offers for cache studies. Agreement with llama.cpp is
 tests/infer/test_oracle_moe.py's."""
 
@@ -12,11 +12,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from infer import cpu_kernels
 from infer.arch import ModelArgs
 from infer.errors import UnsupportedModelError
 from infer.gguf_file import GGUFModel
 from infer.model import load_transformer
 from infer.moe import expert_weights, router_softmax, top_k, weighted_sum
+from infer.packed_weights import PackedLinear, PackedWeights, batch_invariant
 from infer.synth import Shape, write_model
 
 # small and quick: rows of 64 (q8_0 blocks of 32); 8 experts, 3 per token
@@ -99,6 +101,33 @@ def test_exact_numerics_do_not_depend_on_batching(qwen3moe: Path) -> None:
     print(f"\nexact qwen3moe: one batch vs token by token {rel:.2e}, bit-identical rows "
           f"{np.mean(np.all(batch == steps, axis=1)):.3f}")
     assert rel < 1e-6
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason="native CPU kernels not built")
+@pytest.mark.parametrize("kind", ["q8_0", "q4_k_m"])
+def test_packed_experts_do_not_depend_on_batching(kind: str, tmp_path: Path) -> None:
+    """The packed engine keeps each expert as a slice of its stack in the mapped file (no float copy)
+    and multiplies it natively: a row's logits are the same bits token by token, as one prompt, and
+    beside another sequence, so speculation needs no --exact on these files either."""
+    path = tmp_path / f"qwen3moe-{kind}.gguf"
+    write_model(path, QWEN3MOE, kind, seed=2)
+    model = load_transformer(GGUFModel(path), packed=True)
+    moe = model.weights.layer(0).experts
+    assert isinstance(model.weights, PackedWeights) and model.weights.batch_invariant and batch_invariant(GGUFModel(path))
+    assert all(isinstance(p, PackedLinear) for p in (*moe.gate_up, *moe.down))
+    ids = np.random.default_rng(4).integers(3, 300, 24)
+    whole = model.forward(ids, model.new_cache(40), all_logits=True)
+    cache = model.new_cache(40)
+    steps = np.stack([model.forward(ids[i : i + 1], cache) for i in range(len(ids))])
+    assert np.array_equal(steps.view(np.uint32), whole.view(np.uint32))
+    other, cache = model.new_cache(40), model.new_cache(40)
+    model.forward(ids[:10], cache)
+    pair = model.forward_batch([(ids[10:14], cache), (ids[:7], other)], all_logits=True)
+    assert np.array_equal(pair[0].view(np.uint32), whole[10:14].view(np.uint32))
+    if kind == "q8_0":  # the NumPy engine's products, up to the float32 summation order
+        plain = load_transformer(GGUFModel(path), packed=False)
+        want = plain.forward(ids, plain.new_cache(40), all_logits=True)
+        assert np.abs(whole - want).max() <= 1e-4 * np.abs(want).max()
 
 
 def test_the_gpu_and_streaming_engines_refuse_experts_in_one_line(qwen3moe: Path) -> None:

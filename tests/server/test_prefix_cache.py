@@ -86,5 +86,5 @@ def test_the_cache_is_on_by_default_only_where_it_changes_no_answer() -> None:
     assert not split_invariant(SimpleNamespace(device="cpu", exact=False))  # type: ignore[arg-type]
     packed = SimpleNamespace(batch_invariant=True)
     assert split_invariant(SimpleNamespace(device="cpu", exact=False, weights=packed))  # type: ignore[arg-type]
-    mixed = SimpleNamespace(batch_invariant=False)  # a matrix the kernels do not take, or experts
+    mixed = SimpleNamespace(batch_invariant=False)  # a matrix the kernels do not take
     assert not split_invariant(SimpleNamespace(device="cpu", exact=False, weights=mixed))  # type: ignore[arg-type]

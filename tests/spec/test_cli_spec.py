@@ -49,6 +49,24 @@ def test_speculative_text_is_the_plain_text(pair: tuple[Path, Path], how: list[s
     assert "tokens per pass" in err and "target passes" in err
 
 
+@pytest.mark.skipif(not cpu_kernels.available(), reason="the native CPU kernels are not built")
+@pytest.mark.parametrize("how", [["--lookup"], ["--self-spec", "--draft-k", "1"]])
+def test_speculation_on_a_mixture_of_experts_is_the_plain_text(how: list[str], tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """A qwen3moe file on the packed engine (its experts packed too, batch-invariant): no --exact."""
+    from infer.synth import SHAPES, write_model
+
+    model = tmp_path / "qwen3moe-q8_0.gguf"
+    write_model(model, SHAPES["tiny-moe"], "q8_0", seed=3)
+    monkeypatch.delenv("NVMEDIRECT_CPU_PRODUCTS", raising=False)
+    common = ["-m", str(model), "-p", "a b a b a b a b", "-n", "16", "-t", "0"]
+    code, plain, err = run(*common)
+    assert code == 0, err
+    code, spec, err = run(*common, *how)
+    assert code == 0, err
+    assert spec == plain and "target passes" in err
+
+
 def test_speculative_json_reports_the_statistics(pair: tuple[Path, Path]) -> None:
     target, draft = pair
     code, out, err = run("-m", str(target), "--draft-model", str(draft), "--draft-tree", "5", "--benchmark",
@@ -120,8 +138,8 @@ def test_speculation_on_the_cpu_without_exact_is_refused(pair: tuple[Path, Path]
     assert code == 2 and out == "", (code, out, err)
     assert lines == ["Error: speculative decoding on the CPU needs an engine whose logits do not depend on how many "
                      "tokens a pass holds, or the text would differ from plain decoding: the packed native engine (the "
-                     "default where the native kernels are built; not --streaming, mixture-of-experts files or "
-                     "NVMEDIRECT_CPU_PRODUCTS=numpy) or --exact"]
+                     "default where the native kernels are built; not --streaming, files with a matrix type the "
+                     "kernels do not take, or NVMEDIRECT_CPU_PRODUCTS=numpy) or --exact"]
 
 
 @pytest.mark.oracle
