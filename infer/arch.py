@@ -370,5 +370,6 @@ def refuse_experts(args: ModelArgs, path: object, engine: str, instead: str) -> 
     (issue 26); `instead` says what runs the file."""
     if args.n_experts:
         raise UnsupportedModelError(str(path), f"a mixture-of-experts model ({args.n_experts} experts) runs only on "
-                                    f"the resident CPU engine so far, not {engine}: {instead}",
+                                    f"the CPU engines so far (resident, or --streaming with experts tiered), not "
+                                    f"{engine}: {instead}",
                                     f"key {args.arch}.expert_count")

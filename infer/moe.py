@@ -118,6 +118,10 @@ class MixtureOfExperts:
     def __call__(self, h: np.ndarray, glu: Glu, exact: bool = False) -> np.ndarray:
         """(T, dim) float32: the routed experts' gated products of h (T, dim), weighted and summed."""
         chosen, weights = self.route(h, exact)
+        return self.combine(h, chosen, weights, glu, exact)
+
+    def combine(self, h: np.ndarray, chosen: np.ndarray, weights: np.ndarray, glu: Glu, exact: bool = False) -> np.ndarray:
+        """__call__ after routing: each chosen expert once for its tokens, then the weighted sum."""
         outs = np.empty((*chosen.shape, h.shape[1]), np.float32)  # (T, k, dim) in the top-k order
         for expert in np.unique(chosen):  # each expert once, for every token routed to it
             rows, slots = np.nonzero(chosen == expert)

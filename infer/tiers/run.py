@@ -164,6 +164,11 @@ def _benchmark_one(session: StreamingSession, model_path: str, n_predict: int, a
     the link (bytes streamed per pass / host-to-device bandwidth measured at start-up)."""
     from infer.benchmark import measure, render
 
+    experts = getattr(session, "benchmark", None)  # a mixture of experts, tiered (infer.tiers.experts)
+    if experts is not None:
+        result = {"model": model_path, **experts(n_predict)}
+        echo(json.dumps(result) if as_json else session.render_benchmark(result))  # type: ignore[attr-defined]
+        return result
     result: dict[str, Any] = {"model": model_path, **measure(session.engine.model, n_predict)}
     streamed = session.plan.streamed_nbytes
     link = session.bandwidths.host_to_device if session.bandwidths else 0.0

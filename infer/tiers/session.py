@@ -137,7 +137,11 @@ def build_streaming_engine(model: GGUFModel | str | os.PathLike, config: Streami
     if not isinstance(model, GGUFModel):
         model = GGUFModel(model)
     args = check_model(model)
-    refuse_experts(args, model.path, "the streaming engine", "run without --streaming, --batch and --prompts")
+    if args.n_experts and device == "cpu":  # the expert is the unit of placement (infer.tiers.experts)
+        from infer.tiers.experts import build_expert_session
+
+        return build_expert_session(model, args, config, ctx_size, prefill_chunk, exact)  # type: ignore[return-value]
+    refuse_experts(args, model.path, "the streaming engine on the GPU", "run it on the CPU (--device cpu)")
     tensors = planner_tensors(model, device)
     on_gpu = device == "gpu"
     account = None

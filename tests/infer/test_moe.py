@@ -130,12 +130,9 @@ def test_packed_experts_do_not_depend_on_batching(kind: str, tmp_path: Path) -> 
         assert np.abs(whole - want).max() <= 1e-4 * np.abs(want).max()
 
 
-def test_the_gpu_and_streaming_engines_refuse_experts_in_one_line(qwen3moe: Path) -> None:
-    """On the GPU (checked before CuPy loads, so this machine shows it) and streamed, a MoE file is
-    refused with one line; the CLI prints it and exits 2 (--batch runs on the streaming engine)."""
-    from click.testing import CliRunner
-
-    from infer.cli import main
+def test_the_gpu_engines_refuse_experts_in_one_line(qwen3moe: Path) -> None:
+    """On the GPU (checked before CuPy loads, so this machine shows it), resident or streamed, a MoE
+    file is refused with one line naming the key."""
     from infer.gpu import load_gpu_transformer
     from infer.tiers.config import StreamingConfig
     from infer.tiers.session import build_streaming_engine
@@ -143,14 +140,10 @@ def test_the_gpu_and_streaming_engines_refuse_experts_in_one_line(qwen3moe: Path
     with pytest.raises(UnsupportedModelError) as gpu:
         load_gpu_transformer(GGUFModel(qwen3moe))  # refused before CuPy is imported: any machine says it
     with pytest.raises(UnsupportedModelError) as streamed:
-        build_streaming_engine(GGUFModel(qwen3moe), StreamingConfig(enabled=True), 256, "cpu")
-    for err, engine in ((gpu, "not the GPU: use --device cpu"), (streamed, "not the streaming engine")):
+        build_streaming_engine(GGUFModel(qwen3moe), StreamingConfig(enabled=True), 256, "gpu")
+    for err, engine in ((gpu, "not the GPU: use --device cpu"), (streamed, "not the streaming engine on the GPU")):
         line = str(err.value)
         assert "\n" not in line and "key qwen3moe.expert_count" in line and engine in line, line
-    for flags in (["--streaming"], ["--batch", "2"]):
-        result = CliRunner().invoke(main, ["-m", str(qwen3moe), "-p", "hello", "-n", "2", "-t", "0", *flags])
-        lines = result.stderr.strip().splitlines()
-        assert result.exit_code == 2 and len(lines) == 1 and "mixture-of-experts" in lines[0], (flags, result.stderr)
 
 
 def test_a_skewed_router_concentrates_the_routing(tmp_path: Path) -> None:

@@ -104,8 +104,12 @@ def random_image(path: Path, size: int, seed: int) -> Path:
     return path
 
 
-def stored_model_image(directory: Path) -> tuple[Path, Path]:
-    """A tiny synthetic Llama (4 layers, Q4_K_M) and an image holding it as `write-gguf` stores it."""
+def stored_model_image(directory: Path) -> tuple[Path, Path, Path, int]:
+    """A tiny synthetic Llama (4 layers, Q4_K_M) and, after it in the chain, a tiny mixture of experts
+    (tiny-moe, Q4_K_M), and an image holding both as `write-gguf` stores them: (model, image, the
+    MoE model, the LBA of its header)."""
+    import json
+
     from click.testing import CliRunner
 
     from infer.synth import SHAPES, Shape, write_model
@@ -113,16 +117,21 @@ def stored_model_image(directory: Path) -> tuple[Path, Path]:
 
     model = directory / "tiny4-q4_k_m.gguf"
     write_model(model, Shape(**{**SHAPES["tiny"].__dict__, "n_layers": 4}), "q4_k_m", seed=11)
+    moe = directory / "tiny-moe-q4_k_m.gguf"
+    write_model(moe, SHAPES["tiny-moe"], "q4_k_m", seed=12)
     image = blank(directory / "model.img", 16 * MIB)
     result = CliRunner().invoke(nvmedirect_main, ["write-gguf", str(model), "-d", str(image), "--yes", "--json"])
     assert result.exit_code == 0, result.output
-    return model, image
+    result = CliRunner().invoke(nvmedirect_main, ["write-gguf", str(moe), "-d", str(image), "--append", "--yes",
+                                                  "--json"])
+    assert result.exit_code == 0, result.output
+    return model, image, moe, int(json.loads(result.stdout)["start_lba"])
 
 
 def driver_part(directory: Path) -> Part:
     write_image = directory / "write.img"
     write_image.write_bytes(bytes(16 * MIB))
-    model, model_image = stored_model_image(directory)
+    model, model_image, moe, moe_lba = stored_model_image(directory)
     return Part(
         "driver", ["tests/vm/guest/driver/test_driver_guest.py", "tests/vm/guest/driver/test_driver_fault_guest.py",
                    "tests/vm/guest/driver/test_driver_one_qpair_guest.py",
@@ -133,11 +142,12 @@ def driver_part(directory: Path) -> Part:
                      logical_block_size=4096, mdts=0),
             NvmeSpec("nvd-drv-write", image=write_image),
             NvmeSpec("nvd-drv-fault", image=random_image(directory / "fault.img", 8 * MIB, 3)),
-            # One I/O queue pair, as some controllers grant; it holds a stored model for tier C.
+            # One I/O queue pair, as some controllers grant; it holds two stored models for tier C.
             NvmeSpec("nvd-drv-1qp", image=model_image, max_ioqpairs=1),
         ],
-        env={"NVD_WRITE_SEED": str(WRITE_SEED), "NVD_WRITE_LBA": str(WRITE_LBA), "NVD_STORED_MODEL": str(model)},
-        files={"write": write_image, "model": model, "model_image": model_image})
+        env={"NVD_WRITE_SEED": str(WRITE_SEED), "NVD_WRITE_LBA": str(WRITE_LBA), "NVD_STORED_MODEL": str(model),
+             "NVD_STORED_MOE": str(moe), "NVD_STORED_MOE_LBA": str(moe_lba)},
+        files={"write": write_image, "model": model, "model_image": model_image, "moe": moe})
 
 
 # -- GGUF models on NVMe namespaces (tests/vm/test_store.py) -----------------------------------------

@@ -1,7 +1,7 @@
 """Our NVMe driver against QEMU's emulated controller, in both VFIO modes: the guest modules under
 tests/vm/guest/driver/ (identify, byte ranges, queue depths, several queue pairs, 4096-byte LBAs,
 LBA out of range, writes, command timeouts and exit-time cleanup, a controller granting one queue
-pair, tier C inference from it, the GPU doorbell path's shared submitter on the GPU tests'
+pair, tier C inference from it (a dense model's layers and a mixture of experts' routed experts), the GPU doorbell path's shared submitter on the GPU tests'
 workloads) run in the boot each mode shares with the rig and system tests (tests/vm/shared_boot.py: driver_part configures the controllers).
 """
 
@@ -29,6 +29,7 @@ MUST_PASS = {
     "test_the_reader_uses_the_one_queue_pair_granted",
     "test_bench_skips_queue_pairs_the_device_cannot_do",
     "test_ntransformer_streams_tier_c_from_the_device_in_its_vfio_mode",
+    "test_ntransformer_tiers_experts_from_the_device",
     "test_the_gpu_workloads_read_the_right_bytes_through_the_shared_submitter[1515-64]",
     "test_the_gpu_workloads_read_the_right_bytes_through_the_shared_submitter[7-1]",
     "test_the_gpu_workloads_read_the_right_bytes_through_the_shared_submitter[42-17]",

@@ -20,7 +20,7 @@ MUST_PASS = {"test_a_hot_unplug_while_generating_releases_the_device_and_is_one_
 @pytest.mark.vm
 @pytest.mark.slow
 def test_tier_c_device_faults_in_guest(vm_mode, guest_pytest, tmp_path):
-    model, image = stored_model_image(tmp_path)
+    model, image, _, _ = stored_model_image(tmp_path)
     second = shutil.copy(image, tmp_path / "model-b.img")
     config = VmConfig(iommu=vm_mode == "iommu", controllers=[
         NvmeSpec("nvd-unplug-req", image=image), NvmeSpec("nvd-unplug-drive", image=second)])

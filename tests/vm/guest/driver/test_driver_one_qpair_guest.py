@@ -1,7 +1,7 @@
 """Inside the VM: a controller that grants one I/O queue pair (QEMU max_ioqpairs=1) holding a model
 stored by `write-gguf`. The reader uses the one pair it gets, `bench` skips the counts the device
 cannot do, and `ntransformer --tier-c nvme` streams from it in this boot's VFIO mode without being
-told which mode that is."""
+told which mode that is: a dense model's layers, and a mixture of experts' routed experts."""
 
 from __future__ import annotations
 
@@ -19,6 +19,8 @@ from nvmedirect.reader import open_model
 from nvmedirect.reader.nvme_backend import FewerQueuePairs, NvmeBackend
 
 MODEL = Path(os.environ.get("NVD_STORED_MODEL", "/nonexistent"))
+MOE = Path(os.environ.get("NVD_STORED_MOE", "/nonexistent"))  # after MODEL in the device's chain
+MOE_LBA = os.environ.get("NVD_STORED_MOE_LBA", "0")
 
 
 @pytest.fixture(scope="module")
@@ -67,3 +69,18 @@ def test_ntransformer_streams_tier_c_from_the_device_in_its_vfio_mode(bdf):
     assert len(notes) == 1 and notes[0].startswith(f"note: {bdf} nsid 1: the controller grants 1"), said
     assert "FewerQueuePairs" not in said and ".py:" not in said, said
     assert from_device.strip() and from_device == generate("file", bdf)[0]
+
+
+def test_ntransformer_tiers_experts_from_the_device(bdf):
+    """Issue 26: a mixture of experts on the CPU engine with a RAM budget below its experts reads the
+    routed ones through the driver, and its text is the all-RAM run's."""
+    from infer.cli import main as ntransformer
+
+    common = ["-m", str(MOE), "--device", "cpu", "-p", "hello there", "-n", "8", "-t", "0"]
+    resident = CliRunner().invoke(ntransformer, common)
+    assert resident.exit_code == 0, f"{resident.output}\n{resident.exception!r}"
+    tiered = CliRunner().invoke(ntransformer, [*common, "--streaming", "--tier-c", "nvme", "--nvme-device", bdf,
+                                               "--nvme-lba", MOE_LBA, "--ram-budget", "600KB"])
+    assert tiered.exit_code == 0, f"{tiered.output}\n{tiered.exception!r}"
+    assert "nvme" in tiered.stderr and "misses" in tiered.stderr, tiered.stderr
+    assert tiered.stdout.strip() and tiered.stdout == resident.stdout
