@@ -118,17 +118,18 @@ class MixtureOfExperts:
     def __call__(self, h: np.ndarray, glu: Glu, exact: bool = False) -> np.ndarray:
         """(T, dim) float32: the routed experts' gated products of h (T, dim), weighted and summed."""
         chosen, weights = self.route(h, exact)
-        return self.combine(h, chosen, weights, glu, exact)
-
-    def combine(self, h: np.ndarray, chosen: np.ndarray, weights: np.ndarray, glu: Glu, exact: bool = False) -> np.ndarray:
-        """__call__ after routing: each chosen expert once for its tokens, then the weighted sum."""
         outs = np.empty((*chosen.shape, h.shape[1]), np.float32)  # (T, k, dim) in the top-k order
-        for expert in np.unique(chosen):  # each expert once, for every token routed to it
+        self.run_experts(outs, h, chosen, np.unique(chosen), glu)
+        return weighted_sum(outs, weights, exact)
+
+    def run_experts(self, outs: np.ndarray, h: np.ndarray, chosen: np.ndarray, experts: np.ndarray, glu: Glu) -> None:
+        """outs[t, j] for every (token t, top-k slot j) routed to one of `experts`: each expert once,
+        for all its tokens (the order of the experts changes no result)."""
+        for expert in experts:
             rows, slots = np.nonzero(chosen == expert)
             gate_up = self.gate_up[expert](h[rows])
             width = gate_up.shape[1] // 2
             outs[rows, slots] = self.down[expert](glu(gate_up[:, :width], gate_up[:, width:]))
-        return weighted_sum(outs, weights, exact)
 
 
 MAX_EXPERTS = 1024  # llama.cpp's LLAMA_MAX_EXPERTS

@@ -23,7 +23,7 @@ import numpy as np
 
 from infer.arch import ModelArgs, tensor_name
 from infer.gguf_file import GGUFModel
-from infer.moe import Glu, MixtureOfExperts
+from infer.moe import Glu, MixtureOfExperts, weighted_sum
 from infer.packed_weights import PackedLinear, PackedWeights
 from infer.tiers.plan import format_bytes
 from infer.tiers.tier_c import StorageSource
@@ -155,15 +155,23 @@ class _ExpertProducts:
 
 
 class TieredMixtureOfExperts(MixtureOfExperts):
-    """A block's experts from an ExpertCache: after routing, the pass's experts are brought in at once."""
+    """A block's experts from an ExpertCache: after routing, the pass's experts are brought in at
+    once, or, when a pass (a prompt) routes to more of them than the cache holds, in groups that fit,
+    each group computed before the next is read."""
 
     cache: ExpertCache
     layer: int
 
     def __call__(self, h: np.ndarray, glu: Glu, exact: bool = False) -> np.ndarray:
         chosen, weights = self.route(h, exact)
-        self.cache.ensure(self.layer, np.unique(chosen))
-        return self.combine(h, chosen, weights, glu, exact)
+        outs = np.empty((*chosen.shape, h.shape[1]), np.float32)
+        experts = np.unique(chosen)
+        room = self.cache.capacity
+        for start in range(0, len(experts), room):
+            group = experts[start : start + room]
+            self.cache.ensure(self.layer, group)
+            self.run_experts(outs, h, chosen, group, glu)
+        return weighted_sum(outs, weights, exact)
 
     @property
     def nbytes(self) -> int:

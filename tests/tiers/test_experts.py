@@ -122,6 +122,34 @@ def test_the_cache_reads_only_what_it_lacks_and_evicts_the_least_recently_used(m
         source.close()
 
 
+def test_a_prompt_routing_to_more_experts_than_the_budget_holds_stays_within_it(moe: Path) -> None:
+    """A 40-token prompt routes to most of a layer's 16 experts; a cache of 5 takes them in groups
+    of at most 5 and never holds more, and the logits are still the all-RAM ones."""
+    gguf = GGUFModel(moe)
+    args = check_model(gguf)
+    full = load_transformer(gguf, packed=True)
+    ids = _ids(40)
+    want = full.forward(ids, full.new_cache(CTX), all_logits=True)
+    source = FileSource(moe)
+    try:
+        weights = tiered_weights(gguf, args, source, 5 * _largest_expert(gguf))
+        cache = weights.expert_cache
+        most = []
+        ensure = cache.ensure
+
+        def watched(layer: int, experts: object) -> None:
+            ensure(layer, experts)  # type: ignore[arg-type]
+            most.append(cache.held)
+
+        cache.ensure = watched  # type: ignore[method-assign]
+        model = Transformer(args, weights, full.rope.freq_factors)
+        got = model.forward(ids, model.new_cache(CTX), all_logits=True)
+    finally:
+        source.close()
+    assert np.array_equal(_bits(got), _bits(want))
+    assert max(most) <= 5 and len(most) > 2 * args.n_layers  # several groups a layer
+
+
 def test_a_budget_below_one_tokens_experts_is_refused_in_one_line(moe: Path) -> None:
     gguf = GGUFModel(moe)
     args = check_model(gguf)
