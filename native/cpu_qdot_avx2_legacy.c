@@ -148,7 +148,7 @@ AVX2_INLINE void float_tile_avx2(const struct job *J, const int *rr, const int *
 
 /* One token: whole 8-row tiles of rows up to ROWS8_MAX_NB blocks row by row (ROWS8), the rest in
  * lockstep; several: as TILE_CASE. */
-#define LEGACY_CASE(type_const)                                                                      \
+#define LEGACY2_CASE(type_const)                                                                      \
     case type_const:                                                                                 \
         if (J->n_tokens == 1 && J->nb <= ROWS8_MAX_NB && J->dx8) {                                   \
             int r = r0;                                                                              \
@@ -164,11 +164,11 @@ AVX2_INLINE void float_tile_avx2(const struct job *J, const int *rr, const int *
 AVX2 void qdot_legacy_rows_avx2(const struct job *J, int r0, int r1)
 {
     switch (J->type) {
-    LEGACY_CASE(T_Q4_0)
-    LEGACY_CASE(T_Q4_1)
-    LEGACY_CASE(T_Q5_0)
-    LEGACY_CASE(T_Q5_1)
-    LEGACY_CASE(T_Q8_0)
+    LEGACY2_CASE(T_Q4_0)
+    LEGACY2_CASE(T_Q4_1)
+    LEGACY2_CASE(T_Q5_0)
+    LEGACY2_CASE(T_Q5_1)
+    LEGACY2_CASE(T_Q8_0)
     default: break;
     }
 }

@@ -19,6 +19,7 @@
 
 #define POOL_MAX 64           /* workers at most (threads beyond the caller's) */
 #define POOL_SPIN_NS 1000000 /* an idle worker spins this long before it sleeps */
+#define CLAIMS_CLOSED 0xffffffffu /* the claim counter of a task whose fields are being replaced */
 
 static struct {
     pthread_mutex_t mu;       /* guards the sleep/wake handshake */
@@ -59,15 +60,17 @@ static void run_chunks(uint32_t g, int id)
         uint64_t c = atomic_load(&P.claim);
         if ((uint32_t)(c >> 32) != g)
             return;
-        int i = (int)(uint32_t)c;
-        qdot_chunk_fn fn = atomic_load_explicit(&P.fn, memory_order_relaxed);
-        void *ctx = atomic_load_explicit(&P.ctx, memory_order_relaxed);
-        if (i >= atomic_load_explicit(&P.n_chunks, memory_order_relaxed) ||
-            id >= atomic_load_explicit(&P.n_threads, memory_order_relaxed))
+        uint32_t i = (uint32_t)c;  /* CLAIMS_CLOSED (above any chunk count) once the caller moves on */
+        qdot_chunk_fn fn = atomic_load_explicit(&P.fn, memory_order_acquire);
+        void *ctx = atomic_load_explicit(&P.ctx, memory_order_acquire);
+        if (i >= (uint32_t)atomic_load_explicit(&P.n_chunks, memory_order_acquire) ||
+            id >= atomic_load_explicit(&P.n_threads, memory_order_acquire))
             return;
+        /* Fails unless the counter still reads c: fields read after the caller closed generation g
+         * (to write the next task's) come with a counter that no longer does. */
         if (!atomic_compare_exchange_weak(&P.claim, &c, c + 1))
             continue;
-        int rc = fn(ctx, i);
+        int rc = fn(ctx, (int)i);
         int old = atomic_load(&P.rc);
         while (rc < old && !atomic_compare_exchange_weak(&P.rc, &old, rc))
             ;
@@ -160,13 +163,20 @@ int qdot_pool_run(int n_threads, int n_chunks, qdot_chunk_fn fn, void *ctx)
         pthread_mutex_unlock(&P.run);
         return run_inline(n_chunks, fn, ctx);
     }
-    atomic_store_explicit(&P.fn, fn, memory_order_relaxed);
-    atomic_store_explicit(&P.ctx, ctx, memory_order_relaxed);
-    atomic_store_explicit(&P.n_chunks, n_chunks, memory_order_relaxed);
-    atomic_store_explicit(&P.n_threads, n_threads, memory_order_relaxed);
+    /* Close the previous task's claims before its fields are overwritten: a worker still in its
+     * run_chunks may have read the counter of the previous task (its chunks all claimed) and then
+     * read this task's chunk count, which can exceed that counter; claiming against the previous
+     * task's counter would run this task's function with a chunk index of that task, count it done
+     * twice, and let the caller return while a chunk still reads its stack (seen as a crash in CI
+     * once the one-call decode issued products back to back). */
+    uint32_t g = atomic_load(&P.gen) + 1;
+    atomic_store(&P.claim, ((uint64_t)(g - 1) << 32) | CLAIMS_CLOSED);
+    atomic_store_explicit(&P.fn, fn, memory_order_release);
+    atomic_store_explicit(&P.ctx, ctx, memory_order_release);
+    atomic_store_explicit(&P.n_chunks, n_chunks, memory_order_release);
+    atomic_store_explicit(&P.n_threads, n_threads, memory_order_release);
     atomic_store(&P.done, 0);
     atomic_store(&P.rc, 0);
-    uint32_t g = atomic_load(&P.gen) + 1;
     atomic_store(&P.claim, (uint64_t)g << 32);  /* publishes the fields above (seq_cst) */
     atomic_store(&P.gen, g);
     if (atomic_load(&P.sleepers) > 0) {
