@@ -294,7 +294,5 @@ class FusedProduct:
         rc = _cpu_kernels.lib.matmul_q_parts(self._n, self._w, self._types, self._rows, self.cols,
                                              ffi.from_buffer("float[]", x), x.size // self.cols,
                                              ffi.from_buffer("float[]", y, require_writable=True), self.threads)
-        if rc == -6:  # checked in C, where the values are read anyway
-            raise NonFiniteActivations
-        _check(rc, "matmul")
+        raise_for(rc, "matmul")  # NaN or infinity is checked in C, where the values are read anyway
         return y

@@ -10,7 +10,7 @@
  */
 #include "cpu_qdot_common.h"
 
-/* exp(x) to within ~1 ulp for x <= 88 (exp_softmax's Cephes polynomial; 88 and above give exp(88),
+/* exp(x) to within ~1 ulp for x <= 88 (exp_poly, cpu_qdot_common.h; 88 and above give exp(88),
  * finite; below -87, 0). NaN stays NaN. */
 static inline float exp_full(float x)
 {
@@ -18,18 +18,7 @@ static inline float exp_full(float x)
         return x;
     if (!(x >= -87.0f))
         return 0.0f;
-    if (x > 88.0f)
-        x = 88.0f;
-    float k = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-    float r = (x - k * 0.693359375f) - k * -2.12194440e-4f;
-    float p = 1.9875691500E-4f;
-    p = p * r + 1.3981999507E-3f;
-    p = p * r + 8.3334519073E-3f;
-    p = p * r + 4.1665795894E-2f;
-    p = p * r + 1.6666665459E-1f;
-    p = p * r + 5.0000001201E-1f;
-    p = (p * (r * r) + r) + 1.0f;
-    return p * bits_to_f32((uint32_t)((int)k + 127) << 23);
+    return exp_poly(x > 88.0f ? 88.0f : x);
 }
 
 static inline float silu_times(float g, float u) { return g / (1.0f + exp_full(-g)) * u; }
@@ -41,20 +30,7 @@ AVX2_INLINE __m256 exp_full8(__m256 x)
     __m256 nan = _mm256_cmp_ps(x, x, _CMP_UNORD_Q);
     __m256 keep = _mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_GE_OQ);
     x = _mm256_min_ps(x, _mm256_set1_ps(88.0f));
-    __m256 big = _mm256_set1_ps(12582912.0f);
-    __m256 k = _mm256_sub_ps(_mm256_add_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)), big), big);
-    __m256 r = _mm256_sub_ps(_mm256_sub_ps(x, _mm256_mul_ps(k, _mm256_set1_ps(0.693359375f))),
-                             _mm256_mul_ps(k, _mm256_set1_ps(-2.12194440e-4f)));
-    __m256 p = _mm256_set1_ps(1.9875691500E-4f);
-    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(1.3981999507E-3f));
-    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(8.3334519073E-3f));
-    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(4.1665795894E-2f));
-    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(1.6666665459E-1f));
-    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(5.0000001201E-1f));
-    p = _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(p, _mm256_mul_ps(r, r)), r), _mm256_set1_ps(1.0f));
-    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(k), _mm256_set1_epi32(127)), 23);
-    __m256 y = _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(e)), keep);
-    return _mm256_blendv_ps(y, x, nan);  /* min_ps passed the NaN through to x */
+    return _mm256_blendv_ps(_mm256_and_ps(exp_poly8(x), keep), x, nan);  /* min_ps passed the NaN through to x */
 }
 
 AVX2 static void swiglu_avx2(const float *g, const float *u, size_t n, float *out)

@@ -111,25 +111,13 @@ void qdot_rope(const float *x, int n_tokens, int n_heads, int head_dim, int n_pa
 
 /* ---------------------------------------------------------------- attention */
 
-/* exp(x) for x <= 0 (a softmax's shifted scores), within ~1 ulp: Cephes' expf (range reduction by
- * ln 2 in two parts, a degree-6 polynomial), in float operations only, so every compiler and vector
- * width gets the same bits. Below -87 (where exp is subnormal, < 2^-125) it gives 0. */
+/* exp(x) for x <= 0 (a softmax's shifted scores), within ~1 ulp (exp_poly, cpu_qdot_common.h). Below
+ * -87 (where exp is subnormal, < 2^-125) it gives 0. */
 static inline float exp_softmax(float x)
 {
     if (!(x >= -87.0f))  /* also -inf */
         return 0.0f;
-    if (x > 0.0f)
-        x = 0.0f;
-    float k = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  /* round to nearest: 1.5 * 2^23 */
-    float r = (x - k * 0.693359375f) - k * -2.12194440e-4f;
-    float p = 1.9875691500E-4f;
-    p = p * r + 1.3981999507E-3f;
-    p = p * r + 8.3334519073E-3f;
-    p = p * r + 4.1665795894E-2f;
-    p = p * r + 1.6666665459E-1f;
-    p = p * r + 5.0000001201E-1f;
-    p = (p * (r * r) + r) + 1.0f;
-    return p * bits_to_f32((uint32_t)((int)k + 127) << 23);
+    return exp_poly(x > 0.0f ? 0.0f : x);
 }
 
 void qdot_exp_softmax(const float *x, float *y, size_t n)
@@ -251,19 +239,7 @@ AVX2_INLINE __m256 exp_softmax8(__m256 x)
 {
     __m256 keep = _mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_GE_OQ);
     x = _mm256_blendv_ps(x, _mm256_setzero_ps(), _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_GT_OQ));
-    __m256 big = _mm256_set1_ps(12582912.0f);
-    __m256 k = _mm256_sub_ps(_mm256_add_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)), big), big);
-    __m256 r = _mm256_sub_ps(_mm256_sub_ps(x, _mm256_mul_ps(k, _mm256_set1_ps(0.693359375f))),
-                             _mm256_mul_ps(k, _mm256_set1_ps(-2.12194440e-4f)));
-    __m256 p = _mm256_set1_ps(1.9875691500E-4f);
-    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(1.3981999507E-3f));
-    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(8.3334519073E-3f));
-    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(4.1665795894E-2f));
-    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(1.6666665459E-1f));
-    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(5.0000001201E-1f));
-    p = _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(p, _mm256_mul_ps(r, r)), r), _mm256_set1_ps(1.0f));
-    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(k), _mm256_set1_epi32(127)), 23);
-    return _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(e)), keep);  /* 0 where x < -87, -inf */
+    return _mm256_and_ps(exp_poly8(x), keep);  /* 0 where x < -87, -inf */
 }
 
 /* softmax_portable, eight lanes at a time (the tails in scalar). */

@@ -146,9 +146,9 @@ static int xdec_make(struct xdec *D, int type, int family, int cols, int nb, con
             xdec_free(D);
             return QDOT_ENOMEM;
         }
-        for (int j = 0; j < 8 * nb; j++) {
-            D->dx8[j] = D->dx[j % nb];
-            D->xsum8[j] = D->xsum[j % nb];
+        for (int r = 0; r < 8; r++) {
+            memcpy(D->dx8 + (size_t)r * nb, D->dx, (size_t)nb * sizeof(float));
+            memcpy(D->xsum8 + (size_t)r * nb, D->xsum, (size_t)nb * sizeof(int32_t));
         }
     }
     if (n_tokens > 1) {  /* the 8-token AVX2 tiles read eight tokens' scales at once */

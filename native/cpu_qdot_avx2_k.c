@@ -178,10 +178,7 @@ AVX2_INLINE void k_rows8_avx2(const struct job *J, int r0, const int type)
         halves_to_f32(dd, &dw, &dm);
         _mm256_store_ps(terms + j, k_term8(sum8_epi32(isc), sum8_epi32(imn), _mm256_loadu_ps(J->dx8 + j), dw, dm, six));
     }
-    int rr[8], tt[1] = {0};
-    for (int r = 0; r < 8; r++)
-        rr[r] = r0 + r;
-    store_tile(J, rows8_add(_mm256_setzero_ps(), terms, nb), rr, tt, 8, 1, 1);
+    rows8_store(J, r0, terms, nb);
 }
 
 /* One token: 8 rows per tile (whole tiles of rows up to ROWS8_MAX_NB (Q6_K) or ROWS8_MAX_NB_K45

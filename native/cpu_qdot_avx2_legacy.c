@@ -70,7 +70,7 @@ AVX2_INLINE void legacy_rows8_avx2(const struct job *J, int r0, const int type)
 {
     const int has_min = type == T_Q4_1 || type == T_Q5_1;
     const int offset_shift = type == T_Q4_0 ? 3 : type == T_Q5_0 ? 4 : 0;
-    const int wb = type == T_Q4_0 ? 18 : type == T_Q4_1 ? 20 : type == T_Q5_0 ? 22 : type == T_Q5_1 ? 24 : 34;
+    const int wb = legacy_block_bytes(type);
     const int nb = J->nb, run = 8 * nb;
     const uint8_t *w = J->w + (size_t)r0 * J->wrow, *x = J->x;
     float terms[8 * ROWS8_MAX_NB + 8] __attribute__((aligned(32)));
@@ -94,10 +94,7 @@ AVX2_INLINE void legacy_rows8_avx2(const struct job *J, int r0, const int type)
                                                 _mm256_loadu_si256((const __m256i *)(J->xsum8 + j)), dw, mw,
                                                 has_min, offset_shift));
     }
-    int rr[8], tt[1] = {0};
-    for (int r = 0; r < 8; r++)
-        rr[r] = r0 + r;
-    store_tile(J, rows8_add(_mm256_setzero_ps(), terms, nb), rr, tt, 8, 1, 1);
+    rows8_store(J, r0, terms, nb);
 }
 
 AVX2_INLINE __m256 weights8(int type, const uint8_t *row, int i)

@@ -81,7 +81,7 @@ AVX512_INLINE void legacy_rows8_avx512(const struct job *J, int r0, const int ty
 {
     const int has_min = type == T_Q4_1 || type == T_Q5_1;
     const int offset_shift = type == T_Q4_0 ? 3 : type == T_Q5_0 ? 4 : type == T_Q8_0 ? 7 : 0;
-    const int wb = type == T_Q4_0 ? 18 : type == T_Q4_1 ? 20 : type == T_Q5_0 ? 22 : type == T_Q5_1 ? 24 : 34;
+    const int wb = legacy_block_bytes(type);
     const int nb = J->nb, run = 8 * nb;
     const uint8_t *w = J->w + (size_t)r0 * J->wrow, *x = J->x;
     float terms[8 * ROWS8_MAX_NB + 8] __attribute__((aligned(32)));
@@ -104,10 +104,7 @@ AVX512_INLINE void legacy_rows8_avx512(const struct job *J, int r0, const int ty
                                                 _mm256_loadu_si256((const __m256i *)(J->xsum8 + j)), dw, mw,
                                                 has_min, offset_shift));
     }
-    int rr[8], tt[1] = {0};
-    for (int r = 0; r < 8; r++)
-        rr[r] = r0 + r;
-    store_tile(J, rows8_add(_mm256_setzero_ps(), terms, nb), rr, tt, 8, 1, 1);
+    rows8_store(J, r0, terms, nb);
 }
 
 /* One token: whole 8-row tiles of rows up to ROWS8_MAX_NB blocks row by row (ROWS8), the rest in
@@ -331,10 +328,7 @@ AVX512_INLINE void k_rows8_avx512(const struct job *J, int r0, const int type)
         halves_to_f32(dd, &dw, &dm);
         _mm256_store_ps(terms + j, k_term8(sum8_epi32(is256), sum8_epi32(imn), _mm256_loadu_ps(J->dx8 + j), dw, dm, six));
     }
-    int rr[8], tt[1] = {0};
-    for (int r = 0; r < 8; r++)
-        rr[r] = r0 + r;
-    store_tile(J, rows8_add(_mm256_setzero_ps(), terms, nb), rr, tt, 8, 1, 1);
+    rows8_store(J, r0, terms, nb);
 }
 
 /* One token: whole 8-row tiles of rows up to ROWS8_MAX_NB (Q6_K) or ROWS8_MAX_NB_K45 (Q4_K, Q5_K)

@@ -146,6 +146,29 @@ static inline float weight_to_f32(int type, const uint8_t *row, int i)
     return type == T_F16 ? fp16_to_f32(h) : bf16_to_f32(h);
 }
 
+/* Cephes' expf core for x in [-87, 88], within ~1 ulp: range reduction by ln 2 in two parts, a
+ * degree-6 polynomial, times 2^k; float operations only, so every compiler and vector width gets the
+ * same bits (exp_poly8). The softmax's and SwiGLU's exps (cpu_layers.c, cpu_decode.c) clamp around it. */
+static inline float exp_poly(float x)
+{
+    float k = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  /* round to nearest: 1.5 * 2^23 */
+    float r = (x - k * 0.693359375f) - k * -2.12194440e-4f;
+    float p = 1.9875691500E-4f;
+    p = p * r + 1.3981999507E-3f;
+    p = p * r + 8.3334519073E-3f;
+    p = p * r + 4.1665795894E-2f;
+    p = p * r + 1.6666665459E-1f;
+    p = p * r + 5.0000001201E-1f;
+    p = (p * (r * r) + r) + 1.0f;
+    return p * bits_to_f32((uint32_t)((int)k + 127) << 23);
+}
+
+/* Bytes of a legacy weight block (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0), a constant where the type is. */
+static inline int legacy_block_bytes(int type)
+{
+    return type == T_Q4_0 ? 18 : type == T_Q4_1 ? 20 : type == T_Q5_0 ? 22 : type == T_Q5_1 ? 24 : 34;
+}
+
 /* ROWS8: a one-token tile of 8 rows, which are one contiguous stretch of the matrix, read in the
  * memory's order as one run of 8 * nb blocks, eight blocks' float terms formed at a time (lane by
  * lane, as legacy_term8 / k_term8 form them for the lockstep tile) into terms[r * nb + b], and then
@@ -352,6 +375,33 @@ AVX2_INLINE __m256 rows8_add(__m256 acc, const float *terms, int n)
             acc = _mm256_add_ps(acc, col[k]);
     }
     return acc;
+}
+
+/* exp_poly on eight lanes, operation for operation (lanes outside [-87, 88] give garbage to mask). */
+AVX2_INLINE __m256 exp_poly8(__m256 x)
+{
+    __m256 big = _mm256_set1_ps(12582912.0f);
+    __m256 k = _mm256_sub_ps(_mm256_add_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)), big), big);
+    __m256 r = _mm256_sub_ps(_mm256_sub_ps(x, _mm256_mul_ps(k, _mm256_set1_ps(0.693359375f))),
+                             _mm256_mul_ps(k, _mm256_set1_ps(-2.12194440e-4f)));
+    __m256 p = _mm256_set1_ps(1.9875691500E-4f);
+    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(1.3981999507E-3f));
+    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(8.3334519073E-3f));
+    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(4.1665795894E-2f));
+    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(1.6666665459E-1f));
+    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(5.0000001201E-1f));
+    p = _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(p, _mm256_mul_ps(r, r)), r), _mm256_set1_ps(1.0f));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(k), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+/* ROWS8's end: the 8 rows' terms added block by block (rows8_add), stored as rows r0..r0 + 7. */
+AVX2_INLINE void rows8_store(const struct job *J, int r0, const float *terms, int nb)
+{
+    int rr[8], tt[1] = {0};
+    for (int r = 0; r < 8; r++)
+        rr[r] = r0 + r;
+    store_tile(J, rows8_add(_mm256_setzero_ps(), terms, nb), rr, tt, 8, 1, 1);
 }
 
 /* F + BW (byte/word ops, masks) + VL + VNNI (vpdpbusd, vpdpwssd); avx2/f16c for the 8-lane float
