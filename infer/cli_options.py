@@ -19,7 +19,7 @@ from infer.tiers.config import SOURCES, StreamingConfig
 from infer.tiers.plan import DEFAULT_SLOTS
 
 _OPTION_NAMES = ("streaming", "vram_budget", "ram_budget", "tier_c", "nvme_device", "nvme_lba", "tier_b", "slots",
-                 "batch", "prompts_file", "gpu_doorbells")
+                 "batch", "prompts_file", "gpu_doorbells", "expert_stats")
 EXIT_BAD_INPUT = 2  # infer/cli.py's code for a bad flag
 
 
@@ -44,7 +44,7 @@ def check_gpu_doorbells(config: StreamingConfig, device: str | None) -> None:
 # run it) they would be ignored, so they are refused instead
 _STREAMING_ONLY = {"ram_budget": "--ram-budget", "tier_c": "--tier-c", "nvme_device": "--nvme-device",
                    "nvme_lba": "--nvme-lba", "tier_b": "--tier-b", "slots": "--slots",
-                   "gpu_doorbells": "--gpu-doorbells"}
+                   "gpu_doorbells": "--gpu-doorbells", "expert_stats": "--expert-stats"}
 
 
 def check_sizes(values: dict[str, Any]) -> None:
@@ -73,7 +73,7 @@ def check_streaming_only(ctx: click.Context, values: dict[str, Any]) -> None:
 
 def streaming_options(func: Callable[..., Any] | None = None, *, batch: bool = True) -> Any:
     """Adds --streaming, --vram-budget, --ram-budget, --tier-c, --nvme-device, --tier-b, --slots,
-    --batch, --prompts and --gpu-doorbells; the command receives them as one `streaming: StreamingConfig`.
+    --batch, --prompts, --gpu-doorbells and --expert-stats; the command receives them as one `streaming: StreamingConfig`.
     `@streaming_options(batch=False)` leaves out --batch and --prompts (a server batches its requests)."""
     if func is None:
         return functools.partial(streaming_options, batch=batch)
@@ -90,7 +90,7 @@ def streaming_options(func: Callable[..., Any] | None = None, *, batch: bool = T
             tier_c=values["tier_c"], nvme_device=values["nvme_device"], nvme_lba=values["nvme_lba"],
             tier_b=values["tier_b"],
             slots=values["slots"], batch=values["batch"], prompts_file=values["prompts_file"],
-            gpu_doorbells=values["gpu_doorbells"])
+            gpu_doorbells=values["gpu_doorbells"], expert_stats=values["expert_stats"])
         check_gpu_doorbells(kwargs["streaming"], kwargs.get("device"))
         return func(*args, **kwargs)
 
@@ -114,6 +114,10 @@ def streaming_options(func: Callable[..., Any] | None = None, *, batch: bool = T
                      show_default=True, help="Tier B as a pinned copy or the registered file mapping."),
         click.option("--slots", type=click.IntRange(2, 64), default=DEFAULT_SLOTS, show_default=True,
                      help="Device slots in the streaming ring."),
+        click.option("--expert-stats", metavar="FILE|off", help="Mixture-of-experts files: the router statistics "
+                     "that rank experts for RAM (read at start, the most used preloaded; updated and written back "
+                     "at the end). Default: a file named after the routers under ~/.cache/nvmedirect/expert-use; "
+                     "'off' keeps none."),
     ]
     if batch:
         options += [

@@ -253,6 +253,8 @@ def run(model: str | None, spec: SpecOptions, streaming: Any, ctx_size: int, dev
                                                  enforce_budget=where == "gpu", planned=planned, tree_nodes=nodes,
                                                  exact=exact)
                 c._note(session.report())
+                with c._progress(f"loading {gguf.path.name}", 0, session.warm_unit) as advance:
+                    session.warm(advance)
                 target, cache, closer = session.engine.model, None, session.close
             else:
                 llm = c._load(model, ctx_size, where, streaming.vram_budget, exact, planned=planned, tree_nodes=nodes)

@@ -43,6 +43,7 @@ def loader(model_path: str, device: str, ctx_size: int, max_batch: int, streamin
             session = build_streaming_engine(gguf, replace(streaming, batch=max_batch), ctx_size, device,
                                              enforce_budget=device == "gpu", exact=exact, planned=planned,
                                              tree_nodes=tree_nodes)
+            session.warm()  # before the first request: the CPU's tier A, or a MoE's most used experts
             model, close, problem = session.engine.model, session.close, session.problem
         elif device == "gpu":
             from infer.gpu import load_gpu_transformer

@@ -30,3 +30,6 @@ class StreamingConfig:
     # --tier-c nvme: GPU threads ring the controller's doorbells (reader/gpu_doorbell_backend.py);
     # falls back to CPU doorbells, with one note, when the probe names a blocker.
     gpu_doorbells: bool = False
+    # mixture-of-experts files: where the router statistics live (None: the default file named after
+    # the routers, infer.tiers.expert_policy.default_use_path; "off": none)
+    expert_stats: str | None = None

@@ -5,8 +5,10 @@ routed experts move; everything else (attention, norms, routers, the output) sta
 as the packed engine has it.
 
 `ExpertCache` holds expert slices (an expert's gate, up and down rows of its layer's stacks) in RAM
-buffers up to a byte budget, the least recently used evicted first; a layer's missing experts are read
-in one batch of requests. Products run on the cached bytes with the native kernels, so a tiered run
+buffers up to a byte budget, kept by a policy of infer.tiers.expert_policy (by default a fading
+frequency: an expert used often stays over one used once lately); a layer's missing experts are read
+in one batch of requests. Router statistics (routings per expert) are kept per model between runs: a
+run starts with the most used experts preloaded and its plan states the hit rate they predict. Products run on the cached bytes with the native kernels, so a tiered run
 computes what the all-RAM packed run computes, bit for bit. `tiered_weights` makes the packed
 engine's weights take their experts from such a cache.
 """
@@ -14,8 +16,7 @@ engine's weights take their experts from such a cache.
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +26,11 @@ from infer.arch import ModelArgs, tensor_name
 from infer.gguf_file import GGUFModel
 from infer.moe import Glu, MixtureOfExperts, weighted_sum
 from infer.packed_weights import PackedLinear, PackedWeights
+from infer.tiers.expert_policy import (
+    DEFAULT_POLICY,
+    ExpertResidency,
+    ExpertUse,
+)
 from infer.tiers.plan import format_bytes
 from infer.tiers.tier_c import StorageSource
 
@@ -75,10 +81,12 @@ class ExpertStats:
 
 class ExpertCache:
     """Expert slices of the MoE layers in RAM up to `budget_bytes`, the rest read from `source` on
-    demand. `products(layer, expert)` -> (gate_up, down) packed products over the cached bytes."""
+    demand, kept by `policy` (infer.tiers.expert_policy). `use`: past router statistics, which seed the
+    policy and `preload`; the routings of this run are added to them (`self.use`).
+    `products(layer, expert)` -> (gate_up, down) packed products over the cached bytes."""
 
     def __init__(self, model: GGUFModel, args: ModelArgs, source: StorageSource, budget_bytes: int,
-                 threads: int | None = None) -> None:
+                 threads: int | None = None, policy: str = DEFAULT_POLICY, use: ExpertUse | None = None) -> None:
         if not args.n_experts:
             raise ValueError(f"{model.path.name} has no experts to tier")
         self.args, self.source, self.threads = args, source, threads
@@ -91,7 +99,9 @@ class ExpertCache:
                              f"(at least {format_bytes(args.n_experts_used * self.expert_nbytes)})")
         self.budget_bytes = budget_bytes
         self.total_experts = args.n_layers * args.n_experts
-        self._held: OrderedDict[tuple[int, int], tuple[PackedLinear, PackedLinear]] = OrderedDict()
+        self.use = use if use is not None else ExpertUse.empty(args.n_layers, args.n_experts)
+        self.residency = ExpertResidency(min(self.capacity, self.total_experts), policy, use)
+        self._held: dict[tuple[int, int], tuple[PackedLinear, PackedLinear]] = {}
         self.stats = ExpertStats()
 
     @property
@@ -102,35 +112,49 @@ class ExpertCache:
         share = min(self.capacity, self.total_experts) / self.total_experts
         return (f"experts: {self.total_experts} of {format_bytes(self.expert_nbytes)}; RAM holds "
                 f"{min(self.capacity, self.total_experts)} ({share:.0%}), the rest read from tier C "
-                f"({self.source.description}) when routed to")
+                f"({self.source.description}) when routed to; kept by {self.residency.policy}")
 
-    def ensure(self, layer: int, experts: Iterable[int]) -> None:
-        """Brings `experts` of `layer` into RAM (the missing ones in one batch of reads), most recently
-        used; evicts the least recently used beyond the capacity, never one of these."""
+    def preload(self, progress: Callable[[int, int], None] | None = None) -> int:
+        """Reads the most used experts of the past statistics (the `use` given) into RAM, up to the
+        capacity, a layer's at a time; progress(done, total) after each layer. Returns how many."""
+        keys = self.residency.preload()
+        by_layer: dict[int, list[int]] = {}
+        for layer, expert in keys:
+            by_layer.setdefault(layer, []).append(expert)
+        for done, (layer, experts) in enumerate(sorted(by_layer.items()), 1):
+            self._read(layer, experts)
+            if progress is not None:
+                progress(done, len(by_layer))
+        return len(keys)
+
+    def note_routing(self, layer: int, chosen: np.ndarray) -> None:
+        """Counts a pass's routings (chosen: (tokens, used) expert ids) in the router statistics."""
+        self.use.add(layer, chosen.ravel(), tokens=chosen.shape[0] if layer == 0 else 0)
+
+    def ensure(self, layer: int, experts: Iterable[int], uses: Iterable[int] | None = None) -> None:
+        """Brings `experts` of `layer` into RAM (the missing ones in one batch of reads), each routed to
+        by uses[i] tokens (default 1); the policy drops others beyond the capacity, never one of these."""
         wanted = [int(e) for e in experts]
-        missing = [e for e in wanted if (layer, e) not in self._held]
+        missing, dropped = self.residency.admit(layer, wanted, uses)
         self.stats.hits += len(wanted) - len(missing)
         self.stats.misses += len(missing)
-        for e in wanted:
-            if (layer, e) in self._held:
-                self._held.move_to_end((layer, e))
-        if not missing:
-            return
+        for key in dropped:
+            del self._held[key]
+        self.stats.evictions += len(dropped)
+        if missing:
+            self._read(layer, missing)
+
+    def _read(self, layer: int, experts: list[int]) -> None:
         s = self.slices[layer]
-        buffers = [[np.empty(n, np.uint8) for n in s.nbytes] for _ in missing]
+        buffers = [[np.empty(n, np.uint8) for n in s.nbytes] for _ in experts]
         began = time.perf_counter()
-        self.source.read_async([r for e in missing for r in s.ranges(e)], [b for bufs in buffers for b in bufs]).wait()
+        self.source.read_async([r for e in experts for r in s.ranges(e)], [b for bufs in buffers for b in bufs]).wait()
         self.stats.read_seconds += time.perf_counter() - began
-        self.stats.bytes_read += len(missing) * s.expert_nbytes
-        for e, (gate, up, down) in zip(missing, buffers, strict=True):
+        self.stats.bytes_read += len(experts) * s.expert_nbytes
+        for e, (gate, up, down) in zip(experts, buffers, strict=True):
             (gr, gc), (ur, uc), (dr, dc) = s.shapes
             self._held[(layer, e)] = (PackedLinear([(gate, s.types[0], gr, gc), (up, s.types[1], ur, uc)], self.threads),
                                       PackedLinear([(down, s.types[2], dr, dc)], self.threads))
-        keep = {(layer, e) for e in wanted}
-        while len(self._held) > max(self.capacity, len(keep)):
-            victim = next(k for k in self._held if k not in keep)
-            del self._held[victim]
-            self.stats.evictions += 1
 
     def products(self, layer: int, expert: int) -> tuple[PackedLinear, PackedLinear]:
         held = self._held.get((layer, expert))
@@ -164,12 +188,13 @@ class TieredMixtureOfExperts(MixtureOfExperts):
 
     def __call__(self, h: np.ndarray, glu: Glu, exact: bool = False) -> np.ndarray:
         chosen, weights = self.route(h, exact)
+        self.cache.note_routing(self.layer, chosen)
         outs = np.empty((*chosen.shape, h.shape[1]), np.float32)
-        experts = np.unique(chosen)
+        experts, uses = np.unique(chosen, return_counts=True)
         room = self.cache.capacity
         for start in range(0, len(experts), room):
             group = experts[start : start + room]
-            self.cache.ensure(self.layer, group)
+            self.cache.ensure(self.layer, group, uses[start : start + room])
             self.run_experts(outs, h, chosen, group, glu)
         return weighted_sum(outs, weights, exact)
 
@@ -183,6 +208,11 @@ class TieredExpertWeights(PackedWeights):
 
     expert_cache: ExpertCache
 
+    def warm(self, progress: Callable[[int, int], None] | None = None) -> None:
+        """Before the first pass: the most used experts of past runs read into RAM (progress(done,
+        total) by layer); the rest of the model stays in the file's mapping."""
+        self.expert_cache.preload(progress)
+
     def _experts(self, i: int) -> MixtureOfExperts:
         cache = self.expert_cache
         moe = TieredMixtureOfExperts(self._linear(tensor_name(i, "ffn_gate_inp")),  # type: ignore[arg-type]
@@ -193,155 +223,9 @@ class TieredExpertWeights(PackedWeights):
 
 
 def tiered_weights(model: GGUFModel, args: ModelArgs, source: StorageSource, ram_budget: int,
-                   threads: int | None = None) -> Any:
-    """Packed weights whose experts live in an ExpertCache of `ram_budget` bytes over `source`."""
+                   threads: int | None = None, policy: str = DEFAULT_POLICY, use: ExpertUse | None = None) -> Any:
+    """Packed weights whose experts live in an ExpertCache of `ram_budget` bytes over `source`, kept by
+    `policy`, seeded by the router statistics `use`."""
     weights = TieredExpertWeights(model, args, threads=threads)
-    weights.expert_cache = ExpertCache(model, args, source, ram_budget, threads)
+    weights.expert_cache = ExpertCache(model, args, source, ram_budget, threads, policy, use)
     return weights
-
-
-DEMO_EXPERT_SHARE = 0.25  # --streaming without --ram-budget: RAM holds this share of the experts
-STORAGE_SAMPLE = 64 << 20  # bytes of experts read at start-up to measure tier C
-
-
-@dataclass
-class ExpertSession:
-    """What build_streaming_engine gives for a mixture-of-experts model on the CPU: the packed
-    engine with tiered experts, beside the streaming sessions' calls (report, moved_report, problem,
-    close)."""
-
-    engine: Any  # infer.streaming.StreamingEngine
-    weights: TieredExpertWeights
-    source: StorageSource
-    storage_read: float  # tier C bytes/s, measured at start-up
-    budget_note: str
-    closers: list[Any]
-    plan: Any = None  # no tensor plan: the expert is the unit (session.plan is the dense streamer's)
-    bandwidths: Any = None
-    account: Any = None
-
-    @property
-    def cache(self) -> ExpertCache:
-        return self.weights.expert_cache
-
-    def problem(self) -> str | None:
-        return getattr(self.source, "failure", None)
-
-    def report(self) -> str:
-        mapped = sum(info.nbytes for info in self.weights.model.tensors.values()
-                     if not any(info.name.endswith(f"{kind}.weight") for kind in STACKS))
-        return (f"{self.budget_note}\n{self.cache.describe()}\nthe rest of the model ({format_bytes(mapped)}: "
-                f"attention, routers, norms, embeddings, output) is read from the file's mapping; tier C measured "
-                f"at {self.storage_read / 1e9:.2f} GB/s at start-up")
-
-    def benchmark(self, tg: int, pp: int = 64) -> dict[str, Any]:
-        """`--benchmark`: pp prompt tokens, then tg decode steps, with decode set against the storage:
-        tier C bytes a decoded token, the tok/s tier C alone allows at the start-up bandwidth
-        (the storage roofline) and the share of it reached. The decode steps are fed the tokens of
-        a random text, not the model's own choices: greedy decoding of random weights soon repeats
-        itself, and its repeated routing would flatter the cache."""
-        import resource
-
-        model, cache = self.engine.model, self.cache
-        text = np.random.default_rng(0).integers(3, self.weights.args.vocab_size, pp + tg)
-        kv = model.new_cache(pp + tg + 1)
-        began = time.perf_counter()
-        model.forward(text[:pp], kv)
-        pp_s = time.perf_counter() - began
-        before = (cache.stats.bytes_read, cache.stats.hits, cache.stats.misses)
-        began = time.perf_counter()
-        for token in text[pp:]:
-            model.forward(np.array([token]), kv)
-        tg_s = time.perf_counter() - began
-        read, hits, misses = (now - then for now, then in
-                              zip((cache.stats.bytes_read, cache.stats.hits, cache.stats.misses), before, strict=True))
-        per_token = read / tg if tg else 0.0
-        result: dict[str, Any] = {
-            "device": "cpu", "pp_tokens": pp, "pp_tok_s": round(pp / pp_s, 2), "tg_tokens": tg,
-            "tg_tok_s": round(tg / tg_s, 2), "step_us": round(1e6 * tg_s / max(tg, 1), 1),
-            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-            "experts_held": cache.held, "expert_capacity": cache.capacity, "experts_total": cache.total_experts,
-            "decode_expert_hit_rate": round(hits / max(hits + misses, 1), 4), "tier_c_bytes_per_token": round(per_token),
-            "storage_read_gbps": round(self.storage_read / 1e9, 3)}
-        if per_token and self.storage_read:
-            roofline = self.storage_read / per_token
-            result["storage_roofline_tok_s"] = round(roofline, 3)
-            result["decode_fraction_of_storage_roofline"] = round(tg / tg_s / roofline, 3)
-        return result
-
-    @staticmethod
-    def render_benchmark(result: dict[str, Any]) -> str:
-        from infer.benchmark import render
-
-        text = render(result) + (f"\n  experts: {result['decode_expert_hit_rate']:.1%} of decode's routings hit RAM; "
-                                 f"tier C {format_bytes(result['tier_c_bytes_per_token'])} a token")
-        if "storage_roofline_tok_s" in result:
-            text += (f" at {result['storage_read_gbps']} GB/s: storage roofline {result['storage_roofline_tok_s']} "
-                     f"tok/s, decode at {result['decode_fraction_of_storage_roofline']:.0%} of it")
-        return text
-
-    def moved_report(self) -> str:
-        s, stats = self.cache.stats, self.engine.stats
-        tokens = stats.prompt_tokens + stats.generated_tokens
-        return (f"experts: {s.hits} hits, {s.misses} misses ({s.hit_rate:.1%} hit), {s.evictions} evicted; tier C "
-                f"read {format_bytes(s.bytes_read)} ({format_bytes(int(s.bytes_read / max(tokens, 1)))}/token) at "
-                f"{s.read_gbps:.2f} GB/s while reading")
-
-    def close(self) -> None:
-        for close in reversed(self.closers):
-            close()
-        self.closers = []
-
-
-def build_expert_session(model: GGUFModel, args: ModelArgs, config: Any, ctx_size: int, prefill_chunk: int,
-                         exact: bool) -> ExpertSession:
-    """The CPU engine for a mixture-of-experts model under --streaming: experts tiered by
-    --ram-budget (default: a quarter of them) over --tier-c (file or nvme)."""
-    from infer.packed_weights import native_products_requested
-    from infer.streaming import StreamingEngine
-    from infer.tiers.budget import BudgetError, parse_size
-    from infer.tiers.plan import planner_tensors
-    from infer.tiers.report import measure_storage_read
-    from infer.tiers.tier_c import open_source
-
-    if exact or not native_products_requested():
-        raise BudgetError("tiered experts run on the packed native engine: drop --exact and "
-                          "NVMEDIRECT_CPU_PRODUCTS=numpy (or drop --streaming)")
-    if config.tier_c == "mmap":
-        raise BudgetError("--tier-c mmap reads through the page cache, which no RAM budget bounds: use file or nvme")
-    slices = [ExpertSlices.of_layer(model, i) for i in range(args.n_layers)]
-    all_experts = sum(s.expert_nbytes * args.n_experts for s in slices)
-    if config.ram_budget:
-        budget = parse_size(config.ram_budget)
-        note = f"RAM budget for experts: {format_bytes(budget)} (--ram-budget) of {format_bytes(all_experts)}"
-    else:
-        budget = int(DEMO_EXPERT_SHARE * all_experts)
-        note = (f"RAM budget for experts: {format_bytes(budget)} (demo: a quarter of {format_bytes(all_experts)}; "
-                "--ram-budget sets it)")
-    stacks = [t for t in planner_tensors(model, "cpu") if any(t.name.endswith(f"{k}.weight") for k in STACKS)]
-    options: dict[str, Any] = {"lba": config.nvme_lba} if config.tier_c == "nvme" and config.nvme_lba is not None else {}
-    if config.read_queue_depth is not None:
-        options["queue_depth"] = config.read_queue_depth
-    source = open_source(config.tier_c, model.path, stacks, config.nvme_device, **options)
-    try:
-        from infer.arch import rope_freq_factors
-        from infer.model import Transformer
-
-        try:
-            weights = tiered_weights(model, args, source, budget)
-        except ValueError as err:
-            raise BudgetError(str(err)) from None
-        kept, size = [], 0  # up to STORAGE_SAMPLE of experts, read as a pass's misses are
-        for r in (r for s in slices for e in range(args.n_experts) for r in s.ranges(e)):
-            if kept and size + r[1] > STORAGE_SAMPLE:
-                break
-            kept.append(r)
-            size += r[1]
-        storage = measure_storage_read(source, kept)
-        transformer = Transformer(args, weights, rope_freq_factors(model, args))
-        stats = weights.expert_cache.stats
-        engine = StreamingEngine(transformer, ctx_size, prefill_chunk, bytes_moved=lambda: {"C": stats.bytes_read})
-    except BaseException:
-        source.close()
-        raise
-    return ExpertSession(engine, weights, source, storage, note, [source.close])

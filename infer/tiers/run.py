@@ -64,10 +64,8 @@ def run_streaming(model_path: str, config: StreamingConfig, ctx_size: int, devic
                                      exact=exact)
     try:
         note(session.report())
-        warm = getattr(session.weights, "warm", None)  # the CPU's tier A, dequantized before the first pass
-        if warm is not None:
-            with (progress or _silent)(f"loading {gguf.path.name}", 0, "tensor") as advance:
-                warm(advance)
+        with (progress or _silent)(f"loading {gguf.path.name}", 0, session.warm_unit) as advance:
+            session.warm(advance)  # the CPU's tier A dequantized, or a MoE's most used experts read
         if benchmark and len(ids) == 1:
             return _benchmark_one(session, model_path, n_predict, as_json, echo, peak)
         seed = getattr(sampler_config, "seed", None)

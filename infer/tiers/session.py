@@ -70,6 +70,15 @@ class StreamingSession:
             head += "\n" + self.account.render()
         return head + "\n" + render_plan(self.plan, self.bandwidths, self.paths)
 
+    warm_unit = "tensor"  # what warm's progress counts
+
+    def warm(self, progress: Callable[[int, int], None] | None = None) -> None:
+        """Before the first pass: the CPU's tier A dequantized (GPU weights have nothing to warm);
+        progress(done, total) as it goes."""
+        warm = getattr(self.weights, "warm", None)
+        if warm is not None:
+            warm(progress)
+
     def moved_report(self) -> str:
         s = self.engine.stats
         moved = {Tier(k): v for k, v in s.bytes_moved.items()}
@@ -138,7 +147,7 @@ def build_streaming_engine(model: GGUFModel | str | os.PathLike, config: Streami
         model = GGUFModel(model)
     args = check_model(model)
     if args.n_experts and device == "cpu":  # the expert is the unit of placement (infer.tiers.experts)
-        from infer.tiers.experts import build_expert_session
+        from infer.tiers.expert_session import build_expert_session
 
         return build_expert_session(model, args, config, ctx_size, prefill_chunk, exact)  # type: ignore[return-value]
     refuse_experts(args, model.path, "the streaming engine on the GPU", "run it on the CPU (--device cpu)")

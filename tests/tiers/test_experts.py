@@ -29,6 +29,12 @@ pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="native CPU 
 CTX = 64
 
 
+@pytest.fixture(autouse=True)
+def _own_cache_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Router statistics go to a directory of each test's own, not the user's cache."""
+    monkeypatch.setenv("NVMEDIRECT_CACHE", str(tmp_path / "cache"))
+
+
 @pytest.fixture(scope="module")
 def moe(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """tiny-moe (qwen3moe, 2 blocks, 4 of 16 experts), Q4_K_M: Q4_K gate/up stacks, Q6_K down."""
@@ -96,21 +102,21 @@ class _CountingSource:
         self.inner.close()
 
 
-def test_the_cache_reads_only_what_it_lacks_and_evicts_the_least_recently_used(moe: Path) -> None:
+def test_the_cache_reads_only_what_it_lacks_and_drops_what_its_policy_says(moe: Path) -> None:
     gguf = GGUFModel(moe)
     args = check_model(gguf)
     slices = ExpertSlices.of_layer(gguf, 1)
     source = _CountingSource(moe)
     try:
-        cache = ExpertCache(gguf, args, source, 5 * _largest_expert(gguf))
+        cache = ExpertCache(gguf, args, source, 5 * _largest_expert(gguf), policy="lru")
         assert cache.capacity == 5
         cache.ensure(1, [3, 7, 9, 11])
         assert source.ranges == [r for e in (3, 7, 9, 11) for r in slices.ranges(e)]  # one batch, gate/up/down each
         cache.ensure(1, [7, 3])  # hits: 7 and 3 are now the most recent
         cache.ensure(1, [0, 1])  # two misses: 9 then 11 (least recent) go
         assert (cache.stats.hits, cache.stats.misses, cache.stats.evictions) == (2, 6, 1)
-        held = list(cache._held)
-        assert held == [(1, 11), (1, 7), (1, 3), (1, 0), (1, 1)]
+        assert cache.residency.keys() == [(1, 11), (1, 7), (1, 3), (1, 0), (1, 1)]
+        assert set(cache._held) == set(cache.residency.keys())  # bytes held for exactly those
         before = len(source.ranges)
         cache.ensure(1, [0, 1, 3, 7, 11])
         assert len(source.ranges) == before  # all held: nothing read
@@ -137,8 +143,8 @@ def test_a_prompt_routing_to_more_experts_than_the_budget_holds_stays_within_it(
         most = []
         ensure = cache.ensure
 
-        def watched(layer: int, experts: object) -> None:
-            ensure(layer, experts)  # type: ignore[arg-type]
+        def watched(layer: int, experts: object, uses: object = None) -> None:
+            ensure(layer, experts, uses)  # type: ignore[arg-type]
             most.append(cache.held)
 
         cache.ensure = watched  # type: ignore[method-assign]
@@ -212,3 +218,33 @@ def test_the_command_line_streams_experts(moe: Path) -> None:
     code, out, err = _cli("-m", str(moe), "-p", "hi", "-n", "2", "--streaming", "--ram-budget", "10KB")
     lines = [line for line in err.splitlines() if line.strip()]
     assert code == 2 and out == "" and len(lines) == 1 and "a token needs 4 at once" in lines[0], err
+
+
+def test_router_statistics_carry_over_between_runs(moe: Path, tmp_path: Path) -> None:
+    """The first run gathers the routings and writes them; the next preloads the most used experts,
+    states the hit rate they predict and generates the same text; 'off' keeps none."""
+    stats = tmp_path / "stats.npz"
+    common = ["-m", str(moe), "-p", "one two three four", "-n", "12", "-t", "0", "--streaming", "--ram-budget", "600KB"]
+    code, first, err = _cli(*common, "--expert-stats", str(stats))
+    assert code == 0, err
+    assert "router statistics: none yet for these routers" in err and str(stats) in err, err
+    gguf = GGUFModel(moe)
+    args = check_model(gguf)
+    from infer.tiers.expert_policy import ExpertUse
+
+    use = ExpertUse.load(stats, args.n_layers, args.n_experts)
+    assert use is not None and use.routings == use.tokens * args.n_layers * args.n_experts_used > 0
+    code, second, err = _cli(*common, "--expert-stats", str(stats))
+    assert code == 0, err
+    assert second == first
+    assert f"router statistics: {use.tokens} tokens routed in earlier runs" in err and "preloaded, expected hit rate" in err, err
+    again = ExpertUse.load(stats, args.n_layers, args.n_experts)
+    assert again is not None and again.tokens == 2 * use.tokens  # this run's routings added
+    code, third, err = _cli(*common, "--expert-stats", "off")
+    assert code == 0 and third == first, err
+    assert "router statistics: off" in err, err
+    code, _, err = _cli(*common)  # the default file, named after the routers, under NVMEDIRECT_CACHE
+    assert code == 0, err
+    assert len(list((tmp_path / "cache" / "expert-use").glob("*.npz"))) == 1
+    code, out, err = _cli("-m", str(moe), "-p", "hi", "-n", "2", "--expert-stats", "off")
+    assert code == 2 and "--expert-stats sets the streaming engine's tiers: add --streaming" in err, err
