@@ -67,7 +67,7 @@ int qdot_cpu_has_avx512(void);
 # The kernels' files, compiled as one translation unit (their helpers are static inline, and the
 # kernels inline into their dispatchers) in this order; cpu_qdot_common.h holds what they share.
 SOURCES = ["cpu_qdot_quant.c", "cpu_qdot_portable.c", "cpu_qdot_avx2_legacy.c", "cpu_qdot_avx2_k.c",
-           "cpu_qdot_avx512.c", "cpu_qdot_pool.c", "cpu_qdot.c", "cpu_layers.c", "cpu_decode.c"]
+           "cpu_qdot_avx512.c", "cpu_qdot_ggml.c", "cpu_qdot_pool.c", "cpu_qdot.c", "cpu_layers.c", "cpu_decode.c"]
 HEADERS = ["cpu_qdot.h", "cpu_qdot_common.h"]
 # Their text is inlined (as build_vfio.py does) so the setuptools build needs no source paths; #line
 # keeps the compiler's messages pointing at the real files.

@@ -13,7 +13,7 @@ int qdot_cpu_has_avx2(void)
 {
 #ifdef QDOT_X86
     __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
 #else
     return 0;
 #endif
@@ -90,7 +90,9 @@ static int rows_any(const struct job *J, int r0, int r1, int impl)
  * for the quantized families, float values for the float types. Decoded once per product. */
 struct xdec {
     float *dx, *xf, *dxT, *dx8;
-    int32_t *xsum, *xsumT, *xsum8;
+    int32_t *xsum, *xsumT, *xsum8, *xneg;
+    int8_t *xT;
+    int32_t *xnegT;
 };
 
 static void xdec_free(struct xdec *D)
@@ -102,6 +104,9 @@ static void xdec_free(struct xdec *D)
     free(D->xsumT);
     free(D->dx8);
     free(D->xsum8);
+    free(D->xneg);
+    free(D->xT);
+    free(D->xnegT);
 }
 
 static int xdec_make(struct xdec *D, int type, int family, int cols, int nb, const uint8_t *x, size_t xrow,
@@ -139,6 +144,38 @@ static int xdec_make(struct xdec *D, int type, int family, int cols, int nb, con
                 D->xsum[i] = s;
             }
         }
+    if (family == FAM_LEGACY && n_tokens > 1) {  /* the values block-major (struct job's xT) */
+        D->xT = malloc(nblk * QK);
+        if (!D->xT) {
+            xdec_free(D);
+            return QDOT_ENOMEM;
+        }
+        for (int t = 0; t < n_tokens; t++)
+            for (int b = 0; b < nb; b++)
+                memcpy(D->xT + ((size_t)b * n_tokens + t) * QK, x + (size_t)t * xrow + (size_t)b * Q8_0_BYTES + 2, QK);
+    }
+    if (family == FAM_LEGACY && n_tokens > 1) {  /* xneg block-major, + 8 tokens of room (struct job's xnegT) */
+        D->xnegT = calloc((nblk + 8) * 8, sizeof(int32_t));
+        if (!D->xnegT) {
+            xdec_free(D);
+            return QDOT_ENOMEM;
+        }
+    }
+    if (family == FAM_LEGACY) {  /* the negated lane sums (struct job's xneg, cpu_qdot_ggml.c) */
+        D->xneg = malloc(nblk * 8 * sizeof(int32_t));
+        if (!D->xneg) {
+            xdec_free(D);
+            return QDOT_ENOMEM;
+        }
+        for (size_t i = 0; i < nblk; i++) {
+            size_t t = i / (size_t)nb, b = i % (size_t)nb;
+            const int8_t *q = (const int8_t *)(x + t * xrow + b * Q8_0_BYTES + 2);
+            for (int k = 0; k < 8; k++)
+                D->xneg[8 * i + k] = -(q[4 * k] + q[4 * k + 1] + q[4 * k + 2] + q[4 * k + 3]);
+            if (D->xnegT)
+                memcpy(D->xnegT + 8 * (b * (size_t)n_tokens + t), D->xneg + 8 * i, 8 * sizeof(int32_t));
+        }
+    }
     if (n_tokens == 1 && nb <= ROWS8_MAX_NB) {  /* ROWS8: eight rows' worth, in the order of a run */
         D->dx8 = malloc(8 * (size_t)nb * sizeof(float));
         D->xsum8 = malloc(8 * (size_t)nb * sizeof(int32_t));
@@ -152,7 +189,7 @@ static int xdec_make(struct xdec *D, int type, int family, int cols, int nb, con
         }
     }
     if (n_tokens > 1) {  /* the 8-token AVX2 tiles read eight tokens' scales at once */
-        D->dxT = malloc(nblk * sizeof(float));
+        D->dxT = calloc(nblk + 8, sizeof(float));  /* + 8: a last partial tile loads 8 (cpu_qdot_ggml.c) */
         D->xsumT = malloc(nblk * sizeof(int32_t));
         if (!D->dxT || !D->xsumT) {
             xdec_free(D);
@@ -182,7 +219,7 @@ static int job_make(struct job *J, const void *w, int type, int rows, int cols, 
         .w = w, .wrow = (size_t)wrow, .wblock = wblock, .x = xq, .xrow = (size_t)xrow,
         .dx = D ? D->dx : NULL, .xsum = D ? D->xsum : NULL, .xf = D ? D->xf : NULL, .y = y, .ystride = ystride,
         .dxT = D ? D->dxT : NULL, .xsumT = D ? D->xsumT : NULL, .dx8 = D ? D->dx8 : NULL,
-        .xsum8 = D ? D->xsum8 : NULL,
+        .xsum8 = D ? D->xsum8 : NULL, .xneg = D ? D->xneg : NULL, .xT = D ? D->xT : NULL, .xnegT = D ? D->xnegT : NULL,
     };
     return 0;
 }
@@ -253,6 +290,9 @@ int matmul_q(const void *w, int type, int rows, int cols, const void *xq, int n_
     T.jobs[0].xsumT = D.xsumT;
     T.jobs[0].dx8 = D.dx8;
     T.jobs[0].xsum8 = D.xsum8;
+    T.jobs[0].xneg = D.xneg;
+    T.jobs[0].xT = D.xT;
+    T.jobs[0].xnegT = D.xnegT;
     rc = task_run(&T, n_threads);
     xdec_free(&D);
     return rc;

@@ -4,10 +4,11 @@
  * float types), and each block's products are summed in integers before its scales are applied.
  *
  * Determinism: every output element y[t][r] is computed by one fixed sequence of float operations
- * (block terms added one block after another), whatever the token batch, the row range, the thread
- * count or the instruction set (AVX2 or portable C), so results are bit-identical across all of them.
- * The file must be compiled with -ffp-contract=off for that (a fused multiply-add rounds once where
- * the portable code rounds twice).
+ * (block terms added one block after another; for Q4_0, Q5_0 and Q8_0, llama.cpp's 8 lanes of fused
+ * multiply-adds and its tree over them), whatever the token batch, the row range, the thread count or
+ * the instruction set (AVX-512, AVX2 or portable C), so results are bit-identical across all of them.
+ * The files must be compiled with -ffp-contract=off for that: the only fused multiply-adds are the
+ * explicit ones (fmaf, _mm256_fmadd_ps), which every path performs alike.
  */
 #ifndef NVMEDIRECT_CPU_QDOT_H
 #define NVMEDIRECT_CPU_QDOT_H

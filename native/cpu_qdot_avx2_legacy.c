@@ -1,5 +1,6 @@
-/* AVX2 kernels of the legacy quants (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) against q8_0 activations, and
- * of the float weights (F32, F16, BF16).
+/* AVX2 kernels of the legacy quants with a min (Q4_1, Q5_1) against q8_0 activations, and of the
+ * float weights (F32, F16, BF16). Q4_0, Q5_0 and Q8_0 sum in llama.cpp's order instead
+ * (cpu_qdot_ggml.c); the block helpers here still read them (legacy_bytes) for it.
  *
  * A legacy block's 32 products are summed horizontally (maddubs/madd, exact); a tile of 8 (row,
  * token) pairs reduces its vectors to one int32 per lane and forms the block terms with one output
@@ -160,12 +161,13 @@ AVX2_INLINE void float_tile_avx2(const struct job *J, const int *rr, const int *
 
 AVX2 void qdot_legacy_rows_avx2(const struct job *J, int r0, int r1)
 {
+    if (ggml_order(J->type)) {  /* cpu_qdot_ggml.c */
+        qdot_ggml_avx2_rows(J, r0, r1);
+        return;
+    }
     switch (J->type) {
-    LEGACY2_CASE(T_Q4_0)
     LEGACY2_CASE(T_Q4_1)
-    LEGACY2_CASE(T_Q5_0)
     LEGACY2_CASE(T_Q5_1)
-    LEGACY2_CASE(T_Q8_0)
     default: break;
     }
 }

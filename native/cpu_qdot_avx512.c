@@ -1,5 +1,7 @@
-/* AVX-512 VNNI kernels of the legacy quants (Q4_0..Q8_0) and of the K-quants (Q4_K, Q5_K, Q6_K);
- * the float weights stay on AVX2. Chosen by cpu_qdot.c when the CPU has AVX-512 F, BW, VL and VNNI.
+/* AVX-512 VNNI kernels of the legacy quants with a min (Q4_1, Q5_1; Q4_0, Q5_0 and Q8_0 sum in
+ * llama.cpp's order, cpu_qdot_ggml.c, whose vpdpbusd lanes follow the scheme below) and of the
+ * K-quants (Q4_K, Q5_K, Q6_K); the float weights stay on AVX2. Chosen by cpu_qdot.c when the CPU has
+ * AVX-512 F, BW, VL and VNNI.
  *
  * Integers: a legacy block goes through one vpdpbusd (unsigned weights x signed activations, four
  * products summed into each int32 lane, no saturation) where the AVX2 code needs maddubs + madd:
@@ -124,12 +126,13 @@ AVX512_INLINE void legacy_rows8_avx512(const struct job *J, int r0, const int ty
 
 AVX512 void qdot_legacy_rows_avx512(const struct job *J, int r0, int r1)
 {
+    if (ggml_order(J->type)) {  /* llama.cpp's 8 lanes (cpu_qdot_ggml.c) */
+        qdot_ggml_avx512_pairs_rows(J, r0, r1);
+        return;
+    }
     switch (J->type) {
-    LEGACY_CASE(T_Q4_0)
     LEGACY_CASE(T_Q4_1)
-    LEGACY_CASE(T_Q5_0)
     LEGACY_CASE(T_Q5_1)
-    LEGACY_CASE(T_Q8_0)
     default: break;
     }
 }

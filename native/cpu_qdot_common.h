@@ -2,7 +2,7 @@
  *
  * native/build_cpu_kernels.py compiles the files as one translation unit, in the order
  * cpu_qdot_quant.c, cpu_qdot_portable.c, cpu_qdot_avx2_legacy.c, cpu_qdot_avx2_k.c,
- * cpu_qdot_avx512.c, cpu_qdot_pool.c, cpu_qdot.c, cpu_layers.c, so
+ * cpu_qdot_avx512.c, cpu_qdot_ggml.c, cpu_qdot_pool.c, cpu_qdot.c, cpu_layers.c, cpu_decode.c, so
  * the helpers below are static inline and the kernels can be inlined into their dispatchers.
  *
  * Summation order (the same in both implementations, which is what makes them bit-identical):
@@ -18,6 +18,14 @@
  * bit-identical too.
  * Float weights (F32/F16/BF16) use 8 running lanes (element i goes to lane i % 8, in order), then a
  * fixed pairwise tree over the lanes.
+ *
+ * Q4_0, Q5_0 and Q8_0 follow llama.cpp's order instead (ggml_order below; its AVX2 vec_dot and the
+ * llamafile tiles for these types compute alike): 8 running lanes, lane k taking each block's exact
+ * int32 sum of elements 4k..4k+3 (signed weights, offsets removed) times d = d_w * d_x (exact: two
+ * halves) with one fused multiply-add per block, then ggml's tree over the lanes (hsum8_ggml). With
+ * the sums of the blocks' totals, the synthetic Qwen3 Q8_0 file's logits were 0.0087 from llama.cpp's
+ * (2.2 x its own batching noise); in its order, 0.0032 (0.8 x): a different rounding of the same
+ * product, amplified by the 8-bit activations of every later product.
  */
 #ifndef NVMEDIRECT_CPU_QDOT_COMMON_H
 #define NVMEDIRECT_CPU_QDOT_COMMON_H
@@ -108,6 +116,11 @@ struct job {
     const int32_t *xsumT;/* [b * n_tokens + t]: xsum block-major (several tokens) */
     const float *dx8;   /* [j]: dx[j % nb], j < 8 * nb (one token: a tile's 8 rows as one run, ROWS8) */
     const int32_t *xsum8;/* [j]: xsum[j % nb], likewise (legacy) */
+    const int32_t *xneg;/* [(t * nb + b) * 8 + k]: -(sum of elements 4k..4k+3 of the q8_0 block), for the
+                         * weights' offsets (legacy; cpu_qdot_ggml.c) */
+    const int8_t *xT;   /* [(b * n_tokens + t) * 32 + i]: the q8_0 values block-major (legacy, several tokens:
+                         * a block's tokens 32 bytes apart, cpu_qdot_ggml.c) */
+    const int32_t *xnegT;/* [(b * n_tokens + t) * 8 + k]: xneg block-major (legacy, several tokens) */
     const float *xf;    /* [t * cols + i]: activations as floats (float types) */
     float *y;           /* y[t * ystride + r]: output of row r for token t */
     size_t ystride;     /* floats per output row (the rows of every part of a fused product) */
@@ -128,6 +141,16 @@ static inline float kquant_term(float d, float dmin, float dx, int32_t isc, int3
     if (has_min)
         term = term - (dmin * dx) * (float)imin;
     return term;
+}
+
+/* Whether a legacy type is summed in llama.cpp's order (8 lanes of fused multiply-adds). */
+static inline int ggml_order(int type) { return type == T_Q4_0 || type == T_Q5_0 || type == T_Q8_0; }
+
+/* ggml's hsum_float_8: the high four lanes plus the low four, then (0 + 2) + (1 + 3). */
+static inline float hsum8_ggml(const float a[8])
+{
+    float r0 = a[4] + a[0], r1 = a[5] + a[1], r2 = a[6] + a[2], r3 = a[7] + a[3];
+    return (r0 + r2) + (r1 + r3);
 }
 
 /* Lanes of a float dot product -> its value: the tail elements go to lanes 0..rem-1, then a fixed tree. */
@@ -188,8 +211,10 @@ static inline int legacy_block_bytes(int type)
 /* ---------------------------------------------------------------- AVX2 helpers */
 
 #ifdef QDOT_X86
-#define AVX2 __attribute__((target("avx2,f16c")))
-#define AVX2_INLINE static inline __attribute__((always_inline, target("avx2,f16c")))
+/* fma: the fused multiply-adds of ggml_order's lanes (explicit intrinsics only: -ffp-contract=off
+ * keeps the compiler from fusing anything else) */
+#define AVX2 __attribute__((target("avx2,fma,f16c")))
+#define AVX2_INLINE static inline __attribute__((always_inline, target("avx2,fma,f16c")))
 
 /* Eight int32x8 vectors -> one vector whose lane p is the sum of v[p]'s lanes (exact). */
 AVX2_INLINE __m256i sum8_epi32(const __m256i v[8])
@@ -406,7 +431,7 @@ AVX2_INLINE void rows8_store(const struct job *J, int r0, const float *terms, in
 
 /* F + BW (byte/word ops, masks) + VL + VNNI (vpdpbusd, vpdpwssd); avx2/f16c for the 8-lane float
  * code shared with the AVX2 kernels (inlined into these functions). */
-#define AVX512_TARGET "avx512f,avx512bw,avx512vl,avx512vnni,avx2,f16c"
+#define AVX512_TARGET "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c"
 #define AVX512 __attribute__((target(AVX512_TARGET)))
 #define AVX512_INLINE static inline __attribute__((always_inline, target(AVX512_TARGET)))
 #endif /* QDOT_X86 */
@@ -427,6 +452,9 @@ void qdot_k_rows_avx2(const struct job *J, int r0, int r1);
 void qdot_float_rows_avx2(const struct job *J, int r0, int r1);
 void qdot_legacy_rows_avx512(const struct job *J, int r0, int r1);
 void qdot_k_rows_avx512(const struct job *J, int r0, int r1);
+void qdot_ggml_avx2_rows(const struct job *J, int r0, int r1);    /* Q4_0, Q5_0, Q8_0 (ggml_order): */
+void qdot_ggml_avx512_rows(const struct job *J, int r0, int r1);  /* cpu_qdot_ggml.c */
+void qdot_ggml_avx512_pairs_rows(const struct job *J, int r0, int r1);
 #endif
 
 #endif

@@ -76,8 +76,43 @@ static void unpack_k(int type, const uint8_t *b, uint8_t q[QKK], int sc[16], int
         }
 }
 
+/* Q4_0, Q5_0, Q8_0 in llama.cpp's order (ggml_order, cpu_qdot_common.h): per output 8 lanes, lane k
+ * accumulating d * (block sum of elements 4k..4k+3) with fmaf, one block after another. */
+static void ggml_rows_portable(const struct job *J, int r0, int r1)
+{
+    float lanes[TOKEN_TILE][8];
+    int8_t q[QK];
+    for (int r = r0; r < r1; r++) {
+        const uint8_t *wrow = J->w + (size_t)r * J->wrow;
+        for (int t0 = 0; t0 < J->n_tokens; t0 += TOKEN_TILE) {
+            int nt = J->n_tokens - t0 < TOKEN_TILE ? J->n_tokens - t0 : TOKEN_TILE;
+            memset(lanes, 0, sizeof lanes);
+            for (int b = 0; b < J->nb; b++) {
+                float dw, m;
+                unpack_legacy(J->type, wrow + (size_t)b * J->wblock, q, &dw, &m);
+                for (int t = 0; t < nt; t++) {
+                    const int8_t *xq = (const int8_t *)(J->x + (size_t)(t0 + t) * J->xrow + (size_t)b * Q8_0_BYTES + 2);
+                    float d = dw * J->dx[(size_t)(t0 + t) * J->nb + b];
+                    for (int k = 0; k < 8; k++) {
+                        int32_t s = 0;
+                        for (int i = 4 * k; i < 4 * k + 4; i++)
+                            s += q[i] * xq[i];
+                        lanes[t][k] = fmaf(d, (float)s, lanes[t][k]);
+                    }
+                }
+            }
+            for (int t = 0; t < nt; t++)
+                J->y[(size_t)(t0 + t) * J->ystride + r] = hsum8_ggml(lanes[t]);
+        }
+    }
+}
+
 void qdot_legacy_rows_portable(const struct job *J, int r0, int r1)
 {
+    if (ggml_order(J->type)) {
+        ggml_rows_portable(J, r0, r1);
+        return;
+    }
     const int has_min = J->type == T_Q4_1 || J->type == T_Q5_1;
     float acc[TOKEN_TILE];
     int8_t q[QK];

@@ -464,3 +464,52 @@ def test_unknown_native_paths_are_refused() -> None:
     if not cpu_kernels.cpu_has_avx512():
         with pytest.raises(ValueError, match="cannot run the avx512"):
             cpu_kernels.set_implementation("avx512")
+
+
+# ---------------------------------------------------------------- llama.cpp's own order
+
+def _ggml_cpu() -> object:
+    """llama.cpp's CPU library, as the llama-cpp-python of the oracle tests ships it."""
+    import ctypes
+    from pathlib import Path
+
+    llama_cpp = pytest.importorskip("llama_cpp")  # installed by scripts/bootstrap.sh, as for every oracle test
+    lib = ctypes.CDLL(str(Path(llama_cpp.__file__).parent / "lib" / "libggml-cpu.so"))
+    for name in ("ggml_vec_dot_q4_0_q8_0", "ggml_vec_dot_q5_0_q8_0", "ggml_vec_dot_q8_0_q8_0"):
+        getattr(lib, name).argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p,
+                                       ctypes.c_size_t, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    lib.quantize_row_q8_0.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
+    lib.ggml_cpu_init()  # its float16 -> float32 table, which the products read the scales through
+    return lib
+
+
+@pytest.mark.parametrize("ggml_type", [T.Q4_0, T.Q5_0, T.Q8_0], ids=lambda t: T(t).name)
+def test_q4_0_q5_0_q8_0_products_are_llama_cpps_bit_for_bit(rng: np.random.Generator, ggml_type: int) -> None:
+    """These types sum in llama.cpp's order (native/cpu_qdot_ggml.c): every output, one token or a
+    batch, on every code path, has the bits of llama.cpp's own ggml_vec_dot_*_q8_0 (its AVX2 kernel,
+    which its batched llamafile tiles match) on the same weights and its own quantized activations."""
+    if not cpu_kernels.cpu_has_avx2():
+        pytest.skip("llama.cpp's AVX2 kernels are the order matched; this CPU runs its SSE or scalar ones")
+    import ctypes
+
+    lib = _ggml_cpu()
+    rows, cols, n_tokens = 13, 32 * 37, 11
+    raw = _weights(rng, ggml_type, rows, cols)
+    x = _activations(rng, n_tokens, cols)
+    xq = np.empty((n_tokens, cols // 32 * 34), np.uint8)
+    for t in range(n_tokens):
+        lib.quantize_row_q8_0(x[t].ctypes.data, xq[t].ctypes.data, cols)
+    assert np.array_equal(xq, cpu_kernels.quantize_activations(x, ggml_type)), "q8_0 activations differ"
+    wrow = raw.size // rows
+    dot = getattr(lib, f"ggml_vec_dot_{T(ggml_type).name.lower()}_q8_0")
+    want = np.empty((n_tokens, rows), np.float32)
+    out = ctypes.c_float()
+    for t in range(n_tokens):
+        for r in range(rows):
+            dot(cols, ctypes.addressof(out), 0, raw[r * wrow :].ctypes.data, 0, xq[t].ctypes.data, 0, 1)
+            want[t, r] = out.value
+    for name in _implementations():
+        cpu_kernels.set_implementation(name)
+        for tokens in (slice(0, 1), slice(0, n_tokens), slice(3, 4)):
+            got = cpu_kernels.matmul(raw, ggml_type, rows, cols, x[tokens], threads=2)
+            assert np.array_equal(got.view(np.uint32), want[tokens].view(np.uint32)), (name, tokens)
