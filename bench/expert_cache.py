@@ -137,7 +137,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=48, help="synthetic traces: layers (Qwen3-30B-A3B: 48)")
     parser.add_argument("--experts", type=int, default=128, help="synthetic traces: experts per layer")
     parser.add_argument("--used", type=int, default=8, help="synthetic traces: experts per token")
-    parser.add_argument("--tokens", type=int, default=4000, help="synthetic traces: tokens (half calibrate)")
+    parser.add_argument("--tokens", type=int, default=4000,
+                        help="synthetic traces: tokens (half calibrate); 0: only --model's routings")
     parser.add_argument("--shares", default="0.1,0.25,0.5", help="cache sizes, as shares of all experts")
     parser.add_argument("--zipf", default="0.5,1.0", help="skews S of the zipf traces ('' for none)")
     parser.add_argument("--drift", type=int, default=250,
@@ -154,8 +155,8 @@ def main(argv: list[str] | None = None) -> int:
     rng = np.random.default_rng(args.seed)
     shape = (args.layers, args.experts, args.used)
     began = time.perf_counter()
-    rows = measure("uniform", uniform_trace(*shape, args.tokens, rng), shape, shares, half_lives)
-    for skew in (float(s) for s in args.zipf.split(",") if s.strip()):
+    rows = measure("uniform", uniform_trace(*shape, args.tokens, rng), shape, shares, half_lives) if args.tokens else []
+    for skew in (float(s) for s in args.zipf.split(",") if s.strip() and args.tokens):
         rows += measure(f"zipf-{skew:g}", zipf_trace(*shape, args.tokens, skew, rng), shape, shares, half_lives)
         if args.drift:
             rows += measure(f"zipf-{skew:g}-drift-{args.drift}", zipf_trace(*shape, args.tokens, skew, rng, args.drift),
@@ -163,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     model = None
     if args.model:
         trace, model_shape = model_trace(args.model, args.record)
-        rows += measure("model", trace, model_shape, shares, half_lives)
+        rows += measure(f"model {args.model.name}", trace, model_shape, shares, half_lives)
         model = {"file": args.model.name, "layers": model_shape[0], "experts": model_shape[1],
                  "used": model_shape[2], "tokens": args.record}
     result = {"layers": args.layers, "experts": args.experts, "used": args.used, "tokens": args.tokens, "drift": args.drift,

@@ -332,11 +332,20 @@ def check_model(model: GGUFModel) -> ModelArgs:
     if OUTPUT in model.tensors:
         checked_tensor(model, OUTPUT, (args.vocab_size, args.dim))
     rope_freq_factors(model, args)
+    used = {TOKEN_EMBD, OUTPUT_NORM, OUTPUT, ROPE_FREQS}
     for i in range(args.n_layers):
         for name, shape in args.layer_shapes(i).items():
+            used.add(name)
             if parse_tensor_name(name)[1] in args.arch_table.optional and name not in model.tensors:
                 continue
             checked_tensor(model, name, shape)
+    # a tensor no engine reads is a feature of the file that would be skipped, silently changing what
+    # it computes (shared experts, a second norm, ...); llama.cpp refuses such a file too
+    unused = sorted(set(model.tensors) - used)
+    if unused:
+        raise UnsupportedModelError(model.path, f"{len(unused)} tensor(s) that no engine here computes with, such as "
+                                    f"{', '.join(unused[:3])}: a feature of '{args.arch}' files that is not supported",
+                                    f"tensor {unused[0]}")
     return args
 
 

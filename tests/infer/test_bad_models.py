@@ -108,6 +108,16 @@ def test_unsupported_architecture(good_model: Path, tmp_path: Path) -> None:
     assert_one_line_error(path, "key general.architecture", "architecture 'gptneox' is not supported")
 
 
+def test_a_tensor_no_engine_reads_is_refused(good_model: Path, tmp_path: Path) -> None:
+    """A file whose tensors include one the forward pass would skip (here a shared expert's gate, as
+    Qwen2-MoE files carry) would compute something else than it says: one line naming the tensor,
+    as llama.cpp refuses such a file (its count of tensors does not match)."""
+    extra = {"blk.0.ffn_gate_inp_shexp.weight": np.ones(64, np.float32)}
+    path = write_copy(good_model, tmp_path / "extra.gguf", extra_tensors=extra)
+    assert_one_line_error(path, "tensor blk.0.ffn_gate_inp_shexp.weight", "1 tensor(s) that no engine here computes with",
+                          "not supported")
+
+
 def test_missing_metadata_key(good_model: Path, tmp_path: Path) -> None:
     path = tmp_path / "nokey.gguf"
     reader_keys = GGUFModel(good_model).metadata
