@@ -1,6 +1,7 @@
-"""The CPU weights left packed in the mapped GGUF file and multiplied by the native kernels
-(infer.cpu_kernels): nothing is dequantized at load, the process holds the file's pages instead of a
-float32 copy, and each product rounds its input once to the 8-bit blocks llama.cpp uses.
+"""The CPU weights left packed as the GGUF file stores them and multiplied by the native kernels
+(infer.cpu_kernels): nothing is dequantized at load, the process holds the file's bytes (its mapped
+pages, or a copy on huge pages where infer.host_memory allows: faster to stream) instead of a float32
+copy, and each product rounds its input once to the 8-bit blocks llama.cpp uses.
 
 The CPU engine's default when the extension is built (issue 28): NVMEDIRECT_CPU_PRODUCTS=numpy (or
 `load_transformer(..., packed=False)`) takes the dequantized NumPy engine instead, =native insists on
@@ -13,10 +14,11 @@ import os
 
 import numpy as np
 
-from infer import cpu_kernels
+from infer import cpu_kernels, host_memory
 from infer.arch import ModelArgs, check_model, tensor_name
 from infer.cpu_layers import NativeLayers
-from infer.gguf_file import GGUFModel
+from infer.gguf_file import GGUFModel, TensorInfo
+from infer.host_memory import HugePageCopy
 from infer.model import DequantizedWeights, Linear
 from infer.moe import MixtureOfExperts
 
@@ -59,7 +61,7 @@ class PackedLinear(cpu_kernels.FusedProduct):
 
     @property
     def nbytes(self) -> int:
-        return 0  # pages of the mapped file, not memory this process allocated
+        return 0  # the mapped file's pages, or the huge-page copy made once at load: no layer budget
 
 
 class PackedWeights(DequantizedWeights):
@@ -77,6 +79,8 @@ class PackedWeights(DequantizedWeights):
         self.batch_invariant = match_llama_cpp and not exact and packs_invariantly(model, args)
         self.native_layers = NativeLayers(threads)  # norms, rope and attention (infer.model.Transformer)
         cpu_kernels.single_threaded_blas()  # the cores are the products' (see there why)
+        self.huge_pages = None if exact or not match_llama_cpp else \
+            _copy_to_huge_pages(model, threads or cpu_kernels.default_threads())
 
     def _experts(self, i: int) -> MixtureOfExperts:
         """Block i's experts as packed products, each a slice of its stacks in the mapped file (the
@@ -87,7 +91,7 @@ class PackedWeights(DequantizedWeights):
         if self.exact or not self.match_llama_cpp or \
                 any(info.ggml_type not in cpu_kernels.SUPPORTED_TYPES for info in infos):
             return super()._experts(i)
-        gate, up, down = ([(info.data.reshape(info.shape[0], -1)[e], info.ggml_type, info.shape[1], info.shape[2])
+        gate, up, down = ([(self._bytes(info).reshape(info.shape[0], -1)[e], info.ggml_type, info.shape[1], info.shape[2])
                            for e in range(info.shape[0])] for info in infos)
         return MixtureOfExperts(self._linear(tensor_name(i, "ffn_gate_inp")),
                                 [PackedLinear([g, u], self.threads) for g, u in zip(gate, up, strict=True)],
@@ -99,5 +103,20 @@ class PackedWeights(DequantizedWeights):
         if self.exact or not self.match_llama_cpp or \
                 any(info.ggml_type not in cpu_kernels.SUPPORTED_TYPES for info in infos):
             return super()._linear(*names)
-        return PackedLinear([(info.data, info.ggml_type, info.shape[0], info.shape[1]) for info in infos],
+        return PackedLinear([(self._bytes(info), info.ggml_type, info.shape[0], info.shape[1]) for info in infos],
                             self.threads)
+
+    def _bytes(self, info: TensorInfo) -> np.ndarray:
+        """A matrix's packed bytes: in the huge-page copy where there is one, else the mapped file's."""
+        return info.data if self.huge_pages is None else self.huge_pages.view(info.offset, info.nbytes)
+
+
+def _copy_to_huge_pages(model: GGUFModel, threads: int) -> HugePageCopy | None:
+    """The file's span of packed matrices in huge pages (infer.host_memory says when), or None."""
+    packed = [info for info in model.tensors.values()
+              if len(info.shape) in (2, 3) and info.ggml_type in cpu_kernels.SUPPORTED_TYPES]
+    if not packed:
+        return None
+    start = min(info.offset for info in packed)
+    end = max(info.offset + info.nbytes for info in packed)
+    return HugePageCopy(model.path, start, end, threads) if host_memory.should_copy(end - start) else None

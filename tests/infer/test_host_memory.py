@@ -1,0 +1,100 @@
+"""The packed CPU engine's weights on huge pages (infer.host_memory): the copy holds the file's bytes
+at the file's alignment, when it is made and when not, and the engine's logits do not change."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from infer import cpu_kernels, host_memory
+from infer.gguf_file import GGUFModel
+from infer.host_memory import HUGE_PAGE, HugePageCopy
+from infer.model import load_transformer
+from tests.oracle.fixtures import model_path
+
+
+def _file(tmp_path: Path, nbytes: int) -> tuple[Path, np.ndarray]:
+    data = np.random.default_rng(3).integers(0, 256, nbytes, dtype=np.uint8)
+    path = tmp_path / "blob.bin"
+    data.tofile(path)
+    return path, data
+
+
+def test_the_copy_is_the_files_bytes_at_the_files_alignment(tmp_path: Path) -> None:
+    path, data = _file(tmp_path, (5 << 20) + 12345)
+    start, end = 4096 + 17, data.size - 99
+    copy = HugePageCopy(path, start, end, threads=3)
+    assert copy.nbytes == end - start
+    for offset, n in ((start, 1), (start, end - start), (HUGE_PAGE, 4096), (end - 1, 1), (3 << 20, 0)):
+        view = copy.view(offset, n)
+        np.testing.assert_array_equal(view, data[offset:offset + n])
+        if n:  # blocks keep the file's alignment (an empty view's address means nothing)
+            assert view.ctypes.data % HUGE_PAGE == offset % HUGE_PAGE
+    with pytest.raises(ValueError, match="read-only"):
+        copy.view(start, 8)[0] = 1
+    for offset, n in ((start - 1, 4), (end - 3, 4)):
+        with pytest.raises(ValueError, match="outside the copy"):
+            copy.view(offset, n)
+
+
+def test_a_copy_larger_than_a_chunk_is_read_in_order(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(host_memory, "READ_CHUNK", 1 << 16)  # many chunks over two threads
+    path, data = _file(tmp_path, (3 << 20) + 7)
+    copy = HugePageCopy(path, 1, data.size, threads=2)
+    np.testing.assert_array_equal(copy.view(1, data.size - 1), data[1:])
+
+
+def test_a_file_shorter_than_the_range_is_an_error(tmp_path: Path) -> None:
+    path, data = _file(tmp_path, 1 << 20)
+    with pytest.raises(OSError, match="the file ended at byte 1048576"):
+        HugePageCopy(path, 0, data.size + 4096)
+
+
+@pytest.mark.skipif(not host_memory.transparent_huge_pages(), reason="the kernel offers no transparent huge pages")
+def test_the_kernel_places_the_copy_on_huge_pages(tmp_path: Path) -> None:
+    path, data = _file(tmp_path, 8 << 20)
+    copy = HugePageCopy(path, 0, data.size)
+    assert copy.huge_bytes() >= 4 << 20  # at least the two whole 2 MiB pages inside any 8 MiB placement
+
+
+def test_when_the_copy_is_made(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(host_memory, "transparent_huge_pages", lambda: True)
+    monkeypatch.setattr(host_memory, "available_memory", lambda: 10 << 30)
+    monkeypatch.delenv("NVMEDIRECT_HUGE_PAGES", raising=False)
+    assert host_memory.should_copy(5 << 30)
+    assert not host_memory.should_copy((5 << 30) + 1)  # more than half of what is available: stays mapped
+    assert not host_memory.should_copy(0)
+    monkeypatch.setenv("NVMEDIRECT_HUGE_PAGES", "off")
+    assert not host_memory.should_copy(1 << 20)
+    monkeypatch.setenv("NVMEDIRECT_HUGE_PAGES", "yes")
+    with pytest.raises(ValueError, match="NVMEDIRECT_HUGE_PAGES='yes'"):
+        host_memory.should_copy(1 << 20)
+    monkeypatch.setenv("NVMEDIRECT_HUGE_PAGES", "auto")
+    monkeypatch.setattr(host_memory, "transparent_huge_pages", lambda: False)
+    assert not host_memory.should_copy(1 << 20)
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason="native CPU kernels not built")
+def test_the_engine_on_the_copy_gives_the_same_logits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Same bytes, same kernels: the logits of a prompt and of decoded tokens are the same bits with
+    the weights copied to huge pages and read from the map."""
+    path = model_path("smollm2-Q4_K_M")
+    monkeypatch.setattr(host_memory, "transparent_huge_pages", lambda: True)  # the copy even where THP is off
+    copied = load_transformer(GGUFModel(path), packed=True)
+    assert copied.weights.huge_pages is not None
+    monkeypatch.setenv("NVMEDIRECT_HUGE_PAGES", "off")
+    mapped = load_transformer(GGUFModel(path), packed=True)
+    assert mapped.weights.huge_pages is None
+    layer = copied.weights.layer(3).ffn_down.parts[0][0]
+    assert not np.shares_memory(layer, GGUFModel(path).data)
+    tokens = np.array([1, 504, 3287, 314, 260, 1345, 28, 411, 253, 2401])
+    results = []
+    for model in (copied, mapped):
+        cache = model.new_cache(32)
+        prompt = model.forward(tokens[:-2], cache, all_logits=True)
+        steps = [model.forward(tokens[i:i + 1], cache) for i in (8, 9)]
+        results.append((prompt, *steps))
+    for a, b in zip(*results, strict=True):
+        np.testing.assert_array_equal(a, b)
