@@ -51,9 +51,22 @@ __device__ __forceinline__ float round_float(float v, int fmt) {
     return v;
 }
 
+// Whether |value| a replaces the largest so far: larger, or NaN (which then stays: a > NaN is false).
+__device__ __forceinline__ bool pick_largest(float a, float best) { return a > best || a != a; }
+
+// v's int8 value (as a float) under the group's inv and clamp bound; a NaN gives 0 (its group's scale is
+// NaN already), so the int8 form and its sums stay well defined (fminf would return the bound).
+__device__ __forceinline__ float round_int8(float v, float inv, float hi) {
+    const float q = rintf(v * inv);
+    return q == q ? fminf(q, hi) : 0.f;
+}
+
 // One 8-bit group's scale from each lane's largest |x| (`best`, at index `best_i`, signed value
 // `extreme`): reduced over xor distances up to `span` (ties to the lower index, as NumPy's argmax),
 // then Q8_0's float16 scale (amax / 127) or Q8_K's (-127 / the signed extreme) with the clamp bound.
+// A NaN in the group (taken as its largest value: pick_largest) makes the scale NaN, so every product
+// that reads the group is NaN and the logits' check refuses it; comparisons alone would skip the NaN
+// and round it to a finite int8 (rintf(NaN) clamped by fminf), turning NaN into plausible logits.
 __device__ __forceinline__ void group_scale(int fmt, float best, int best_i, float extreme, int span, float& inv,
                                             float& scale, float& hi) {
 #pragma unroll
@@ -62,7 +75,7 @@ __device__ __forceinline__ void group_scale(int fmt, float best, int best_i, flo
         const float ob = __shfl_xor_sync(0xffffffffu, best, o);
         const int oi = __shfl_xor_sync(0xffffffffu, best_i, o);
         const float oe = __shfl_xor_sync(0xffffffffu, extreme, o);
-        if (ob > best || (ob == best && oi < best_i)) {
+        if (ob != ob || ob > best || (ob == best && oi < best_i)) {  // a NaN wins and stays (below)
             best = ob;
             best_i = oi;
             extreme = oe;
@@ -125,7 +138,7 @@ __device__ __forceinline__ void quantize_group(const float (&v)[PER], int g, int
     for (int k = 0; k < PER; ++k) {
         const int i = lane * PER + k;
         const float a = fabsf(v[k]);
-        if (a > best) {  // ascending i within the lane: the first maximum is kept
+        if (pick_largest(a, best)) {  // ascending i within the lane: the first maximum is kept
             best = a;
             best_i = i;
             extreme = v[k];
@@ -138,7 +151,7 @@ __device__ __forceinline__ void quantize_group(const float (&v)[PER], int g, int
     int q[PER];
 #pragma unroll
     for (int k = 0; k < PER; ++k) {
-        const float qf = fminf(rintf(v[k] * inv), hi);
+        const float qf = round_int8(v[k], inv, hi);
         r[k] = qf * scale;
         q[k] = (int)qf;
         qsum += q[k];

@@ -73,7 +73,7 @@ extern "C" __global__ void __launch_bounds__(1024)
 #pragma unroll
         for (int k = 0; k < 8; ++k) {
             const float a = fabsf(v[k]);
-            if (a > best) {
+            if (pick_largest(a, best)) {
                 best = a;
                 best_i = lane * 8 + k;
                 extreme = v[k];
@@ -84,7 +84,7 @@ extern "C" __global__ void __launch_bounds__(1024)
         int qsum = 0;
 #pragma unroll
         for (int k = 0; k < 8; ++k) {
-            const float qf = fminf(rintf(v[k] * inv), hi);
+            const float qf = round_int8(v[k], inv, hi);
             v[k] = qf * scale;
             q[k] = (int)qf;
             qsum += q[k];

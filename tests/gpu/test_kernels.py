@@ -247,6 +247,43 @@ def test_round_act_int8_form(rng: np.random.Generator, act: str) -> None:
 
 
 
+@pytest.mark.parametrize(("act", "ggml_type"), [("q8_0", T.Q8_0), ("q8_k", T.Q4_K)])
+def test_a_nan_activation_makes_its_products_nan(rng: np.random.Generator, act: str, ggml_type: int) -> None:
+    """A NaN among a row's activations makes its 8-bit group's scale NaN (and every group's, after an
+    RMSNorm of the row), so every product that reads the row is NaN and the logits' check refuses it;
+    the other groups and rows round as before. Until 2026-12-05 the NaN lost every comparison and was
+    rounded to a finite int8: NaN activations became finite, wrong logits."""
+    from infer.quants import activation_format
+
+    assert activation_format(ggml_type) == act
+    rows, n, group, bad = 40, 4096, 32 if act == "q8_0" else 256, 300
+    x = (rng.standard_normal((rows, n)) * 3).astype(np.float32)
+    x[0, bad] = np.nan
+    round8 = ops.Int8Act.zeros(rows, n, act)
+    ops.round_act(cupy.asarray(x), _poisoned((rows, n)), rows, n, act, int8=round8)
+    scale = cupy.asnumpy(round8.xs).reshape(rows, -1)
+    assert np.isnan(scale[0, bad // group])
+    clean = x.copy()
+    clean[0, bad // group * group:(bad // group + 1) * group] = 1.0  # a finite group in the NaN's place
+    want = _int8_reference(clean.reshape(-1), act)[1].reshape(rows, -1)
+    others = np.arange(scale.shape[1]) != bad // group
+    np.testing.assert_array_equal(scale[0, others], want[0, others])
+    np.testing.assert_array_equal(scale[1:], want[1:])
+    norm8 = ops.Int8Act.zeros(rows, n, act)
+    weight = cupy.asarray(rng.standard_normal(n).astype(np.float32))
+    ops.rmsnorm(cupy.asarray(x), weight, 1e-5, rows, n, y=_poisoned((rows, n)), act=act, int8=norm8)
+    norm_scale = cupy.asnumpy(norm8.xs).reshape(rows, -1)
+    assert np.isnan(norm_scale[0]).all() and np.isfinite(norm_scale[1:]).all()
+    m = ops.upload_matrix(_tensor(rng, ggml_type, 64, n), ggml_type, 64, n)
+    for x8 in (round8, norm8):
+        for count in (1, 2, rows):  # qgemv and (for many rows) qmm
+            y = _poisoned((count, 64))
+            products.product([m], x8, y, count)
+            got = cupy.asnumpy(y)
+            assert np.isnan(got[0]).all(), (count, products.uses_qmm(m.fmt, n, count))
+            assert np.isfinite(got[1:]).all()
+
+
 # ---------------------------------------------------------------- products: the canonical sum, bit for bit
 QUANT_TYPES = [T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q4_K, T.Q5_K, T.Q6_K]
 # every kernel shape: qgemv v1/v2/v4 (and its groups of 4 beyond), qmm n1/n2/n4/n8 with partial tiles

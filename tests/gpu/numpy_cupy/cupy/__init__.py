@@ -152,7 +152,7 @@ def _int8_form(v, act):
         with np.errstate(divide="ignore"):
             inv = np.where(ext != 0, np.float32(-127) / ext, np.float32(0)); scale = np.where(ext != 0, np.float32(1) / inv, np.float32(0))
         q = np.minimum(np.rint(b * inv), 127)
-    q = q.astype(np.int32).reshape(-1)
+    q = np.where(np.isnan(q), 0, q).astype(np.int32).reshape(-1)  # act.cuh's round_int8: NaN -> 0 (its scale is NaN)
     return q.astype(np.int8), scale.reshape(-1).astype(np.float32), q.reshape(-1, 32).sum(1).astype(np.int32)
 
 def _write_int8(xq, xs, xsum, v, act):
