@@ -15,11 +15,12 @@ about the file's size), and only made where it is cheap and safe:
 - NVMEDIRECT_HUGE_PAGES=off keeps the map; `auto` (the default) copies when the kernel offers
   transparent huge pages (`always` or `madvise`) and the bytes are at most half of MemAvailable;
 - anonymous memory cannot be given back under pressure the way the file's page cache can, so a model
-  near the machine's memory stays mapped (and so does anything the tiers place: they read their own).
-"""
+  near the machine's memory stays mapped, and experts under a RAM tier's budget are left to that tier
+  (infer.packed_weights decides which tensors come here)."""
 
 from __future__ import annotations
 
+import bisect
 import mmap
 import os
 import sys
@@ -29,6 +30,7 @@ from pathlib import Path
 import numpy as np
 
 HUGE_PAGE = 2 << 20
+LINE = 64
 THP_SETTING = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 CHOICES = ("auto", "off")
 READ_CHUNK = 64 << 20
@@ -68,64 +70,71 @@ def should_copy(nbytes: int) -> bool:
 
 
 class HugePageCopy:
-    """Bytes [start, end) of the file at `path` in anonymous memory advised to huge pages, placed so
-    that file offsets keep their alignment modulo 2 MiB, read on `threads` threads, read-only once
-    filled. `view(offset, n)` takes a file offset."""
+    """Byte ranges (offset, nbytes) of the file at `path` side by side in anonymous memory advised to
+    huge pages, each at a 64-byte boundary (a cache line; GGUF aligns tensors to 32), read on `threads`
+    threads, read-only once filled. `view(offset, nbytes)` gives the bytes of the file at `offset`,
+    which must lie inside one range."""
 
-    def __init__(self, path: str | Path, start: int, end: int, threads: int = 2) -> None:
-        if not 0 <= start < end:
-            raise ValueError(f"an empty or negative range [{start}, {end})")
-        self.path, self.start, self.end = Path(path), start, end
-        lead = start % HUGE_PAGE  # the copy keeps the file's offsets modulo 2 MiB
-        self._map = mmap.mmap(-1, lead + (end - start) + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    def __init__(self, path: str | Path, ranges: list[tuple[int, int]], threads: int = 2) -> None:
+        ranges = sorted((int(o), int(n)) for o, n in ranges if n > 0)
+        if not ranges or ranges[0][0] < 0:
+            raise ValueError(f"no bytes to copy, or a negative offset: {ranges[:3]}")
+        self.path = Path(path)
+        self._starts, self._places, self._sizes, total = [], [], [], 0
+        for offset, nbytes in ranges:
+            self._starts.append(offset)
+            self._places.append(total)
+            self._sizes.append(nbytes)
+            total = (total + nbytes + LINE - 1) // LINE * LINE
+        self.nbytes = sum(self._sizes)
+        self._map = mmap.mmap(-1, total + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         self._map.madvise(mmap.MADV_HUGEPAGE)  # before the first touch: the faults then take 2 MiB pages
         whole = np.frombuffer(self._map, np.uint8)
-        first = (-whole.ctypes.data) % HUGE_PAGE + lead
-        self._bytes = whole[first:first + (end - start)]
+        first = (-whole.ctypes.data) % HUGE_PAGE
+        self._bytes = whole[first:first + total]
         self._fill(threads)
         self._bytes.flags.writeable = False
 
     def _fill(self, threads: int) -> None:
-        """pread the range in chunks on `threads` threads: the first touch of fresh memory is what costs
-        (zeroing the pages; in a VM also the host's faults), and it spreads over cores."""
-        total = self.end - self.start
+        """pread every range in pieces of at most READ_CHUNK on `threads` threads: the first touch of
+        fresh memory is what costs (zeroing the pages; in a VM also the host's faults), and it spreads
+        over cores."""
+        pieces = [(offset + k, place + k, min(READ_CHUNK, nbytes - k))
+                  for offset, place, nbytes in zip(self._starts, self._places, self._sizes, strict=True)
+                  for k in range(0, nbytes, READ_CHUNK)]
         bar = None
-        if total >= PROGRESS_FROM:
+        if self.nbytes >= PROGRESS_FROM:
             from tqdm import tqdm
 
-            bar = tqdm(total=total, unit="B", unit_scale=True, desc="weights into huge pages", leave=False,
+            bar = tqdm(total=self.nbytes, unit="B", unit_scale=True, desc="weights into huge pages", leave=False,
                        file=sys.stderr)
 
-        def chunk(fd: int, first: int) -> int:
-            last = min(total, first + READ_CHUNK)
-            done = first
-            while done < last:
-                n = os.preadv(fd, [memoryview(self._bytes[done:last])], self.start + done)
+        def read(fd: int, offset: int, place: int, nbytes: int) -> None:
+            done = 0
+            while done < nbytes:
+                n = os.preadv(fd, [memoryview(self._bytes[place + done:place + nbytes])], offset + done)
                 if n <= 0:
-                    raise OSError(f"{self.path}: the file ended at byte {self.start + done} while its weights "
+                    raise OSError(f"{self.path}: the file ended at byte {offset + done} while its weights "
                                   f"were copied (it shrank after it was opened?)")
                 done += n
             if bar is not None:
-                bar.update(last - first)
-            return last - first
+                bar.update(nbytes)
 
         fd = os.open(self.path, os.O_RDONLY)
         try:
             with ThreadPoolExecutor(max(1, threads)) as pool:
-                list(pool.map(lambda first: chunk(fd, first), range(0, total, READ_CHUNK)))
+                list(pool.map(lambda piece: read(fd, *piece), pieces))
         finally:
             os.close(fd)
             if bar is not None:
                 bar.close()
 
     def view(self, offset: int, nbytes: int) -> np.ndarray:
-        if not self.start <= offset <= offset + nbytes <= self.end:
-            raise ValueError(f"bytes [{offset}, {offset + nbytes}) are outside the copy [{self.start}, {self.end})")
-        return self._bytes[offset - self.start:offset - self.start + nbytes]
-
-    @property
-    def nbytes(self) -> int:
-        return self.end - self.start
+        k = bisect.bisect_right(self._starts, offset) - 1
+        if k < 0 or nbytes < 0 or offset + nbytes > self._starts[k] + self._sizes[k]:
+            raise ValueError(f"bytes [{offset}, {offset + nbytes}) of the file are not inside one copied range")
+        place = self._places[k] + offset - self._starts[k]
+        return self._bytes[place:place + nbytes]
 
     def huge_bytes(self) -> int:
         """How much of the copy the kernel placed on huge pages (AnonHugePages of this mapping, from

@@ -68,6 +68,8 @@ class PackedWeights(DequantizedWeights):
     """DequantizedWeights whose matrices stay packed (PackedLinear) when the native kernels take their
     types; vectors and the embedding rows are dequantized as before."""
 
+    copies_experts = True  # whether the huge-page copy takes the expert stacks (a tier's own: no)
+
     def __init__(self, model: GGUFModel, args: ModelArgs, budget_bytes: int = 8 << 30,
                  match_llama_cpp: bool = True, exact: bool = False, threads: int | None = None) -> None:
         super().__init__(model, args, budget_bytes, match_llama_cpp, exact)
@@ -80,7 +82,7 @@ class PackedWeights(DequantizedWeights):
         self.native_layers = NativeLayers(threads)  # norms, rope and attention (infer.model.Transformer)
         cpu_kernels.single_threaded_blas()  # the cores are the products' (see there why)
         self.huge_pages = None if exact or not match_llama_cpp else \
-            _copy_to_huge_pages(model, threads or cpu_kernels.default_threads())
+            _copy_to_huge_pages(model, threads or cpu_kernels.default_threads(), self.copies_experts)
 
     def _experts(self, i: int) -> MixtureOfExperts:
         """Block i's experts as packed products, each a slice of its stacks in the mapped file (the
@@ -111,12 +113,13 @@ class PackedWeights(DequantizedWeights):
         return info.data if self.huge_pages is None else self.huge_pages.view(info.offset, info.nbytes)
 
 
-def _copy_to_huge_pages(model: GGUFModel, threads: int) -> HugePageCopy | None:
-    """The file's span of packed matrices in huge pages (infer.host_memory says when), or None."""
+def _copy_to_huge_pages(model: GGUFModel, threads: int, experts: bool) -> HugePageCopy | None:
+    """The packed matrices of the file (its expert stacks too unless `experts` is false: a tier keeps
+    those) in huge pages where infer.host_memory allows it, else None."""
     packed = [info for info in model.tensors.values()
-              if len(info.shape) in (2, 3) and info.ggml_type in cpu_kernels.SUPPORTED_TYPES]
-    if not packed:
+              if len(info.shape) in (2, 3) and info.ggml_type in cpu_kernels.SUPPORTED_TYPES
+              and (experts or not info.name.endswith("_exps.weight"))]
+    nbytes = sum(info.nbytes for info in packed)
+    if not host_memory.should_copy(nbytes):
         return None
-    start = min(info.offset for info in packed)
-    end = max(info.offset + info.nbytes for info in packed)
-    return HugePageCopy(model.path, start, end, threads) if host_memory.should_copy(end - start) else None
+    return HugePageCopy(model.path, [(info.offset, info.nbytes) for info in packed], threads)

@@ -207,6 +207,7 @@ class TieredExpertWeights(PackedWeights):
     """The packed engine's weights with their experts from an ExpertCache."""
 
     expert_cache: ExpertCache
+    copies_experts = False  # the cache holds what the RAM budget allows, not a copy of every expert
 
     def warm(self, progress: Callable[[int, int], None] | None = None) -> None:
         """Before the first pass: the most used experts of past runs read into RAM (progress(done,

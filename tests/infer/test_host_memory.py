@@ -10,7 +10,7 @@ import pytest
 
 from infer import cpu_kernels, host_memory
 from infer.gguf_file import GGUFModel
-from infer.host_memory import HUGE_PAGE, HugePageCopy
+from infer.host_memory import HugePageCopy
 from infer.model import load_transformer
 from tests.oracle.fixtures import model_path
 
@@ -22,40 +22,40 @@ def _file(tmp_path: Path, nbytes: int) -> tuple[Path, np.ndarray]:
     return path, data
 
 
-def test_the_copy_is_the_files_bytes_at_the_files_alignment(tmp_path: Path) -> None:
+def test_the_copy_holds_the_files_bytes_of_each_range(tmp_path: Path) -> None:
     path, data = _file(tmp_path, (5 << 20) + 12345)
-    start, end = 4096 + 17, data.size - 99
-    copy = HugePageCopy(path, start, end, threads=3)
-    assert copy.nbytes == end - start
-    for offset, n in ((start, 1), (start, end - start), (HUGE_PAGE, 4096), (end - 1, 1), (3 << 20, 0)):
+    ranges = [(4096 + 17, 100_000), (7, 3), (3 << 20, (2 << 20) + 12000)]  # any order, gaps between
+    copy = HugePageCopy(path, ranges, threads=3)
+    assert copy.nbytes == sum(n for _, n in ranges)
+    for offset, n in ranges + [(4096 + 17 + 5, 1000), (3 << 20, 0)]:
         view = copy.view(offset, n)
         np.testing.assert_array_equal(view, data[offset:offset + n])
-        if n:  # blocks keep the file's alignment (an empty view's address means nothing)
-            assert view.ctypes.data % HUGE_PAGE == offset % HUGE_PAGE
+        if n:  # each range at a cache line (an empty view's address means nothing)
+            assert (view.ctypes.data - (offset - max(o for o, _ in ranges if o <= offset))) % 64 == 0
     with pytest.raises(ValueError, match="read-only"):
-        copy.view(start, 8)[0] = 1
-    for offset, n in ((start - 1, 4), (end - 3, 4)):
-        with pytest.raises(ValueError, match="outside the copy"):
+        copy.view(7, 2)[0] = 1
+    for offset, n in ((6, 2), (8, 3), (4096 + 17 + 99_999, 2), ((5 << 20) + 12000, 1)):  # outside, or across an end
+        with pytest.raises(ValueError, match="not inside one copied range"):
             copy.view(offset, n)
 
 
-def test_a_copy_larger_than_a_chunk_is_read_in_order(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(host_memory, "READ_CHUNK", 1 << 16)  # many chunks over two threads
+def test_a_range_larger_than_a_chunk_is_read_in_pieces(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(host_memory, "READ_CHUNK", 1 << 16)  # many pieces over two threads
     path, data = _file(tmp_path, (3 << 20) + 7)
-    copy = HugePageCopy(path, 1, data.size, threads=2)
+    copy = HugePageCopy(path, [(1, data.size - 1)], threads=2)
     np.testing.assert_array_equal(copy.view(1, data.size - 1), data[1:])
 
 
 def test_a_file_shorter_than_the_range_is_an_error(tmp_path: Path) -> None:
     path, data = _file(tmp_path, 1 << 20)
     with pytest.raises(OSError, match="the file ended at byte 1048576"):
-        HugePageCopy(path, 0, data.size + 4096)
+        HugePageCopy(path, [(0, data.size + 4096)])
 
 
 @pytest.mark.skipif(not host_memory.transparent_huge_pages(), reason="the kernel offers no transparent huge pages")
 def test_the_kernel_places_the_copy_on_huge_pages(tmp_path: Path) -> None:
     path, data = _file(tmp_path, 8 << 20)
-    copy = HugePageCopy(path, 0, data.size)
+    copy = HugePageCopy(path, [(0, data.size)])
     assert copy.huge_bytes() >= 4 << 20  # at least the two whole 2 MiB pages inside any 8 MiB placement
 
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from infer import cpu_kernels
+from infer import cpu_kernels, host_memory
 from infer.arch import check_model
 from infer.gguf_file import GGUFModel
 from infer.model import Transformer, load_transformer
@@ -84,6 +84,28 @@ def test_tiered_experts_compute_the_all_ram_logits(moe: Path, held: str) -> None
         assert stats.misses <= cache_.total_experts and stats.evictions == 0
     else:
         assert stats.evictions > 0
+
+
+def test_the_huge_page_copy_leaves_the_experts_to_their_tier(moe: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The packed engine copies its matrices to huge pages (infer.host_memory), experts included; with
+    experts tiered under a RAM budget it copies the rest only, or the budget would mean nothing."""
+    monkeypatch.setattr(host_memory, "transparent_huge_pages", lambda: True)
+    gguf = GGUFModel(moe)
+    args = check_model(gguf)
+    experts = [info for info in gguf.tensors.values() if info.name.endswith("_exps.weight")]
+    full = load_transformer(gguf, packed=True).weights
+    assert full.huge_pages is not None
+    assert all(full.huge_pages.view(info.offset, info.nbytes).size == info.nbytes for info in experts)
+    source = FileSource(moe)
+    try:
+        tiered = tiered_weights(gguf, args, source, 4 * _largest_expert(gguf))
+    finally:
+        source.close()
+    assert tiered.huge_pages is not None
+    assert tiered.huge_pages.nbytes == full.huge_pages.nbytes - sum(info.nbytes for info in experts)
+    for info in experts:
+        with pytest.raises(ValueError, match="not inside one copied range"):
+            tiered.huge_pages.view(info.offset, info.nbytes)
 
 
 class _CountingSource:
