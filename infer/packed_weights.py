@@ -15,7 +15,7 @@ import os
 import numpy as np
 
 from infer import cpu_kernels, host_memory
-from infer.arch import ModelArgs, check_model, tensor_name
+from infer.arch import TOKEN_EMBD, ModelArgs, check_model, output_name, tensor_name
 from infer.cpu_layers import NativeLayers
 from infer.gguf_file import GGUFModel, TensorInfo
 from infer.host_memory import HugePageCopy
@@ -116,9 +116,11 @@ class PackedWeights(DequantizedWeights):
 def _copy_to_huge_pages(model: GGUFModel, threads: int, experts: bool) -> HugePageCopy | None:
     """The packed matrices of the file (its expert stacks too unless `experts` is false: a tier keeps
     those) in huge pages where infer.host_memory allows it, else None."""
+    embeddings_only = output_name(model) != TOKEN_EMBD  # then the engine reads rows of it, never multiplies
     packed = [info for info in model.tensors.values()
               if len(info.shape) in (2, 3) and info.ggml_type in cpu_kernels.SUPPORTED_TYPES
-              and (experts or not info.name.endswith("_exps.weight"))]
+              and (experts or not info.name.endswith("_exps.weight"))
+              and not (embeddings_only and info.name == TOKEN_EMBD)]
     nbytes = sum(info.nbytes for info in packed)
     if not host_memory.should_copy(nbytes):
         return None

@@ -82,13 +82,14 @@ def test_the_engine_on_the_copy_gives_the_same_logits(monkeypatch: pytest.Monkey
     the weights copied to huge pages and read from the map."""
     path = model_path("smollm2-Q4_K_M")
     monkeypatch.setattr(host_memory, "transparent_huge_pages", lambda: True)  # the copy even where THP is off
-    copied = load_transformer(GGUFModel(path), packed=True)
+    gguf = GGUFModel(path)
+    copied = load_transformer(gguf, packed=True)
     assert copied.weights.huge_pages is not None
     monkeypatch.setenv("NVMEDIRECT_HUGE_PAGES", "off")
     mapped = load_transformer(GGUFModel(path), packed=True)
     assert mapped.weights.huge_pages is None
     layer = copied.weights.layer(3).ffn_down.parts[0][0]
-    assert not np.shares_memory(layer, GGUFModel(path).data)
+    assert not np.shares_memory(layer, gguf.data)
     tokens = np.array([1, 504, 3287, 314, 260, 1345, 28, 411, 253, 2401])
     results = []
     for model in (copied, mapped):
@@ -98,3 +99,27 @@ def test_the_engine_on_the_copy_gives_the_same_logits(monkeypatch: pytest.Monkey
         results.append((prompt, *steps))
     for a, b in zip(*results, strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason="native CPU kernels not built")
+def test_the_copy_takes_the_embeddings_only_when_they_are_the_output(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """A file with its own output matrix reads embedding rows from the map and multiplies the output:
+    only the latter is copied. SmolLM2 ties them: the embeddings are its output product."""
+    from infer.synth import SHAPES, write_model
+
+    monkeypatch.setattr(host_memory, "transparent_huge_pages", lambda: True)
+    path = tmp_path / "tiny.gguf"
+    write_model(path, SHAPES["tiny"], "q8_0", seed=4)
+    untied = GGUFModel(path)
+    copy = load_transformer(untied, packed=True).weights.huge_pages
+    assert copy is not None
+    out, embd = untied.tensors["output.weight"], untied.tensors["token_embd.weight"]
+    np.testing.assert_array_equal(copy.view(out.offset, out.nbytes), out.data)
+    with pytest.raises(ValueError, match="not inside one copied range"):
+        copy.view(embd.offset, embd.nbytes)
+    tied = GGUFModel(model_path("smollm2-Q4_K_M"))
+    assert "output.weight" not in tied.tensors
+    embd = tied.tensors["token_embd.weight"]
+    copy = load_transformer(tied, packed=True).weights.huge_pages
+    np.testing.assert_array_equal(copy.view(embd.offset, embd.nbytes), embd.data)
