@@ -21,6 +21,7 @@ about the file's size), and only made where it is cheap and safe:
 from __future__ import annotations
 
 import bisect
+import contextlib
 import mmap
 import os
 import sys
@@ -88,7 +89,10 @@ class HugePageCopy:
             total = (total + nbytes + LINE - 1) // LINE * LINE
         self.nbytes = sum(self._sizes)
         self._map = mmap.mmap(-1, total + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        self._map.madvise(mmap.MADV_HUGEPAGE)  # before the first touch: the faults then take 2 MiB pages
+        # before the first touch, so the faults take 2 MiB pages; if refused (a sandbox, a kernel built
+        # without it) the copy on small pages still works
+        with contextlib.suppress(OSError):
+            self._map.madvise(mmap.MADV_HUGEPAGE)
         whole = np.frombuffer(self._map, np.uint8)
         first = (-whole.ctypes.data) % HUGE_PAGE
         self._bytes = whole[first:first + total]
