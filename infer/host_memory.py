@@ -48,14 +48,10 @@ def transparent_huge_pages() -> bool:
 
 
 def available_memory() -> int:
-    """MemAvailable of /proc/meminfo in bytes (0 where it cannot be read)."""
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return 0
+    """Bytes the system can give without swapping (psutil, as infer.tiers.budget reads it)."""
+    import psutil
+
+    return int(psutil.virtual_memory().available)
 
 
 def choice() -> str:
