@@ -11,7 +11,8 @@ runs).
 tokens each: aggregate tok/s) and each alone, comparing their tokens.
 
 --streaming loads the model through the streaming engine (everything that fits the budget stays
-resident, the rest streams from RAM) and measures the same figures on it.
+resident, the rest streams from RAM) and measures the same figures on it; with --cpu-tier auto (or N)
+the layers held in RAM are computed by the CPU in passes of few tokens (infer.tiers.cpu_tier).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from pathlib import Path
 
 def bench_model(path: Path, pp: int, tg: int, with_kernels: bool = True, vram_budget: str | None = None,
                 streaming: bool = False, ctx: int | None = None, batch: int = 0, batch_prompt: int = 128,
-                batch_new: int = 64, depth: int = 0) -> dict[str, object]:
+                batch_new: int = 64, depth: int = 0, cpu_tier: str | int = "off") -> dict[str, object]:
     from infer.gguf_file import GGUFModel
     from infer.gpu import load_gpu_transformer
     from infer.gpu.benchmark import measure
@@ -39,7 +40,7 @@ def bench_model(path: Path, pp: int, tg: int, with_kernels: bool = True, vram_bu
             from infer.tiers.session import StreamingConfig, build_streaming_engine
 
             config = StreamingConfig(enabled=True, vram_budget=vram_budget or "24GB", ram_budget="64GB",
-                                     batch=max(1, batch))
+                                     batch=max(1, batch), cpu_tier=cpu_tier)
             session = build_streaming_engine(GGUFModel(path), config, context, device="gpu", enforce_budget=True)
             gpu = session.engine.model
         else:
@@ -86,6 +87,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-kernels", action="store_true", help="skip the per-kernel timings")
     parser.add_argument("--vram-budget", help="device memory the engine may use, e.g. 8GB (default: free less a margin)")
     parser.add_argument("--streaming", action="store_true", help="load through the streaming engine")
+    parser.add_argument("--cpu-tier", default="off",
+                        help="--streaming: auto, off or N (passes of at most N tokens compute the RAM layers on the CPU)")
     parser.add_argument("--ctx", type=int, help="context (KV cache) to plan for (default: depth + pp + tg + 16)")
     parser.add_argument("--depth", type=int, default=0,
                         help="positions already in the cache when the prompt and the decode are timed (llama-bench -d)")
@@ -96,9 +99,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, help="also write the JSON result here")
     args = parser.parse_args(argv)
     try:
+        from infer.tiers.config import parse_cpu_tier
+
+        cpu_tier = parse_cpu_tier(args.cpu_tier)
         path = args.model or synth_path(args.synth, args.synth_dir)
         result = bench_model(path, args.pp, args.tg, not args.no_kernels, args.vram_budget, args.streaming, args.ctx,
-                             args.batch, args.batch_prompt, args.batch_new, args.depth)
+                             args.batch, args.batch_prompt, args.batch_new, args.depth, cpu_tier)
         result["command"] = " ".join(["python3 -m bench.gpu_bench", *(argv if argv is not None else sys.argv[1:])])
     except (ValueError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)

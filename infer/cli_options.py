@@ -19,7 +19,7 @@ from infer.tiers.config import SOURCES, StreamingConfig
 from infer.tiers.plan import DEFAULT_SLOTS
 
 _OPTION_NAMES = ("streaming", "vram_budget", "ram_budget", "tier_c", "nvme_device", "nvme_lba", "tier_b", "slots",
-                 "batch", "prompts_file", "gpu_doorbells", "expert_stats")
+                 "batch", "prompts_file", "gpu_doorbells", "expert_stats", "cpu_tier")
 EXIT_BAD_INPUT = 2  # infer/cli.py's code for a bad flag
 
 
@@ -44,7 +44,8 @@ def check_gpu_doorbells(config: StreamingConfig, device: str | None) -> None:
 # run it) they would be ignored, so they are refused instead
 _STREAMING_ONLY = {"ram_budget": "--ram-budget", "tier_c": "--tier-c", "nvme_device": "--nvme-device",
                    "nvme_lba": "--nvme-lba", "tier_b": "--tier-b", "slots": "--slots",
-                   "gpu_doorbells": "--gpu-doorbells", "expert_stats": "--expert-stats"}
+                   "gpu_doorbells": "--gpu-doorbells", "expert_stats": "--expert-stats",
+                   "cpu_tier": "--cpu-tier"}
 
 
 def check_sizes(values: dict[str, Any]) -> None:
@@ -71,6 +72,15 @@ def check_streaming_only(ctx: click.Context, values: dict[str, Any]) -> None:
                              "tiers: add --streaming")
 
 
+def _cpu_tier_value(ctx: click.Context, param: click.Parameter, value: str) -> str | int:
+    from infer.tiers.config import parse_cpu_tier
+
+    try:
+        return parse_cpu_tier(value)
+    except ValueError as err:
+        raise click.BadParameter(str(err)) from None
+
+
 def streaming_options(func: Callable[..., Any] | None = None, *, batch: bool = True) -> Any:
     """Adds --streaming, --vram-budget, --ram-budget, --tier-c, --nvme-device, --tier-b, --slots,
     --batch, --prompts, --gpu-doorbells and --expert-stats; the command receives them as one `streaming: StreamingConfig`.
@@ -90,7 +100,7 @@ def streaming_options(func: Callable[..., Any] | None = None, *, batch: bool = T
             tier_c=values["tier_c"], nvme_device=values["nvme_device"], nvme_lba=values["nvme_lba"],
             tier_b=values["tier_b"],
             slots=values["slots"], batch=values["batch"], prompts_file=values["prompts_file"],
-            gpu_doorbells=values["gpu_doorbells"], expert_stats=values["expert_stats"])
+            gpu_doorbells=values["gpu_doorbells"], expert_stats=values["expert_stats"], cpu_tier=values["cpu_tier"])
         check_gpu_doorbells(kwargs["streaming"], kwargs.get("device"))
         return func(*args, **kwargs)
 
@@ -118,6 +128,13 @@ def streaming_options(func: Callable[..., Any] | None = None, *, batch: bool = T
                      "that rank experts for RAM (read at start, the most used preloaded; updated and written back "
                      "at the end). Default: a file named after the routers under ~/.cache/nvmedirect/expert-use; "
                      "'off' keeps none."),
+        click.option("--cpu-tier", metavar="auto|off|N", default="auto" if batch else "off", show_default=True,
+                     callback=_cpu_tier_value,
+                     help="GPU streaming: layers held in RAM are computed by the CPU in passes of few tokens "
+                     "(decode) and streamed in larger ones (prompts, batches, speculation trees). auto: the "
+                     "crossover from the CPU's and the link's speeds measured at load; N: passes of at most N "
+                     "tokens; off: always streamed. A pass on the CPU sums in another order than the GPU, so "
+                     "`serve` defaults to off: its replies must not depend on the load."),
     ]
     if batch:
         options += [

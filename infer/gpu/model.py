@@ -22,6 +22,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import cupy
 import cupyx
@@ -40,6 +41,9 @@ from infer.gpu.tree import TreeLogits, greedy_choices
 from infer.gpu.weights import GpuLayer, GpuWeightSource
 from infer.layers import Rope, check_batch
 from infer.tiers.budget import VramAccount
+
+if TYPE_CHECKING:
+    from infer.tiers.cpu_tier import CpuTier
 
 F32 = cupy.float32
 EMBED = -1  # segment item: the token embedding
@@ -94,6 +98,7 @@ class GpuTransformer(DeviceGeneration):
 
     device = "gpu"
     skip: frozenset[int] = frozenset()  # layers left out (infer.layerskip: a self-draft), none by default
+    cpu_tier: CpuTier | None = None  # streamed layers the CPU computes in small passes (infer.tiers.cpu_tier)
 
     def __init__(self, args: ModelArgs, weights: GpuWeightSource, rope_freq_factors: np.ndarray | None,
                  max_context: int, prefill_chunk: int = 512, logits_rows: int = LOGITS_ROWS) -> None:
@@ -302,11 +307,18 @@ class GpuTransformer(DeviceGeneration):
     def _run_layers(self) -> None:
         """Every layer for the rows in the index (queued on self.stream)."""
         shape = self.index.shape
+        on_cpu = self.cpu_tier.layers.layers if self.cpu_tier is not None and self.cpu_tier.takes(shape.rows) \
+            else frozenset()
+        if self.cpu_tier is not None:
+            self.weights.leave_to_cpu(on_cpu)
         for s, (capturable, items) in enumerate(self._segments):
             if capturable:
                 self.graphs.replay(("run", s, shape), None, lambda items=items: self._launch(items, shape))
                 continue
             for i in items:  # streamed: its matrices copied and repacked now, its kernels replayed
+                if i in on_cpu:  # or computed where its bytes lie (infer.tiers.cpu_tier)
+                    self.cpu_tier.run_layer(self, i, shape)  # type: ignore[union-attr]
+                    continue
                 L = self.weights.layer(i)
                 self.graphs.replay(("layer", i, shape), L.addresses(), lambda i=i, L=L: self._layer(i, L, shape))
 

@@ -8,6 +8,21 @@ from dataclasses import dataclass
 from infer.tiers.plan import DEFAULT_SLOTS
 
 SOURCES = ("file", "nvme", "mmap")  # tier C sources (tier_c.py)
+CPU_TIER_MODES = ("auto", "off")  # --cpu-tier; or a row count (infer.tiers.cpu_tier)
+
+
+def parse_cpu_tier(text: str | int) -> str | int:
+    """--cpu-tier's value: "auto" (measured at load), "off", or a row count: passes of at most that
+    many rows compute the RAM layers on the CPU, without a measurement."""
+    if isinstance(text, int) and text > 0:
+        return text
+    text = str(text).strip().lower()
+    if text in CPU_TIER_MODES:
+        return text
+    if text.isdigit() and int(text) > 0:
+        return int(text)
+    raise ValueError(f"--cpu-tier takes auto, off or a number of rows (passes of at most that many rows compute "
+                     f"the layers held in RAM on the CPU), not '{text}'")
 
 
 @dataclass
@@ -33,3 +48,7 @@ class StreamingConfig:
     # mixture-of-experts files: where the router statistics live (None: the default file named after
     # the routers, infer.tiers.expert_policy.default_use_path; "off": none)
     expert_stats: str | None = None
+    # streamed layers held in RAM computed by the CPU in small passes (infer.tiers.cpu_tier):
+    # "auto" (from the CPU's and the link's speeds, measured at load), "off", or a row count; off
+    # unless asked for (the CLI's generation asks for auto), as its passes sum in another order
+    cpu_tier: str | int = "off"

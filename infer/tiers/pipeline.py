@@ -166,6 +166,15 @@ class StreamedWeights:
     def is_resident(self, index: int) -> bool:
         return not self._streamed[index]
 
+    def leave_to_cpu(self, layers: frozenset[int]) -> None:
+        """From this pass on, layers `layers` are computed by the CPU (infer.tiers.cpu_tier): their
+        streamed tensors are not copied. Call between passes, on the compute stream."""
+        self.ring.select(layers)
+
+    def vectors(self, index: int) -> dict[str, cupy.ndarray | None]:
+        """Layer `index`'s vectors on the device (arch.layer_vectors names)."""
+        return self._vectors[index]
+
     def formats(self, index: int) -> dict[str, MatrixFormat]:
         return self._formats[index]
 

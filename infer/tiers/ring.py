@@ -118,7 +118,10 @@ class StreamRing:
 
     def __init__(self, plan: Plan, transport: Transport, host: HostTier | None,
                  staging: StagingReader | None) -> None:
-        self.order = plan.streamed
+        self.full_order = plan.streamed
+        self.order = self.full_order  # what a pass streams (select: the CPU tier's layers left out)
+        self.left_out: frozenset[int] = frozenset()
+        self._base = 0  # piece number at which `order` began
         self.tier = {t.name: plan.tier[t.name] for t in self.order}
         self.n_slots = plan.n_slots
         self.transport = transport
@@ -141,14 +144,14 @@ class StreamRing:
             self._issue(self.issued)
 
     def _issue(self, j: int) -> None:
-        t = self.order[j % len(self.order)]
+        t = self.order[(j - self._base) % len(self.order)]
         slot = j % self.n_slots
         if self.tier[t.name] is Tier.RAM:
             assert self.host is not None
             self.transport.copy_in(slot, t, self.host.view(t.name))
         else:
             assert self.staging is not None
-            passes, index = divmod(j, len(self.order))
+            passes, index = divmod(j, len(self.order))  # select() never runs with tier C pieces: _base is 0
             c_j = passes * self._c_count + self._c_index[t.name]
             buffer = self.staging.take(c_j)
             token = self.transport.copy_in(slot, t, buffer)
@@ -160,7 +163,9 @@ class StreamRing:
         """The slot that will hold `name` (the next streamed tensor in pass order); the consumer's
         following work waits for its arrival."""
         j = self.consumed
-        expected = self.order[j % len(self.order)]
+        if not self.order:
+            raise RuntimeError(f"{name} is not streamed in this pass (its layer is the CPU's)")
+        expected = self.order[(j - self._base) % len(self.order)]
         if name != expected.name:
             raise RuntimeError(f"streamed tensors must be used in pass order: got {name}, expected {expected.name}")
         if self.issued <= j:  # only with n_slots pieces all acquired and none released
@@ -176,6 +181,25 @@ class StreamRing:
             raise RuntimeError(f"slots are released in order: got {slot}, expected {expected}")
         self.transport.record_release(slot)
         self.released += 1
+        self._top_up()
+
+    def select(self, left_out: frozenset[int]) -> None:
+        """From the next pass on, stream only the pieces of layers not in `left_out` (the CPU
+        computes those: infer.tiers.cpu_tier). Called between passes. A change drops the pieces
+        already copied ahead for the next pass (at most n_slots copies wasted) and restarts the
+        cycle at the new order's first piece."""
+        if left_out == self.left_out:
+            return
+        if self._c_count:
+            raise RuntimeError("only a plan with every streamed tensor in RAM (tier B) can leave layers to the CPU")
+        if self.order and (self.consumed - self._base) % len(self.order) or self.released != self.consumed:
+            raise RuntimeError("the streamed layers can change only between passes")
+        while self.released < self.issued:  # copied ahead for a pass that will not use them
+            self.transport.record_release(self.released % self.n_slots)
+            self.released += 1
+        self.consumed = self._base = self.issued
+        self.left_out = left_out
+        self.order = [t for t in self.full_order if t.layer not in left_out]
         self._top_up()
 
     def close(self) -> None:

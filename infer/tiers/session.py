@@ -208,6 +208,13 @@ def build_streaming_engine(model: GGUFModel | str | os.PathLike, config: Streami
             transformer: Any = GpuTransformer(args, weights, factors, ctx_size, max(prefill_chunk, config.batch),
                                               logits_rows=max(LOGITS_ROWS, config.batch, tree_nodes))
             transformer.account = account
+            if plan.streamed:
+                from infer.tiers.cpu_tier import choose
+
+                transformer.cpu_tier, line = choose(model, args, plan, host, config.cpu_tier,
+                                                    bandwidths.host_to_device if bandwidths else 0.0,
+                                                    transformer.capacity)
+                plan.notes.append(line)
         else:
             from infer.model import Transformer
             from infer.packed_weights import native_products_requested

@@ -66,14 +66,14 @@ def budgets(path: Path, resident: float, ram: float, batch: int = 1, slots: int 
 
 
 def open_session(path: Path, resident: float | None, ram: float = 0.3, tier_c: str = "file", tier_b: str = "auto",
-                 batch: int = 1):
+                 batch: int = 1, cpu_tier: str | int = "off"):
     if resident is None:  # everything resident
         vram_budget, ram_budget = "10GB", "1GB"
     else:
         v, r = budgets(path, resident, ram, batch)
         vram_budget, ram_budget = str(v), str(r)
     config = StreamingConfig(enabled=True, vram_budget=vram_budget, ram_budget=ram_budget, tier_c=tier_c,
-                             tier_b=tier_b, batch=batch)
+                             tier_b=tier_b, batch=batch, cpu_tier=cpu_tier)
     return build_streaming_engine(str(path), config, CTX, device="gpu", measure=False)
 
 
@@ -144,6 +144,46 @@ def test_batch_of_sequences_on_gpu_equals_each_alone(model_path: Path) -> None:
         assert [len(o) for o in outputs] == [6, 6, 6] and session.engine.stats.decode_passes == 5
     finally:
         session.close()
+
+
+@pytest.mark.parametrize("tier_b", ["pinned", "registered"])
+def test_cpu_tier_follows_the_streamed_passes(model_path: Path, tier_b: str) -> None:
+    """Layers held in RAM computed by the CPU in passes of <= 2 tokens (infer.tiers.cpu_tier): the
+    logits of every pass follow the engine that streams them, prompts stream, decode copies none
+    of those layers' bytes, and switching back and forth keeps the ring's order."""
+    from infer import cpu_kernels
+
+    if not cpu_kernels.available():
+        pytest.skip("the native CPU kernels are not built")
+    rng = np.random.default_rng(6)
+    prompt, chunk, steps = rng.integers(3, SHAPE.vocab_size, 40), rng.integers(3, SHAPE.vocab_size, 9), [5, 77, 1999]
+
+    def run(session) -> tuple[list[np.ndarray], list[int]]:
+        model = session.engine.model
+        cache = model.new_cache(CTX)
+        out, moved = [], []
+        for tokens in (prompt, *([t] for t in steps), chunk, *([t] for t in steps)):
+            out.append(model.forward(np.asarray(tokens), cache, all_logits=len(tokens) > 1))
+            moved.append(session.weights.bytes_moved()[Tier.RAM])
+        return out, moved
+
+    plain = open_session(model_path, 0.3, 1.2, tier_b=tier_b)
+    try:
+        want, _ = run(plain)
+    finally:
+        plain.close()
+    session = open_session(model_path, 0.3, 1.2, tier_b=tier_b, cpu_tier=2)
+    try:
+        assert session.plan.bytes_in(Tier.STORAGE) == 0 and session.engine.model.cpu_tier is not None
+        got, moved = run(session)
+        slack = session.weights.ring.n_slots * session.plan.slot_nbytes
+    finally:
+        session.close()
+    for g, w in zip(got, want, strict=True):
+        assert float(np.linalg.norm(g - w) / np.linalg.norm(w)) < 1e-3  # the same roundings, another sum order
+        assert np.mean(g.reshape(-1, w.shape[-1]).argmax(-1) == w.reshape(-1, w.shape[-1]).argmax(-1)) >= 0.95
+    assert moved[2] - moved[1] <= slack and moved[3] == moved[2]  # decode on the CPU: nothing crosses
+    assert moved[4] - moved[3] > 0 and moved[7] == moved[6]  # the chunk streams; decode again does not
 
 
 def test_plan_report_names_the_data_paths(model_path: Path) -> None:

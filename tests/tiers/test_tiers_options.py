@@ -33,12 +33,18 @@ def test_decorator_collects_the_options(tmp_path: Path) -> None:
                                       "--tier-c", "mmap", "--batch", "3", "--prompts", str(prompts)])
     assert result.exit_code == 0, result.output
     assert seen == [StreamingConfig(enabled=True, vram_budget="24GB", ram_budget="8GiB", tier_c="mmap",
-                                    batch=3, prompts_file=str(prompts))]
+                                    batch=3, prompts_file=str(prompts), cpu_tier="auto")]
     CliRunner().invoke(cmd, ["--streaming", "--tier-c", "nvme", "--nvme-device", "0000:01:00.0", "--nvme-lba", "2048"])
     assert (seen[-1].nvme_device, seen[-1].nvme_lba) == ("0000:01:00.0", 2048)
     assert read_prompts_file(str(prompts)) == ["one", "two\nlines"]
     bad = CliRunner().invoke(cmd, ["--tier-c", "tape"])
     assert bad.exit_code == 2 and "tape" in bad.output
+    CliRunner().invoke(cmd, ["--streaming", "--cpu-tier", "4"])
+    assert seen[-1].cpu_tier == 4
+    bad = CliRunner().invoke(cmd, ["--streaming", "--cpu-tier", "sometimes"])
+    assert bad.exit_code == 2 and "--cpu-tier takes auto, off or a number" in bad.output
+    bad = CliRunner().invoke(cmd, ["--cpu-tier", "off"])  # a streaming flag without --streaming
+    assert bad.exit_code != 0 and "--cpu-tier" in bad.output
     (tmp_path / "empty.txt").write_text("\n")
     with pytest.raises(ValueError, match="no prompts"):
         read_prompts_file(str(tmp_path / "empty.txt"))

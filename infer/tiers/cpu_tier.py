@@ -1,0 +1,209 @@
+"""The CPU as a compute tier of the streamed GPU engine: layers whose streamed matrices lie in host
+RAM (tier B) are computed by the CPU for passes of few tokens, and streamed to the GPU otherwise.
+
+Why: a streamed layer costs a copy of its bytes over the link every pass, whatever the pass holds.
+For one token (plain decode) the CPU reads the same bytes from RAM faster than the link carries
+them (a desktop: ~80 GB/s of RAM against ~25 GB/s of PCIe 4.0), and its cost grows with the tokens
+while the copy's does not; so small passes go to the CPU and large ones (prompts, batches,
+speculation trees) stream. The choice is measured at load: one layer's products on the CPU for 1
+and for 8 rows, against the layer's bytes over the link bandwidth measured beside it; passes of at
+most `max_rows` rows take the CPU.
+
+What crosses the link: activations, not weights. The CPU computes a layer's norms, matrix products
+(the native kernels on the packed bytes where they lie: tier B's pinned arena or registered mapping,
+the file's mapping for a matrix that is also resident) and gated activation; rope and attention
+stay on the GPU beside the KV cache. Per layer: the hidden state to the host, Q/K/V to the device,
+the attention output to the host, the new hidden state to the device (for a 70B, ~100 KB per token).
+
+Numerics: the CPU and GPU products round their inputs alike (8-bit forms per weight type, as
+llama.cpp's CPU does) but sum in another order, so a sequence's logits differ in the last bits
+between a pass computed here and one streamed. Where replies must not depend on the load (a server
+whose passes change size with it), run with --cpu-tier off.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from infer import cpu_kernels
+from infer.arch import ModelArgs, layer_vector_kinds, layer_vectors, tensor_name
+from infer.cpu_layers import rms_norm, swiglu
+from infer.gguf_file import GGUFModel
+from infer.model import LayerWeights, geglu
+from infer.packed_weights import PackedLinear
+from infer.tiers.plan import Plan, Tier, format_bytes
+from infer.tiers.tier_b import HostTier
+
+if TYPE_CHECKING:
+    from infer.gpu.model import GpuTransformer
+    from infer.gpu.passes import PassShape
+
+MEASURE_ROWS = 8  # the second point of the cost line (the first: one row)
+def eligible_layers(plan: Plan, model: GGUFModel) -> tuple[list[int], str | None]:
+    """Layers the CPU may compute: some matrix streamed, every streamed one in tier B, every matrix
+    of a type the native kernels take. (layers, why none) - the reason when the list is empty."""
+    if not cpu_kernels.available():
+        return [], "the native CPU kernels are not built (python native/build_cpu_kernels.py)"
+    if plan.tensors_in(Tier.STORAGE):
+        return [], "tier C holds tensors: the CPU tier needs every streamed tensor in RAM (raise --ram-budget)"
+    layers = []
+    for i in range(plan.n_layers):
+        mats = [t for t in plan.tensors if t.layer == i and not t.is_vector]
+        if any(plan.tier[t.name] is Tier.RAM for t in mats) and \
+                all(t.ggml_type in cpu_kernels.SUPPORTED_TYPES for t in mats):
+            layers.append(i)
+    return layers, None if layers else "no layer has its streamed matrices in RAM in types the CPU kernels take"
+
+
+class CpuLayers:
+    """The CPU's view of its layers: each one's products packed over the bytes where they lie."""
+
+    def __init__(self, model: GGUFModel, args: ModelArgs, plan: Plan, host: HostTier | None,
+                 layers: list[int], threads: int | None = None) -> None:
+        self.model, self.args, self.threads = model, args, threads
+        self.host, self.plan = host, plan
+        self.layers = frozenset(layers)
+        self._built: dict[int, LayerWeights] = {}
+        cpu_kernels.single_threaded_blas()
+
+    def _bytes(self, name: str) -> np.ndarray:
+        if self.plan.tier[name] is Tier.RAM and self.host is not None and name in self.host:
+            return self.host.view(name)
+        return self.model.tensor(name).data  # resident on the GPU too: the file's mapping
+
+    def _linear(self, *names: str) -> PackedLinear:
+        infos = [self.model.tensor(name) for name in names]
+        return PackedLinear([(self._bytes(i.name), i.ggml_type, i.shape[0], i.shape[1]) for i in infos], self.threads)
+
+    def layer(self, i: int) -> LayerWeights:
+        built = self._built.get(i)
+        if built is None:
+            def name(kind: str) -> str:
+                return tensor_name(i, kind)
+
+            vectors = {kind: self.model.tensor(name(kind)).dequantize() for kind in layer_vector_kinds(self.args)
+                       if name(kind) in self.model.tensors}
+            built = self._built[i] = LayerWeights.assemble(
+                layer_vectors(self.args, i, vectors), attn_qkv=self._linear(*(name(f"attn_{x}") for x in "qkv")),
+                attn_output=self._linear(name("attn_output")),
+                ffn_gate_up=self._linear(name("ffn_gate"), name("ffn_up")), ffn_down=self._linear(name("ffn_down")))
+        return built
+
+    def glu(self, gate_up: np.ndarray) -> np.ndarray:
+        f = self.args.ffn_dim
+        if self.args.arch_table.activation == "gelu_tanh":
+            return geglu(gate_up[:, :f], gate_up[:, f:])
+        return swiglu(np.ascontiguousarray(gate_up[:, :f]), np.ascontiguousarray(gate_up[:, f:]))
+
+    def norm(self, x: np.ndarray, weight: np.ndarray) -> np.ndarray:
+        return rms_norm(x, weight, self.args.norm_eps)
+
+    def products_seconds(self, i: int, rows: int, repeats: int = 3) -> float:
+        """Best time of layer i's products (and norms) on `rows` random rows, after one warm-up."""
+        a, L = self.args, self.layer(i)
+        x = np.random.default_rng(rows).standard_normal((rows, a.dim)).astype(np.float32)
+        att = np.random.default_rng(rows + 1).standard_normal((rows, a.q_dim)).astype(np.float32)
+        best = float("inf")
+        for k in range(repeats + 1):
+            t0 = time.perf_counter()
+            L.attn_qkv(self.norm(x, L.attn_norm))
+            h = x + L.attn_output(att)
+            L.ffn_down(self.glu(L.ffn_gate_up(self.norm(h, L.ffn_norm))))  # type: ignore[misc]
+            if k:
+                best = min(best, time.perf_counter() - t0)
+        return best
+
+
+@dataclass
+class CpuTier:
+    """Layers `layers.layers` run on the CPU in passes of at most `max_rows` rows."""
+
+    layers: CpuLayers
+    max_rows: int
+
+    def takes(self, rows: int) -> bool:
+        return rows <= self.max_rows
+
+    def run_layer(self, model: GpuTransformer, i: int, shape: PassShape) -> None:
+        """Layer i of `model`'s pass, the products on the CPU: model.x in place (rows 0..shape.rows)."""
+        import cupy
+
+        from infer.gpu import attention
+
+        a, s, n, stream = model.args, model.shape, shape.rows, model.stream
+        L, G = self.layers.layer(i), model.weights.vectors(i)
+        x = np.empty((n, a.dim), np.float32)
+        cupy.asnumpy(model.x[:n], stream=stream, out=x)
+        stream.synchronize()
+        qkv = L.attn_qkv(self.layers.norm(x, L.attn_norm))
+        if L.bqkv is not None:
+            qkv += L.bqkv
+        model.qkv[:n].set(np.ascontiguousarray(qkv, np.float32), stream=stream)
+        local = a.is_local(i)
+        window = a.sliding_window if local else 0
+        tables = model.rope_tables_local if local else model.rope_tables
+        fields = model.index.fields_local if local else model.index.fields
+        j = model.null_cache.layer(i)[1]
+        attention.rope_rows(model.qkv, s, *tables, j, fields, n, G["q_norm"], G["k_norm"], a.norm_eps)
+        attention.attention(model.qkv, s, j, fields, n, model.max_context, model.work, model.work_rows, model.att,
+                            "f32", window=window, scale=a.scores_scale)
+        att = np.empty((n, a.q_dim), np.float32)
+        cupy.asnumpy(model.att[:n], stream=stream, out=att)
+        stream.synchronize()
+        x += self._post(L.attn_output(att), L.post_attn_norm)
+        gate_up = L.ffn_gate_up(self.layers.norm(x, L.ffn_norm))  # type: ignore[misc]
+        x += self._post(L.ffn_down(self.layers.glu(gate_up)), L.post_ffn_norm)  # type: ignore[misc]
+        model.x[:n].set(x, stream=stream)
+        stream.synchronize()  # x (host) is freed on return: the copy out of it must be done
+
+    def _post(self, out: np.ndarray, post_norm: np.ndarray | None) -> np.ndarray:
+        return out if post_norm is None else self.layers.norm(out, post_norm)
+
+
+def choose(model: GGUFModel, args: ModelArgs, plan: Plan, host: HostTier | None, mode: str | int,
+           link_bytes_per_s: float, capacity: int, threads: int | None = None) -> tuple[CpuTier | None, str]:
+    """The CPU tier for `mode` (parse_mode's), or None; and the line that says what was chosen and why."""
+    if mode == "off":
+        return None, "CPU tier: off (--cpu-tier off): every streamed layer crosses the link"
+    layers, why = eligible_layers(plan, model)
+    if not layers:
+        return None, f"CPU tier: not used: {why}"
+    cpu = CpuLayers(model, args, plan, host, layers, threads)
+    n_threads = threads or cpu_kernels.default_threads()
+    what = f"{len(layers)} layers with matrices in RAM"
+    if isinstance(mode, int):
+        rows = min(mode, capacity)
+        return CpuTier(cpu, rows), f"CPU tier: {what} computed by the CPU ({n_threads} threads) in passes of " \
+                                       f"<= {rows} tokens (--cpu-tier {mode}); streamed in larger ones"
+    if link_bytes_per_s <= 0:
+        return None, "CPU tier: not used: the link was not measured (--cpu-tier N forces it)"
+    first = layers[0]
+    layer_bytes = sum(t.nbytes for t in plan.tensors if t.layer == first and plan.tier[t.name] is not Tier.VRAM)
+    link_s = layer_bytes / link_bytes_per_s
+    one, many = cpu.products_seconds(first, 1), cpu.products_seconds(first, MEASURE_ROWS)
+    rows = crossover_rows(one, many, link_s, capacity)
+    measured = (f"a layer's {format_bytes(layer_bytes)}: CPU {one * 1e3:.1f} ms for 1 token, "
+                f"{many * 1e3:.1f} ms for {MEASURE_ROWS}; link {link_s * 1e3:.1f} ms")
+    if rows == 0:
+        return None, f"CPU tier: not used: the link is faster than the CPU even for one token ({measured})"
+    for i in layers:  # built now, not in the first pass
+        cpu.layer(i)
+    return CpuTier(cpu, rows), f"CPU tier: {what} computed by the CPU ({n_threads} threads) in passes of " \
+                                   f"<= {rows} tokens, streamed in larger ones ({measured})"
+
+
+def crossover_rows(one_row_s: float, many_rows_s: float, link_s: float, capacity: int,
+                   many: int = MEASURE_ROWS) -> int:
+    """The most rows (up to `capacity`) for which the CPU's time, on the line through (1, one_row_s)
+    and (many, many_rows_s), is at most the link's; 0 when not even one row."""
+    if one_row_s > link_s:
+        return 0
+    per_row = max(many_rows_s - one_row_s, 0.0) / (many - 1)
+    if per_row == 0:
+        return capacity
+    return int(min(capacity, 1 + (link_s - one_row_s) // per_row))
+

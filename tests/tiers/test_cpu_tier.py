@@ -1,0 +1,167 @@
+"""The CPU tier of the streamed GPU engine (infer.tiers.cpu_tier), run on the NumPy stand-in for
+CuPy (tests/fake_cupy.py) with the native CPU kernels: small passes compute the layers held in RAM
+on the CPU and copy none of their bytes, large passes stream them; switching between the two in
+any order keeps the ring's schedule and the logits; the choice and its refusals are reported.
+tests/gpu/test_streaming.py runs the same engine on a real GPU."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from infer import cpu_kernels
+from infer.engine import greedy
+from infer.gguf_file import GGUFModel
+from infer.model import ModelArgs
+from infer.synth import Shape, write_model
+from infer.tiers.budget import compute_budgets
+from infer.tiers.config import parse_cpu_tier
+from infer.tiers.cpu_tier import choose, crossover_rows
+from infer.tiers.plan import Tier, minimum_vram
+from infer.tiers.session import StreamingConfig, build_streaming_engine, planner_tensors
+
+pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="the native CPU kernels are not built")
+SHAPE = Shape(n_layers=4, dim=256, ffn_dim=768, n_heads=4, n_kv_heads=2, vocab_size=600, context_length=512)
+CTX = 64
+
+
+@pytest.fixture(scope="module", params=["q4_k_m", "q8_0"])
+def model_path(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("cputier") / f"m-{request.param}.gguf"
+    write_model(path, SHAPE, request.param, seed=4)
+    return path
+
+
+def session_for(path: Path, cpu_tier: str | int, resident: float = 0.3, ram: float = 1.2):
+    """A streamed session whose non-resident layers are all in RAM (ram >= 1: tier C stays empty)."""
+    from infer.gpu import gpu_pass_nbytes, memory
+
+    model = GGUFModel(path)
+    args = ModelArgs.from_gguf(model)
+    tensors = planner_tensors(model, "gpu")
+    layers = sum(t.device_nbytes for t in tensors if t.layer is not None and not t.is_vector)
+    raw = sum(t.nbytes for t in tensors if t.layer is not None and not t.is_vector)
+    staging = 4 * max(t.nbytes for t in tensors if t.layer is not None)
+    reserve = sum(memory.new_account(None, "test").reserved.values())
+    big = compute_budgets(args, CTX, 1, 512, staging, 10**15, 10**15, device_reserved=reserve,
+                          activations=gpu_pass_nbytes(model, args, 512, CTX))
+    vram = minimum_vram(tensors, 4, True) + int(resident * layers) + big.vram_total - big.vram_for_weights
+    config = StreamingConfig(enabled=True, vram_budget=str(vram), ram_budget=str(int(ram * raw) + staging),
+                             tier_b="pinned", cpu_tier=cpu_tier)
+    return build_streaming_engine(str(path), config, CTX, device="gpu", measure=False)
+
+
+def layer_bytes(session, layers: frozenset[int]) -> int:
+    plan = session.plan
+    return sum(t.nbytes for t in plan.streamed if t.layer in layers)
+
+
+def rel(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def test_crossover_rows() -> None:
+    assert crossover_rows(0.010, 0.017, 0.008, 512) == 0  # slower than the link even for one token
+    assert crossover_rows(0.004, 0.011, 0.008, 512) == 5  # 4 ms + 1 ms a row: rows 1..5 fit 8 ms
+    assert crossover_rows(0.004, 0.004, 0.008, 64) == 64  # no cost per extra row: every pass
+    assert crossover_rows(0.001, 1.0, 0.5, 512) == 4
+
+
+def test_parse_cpu_tier() -> None:
+    assert parse_cpu_tier("AUTO") == "auto" and parse_cpu_tier("off") == "off" and parse_cpu_tier("3") == 3
+    for bad in ("0", "-1", "sometimes", ""):
+        with pytest.raises(ValueError, match="--cpu-tier takes auto, off or a number of rows"):
+            parse_cpu_tier(bad)
+
+
+def test_small_passes_compute_ram_layers_on_the_cpu(model_path: Path, fake_cupy: object) -> None:
+    """Prompt (streamed), decode steps (the CPU), another prompt chunk (streamed), decode again: each
+    pass's logits follow the engine without the CPU tier, and the CPU's passes copy none of its
+    layers' bytes."""
+    prompt = np.random.default_rng(1).integers(3, SHAPE.vocab_size, 7)
+    chunk = np.random.default_rng(2).integers(3, SHAPE.vocab_size, 5)
+    steps = [5, 77, 401]
+
+    def run(session) -> tuple[list[np.ndarray], list[int]]:
+        m = session.engine.model
+        cache = m.new_cache(CTX)
+        out, moved = [], []
+
+        def note(logits: np.ndarray) -> None:
+            out.append(logits)
+            moved.append(session.weights.bytes_moved()[Tier.RAM])
+
+        note(m.forward(prompt, cache, all_logits=True))
+        for t in steps:
+            note(m.forward(np.array([t]), cache))
+        note(m.forward(chunk, cache, all_logits=True))
+        for t in steps:
+            note(m.forward(np.array([t]), cache))
+        generated.append(session.engine.generate([list(prompt), list(chunk)], 6, greedy))  # the engine's decode loop
+        return out, moved
+
+    generated: list[list[list[int]]] = []
+    plain = session_for(model_path, "off")
+    try:
+        assert plain.engine.model.cpu_tier is None and plain.plan.bytes_in(Tier.STORAGE) == 0
+        assert any("CPU tier: off" in n for n in plain.plan.notes)
+        want, _ = run(plain)
+    finally:
+        plain.close()
+    session = session_for(model_path, 2)
+    try:
+        tier = session.engine.model.cpu_tier
+        assert tier is not None and tier.max_rows == 2
+        cpu_layers = tier.layers.layers
+        assert cpu_layers and cpu_layers == {t.layer for t in session.plan.tensors_in(Tier.RAM)}
+        assert any("passes of <= 2 tokens" in n for n in session.plan.notes)
+        got, moved = run(session)
+        ring = session.weights.ring
+        slack = ring.n_slots * session.plan.slot_nbytes  # copied ahead before a switch, then dropped
+        once = layer_bytes(session, cpu_layers)
+    finally:
+        session.close()
+    assert generated[0] == generated[1] and [len(o) for o in generated[1]] == [6, 6]
+    for g, w in zip(got, want, strict=True):
+        assert g.shape == w.shape
+        assert rel(g, w) < 1e-4, rel(g, w)  # the same roundings, summed in another order
+        assert np.array_equal(g.reshape(-1, g.shape[-1]).argmax(-1), w.reshape(-1, w.shape[-1]).argmax(-1))
+    # moved[k]: bytes copied from RAM after pass k (the ring copies ahead: up to n_slots pieces early)
+    prompt_pass = moved[0]
+    assert once <= prompt_pass <= once + slack
+    decode = np.diff(moved[:4])
+    assert decode[0] <= slack and decode[1] == decode[2] == 0  # after the switch: nothing crosses
+    assert once <= moved[4] - moved[3] <= once + slack  # the chunk streams again
+    assert moved[7] - moved[5] == 0
+
+
+def test_auto_chooses_from_the_measured_speeds(model_path: Path, fake_cupy: object) -> None:
+    session = session_for(model_path, "off")
+    try:
+        m = session.engine.model
+        args = ModelArgs.from_gguf(GGUFModel(model_path))
+        host = session.weights.ring.host
+        tier, line = choose(GGUFModel(model_path), args, session.plan, host, "auto", 1e15, m.capacity)
+        assert tier is None and "the link is faster than the CPU" in line
+        tier, line = choose(GGUFModel(model_path), args, session.plan, host, "auto", 1e3, m.capacity)
+        assert tier is not None and tier.max_rows == m.capacity and "passes of <=" in line and "ms for 1 token" in line
+        tier, line = choose(GGUFModel(model_path), args, session.plan, host, "auto", 0.0, m.capacity)
+        assert tier is None and "not measured" in line
+    finally:
+        session.close()
+
+
+def test_tier_c_leaves_every_layer_streamed(model_path: Path, fake_cupy: object) -> None:
+    session = session_for(model_path, 4, ram=0.3)
+    try:
+        assert session.plan.bytes_in(Tier.STORAGE) > 0
+        assert session.engine.model.cpu_tier is None
+        assert "CPU tier: not used: tier C holds tensors" in session.report()
+        m = session.engine.model
+        cache = m.new_cache(CTX)
+        m.forward(np.array([3, 4, 5]), cache)
+        m.forward(np.array([6]), cache)  # decode still streams
+    finally:
+        session.close()
