@@ -119,7 +119,7 @@ AVX2_INLINE void float_tile_avx2(const struct job *J, const int *rr, const int *
         for (int r = 0; r < R; r++) {
             __m256 w = weights8(type, J->w + (size_t)rr[r] * J->wrow, i);
             for (int t = 0; t < T; t++)
-                acc[r * T + t] = _mm256_add_ps(acc[r * T + t], _mm256_mul_ps(w, _mm256_loadu_ps(J->xf + (size_t)tt[t] * J->cols + i)));
+                acc[r * T + t] = _mm256_fmadd_ps(w, _mm256_loadu_ps(J->xf + (size_t)tt[t] * J->cols + i), acc[r * T + t]);
         }
     for (int r = 0; r < nr; r++) {
         float wtail[8];

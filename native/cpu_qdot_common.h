@@ -16,8 +16,10 @@
  * The AVX-512 code (cpu_qdot_avx512.c) sums the same block integers with vpdpbusd / vpdpwssd; both
  * form the float terms through the same helpers below (legacy_terms, k_terms), so it is
  * bit-identical too.
- * Float weights (F32/F16/BF16) use 8 running lanes (element i goes to lane i % 8, in order), then a
- * fixed pairwise tree over the lanes.
+ * Float weights (F32/F16/BF16) use 8 running lanes of fused multiply-adds (element i goes to lane
+ * i % 8, in order), then ggml's tree over the lanes (hsum8_ggml): llama.cpp's order for these types
+ * on an AVX2 build (the llamafile tiles; a synthetic qwen2moe's float32 routers and shared-expert
+ * gates then give llama.cpp's bits, where a plain multiply-then-add and another tree missed by an ulp).
  *
  * Q4_0, Q5_0 and Q8_0 follow llama.cpp's order instead (ggml_order below; its AVX2 vec_dot and the
  * llamafile tiles for these types compute alike): 8 running lanes, lane k taking each block's exact
@@ -153,12 +155,12 @@ static inline float hsum8_ggml(const float a[8])
     return (r0 + r2) + (r1 + r3);
 }
 
-/* Lanes of a float dot product -> its value: the tail elements go to lanes 0..rem-1, then a fixed tree. */
+/* Lanes of a float dot product -> its value: the tail elements fused into lanes 0..rem-1, then ggml's tree. */
 static inline float finish_lanes(float lanes[8], const float *w, const float *x, int rem)
 {
     for (int j = 0; j < rem; j++)
-        lanes[j] = lanes[j] + w[j] * x[j];
-    return ((lanes[0] + lanes[4]) + (lanes[2] + lanes[6])) + ((lanes[1] + lanes[5]) + (lanes[3] + lanes[7]));
+        lanes[j] = fmaf(w[j], x[j], lanes[j]);
+    return hsum8_ggml(lanes);
 }
 
 static inline float weight_to_f32(int type, const uint8_t *row, int i)

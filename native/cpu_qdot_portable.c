@@ -198,7 +198,7 @@ int qdot_float_rows_portable(const struct job *J, int r0, int r1)
             float lanes[8] = {0};
             for (int i = 0; i < n8; i += 8)
                 for (int j = 0; j < 8; j++)
-                    lanes[j] = lanes[j] + wf[i + j] * x[i + j];
+                    lanes[j] = fmaf(wf[i + j], x[i + j], lanes[j]);
             J->y[(size_t)t * J->ystride + r] = finish_lanes(lanes, wf + n8, x + n8, J->cols - n8);
         }
     }
