@@ -33,7 +33,8 @@ ROPE_FREQS = "rope_freqs.weight"
 # a layer's tensors in this order).
 LAYER_KINDS = ("attn_norm", "attn_q", "attn_q.bias", "attn_k", "attn_k.bias", "attn_v", "attn_v.bias",
                "attn_q_norm", "attn_k_norm", "attn_output", "post_attention_norm", "ffn_norm", "ffn_gate", "ffn_up",
-               "ffn_down", "ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps", "post_ffw_norm")
+               "ffn_down", "ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps", "ffn_gate_inp_shexp",
+               "ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp", "post_ffw_norm")
 BIAS_KINDS = ("attn_q.bias", "attn_k.bias", "attn_v.bias")  # Qwen2 has them; a missing one is zeros
 QK_NORM_KINDS = ("attn_q_norm", "attn_k_norm")  # Qwen3: RMSNorm of each query and key head before rope
 POST_NORM_KINDS = ("post_attention_norm", "post_ffw_norm")  # Gemma: the attention and FFN outputs normed
@@ -42,6 +43,9 @@ FFN_KINDS = ("ffn_gate", "ffn_up", "ffn_down")  # a dense block's feed-forward
 # A mixture-of-experts block's feed-forward: the router (n_experts, dim), then the experts' matrices
 # stacked along a third axis (n_experts, rows, cols); infer/moe.py computes it
 EXPERT_KINDS = ("ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
+# a shared expert beside them (qwen2moe): its gate (dim,) (a sigmoid of its dot with the normed input
+# scales its output), then a dense gated feed-forward of its own width
+SHARED_EXPERT_KINDS = ("ffn_gate_inp_shexp", "ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp")
 _ATTENTION = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm")
 _DENSE = (*_ATTENTION, *FFN_KINDS)
 
@@ -65,6 +69,11 @@ class Architecture:
     # "optional": experts in place of it when the file counts them (`expert_count`, Mixtral's llama
     # files); "always": experts only (qwen3moe)
     experts: str = "never"
+    expert_weights_norm: bool = True  # the top k's weights divided by their sum (qwen2moe: not)
+
+    @property
+    def shared_expert(self) -> bool:
+        return SHARED_EXPERT_KINDS[0] in self.required
 
     @property
     def kinds(self) -> tuple[str, ...]:
@@ -91,6 +100,10 @@ ARCHITECTURES: dict[str, Architecture] = {
                            scale_queries=True),
     "qwen3moe": Architecture("qwen3moe", neox_rope=True, required=(*_ATTENTION, *QK_NORM_KINDS, *EXPERT_KINDS),
                              experts="always"),
+    # Qwen1.5-MoE, Qwen2-57B-A14B: Qwen2's attention (biases), routed experts whose top-k weights are
+    # not renormalised, and a gated shared expert (llama.cpp's qwen2moe graph)
+    "qwen2moe": Architecture("qwen2moe", neox_rope=True, required=(*_ATTENTION, *EXPERT_KINDS, *SHARED_EXPERT_KINDS),
+                             experts="always", expert_weights_norm=False),
 }
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 _LAYER_NAME = re.compile(r"^blk\.(\d+)\.(.+)\.(weight|bias)$")
@@ -135,6 +148,7 @@ class ModelArgs:
     n_experts_used: int = 0  # experts each token is routed to (the top k of the router's softmax)
     expert_ffn_dim: int = 0  # an expert's hidden width
     expert_weights_norm: bool = True  # the top k's weights divided by their sum (llama.cpp's, for qwen3moe and Mixtral)
+    shared_ffn_dim: int = 0  # the shared expert's hidden width (qwen2moe); 0: none
 
     @property
     def scores_scale(self) -> float:
@@ -205,7 +219,9 @@ class ModelArgs:
                 "ffn_down": (self.dim, self.ffn_dim), "ffn_gate_inp": (self.n_experts, self.dim),
                 "ffn_gate_exps": (self.n_experts, self.expert_ffn_dim, self.dim),
                 "ffn_up_exps": (self.n_experts, self.expert_ffn_dim, self.dim),
-                "ffn_down_exps": (self.n_experts, self.dim, self.expert_ffn_dim)}
+                "ffn_down_exps": (self.n_experts, self.dim, self.expert_ffn_dim),
+                "ffn_gate_inp_shexp": (self.dim,), "ffn_gate_shexp": (self.shared_ffn_dim, self.dim),
+                "ffn_up_shexp": (self.shared_ffn_dim, self.dim), "ffn_down_shexp": (self.dim, self.shared_ffn_dim)}
         return {tensor_name(layer, kind): rows[kind] for kind in self.layer_kinds}
 
     @classmethod
@@ -259,6 +275,10 @@ class ModelArgs:
         ffn_dim = int(key("feed_forward_length", int, 0 if table.experts == "always" else None))
         from infer.moe import expert_shape  # NumPy is in by now: the file is open
         n_experts, n_used, expert_ffn = expert_shape(model, arch, table, n_layers, ffn_dim)
+        shared_ffn = int(key("expert_shared_feed_forward_length", int, ffn_dim)) if table.shared_expert else 0
+        if table.shared_expert and shared_ffn <= 0:
+            raise UnsupportedModelError(model.path, "no shared expert width (neither this key nor feed_forward_length)",
+                                        f"key {arch}.expert_shared_feed_forward_length")
         embd = model.tensor(TOKEN_EMBD)
         return cls(
             arch=arch,
@@ -283,6 +303,8 @@ class ModelArgs:
             n_experts=n_experts,
             n_experts_used=n_used,
             expert_ffn_dim=expert_ffn,
+            expert_weights_norm=table.expert_weights_norm,
+            shared_ffn_dim=shared_ffn,
         )
 
 

@@ -45,7 +45,7 @@ from infer.cmath import c_float_function
 from infer.gguf_file import GGUFModel
 from infer.kv_cache import KVCache
 from infer.layers import Batch, Rope, check_batch, tree_layout, visible
-from infer.moe import MixtureOfExperts
+from infer.moe import MixtureOfExperts, SharedExpert
 
 
 class Linear:
@@ -167,7 +167,8 @@ class DequantizedWeights:
         for name in names:
             info = self.model.tensor(name)
             fmt = quants.activation_format(info.ggml_type) if self.match_llama_cpp else "f32"
-            parts.append((info.dequantize(np.float64 if self.exact else np.float32), fmt))
+            weight = info.dequantize(np.float64 if self.exact else np.float32)
+            parts.append((weight.reshape(1, -1) if weight.ndim == 1 else weight, fmt))  # a vector: one row
         return Linear(parts, self.exact)
 
     def _build_layer(self, i: int) -> LayerWeights:
@@ -196,7 +197,15 @@ class DequantizedWeights:
         return MixtureOfExperts.from_stacks(
             self._linear(tensor_name(i, "ffn_gate_inp")), stack("ffn_gate_exps"), stack("ffn_up_exps"),
             stack("ffn_down_exps"), lambda parts: Linear(parts, self.exact), self.args.n_experts_used,
-            self.args.expert_weights_norm)
+            self.args.expert_weights_norm, self._shared_expert(i))
+
+    def _shared_expert(self, i: int) -> SharedExpert | None:
+        """Block i's shared expert (qwen2moe), its matrices as this provider makes products."""
+        if not self.args.shared_ffn_dim:
+            return None
+        return SharedExpert(self._linear(tensor_name(i, "ffn_gate_inp_shexp")),  # type: ignore[arg-type]
+                            self._linear(tensor_name(i, "ffn_gate_shexp"), tensor_name(i, "ffn_up_shexp")),  # type: ignore[arg-type]
+                            self._linear(tensor_name(i, "ffn_down_shexp")))  # type: ignore[arg-type]
 
     def layer(self, index: int) -> LayerWeights:
         return self._cached(("layer", index), lambda: self._build_layer(index))  # type: ignore[return-value]

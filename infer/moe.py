@@ -6,6 +6,13 @@ qwen3moe and Mixtral-style llama files (softmax gating, normalised top-k weights
     weights = probs[chosen] / sum(probs[chosen])
     out     = sum_j weights[j] * down_j(silu(gate_j @ h) * (up_j @ h))     over j in chosen, in that order
 
+qwen2moe leaves the top-k weights as they are (no division by their sum) and adds a shared expert,
+which every token takes, scaled by a gate of its own (llama.cpp's qwen2moe graph, its sigmoid
+computed as silu(g) / g):
+
+    g       = h . gate_inp_shexp                     a float32 dot, one value per token
+    out    += (silu(g) / g) * down_s(silu(gate_s @ h) * (up_s @ h))
+
 Each expert's matrices are products like the dense ones (infer.model.Linear: the input rounded to
 the activation format llama.cpp gives the weight type), run once per expert for every token routed
 to it. Default numerics follow llama.cpp's CPU step by step in float32 (the softmax's sum in double,
@@ -83,6 +90,30 @@ def weighted_sum(outs: np.ndarray, weights: np.ndarray, exact: bool = False) -> 
 
 
 @dataclass
+class SharedExpert:
+    """A feed-forward every token takes beside its routed experts, scaled by a sigmoid gate (qwen2moe)."""
+
+    gate: Linear  # (1, dim): ffn_gate_inp_shexp, a float32 vector as a one-row product
+    gate_up: Linear  # (2 * width, dim): ffn_gate_shexp, then ffn_up_shexp
+    down: Linear  # (dim, width): ffn_down_shexp
+
+    @property
+    def nbytes(self) -> int:
+        return self.gate.nbytes + self.gate_up.nbytes + self.down.nbytes
+
+    def __call__(self, h: np.ndarray, glu: Glu, exact: bool = False) -> np.ndarray:
+        """(T, dim) float32: the gated feed-forward of h (T, dim) times each token's gate, which is
+        ggml's silu(g) / g on a row of one value: g / (1 + expf(-g)) (expf correctly rounded here),
+        then the float32 division by g."""
+        g = self.gate(h)[:, 0].astype(np.float32)
+        silu = g / (np.float32(1.0) + np.exp(-g.astype(np.float64)).astype(np.float32))
+        gate = silu / g
+        gate_up = self.gate_up(h)
+        width = gate_up.shape[1] // 2
+        return self.down(glu(gate_up[:, :width], gate_up[:, width:])) * gate[:, None]
+
+
+@dataclass
 class MixtureOfExperts:
     """A block's feed-forward of experts: the router and each expert's products, float32 (or exact
     float64) like infer.model's dense ones."""
@@ -92,14 +123,16 @@ class MixtureOfExperts:
     down: list[Linear]  # per expert (dim, width): its slice of ffn_down_exps
     n_used: int  # experts per token
     normalize: bool = True  # the top-k weights divided by their sum
+    shared: SharedExpert | None = None  # qwen2moe's, added to the routed experts' sum
 
     @classmethod
     def from_stacks(cls, router: Linear, gate: Stack, up: Stack, down: Stack,
-                    linear: Callable[[list[Stack]], Linear], n_used: int, normalize: bool = True) -> MixtureOfExperts:
+                    linear: Callable[[list[Stack]], Linear], n_used: int, normalize: bool = True,
+                    shared: SharedExpert | None = None) -> MixtureOfExperts:
         """From the dequantized stacks; `linear(parts)` makes one product of (matrix, format) parts."""
         (gates, gate_fmt), (ups, up_fmt), (downs, down_fmt) = gate, up, down
         return cls(router, [linear([(g, gate_fmt), (u, up_fmt)]) for g, u in zip(gates, ups, strict=True)],
-                   [linear([(d, down_fmt)]) for d in downs], n_used, normalize)
+                   [linear([(d, down_fmt)]) for d in downs], n_used, normalize, shared)
 
     @property
     def n_experts(self) -> int:
@@ -107,7 +140,8 @@ class MixtureOfExperts:
 
     @property
     def nbytes(self) -> int:
-        return self.router.nbytes + sum(product.nbytes for product in (*self.gate_up, *self.down))
+        shared = self.shared.nbytes if self.shared is not None else 0
+        return self.router.nbytes + shared + sum(product.nbytes for product in (*self.gate_up, *self.down))
 
     def route(self, h: np.ndarray, exact: bool = False) -> tuple[np.ndarray, np.ndarray]:
         """(T, k) chosen expert ids, most probable first, and their weights, for the normed input h (T, dim)."""
@@ -116,6 +150,12 @@ class MixtureOfExperts:
         return chosen, expert_weights(probs, chosen, self.normalize, exact)
 
     def __call__(self, h: np.ndarray, glu: Glu, exact: bool = False) -> np.ndarray:
+        """(T, dim) float32: the feed-forward of h (T, dim): the routed experts' sum, then the shared
+        expert's output added (ggml_add, float32)."""
+        out = self.routed(h, glu, exact)
+        return out if self.shared is None else out + self.shared(h, glu, exact)
+
+    def routed(self, h: np.ndarray, glu: Glu, exact: bool = False) -> np.ndarray:
         """(T, dim) float32: the routed experts' gated products of h (T, dim), weighted and summed."""
         chosen, weights = self.route(h, exact)
         outs = np.empty((*chosen.shape, h.shape[1]), np.float32)  # (T, k, dim) in the top-k order
@@ -176,7 +216,7 @@ def expert_shape(model: GGUFModel, arch: str, table: Architecture, n_layers: int
     if float(value("expert_weights_scale", float, 1.0)) not in (0.0, 1.0):  # type: ignore[arg-type]
         raise refuse("expert_weights_scale", "scaled expert weights are not supported (llama.cpp does not scale "
                      f"them for {arch})")
-    if value("expert_weights_norm", bool, True) is not True:
+    if table.expert_weights_norm and value("expert_weights_norm", bool, True) is not True:
         raise refuse("expert_weights_norm", f"unnormalised expert weights are not supported (llama.cpp "
                      f"normalises the top {used} for {arch})")
     if int(value("expert_group_count", int, 0)) > 1:  # type: ignore[call-overload]

@@ -98,19 +98,22 @@ class PackedWeights(DequantizedWeights):
         return MixtureOfExperts(self._linear(tensor_name(i, "ffn_gate_inp")),
                                 [PackedLinear([g, u], self.threads) for g, u in zip(gate, up, strict=True)],
                                 [PackedLinear([d], self.threads) for d in down],
-                                self.args.n_experts_used, self.args.expert_weights_norm)
+                                self.args.n_experts_used, self.args.expert_weights_norm, self._shared_expert(i))
 
     def _linear(self, *names: str) -> Linear | PackedLinear:  # type: ignore[override]
         infos = [self.model.tensor(name) for name in names]
         if self.exact or not self.match_llama_cpp or \
                 any(info.ggml_type not in cpu_kernels.SUPPORTED_TYPES for info in infos):
             return super()._linear(*names)
-        return PackedLinear([(self._bytes(info), info.ggml_type, info.shape[0], info.shape[1]) for info in infos],
+        shapes = [(1, info.shape[0]) if len(info.shape) == 1 else info.shape for info in infos]  # a vector: one row
+        return PackedLinear([(self._bytes(info), info.ggml_type, *shape) for info, shape in zip(infos, shapes, strict=True)],
                             self.threads)
 
     def _bytes(self, info: TensorInfo) -> np.ndarray:
         """A matrix's packed bytes: in the huge-page copy where there is one, else the mapped file's."""
-        return info.data if self.huge_pages is None else self.huge_pages.view(info.offset, info.nbytes)
+        if self.huge_pages is None or len(info.shape) == 1:  # the copy takes matrices only
+            return info.data
+        return self.huge_pages.view(info.offset, info.nbytes)
 
 
 def _copy_to_huge_pages(model: GGUFModel, threads: int, experts: bool) -> HugePageCopy | None:

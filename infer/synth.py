@@ -34,7 +34,7 @@ from gguf.quants import quantize
 from infer.arch import ARCHITECTURES
 
 T = GGMLQuantizationType
-ARCHS = ("llama", "qwen2", "qwen3", "gemma3", "qwen3moe")
+ARCHS = ("llama", "qwen2", "qwen3", "gemma3", "qwen3moe", "qwen2moe")
 POOL_BLOCKS = 1 << 16
 # Expert stacks of up to this many weights get all their own random data, so that no two experts (nor
 # the gate and up stacks) are copies of one pool, which would make routing irrelevant; larger ones a
@@ -60,6 +60,7 @@ class Shape:
     n_experts: int = 0  # expert_count: > 0 makes every block's feed-forward a mixture of experts
     n_experts_used: int = 0  # expert_used_count: experts per token
     expert_ffn_dim: int = 0  # qwen3moe's expert_feed_forward_length (a llama file's experts are ffn_dim wide)
+    shared_ffn_dim: int = 0  # qwen2moe's expert_shared_feed_forward_length (its shared expert's width)
 
     @property
     def head_size(self) -> int:
@@ -86,6 +87,14 @@ SHAPES: dict[str, Shape] = {
     "tiny-moe": Shape(n_layers=2, dim=256, ffn_dim=768, n_heads=4, n_kv_heads=2, vocab_size=1024, context_length=2048,
                       rope_base=1e6, norm_eps=1e-6, arch="qwen3moe", head_dim=128, n_experts=16, n_experts_used=4,
                       expert_ffn_dim=256),
+    # qwen2moe: Qwen2's attention, 2 of 8 routed experts (weights not renormalised) and a shared expert
+    "tiny-qwen2moe": Shape(n_layers=2, dim=256, ffn_dim=768, n_heads=4, n_kv_heads=2, vocab_size=1024,
+                           context_length=2048, rope_base=1e6, norm_eps=1e-6, arch="qwen2moe", n_experts=8,
+                           n_experts_used=2, expert_ffn_dim=256, shared_ffn_dim=512),
+    # Qwen1.5-MoE-A2.7B's config.json: 4 of 60 experts of width 1408, a shared expert of width 5632
+    "qwen1.5-moe-a2.7b": Shape(n_layers=24, dim=2048, ffn_dim=5632, n_heads=16, n_kv_heads=16, vocab_size=151936,
+                               context_length=8192, rope_base=1e6, norm_eps=1e-6, arch="qwen2moe", n_experts=60,
+                               n_experts_used=4, expert_ffn_dim=1408, shared_ffn_dim=5632),
 }
 
 # llama.cpp's file_type numbers (LLAMA_FTYPE_*) for general.file_type
@@ -267,7 +276,7 @@ def write_model(path: str | Path, shape: Shape, kind: str, seed: int = 0, name: 
     "qwen2" adds Q/K/V biases, "qwen3" per-head Q and K norms (readers apply NeoX-style rotary
     pairs to both), "gemma3" those norms and the post-attention and post-FFN norms (its readers add
     GeGLU, the embedding scale and, with a sliding window, five local layers of every six),
-    "qwen3moe" the Q/K norms and experts. A shape with experts writes them in place of the dense
+    "qwen3moe" the Q/K norms and experts, "qwen2moe" Qwen2's biases, experts and a shared expert. A shape with experts writes them in place of the dense
     feed-forward (qwen3moe, or llama: Mixtral's layout); router_skew: see the module docstring."""
     arch = arch or shape.arch
     if arch not in ARCHS:
@@ -305,7 +314,8 @@ def write_model(path: str | Path, shape: Shape, kind: str, seed: int = 0, name: 
         **({f"{arch}.attention.sliding_window": s.sliding_window} if s.sliding_window else {}),
         **({f"{arch}.expert_count": s.n_experts, f"{arch}.expert_used_count": s.n_experts_used}
            if s.n_experts else {}),
-        **({f"{arch}.expert_feed_forward_length": s.expert_ffn_dim} if arch == "qwen3moe" else {}),
+        **({f"{arch}.expert_feed_forward_length": s.expert_ffn_dim} if arch in ("qwen3moe", "qwen2moe") else {}),
+        **({f"{arch}.expert_shared_feed_forward_length": s.shared_ffn_dim} if s.shared_ffn_dim else {}),
         "tokenizer.ggml.model": "llama",
         "tokenizer.ggml.tokens": tokens,
         "tokenizer.ggml.scores": scores,
@@ -339,7 +349,7 @@ def write_model(path: str | Path, shape: Shape, kind: str, seed: int = 0, name: 
         matrix(p + "attn_q.weight", "attn_q", i, q_dim, s.dim)
         matrix(p + "attn_k.weight", "attn_k", i, kv_dim, s.dim)
         matrix(p + "attn_v.weight", "attn_v", i, kv_dim, s.dim)
-        if arch == "qwen2":
+        if arch in ("qwen2", "qwen2moe"):
             norm(p + "attn_q.bias", q_dim, 0.0)
             norm(p + "attn_k.bias", kv_dim, 0.0)
             norm(p + "attn_v.bias", kv_dim, 0.0)
@@ -351,12 +361,17 @@ def write_model(path: str | Path, shape: Shape, kind: str, seed: int = 0, name: 
             norm(p + "post_attention_norm.weight")
         norm(p + "ffn_norm.weight")
         if s.n_experts:
-            width = s.expert_ffn_dim if arch == "qwen3moe" else s.ffn_dim
+            width = s.expert_ffn_dim if arch in ("qwen3moe", "qwen2moe") else s.ffn_dim
             nbytes, write = _router_writer(s.n_experts, s.dim, rng, router_skew)
             tensors.append(_Tensor(p + "ffn_gate_inp.weight", (s.dim, s.n_experts), T.F32, nbytes, write))
             matrix(p + "ffn_gate_exps.weight", "ffn_gate_exps", i, width, s.dim, s.n_experts)
             matrix(p + "ffn_up_exps.weight", "ffn_up_exps", i, width, s.dim, s.n_experts)
             matrix(p + "ffn_down_exps.weight", "ffn_down_exps", i, s.dim, width, s.n_experts)
+            if ARCHITECTURES[arch].shared_expert:
+                norm(p + "ffn_gate_inp_shexp.weight", s.dim, 0.0)  # around 0: gates near 1/2, some either way
+                matrix(p + "ffn_gate_shexp.weight", "ffn_gate", i, s.shared_ffn_dim, s.dim)
+                matrix(p + "ffn_up_shexp.weight", "ffn_up", i, s.shared_ffn_dim, s.dim)
+                matrix(p + "ffn_down_shexp.weight", "ffn_down", i, s.dim, s.shared_ffn_dim)
         else:
             matrix(p + "ffn_gate.weight", "ffn_gate", i, s.ffn_dim, s.dim)
             matrix(p + "ffn_up.weight", "ffn_up", i, s.ffn_dim, s.dim)

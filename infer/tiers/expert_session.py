@@ -67,8 +67,9 @@ class ExpertSession:
     def report(self) -> str:
         mapped = sum(info.nbytes for info in self.weights.model.tensors.values()
                      if not any(info.name.endswith(f"{kind}.weight") for kind in STACKS))
+        shared = "shared experts, " if self.weights.args.shared_ffn_dim else ""
         return (f"{self.budget_note}\n{self.cache.describe()}\n{self.statistics_note()}\nthe rest of the model "
-                f"({format_bytes(mapped)}: attention, routers, norms, embeddings, output) is read from the file's "
+                f"({format_bytes(mapped)}: attention, routers, {shared}norms, embeddings, output) is read from the file's "
                 f"mapping; tier C measured at {self.storage_read / 1e9:.2f} GB/s at start-up")
 
     def statistics_note(self) -> str:

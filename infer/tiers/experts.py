@@ -186,7 +186,7 @@ class TieredMixtureOfExperts(MixtureOfExperts):
     cache: ExpertCache
     layer: int
 
-    def __call__(self, h: np.ndarray, glu: Glu, exact: bool = False) -> np.ndarray:
+    def routed(self, h: np.ndarray, glu: Glu, exact: bool = False) -> np.ndarray:
         chosen, weights = self.route(h, exact)
         self.cache.note_routing(self.layer, chosen)
         outs = np.empty((*chosen.shape, h.shape[1]), np.float32)
@@ -200,7 +200,7 @@ class TieredMixtureOfExperts(MixtureOfExperts):
 
     @property
     def nbytes(self) -> int:
-        return self.router.nbytes
+        return self.router.nbytes + (self.shared.nbytes if self.shared is not None else 0)
 
 
 class TieredExpertWeights(PackedWeights):
@@ -218,7 +218,7 @@ class TieredExpertWeights(PackedWeights):
         cache = self.expert_cache
         moe = TieredMixtureOfExperts(self._linear(tensor_name(i, "ffn_gate_inp")),  # type: ignore[arg-type]
                                      _ExpertProducts(cache, i, 0), _ExpertProducts(cache, i, 1),  # type: ignore[arg-type]
-                                     self.args.n_experts_used, self.args.expert_weights_norm)
+                                     self.args.n_experts_used, self.args.expert_weights_norm, self._shared_expert(i))
         moe.cache, moe.layer = cache, i
         return moe
 

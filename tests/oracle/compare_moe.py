@@ -24,13 +24,20 @@ from tests.oracle.compare_ops import Row, _diff
 from tests.oracle.trace import trace
 
 TRACED = ["ffn_norm", "ffn_moe_logits", "ffn_moe_probs", "ffn_moe_weights", "ffn_moe_weights_norm", "ffn_moe_gate",
-          "ffn_moe_up", "ffn_moe_swiglu", "ffn_moe_down", "ffn_moe_out"]
+          "ffn_moe_up", "ffn_moe_swiglu", "ffn_moe_down", "ffn_moe_out",
+          # qwen2moe's shared expert (llama.cpp's qwen2moe graph)
+          "ffn_shexp_gate_inp", "ffn_shexp_gate", "ffn_shexp", "ffn_shexp_out", "ffn_out"]
 # What arithmetic each step is (test_oracle.py's OP_BOUND bounds each kind): the softmax's exp is
 # float32 rounding like SiLU's; the choice, the weights and their weighted sum follow llama.cpp's
 # float32 steps bit for bit
 KINDS = {"router matmul": "matmul", "router softmax": "swiglu", "expert choice": "elementwise",
          "weights normalised": "elementwise", "expert gate matmul": "matmul", "expert up matmul": "matmul",
          "expert swiglu": "swiglu", "expert down matmul": "matmul", "weighted sum": "elementwise"}
+# qwen2moe's shared expert: its gate's dot (a one-row float32 product), the gate silu(g) / g (g / (1 +
+# expf(-g)) in float32, expf correctly rounded), its gated feed-forward (products and SwiGLU: the
+# products' bound), the gate times it and the sum with the routed experts' (float32, bit for bit)
+SHARED_KINDS = {"shared gate matmul": "matmul", "shared gate": "elementwise", "shared expert": "matmul",
+                "shared expert gated": "elementwise", "routed plus shared": "elementwise"}
 
 
 def compare(model: Transformer, tensors: dict[str, list[np.ndarray]], n: int) -> list[Row]:
@@ -40,15 +47,18 @@ def compare(model: Transformer, tensors: dict[str, list[np.ndarray]], n: int) ->
     for i in range(model.args.n_layers):
         moe = model.weights.layer(i).experts
         assert moe is not None, f"block {i} has no experts"
-        t = {name: tensors[f"{name}-{i}"][-1] for name in TRACED}
+        t = {name: tensors[f"{name}-{i}"][-1] for name in TRACED if f"{name}-{i}" in tensors}
         h = t["ffn_norm"].reshape(n, -1)
         rows.append(_diff(i, "router matmul", moe.router(h), t["ffn_moe_logits"]))
         rows.append(_diff(i, "router softmax", router_softmax(t["ffn_moe_logits"].reshape(n, -1)), t["ffn_moe_probs"]))
         probs = t["ffn_moe_probs"].reshape(n, -1)
         chosen = top_k(probs, moe.n_used)  # llama.cpp's probabilities of our choice: its own if we chose alike
         rows.append(_diff(i, "expert choice", np.take_along_axis(probs, chosen, -1), t["ffn_moe_weights"]))
-        weights = t["ffn_moe_weights_norm"].reshape(n, -1)
-        rows.append(_diff(i, "weights normalised", expert_weights(probs, chosen, moe.normalize), weights))
+        if moe.normalize:
+            weights = t["ffn_moe_weights_norm"].reshape(n, -1)
+            rows.append(_diff(i, "weights normalised", expert_weights(probs, chosen, moe.normalize), weights))
+        else:  # qwen2moe: the chosen probabilities as they are (the "expert choice" row)
+            weights = t["ffn_moe_weights"].reshape(n, -1)
         gate_up = _per_expert(chosen, np.repeat(h[:, None], moe.n_used, 1), lambda e, x, m=moe: m.gate_up[e](x))
         width = gate_up.shape[-1] // 2
         rows.append(_diff(i, "expert gate matmul", gate_up[..., :width], t["ffn_moe_gate"]))
@@ -57,6 +67,27 @@ def compare(model: Transformer, tensors: dict[str, list[np.ndarray]], n: int) ->
         rows.append(_diff(i, "expert down matmul", _per_expert(chosen, t["ffn_moe_swiglu"], lambda e, x, m=moe: m.down[e](x)),
                           t["ffn_moe_down"]))
         rows.append(_diff(i, "weighted sum", weighted_sum(t["ffn_moe_down"], weights), t["ffn_moe_out"]))
+        if moe.shared is not None:
+            rows += _shared_rows(model, moe, t, h, i, n)
+    return rows
+
+
+def _shared_rows(model: Transformer, moe: MixtureOfExperts, t: dict[str, np.ndarray], h: np.ndarray, i: int,
+                 n: int) -> list[Row]:
+    shared = moe.shared
+    assert shared is not None
+    g = t["ffn_shexp_gate_inp"].reshape(n)
+    rows = [_diff(i, "shared gate matmul", shared.gate(h)[:, 0], g)]
+    silu = g / (np.float32(1.0) + np.exp(-g.astype(np.float64)).astype(np.float32))
+    rows.append(_diff(i, "shared gate", silu / g, t["ffn_shexp_gate"].reshape(n)))
+    gate_up = shared.gate_up(h)
+    width = gate_up.shape[1] // 2
+    rows.append(_diff(i, "shared expert", shared.down(model._glu(gate_up[:, :width], gate_up[:, width:])),
+                      t["ffn_shexp"].reshape(n, -1)))
+    rows.append(_diff(i, "shared expert gated", t["ffn_shexp"].reshape(n, -1) * t["ffn_shexp_gate"].reshape(n, 1),
+                      t["ffn_shexp_out"].reshape(n, -1)))
+    rows.append(_diff(i, "routed plus shared", t["ffn_moe_out"].reshape(n, -1) + t["ffn_shexp_out"].reshape(n, -1),
+                      t["ffn_out"].reshape(n, -1)))
     return rows
 
 
