@@ -15,10 +15,9 @@ the file's mapping for a matrix that is also resident) and gated activation; rop
 stay on the GPU beside the KV cache. Per layer: the hidden state to the host, Q/K/V to the device,
 the attention output to the host, the new hidden state to the device (for a 70B, ~100 KB per token).
 
-Numerics: the CPU and GPU products round their inputs alike (8-bit forms per weight type, as
-llama.cpp's CPU does) but sum in another order, so a sequence's logits differ in the last bits
-between a pass computed here and one streamed. Where replies must not depend on the load (a server
-whose passes change size with it), run with --cpu-tier off.
+Numerics: the products are the CPU engine's, so a pass computed here differs from one streamed as
+the two engines differ (about 1% in the logits at 8-bit types, docs/STREAMING.md). Where replies
+must not depend on the load (a server whose passes change size with it), run with --cpu-tier off.
 """
 
 from __future__ import annotations
