@@ -309,7 +309,7 @@ class GpuTransformer(DeviceGeneration):
         shape = self.index.shape
         on_cpu = self.cpu_tier.layers.layers if self.cpu_tier is not None and self.cpu_tier.takes(shape.rows) \
             else frozenset()
-        if self.cpu_tier is not None:
+        if self.cpu_tier is not None and not self.skip:  # a view that skips layers streams none (a self-draft)
             self.weights.leave_to_cpu(on_cpu)
         for s, (capturable, items) in enumerate(self._segments):
             if capturable:

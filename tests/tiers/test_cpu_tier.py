@@ -137,6 +137,31 @@ def test_small_passes_compute_ram_layers_on_the_cpu(model_path: Path, fake_cupy:
     assert moved[7] - moved[5] == 0
 
 
+def test_speculation_with_the_cpu_tier(model_path: Path, fake_cupy: object) -> None:
+    """A streamed target with a CPU tier: speculation (its tree passes stream, single rows take the
+    CPU) gives plain decoding's text, and a self-draft that skips the streamed layers moves no byte
+    and leaves the ring's order alone."""
+    from infer.layerskip import skipping, streamed_layers
+    from infer.speculative import ModelDrafter, Speculator
+
+    session = session_for(model_path, 1)
+    try:
+        m = session.engine.model
+        prompt = np.random.default_rng(3).integers(3, SHAPE.vocab_size, 6)
+        want = m.generate(prompt, m.new_cache(CTX), 10)
+        skip = streamed_layers(m)
+        view = skipping(m, skip)
+        spec = Speculator(m, ModelDrafter(view, CTX, 3, 1), 4, CTX)
+        ring = session.weights.ring
+        left_out, before = ring.left_out, dict(session.weights.bytes_moved())
+        view.draft_chain(prompt, view.new_cache(CTX), 3, 1)
+        assert ring.left_out == left_out and dict(session.weights.bytes_moved()) == before
+        assert list(spec.generate(list(prompt), 10, greedy)) == want
+        assert spec.stats.passes > 0
+    finally:
+        session.close()
+
+
 def test_auto_chooses_from_the_measured_speeds(model_path: Path, fake_cupy: object) -> None:
     session = session_for(model_path, "off")
     try:
