@@ -27,6 +27,9 @@ from infer.gpu.layout import (
 from infer.gpu.memory import transient_pool
 
 NULL = np.uint64(0)
+# GGUF bytes a repack brings over at a time: the transient copy must fit what the VRAM budget leaves
+# beside the plan while a model loads (the 8B's 431 MB output did not at a 3 GB budget)
+UPLOAD_CHUNK_BYTES = 64 << 20
 _SHARED_DEFAULT = 48 * 1024  # more dynamic shared memory than this needs the kernel's opt-in
 
 
@@ -76,8 +79,7 @@ def upload_stacked(parts: list[tuple[np.ndarray, int]], ggml_type: int, cols: in
     layout = plane_layout(fmt, rows, cols)
     buffer = cupy.empty(layout.nbytes, dtype=cupy.uint8)
     base, row0, total = buffer.data.ptr, 0, 0
-    for raw, part_rows in parts:
-        raw = np.ascontiguousarray(raw, dtype=np.uint8).reshape(-1)
+    for raw, part_rows in _in_chunks(parts):
         total += int(raw.size)
         if fmt in FLOAT_FORMATS:
             start = row0 * cols * FLOAT_ITEMSIZE[fmt]
@@ -96,6 +98,19 @@ def upload_stacked(parts: list[tuple[np.ndarray, int]], ggml_type: int, cols: in
     from infer.quants import activation_format
 
     return GpuMatrix(fmt, rows, cols, layout, buffer, total, activation_format(ggml_type))
+
+
+def _in_chunks(parts: list[tuple[np.ndarray, int]]) -> list[tuple[np.ndarray, int]]:
+    """The parts split into runs of rows of at most UPLOAD_CHUNK_BYTES (a multiple of 256 rows, so
+    every run starts on a 256-weight block, as the repack kernels' planes need)."""
+    out = []
+    for raw, part_rows in parts:
+        raw = np.ascontiguousarray(raw, dtype=np.uint8).reshape(-1)
+        row_bytes = raw.size // max(part_rows, 1)
+        step = max(256, UPLOAD_CHUNK_BYTES // max(row_bytes, 1) // 256 * 256)
+        out += [(raw[r * row_bytes : min(r + step, part_rows) * row_bytes], min(step, part_rows - r))
+                for r in range(0, part_rows, step)] or [(raw, part_rows)]
+    return out
 
 
 # ---------------------------------------------------------------------------- activations

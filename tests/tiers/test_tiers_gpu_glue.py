@@ -329,3 +329,25 @@ def test_the_pool_may_use_the_rounding_no_plan_takes(fake_cupy) -> None:  # noqa
             v for k, v in account.reserved.items() if k != memory.POOL_ROUNDING_NAME) == account.budget
     finally:
         fake_cupy.get_default_memory_pool().set_limit(size=0)
+
+
+def test_gpu_glue_uploads_in_chunks_give_the_same_matrices(model_path: Path, fake_cupy: object,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """A matrix uploaded in runs of 256 rows (infer.gpu.ops.UPLOAD_CHUNK_BYTES: the transient copy
+    of its GGUF bytes bounded, as a tight budget needs) is repacked into the same planes."""
+    from infer.gpu import ops
+
+    prompt = np.random.default_rng(4).integers(3, SHAPE.vocab_size, 5)
+
+    def run() -> list[np.ndarray]:
+        session = gpu_session(model_path, 0.3)
+        try:
+            return logits_of(session, prompt, [9, 31])
+        finally:
+            session.close()
+
+    want = run()
+    monkeypatch.setattr(ops, "UPLOAD_CHUNK_BYTES", 1)  # every part split at each 256 rows
+    assert len(ops._in_chunks([(np.zeros(600 * 144, np.uint8), 600)])) == 3
+    for g, w in zip(run(), want, strict=True):
+        np.testing.assert_array_equal(g, w)
