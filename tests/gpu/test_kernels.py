@@ -71,6 +71,23 @@ def test_repack_matches_numpy_layout(rng: np.random.Generator, ggml_type: int) -
 
 
 @pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: T(t).name)
+def test_upload_in_runs_of_rows_gives_the_same_planes(rng: np.random.Generator, ggml_type: int,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """A matrix whose GGUF bytes cross in runs of 256 rows (ops.UPLOAD_CHUNK_BYTES) repacks into the
+    planes the whole upload makes, Q/K/V-style stacked parts included."""
+    rows, cols = 600, 512
+    parts = [(_tensor(rng, ggml_type, rows, cols), rows), (_tensor(rng, ggml_type, 256, cols), 256)]
+    whole = ops.upload_stacked(parts, ggml_type, cols)
+    monkeypatch.setattr(ops, "UPLOAD_CHUNK_BYTES", 1)
+    assert len(ops._in_chunks(parts)) == 4
+    runs = ops.upload_stacked(parts, ggml_type, cols)
+    got, want = cupy.asnumpy(runs.buffer), cupy.asnumpy(whole.buffer)
+    for offset, size in zip(whole.layout.offsets, whole.layout.sizes, strict=True):
+        if size:
+            np.testing.assert_array_equal(got[offset : offset + size], want[offset : offset + size])
+
+
+@pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: T(t).name)
 def test_dequantize_and_embed(rng: np.random.Generator, ggml_type: int) -> None:
     rows, cols = 40, 512
     raw = _tensor(rng, ggml_type, rows, cols)
