@@ -40,6 +40,15 @@ def check_gpu_doorbells(config: StreamingConfig, device: str | None) -> None:
         raise OptionConflict("--gpu-doorbells needs GPU threads to ring the doorbells: drop --device cpu")
 
 
+def check_cpu_tier(ctx: click.Context, device: str | None) -> None:
+    """--cpu-tier chooses where the GPU engine computes its RAM layers: refused with --device cpu,
+    where every layer is the CPU's anyway."""
+    given = ctx.get_parameter_source("cpu_tier") not in (None, click.core.ParameterSource.DEFAULT)
+    if given and device == "cpu":
+        raise OptionConflict("--cpu-tier sets where the GPU's streaming engine computes the layers held in RAM; "
+                             "with --device cpu every layer is computed by the CPU: drop it")
+
+
 # flags that only the streaming engine reads: without --streaming (or --batch/--prompts, which
 # run it) they would be ignored, so they are refused instead
 _STREAMING_ONLY = {"ram_budget": "--ram-budget", "tier_c": "--tier-c", "nvme_device": "--nvme-device",
@@ -102,6 +111,7 @@ def streaming_options(func: Callable[..., Any] | None = None, *, batch: bool = T
             slots=values["slots"], batch=values["batch"], prompts_file=values["prompts_file"],
             gpu_doorbells=values["gpu_doorbells"], expert_stats=values["expert_stats"], cpu_tier=values["cpu_tier"])
         check_gpu_doorbells(kwargs["streaming"], kwargs.get("device"))
+        check_cpu_tier(click.get_current_context(), kwargs.get("device"))
         return func(*args, **kwargs)
 
     options = [

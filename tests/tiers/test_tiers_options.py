@@ -45,6 +45,7 @@ def test_decorator_collects_the_options(tmp_path: Path) -> None:
     assert bad.exit_code == 2 and "--cpu-tier takes auto, off or a number" in bad.output
     bad = CliRunner().invoke(cmd, ["--cpu-tier", "off"])  # a streaming flag without --streaming
     assert bad.exit_code != 0 and "--cpu-tier" in bad.output
+
     (tmp_path / "empty.txt").write_text("\n")
     with pytest.raises(ValueError, match="no prompts"):
         read_prompts_file(str(tmp_path / "empty.txt"))
@@ -131,3 +132,16 @@ def test_serve_does_not_offer_the_batch_flags() -> None:
     assert "--batch " not in text and "--prompts" not in text
     refused = CliRunner().invoke(main, ["serve", "--batch", "2"])
     assert refused.exit_code == 2 and "No such option '--batch'" in refused.output
+
+
+def test_cpu_tier_is_refused_on_the_cpu_device() -> None:
+    @click.command()
+    @click.option("--device", default="gpu")
+    @streaming_options
+    def cmd(device: str, streaming: StreamingConfig) -> None:
+        pass
+
+    bad = CliRunner().invoke(cmd, ["--device", "cpu", "--streaming", "--cpu-tier", "2"])
+    assert bad.exit_code != 0 and "with --device cpu every layer is computed by the CPU" in bad.output
+    assert CliRunner().invoke(cmd, ["--device", "cpu", "--streaming"]).exit_code == 0  # the default is no choice
+    assert CliRunner().invoke(cmd, ["--device", "gpu", "--streaming", "--cpu-tier", "2"]).exit_code == 0
