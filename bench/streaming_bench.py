@@ -97,6 +97,7 @@ DEVICE = "gpu"  # --device cpu runs the same sections on the CPU simulation (a s
 # faster 32-sequence decode and pp512, single-sequence decode equal; docs/PERFORMANCE.md).
 BENCH_SLOTS = 8
 SLOTS = BENCH_SLOTS  # ring slots (--slots)
+CPU_TIER: str | int = "off"  # --cpu-tier of the stream section (infer.tiers.cpu_tier)
 
 
 def _session(model: Path, vram: str, ram: str | None, tier_c: str, ctx: int, batch: int,  # noqa: ANN202
@@ -104,6 +105,7 @@ def _session(model: Path, vram: str, ram: str | None, tier_c: str, ctx: int, bat
     """A streaming session; `extra`: more StreamingConfig fields (tier C reader settings)."""
     from infer.tiers.session import StreamingConfig, build_streaming_engine
 
+    extra.setdefault("cpu_tier", CPU_TIER if DEVICE == "gpu" else "off")
     config = StreamingConfig(enabled=True, vram_budget=vram, ram_budget=ram, tier_c=tier_c, batch=batch, slots=SLOTS,
                              **extra)
     return build_streaming_engine(str(model), config, ctx, device=DEVICE, measure=True, enforce_budget=DEVICE == "gpu")
@@ -281,7 +283,7 @@ def _tierc_run(out: Path, model: Path, args: argparse.Namespace, depth: int, sta
     from infer.tiers.plan import Tier
 
     s = _session(model, args.tierc_vram_budget or args.vram_budget, args.tierc_ram_budget, "file", 64, 1,
-                 read_queue_depth=depth, staging_buffers=staging)
+                 read_queue_depth=depth, staging_buffers=staging, cpu_tier="off")  # tier C: the CPU tier refuses
     try:
         (out / "plan_tierc.txt").write_text(s.report() + "\n")
         c_tensors = s.plan.tensors_in(Tier.STORAGE)
@@ -371,6 +373,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tierc-vram-budget", help="VRAM budget of the tier C run (default: --vram-budget)")
     parser.add_argument("--cgroup-mem", default="12G", help="memory.max of the tier C child (must be < the model)")
     parser.add_argument("--slots", type=int, default=BENCH_SLOTS, help="ring slots of the streaming pipeline")
+    parser.add_argument("--cpu-tier", default="off",
+                        help="the stream section's --cpu-tier: auto, off or N (RAM layers on the CPU in passes of <= N tokens)")
     parser.add_argument("--decode-steps", type=int, default=6)
     parser.add_argument("--batch-steps", type=int, default=4)
     parser.add_argument("--mmap-seconds", type=float, default=60.0)
@@ -386,8 +390,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    global DEVICE, SLOTS
-    DEVICE, SLOTS = args.device, args.slots
+    global DEVICE, SLOTS, CPU_TIER
+    from infer.tiers.config import parse_cpu_tier
+
+    DEVICE, SLOTS, CPU_TIER = args.device, args.slots, parse_cpu_tier(args.cpu_tier)
     if args.child_tierc:
         try:
             tierc_child(out, args.model, args)

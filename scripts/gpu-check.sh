@@ -30,6 +30,7 @@
 #                                                         # (pp512, tg128) at each depth
 #   GPU_CHECK_SPEC=1 ...                                  # speculative decoding: the CLI with a draft model on
 #                                                         # synthetic 8B/1B
+#   GPU_CHECK_70B=1 GPU_CHECK_70B_CPU_TIER=auto ...        # the 70B bench with its RAM layers on the CPU in decode
 #   GPU_CHECK_70B=1 GPU_CHECK_VERIFY=1 ...                # after the 70B bench, on its file: the time of one
 #                                                         # verification pass per tree size (GPU_CHECK_VERIFY_SIZES)
 #   GPU_CHECK_70B=1 GPU_CHECK_SKIP_TESTS=1 GPU_CHECK_SKIP_BENCH=1 ...
@@ -257,6 +258,7 @@ if [ -n "${GPU_CHECK_70B:-}" ]; then
     rm -f "$SYNTH_DIR"/synth-8b-*.gguf "$SYNTH_DIR"/synth-1b-*.gguf  # disk: 64 GB in all
     limit=${GPU_CHECK_70B_SECONDS:-560}
     timeout "$limit" python3 -m bench.streaming_bench --out "$OUT" --sections "${GPU_CHECK_70B_SECTIONS:-model,h2d,stream}" \
+        --cpu-tier "${GPU_CHECK_70B_CPU_TIER:-off}" \
         --deadline "$((limit - 20))" > "$OUT/bench-70b.txt" 2>&1
     note "70B streaming bench: exit $?"
     python3 - "$OUT/results.json" <<'EOF' | tee -a "$SUMMARY"
