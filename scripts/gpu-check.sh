@@ -31,6 +31,7 @@
 #   GPU_CHECK_SPEC=1 ...                                  # speculative decoding: the CLI with a draft model on
 #                                                         # synthetic 8B/1B
 #   GPU_CHECK_70B=1 GPU_CHECK_70B_CPU_TIER=auto ...        # the 70B bench with its RAM layers on the CPU in decode
+#   GPU_CHECK_70B_LLAMA_NGL=40 GPU_CHECK_LLAMA_BUILD=1 ...   # then llama-bench on that file with 40 layers on the GPU
 #   GPU_CHECK_70B=1 GPU_CHECK_VERIFY=1 ...                # after the 70B bench, on its file: the time of one
 #                                                         # verification pass per tree size (GPU_CHECK_VERIFY_SIZES)
 #   GPU_CHECK_70B=1 GPU_CHECK_SKIP_TESTS=1 GPU_CHECK_SKIP_BENCH=1 ...
@@ -268,6 +269,17 @@ keys = ("decode_tok_s", "roofline_tok_s", "decode_fraction_of_roofline", "pp512_
         "peak_vram_bytes", "vram_budget_bytes", "peak_within_budget", "error")
 print("70B stream: " + ", ".join(f"{k} {r[k]}" for k in keys if k in r))
 EOF
+    if [ -n "${GPU_CHECK_70B_LLAMA_NGL:-}" ] && grep -q "rc=0" "$LLAMA_DIR/done" 2>/dev/null; then
+        # issue 28's comparison: llama.cpp with N of the 80 layers on the GPU, the rest on every core
+        section "llama-bench on the same 70B file, -ngl $GPU_CHECK_70B_LLAMA_NGL, $(nproc) threads"
+        timeout "${GPU_CHECK_70B_LLAMA_SECONDS:-300}" "$LLAMA_DIR/llama.cpp/build/bin/llama-bench" \
+            -m "${NVMEDIRECT_BENCH_DIR:-/tmp/nvmd-bench}/synth-llama70b-q4_k_m.gguf" -p 0 -n 32 \
+            -ngl "$GPU_CHECK_70B_LLAMA_NGL" -t "$(nproc)" -fa 1 -r 2 -o json > "$OUT/llama-bench-70b-ngl.json" \
+            2> "$OUT/llama-bench-70b-ngl.log"
+        note "llama-bench 70b -ngl $GPU_CHECK_70B_LLAMA_NGL: exit $?; $(python3 -c "import json,sys; \
+print(' '.join(f\"tg{r['n_gen']} {r['avg_ts']:.2f} tok/s\" for r in json.load(open(sys.argv[1]))))" \
+            "$OUT/llama-bench-70b-ngl.json" 2>&1 | tail -1)"
+    fi
     if [ -n "${GPU_CHECK_VERIFY:-}" ]; then  # on the file the streaming bench wrote (one 42 GB file fits the disk)
         section "70B Q4_K_M streamed at 24GB: one verification pass per tree size"
         timeout "${GPU_CHECK_VERIFY_SECONDS:-300}" python3 -m bench.spec_bench verify \
