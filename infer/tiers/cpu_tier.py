@@ -43,19 +43,19 @@ if TYPE_CHECKING:
 
 MEASURE_ROWS = 8  # the second point of the cost line (the first: one row)
 def eligible_layers(plan: Plan, model: GGUFModel) -> tuple[list[int], str | None]:
-    """Layers the CPU may compute: some matrix streamed, every streamed one in tier B, every matrix
-    of a type the native kernels take. (layers, why none) - the reason when the list is empty."""
+    """Layers the CPU may compute: some matrix in tier B, none in tier C (a tier C layer's bytes come
+    through staging to the device; the rest of a tier C plan streams as before), every matrix of a
+    type the native kernels take. (layers, why none) - the reason when the list is empty."""
     if not cpu_kernels.available():
         return [], "the native CPU kernels are not built (python native/build_cpu_kernels.py)"
-    if plan.tensors_in(Tier.STORAGE):
-        return [], "tier C holds tensors: the CPU tier needs every streamed tensor in RAM (raise --ram-budget)"
     layers = []
     for i in range(plan.n_layers):
         mats = [t for t in plan.tensors if t.layer == i and not t.is_vector]
         if any(plan.tier[t.name] is Tier.RAM for t in mats) and \
+                not any(plan.tier[t.name] is Tier.STORAGE for t in mats) and \
                 all(t.ggml_type in cpu_kernels.SUPPORTED_TYPES for t in mats):
             layers.append(i)
-    return layers, None if layers else "no layer has its streamed matrices in RAM in types the CPU kernels take"
+    return layers, None if layers else "no layer has its streamed matrices all in RAM (tier B) in types the CPU kernels take"
 
 
 class CpuLayers:

@@ -63,10 +63,29 @@ class StagingReader:
         self._stop = False
         self._error: BaseException | None = None
         self.bytes_read = 0
+        self._start()
+
+    def _start(self) -> None:
         for q in self._free:
             q.put(None)  # every buffer starts free
         self._thread = threading.Thread(target=self._run, name="tier-c-staging", daemon=True)
         self._thread.start()
+
+    def restart(self) -> None:
+        """Drops the reads made ahead and starts the cycle again at its first piece, numbered 0 (the
+        ring restarted its order: StreamRing.select). Every piece taken must have been given back."""
+        self.close()
+        for q in self._free:  # the copies out of the buffers, then the reads into them, finished
+            while not q.empty():
+                token = q.get()
+                if token is not None:
+                    token.wait()
+        with self._cond:
+            handles, self._ready = list(self._ready.values()), {}
+        for handle in handles:
+            handle.wait()
+        self._stop, self._error = False, None
+        self._start()
 
     def _run(self) -> None:
         j = 0
@@ -151,7 +170,7 @@ class StreamRing:
             self.transport.copy_in(slot, t, self.host.view(t.name))
         else:
             assert self.staging is not None
-            passes, index = divmod(j, len(self.order))  # select() never runs with tier C pieces: _base is 0
+            passes = (j - self._base) // len(self.order)  # the staging cycle restarts with the order
             c_j = passes * self._c_count + self._c_index[t.name]
             buffer = self.staging.take(c_j)
             token = self.transport.copy_in(slot, t, buffer)
@@ -187,11 +206,12 @@ class StreamRing:
         """From the next pass on, stream only the pieces of layers not in `left_out` (the CPU
         computes those: infer.tiers.cpu_tier). Called between passes. A change drops the pieces
         already copied ahead for the next pass (at most n_slots copies wasted) and restarts the
-        cycle at the new order's first piece."""
+        cycle at the new order's first piece (tier C's staging too: its reads ahead are dropped).
+        Every tier C piece stays in the order: the CPU takes no layer with one."""
         if left_out == self.left_out:
             return
-        if self._c_count:
-            raise RuntimeError("only a plan with every streamed tensor in RAM (tier B) can leave layers to the CPU")
+        if any(self.tier[t.name] is Tier.STORAGE for t in self.full_order if t.layer in left_out):
+            raise RuntimeError("a layer with tensors in tier C cannot be left to the CPU")
         if self.order and (self.consumed - self._base) % len(self.order) or self.released != self.consumed:
             raise RuntimeError("the streamed layers can change only between passes")
         while self.released < self.issued:  # copied ahead for a pass that will not use them
@@ -200,6 +220,8 @@ class StreamRing:
         self.consumed = self._base = self.issued
         self.left_out = left_out
         self.order = [t for t in self.full_order if t.layer not in left_out]
+        if self.staging is not None:  # its reads ahead were for the old order's pieces
+            self.staging.restart()
         self._top_up()
 
     def close(self) -> None:

@@ -178,12 +178,59 @@ def test_auto_chooses_from_the_measured_speeds(model_path: Path, fake_cupy: obje
         session.close()
 
 
-def test_tier_c_leaves_every_layer_streamed(model_path: Path, fake_cupy: object) -> None:
-    session = session_for(model_path, 4, ram=0.3)
+def test_with_tier_c_the_cpu_takes_the_ram_layers(model_path: Path, fake_cupy: object) -> None:
+    """A plan with tier C: the layers wholly in RAM go to the CPU in small passes, the tier C layers
+    keep streaming through the staging reader, whose cycle restarts with each change of the order;
+    every pass follows the engine without the tier."""
+    prompt = np.random.default_rng(5).integers(3, SHAPE.vocab_size, 6)
+    passes = [prompt, [7], [8], prompt[:3], [9], [10]]
+
+    def run(session) -> tuple[list[np.ndarray], list[dict]]:
+        m = session.engine.model
+        cache = m.new_cache(CTX)
+        out, moved = [], []
+        for tokens in passes:
+            out.append(m.forward(np.asarray(tokens), cache, all_logits=len(tokens) > 1))
+            moved.append(dict(session.weights.bytes_moved()))
+        return out, moved
+
+    plain = session_for(model_path, "off", ram=0.5)
+    try:
+        assert plain.plan.bytes_in(Tier.STORAGE) > 0 and plain.plan.bytes_in(Tier.RAM) > 0
+        want, _ = run(plain)
+    finally:
+        plain.close()
+    session = session_for(model_path, 1, ram=0.5)
+    try:
+        tier = session.engine.model.cpu_tier
+        assert tier is not None
+        plan = session.plan
+        c_layers = {t.layer for t in plan.tensors_in(Tier.STORAGE)}
+        assert tier.layers.layers and not tier.layers.layers & c_layers
+        got, moved = run(session)
+        slack = session.weights.ring.n_slots * plan.slot_nbytes
+        cpu_bytes = layer_bytes(session, tier.layers.layers)
+        c_bytes = plan.bytes_in(Tier.STORAGE)
+        b_other = plan.bytes_in(Tier.RAM) - cpu_bytes  # RAM tensors of a layer split with tier C: streamed
+    finally:
+        session.close()
+    for g, w in zip(got, want, strict=True):
+        assert rel(g, w) < 1e-4, rel(g, w)
+    ram = [m[Tier.RAM] for m in moved]
+    storage = [m[Tier.STORAGE] for m in moved]
+    for k in (2, 5):  # decode after decode (steady state: a pass's worth issued per pass): only the RAM
+        assert ram[k] - ram[k - 1] == b_other  # tensors of layers the CPU does not take cross
+    assert ram[3] - ram[2] >= cpu_bytes - slack  # the prompt streams them again
+    for k in (2, 5):  # tier C still crosses every pass, decode included
+        assert storage[k] - storage[k - 1] == c_bytes
+
+
+def test_no_layer_wholly_in_ram_means_no_cpu_tier(model_path: Path, fake_cupy: object) -> None:
+    session = session_for(model_path, 4, ram=0.05)
     try:
         assert session.plan.bytes_in(Tier.STORAGE) > 0
         assert session.engine.model.cpu_tier is None
-        assert "CPU tier: not used: tier C holds tensors" in session.report()
+        assert "CPU tier: not used: no layer has its streamed matrices all in RAM" in session.report()
         m = session.engine.model
         cache = m.new_cache(CTX)
         m.forward(np.array([3, 4, 5]), cache)
