@@ -105,12 +105,15 @@ class SharedExpert:
         """(T, dim) float32: the gated feed-forward of h (T, dim) times each token's gate, which is
         ggml's silu(g) / g on a row of one value: g / (1 + expf(-g)) (expf correctly rounded here),
         then the float32 division by g."""
-        g = self.gate(h)[:, 0].astype(np.float32)
-        silu = g / (np.float32(1.0) + np.exp(-g.astype(np.float64)).astype(np.float32))
-        gate = silu / g
+        gate = self.scale(self.gate(h)[:, 0].astype(np.float32))
         gate_up = self.gate_up(h)
         width = gate_up.shape[1] // 2
         return self.down(glu(gate_up[:, :width], gate_up[:, width:])) * gate[:, None]
+
+    @staticmethod
+    def scale(g: np.ndarray) -> np.ndarray:
+        """silu(g) / g, float32: each token's factor from its gate value g."""
+        return (g / (np.float32(1.0) + np.exp(-g.astype(np.float64)).astype(np.float32))) / g
 
 
 @dataclass

@@ -69,6 +69,7 @@ class PackedWeights(DequantizedWeights):
     types; vectors and the embedding rows are dequantized as before."""
 
     copies_experts = True  # whether the huge-page copy takes the expert stacks (a tier's own: no)
+    copies_to_huge_pages = True  # whether its matrices are copied to huge pages at load (a tier's own: no)
 
     def __init__(self, model: GGUFModel, args: ModelArgs, budget_bytes: int = 8 << 30,
                  match_llama_cpp: bool = True, exact: bool = False, threads: int | None = None) -> None:
@@ -81,7 +82,7 @@ class PackedWeights(DequantizedWeights):
         self.batch_invariant = match_llama_cpp and not exact and packs_invariantly(model, args)
         self.native_layers = NativeLayers(threads)  # norms, rope and attention (infer.model.Transformer)
         cpu_kernels.single_threaded_blas()  # the cores are the products' (see there why)
-        self.huge_pages = None if exact or not match_llama_cpp else \
+        self.huge_pages = None if exact or not match_llama_cpp or not self.copies_to_huge_pages else \
             _copy_to_huge_pages(model, threads or cpu_kernels.default_threads(), self.copies_experts)
 
     def _experts(self, i: int) -> MixtureOfExperts:

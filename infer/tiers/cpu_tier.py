@@ -29,11 +29,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from infer import cpu_kernels
-from infer.arch import ModelArgs, layer_vector_kinds, layer_vectors, tensor_name
-from infer.cpu_layers import rms_norm, swiglu
-from infer.gguf_file import GGUFModel
-from infer.model import LayerWeights, geglu
-from infer.packed_weights import PackedLinear
+from infer.arch import ModelArgs
+from infer.gguf_file import GGUFModel, TensorInfo
+from infer.model import geglu
+from infer.packed_weights import PackedWeights
 from infer.tiers.plan import Plan, Tier, format_bytes
 from infer.tiers.tier_b import HostTier
 
@@ -42,6 +41,8 @@ if TYPE_CHECKING:
     from infer.gpu.passes import PassShape
 
 MEASURE_ROWS = 8  # the second point of the cost line (the first: one row)
+
+
 def eligible_layers(plan: Plan, model: GGUFModel) -> tuple[list[int], str | None]:
     """Layers the CPU may compute: some matrix in tier B, none in tier C (a tier C layer's bytes come
     through staging to the device; the rest of a tier C plan streams as before), every matrix of a
@@ -58,48 +59,31 @@ def eligible_layers(plan: Plan, model: GGUFModel) -> tuple[list[int], str | None
     return layers, None if layers else "no layer has its streamed matrices all in RAM (tier B) in types the CPU kernels take"
 
 
-class CpuLayers:
-    """The CPU's view of its layers: each one's products packed over the bytes where they lie."""
+class CpuLayers(PackedWeights):
+    """The packed CPU engine's layers (infer.packed_weights) for `layers`, each matrix multiplied
+    where its bytes lie: tier B's pinned arena or registered mapping, else the file's mapping (a
+    matrix that is also resident on the GPU). Nothing is copied to huge pages: tier B holds them."""
+
+    copies_to_huge_pages = False
 
     def __init__(self, model: GGUFModel, args: ModelArgs, plan: Plan, host: HostTier | None,
                  layers: list[int], threads: int | None = None) -> None:
-        self.model, self.args, self.threads = model, args, threads
-        self.host, self.plan = host, plan
-        self.layers = frozenset(layers)
-        self._built: dict[int, LayerWeights] = {}
-        cpu_kernels.single_threaded_blas()
+        super().__init__(model, args, threads=threads)
+        self.plan, self.host, self.layers = plan, host, frozenset(layers)
 
-    def _bytes(self, name: str) -> np.ndarray:
-        if self.plan.tier[name] is Tier.RAM and self.host is not None and name in self.host:
-            return self.host.view(name)
-        return self.model.tensor(name).data  # resident on the GPU too: the file's mapping
-
-    def _linear(self, *names: str) -> PackedLinear:
-        infos = [self.model.tensor(name) for name in names]
-        return PackedLinear([(self._bytes(i.name), i.ggml_type, i.shape[0], i.shape[1]) for i in infos], self.threads)
-
-    def layer(self, i: int) -> LayerWeights:
-        built = self._built.get(i)
-        if built is None:
-            def name(kind: str) -> str:
-                return tensor_name(i, kind)
-
-            vectors = {kind: self.model.tensor(name(kind)).dequantize() for kind in layer_vector_kinds(self.args)
-                       if name(kind) in self.model.tensors}
-            built = self._built[i] = LayerWeights.assemble(
-                layer_vectors(self.args, i, vectors), attn_qkv=self._linear(*(name(f"attn_{x}") for x in "qkv")),
-                attn_output=self._linear(name("attn_output")),
-                ffn_gate_up=self._linear(name("ffn_gate"), name("ffn_up")), ffn_down=self._linear(name("ffn_down")))
-        return built
+    def _bytes(self, info: TensorInfo) -> np.ndarray:
+        if self.plan.tier.get(info.name) is Tier.RAM and self.host is not None and info.name in self.host:
+            return self.host.view(info.name)
+        return info.data
 
     def glu(self, gate_up: np.ndarray) -> np.ndarray:
         f = self.args.ffn_dim
         if self.args.arch_table.activation == "gelu_tanh":
             return geglu(gate_up[:, :f], gate_up[:, f:])
-        return swiglu(np.ascontiguousarray(gate_up[:, :f]), np.ascontiguousarray(gate_up[:, f:]))
+        return self.native_layers.swiglu(gate_up[:, :f], gate_up[:, f:])
 
     def norm(self, x: np.ndarray, weight: np.ndarray) -> np.ndarray:
-        return rms_norm(x, weight, self.args.norm_eps)
+        return self.native_layers.norm(x, weight, self.args.norm_eps)
 
     def products_seconds(self, i: int, rows: int, repeats: int = 3) -> float:
         """Best time of layer i's products (and norms) on `rows` random rows, after one warm-up."""
@@ -176,6 +160,7 @@ def choose(model: GGUFModel, args: ModelArgs, plan: Plan, host: HostTier | None,
     what = f"{len(layers)} layers with matrices in RAM"
     if isinstance(mode, int):
         rows = min(mode, capacity)
+        _build(cpu)
         return CpuTier(cpu, rows), f"CPU tier: {what} computed by the CPU ({n_threads} threads) in passes of " \
                                        f"<= {rows} tokens (--cpu-tier {mode}); streamed in larger ones"
     if link_bytes_per_s <= 0:
@@ -189,10 +174,14 @@ def choose(model: GGUFModel, args: ModelArgs, plan: Plan, host: HostTier | None,
                 f"{many * 1e3:.1f} ms for {MEASURE_ROWS}; link {link_s * 1e3:.1f} ms")
     if rows == 0:
         return None, f"CPU tier: not used: the link is faster than the CPU even for one token ({measured})"
-    for i in layers:  # built now, not in the first pass
-        cpu.layer(i)
+    _build(cpu)
     return CpuTier(cpu, rows), f"CPU tier: {what} computed by the CPU ({n_threads} threads) in passes of " \
                                    f"<= {rows} tokens, streamed in larger ones ({measured})"
+
+
+def _build(cpu: CpuLayers) -> None:
+    for i in cpu.layers:  # now, not in the first pass
+        cpu.layer(i)
 
 
 def crossover_rows(one_row_s: float, many_rows_s: float, link_s: float, capacity: int,

@@ -48,9 +48,9 @@ def _write(name: str, kind: str, tmp_path: Path) -> Path:
     return path
 
 
-def _without_normalisation(model: Transformer) -> Transformer:
-    """The same file with the top-k weights left as their softmax probabilities."""
-    args = replace(model.args, expert_weights_norm=False)
+def _variant(model: Transformer, **changes: object) -> Transformer:
+    """The same file read with ModelArgs changed (what an engine that got that feature wrong computes)."""
+    args = replace(model.args, **changes)
     return Transformer(args, DequantizedWeights(model.weights.model, args), model.rope.freq_factors)
 
 
@@ -67,7 +67,7 @@ def test_synthetic_moe_matches_llama_cpp(name: str, kind: str, tmp_path: Path) -
         want, mean, worst, noise_mean, noise_max = _errors(got, ref, ids)
     finally:
         ref.close()
-    off = float(np.abs(_logits(_without_normalisation(ours), ids) - want).mean())
+    off = float(np.abs(_logits(_variant(ours, expert_weights_norm=False), ids) - want).mean())
     top1 = float(np.mean(got.argmax(-1) == want.argmax(-1)))
     label = f"synthetic {name} {kind}"
     print(f"\n{label}: |error| mean {mean:.5f} max {worst:.4f}; llama.cpp's batching noise mean {noise_mean:.5f} "
@@ -97,10 +97,18 @@ def test_moe_operations_match_llama_cpp(name: str, kind: str, tmp_path: Path) ->
         assert row.rel <= bound, f"{row.op} in block {row.layer}: relative error {row.rel:.2e}"
 
 
-def _variant(model: Transformer, **changes: object) -> Transformer:
-    """The same file read with ModelArgs changed (what an engine that got that feature wrong computes)."""
-    args = replace(model.args, **changes)
-    return Transformer(args, DequantizedWeights(model.weights.model, args), model.rope.freq_factors)
+def _qwen2moe_run(kind: str, tmp_path: Path) -> tuple[Transformer, list[int], np.ndarray, tuple]:
+    """The synthetic qwen2moe file of `kind` through our engine and llama.cpp: (our model, the token
+    ids, our logits, _errors' (llama.cpp's logits, our mean and max error, its mean and max noise))."""
+    path = _write("qwen2moe", kind, tmp_path)
+    ours = load_transformer(GGUFModel(path))
+    ids = [int(t) for t in np.random.default_rng(0).integers(3, 1024, TOKENS)]
+    got = _logits(ours, ids)
+    ref = Reference(path, n_ctx=128)
+    try:
+        return ours, ids, got, _errors(got, ref, ids)
+    finally:
+        ref.close()
 
 
 # qwen2moe at 8 bits and below: llama.cpp's two batchings give the same bits on these files (noise 0 at
@@ -118,15 +126,7 @@ _BIT_IDENTITY = pytest.mark.xfail(strict=True, reason="the rule asks bit-identit
 @pytest.mark.parametrize("kind", ["f16", pytest.param("q8_0", marks=_BIT_IDENTITY),
                                   pytest.param("q4_k_m", marks=_BIT_IDENTITY)])
 def test_synthetic_qwen2moe_matches_llama_cpp(kind: str, tmp_path: Path) -> None:
-    path = _write("qwen2moe", kind, tmp_path)
-    ours = load_transformer(GGUFModel(path))
-    ids = [int(t) for t in np.random.default_rng(0).integers(3, 1024, TOKENS)]
-    got = _logits(ours, ids)
-    ref = Reference(path, n_ctx=128)
-    try:
-        want, mean, worst, noise_mean, noise_max = _errors(got, ref, ids)
-    finally:
-        ref.close()
+    _ours, _ids, got, (want, mean, worst, noise_mean, noise_max) = _qwen2moe_run(kind, tmp_path)
     top1 = float(np.mean(got.argmax(-1) == want.argmax(-1)))
     print(f"\nsynthetic qwen2moe {kind}: |error| mean {mean:.5f} max {worst:.4f}; llama.cpp's batching noise mean "
           f"{noise_mean:.5f} max {noise_max:.4f}; top-1 agreement {top1:.3f}")
@@ -138,17 +138,9 @@ def test_qwen2moe_features_move_the_logits(kind: str, tmp_path: Path) -> None:
     """Each of qwen2moe's differences is computed, not ignored: leaving out the shared expert, or
     renormalising the top-k weights as qwen3moe does, moves the logits by over twice both our error
     and the rule's bound."""
-    path = _write("qwen2moe", kind, tmp_path)
-    ours = load_transformer(GGUFModel(path))
+    ours, ids, _got, (want, mean, _worst, noise_mean, _noise_max) = _qwen2moe_run(kind, tmp_path)
     assert ours.args.shared_ffn_dim == 512 and not ours.args.expert_weights_norm
     assert ours.weights.layer(0).experts.shared is not None
-    ids = [int(t) for t in np.random.default_rng(0).integers(3, 1024, TOKENS)]
-    got = _logits(ours, ids)
-    ref = Reference(path, n_ctx=128)
-    try:
-        want, mean, _worst, noise_mean, _noise_max = _errors(got, ref, ids)
-    finally:
-        ref.close()
     for changes in ({"shared_ffn_dim": 0}, {"expert_weights_norm": True}):
         off = float(np.abs(_logits(_variant(ours, **changes), ids) - want).mean())
         print(f"\nqwen2moe {kind} with {changes}: error mean {off:.4f} (ours {mean:.5f})")

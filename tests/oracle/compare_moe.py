@@ -78,8 +78,7 @@ def _shared_rows(model: Transformer, moe: MixtureOfExperts, t: dict[str, np.ndar
     assert shared is not None
     g = t["ffn_shexp_gate_inp"].reshape(n)
     rows = [_diff(i, "shared gate matmul", shared.gate(h)[:, 0], g)]
-    silu = g / (np.float32(1.0) + np.exp(-g.astype(np.float64)).astype(np.float32))
-    rows.append(_diff(i, "shared gate", silu / g, t["ffn_shexp_gate"].reshape(n)))
+    rows.append(_diff(i, "shared gate", shared.scale(g), t["ffn_shexp_gate"].reshape(n)))
     gate_up = shared.gate_up(h)
     width = gate_up.shape[1] // 2
     rows.append(_diff(i, "shared expert", shared.down(model._glu(gate_up[:, :width], gate_up[:, width:])),

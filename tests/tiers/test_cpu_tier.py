@@ -15,16 +15,13 @@ from infer import cpu_kernels
 from infer.engine import greedy
 from infer.gguf_file import GGUFModel
 from infer.model import ModelArgs
-from infer.synth import Shape, write_model
-from infer.tiers.budget import compute_budgets
+from infer.synth import write_model
 from infer.tiers.config import parse_cpu_tier
 from infer.tiers.cpu_tier import choose, crossover_rows
-from infer.tiers.plan import Tier, minimum_vram
-from infer.tiers.session import StreamingConfig, build_streaming_engine, planner_tensors
+from infer.tiers.plan import Tier
+from tests.tiers.test_tiers_gpu_glue import CTX, SHAPE, gpu_session
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="the native CPU kernels are not built")
-SHAPE = Shape(n_layers=4, dim=256, ffn_dim=768, n_heads=4, n_kv_heads=2, vocab_size=600, context_length=512)
-CTX = 64
 
 
 @pytest.fixture(scope="module", params=["q4_k_m", "q8_0"])
@@ -35,22 +32,9 @@ def model_path(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
 
 
 def session_for(path: Path, cpu_tier: str | int, resident: float = 0.3, ram: float = 1.2):
-    """A streamed session whose non-resident layers are all in RAM (ram >= 1: tier C stays empty)."""
-    from infer.gpu import gpu_pass_nbytes, memory
-
-    model = GGUFModel(path)
-    args = ModelArgs.from_gguf(model)
-    tensors = planner_tensors(model, "gpu")
-    layers = sum(t.device_nbytes for t in tensors if t.layer is not None and not t.is_vector)
-    raw = sum(t.nbytes for t in tensors if t.layer is not None and not t.is_vector)
-    staging = 4 * max(t.nbytes for t in tensors if t.layer is not None)
-    reserve = sum(memory.new_account(None, "test").reserved.values())
-    big = compute_budgets(args, CTX, 1, 512, staging, 10**15, 10**15, device_reserved=reserve,
-                          activations=gpu_pass_nbytes(model, args, 512, CTX))
-    vram = minimum_vram(tensors, 4, True) + int(resident * layers) + big.vram_total - big.vram_for_weights
-    config = StreamingConfig(enabled=True, vram_budget=str(vram), ram_budget=str(int(ram * raw) + staging),
-                             tier_b="pinned", cpu_tier=cpu_tier)
-    return build_streaming_engine(str(path), config, CTX, device="gpu", measure=False)
+    """A streamed session (the glue tests' budgets) whose non-resident layers are all in RAM when
+    ram >= 1 (tier C stays empty), with tier B pinned."""
+    return gpu_session(path, resident, ram, tier_b="pinned", cpu_tier=cpu_tier)
 
 
 def layer_bytes(session, layers: frozenset[int]) -> int:

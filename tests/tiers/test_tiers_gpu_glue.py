@@ -36,7 +36,8 @@ def device_reserve() -> int:
     return sum(memory.new_account(None, "test").reserved.values())
 
 
-def gpu_session(path: Path, resident: float | None, ram: float = 0.3, tier_c: str = "file", tier_b: str = "pinned"):
+def gpu_session(path: Path, resident: float | None, ram: float = 0.3, tier_c: str = "file", tier_b: str = "pinned",
+                cpu_tier: str | int = "off"):
     if resident is None:
         vram, ram_budget = "10GB", "1MB"
     else:
@@ -52,7 +53,8 @@ def gpu_session(path: Path, resident: float | None, ram: float = 0.3, tier_c: st
                               activations=gpu_pass_nbytes(model, args, 512, CTX))
         vram = str(minimum_vram(tensors, 4, True) + int(resident * layers) + big.vram_total - big.vram_for_weights)
         ram_budget = str(int(ram * raw) + staging)
-    config = StreamingConfig(enabled=True, vram_budget=vram, ram_budget=ram_budget, tier_c=tier_c, tier_b=tier_b)
+    config = StreamingConfig(enabled=True, vram_budget=vram, ram_budget=ram_budget, tier_c=tier_c, tier_b=tier_b,
+                             cpu_tier=cpu_tier)
     return build_streaming_engine(str(path), config, CTX, device="gpu", measure=False)
 
 
