@@ -6,8 +6,13 @@ For one token (plain decode) the CPU reads the same bytes from RAM faster than t
 them (a desktop: ~80 GB/s of RAM against ~25 GB/s of PCIe 4.0), and its cost grows with the tokens
 while the copy's does not; so small passes go to the CPU and large ones (prompts, batches,
 speculation trees) stream. The choice is measured at load: one layer's products on the CPU for 1
-and for 8 rows, against the layer's bytes over the link bandwidth measured beside it; passes of at
-most `max_rows` rows take the CPU.
+and for 8 rows, against the layer's bytes over the link bandwidth measured beside it.
+
+The CPU and the link work at once: while the CPU computes its layers, the ring keeps copying the
+other streamed layers ahead. So the CPU takes a share of the RAM layers, spread evenly among them,
+sized so that its time and the link's time for the rest are about equal (`cpu_share`); a decode pass
+then costs about the larger of the two instead of their sum. Passes of at most `max_rows` rows use
+that split: up to the size where the CPU's share stops being cheaper than streaming every layer.
 
 What crosses the link: activations, not weights. The CPU computes a layer's norms, matrix products
 (the native kernels on the packed bytes where they lie: tier B's pinned arena or registered mapping,
@@ -169,14 +174,39 @@ def choose(model: GGUFModel, args: ModelArgs, plan: Plan, host: HostTier | None,
     layer_bytes = sum(t.nbytes for t in plan.tensors if t.layer == first and plan.tier[t.name] is not Tier.VRAM)
     link_s = layer_bytes / link_bytes_per_s
     one, many = cpu.products_seconds(first, 1), cpu.products_seconds(first, MEASURE_ROWS)
-    rows = crossover_rows(one, many, link_s, capacity)
+    n, count = len(layers), cpu_share(len(layers), one, link_s)
     measured = (f"a layer's {format_bytes(layer_bytes)}: CPU {one * 1e3:.1f} ms for 1 token, "
                 f"{many * 1e3:.1f} ms for {MEASURE_ROWS}; link {link_s * 1e3:.1f} ms")
-    if rows == 0:
-        return None, f"CPU tier: not used: the link is faster than the CPU even for one token ({measured})"
+    if count == 0:
+        return None, f"CPU tier: not used: the link is so much faster than the CPU that it takes every layer ({measured})"
+    # with `count` layers on the CPU a pass gains while their time stays under streaming all n
+    rows = crossover_rows(one, many, n * link_s / count, capacity)
+    cpu.layers = frozenset(spread(layers, count))
     _build(cpu)
-    return CpuTier(cpu, rows), f"CPU tier: {what} computed by the CPU ({n_threads} threads) in passes of " \
-                                   f"<= {rows} tokens, streamed in larger ones ({measured})"
+    split_s, stream_s = max(count * one, (n - count) * link_s), n * link_s
+    return CpuTier(cpu, rows), (
+        f"CPU tier: {count} of the {what} computed by the CPU ({n_threads} threads) in passes of <= {rows} "
+        f"tokens while the link streams the other {n - count}; every one streamed in larger passes "
+        f"({measured}; predicted {split_s * 1e3:.0f} ms of a token's pass for these layers against "
+        f"{stream_s * 1e3:.0f} ms streaming them all)")
+
+
+def cpu_share(n_layers: int, one_row_s: float, link_s: float) -> int:
+    """How many of n_layers streamed layers the CPU should compute in a one-token pass, so that it
+    and the link (copying the others meanwhile) finish together: the count k minimizing
+    max(k * one_row_s, (n_layers - k) * link_s)."""
+    if one_row_s <= 0:
+        return n_layers
+    best = n_layers * link_s / (one_row_s + link_s)
+    candidates = {max(0, min(n_layers, int(best))), max(0, min(n_layers, int(best) + 1))}
+    return min(sorted(candidates), key=lambda k: (max(k * one_row_s, (n_layers - k) * link_s), k))
+
+
+def spread(layers: list[int], count: int) -> list[int]:
+    """`count` of `layers` spread evenly over them (so the link always has a streamed layer to copy
+    ahead while the CPU works)."""
+    n = len(layers)
+    return [layers[(2 * j + 1) * n // (2 * count)] for j in range(count)]
 
 
 def _build(cpu: CpuLayers) -> None:

@@ -17,7 +17,7 @@ from infer.gguf_file import GGUFModel
 from infer.model import ModelArgs
 from infer.synth import write_model
 from infer.tiers.config import parse_cpu_tier
-from infer.tiers.cpu_tier import choose, crossover_rows
+from infer.tiers.cpu_tier import CpuLayers, choose, cpu_share, crossover_rows, spread
 from infer.tiers.plan import Tier
 from tests.tiers.test_tiers_gpu_glue import CTX, SHAPE, gpu_session
 
@@ -51,6 +51,25 @@ def test_crossover_rows() -> None:
     assert crossover_rows(0.004, 0.011, 0.008, 512) == 5  # 4 ms + 1 ms a row: rows 1..5 fit 8 ms
     assert crossover_rows(0.004, 0.004, 0.008, 64) == 64  # no cost per extra row: every pass
     assert crossover_rows(0.001, 1.0, 0.5, 512) == 4
+
+
+def test_cpu_share_balances_the_cpu_against_the_link() -> None:
+    assert cpu_share(46, 0.007, 0.0087) == 26  # 26 x 7 = 182 ms against 20 x 8.7 = 174 (25: 175 against 183)
+    assert cpu_share(40, 0.010, 0.010) == 20
+    assert cpu_share(10, 0.030, 0.010) == 2  # a slow CPU still takes a share: 60 ms against 80
+    assert cpu_share(10, 1.0, 1e-6) == 0  # a link this fast: streaming all is best
+    assert cpu_share(10, 1e-6, 1.0) == 10 and cpu_share(3, 0.0, 0.01) == 3
+    for n, c, link in ((46, 0.007, 0.0087), (7, 0.002, 0.013), (80, 0.02, 0.004)):
+        k = cpu_share(n, c, link)
+        assert all(max(k * c, (n - k) * link) <= max(j * c, (n - j) * link) for j in range(n + 1))
+
+
+def test_spread_takes_evenly_spaced_layers() -> None:
+    assert spread([10, 11, 12, 13], 2) == [10, 12] or spread([10, 11, 12, 13], 2) == [11, 13]
+    assert spread(list(range(10)), 10) == list(range(10))
+    assert spread(list(range(9)), 3) == [1, 4, 7]
+    picked = spread(list(range(46)), 26)
+    assert len(set(picked)) == 26 and max(np.diff(picked)) <= 2
 
 
 def test_parse_cpu_tier() -> None:
@@ -146,20 +165,72 @@ def test_speculation_with_the_cpu_tier(model_path: Path, fake_cupy: object) -> N
         session.close()
 
 
-def test_auto_chooses_from_the_measured_speeds(model_path: Path, fake_cupy: object) -> None:
+def test_auto_chooses_from_the_measured_speeds(model_path: Path, fake_cupy: object,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
     session = session_for(model_path, "off")
     try:
         m = session.engine.model
         args = ModelArgs.from_gguf(GGUFModel(model_path))
         host = session.weights.ring.host
+        ram_layers = {t.layer for t in session.plan.tensors_in(Tier.RAM)}
         tier, line = choose(GGUFModel(model_path), args, session.plan, host, "auto", 1e15, m.capacity)
-        assert tier is None and "the link is faster than the CPU" in line
+        assert tier is None and "the link is so much faster than the CPU" in line
         tier, line = choose(GGUFModel(model_path), args, session.plan, host, "auto", 1e3, m.capacity)
         assert tier is not None and tier.max_rows == m.capacity and "passes of <=" in line and "ms for 1 token" in line
+        assert tier.layers.layers == ram_layers and "streams the other 0" in line  # a slow link: all to the CPU
+        # a link as fast as the CPU on one layer (1 ms, 1 ms more a row): the CPU takes half of them
+        monkeypatch.setattr(CpuLayers, "products_seconds", lambda self, i, rows: 1e-3 * rows)
+        nbytes = sum(t.nbytes for t in session.plan.streamed if t.layer == min(ram_layers))
+        tier, line = choose(GGUFModel(model_path), args, session.plan, host, "auto", nbytes / 1e-3, m.capacity)
+        n, k = len(ram_layers), cpu_share(len(ram_layers), 1e-3, 1e-3)
+        assert tier is not None and len(tier.layers.layers) == k == n // 2, line
+        assert tier.max_rows == n // k  # k x rows ms within the n ms of streaming all
+        assert tier.layers.layers < ram_layers and f"streams the other {len(ram_layers) - len(tier.layers.layers)}" in line
         tier, line = choose(GGUFModel(model_path), args, session.plan, host, "auto", 0.0, m.capacity)
         assert tier is None and "not measured" in line
     finally:
         session.close()
+
+
+def test_split_decode_streams_the_layers_the_cpu_does_not_take(model_path: Path, fake_cupy: object,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """auto with a link as fast as the CPU: the CPU computes half of the RAM layers in decode while
+    the other half keep streaming; every pass follows the engine without the tier, and a decode pass
+    copies exactly the bytes of the RAM layers the CPU left (the prompt streams them all)."""
+    prompt = np.random.default_rng(6).integers(3, SHAPE.vocab_size, 6)
+    steps = [11, 12, 13, 14]
+    session = session_for(model_path, "off")
+    try:
+        cache = session.engine.model.new_cache(CTX)
+        want = [session.engine.model.forward(prompt, cache, all_logits=True)]
+        want += [session.engine.model.forward(np.array([t]), cache) for t in steps]
+    finally:
+        session.close()
+    session = session_for(model_path, "off")
+    try:
+        m, plan = session.engine.model, session.plan
+        ram_layers = {t.layer for t in plan.tensors_in(Tier.RAM)}
+        monkeypatch.setattr(CpuLayers, "products_seconds", lambda self, i, rows: 1e-3 * rows)
+        nbytes = sum(t.nbytes for t in plan.streamed if t.layer == min(ram_layers))
+        m.cpu_tier, line = choose(GGUFModel(model_path), ModelArgs.from_gguf(GGUFModel(model_path)), plan,
+                                  session.weights.ring.host, "auto", nbytes / 1e-3, m.capacity)
+        on_cpu = m.cpu_tier.layers.layers
+        assert 0 < len(on_cpu) < len(ram_layers), line
+        cache = m.new_cache(CTX)
+        got, moved = [m.forward(prompt, cache, all_logits=True)], [session.weights.bytes_moved()[Tier.RAM]]
+        for t in steps:
+            got.append(m.forward(np.array([t]), cache))
+            moved.append(session.weights.bytes_moved()[Tier.RAM])
+        streamed_in_decode = sum(t.nbytes for t in plan.tensors_in(Tier.RAM) if t.layer not in on_cpu)
+        slack = session.weights.ring.n_slots * plan.slot_nbytes
+    finally:
+        session.close()
+    for g, w in zip(got, want, strict=True):
+        assert rel(g, w) < 1e-4, rel(g, w)
+    assert streamed_in_decode > 0
+    decode = np.diff(moved)
+    assert decode[0] <= streamed_in_decode + slack  # the switch drops what was copied ahead
+    assert list(decode[1:]) == [streamed_in_decode] * (len(steps) - 1)
 
 
 def test_with_tier_c_the_cpu_takes_the_ram_layers(model_path: Path, fake_cupy: object) -> None:
