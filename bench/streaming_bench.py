@@ -163,7 +163,8 @@ def _stream_section(out: Path, model: Path, vram: str, decode_steps: int, batch_
         res.update({"streamed_bytes_per_pass": streamed, "resident_bytes": plan.bytes_in(Tier.VRAM),
                     "tier_b_bytes": plan.bytes_in(Tier.RAM), "tier_c_bytes": plan.bytes_in(Tier.STORAGE),
                     "h2d_GBps_startup": round(h2d / 1e9, 2),
-                    "paths": sorted(set(s.paths.values()))})
+                    "paths": sorted(set(s.paths.values())),
+                    "cpu_tier": [n for n in plan.notes if n.startswith("CPU tier")]})
         rng = np.random.default_rng(0)
         vocab = _vocab(m)
         cache = m.new_cache(640)

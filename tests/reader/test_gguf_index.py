@@ -70,3 +70,28 @@ def test_truncated_and_foreign_headers(smollm2_path: Path) -> None:
         parse_gguf_header(read, len(head))
     with pytest.raises(GGUFFormatError, match="magic"):
         parse_gguf_header(lambda o, n: b"\0" * n, 4096)
+
+
+def test_string_arrays_across_fetches_and_their_faults(smollm2_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The vocabulary's strings are decoded in one loop (Cursor.strings): the same list however the
+    header is fetched, and a bad length or byte inside the array is named, not a traceback."""
+    import struct
+
+    from gguf import GGUFReader
+
+    from nvmedirect.reader import gguf_index
+
+    raw = smollm2_path.read_bytes()
+    field = GGUFReader(smollm2_path).fields["tokenizer.ggml.tokens"]
+    want = [bytes(field.parts[i]).decode() for i in field.data]
+    for fetch in (4093, 1 << 20):  # pieces that end inside lengths and inside strings
+        monkeypatch.setattr(gguf_index, "_FETCH", fetch)
+        index = parse_gguf_header(lambda o, n: raw[o:o + n], len(raw))
+        assert index.metadata["tokenizer.ggml.tokens"] == want
+    first = field.offset + sum(len(part) for part in field.parts[:field.data[0] - 1])  # the first length field
+    third = first + sum(8 + len(t.encode()) for t in want[:2])  # the third token's length field
+    for patch, problem in ((struct.pack("<Q", 1 << 40), "string of 1099511627776 bytes"),
+                           (struct.pack("<Q", 1) + b"\xff", "not UTF-8")):
+        bad = raw[:third] + patch + raw[third + len(patch):]
+        with pytest.raises(GGUFFormatError, match=problem):
+            parse_gguf_header(lambda o, n, bad=bad: bad[o:o + n], len(bad))
