@@ -400,7 +400,7 @@ def refuse_experts(args: ModelArgs, path: object, engine: str, instead: str) -> 
     """A one-line UnsupportedModelError for an engine that has no mixture-of-experts path yet
     (issue 26); `instead` says what runs the file."""
     if args.n_experts:
-        raise UnsupportedModelError(str(path), f"a mixture-of-experts model ({args.n_experts} experts) runs only on "
-                                    f"the CPU engines so far (resident, or --streaming with experts tiered), not "
-                                    f"{engine}: {instead}",
+        raise UnsupportedModelError(str(path), f"a mixture-of-experts model ({args.n_experts} experts) runs on the "
+                                    f"CPU engines (resident, or --streaming with experts tiered) and resident on the "
+                                    f"GPU with its experts computed by the CPU, not {engine} yet: {instead}",
                                     f"key {args.arch}.expert_count")

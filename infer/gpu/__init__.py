@@ -67,9 +67,6 @@ def load_gpu_transformer(model: GGUFModel, max_context: int | None = None, vram_
     upload (a load bar). The inputs of the matrix products are rounded
     as llama.cpp rounds them (8-bit forms for quantized weights); every row's logits are the same
     bits in any pass (docs/GPU.md)."""
-    from infer.arch import ModelArgs, refuse_experts
-
-    refuse_experts(ModelArgs.from_gguf(model), model.path, "the GPU", "use --device cpu")  # before CuPy: any machine
     import cupy
 
     from infer.arch import check_model, rope_freq_factors
@@ -113,4 +110,8 @@ def load_gpu_transformer(model: GGUFModel, max_context: int | None = None, vram_
     gpu = GpuTransformer(args, weights, rope_freq_factors(model, args), context, prefill_chunk=prefill_chunk,
                          logits_rows=max(LOGITS_ROWS, logits_rows))
     gpu.account = account
+    if args.n_experts:  # the experts stay in the file's pages; the CPU computes the blocks' feed-forward
+        from infer.tiers.cpu_tier import CpuExperts
+
+        gpu.cpu_experts = CpuExperts(model, args)
     return gpu

@@ -23,9 +23,10 @@ HALVES = ("attn", "ffn", "att", "ff")
 def layer_inputs(args: ModelArgs, f: dict[str, MatrixFormat]) -> list[tuple[str, str, int]]:
     """(input, activation format, values per row) of a layer's products."""
     a = args
-    return ([("attn", f[k].act, a.dim) for k in ("attn_q", "attn_k", "attn_v")]
-            + [("ffn", f[k].act, a.dim) for k in ("ffn_gate", "ffn_up")]
-            + [("ff", f["ffn_down"].act, a.ffn_dim), ("att", f["attn_output"].act, a.q_dim)])
+    ffn = [("ffn", f[k].act, a.dim) for k in ("ffn_gate", "ffn_up")] + [("ff", f["ffn_down"].act, a.ffn_dim)] \
+        if "ffn_down" in f else []  # a block of experts: the CPU's (infer.tiers.cpu_tier.CpuExperts)
+    return [("attn", f[k].act, a.dim) for k in ("attn_q", "attn_k", "attn_v")] + ffn + \
+        [("att", f["attn_output"].act, a.q_dim)]
 
 
 def _buffers(wanted: list[tuple[str, str, int]]) -> dict[tuple[str, str, str], int]:

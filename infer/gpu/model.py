@@ -43,7 +43,7 @@ from infer.layers import Rope, check_batch
 from infer.tiers.budget import VramAccount
 
 if TYPE_CHECKING:
-    from infer.tiers.cpu_tier import CpuTier
+    from infer.tiers.cpu_tier import CpuExperts, CpuTier
 
 F32 = cupy.float32
 EMBED = -1  # segment item: the token embedding
@@ -99,6 +99,7 @@ class GpuTransformer(DeviceGeneration):
     device = "gpu"
     skip: frozenset[int] = frozenset()  # layers left out (infer.layerskip: a self-draft), none by default
     cpu_tier: CpuTier | None = None  # streamed layers the CPU computes in small passes (infer.tiers.cpu_tier)
+    cpu_experts: CpuExperts | None = None  # a mixture of experts: the blocks' feed-forward on the CPU (same)
 
     def __init__(self, args: ModelArgs, weights: GpuWeightSource, rope_freq_factors: np.ndarray | None,
                  max_context: int, prefill_chunk: int = 512, logits_rows: int = LOGITS_ROWS) -> None:
@@ -235,6 +236,10 @@ class GpuTransformer(DeviceGeneration):
             attention.attention(self.qkv, s, j, fields, n, self.max_context, self.work, self.work_rows, self.att,
                                 L.attn_output.act, int8, inputs.half("att") if half else None, window=window, scale=scale)
         self._residual_product(L.attn_output, att, "att", shape, L.post_attn_norm)
+        if L.ffn_down is None:  # a block of experts: its feed-forward computed by the CPU
+            self.cpu_experts.run_ffn(self, i, shape)  # type: ignore[union-attr]
+            return
+        assert L.ffn_gate is not None and L.ffn_up is not None
         xs = inputs.normed(self.x, L.ffn_norm, "ffn", [L.ffn_gate.act, L.ffn_up.act], n, half=half)
         gu = self.gu.reshape(-1)
         for parts, row0 in L.ffn_gate_up():
@@ -286,11 +291,12 @@ class GpuTransformer(DeviceGeneration):
 
     def _plan_segments(self) -> list[tuple[bool, list[int]]]:
         """A pass as (capturable, items): runs of the embedding and resident layers, which replay as
-        one CUDA graph each, and single streamed layers."""
+        one CUDA graph each, and single streamed layers (or blocks of experts: the CPU's part waits
+        for the host, which no graph can)."""
         items = [EMBED, *(i for i in range(self.args.n_layers) if i not in self.skip)]
         segments: list[tuple[bool, list[int]]] = []
         for item in items:
-            resident = item == EMBED or self.weights.is_resident(item)
+            resident = item == EMBED or (self.weights.is_resident(item) and "ffn_down" in self.weights.formats(item))
             if resident and segments and segments[-1][0]:
                 segments[-1][1].append(item)
             else:
@@ -320,6 +326,9 @@ class GpuTransformer(DeviceGeneration):
                     self.cpu_tier.run_layer(self, i, shape)  # type: ignore[union-attr]
                     continue
                 L = self.weights.layer(i)
+                if L.ffn_down is None:  # a block of experts: launched op by op around the CPU's part
+                    self._layer(i, L, shape)
+                    continue
                 self.graphs.replay(("layer", i, shape), L.addresses(), lambda i=i, L=L: self._layer(i, L, shape))
 
     def _run_head(self, m: int, sample: bool = False, advance: bool = False) -> None:

@@ -57,16 +57,16 @@ class GpuLayer:
     bqkv: cupy.ndarray | None  # (q_dim + 2*kv_dim,) or None
     attn_output: GpuMatrix
     ffn_norm: cupy.ndarray
-    ffn_gate: GpuMatrix
-    ffn_up: GpuMatrix
-    ffn_down: GpuMatrix
+    ffn_gate: GpuMatrix | None  # None in a block of experts: its feed-forward is the CPU's (CpuExperts)
+    ffn_up: GpuMatrix | None
+    ffn_down: GpuMatrix | None
     q_norm: cupy.ndarray | None = None  # (head_dim,): Qwen3's RMSNorm of each query head before rope
     k_norm: cupy.ndarray | None = None
     post_attn_norm: cupy.ndarray | None = None  # (dim,): Gemma's RMSNorm of the attention output
     post_ffn_norm: cupy.ndarray | None = None  # and of the FFN output
 
     def matrices(self) -> list[GpuMatrix]:
-        return [getattr(self, kind) for kind in MATRIX_KINDS]
+        return [m for m in (getattr(self, kind) for kind in MATRIX_KINDS) if m is not None]
 
     def attn_qkv(self) -> list[Run]:
         """Q, K and V as product launches into the (q_dim + 2*kv_dim) output."""
@@ -74,7 +74,7 @@ class GpuLayer:
 
     def ffn_gate_up(self) -> list[Run]:
         """Gate and up as product launches into the (2 * ffn_dim) output [gate | up]."""
-        return runs([self.ffn_gate, self.ffn_up])
+        return runs([self.ffn_gate, self.ffn_up])  # type: ignore[list-item]
 
     def addresses(self) -> tuple[int, ...]:
         """The device addresses the layer's kernels read (a captured graph of them is valid while
@@ -120,7 +120,9 @@ def matrix_format(info: TensorInfo) -> MatrixFormat:
 
 
 def layer_formats(model: GGUFModel, layer: int) -> dict[str, MatrixFormat]:
-    return {kind: matrix_format(model.tensor(tensor_name(layer, kind))) for kind in MATRIX_KINDS}
+    """The formats of layer `layer`'s matrices on the device (a block of experts has no FFN ones)."""
+    return {kind: matrix_format(model.tensor(tensor_name(layer, kind))) for kind in MATRIX_KINDS
+            if tensor_name(layer, kind) in model.tensors}
 
 
 def upload_vector(model: GGUFModel, name: str) -> cupy.ndarray:
@@ -170,7 +172,7 @@ def assemble_layer(vectors: dict[str, cupy.ndarray | None], matrices: dict[str, 
     """A GpuLayer from its vectors (layer_vectors) and its matrices by kind."""
     m, v = matrices, vectors
     return GpuLayer(attn_norm=v["attn_norm"], bqkv=v["bqkv"], ffn_norm=v["ffn_norm"],  # type: ignore[arg-type]
-                    **{kind: m[kind] for kind in MATRIX_KINDS}, q_norm=v["q_norm"], k_norm=v["k_norm"],
+                    **{kind: m.get(kind) for kind in MATRIX_KINDS}, q_norm=v["q_norm"], k_norm=v["k_norm"],
                     post_attn_norm=v.get("post_attn_norm"), post_ffn_norm=v.get("post_ffn_norm"))
 
 
@@ -207,7 +209,8 @@ class ResidentWeights:
             progress(1, total)
         self.layers = []
         for i in range(args.n_layers):
-            matrices = {kind: upload_tensor(model, tensor_name(i, kind)) for kind in MATRIX_KINDS}
+            matrices = {kind: upload_tensor(model, tensor_name(i, kind)) for kind in MATRIX_KINDS
+                        if tensor_name(i, kind) in model.tensors}
             self.layers.append(assemble_layer(layer_vectors(model, args, i), matrices))
             if progress is not None:
                 progress(i + 2, total)

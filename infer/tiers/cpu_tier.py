@@ -152,6 +152,46 @@ class CpuTier:
         return out if post_norm is None else self.layers.norm(out, post_norm)
 
 
+class ExpertBlocks(PackedWeights):
+    """The packed CPU engine's blocks of a mixture-of-experts model, for their feed-forward only:
+    router, routed experts and shared expert multiplied where the file's bytes lie (its mapping;
+    a RAM tier's copy is the expert tiering issue's work)."""
+
+    copies_to_huge_pages = False
+
+
+class CpuExperts:
+    """The feed-forward of every block of experts computed by the CPU, in every pass: the GPU keeps
+    attention, the norms before it, the embeddings and the head, and holds no expert (as llama.cpp's
+    `-ot exps=CPU`). Per block the hidden state crosses to the host and back (a row: 4 x dim bytes
+    each way); the routed experts' bytes never cross the link. The products are the CPU engine's
+    (infer.moe with the native kernels), so the logits differ from an all-CPU run only by the
+    attention's GPU numerics."""
+
+    def __init__(self, model: GGUFModel, args: ModelArgs, threads: int | None = None) -> None:
+        self.blocks = ExpertBlocks(model, args, threads=threads)
+        self.args = args
+
+    def run_ffn(self, model: GpuTransformer, i: int, shape: PassShape) -> None:
+        """Block i's feed-forward for the pass's rows: model.x (rows 0..shape.rows) in place."""
+        n, stream = shape.rows, model.stream
+        L = self.blocks.layer(i)
+        x = np.empty((n, self.args.dim), np.float32)
+        cupy_asnumpy(model.x[:n], stream, x)
+        h = self.blocks.native_layers.norm(x, L.ffn_norm, self.args.norm_eps)
+        x += L.experts(h, self.blocks.native_layers.swiglu)  # type: ignore[misc]
+        model.x[:n].set(x, stream=stream)
+        stream.synchronize()  # x (host) is freed on return: the copy out of it must be done
+
+
+def cupy_asnumpy(device_rows: object, stream: object, out: np.ndarray) -> None:
+    """out = device_rows, waited for (the rows a pass computed on `stream`)."""
+    import cupy
+
+    cupy.asnumpy(device_rows, stream=stream, out=out)
+    stream.synchronize()  # type: ignore[attr-defined]
+
+
 def choose(model: GGUFModel, args: ModelArgs, plan: Plan, host: HostTier | None, mode: str | int,
            link_bytes_per_s: float, capacity: int, threads: int | None = None) -> tuple[CpuTier | None, str]:
     """The CPU tier for `mode` (parse_mode's), or None; and the line that says what was chosen and why."""
