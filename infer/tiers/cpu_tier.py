@@ -178,8 +178,9 @@ class CpuExperts:
         L = self.blocks.layer(i)
         x = np.empty((n, self.args.dim), np.float32)
         cupy_asnumpy(model.x[:n], stream, x)
-        h = self.blocks.native_layers.norm(x, L.ffn_norm, self.args.norm_eps)
-        x += L.experts(h, self.blocks.native_layers.swiglu)  # type: ignore[misc]
+        live = model.index.live_rows  # null rows route too: computing them would read more experts
+        h = self.blocks.native_layers.norm(x[live], L.ffn_norm, self.args.norm_eps)
+        x[live] += L.experts(h, self.blocks.native_layers.swiglu)  # type: ignore[misc]
         model.x[:n].set(x, stream=stream)
         stream.synchronize()  # x (host) is freed on return: the copy out of it must be done
 

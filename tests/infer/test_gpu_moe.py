@@ -132,3 +132,29 @@ def test_the_cli_runs_a_mixture_of_experts_on_the_gpu(moe_path: Path, fake_cupy:
     assert json.loads(gpu.stdout)["ids"] == json.loads(cpu.stdout)["ids"]
     streamed = CliRunner().invoke(main, [*args, "--device", "gpu", "--streaming"])
     assert streamed.exit_code == 2 and "without --streaming" in streamed.output, streamed.output
+
+
+def test_the_cpu_computes_no_null_row(moe_path: Path, fake_cupy: object, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pass of 3 sequences is padded to a bucket of 4 rows; the experts see the 3 real ones."""
+    from infer.gpu import load_gpu_transformer
+    from infer.moe import MixtureOfExperts
+
+    if "q8_0" not in moe_path.name or "qwen3" not in moe_path.name:
+        pytest.skip("one file is enough")
+    gpu = load_gpu_transformer(GGUFModel(moe_path), CTX, batch=4)
+    caches = [gpu.new_cache(CTX) for _ in range(3)]
+    for k, c in enumerate(caches):
+        gpu.forward(np.array([3 + k, 4, 5]), c)
+    seen: list[int] = []
+    call = MixtureOfExperts.__call__
+
+    def spy(self: MixtureOfExperts, h: np.ndarray, *args: object, **kwargs: object) -> np.ndarray:
+        seen.append(len(h))
+        return call(self, h, *args, **kwargs)
+
+    monkeypatch.setattr(MixtureOfExperts, "__call__", spy)
+    gpu.forward_batch([(np.array([7]), c) for c in caches])
+    from infer.gpu.passes import bucket_of
+
+    assert bucket_of(3, gpu.capacity) == 4  # the pass had a null row
+    assert seen == [3] * QWEN3MOE.n_layers and gpu.index.live_rows.tolist() == [0, 1, 2]
