@@ -13,6 +13,7 @@ import pytest
 
 from infer import cpu_kernels
 from infer.arch import EXPERT_KINDS, SHARED_EXPERT_KINDS
+from infer.engine import greedy
 from infer.gguf_file import GGUFModel
 from infer.model import load_transformer
 from infer.synth import Shape, write_model
@@ -158,3 +159,25 @@ def test_the_cpu_computes_no_null_row(moe_path: Path, fake_cupy: object, monkeyp
 
     assert bucket_of(3, gpu.capacity) == 4  # the pass had a null row
     assert seen == [3] * QWEN3MOE.n_layers and gpu.index.live_rows.tolist() == [0, 1, 2]
+
+
+def test_speculation_on_the_gpu_moe_is_plain_decoding(moe_path: Path, fake_cupy: object) -> None:
+    """A mixture of experts on the GPU as the target of greedy speculation (its tree passes run the
+    experts on the CPU for every node): the text of plain decoding, with a draft that agrees
+    (the target itself) and with one that does not (a dense model of the same vocabulary)."""
+    from infer.gpu import load_gpu_transformer
+    from infer.speculative import ModelDrafter, Speculator
+
+    if "f16" in moe_path.name:
+        pytest.skip("the 8-bit files are enough")
+    target = load_gpu_transformer(GGUFModel(moe_path), CTX, tree_nodes=9)
+    dense = moe_path.with_name(f"dense-{moe_path.name}")
+    if not dense.exists():
+        write_model(dense, Shape(n_layers=2, dim=128, ffn_dim=256, n_heads=2, n_kv_heads=1, vocab_size=600,
+                                 context_length=512), "q8_0", seed=5)
+    prompt = [5, 17, 300, 42]
+    want = list(target.generate(np.array(prompt), target.new_cache(CTX), 12))
+    for draft in (target, load_gpu_transformer(GGUFModel(dense), CTX)):
+        spec = Speculator(target, ModelDrafter(draft, CTX, 4, 2), 9, CTX)
+        assert list(spec.generate(list(prompt), 12, greedy)) == want
+        assert spec.stats.passes > 0
