@@ -205,6 +205,14 @@ class GpuTransformer(DeviceGeneration):
     # ------------------------------------------------------------------ the layer recipe
     def _layer(self, i: int, L: GpuLayer, shape: PassShape) -> None:
         """Layer i for the rows of a pass of `shape`: self.x in place."""
+        self._attention(i, L, shape)
+        if L.ffn_down is None:  # a block of experts: its feed-forward computed by the CPU
+            self.cpu_experts.run_ffn(self, i, shape)  # type: ignore[union-attr]
+            return
+        self._feed_forward(L, shape)
+
+    def _attention(self, i: int, L: GpuLayer, shape: PassShape) -> None:
+        """The attention half of layer i: self.x += the attention of its normed rows."""
         a, s, ix, inputs, n = self.args, self.shape, self.index, self.inputs, shape.rows
         half = shape.prompt > 0  # the prompt rows' float16 inputs are wanted too
         local = a.is_local(i)
@@ -236,10 +244,12 @@ class GpuTransformer(DeviceGeneration):
             attention.attention(self.qkv, s, j, fields, n, self.max_context, self.work, self.work_rows, self.att,
                                 L.attn_output.act, int8, inputs.half("att") if half else None, window=window, scale=scale)
         self._residual_product(L.attn_output, att, "att", shape, L.post_attn_norm)
-        if L.ffn_down is None:  # a block of experts: its feed-forward computed by the CPU
-            self.cpu_experts.run_ffn(self, i, shape)  # type: ignore[union-attr]
-            return
-        assert L.ffn_gate is not None and L.ffn_up is not None
+
+    def _feed_forward(self, L: GpuLayer, shape: PassShape) -> None:
+        """The feed-forward half of a dense layer: self.x += the gated products of its normed rows."""
+        a, inputs, n = self.args, self.inputs, shape.rows
+        half = shape.prompt > 0
+        assert L.ffn_gate is not None and L.ffn_up is not None and L.ffn_down is not None
         xs = inputs.normed(self.x, L.ffn_norm, "ffn", [L.ffn_gate.act, L.ffn_up.act], n, half=half)
         gu = self.gu.reshape(-1)
         for parts, row0 in L.ffn_gate_up():
@@ -326,8 +336,10 @@ class GpuTransformer(DeviceGeneration):
                     self.cpu_tier.run_layer(self, i, shape)  # type: ignore[union-attr]
                     continue
                 L = self.weights.layer(i)
-                if L.ffn_down is None:  # a block of experts: launched op by op around the CPU's part
-                    self._layer(i, L, shape)
+                if L.ffn_down is None:  # a block of experts: its attention replayed, its feed-forward the CPU's
+                    self.graphs.replay(("attention", i, shape), L.addresses(),
+                                       lambda i=i, L=L: self._attention(i, L, shape))
+                    self.cpu_experts.run_ffn(self, i, shape)  # type: ignore[union-attr]
                     continue
                 self.graphs.replay(("layer", i, shape), L.addresses(), lambda i=i, L=L: self._layer(i, L, shape))
 
