@@ -145,8 +145,9 @@ def streaming_options(func: Callable[..., Any] | None = None, *, batch: bool = T
                      "and the link's speeds measured at load, the CPU takes the share of those layers it can "
                      "compute while the link copies the rest, up to the pass size where that stops paying; N: "
                      "every RAM layer on the CPU in passes of at most N tokens; off: always streamed. A pass on the CPU computes with the CPU engine's products "
-                     "(logits about 1% apart from the GPU's at 8-bit types), so `serve` defaults to off: its "
-                     "replies must not depend on the load."),
+                     "(logits about 1% apart from the GPU's at 8-bit types), so `serve` defaults to off (its "
+                     "replies must not depend on the load), and so does speculation (--draft-model/--lookup: "
+                     "its text must be plain decoding's) unless this is given."),
     ]
     if batch:
         options += [

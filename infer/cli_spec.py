@@ -240,6 +240,7 @@ def run(model: str | None, spec: SpecOptions, streaming: Any, ctx_size: int, dev
             planned = {"self-draft KV cache": _self_draft_kv_bytes(model, ctx_size, max(512, nodes))}
         try:
             if streaming.enabled:
+                streaming = _speculation_cpu_tier(streaming, where)
                 from infer.arch import ModelArgs
                 from infer.gguf_file import GGUFModel
                 from infer.tiers.session import build_streaming_engine
@@ -350,6 +351,25 @@ def _context(gguf: Any) -> int:
     from infer.arch import ModelArgs
 
     return ModelArgs.from_gguf(gguf).context_length
+
+
+def _speculation_cpu_tier(streaming: Any, where: str) -> Any:
+    """The CPU tier for a speculative run: off unless --cpu-tier was given. Its trees stream anyway
+    (they are larger than the passes the CPU takes), and a pass the CPU computes has logits about 1%
+    off the GPU's, so a small tree taken by the CPU could make the text differ from plain decoding's.
+    Given explicitly, it is kept and the note says so."""
+    import dataclasses
+
+    if where != "gpu" or streaming.cpu_tier == "off":
+        return streaming
+    source = click.get_current_context().get_parameter_source("cpu_tier")
+    if source in (None, click.core.ParameterSource.DEFAULT):
+        from infer import cli as c
+
+        c._note("speculation: --cpu-tier off (its trees stream; a pass on the CPU could change the text; "
+                "--cpu-tier auto keeps the CPU for passes of few tokens)")
+        return dataclasses.replace(streaming, cpu_tier="off")
+    return streaming
 
 
 def serve_speculation(model: str, draft_model: str | None, lookup: bool, tree: int | None, where: str, exact: bool,

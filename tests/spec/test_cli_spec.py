@@ -162,3 +162,26 @@ def test_gemma3_speculation_is_the_plain_text_and_a_foreign_draft_is_refused() -
         code, out, err = run("-m", str(gemma), "-p", "hi", "-n", "2", "--exact", "--draft-model", str(smollm2))
         lines = [line for line in (err + out).splitlines() if line.startswith("Error")]
         assert code == 2 and len(lines) == 1 and "vocab" in lines[0].lower(), (out, err)
+
+
+def test_speculation_turns_the_cpu_tier_off_unless_asked() -> None:
+    """A speculative streamed run on the GPU keeps the CPU tier off by default (a small tree the CPU
+    computed could change the text), says so, and keeps an explicit --cpu-tier."""
+    import click
+
+    from infer.cli_spec import _speculation_cpu_tier
+    from infer.tiers.config import StreamingConfig
+
+    @click.command()
+    @click.option("--cpu-tier", default="auto")
+    @click.option("--device", default="gpu")
+    def cmd(cpu_tier: str, device: str) -> None:
+        click.echo(_speculation_cpu_tier(StreamingConfig(enabled=True, cpu_tier=cpu_tier), device).cpu_tier)
+
+    default = CliRunner().invoke(cmd, [])
+    assert default.exit_code == 0 and default.stdout.strip() == "off"
+    assert "speculation: --cpu-tier off" in default.stderr
+    for given in ("auto", "3"):
+        kept = CliRunner().invoke(cmd, ["--cpu-tier", given])
+        assert kept.stdout.strip() == given and "speculation" not in kept.stderr
+    assert CliRunner().invoke(cmd, ["--device", "cpu"]).stdout.strip() == "auto"  # the CPU engine has no tier
