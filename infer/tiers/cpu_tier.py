@@ -118,19 +118,19 @@ class CpuTier:
 
     def run_layer(self, model: GpuTransformer, i: int, shape: PassShape) -> None:
         """Layer i of `model`'s pass, the products on the CPU: model.x in place (rows 0..shape.rows)."""
-        import cupy
-
         from infer.gpu import attention
 
         a, s, n, stream = model.args, model.shape, shape.rows, model.stream
         L, G = self.layers.layer(i), model.weights.vectors(i)
-        x = np.empty((n, a.dim), np.float32)
-        cupy.asnumpy(model.x[:n], stream=stream, out=x)
-        stream.synchronize()
-        qkv = L.attn_qkv(self.layers.norm(x, L.attn_norm))
+        rows = np.empty((n, a.dim), np.float32)
+        cupy_asnumpy(model.x[:n], stream, rows)
+        live = model.index.live_rows  # a pass's null rows (its bucket's padding) are not computed
+        x = rows[live]
+        qkv = np.zeros((n, s.width), np.float32)  # a null row attends with zeros through the null cache
+        qkv[live] = L.attn_qkv(self.layers.norm(x, L.attn_norm))
         if L.bqkv is not None:
-            qkv += L.bqkv
-        model.qkv[:n].set(np.ascontiguousarray(qkv, np.float32), stream=stream)
+            qkv[live] += L.bqkv
+        model.qkv[:n].set(qkv, stream=stream)
         local = a.is_local(i)
         window = a.sliding_window if local else 0
         tables = model.rope_tables_local if local else model.rope_tables
@@ -140,13 +140,13 @@ class CpuTier:
         attention.attention(model.qkv, s, j, fields, n, model.max_context, model.work, model.work_rows, model.att,
                             "f32", window=window, scale=a.scores_scale)
         att = np.empty((n, a.q_dim), np.float32)
-        cupy.asnumpy(model.att[:n], stream=stream, out=att)
-        stream.synchronize()
-        x += self._post(L.attn_output(att), L.post_attn_norm)
+        cupy_asnumpy(model.att[:n], stream, att)
+        x += self._post(L.attn_output(att[live]), L.post_attn_norm)
         gate_up = L.ffn_gate_up(self.layers.norm(x, L.ffn_norm))  # type: ignore[misc]
         x += self._post(L.ffn_down(self.layers.glu(gate_up)), L.post_ffn_norm)  # type: ignore[misc]
-        model.x[:n].set(x, stream=stream)
-        stream.synchronize()  # x (host) is freed on return: the copy out of it must be done
+        rows[live] = x
+        model.x[:n].set(rows, stream=stream)
+        stream.synchronize()  # rows (host) are freed on return: the copy out of them must be done
 
     def _post(self, out: np.ndarray, post_norm: np.ndarray | None) -> np.ndarray:
         return out if post_norm is None else self.layers.norm(out, post_norm)

@@ -292,3 +292,40 @@ def test_no_layer_wholly_in_ram_means_no_cpu_tier(model_path: Path, fake_cupy: o
         m.forward(np.array([6]), cache)  # decode still streams
     finally:
         session.close()
+
+
+def test_the_cpu_computes_a_pass_s_live_rows_only(model_path: Path, fake_cupy: object,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Three sequences' decode rows (a pass padded to a bucket of 4): the CPU's products see 3 rows,
+    and each sequence gets the logits it gets decoded alone (1-row passes, on the CPU too)."""
+    from infer.gpu.passes import bucket_of
+    from infer.packed_weights import PackedLinear
+
+    seen: list[int] = []
+    call = PackedLinear.__call__
+
+    def spy(self: PackedLinear, x: np.ndarray) -> np.ndarray:
+        seen.append(len(x))
+        return call(self, x)
+
+    session = session_for(model_path, 4)
+    try:
+        m = session.engine.model
+        assert bucket_of(3, m.capacity) == 4 and m.cpu_tier is not None
+        prompts = [np.array([3 + k, 9, 4]) for k in range(3)]
+        alone = []
+        for k, p in enumerate(prompts):
+            cache = m.new_cache(CTX)
+            m.forward(p, cache)
+            alone.append(m.forward(np.array([20 + k]), cache))
+        caches = [m.new_cache(CTX) for _ in prompts]
+        for p, c in zip(prompts, caches, strict=True):
+            m.forward(p, c)
+        monkeypatch.setattr(PackedLinear, "__call__", spy)
+        together = m.forward_batch([(np.array([20 + k]), c) for k, c in enumerate(caches)])
+        n_cpu = len(m.cpu_tier.layers.layers)
+    finally:
+        session.close()
+    assert len(seen) == 4 * n_cpu and set(seen) == {3}, seen  # qkv, wo, gate/up, down: 3 rows each
+    for g, w in zip(together, alone, strict=True):
+        np.testing.assert_array_equal(g, w)
