@@ -128,6 +128,9 @@ def _load(model: str | None, ctx_size: int, device: str, vram_budget: str | None
     account = getattr(llm.transformer, "account", None)
     if account is not None:
         _note(account.render())
+    experts = getattr(llm.transformer, "cpu_experts", None)
+    if experts is not None:
+        _note(experts.describe())
     return llm
 
 

@@ -98,7 +98,8 @@ def load_gpu_transformer(model: GGUFModel, max_context: int | None = None, vram_
     account.plan("pass buffers", gpu_pass_nbytes(model, args, prefill_chunk, context, logits_rows))
     for name, nbytes in (planned or {}).items():
         account.plan(name, nbytes)
-    account.check(": run with --streaming (or lower -c/--ctx-size)")
+    account.check(": lower -c/--ctx-size, or run on the CPU (--device cpu)" if args.n_experts else
+                  ": run with --streaming (or lower -c/--ctx-size)")  # no streamed GPU engine for experts yet
     if enforce_budget:
         memory.enforce(account)
     with memory.arena(weights_nbytes, len(tensors)):

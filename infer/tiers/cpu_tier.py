@@ -172,6 +172,16 @@ class CpuExperts:
         self.blocks = ExpertBlocks(model, args, threads=threads)
         self.args = args
 
+    def describe(self) -> str:
+        """One line for the load report: where the experts are and who computes them."""
+        from infer.arch import EXPERT_KINDS, SHARED_EXPERT_KINDS, parse_tensor_name
+
+        host = set(EXPERT_KINDS) | set(SHARED_EXPERT_KINDS)
+        nbytes = sum(t.nbytes for t in self.blocks.model.tensors.values() if parse_tensor_name(t.name)[1] in host)
+        threads = self.blocks.threads or cpu_kernels.default_threads()
+        return (f"experts: {format_bytes(nbytes)} (routers, routed and shared experts) stay in RAM, in the file's "
+                f"pages; the CPU computes each block's feed-forward ({threads} threads), the GPU the rest")
+
     def run_ffn(self, model: GpuTransformer, i: int, shape: PassShape) -> None:
         """Block i's feed-forward for the pass's rows: model.x (rows 0..shape.rows) in place."""
         n, stream = shape.rows, model.stream

@@ -126,6 +126,9 @@ def test_the_cli_runs_a_mixture_of_experts_on_the_gpu(moe_path: Path, fake_cupy:
     args = ["-m", str(moe_path), "-p", "hello there", "-n", "6", "-t", "0", "--json"]
     gpu = CliRunner().invoke(main, [*args, "--device", "gpu"])
     assert gpu.exit_code == 0, gpu.output
+    assert "experts: " in gpu.stderr and "stay in RAM" in gpu.stderr and "the CPU computes" in gpu.stderr
+    tight = CliRunner().invoke(main, [*args, "--device", "gpu", "--vram-budget", "1MB"])
+    assert tight.exit_code == 2 and "run on the CPU (--device cpu)" in tight.output and "--streaming" not in tight.output
     cpu = CliRunner().invoke(main, [*args, "--device", "cpu"])
     assert cpu.exit_code == 0, cpu.output
     import json
