@@ -37,6 +37,8 @@
 #   GPU_CHECK_70B=1 GPU_CHECK_SKIP_TESTS=1 GPU_CHECK_SKIP_BENCH=1 ...
 #                                                         # the 70B Q4_K_M streamed at --vram-budget 24GB
 #                                                         # (bench.streaming_bench; writes ~42 GB to disk)
+#   GPU_CHECK_MOE=1 GPU_CHECK_LLAMA_BUILD=1 ...           # the synthetic Qwen3-30B-A3B at 8 GB, experts on the CPU,
+#                                                         # and llama-bench -ncmoe N on it (N down to what fits 8 GB)
 #   GPU_CHECK_PROFILE=1 ...                               # where a speculative pass's time goes (bench.spec_profile
 #                                                         # on synthetic models of the Qwen pair's shapes, traced)
 #   NVMEDIRECT_GPU_MODELS=a.gguf:b.gguf                   # real models for tests/gpu/test_model.py
@@ -288,6 +290,34 @@ print(' '.join(f\"tg{r['n_gen']} {r['avg_ts']:.2f} tok/s\" for r in json.load(op
             > "$OUT/spec-verify-70b.txt" 2>&1
         note "70B verify passes: exit $?; $(python3 -c "import json,sys; r=json.load(open(sys.argv[1])); \
 print(' '.join(f\"{p['nodes']}:{p['pass_seconds']}s\" for p in r['passes']))" "$OUT/spec-verify-70b.json" 2>&1 | tail -1)"
+    fi
+fi
+
+if [ -n "${GPU_CHECK_MOE:-}" ]; then
+    # issue 26: the synthetic Qwen3-30B-A3B Q4_K_M (~17 GB) resident at 8 GB with its experts on the CPU,
+    # then llama.cpp on the same file with the experts of the first N blocks on the CPU, N the smallest
+    # that fits 8 GB (llama-bench -ncmoe, from GPU_CHECK_MOE_NCMOE (36: ~15 blocks of experts in ~5.5 GB) down by 2 while it fits)
+    section "mixture of experts: synthetic Qwen3-30B-A3B Q4_K_M at --vram-budget 8GB"
+    rm -f "${NVMEDIRECT_BENCH_DIR:-/tmp/nvmd-bench}"/synth-llama70b-*.gguf  # disk
+    timeout "${GPU_CHECK_MOE_SECONDS:-300}" python3 -m bench.gpu_bench --synth qwen3-30b-a3b:q4_k_m --synth-dir "$SYNTH_DIR" \
+        --vram-budget 8GB --pp 512 --tg 64 --no-kernels --out "$OUT/moe-30b-a3b-8GB.json" > "$OUT/moe-30b-a3b-8GB.txt" 2>&1
+    note "moe 30b-a3b 8GB: exit $?; $(grep -E 'pp512|VRAM used' "$OUT/moe-30b-a3b-8GB.txt" | tr -s ' ' | tr '\n' ' ')"
+    if grep -q "rc=0" "$LLAMA_DIR/done" 2>/dev/null; then
+        moe="$SYNTH_DIR/synth-qwen3-30b-a3b-q4_k_m.gguf"
+        for n in $(seq "${GPU_CHECK_MOE_NCMOE:-36}" -2 0); do  # fewer experts on the CPU while the peak fits 8 GB
+            timeout 300 "$LLAMA_DIR/llama.cpp/build/bin/llama-bench" -m "$moe" -p 512 -n 64 -ngl 99 -ncmoe "$n" \
+                -t "$(nproc)" -fa 1 -r 2 -o json > "$OUT/llama-bench-moe-ncmoe$n.json" 2> "$OUT/llama-bench-moe-ncmoe$n.log" &
+            pid=$!; peak=0
+            while kill -0 "$pid" 2>/dev/null; do
+                used=$(nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits | head -1)
+                [ "$used" -gt "$peak" ] && peak=$used; sleep 0.2
+            done
+            wait "$pid"; rc=$?
+            note "llama-bench moe -ncmoe $n: exit $rc, peak ${peak} MiB; $(python3 -c "import json,sys; \
+print(' '.join(f\"{'pp' if r['n_prompt'] else 'tg'}{r['n_prompt'] or r['n_gen']} {r['avg_ts']:.2f}\" for r in json.load(open(sys.argv[1]))))" \
+                "$OUT/llama-bench-moe-ncmoe$n.json" 2>&1 | tail -1)"
+            [ "$peak" -gt 7629 ] && break  # 8 GB = 7629 MiB: the previous N was the smallest that fits
+        done
     fi
 fi
 
