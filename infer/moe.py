@@ -168,6 +168,14 @@ class MixtureOfExperts:
     def run_experts(self, outs: np.ndarray, h: np.ndarray, chosen: np.ndarray, experts: np.ndarray, glu: Glu) -> None:
         """outs[t, j] for every (token t, top-k slot j) routed to one of `experts`: each expert once,
         for all its tokens (the order of the experts changes no result)."""
+        if len(h) == 1:  # a decode step: no grouping to do (the same products on the same row)
+            wanted = set(experts.tolist())
+            for slot, expert in enumerate(chosen[0].tolist()):
+                if expert in wanted:
+                    gate_up = self.gate_up[expert](h)
+                    width = gate_up.shape[1] // 2
+                    outs[0, slot] = self.down[expert](glu(gate_up[:, :width], gate_up[:, width:]))[0]
+            return
         for expert in experts:
             rows, slots = np.nonzero(chosen == expert)
             gate_up = self.gate_up[expert](h[rows])
