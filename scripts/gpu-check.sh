@@ -32,6 +32,8 @@
 #                                                         # synthetic 8B/1B
 #   GPU_CHECK_70B=1 GPU_CHECK_70B_CPU_TIER=auto ...        # the 70B bench with its RAM layers on the CPU in decode
 #   GPU_CHECK_70B_LLAMA_NGL=40 GPU_CHECK_LLAMA_BUILD=1 ...   # then llama-bench on that file with 40 layers on the GPU
+#   GPU_CHECK_70B_LLAMA_ONLY=1 ...                        # (a later call) no bench of ours: wait for the build that
+#                                                         # the first call started, then that llama-bench only
 #   GPU_CHECK_70B=1 GPU_CHECK_VERIFY=1 ...                # after the 70B bench, on its file: the time of one
 #                                                         # verification pass per tree size (GPU_CHECK_VERIFY_SIZES)
 #   GPU_CHECK_70B=1 GPU_CHECK_SKIP_TESTS=1 GPU_CHECK_SKIP_BENCH=1 ...
@@ -260,17 +262,20 @@ if [ -n "${GPU_CHECK_70B:-}" ]; then
     section "70B Q4_K_M streamed at --vram-budget 24GB"
     rm -f "$SYNTH_DIR"/synth-8b-*.gguf "$SYNTH_DIR"/synth-1b-*.gguf  # disk: 64 GB in all
     limit=${GPU_CHECK_70B_SECONDS:-560}
-    timeout "$limit" python3 -m bench.streaming_bench --out "$OUT" --sections "${GPU_CHECK_70B_SECTIONS:-model,h2d,stream}" \
+    [ -n "${GPU_CHECK_70B_LLAMA_ONLY:-}" ] || timeout "$limit" python3 -m bench.streaming_bench --out "$OUT" --sections "${GPU_CHECK_70B_SECTIONS:-model,h2d,stream}" \
         --cpu-tier "${GPU_CHECK_70B_CPU_TIER:-off}" \
         --deadline "$((limit - 20))" > "$OUT/bench-70b.txt" 2>&1
     note "70B streaming bench: exit $?"
-    python3 - "$OUT/results.json" <<'EOF' | tee -a "$SUMMARY"
+    [ -f "$OUT/results.json" ] && python3 - "$OUT/results.json" <<'EOF' | tee -a "$SUMMARY"
 import json, sys
 r = json.load(open(sys.argv[1])).get("stream", {})
 keys = ("decode_tok_s", "roofline_tok_s", "decode_fraction_of_roofline", "pp512_tok_s", "batch32_aggregate_tok_s",
         "peak_vram_bytes", "vram_budget_bytes", "peak_within_budget", "error")
 print("70B stream: " + ", ".join(f"{k} {r[k]}" for k in keys if k in r))
 EOF
+    if [ -n "${GPU_CHECK_70B_LLAMA_ONLY:-}" ]; then  # a later call of the lease: wait for the build started earlier
+        for _ in $(seq 1 "${GPU_CHECK_LLAMA_WAIT:-480}"); do [ -f "$LLAMA_DIR/done" ] && break; sleep 1; done
+    fi
     if [ -n "${GPU_CHECK_70B_LLAMA_NGL:-}" ] && grep -q "rc=0" "$LLAMA_DIR/done" 2>/dev/null; then
         # issue 28's comparison: llama.cpp with N of the 80 layers on the GPU, the rest on every core
         section "llama-bench on the same 70B file, -ngl $GPU_CHECK_70B_LLAMA_NGL, $(nproc) threads"
