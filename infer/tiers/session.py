@@ -151,7 +151,8 @@ def build_streaming_engine(model: GGUFModel | str | os.PathLike, config: Streami
 
         return build_expert_session(model, args, config, ctx_size, prefill_chunk, exact)  # type: ignore[return-value]
     refuse_experts(args, model.path, "the streaming engine on the GPU",
-                   "run it without --streaming (its experts stay in RAM) or on the CPU (--device cpu)")
+                   "run it without --streaming, --batch or --prompts (one sequence; its experts stay in RAM) "
+                   "or on the CPU (--device cpu)")
     tensors = planner_tensors(model, device)
     on_gpu = device == "gpu"
     account = None
