@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.infer.test_gpu_moe import check_follows_the_cpu, check_pass_independence, moe_path  # noqa: F401
+from tests.infer.test_gpu_moe import check_follows_the_cpu, check_pass_independence, moe_dir, moe_path  # noqa: F401
 
 cupy = pytest.importorskip("cupy")
 pytestmark = pytest.mark.gpu

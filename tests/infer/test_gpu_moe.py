@@ -29,14 +29,29 @@ QWEN2MOE = Shape(n_layers=3, dim=256, ffn_dim=768, n_heads=4, n_kv_heads=2, voca
 CTX = 128
 
 
-@pytest.fixture(scope="module", params=[("qwen3moe", "f16"), ("qwen3moe", "q8_0"), ("qwen3moe", "q4_k_m"),
-                                        ("qwen2moe", "q8_0")],
-                ids=lambda p: "-".join(p))
-def moe_path(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    arch, kind = request.param
-    path = tmp_path_factory.mktemp("gpumoe") / f"{arch}-{kind}.gguf"
-    write_model(path, QWEN3MOE if arch == "qwen3moe" else QWEN2MOE, kind, seed=11)
+FILES = [("qwen3moe", "f16"), ("qwen3moe", "q8_0"), ("qwen3moe", "q4_k_m"), ("qwen2moe", "q8_0")]
+
+
+def write_moe(directory: Path, arch: str, kind: str) -> Path:
+    path = directory / f"{arch}-{kind}.gguf"
+    if not path.exists():
+        write_model(path, QWEN3MOE if arch == "qwen3moe" else QWEN2MOE, kind, seed=11)
     return path
+
+
+@pytest.fixture(scope="module")
+def moe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("gpumoe")
+
+
+@pytest.fixture(params=FILES, ids=lambda p: "-".join(p))
+def moe_path(request: pytest.FixtureRequest, moe_dir: Path) -> Path:
+    return write_moe(moe_dir, *request.param)
+
+
+@pytest.fixture(params=FILES[1:], ids=lambda p: "-".join(p))
+def quantized_moe(request: pytest.FixtureRequest, moe_dir: Path) -> Path:
+    return write_moe(moe_dir, *request.param)
 
 
 def rel(a: np.ndarray, b: np.ndarray) -> float:
@@ -114,15 +129,14 @@ def check_pass_independence(moe_path: Path) -> None:
     assert on_device == host
 
 
-def test_the_cli_runs_a_mixture_of_experts_on_the_gpu(moe_path: Path, fake_cupy: object) -> None:
+def test_the_cli_runs_a_mixture_of_experts_on_the_gpu(moe_dir: Path, fake_cupy: object) -> None:
     """`ntransformer --device gpu` on a MoE file generates (the CPU engine's greedy text for the
     float file), and --streaming still says in one line what runs it."""
     from click.testing import CliRunner
 
     from infer.cli import main
 
-    if "f16" not in moe_path.name:
-        pytest.skip("one file is enough for the CLI")
+    moe_path = write_moe(moe_dir, "qwen3moe", "f16")
     args = ["-m", str(moe_path), "-p", "hello there", "-n", "6", "-t", "0", "--json"]
     gpu = CliRunner().invoke(main, [*args, "--device", "gpu"])
     assert gpu.exit_code == 0, gpu.output
@@ -138,13 +152,12 @@ def test_the_cli_runs_a_mixture_of_experts_on_the_gpu(moe_path: Path, fake_cupy:
     assert streamed.exit_code == 2 and "without --streaming" in streamed.output, streamed.output
 
 
-def test_the_cpu_computes_no_null_row(moe_path: Path, fake_cupy: object, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_cpu_computes_no_null_row(moe_dir: Path, fake_cupy: object, monkeypatch: pytest.MonkeyPatch) -> None:
     """A pass of 3 sequences is padded to a bucket of 4 rows; the experts see the 3 real ones."""
     from infer.gpu import load_gpu_transformer
     from infer.moe import MixtureOfExperts
 
-    if "q8_0" not in moe_path.name or "qwen3" not in moe_path.name:
-        pytest.skip("one file is enough")
+    moe_path = write_moe(moe_dir, "qwen3moe", "q8_0")
     gpu = load_gpu_transformer(GGUFModel(moe_path), CTX, batch=4)
     caches = [gpu.new_cache(CTX) for _ in range(3)]
     for k, c in enumerate(caches):
@@ -164,15 +177,14 @@ def test_the_cpu_computes_no_null_row(moe_path: Path, fake_cupy: object, monkeyp
     assert seen == [3] * QWEN3MOE.n_layers and gpu.index.live_rows.tolist() == [0, 1, 2]
 
 
-def test_speculation_on_the_gpu_moe_is_plain_decoding(moe_path: Path, fake_cupy: object) -> None:
+def test_speculation_on_the_gpu_moe_is_plain_decoding(quantized_moe: Path, fake_cupy: object) -> None:
     """A mixture of experts on the GPU as the target of greedy speculation (its tree passes run the
     experts on the CPU for every node): the text of plain decoding, with a draft that agrees
     (the target itself) and with one that does not (a dense model of the same vocabulary)."""
     from infer.gpu import load_gpu_transformer
     from infer.speculative import ModelDrafter, Speculator
 
-    if "f16" in moe_path.name:
-        pytest.skip("the 8-bit files are enough")
+    moe_path = quantized_moe
     target = load_gpu_transformer(GGUFModel(moe_path), CTX, tree_nodes=9)
     dense = moe_path.with_name(f"dense-{moe_path.name}")
     if not dense.exists():
