@@ -46,6 +46,7 @@ EXPERT_KINDS = ("ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
 # a shared expert beside them (qwen2moe): its gate (dim,) (a sigmoid of its dot with the normed input
 # scales its output), then a dense gated feed-forward of its own width
 SHARED_EXPERT_KINDS = ("ffn_gate_inp_shexp", "ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp")
+EXPERT_BLOCK_KINDS = frozenset(EXPERT_KINDS + SHARED_EXPERT_KINDS)  # the tensors of a block of experts' FFN
 _ATTENTION = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm")
 _DENSE = (*_ATTENTION, *FFN_KINDS)
 

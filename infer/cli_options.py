@@ -141,10 +141,11 @@ def streaming_options(func: Callable[..., Any] | None = None, *, batch: bool = T
         click.option("--cpu-tier", metavar="auto|off|N", default="auto" if batch else "off", show_default=True,
                      callback=_cpu_tier_value,
                      help="GPU streaming: layers held in RAM are computed by the CPU in passes of few tokens "
-                     "(decode) and streamed in larger ones (prompts, batches, speculation trees). auto: from the CPU's "
-                     "and the link's speeds measured at load, the CPU takes the share of those layers it can "
+                     "(decode) and streamed in larger ones (prompts, batches, speculation trees). auto: from the "
+                     "CPU's and the link's speeds measured at load, the CPU takes the share of those layers it can "
                      "compute while the link copies the rest, up to the pass size where that stops paying; N: "
-                     "every RAM layer on the CPU in passes of at most N tokens; off: always streamed. A pass on the CPU computes with the CPU engine's products "
+                     "every RAM layer on the CPU in passes of at most N tokens; off: always streamed. A pass on "
+                     "the CPU computes with the CPU engine's products "
                      "(logits about 1% apart from the GPU's at 8-bit types), so `serve` defaults to off (its "
                      "replies must not depend on the load), and so does speculation (--draft-model/--lookup: "
                      "its text must be plain decoding's) unless this is given."),

@@ -174,10 +174,10 @@ class CpuExperts:
 
     def describe(self) -> str:
         """One line for the load report: where the experts are and who computes them."""
-        from infer.arch import EXPERT_KINDS, SHARED_EXPERT_KINDS, parse_tensor_name
+        from infer.arch import EXPERT_BLOCK_KINDS, parse_tensor_name
 
-        host = set(EXPERT_KINDS) | set(SHARED_EXPERT_KINDS)
-        nbytes = sum(t.nbytes for t in self.blocks.model.tensors.values() if parse_tensor_name(t.name)[1] in host)
+        nbytes = sum(t.nbytes for t in self.blocks.model.tensors.values()
+                     if parse_tensor_name(t.name)[1] in EXPERT_BLOCK_KINDS)
         threads = self.blocks.threads or cpu_kernels.default_threads()
         return (f"experts: {format_bytes(nbytes)} (routers, routed and shared experts) stay in RAM, in the file's "
                 f"pages; the CPU computes each block's feed-forward ({threads} threads), the GPU the rest")

@@ -153,9 +153,9 @@ def planner_tensors(model: Any, device: str) -> list[Tensor]:
     embedding takes no VRAM there unless the output reuses it: infer.gpu.weights.upload_embedding)."""
     tensors = tensors_from(model.tensors.values(), gpu_nbytes if device == "gpu" else None)
     if device == "gpu":
-        from infer.arch import EXPERT_KINDS, SHARED_EXPERT_KINDS, TOKEN_EMBD, output_name
+        from infer.arch import EXPERT_BLOCK_KINDS, TOKEN_EMBD, output_name
 
-        host = set(EXPERT_KINDS) | set(SHARED_EXPERT_KINDS)  # a block of experts' FFN: the CPU's (CpuExperts)
+        host = set(EXPERT_BLOCK_KINDS)  # a block of experts' feed-forward: the CPU's (CpuExperts)
         if output_name(model) != TOKEN_EMBD:
             host.add(TOKEN_EMBD)
         tensors = [replace(t, device_nbytes=0) if t.kind in host or t.name in host else t for t in tensors]

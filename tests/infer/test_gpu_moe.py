@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from infer import cpu_kernels
-from infer.arch import EXPERT_KINDS, SHARED_EXPERT_KINDS
+from infer.arch import EXPERT_BLOCK_KINDS
 from infer.engine import greedy
 from infer.gguf_file import GGUFModel
 from infer.model import load_transformer
@@ -74,7 +74,7 @@ def check_follows_the_cpu(moe_path: Path) -> None:
     model = GGUFModel(moe_path)
     gpu = load_gpu_transformer(model, CTX)
     assert gpu.cpu_experts is not None
-    host_kinds = set(EXPERT_KINDS) | set(SHARED_EXPERT_KINDS)
+    host_kinds = EXPERT_BLOCK_KINDS
     planned = planner_tensors(model, "gpu")
     experts = [t for t in planned if t.kind in host_kinds]
     assert experts and all(t.device_nbytes == 0 for t in experts)
