@@ -17,12 +17,12 @@ def group_number(bdf: str, sysfs: Path = SYSFS_PCI) -> str:
     dev = sysfs / bdf
     if not dev.exists():
         raise DeviceNotFound(f"no PCI device {bdf} (see `nvmedirect list`)")
-    link = dev / "iommu_group"
-    if not link.exists():
+    try:  # read, not tested then read: the link can go between the two (an unbind racing us)
+        name = os.path.basename(os.readlink(dev / "iommu_group"))
+    except FileNotFoundError:
         raise DeviceNotFound(
             f"{bdf} has no IOMMU group: bind it to vfio-pci first (`nvmedirect bind {bdf}`)"
-        )
-    name = os.path.basename(os.readlink(link))
+        ) from None
     # In no-IOMMU mode vfio creates a fake group whose /dev node carries a "noiommu-" prefix.
     if not Path(f"/dev/vfio/{name}").exists() and Path(f"/dev/vfio/noiommu-{name}").exists():
         return f"noiommu-{name}"

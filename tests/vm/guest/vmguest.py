@@ -34,8 +34,12 @@ def vm_mode() -> str:
 
 
 def current_driver(bdf: str) -> str | None:
-    link = SYSFS_PCI / "devices" / bdf / "driver"
-    return os.path.basename(os.readlink(link)) if link.exists() else None
+    """The driver bound to `bdf` now. The link can vanish between looking and reading (an unbind
+    racing this call), so a missing link at either moment means no driver."""
+    try:
+        return os.path.basename(os.readlink(SYSFS_PCI / "devices" / bdf / "driver"))
+    except FileNotFoundError:
+        return None
 
 
 def bind(bdf: str, driver: str, timeout: float = 10.0) -> None:

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from vmguest import current_driver as driver
 
 from nvmedirect.cli import main
 
@@ -49,11 +50,6 @@ def cli(*args: str) -> subprocess.CompletedProcess:
 def cli_process(*args: str) -> subprocess.CompletedProcess:
     """Run the installed `nvmedirect` as its own process (signals, other processes' open files)."""
     return subprocess.run(["nvmedirect", *args], capture_output=True, text=True, timeout=180, env=ENV)
-
-
-def driver(bdf: str) -> str | None:
-    link = Path(f"/sys/bus/pci/devices/{bdf}/driver")
-    return os.path.basename(os.readlink(link)) if link.exists() else None
 
 
 def digest(path: str, size: int = SAMPLE) -> str:
@@ -231,30 +227,45 @@ def _start_bind_paused(bdf: str, pause: float) -> subprocess.Popen:
     return proc
 
 
+def _back_on_nvme(bdf: str, proc: subprocess.Popen) -> None:
+    """Whatever a failed test left behind, the next test starts from the kernel driver."""
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait(timeout=30)
+    if driver(bdf) != "nvme":
+        cli("restore", bdf)
+
+
 def test_ctrl_c_inside_the_window_still_ends_with_one_driver(dev, stacks):
     bdf = dev["free"]["bdf"]
     proc = _start_bind_paused(bdf, 2.0)
-    proc.send_signal(signal.SIGINT)
-    proc.wait(timeout=60)
-    err = proc.stderr.read()
-    assert proc.returncode == 1 and "Aborted!" in err, err  # click's answer to the deferred Ctrl-C
-    assert driver(bdf) == "vfio-pci"
-    assert json.loads(STATE.read_text())[bdf]["phase"] == "bound"
-    assert cli("restore", bdf).returncode == 0 and driver(bdf) == "nvme"
+    try:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=60)
+        err = proc.stderr.read()
+        assert proc.returncode == 1 and "Aborted!" in err, err  # click's answer to the deferred Ctrl-C
+        assert driver(bdf) == "vfio-pci"
+        assert json.loads(STATE.read_text())[bdf]["phase"] == "bound"
+        assert cli("restore", bdf).returncode == 0 and driver(bdf) == "nvme"
+    finally:
+        _back_on_nvme(bdf, proc)
 
 
 def test_restore_recovers_after_the_tool_is_killed_mid_bind(dev, stacks):
     bdf = dev["free"]["bdf"]
     before = digest(f"/dev/{namespace_of(bdf)}")
     proc = _start_bind_paused(bdf, 5.0)
-    proc.kill()  # SIGKILL cannot be held back: the device is left with no driver
-    proc.wait(timeout=30)
-    assert driver(bdf) is None
-    assert json.loads(STATE.read_text())[bdf]["phase"] == "binding"
-    assert listing()[bdf]["verdict"]["state"] == "no-driver"
-    restored = cli("restore", "--json", bdf)
-    assert restored.returncode == 0, restored.stderr
-    assert driver(bdf) == "nvme" and digest(f"/dev/{namespace_of(bdf)}") == before
+    try:
+        proc.kill()  # SIGKILL cannot be held back: the device is left with no driver
+        proc.wait(timeout=30)
+        assert driver(bdf) is None
+        assert json.loads(STATE.read_text())[bdf]["phase"] == "binding"
+        assert listing()[bdf]["verdict"]["state"] == "no-driver"
+        restored = cli("restore", "--json", bdf)
+        assert restored.returncode == 0, restored.stderr
+        assert driver(bdf) == "nvme" and digest(f"/dev/{namespace_of(bdf)}") == before
+    finally:
+        _back_on_nvme(bdf, proc)
 
 
 def test_restore_is_refused_while_the_device_is_open_through_vfio(dev, stacks, noiommu):
