@@ -58,14 +58,15 @@ class LLM:
     def load(cls, path: str | Path, ctx_size: int | None = None, device: str = "cpu",
              weight_budget_bytes: int = 8 << 30, exact: bool = False, vram_budget: str | int | None = None,
              enforce_budget: bool = False, planned: dict[str, int] | None = None, tree_nodes: int = 0,
-             progress: Callable[[int, int], None] | None = None) -> LLM:
+             progress: Callable[[int, int], None] | None = None, experts: str = "auto") -> LLM:
         """Opens and checks `path`. ctx_size: tokens of context (default: the model's, at most 4096).
         device: "cpu", "gpu" (CuPy; a ValueError when no GPU is visible) or "auto" (GPU if present).
         exact: on the CPU, float64 sums (infer.model).
         vram_budget (GPU): device memory the engine may use (default: the free memory less a margin);
         a model that does not fit raises infer.tiers.budget.VramBudgetError. enforce_budget: cap the
         device memory pool at it (process-wide). planned, tree_nodes, progress (the GPU upload's
-        progress(done, total)): see load_gpu_transformer."""
+        progress(done, total)) and experts (a mixture of experts on the GPU: "auto", "gpu" or "cpu"):
+        see load_gpu_transformer."""
         from infer.gpu import resolve_device
 
         where = resolve_device(device)  # ValueError with one line for 'gpu' without a GPU
@@ -77,7 +78,8 @@ class LLM:
             from infer.gpu import load_gpu_transformer
 
             transformer = load_gpu_transformer(gguf, ctx_size, vram_budget, enforce_budget=enforce_budget,
-                                               planned=planned, tree_nodes=tree_nodes, progress=progress)
+                                               planned=planned, tree_nodes=tree_nodes, progress=progress,
+                                               experts=experts)
         else:
             transformer = load_transformer(gguf, weight_budget_bytes, exact=exact)
         ctx = ctx_size or min(transformer.args.context_length, DEFAULT_CTX)

@@ -40,7 +40,9 @@
 #                                                         # the 70B Q4_K_M streamed at --vram-budget 24GB
 #                                                         # (bench.streaming_bench; writes ~42 GB to disk)
 #   GPU_CHECK_MOE=1 GPU_CHECK_LLAMA_BUILD=1 ...           # the synthetic Qwen3-30B-A3B at 8 GB, experts on the CPU,
-#                                                         # and llama-bench -ncmoe N on it (N down to what fits 8 GB)
+#                                                         # and llama-bench -ncmoe N on it (N down to what fits 8 GB);
+#                                                         # then at 24 GB, experts in VRAM, against llama-bench -ngl 99
+#   GPU_CHECK_MOE_ONLY24=1                                # with GPU_CHECK_MOE: only the 24 GB half
 #   GPU_CHECK_PROFILE=1 ...                               # where a speculative pass's time goes (bench.spec_profile
 #                                                         # on synthetic models of the Qwen pair's shapes, traced)
 #   NVMEDIRECT_GPU_MODELS=a.gguf:b.gguf                   # real models for tests/gpu/test_model.py
@@ -304,10 +306,10 @@ if [ -n "${GPU_CHECK_MOE:-}" ]; then
     # that fits 8 GB (llama-bench -ncmoe, from GPU_CHECK_MOE_NCMOE (36: ~15 blocks of experts in ~5.5 GB) down by 2 while it fits)
     section "mixture of experts: synthetic Qwen3-30B-A3B Q4_K_M at --vram-budget 8GB"
     rm -f "${NVMEDIRECT_BENCH_DIR:-/tmp/nvmd-bench}"/synth-llama70b-*.gguf  # disk
-    timeout "${GPU_CHECK_MOE_SECONDS:-300}" python3 -m bench.gpu_bench --synth qwen3-30b-a3b:q4_k_m --synth-dir "$SYNTH_DIR" \
+    [ -z "${GPU_CHECK_MOE_ONLY24:-}" ] && timeout "${GPU_CHECK_MOE_SECONDS:-300}" python3 -m bench.gpu_bench --synth qwen3-30b-a3b:q4_k_m --synth-dir "$SYNTH_DIR" \
         --vram-budget 8GB --pp 512 --tg 64 --no-kernels --out "$OUT/moe-30b-a3b-8GB.json" > "$OUT/moe-30b-a3b-8GB.txt" 2>&1
     note "moe 30b-a3b 8GB: exit $?; $(grep -E 'pp512|VRAM used' "$OUT/moe-30b-a3b-8GB.txt" | tr -s ' ' | tr '\n' ' ')"
-    if grep -q "rc=0" "$LLAMA_DIR/done" 2>/dev/null; then
+    if [ -z "${GPU_CHECK_MOE_ONLY24:-}" ] && grep -q "rc=0" "$LLAMA_DIR/done" 2>/dev/null; then
         moe="$SYNTH_DIR/synth-qwen3-30b-a3b-q4_k_m.gguf"
         for n in $(seq "${GPU_CHECK_MOE_NCMOE:-36}" -2 0); do  # fewer experts on the CPU while the peak fits 8 GB
             timeout 300 "$LLAMA_DIR/llama.cpp/build/bin/llama-bench" -m "$moe" -p 512 -n 64 -ngl 99 -ncmoe "$n" \
@@ -323,6 +325,23 @@ print(' '.join(f\"{'pp' if r['n_prompt'] else 'tg'}{r['n_prompt'] or r['n_gen']}
                 "$OUT/llama-bench-moe-ncmoe$n.json" 2>&1 | tail -1)"
             [ "$peak" -gt 7629 ] && break  # 8 GB = 7629 MiB: the previous N was the smallest that fits
         done
+    fi
+    # issue 26 bar 2: the model fits 24 GB: every expert in VRAM (infer.gpu.experts), against llama.cpp
+    # with every layer on the GPU; the GPU's expert kernels checked first (tests/gpu/test_moe_kernels.py)
+    section "mixture of experts: synthetic Qwen3-30B-A3B Q4_K_M at --vram-budget 24GB, experts in VRAM"
+    timeout 300 python3 -m pytest -q -x tests/gpu/test_moe_kernels.py tests/gpu/test_moe_gpu.py \
+        > "$OUT/moe-gpu-tests.txt" 2>&1
+    note "moe GPU tests: exit $?; $(tail -1 "$OUT/moe-gpu-tests.txt")"
+    timeout "${GPU_CHECK_MOE_SECONDS:-300}" python3 -m bench.gpu_bench --synth qwen3-30b-a3b:q4_k_m --synth-dir "$SYNTH_DIR" \
+        --vram-budget 24GB --experts gpu --pp 512 --tg 64 --batch 32 --no-kernels --out "$OUT/moe-30b-a3b-24GB.json" \
+        > "$OUT/moe-30b-a3b-24GB.txt" 2>&1
+    note "moe 30b-a3b 24GB experts in VRAM: exit $?; $(grep -E 'pp512|tg64|batch|VRAM used' "$OUT/moe-30b-a3b-24GB.txt" | tr -s ' ' | tr '\n' ' ')"
+    if grep -q "rc=0" "$LLAMA_DIR/done" 2>/dev/null; then
+        timeout 300 "$LLAMA_DIR/llama.cpp/build/bin/llama-bench" -m "$SYNTH_DIR/synth-qwen3-30b-a3b-q4_k_m.gguf" \
+            -p 512 -n 64 -ngl 99 -fa 1 -r 2 -o json > "$OUT/llama-bench-moe-ngl99.json" 2> "$OUT/llama-bench-moe-ngl99.log"
+        note "llama-bench moe -ngl 99: exit $?; $(python3 -c "import json,sys; \
+print(' '.join(f\"{'pp' if r['n_prompt'] else 'tg'}{r['n_prompt'] or r['n_gen']} {r['avg_ts']:.2f}\" for r in json.load(open(sys.argv[1]))))" \
+            "$OUT/llama-bench-moe-ngl99.json" 2>&1 | tail -1)"
     fi
 fi
 

@@ -10,6 +10,7 @@ if TYPE_CHECKING:
     from infer.arch import ModelArgs
     from infer.gguf_file import GGUFModel
     from infer.gpu.model import GpuTransformer
+    from infer.tiers.budget import VramAccount
 
 
 def gpu_available() -> bool:
@@ -54,7 +55,8 @@ def load_gpu_transformer(model: GGUFModel, max_context: int | None = None, vram_
                          prefill_chunk: int = 512, batch: int = 1, enforce_budget: bool = False,
                          planned: dict[str, int] | None = None, tree_nodes: int = 0,
                          kv_positions: int | None = None,
-                         progress: Callable[[int, int], None] | None = None) -> GpuTransformer:
+                         progress: Callable[[int, int], None] | None = None,
+                         experts: str = "auto") -> GpuTransformer:
     """The model checked as infer.model.load_transformer checks it, its weights resident on the
     current GPU, planned against the VRAM budget (`vram_budget`, default the free memory less a
     margin): weights, the KV caches of `batch` sequences of `max_context` positions (default the
@@ -64,7 +66,9 @@ def load_gpu_transformer(model: GGUFModel, max_context: int | None = None, vram_
     (one line, what each part takes, a hint to use --streaming). enforce_budget: cap CuPy's memory
     pool at the budget (process-wide). planned: device memory already taken in the same budget
     (e.g. {"draft model": bytes}), shown in the plan. progress(done, total): after each layer's
-    upload (a load bar). The inputs of the matrix products are rounded
+    upload (a load bar). experts (a mixture of experts): "gpu" keeps every expert in VRAM and
+    computes the blocks there, "cpu" leaves them in RAM for the CPU to compute (llama.cpp's
+    --cpu-moe), "auto" the first when they fit the budget beside the rest. The inputs of the matrix products are rounded
     as llama.cpp rounds them (8-bit forms for quantized weights); every row's logits are the same
     bits in any pass (docs/GPU.md)."""
     import cupy
@@ -98,12 +102,20 @@ def load_gpu_transformer(model: GGUFModel, max_context: int | None = None, vram_
     account.plan("pass buffers", gpu_pass_nbytes(model, args, prefill_chunk, context, logits_rows))
     for name, nbytes in (planned or {}).items():
         account.plan(name, nbytes)
+    experts_why = _place_experts(model, args, account, prefill_chunk, experts) if args.n_experts else None
     account.check(": lower -c/--ctx-size, or run on the CPU (--device cpu)" if args.n_experts else
                   ": run with --streaming (or lower -c/--ctx-size)")  # no streamed GPU engine for experts yet
     if enforce_budget:
         memory.enforce(account)
+    on_device = args.n_experts and experts_why is None
+    steps = args.n_layers if on_device else 0  # the experts' uploads: a step per block after the rest
+
+    def weights_progress(done: int, total: int) -> None:
+        if progress is not None:
+            progress(done, total + steps)
+
     with memory.arena(weights_nbytes, len(tensors)):
-        weights = ResidentWeights(model, args, progress)
+        weights = ResidentWeights(model, args, weights_progress)
     cupy.cuda.Device().synchronize()
     cupy.get_default_memory_pool().free_all_blocks()  # the uploads' temporaries
     from infer.gpu.model import LOGITS_ROWS
@@ -111,8 +123,43 @@ def load_gpu_transformer(model: GGUFModel, max_context: int | None = None, vram_
     gpu = GpuTransformer(args, weights, rope_freq_factors(model, args), context, prefill_chunk=prefill_chunk,
                          logits_rows=max(LOGITS_ROWS, logits_rows))
     gpu.account = account
-    if args.n_experts:  # the experts stay in the file's pages; the CPU computes the blocks' feed-forward
+    if on_device:
+        from infer.gpu.experts import GpuExperts
+
+        done = args.n_layers + 1
+        gpu.use_gpu_experts(GpuExperts(model, args, prefill_chunk, lambda j: weights_progress(done + j, done)))
+        cupy.get_default_memory_pool().free_all_blocks()
+    elif args.n_experts:  # the experts stay in the file's pages; the CPU computes the blocks' feed-forward
         from infer.tiers.cpu_tier import CpuExperts
 
-        gpu.cpu_experts = CpuExperts(model, args)
+        gpu.cpu_experts = CpuExperts(model, args, why=experts_why)
     return gpu
+
+
+EXPERT_PLACES = ("auto", "gpu", "cpu")
+
+
+def _place_experts(model: GGUFModel, args: ModelArgs, account: VramAccount, rows: int, where: str) -> str | None:
+    """Plans a mixture of experts' experts into VRAM (returns None), or says why they stay in RAM
+    for the CPU: asked to (`where` "cpu"), a format the GPU's expert products lack, or ("auto") no
+    room in the budget beside the rest."""
+    from infer.errors import UnsupportedModelError
+    from infer.gpu import experts as on_gpu
+    from infer.tiers.plan import format_bytes
+
+    if where not in EXPERT_PLACES:
+        raise ValueError(f"experts go to one of {', '.join(EXPERT_PLACES)}, not {where!r}")
+    if where == "cpu":
+        return "asked for (--cpu-moe)"
+    unsupported = on_gpu.stacks_on_device(model, args)
+    if unsupported is not None:
+        if where == "gpu":
+            raise UnsupportedModelError(model.path, unsupported, "experts on the GPU")
+        return unsupported
+    weights, buffers = on_gpu.expert_bytes(model, args), on_gpu.buffers_nbytes(model, args, rows)
+    if where == "auto" and weights + buffers > account.room:
+        return (f"their {format_bytes(weights + buffers)} do not fit the {format_bytes(max(account.room, 0))} "
+                "the VRAM budget leaves")
+    account.plan("experts", weights)
+    account.plan("expert buffers", buffers)
+    return None

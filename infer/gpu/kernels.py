@@ -12,7 +12,7 @@ from functools import cache
 from pathlib import Path
 
 KERNEL_DIR = Path(__file__).resolve().parent.parent / "kernels"
-SOURCES = ("qmm", "pmm", "dequant", "repack", "ops", "attention", "prompt_attention")
+SOURCES = ("qmm", "pmm", "dequant", "repack", "ops", "attention", "prompt_attention", "moe")
 # QG_WARPS / QG_UNROLL: the small-N product kernels' rows per block and loads in flight (qmm.cu).
 DEFAULT_DEFINES: dict[str, int] = {"QG_WARPS": 4, "QG_UNROLL": 2}
 OPTIONS = ("-std=c++17",)

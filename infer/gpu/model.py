@@ -43,6 +43,7 @@ from infer.layers import Rope, check_batch
 from infer.tiers.budget import VramAccount
 
 if TYPE_CHECKING:
+    from infer.gpu.experts import GpuExperts
     from infer.tiers.cpu_tier import CpuExperts, CpuTier
 
 F32 = cupy.float32
@@ -100,6 +101,7 @@ class GpuTransformer(DeviceGeneration):
     skip: frozenset[int] = frozenset()  # layers left out (infer.layerskip: a self-draft), none by default
     cpu_tier: CpuTier | None = None  # streamed layers the CPU computes in small passes (infer.tiers.cpu_tier)
     cpu_experts: CpuExperts | None = None  # a mixture of experts: the blocks' feed-forward on the CPU (same)
+    gpu_experts: GpuExperts | None = None  # or on the GPU, its experts in VRAM (infer.gpu.experts)
 
     def __init__(self, args: ModelArgs, weights: GpuWeightSource, rope_freq_factors: np.ndarray | None,
                  max_context: int, prefill_chunk: int = 512, logits_rows: int = LOGITS_ROWS) -> None:
@@ -193,6 +195,14 @@ class GpuTransformer(DeviceGeneration):
             self.stream.synchronize()
             self.graphs.drop("head")
 
+    def use_gpu_experts(self, experts: GpuExperts) -> None:
+        """Computes the blocks of experts on the device with `experts` (their kernels compiled now,
+        before any capture): every resident layer then replays in the pass's graphs."""
+        products.prepare_kernels(experts.formats())
+        self.gpu_experts = experts
+        self._segments = self._plan_segments()
+        self.graphs.drop("run")
+
     def without_layers(self, skip: frozenset[int]) -> GpuTransformer:
         """A view of this model with layers `skip` left out (a self-draft), sharing its weights and
         buffers, with its own segments and graphs (its passes run between this model's)."""
@@ -206,8 +216,8 @@ class GpuTransformer(DeviceGeneration):
     def _layer(self, i: int, L: GpuLayer, shape: PassShape) -> None:
         """Layer i for the rows of a pass of `shape`: self.x in place."""
         self._attention(i, L, shape)
-        if L.ffn_down is None:  # a block of experts: its feed-forward computed by the CPU
-            self.cpu_experts.run_ffn(self, i, shape)  # type: ignore[union-attr]
+        if L.ffn_down is None:  # a block of experts: its feed-forward on the device or by the CPU
+            (self.gpu_experts or self.cpu_experts).run_ffn(self, i, shape)  # type: ignore[union-attr]
             return
         self._feed_forward(L, shape)
 
@@ -306,7 +316,8 @@ class GpuTransformer(DeviceGeneration):
         items = [EMBED, *(i for i in range(self.args.n_layers) if i not in self.skip)]
         segments: list[tuple[bool, list[int]]] = []
         for item in items:
-            resident = item == EMBED or (self.weights.is_resident(item) and "ffn_down" in self.weights.formats(item))
+            resident = item == EMBED or (self.weights.is_resident(item) and (
+                "ffn_down" in self.weights.formats(item) or self.gpu_experts is not None))
             if resident and segments and segments[-1][0]:
                 segments[-1][1].append(item)
             else:

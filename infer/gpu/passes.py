@@ -135,7 +135,7 @@ class PassIndex:
     # kptr/vptr/cap: the row's global layers' keys, values and positions; kptr_l/vptr_l/ring: its
     # local layers' (infer.gpu.cache)
     I64 = ("kptr", "vptr", "kptr_l", "vptr_l", "hist")
-    I32 = ("tok", "pos", "slot", "base", "anc_off", "cap", "ring", "out_rows", "seeds")
+    I32 = ("tok", "pos", "slot", "base", "anc_off", "cap", "ring", "out_rows", "seeds", "live")
     F32 = ("temps",)
 
     def __init__(self, capacity: int, null_cache: GpuKVCache, stream: cupy.cuda.Stream) -> None:
@@ -202,7 +202,7 @@ class PassIndex:
         for name, value in _cache_fields(null).items():
             h[name][nulls] = value
         h["hist"][nulls] = 0
-        for name in ("tok", "pos", "slot", "seeds"):
+        for name in ("tok", "pos", "slot", "seeds", "live"):
             h[name][nulls] = 0
         h["base"][nulls], h["anc_off"][nulls], h["temps"][nulls] = 1, -1, 0.0
         used = 0
@@ -215,6 +215,7 @@ class PassIndex:
             h["hist"][idx] = [row.cache.tokens.data.ptr if row.history else 0 for row in rows]
             h["tok"][idx] = [row.token for row in rows]
             h["pos"][idx] = [row.pos for row in rows]
+            h["live"][idx] = 1  # a mixture of experts routes no null row (infer/kernels/moe.cu)
             h["slot"][idx] = [row.slot for row in rows]
             h["base"][idx] = [row.base for row in rows]
             # the host sampler's rule: temperatures too small to divide by are greedy

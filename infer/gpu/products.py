@@ -4,6 +4,8 @@ allocating, so each may sit inside a CUDA graph capture.
 - `product`: the canonical rows (decode tokens, batches, tree nodes, scored prompts): qgemv for a
   few rows, the int8 tensor-core qmm for more, fgemv for float weights; every output in the
   canonical order of canon.cuh (the same bits for any N, kernel variant or split of K).
+- `expert_product`: routed experts, each (row, slot) pair by the expert the router chose for it
+  (qgemv_id: canonical sums, so the same bits as `product` on that expert's rows).
 - `prompt_product`: the prompt rows (prompt tokens whose logits nobody reads): float16 weights
   dequantized in shared memory, float32 sums on the tensor cores (pmm.cu), one order per output.
 """
@@ -188,6 +190,27 @@ def product(parts: list[GpuMatrix], x: Input, y: cupy.ndarray, n: int, ldy: int 
     warps = (tuning or QGEMV_TUNING)[0]
     fn = kernels.function("qmm", f"qgemv_{m0.fmt}_v{nv}", _gemv_defines(m0.fmt, tuning))
     fn((grid_blocks(rows, warps), grid_blocks(n, nv)), (32 * warps,), args)
+
+
+def expert_product(parts: list[GpuMatrix], n_experts: int, x: Input, ids: cupy.ndarray, pairs: int,
+                   xdiv: int, y: cupy.ndarray, ldy: int) -> None:
+    """Row j < pairs of y (at y[j * ldy:]) = the rows of expert ids[j] in each part (a stack of
+    n_experts experts; parts: one matrix, or gate and up) times input row j // xdiv; ids[j] < 0
+    leaves row j as it is (qmm.cu qgemv_id)."""
+    m0 = parts[0]
+    if m0.fmt in FLOAT_FORMATS or not isinstance(x, Int8Act) or x.act != m0.act:
+        raise ValueError(f"experts in {m0.fmt} take the {m0.act} 8-bit form of their input on the GPU")
+    if pairs < 1:
+        return
+    per_expert = [p.rows // n_experts for p in parts]
+    rows = sum(per_expert)
+    ends = [*np.cumsum(per_expert).tolist(), rows, rows]
+    planes = [pl for p in parts for pl in p.planes()] + [NULL] * 4 * (3 - len(parts))
+    warps = QGEMV_TUNING[0]
+    fn = kernels.function("qmm", f"qgemv_id_{m0.fmt}", _gemv_defines(m0.fmt))
+    fn((grid_blocks(rows, warps), pairs), (32 * warps,),
+       (*planes, np.int32(ends[0]), np.int32(ends[1]), np.int32(rows), np.int32(m0.cols), x.xq, x.xs, x.xsum, ids,
+        np.int32(xdiv), y, np.int32(ldy)))
 
 
 # ---------------------------------------------------------------------------- prompt products

@@ -46,15 +46,15 @@
 #include "qmm_operands.cuh"
 
 // ---------------------------------------------------------------- qgemv: N <= NV vectors
+// Vectors v0 .. v0 + NV - 1 of x times the parts' rows. `expert` e: each part holds a stack of
+// experts of the part's rows each, and row r of the part reads row e * rows + r (qgemv_id).
 template <int KIND, int NV>
 __device__ __forceinline__ void qgemv_body(const Parts& parts, int M, int K, Act8 x, int nvec, float* y, int ldy,
-                                           const float* bias, const float* residual) {
+                                           const float* bias, const float* residual, int v0, int expert) {
     typedef Q<KIND> F;
     const int lane = threadIdx.x & 31;
     const int row = blockIdx.x * QG_WARPS + (threadIdx.x >> 5);
     if (row >= M) return;  // the whole warp
-    // grid y: groups of NV vectors (any N; the weights are read once per group)
-    const int v0 = blockIdx.y * NV;
     nvec = min(NV, nvec - v0);
     x.xq += (long long)v0 * K;
     x.xs += (long long)v0 * (K >> F::XS_SHIFT);
@@ -64,7 +64,7 @@ __device__ __forceinline__ void qgemv_body(const Parts& parts, int M, int K, Act
     const int pi = parts.part(row);
     const Planes p = parts.planes(pi);
     const int nsb = K >> 5, ngroups = K >> F::XS_SHIFT;
-    const long long base = (long long)(row - parts.start(pi)) * nsb;
+    const long long base = ((long long)expert * parts.size(pi, M) + (row - parts.start(pi))) * nsb;
     float acc[NV];
 #pragma unroll
     for (int v = 0; v < NV; ++v) acc[v] = 0.f;
@@ -251,14 +251,29 @@ __device__ __forceinline__ void fgemv_body(const T* w, int M, int K, const float
 
 #define QGEMV(NAME, KIND, NV)                                                                                   \
     extern "C" __global__ void __launch_bounds__(QG_WARPS * 32) qgemv_##NAME##_v##NV(PARTS_ARGS, PRODUCT_ARGS) { \
-        qgemv_body<KIND, NV>(PARTS_OF, M, K, Act8{xq, xs, xsum}, N, y, ldy, bias, residual);                    \
+        qgemv_body<KIND, NV>(PARTS_OF, M, K, Act8{xq, xs, xsum}, N, y, ldy, bias, residual, blockIdx.y * NV, 0); \
+    }
+// qgemv_id_<fmt>: routed experts (a mixture of experts' rows). Each part is a stack of experts of
+// the same rows (gate, up; or down); grid y walks the (token, slot) pairs: pair j multiplies input
+// row j / xdiv by the matrices of expert ids[j] into y[j * ldy ...]. ids[j] < 0: no product (the row
+// of y is left as it is). The same canonical sums as qgemv, so the same bits as any product of
+// that expert's rows.
+#define QGEMV_ID(NAME, KIND)                                                                                    \
+    extern "C" __global__ void __launch_bounds__(QG_WARPS * 32)                                                 \
+        qgemv_id_##NAME(PARTS_ARGS, int M, int K, const signed char* xq, const float* xs, const int* xsum,      \
+                        const int* ids, int xdiv, float* y, int ldy) {                                          \
+        const int pair = blockIdx.y, expert = __ldg(ids + pair), xrow = pair / xdiv;                            \
+        if (expert < 0) return;                                                                                  \
+        const Act8 x{xq + (long long)xrow * K, xs + (long long)xrow * (K >> Q<KIND>::XS_SHIFT),                  \
+                     xsum + (long long)xrow * (K >> 5)};                                                         \
+        qgemv_body<KIND, 1>(PARTS_OF, M, K, x, 1, y + (long long)pair * ldy, ldy, nullptr, nullptr, 0, expert);  \
     }
 #define QMM(NAME, KIND, NT)                                                                                     \
     extern "C" __global__ void __launch_bounds__(MMQ_THREADS, MMQ_MIN_BLOCKS) qmm_##NAME##_n##NT(PARTS_ARGS, PRODUCT_ARGS) {    \
         qmm_body<KIND, NT>(PARTS_OF, M, K, Act8{xq, xs, xsum}, N, y, ldy, bias, residual, partial);             \
     }
 #if QMM_KERNELS & 1
-#define QGEMVS(NAME, KIND) QGEMV(NAME, KIND, 1) QGEMV(NAME, KIND, 2) QGEMV(NAME, KIND, 4)
+#define QGEMVS(NAME, KIND) QGEMV(NAME, KIND, 1) QGEMV(NAME, KIND, 2) QGEMV(NAME, KIND, 4) QGEMV_ID(NAME, KIND)
 #else
 #define QGEMVS(NAME, KIND)
 #endif

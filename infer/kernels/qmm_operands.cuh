@@ -11,6 +11,7 @@ struct Parts {
     int end0, end1;  // part 0 holds rows [0, end0), part 1 [end0, end1), part 2 [end1, M)
     __device__ __forceinline__ int part(int r) const { return (r >= end0) + (r >= end1); }
     __device__ __forceinline__ int start(int i) const { return i == 0 ? 0 : (i == 1 ? end0 : end1); }
+    __device__ __forceinline__ int size(int i, int M) const { return i == 0 ? end0 : (i == 1 ? end1 - end0 : M - end1); }
     // part i's planes by selects, not by indexing p (which would put the array in local memory)
     __device__ __forceinline__ Planes planes(int i) const {
         return Planes{i == 0 ? p[0].qs : (i == 1 ? p[1].qs : p[2].qs), i == 0 ? p[0].hi : (i == 1 ? p[1].hi : p[2].hi),

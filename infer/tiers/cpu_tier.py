@@ -168,9 +168,10 @@ class CpuExperts:
     (infer.moe with the native kernels), so the logits differ from an all-CPU run only by the
     attention's GPU numerics."""
 
-    def __init__(self, model: GGUFModel, args: ModelArgs, threads: int | None = None) -> None:
+    def __init__(self, model: GGUFModel, args: ModelArgs, threads: int | None = None, why: str | None = None) -> None:
+        """why: why the experts are not on the GPU (said in the load report)."""
         self.blocks = ExpertBlocks(model, args, threads=threads)
-        self.args = args
+        self.args, self.why = args, why
 
     def describe(self) -> str:
         """One line for the load report: where the experts are and who computes them."""
@@ -180,7 +181,8 @@ class CpuExperts:
                      if parse_tensor_name(t.name)[1] in EXPERT_BLOCK_KINDS)
         threads = self.blocks.threads or cpu_kernels.default_threads()
         return (f"experts: {format_bytes(nbytes)} (routers, routed and shared experts) stay in RAM, in the file's "
-                f"pages; the CPU computes each block's feed-forward ({threads} threads), the GPU the rest")
+                f"pages; the CPU computes each block's feed-forward ({threads} threads), the GPU the rest"
+                + (f" (not in VRAM: {self.why})" if self.why else ""))
 
     def run_ffn(self, model: GpuTransformer, i: int, shape: PassShape) -> None:
         """Block i's feed-forward for the pass's rows: model.x (rows 0..shape.rows) in place."""

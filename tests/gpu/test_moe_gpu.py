@@ -1,6 +1,7 @@
-"""A mixture-of-experts model resident on a real GPU with its experts computed by the CPU
-(infer.tiers.cpu_tier.CpuExperts): the checks of tests/infer/test_gpu_moe.py (which run them on the
-NumPy stand-in for CuPy in CI) on the device.
+"""A mixture-of-experts model resident on a real GPU, its experts in VRAM (infer.gpu.experts) or
+computed by the CPU (infer.tiers.cpu_tier.CpuExperts): the checks of tests/infer/test_gpu_moe.py
+(which run them on the NumPy stand-in for CuPy in CI) on the device. The kernels alone:
+tests/gpu/test_moe_kernels.py.
 
 Run on the GPU machine:  python -m pytest -v tests/gpu/test_moe_gpu.py
 """
@@ -11,15 +12,22 @@ from pathlib import Path
 
 import pytest
 
-from tests.infer.test_gpu_moe import check_follows_the_cpu, check_pass_independence, moe_dir, moe_path  # noqa: F401
+from tests.infer.test_gpu_moe import (  # noqa: F401
+    check_follows_the_cpu,
+    check_pass_independence,
+    moe_dir,
+    moe_path,
+    place,
+    placed,
+)
 
 cupy = pytest.importorskip("cupy")
 pytestmark = pytest.mark.gpu
 
 
-def test_experts_on_the_cpu_follow_the_cpu_engine(moe_path: Path) -> None:  # noqa: F811
-    check_follows_the_cpu(moe_path)
+def test_the_experts_follow_the_cpu_engine(moe_path: Path, place: str) -> None:  # noqa: F811
+    check_follows_the_cpu(moe_path, placed(moe_path, place))
 
 
-def test_a_row_does_not_depend_on_its_pass_on_the_gpu(moe_path: Path) -> None:  # noqa: F811
-    check_pass_independence(moe_path)
+def test_a_row_does_not_depend_on_its_pass_on_the_gpu(moe_path: Path, place: str) -> None:  # noqa: F811
+    check_pass_independence(moe_path, placed(moe_path, place))

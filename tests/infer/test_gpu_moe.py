@@ -1,8 +1,9 @@
-"""A mixture-of-experts model resident on the GPU with its experts computed by the CPU
-(infer.tiers.cpu_tier.CpuExperts), on the NumPy stand-in for CuPy (tests/fake_cupy.py) with the
-native CPU kernels: no expert takes device memory, the logits follow the CPU engine within the
-GPU-vs-CPU bound, a row's logits do not depend on the pass it rides in, and the device's decode
-loop gives the host loop's tokens. tests/gpu/test_moe_gpu.py runs the same on a real GPU."""
+"""A mixture-of-experts model resident on the GPU, its experts either in VRAM and computed there
+(infer.gpu.experts.GpuExperts) or left in RAM for the CPU (infer.tiers.cpu_tier.CpuExperts), on the
+NumPy stand-in for CuPy (tests/fake_cupy.py) with the native CPU kernels: the experts take device
+memory only in the first placement, the logits follow the CPU engine within the GPU-vs-CPU bound,
+a row's logits do not depend on the pass it rides in, and the device's decode loop gives the host
+loop's tokens. tests/gpu/test_moe_gpu.py runs the same on a real GPU."""
 
 from __future__ import annotations
 
@@ -54,31 +55,51 @@ def quantized_moe(request: pytest.FixtureRequest, moe_dir: Path) -> Path:
     return write_moe(moe_dir, *request.param)
 
 
+@pytest.fixture(params=["cpu", "gpu"], ids=lambda p: f"experts-{p}")
+def place(request: pytest.FixtureRequest) -> str:
+    """Where the experts go: "cpu" (RAM, computed by the CPU) or "gpu" (VRAM, computed there)."""
+    return request.param
+
+
+def placed(moe_path: Path, place: str) -> str:
+    """The placement a test of this file runs: a float file's experts have no GPU product."""
+    if place == "gpu" and "f16" in moe_path.name:
+        pytest.skip("the GPU multiplies experts in quantized formats only (a float file's stay with the CPU)")
+    return place
+
+
 def rel(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
-def test_experts_stay_on_the_host_and_the_logits_follow_the_cpu(moe_path: Path, fake_cupy: object) -> None:
-    check_follows_the_cpu(moe_path)
+def test_the_logits_follow_the_cpu(moe_path: Path, place: str, fake_cupy: object) -> None:
+    check_follows_the_cpu(moe_path, placed(moe_path, place))
 
 
-def test_a_row_does_not_depend_on_its_pass(moe_path: Path, fake_cupy: object) -> None:
-    check_pass_independence(moe_path)
+def test_a_row_does_not_depend_on_its_pass(moe_path: Path, place: str, fake_cupy: object) -> None:
+    check_pass_independence(moe_path, placed(moe_path, place))
 
 
-def check_follows_the_cpu(moe_path: Path) -> None:
-    """No expert takes device memory; the logits follow the packed CPU engine's."""
+def check_follows_the_cpu(moe_path: Path, place: str) -> None:
+    """The experts take device memory only when placed there ("experts" in the plan); the logits
+    follow the packed CPU engine's."""
+    from infer.gpu import experts as on_gpu
     from infer.gpu import load_gpu_transformer
     from infer.tiers.plan import planner_tensors
 
     model = GGUFModel(moe_path)
-    gpu = load_gpu_transformer(model, CTX)
-    assert gpu.cpu_experts is not None
-    host_kinds = EXPERT_BLOCK_KINDS
+    gpu = load_gpu_transformer(model, CTX, experts=place)
+    assert (gpu.cpu_experts is None, gpu.gpu_experts is None) == ((False, True) if place == "cpu" else (True, False))
     planned = planner_tensors(model, "gpu")
-    experts = [t for t in planned if t.kind in host_kinds]
+    experts = [t for t in planned if t.kind in EXPERT_BLOCK_KINDS]
     assert experts and all(t.device_nbytes == 0 for t in experts)
     assert gpu.account is not None and gpu.account.planned["weights"] == sum(t.device_nbytes for t in planned)
+    if place == "gpu":
+        assert gpu.account.planned["experts"] == on_gpu.expert_bytes(model, gpu.args) == gpu.gpu_experts.nbytes
+        assert gpu.account.planned["expert buffers"] >= on_gpu.buffers_nbytes(model, gpu.args, gpu.capacity) > 0
+        assert all(capturable for capturable, _ in gpu._segments)  # every block replays in the pass's graph
+    else:
+        assert "experts" not in gpu.account.planned
     for L in gpu.layers:
         assert L.ffn_gate is L.ffn_up is L.ffn_down is None and len(L.matrices()) == 4
     prompt = np.random.default_rng(1).integers(3, 600, 9)
@@ -99,12 +120,12 @@ def check_follows_the_cpu(moe_path: Path) -> None:
     assert np.mean(g2.argmax(-1) == w2.argmax(-1)) >= 0.75
 
 
-def check_pass_independence(moe_path: Path) -> None:
+def check_pass_independence(moe_path: Path, place: str) -> None:
     """A prompt in one pass, token by token, and beside another sequence: the same bits; the
     device's decode loop gives the host loop's greedy tokens."""
     from infer.gpu import load_gpu_transformer
 
-    gpu = load_gpu_transformer(GGUFModel(moe_path), CTX, batch=2)
+    gpu = load_gpu_transformer(GGUFModel(moe_path), CTX, batch=2, experts=place)
     tokens = np.array([1, 17, 300, 42, 599, 8])
     whole = gpu.forward(tokens, gpu.new_cache(CTX), all_logits=True)
     cache = gpu.new_cache(CTX)
@@ -141,6 +162,7 @@ def test_the_cli_runs_a_mixture_of_experts_on_the_gpu(moe_dir: Path, fake_cupy: 
     gpu = CliRunner().invoke(main, [*args, "--device", "gpu"])
     assert gpu.exit_code == 0, gpu.output
     assert "experts: " in gpu.stderr and "stay in RAM" in gpu.stderr and "the CPU computes" in gpu.stderr
+    assert "not in VRAM: its expert stacks are f16" in gpu.stderr
     tight = CliRunner().invoke(main, [*args, "--device", "gpu", "--vram-budget", "1MB"])
     assert tight.exit_code == 2 and "run on the CPU (--device cpu)" in tight.output and "--streaming" not in tight.output
     cpu = CliRunner().invoke(main, [*args, "--device", "cpu"])
@@ -152,13 +174,38 @@ def test_the_cli_runs_a_mixture_of_experts_on_the_gpu(moe_dir: Path, fake_cupy: 
     assert streamed.exit_code == 2 and "without --streaming" in streamed.output, streamed.output
 
 
-def test_the_cpu_computes_no_null_row(moe_dir: Path, fake_cupy: object, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A pass of 3 sequences is padded to a bucket of 4 rows; the experts see the 3 real ones."""
+def test_the_cli_places_the_experts(moe_dir: Path, fake_cupy: object) -> None:
+    """A quantized file's experts go to VRAM when they fit (the load report says so), to the CPU
+    with --cpu-moe or when the budget leaves no room for them; the greedy text is the same."""
+    import json
+
+    from click.testing import CliRunner
+
+    from infer.cli import main
+
+    moe_path = write_moe(moe_dir, "qwen3moe", "q8_0")
+    args = ["-m", str(moe_path), "-p", "hello there", "-n", "6", "-t", "0", "--json", "--device", "gpu"]
+    runs = {name: CliRunner().invoke(main, [*args, *extra]) for name, extra in
+            (("vram", []), ("asked", ["--cpu-moe"]), ("tight", ["--vram-budget", "675MiB"]))}
+    for run in runs.values():
+        assert run.exit_code == 0, run.output
+    assert "in VRAM" in runs["vram"].stderr and "the GPU computes every block" in runs["vram"].stderr
+    assert "not in VRAM: asked for (--cpu-moe)" in runs["asked"].stderr
+    assert "do not fit the" in runs["tight"].stderr and "the VRAM budget leaves" in runs["tight"].stderr
+    ids = {name: json.loads(run.stdout)["ids"] for name, run in runs.items()}
+    assert ids["asked"] == ids["tight"]
+    assert len(ids["vram"]) == 6
+
+
+def test_the_experts_see_no_null_row(moe_dir: Path, place: str, fake_cupy: object,
+                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pass of 3 sequences is padded to a bucket of 4 rows; the experts see the 3 real ones (on
+    the GPU the null row is routed to no expert: ids -1)."""
     from infer.gpu import load_gpu_transformer
     from infer.moe import MixtureOfExperts
 
     moe_path = write_moe(moe_dir, "qwen3moe", "q8_0")
-    gpu = load_gpu_transformer(GGUFModel(moe_path), CTX, batch=4)
+    gpu = load_gpu_transformer(GGUFModel(moe_path), CTX, batch=4, experts=place)
     caches = [gpu.new_cache(CTX) for _ in range(3)]
     for k, c in enumerate(caches):
         gpu.forward(np.array([3 + k, 4, 5]), c)
@@ -174,18 +221,30 @@ def test_the_cpu_computes_no_null_row(moe_dir: Path, fake_cupy: object, monkeypa
     from infer.gpu.passes import bucket_of
 
     assert bucket_of(3, gpu.capacity) == 4  # the pass had a null row
-    assert seen == [3] * QWEN3MOE.n_layers and gpu.index.live_rows.tolist() == [0, 1, 2]
+    assert gpu.index.live_rows.tolist() == [0, 1, 2]
+    if place == "cpu":
+        assert seen == [3] * QWEN3MOE.n_layers
+        return
+    k = QWEN3MOE.n_experts_used
+    ids = cupy_host(gpu.gpu_experts.ids)[: 4 * k].reshape(4, k)
+    assert seen == [] and (ids[:3] >= 0).all() and (ids[3] == -1).all()
 
 
-def test_speculation_on_the_gpu_moe_is_plain_decoding(quantized_moe: Path, fake_cupy: object) -> None:
+def cupy_host(a: object) -> np.ndarray:
+    import cupy
+
+    return cupy.asnumpy(a)
+
+
+def test_speculation_on_the_gpu_moe_is_plain_decoding(quantized_moe: Path, place: str, fake_cupy: object) -> None:
     """A mixture of experts on the GPU as the target of greedy speculation (its tree passes run the
-    experts on the CPU for every node): the text of plain decoding, with a draft that agrees
-    (the target itself) and with one that does not (a dense model of the same vocabulary)."""
+    experts of every node, on the CPU or the GPU): the text of plain decoding, with a draft that
+    agrees (the target itself) and with one that does not (a dense model of the same vocabulary)."""
     from infer.gpu import load_gpu_transformer
     from infer.speculative import ModelDrafter, Speculator
 
     moe_path = quantized_moe
-    target = load_gpu_transformer(GGUFModel(moe_path), CTX, tree_nodes=9)
+    target = load_gpu_transformer(GGUFModel(moe_path), CTX, tree_nodes=9, experts=place)
     dense = moe_path.with_name(f"dense-{moe_path.name}")
     if not dense.exists():
         write_model(dense, Shape(n_layers=2, dim=128, ffn_dim=256, n_heads=2, n_kv_heads=1, vocab_size=600,

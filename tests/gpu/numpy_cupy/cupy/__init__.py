@@ -187,6 +187,30 @@ class RawKernel:
             lay = layout.plane_layout(fmt, r_, c_)
             for p, o, s in zip((qs, hi, sm, dm), lay.offsets, lay.sizes):
                 if s: _arr(p, np.uint8, s)[:] = planar[o:o+s]
+        elif n.startswith("qgemv_id_"):  # routed experts: each (row, slot) pair by its expert's rows (infer.gpu.experts)
+            from infer.gpu.reference import canonical_product
+            fmt = n[len("qgemv_id_"):]
+            planes = [args[4 * i : 4 * i + 4] for i in range(3)]
+            e0, e1, M, K, xq, xs8, xsum, ids, xdiv, y, ldy = args[12:]
+            e0, e1, M, K, xdiv, ldy = map(int, (e0, e1, M, K, xdiv, ldy))
+            pairs, group = int(grid[1]), (256 if fmt in layout.K_FORMATS else 32)
+            I = _arr(ids, np.int32, pairs).copy()
+            nx = (pairs - 1) // xdiv + 1
+            q = _arr(xq, np.int8, nx * K).reshape(nx, K).copy()
+            xsv = _arr(xs8, np.float32, nx * K // group).reshape(nx, -1).copy()
+            su = _arr(xsum, np.int32, nx * K // 32).reshape(nx, -1).copy()
+            per_sb = (*layout.PLANE_BYTES[fmt], 0.5)  # dm: 4 bytes per 8 sub-blocks
+            Y = _arr(y, np.float32, (pairs - 1) * ldy + M)
+            for j in range(pairs):
+                e, r = int(I[j]), j // xdiv
+                if e < 0: continue
+                outs = []
+                for (lo, hi), pl in zip(((0, e0), (e0, e1), (e1, M)), planes):
+                    if hi <= lo: continue
+                    sb0 = e * (hi - lo) * K // 32
+                    moved = [np.uint64(_ptr(p) + int(sb0 * b)) if _ptr(p) else p for p, b in zip(pl, per_sb)]
+                    outs.append(canonical_product(_planar(fmt, *moved, hi - lo, K), fmt, hi - lo, K, q[r:r + 1], xsv[r:r + 1], su[r:r + 1]))
+                Y[j * ldy : j * ldy + M] = np.concatenate(outs, axis=1)[0]
         elif n.startswith(("qgemv_", "qmm_")) and n != "qmm_combine":  # canonical products, bit for bit (infer.gpu.reference)
             from infer.gpu.reference import canonical_product
             fmt = n.split("_")[1]
@@ -391,6 +415,30 @@ class RawKernel:
                 if int(HS[r]):
                     _arr(int(HS[r]), np.int32, p + 2)[p + 1] = nxt
                     if int(advance): TK[r] = nxt; PS[r] = p + 1; SL[r] += 1; BS[r] = p + 2
+        elif n == "moe_route":
+            from infer.moe import expert_weights, router_softmax, top_k
+            lg, rows, E, k, norm, live, ids, w = args
+            rows, E, k = int(rows), int(E), int(k)
+            probs = router_softmax(_arr(lg, np.float32, rows * E).reshape(rows, E).copy())
+            chosen = top_k(probs, k)
+            weights = expert_weights(probs, chosen, bool(int(norm)))
+            alive = _arr(live, np.int32, rows) != 0 if _ptr(live) else np.ones(rows, bool)
+            _arr(ids, np.int32, rows * k)[:] = np.where(alive[:, None], chosen, -1).reshape(-1)
+            _arr(w, np.float32, rows * k)[:] = np.where(alive[:, None], weights, 0).reshape(-1)
+        elif n == "moe_combine":
+            from infer.moe import SharedExpert, weighted_sum
+            outs, ids, w, k, dim, shared, gate, x = args
+            rows, k, dim = int(grid[1]), int(k), int(dim)
+            O = _arr(outs, np.float32, rows * k * dim).reshape(rows, k, dim)
+            W = _arr(w, np.float32, rows * k).reshape(rows, k)
+            alive = _arr(ids, np.int32, rows * k).reshape(rows, k)[:, 0] >= 0
+            t = weighted_sum(O, W)
+            if _ptr(shared):
+                g = _arr(gate, np.float32, rows).copy()
+                with np.errstate(all="ignore"):
+                    t = t + _arr(shared, np.float32, rows * dim).reshape(rows, dim) * SharedExpert.scale(g)[:, None]
+            X = _arr(x, np.float32, rows * dim).reshape(rows, dim)
+            X[alive] = X[alive] + t[alive]
         else:
             raise NotImplementedError(n)
 

@@ -1,0 +1,238 @@
+"""A mixture of experts computed on the GPU with its experts in VRAM (issue 26: the model fits).
+
+Each block's expert stacks (ffn_{gate,up,down}_exps, n_experts x rows x cols) are uploaded as one
+planar matrix each, the experts' rows one after another, so expert e of a stack is rows
+[e * rows, (e + 1) * rows). A pass's feed-forward of such a block never leaves the device and takes
+a fixed number of launches for any routing, so it sits inside the layer's CUDA graph:
+
+    h       = RMSNorm(x) rounded to each product's input format       (ops.rmsnorm)
+    logits  = router @ h                                              (the canonical product)
+    ids, w  = the top k of softmax(logits), most probable first       (moe.cu moe_route)
+    gu[j]   = [gate | up] of expert ids[j] times h of pair j's row    (qmm.cu qgemv_id: one launch for
+    out[j]  = down of expert ids[j] times glu(gu[j])                   every (row, slot) pair j)
+    x      += sum_j w[j] * out[j] (+ the shared expert, gated)        (moe.cu moe_combine)
+
+The products are the canonical ones (qmm.cu), so a row gets the same bits in any pass, and its
+numbers follow the CPU engine's (infer/moe.py) within the GPU-vs-CPU bound of docs/INFERENCE.md.
+A pair reads its expert's weights by itself: right for decode, batches and trees, where few rows
+share an expert; a long prompt's rows re-read them per pair (grouping the prompt's rows by expert
+is the next step). Expert stacks in a float format (f16, bf16, f32) have no such product: their
+blocks stay with the CPU (infer.tiers.cpu_tier.CpuExperts).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import cupy
+import numpy as np
+
+from infer.arch import ModelArgs, tensor_name
+from infer.gguf_file import GGUFModel
+from infer.gpu import kernels, ops, products
+from infer.gpu.activations import Inputs
+from infer.gpu.layout import FLOAT_FORMATS, format_of
+from infer.gpu.ops import EIGHT_BIT, GpuMatrix, Int8Act, device_ptr, grid_blocks
+from infer.gpu.weights import upload_tensor
+from infer.quants import activation_format
+from infer.tiers.plan import format_bytes
+
+F32 = cupy.float32
+MAX_PAIRS = 65535  # (row, slot) pairs of one pass: a launch's grid y
+STACKS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
+SHARED = ("ffn_gate_inp_shexp", "ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp")
+
+
+@dataclass
+class ExpertBlock:
+    """A block's feed-forward of experts on the device."""
+
+    router: GpuMatrix  # (n_experts, dim): ffn_gate_inp
+    gate: GpuMatrix  # (n_experts * width, dim): ffn_gate_exps, the experts' rows one after another
+    up: GpuMatrix  # (n_experts * width, dim)
+    down: GpuMatrix  # (n_experts * dim, width)
+    shared_gate: GpuMatrix | None = None  # (1, dim): qwen2moe's ffn_gate_inp_shexp
+    shared_gate_up: list[GpuMatrix] | None = None  # ffn_gate_shexp, ffn_up_shexp
+    shared_down: GpuMatrix | None = None
+
+    def matrices(self) -> list[GpuMatrix]:
+        shared = [self.shared_gate, *(self.shared_gate_up or []), self.shared_down]
+        return [self.router, self.gate, self.up, self.down, *(m for m in shared if m is not None)]
+
+
+def stacks_on_device(model: GGUFModel, args: ModelArgs) -> str | None:
+    """None when every block's expert stacks have a product on the device (quantized formats), else why not."""
+    for i in range(args.n_layers):
+        for kind in STACKS:
+            info = model.tensors.get(tensor_name(i, kind))
+            if info is None:
+                continue
+            fmt = format_of(info.ggml_type)
+            if fmt in FLOAT_FORMATS:
+                return f"its expert stacks are {fmt}: the GPU multiplies experts in quantized formats only"
+    return None
+
+
+def _upload_block(model: GGUFModel, args: ModelArgs, i: int) -> ExpertBlock:
+    def up(kind: str) -> GpuMatrix | None:
+        name = tensor_name(i, kind)
+        if name not in model.tensors:
+            return None
+        info = model.tensor(name)
+        shape = tuple(int(d) for d in info.shape)
+        rows = int(np.prod(shape[:-1])) if len(shape) > 1 else 1
+        return ops.upload_stacked([(info.data, rows)], info.ggml_type, shape[-1])
+
+    block = ExpertBlock(upload_tensor(model, tensor_name(i, "ffn_gate_inp")), *(up(kind) for kind in STACKS))
+    if args.shared_ffn_dim:
+        block.shared_gate = up("ffn_gate_inp_shexp")
+        block.shared_gate_up = [up("ffn_gate_shexp"), up("ffn_up_shexp")]  # type: ignore[list-item]
+        block.shared_down = up("ffn_down_shexp")
+    return block
+
+
+def _inputs_wanted(args: ModelArgs, block: ExpertBlock) -> list[tuple[str, str, int]]:
+    """The normed input "ffn" in every format a block's products take."""
+    matrices = [block.router, block.gate, block.up, block.shared_gate, *(block.shared_gate_up or [])]
+    return [("ffn", m.act, args.dim) for m in matrices if m is not None]
+
+
+def _tensor_act(model: GGUFModel, name: str) -> str:
+    return activation_format(model.tensor(name).ggml_type)
+
+
+def buffers_nbytes(model: GGUFModel, args: ModelArgs, rows: int) -> int:
+    """Device bytes of GpuExperts' buffers for passes of `rows` rows (planned before loading; as
+    GpuExperts.__init__ allocates them, the 8-bit forms counted as float32 rows: an upper bound)."""
+    k, d = args.n_experts_used, args.dim
+    pairs, w, s = rows * k, args.expert_ffn_dim, args.shared_ffn_dim
+    kinds = ("ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", *(("ffn_gate_inp_shexp", "ffn_gate_shexp", "ffn_up_shexp")
+                                                                if s else ()))
+    acts = {_tensor_act(model, tensor_name(0, kind)) for kind in kinds}
+    total = 4 * rows * args.n_experts + 8 * pairs + 4 * pairs * (3 * w + d)
+    total += Inputs.planned_nbytes(rows, [("ffn", act, d) for act in acts])
+    if s:
+        total += 4 * rows * (3 * s + d + 1)
+    return total
+
+
+def expert_bytes(model: GGUFModel, args: ModelArgs) -> int:
+    """Device bytes of every block's experts, routers and shared experts (their planar forms)."""
+    from infer.tiers.plan import gpu_nbytes
+
+    kinds = ("ffn_gate_inp", *STACKS, *SHARED)
+    return sum(gpu_nbytes(model.tensor(tensor_name(i, kind))) for i in range(args.n_layers) for kind in kinds
+               if tensor_name(i, kind) in model.tensors)
+
+
+class GpuExperts:
+    """Every block's feed-forward of experts on the device, for passes of up to `rows` rows."""
+
+    def __init__(self, model: GGUFModel, args: ModelArgs, rows: int,
+                 progress: Callable[[int], None] | None = None) -> None:
+        """progress(blocks done): after each block's upload."""
+        if rows * args.n_experts_used > MAX_PAIRS:
+            raise ValueError(f"passes of {rows} rows route {rows * args.n_experts_used} (row, expert) pairs, more "
+                             f"than a launch takes ({MAX_PAIRS}): lower the pass size")
+        self.args, self.rows = args, rows
+        self.blocks = []
+        for i in range(args.n_layers):
+            self.blocks.append(_upload_block(model, args, i))
+            if progress is not None:
+                progress(i + 1)
+        b0 = self.blocks[0]
+        k, w, d = args.n_experts_used, args.expert_ffn_dim, args.dim
+        pairs = rows * k
+        self.inputs = Inputs(args, rows, [x for b in self.blocks for x in _inputs_wanted(args, b)])
+        self.logits = cupy.zeros((rows, args.n_experts), F32)
+        self.ids = cupy.full(pairs, -1, cupy.int32)
+        self.weights = cupy.zeros(pairs, F32)
+        self.gu = cupy.zeros((pairs, 2 * w), F32)  # [gate | up] of each (row, slot) pair
+        down_act = b0.down.act
+        self.ff: products.Input = Int8Act.zeros(pairs, w, down_act) if down_act in EIGHT_BIT else \
+            cupy.zeros((pairs, w), F32)
+        self.outs = cupy.zeros((pairs, d), F32)
+        self.shared = None
+        if args.shared_ffn_dim:
+            s = args.shared_ffn_dim
+            act = b0.shared_down.act  # type: ignore[union-attr]
+            self.shared = (cupy.zeros((rows, 2 * s), F32), Int8Act.zeros(rows, s, act) if act in EIGHT_BIT
+                           else cupy.zeros((rows, s), F32), cupy.zeros((rows, d), F32), cupy.zeros(rows, F32))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(m.nbytes for b in self.blocks for m in b.matrices())
+
+    def formats(self) -> set[str]:
+        return {m.fmt for b in self.blocks for m in b.matrices()}
+
+    def describe(self) -> str:
+        """One line for the load report."""
+        a = self.args
+        return (f"experts: {a.n_experts} per block, {a.n_experts_used} per token, {format_bytes(self.nbytes)} in VRAM "
+                "(routers, routed and shared experts); the GPU computes every block")
+
+    def run_ffn(self, model: object, i: int, shape: object) -> None:
+        """Block i's feed-forward for the pass's rows: model.x in place (queued on the current stream)."""
+        a, B = self.args, self.blocks[i]
+        n, k, w, d = shape.rows, a.n_experts_used, a.expert_ffn_dim, a.dim  # type: ignore[attr-defined]
+        L = model.weights.layer(i)  # type: ignore[attr-defined]
+        acts = [m.act for m in (B.router, B.gate, B.up, B.shared_gate, *(B.shared_gate_up or [])) if m is not None]
+        xs = self.inputs.normed(model.x, L.ffn_norm, "ffn", acts, n)  # type: ignore[attr-defined]
+        products.product([B.router], xs[B.router.act], self.logits, n, ldy=a.n_experts)
+        route(self.logits, n, a.n_experts, k, a.expert_weights_norm, model.index.d["live"], self.ids, self.weights)  # type: ignore[attr-defined]
+        pairs = n * k
+        if B.gate.fmt == B.up.fmt and B.gate.act == B.up.act:
+            products.expert_product([B.gate, B.up], a.n_experts, xs[B.gate.act], self.ids, pairs, k, self.gu, 2 * w)
+        else:
+            flat = self.gu.reshape(-1)
+            products.expert_product([B.gate], a.n_experts, xs[B.gate.act], self.ids, pairs, k, flat, 2 * w)
+            products.expert_product([B.up], a.n_experts, xs[B.up.act], self.ids, pairs, k, flat[w:], 2 * w)
+        if isinstance(self.ff, Int8Act):
+            ops.glu_round(self.gu, w, pairs, B.down.act, int8=self.ff, activation=a.arch_table.activation)
+        else:
+            ops.glu_round(self.gu, w, pairs, B.down.act, y=self.ff, activation=a.arch_table.activation)
+        products.expert_product([B.down], a.n_experts, self.ff, self.ids, pairs, 1, self.outs, d)
+        shared = gate = None
+        if self.shared is not None:
+            shared, gate = self._shared(B, xs, n)
+        combine(self.outs, self.ids, self.weights, k, d, n, shared, gate, model.x)  # type: ignore[attr-defined]
+
+    def _shared(self, B: ExpertBlock, xs: dict[str, products.Input], n: int) -> tuple[cupy.ndarray, cupy.ndarray]:
+        """qwen2moe's shared expert for n rows: (its output, its gate value) per row."""
+        sgu, sff, sout, sgate = self.shared  # type: ignore[misc]
+        s, act = self.args.shared_ffn_dim, B.shared_down.act  # type: ignore[union-attr]
+        products.product([B.shared_gate], xs[B.shared_gate.act], sgate, n, ldy=1)  # type: ignore[list-item, union-attr]
+        gate_s, up_s = B.shared_gate_up  # type: ignore[misc]
+        if gate_s.fmt == up_s.fmt and gate_s.act == up_s.act:
+            products.product([gate_s, up_s], xs[gate_s.act], sgu, n)
+        else:
+            products.product([gate_s], xs[gate_s.act], sgu, n, ldy=2 * s)
+            products.product([up_s], xs[up_s.act], sgu.reshape(-1)[s:], n, ldy=2 * s)
+        if isinstance(sff, Int8Act):
+            ops.glu_round(sgu, s, n, act, int8=sff, activation=self.args.arch_table.activation)
+        else:
+            ops.glu_round(sgu, s, n, act, y=sff, activation=self.args.arch_table.activation)
+        products.product([B.shared_down], sff, sout, n)  # type: ignore[list-item]
+        return sout, sgate
+
+
+# ---------------------------------------------------------------------------- launches
+def route(logits: cupy.ndarray, n: int, n_experts: int, k: int, normalize: bool, live: cupy.ndarray | None,
+          ids: cupy.ndarray, weights: cupy.ndarray) -> None:
+    """ids, weights (n * k) = the top k experts of each of n rows of router logits (n, n_experts),
+    most probable first, and their (normalised) probabilities; rows with live 0: ids -1 (moe.cu)."""
+    kernels.function("moe", "moe_route")((grid_blocks(n, 128),), (128,),
+                                         (logits, np.int32(n), np.int32(n_experts), np.int32(k), np.int32(normalize),
+                                          device_ptr(live), ids, weights))
+
+
+def combine(outs: cupy.ndarray, ids: cupy.ndarray, weights: cupy.ndarray, k: int, dim: int, n: int,
+            shared: cupy.ndarray | None, gate: cupy.ndarray | None, x: cupy.ndarray) -> None:
+    """x[r] += the weighted sum of row r's k expert outputs (+ the gated shared expert), r < n (moe.cu)."""
+    if n < 1:
+        return
+    kernels.function("moe", "moe_combine")((grid_blocks(dim, 256), n), (256,),
+                                           (outs, ids, weights, np.int32(k), np.int32(dim), device_ptr(shared),
+                                            device_ptr(gate), x))

@@ -1,0 +1,94 @@
+// A mixture of experts' steps around its products (the products themselves: qmm.cu's qgemv_id),
+// for the rows of a pass, in the order infer/moe.py computes them on the CPU (llama.cpp's
+// llm_build_moe_ffn), so a row gets the same bits in any pass and the choice of experts matches the
+// CPU's up to the last bit of an exp:
+//   moe_route    router logits -> the top-k experts and their weights
+//   moe_combine  x += sum over slots of weight * expert output (+ the shared expert's, gated)
+#include "formats.cuh"
+
+#define WEIGHTS_SUM_FLOOR 6.103515625e-5f  // infer/moe.py: float16's smallest normal
+
+// A float32 sum carried with its rounding error (Neumaier): the CPU takes these sums in double, which
+// costs 64 times more than float32 on the RTX cards; this keeps about double's accuracy for the few
+// hundred terms of a router row.
+struct WideSum {
+    float s = 0.f, c = 0.f;
+    __device__ __forceinline__ void add(float v) {
+        const float t = __fadd_rn(s, v);
+        c = __fadd_rn(c, fabsf(s) >= fabsf(v) ? __fadd_rn(__fsub_rn(s, t), v) : __fadd_rn(__fsub_rn(v, t), s));
+        s = t;
+    }
+    __device__ __forceinline__ float value() const { return __fadd_rn(s, c); }
+};
+
+// One thread per row of logits (n, E): softmax (exp(l - max) in float32, their sum carried wide, each
+// exp times the float32 reciprocal of the sum), the k most probable experts, most probable first
+// (ties: the lower id), into ids[row * k + j]; their probabilities into weights, divided by their sum
+// (carried wide, floored) when `normalize`. Rows whose `live` entry is 0 (the
+// null rows padding a pass; live may be null: every row) get ids -1: no expert reads its weights.
+extern "C" __global__ void moe_route(const float* logits, int n, int E, int k, int normalize, const int* live,
+                                     int* ids, float* weights) {
+    const int r = blockIdx.x * blockDim.x + threadIdx.x;
+    if (r >= n) return;
+    int* out_ids = ids + (long long)r * k;
+    float* out_w = weights + (long long)r * k;
+    if (live && !live[r]) {
+        for (int j = 0; j < k; ++j) {
+            out_ids[j] = -1;
+            out_w[j] = 0.f;
+        }
+        return;
+    }
+    const float* l = logits + (long long)r * E;
+    float mx = -INFINITY;
+    for (int e = 0; e < E; ++e) mx = fmaxf(mx, l[e]);
+    WideSum sum;
+    for (int e = 0; e < E; ++e) sum.add(expf(__fsub_rn(l[e], mx)));
+    const float inverse = __frcp_rn(sum.value());
+    // selection in descending (probability, -id) order: each pick is the best after the previous one
+    float prev_p = INFINITY;
+    int prev_e = -1;
+    WideSum total;
+    for (int j = 0; j < k; ++j) {
+        float best_p = -1.f;
+        int best_e = -1;
+        for (int e = 0; e < E; ++e) {
+            const float p = __fmul_rn(expf(__fsub_rn(l[e], mx)), inverse);
+            const bool after = p < prev_p || (p == prev_p && e > prev_e);
+            if (after && p > best_p) {
+                best_p = p;
+                best_e = e;
+            }
+        }
+        out_ids[j] = best_e;
+        out_w[j] = best_p;
+        total.add(best_p);
+        prev_p = best_p;
+        prev_e = best_e;
+    }
+    if (normalize) {
+        const float t = fmaxf(total.value(), WEIGHTS_SUM_FLOOR);
+        for (int j = 0; j < k; ++j) out_w[j] = __fdiv_rn(out_w[j], t);
+    }
+}
+
+// x[r] += sum_j weights[r, j] * outs[r * k + j] over the k slots in order (each product in float32,
+// then added one after another: infer/moe.py weighted_sum), + shared[r] * (silu(g) / g) with g =
+// gate[r] (qwen2moe's shared expert; shared null: none), then the residual add. grid (pieces of
+// dim, rows), 256 threads. A null row (ids -1, moe_route) is left as it is, as the CPU leaves it.
+extern "C" __global__ void moe_combine(const float* outs, const int* ids, const float* weights, int k, int dim,
+                                       const float* shared, const float* gate, float* x) {
+    const long long r = blockIdx.y;
+    const int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= dim || ids[r * k] < 0) return;
+    const float* w = weights + r * k;
+    const float* o = outs + r * k * dim + c;
+    float t = __fmul_rn(o[0], w[0]);
+    for (int j = 1; j < k; ++j) t = __fadd_rn(t, __fmul_rn(o[(long long)j * dim], w[j]));
+    if (shared) {
+        const float g = gate[r];
+        const float scale = __fdiv_rn(__fdiv_rn(g, __fadd_rn(1.f, expf(-g))), g);
+        t = __fadd_rn(t, __fmul_rn(shared[r * dim + c], scale));
+    }
+    x[r * dim + c] = __fadd_rn(x[r * dim + c], t);
+}

@@ -1,0 +1,131 @@
+"""The mixture-of-experts kernels (infer/kernels/moe.cu, qmm.cu's qgemv_id) against their NumPy
+references on fresh random inputs: each routed (row, slot) pair's product is, bit for bit, the
+canonical sum of that expert's rows (infer/gpu/reference.py) and the ordinary product of the same
+rows uploaded alone; the routing picks infer/moe.py's experts in its order with its weights; the
+combination is infer/moe.py's weighted sum. The seed of each test's inputs is printed.
+
+Run on the GPU machine:  python -m pytest -v tests/gpu/test_moe_kernels.py
+(On the NumPy stand-in: PYTHONPATH=tests/gpu/numpy_cupy:. python -m pytest tests/gpu/test_moe_kernels.py)
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+from infer.gpu import layout
+from infer.moe import SharedExpert, expert_weights, router_softmax, top_k, weighted_sum
+from infer.quants import activation_format
+from infer.synth import random_blocks
+
+cupy = pytest.importorskip("cupy")
+from infer.gpu import experts, ops, products  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+T = GGMLQuantizationType
+
+
+@pytest.fixture
+def rng() -> np.random.Generator:
+    seed = int.from_bytes(os.urandom(4), "little")
+    print(f"seed {seed}")
+    return np.random.default_rng(seed)
+
+
+def _stack(rng: np.random.Generator, ggml_type: int, n_experts: int, rows: int, cols: int) -> np.ndarray:
+    block, _ = GGML_QUANT_SIZES[T(ggml_type)]
+    return random_blocks(ggml_type, n_experts * rows * cols // block, rng, 1.0 / np.sqrt(cols)).reshape(n_experts, -1)
+
+
+def _int8(rng: np.random.Generator, n: int, cols: int, act: str) -> tuple[ops.Int8Act, tuple[np.ndarray, ...]]:
+    """n random rows as the device's 8-bit form (rounded there), and that form on the host."""
+    x = cupy.asarray((rng.standard_normal((n, cols)) * rng.choice([0.01, 1.0, 50.0], (n, 1))).astype(np.float32))
+    x8 = ops.Int8Act.zeros(n, cols, act)
+    ops.round_act(x, cupy.zeros((n, cols), cupy.float32), n, cols, act, int8=x8)
+    group = 32 if act == "q8_0" else 256
+    host = (cupy.asnumpy(x8.xq).reshape(n, cols), cupy.asnumpy(x8.xs).reshape(n, cols // group),
+            cupy.asnumpy(x8.xsum).reshape(n, cols // 32))
+    return x8, host
+
+
+@pytest.mark.parametrize("ggml_type", [T.Q8_0, T.Q4_0, T.Q5_1, T.Q4_K, T.Q5_K, T.Q6_K], ids=lambda t: T(t).name)
+@pytest.mark.parametrize("xdiv", [1, 3])  # down: a row per pair; gate/up: one input row for k slots
+def test_expert_products_are_each_experts_canonical_sum(rng: np.random.Generator, ggml_type: int, xdiv: int) -> None:
+    from infer.gpu.reference import canonical_product
+
+    n_experts, rows, cols = 6, 72, 512
+    act = activation_format(ggml_type)
+    gate, up = _stack(rng, ggml_type, n_experts, rows, cols), _stack(rng, ggml_type, n_experts, rows, cols)
+    parts = [ops.upload_stacked([(s.reshape(-1), n_experts * rows)], ggml_type, cols) for s in (gate, up)]
+    pairs = 7 * xdiv
+    x8, (q, scale, qsum) = _int8(rng, -(-pairs // xdiv), cols, act)
+    ids = rng.integers(0, n_experts, pairs).astype(np.int32)
+    ids[2] = -1  # a null row's pair: left as it is
+    y = cupy.full((pairs, 2 * rows), np.nan, np.float32)
+    products.expert_product(parts, n_experts, x8, cupy.asarray(ids), pairs, xdiv, y, 2 * rows)
+    got = cupy.asnumpy(y)
+    assert np.isnan(got[2]).all()
+    for j, e in enumerate(ids):
+        if e < 0:
+            continue
+        r = j // xdiv
+        want = []
+        for stack in (gate, up):
+            planar = layout.repack(stack[e], ggml_type, rows, cols)
+            want.append(canonical_product(planar, layout.format_of(ggml_type), rows, cols, q[r : r + 1],
+                                          scale[r : r + 1], qsum[r : r + 1])[0])
+            alone = ops.upload_matrix(stack[e], ggml_type, rows, cols)  # the same rows as a matrix of their own
+            y1 = cupy.full((1, rows), np.nan, np.float32)
+            products.product([alone], x8.rows(r, r + 1), y1, 1)
+            np.testing.assert_array_equal(cupy.asnumpy(y1)[0], want[-1], err_msg=f"pair {j}, expert {e}, alone")
+        np.testing.assert_array_equal(got[j], np.concatenate(want), err_msg=f"pair {j}, expert {e}")
+
+
+@pytest.mark.parametrize(("n_experts", "k"), [(8, 2), (64, 8), (128, 8)])
+@pytest.mark.parametrize("normalize", [True, False])
+def test_routing_is_the_cpus(rng: np.random.Generator, n_experts: int, k: int, normalize: bool) -> None:
+    rows = 9
+    # distinct logits a few hundredths apart: no two probabilities tie within an exp's last bits
+    logits = np.stack([rng.permutation(n_experts) * 0.03 + rng.standard_normal() for _ in range(rows)])
+    logits = logits.astype(np.float32)
+    live = np.ones(rows, np.int32)
+    live[4] = 0
+    ids, weights = cupy.full(rows * k, 7, cupy.int32), cupy.full(rows * k, np.nan, cupy.float32)
+    experts.route(cupy.asarray(logits), rows, n_experts, k, normalize, cupy.asarray(live), ids, weights)
+    got_ids, got_w = cupy.asnumpy(ids).reshape(rows, k), cupy.asnumpy(weights).reshape(rows, k)
+    probs = router_softmax(logits)
+    want_ids = top_k(probs, k)
+    want_w = expert_weights(probs, want_ids, normalize)
+    alive = live == 1
+    np.testing.assert_array_equal(got_ids[alive], want_ids[alive])
+    np.testing.assert_allclose(got_w[alive], want_w[alive], rtol=2e-6, atol=0)
+    assert (got_ids[4] == -1).all() and (got_w[4] == 0).all()
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_combination_is_the_cpus_weighted_sum(rng: np.random.Generator, shared: bool) -> None:
+    rows, k, dim = 5, 8, 1000
+    outs = rng.standard_normal((rows, k, dim)).astype(np.float32)
+    w = rng.random((rows, k)).astype(np.float32)
+    ids = rng.integers(0, 64, (rows, k)).astype(np.int32)
+    ids[3] = -1  # a null row: x left as it is
+    x = rng.standard_normal((rows, dim)).astype(np.float32)
+    s_out = rng.standard_normal((rows, dim)).astype(np.float32) if shared else None
+    gate = rng.standard_normal(rows).astype(np.float32) if shared else None
+    y = cupy.asarray(x)
+    experts.combine(cupy.asarray(outs.reshape(-1, dim)), cupy.asarray(ids.reshape(-1)), cupy.asarray(w.reshape(-1)),
+                    k, dim, rows, None if s_out is None else cupy.asarray(s_out),
+                    None if gate is None else cupy.asarray(gate), y)
+    got = cupy.asnumpy(y)
+    t = weighted_sum(outs, w)
+    if shared:
+        t = t + s_out * SharedExpert.scale(gate)[:, None]
+    want = x + t
+    want[3] = x[3]
+    if shared:  # the gate's exp: the device's expf against a correctly rounded one
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    else:
+        np.testing.assert_array_equal(got, want)
