@@ -26,7 +26,8 @@ from pathlib import Path
 
 def bench_model(path: Path, pp: int, tg: int, with_kernels: bool = True, vram_budget: str | None = None,
                 streaming: bool = False, ctx: int | None = None, batch: int = 0, batch_prompt: int = 128,
-                batch_new: int = 64, depth: int = 0, cpu_tier: str | int = "off", experts: str = "auto") -> dict[str, object]:
+                batch_new: int = 64, depth: int = 0, cpu_tier: str | int = "off",
+                experts: str | int = "auto") -> dict[str, object]:
     from infer.gguf_file import GGUFModel
     from infer.gpu import load_gpu_transformer
     from infer.gpu.benchmark import measure
@@ -92,9 +93,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--streaming", action="store_true", help="load through the streaming engine")
     parser.add_argument("--cpu-tier", default="off",
                         help="--streaming: auto, off or N (passes of at most N tokens compute the RAM layers on the CPU)")
-    parser.add_argument("--experts", choices=("auto", "gpu", "cpu"), default="auto",
-                        help="a mixture of experts: its experts in VRAM (gpu), in RAM for the CPU (cpu), or in VRAM "
-                             "when they fit (auto)")
+    parser.add_argument("--experts", default="auto",
+                        help="a mixture of experts: its experts in VRAM (gpu), in RAM for the CPU (cpu), N: the first "
+                             "N blocks' on the CPU, the rest in VRAM; auto: in VRAM as many as fit")
     parser.add_argument("--ctx", type=int, help="context (KV cache) to plan for (default: depth + pp + tg + 16)")
     parser.add_argument("--depth", type=int, default=0,
                         help="positions already in the cache when the prompt and the decode are timed (llama-bench -d)")
@@ -110,7 +111,8 @@ def main(argv: list[str] | None = None) -> int:
         cpu_tier = parse_cpu_tier(args.cpu_tier)
         path = args.model or synth_path(args.synth, args.synth_dir)
         result = bench_model(path, args.pp, args.tg, not args.no_kernels, args.vram_budget, args.streaming, args.ctx,
-                             args.batch, args.batch_prompt, args.batch_new, args.depth, cpu_tier, args.experts)
+                             args.batch, args.batch_prompt, args.batch_new, args.depth, cpu_tier,
+                             int(args.experts) if args.experts.isdigit() else args.experts)
         result["command"] = " ".join(["python3 -m bench.gpu_bench", *(argv if argv is not None else sys.argv[1:])])
     except (ValueError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)

@@ -58,14 +58,15 @@ class LLM:
     def load(cls, path: str | Path, ctx_size: int | None = None, device: str = "cpu",
              weight_budget_bytes: int = 8 << 30, exact: bool = False, vram_budget: str | int | None = None,
              enforce_budget: bool = False, planned: dict[str, int] | None = None, tree_nodes: int = 0,
-             progress: Callable[[int, int], None] | None = None, experts: str = "auto") -> LLM:
+             progress: Callable[[int, int], None] | None = None, experts: str | int = "auto") -> LLM:
         """Opens and checks `path`. ctx_size: tokens of context (default: the model's, at most 4096).
         device: "cpu", "gpu" (CuPy; a ValueError when no GPU is visible) or "auto" (GPU if present).
         exact: on the CPU, float64 sums (infer.model).
         vram_budget (GPU): device memory the engine may use (default: the free memory less a margin);
         a model that does not fit raises infer.tiers.budget.VramBudgetError. enforce_budget: cap the
         device memory pool at it (process-wide). planned, tree_nodes, progress (the GPU upload's
-        progress(done, total)) and experts (a mixture of experts on the GPU: "auto", "gpu" or "cpu"):
+        progress(done, total)) and experts (a mixture of experts on the GPU: "auto", "gpu", "cpu" or
+        a count of blocks whose experts the CPU computes):
         see load_gpu_transformer."""
         from infer.gpu import resolve_device
 

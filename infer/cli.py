@@ -98,7 +98,7 @@ def _resolve_device(device: str) -> str:
 
 
 def _load(model: str | None, ctx_size: int, device: str, vram_budget: str | None = None, exact: bool = False,
-          planned: dict[str, int] | None = None, tree_nodes: int = 0, experts: str = "auto") -> LLM:
+          planned: dict[str, int] | None = None, tree_nodes: int = 0, experts: str | int = "auto") -> LLM:
     if not model:
         _fail("no model given: use -m/--model FILE.gguf", EXIT_BAD_INPUT)
     from infer.api import LLM
@@ -129,9 +129,9 @@ def _load(model: str | None, ctx_size: int, device: str, vram_budget: str | None
     account = getattr(llm.transformer, "account", None)
     if account is not None:
         _note(account.render())
-    experts = getattr(llm.transformer, "gpu_experts", None) or getattr(llm.transformer, "cpu_experts", None)
-    if experts is not None:
-        _note(experts.describe())
+    for placed in (getattr(llm.transformer, "gpu_experts", None), getattr(llm.transformer, "cpu_experts", None)):
+        if placed is not None:
+            _note(placed.describe())
     return llm
 
 
@@ -238,13 +238,17 @@ def _sampler(temp: float, top_k: int, top_p: float, min_p: float, repeat_penalty
                    "logits as the GPU's decode kernels; about 2x slower, 2x the memory). Default: float32 as llama.cpp.")
 @click.option("--cpu-moe", is_flag=True,
               help="GPU, a mixture of experts: keep the experts in RAM and compute them on the CPU (llama.cpp's "
-                   "--cpu-moe). Default: in VRAM when they fit the budget beside the rest, else on the CPU.")
+                   "--cpu-moe). Default: in VRAM when they fit the budget beside the rest, else the experts of as "
+                   "many of the last blocks as fit, the others' on the CPU.")
+@click.option("--n-cpu-moe", type=click.IntRange(min=0), default=None, metavar="N",
+              help="GPU, a mixture of experts: the experts of the first N blocks on the CPU, the rest in VRAM "
+                   "(llama.cpp's --n-cpu-moe).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")
 @click.pass_context
 def main(ctx: click.Context, model: str | None, prompt: str | None, n_predict: int, chat: bool, system: str | None,
          benchmark: bool, temp: float, top_k: int, top_p: float, min_p: float, repeat_penalty: float,
          ctx_size: int, seed: int | None, device: str, streaming: StreamingConfig, spec: SpecOptions,
-         threads: int | None, exact: bool, cpu_moe: bool, as_json: bool) -> None:
+         threads: int | None, exact: bool, cpu_moe: bool, n_cpu_moe: int | None, as_json: bool) -> None:
     """Run a GGUF language model (Llama, Qwen2 or Qwen3 architecture) on the GPU or the CPU.
 
     With --streaming, weights that do not fit the VRAM budget are streamed each pass from pinned RAM
@@ -260,8 +264,12 @@ def main(ctx: click.Context, model: str | None, prompt: str | None, n_predict: i
     sampler = _sampler(temp, top_k, top_p, min_p, repeat_penalty, seed)
     if spec.problem():
         _fail(spec.problem(), EXIT_BAD_INPUT)  # type: ignore[arg-type]
-    if cpu_moe and (spec.active or streaming.enabled or streaming.batch > 1 or streaming.prompts_file):
-        _note("warning: --cpu-moe places the experts of a resident GPU run: this run ignores it")
+    if cpu_moe and n_cpu_moe is not None:
+        _fail("--cpu-moe and --n-cpu-moe cannot be combined (--cpu-moe is every block's experts on the CPU)",
+              EXIT_BAD_INPUT)
+    experts: str | int = "cpu" if cpu_moe else ("auto" if n_cpu_moe is None else n_cpu_moe)
+    if experts != "auto" and (spec.active or streaming.enabled or streaming.batch > 1 or streaming.prompts_file):
+        _note("warning: --cpu-moe and --n-cpu-moe place the experts of a resident GPU run: this run ignores them")
     if spec.active:
         from infer.cli_spec import run as run_speculative
 
@@ -274,10 +282,11 @@ def main(ctx: click.Context, model: str | None, prompt: str | None, n_predict: i
         return
     where = _resolve_device(device)
     _warn_unused(where, streaming, exact)
-    if where == "cpu" and cpu_moe:
-        _note("warning: --cpu-moe places the experts of a GPU run: on the CPU every expert is the CPU's anyway")
+    if where == "cpu" and experts != "auto":
+        _note("warning: --cpu-moe and --n-cpu-moe place the experts of a GPU run: on the CPU every expert is the "
+              "CPU's anyway")
     with _device_errors(where, measure_peak=benchmark or as_json) as peak:
-        llm = _load(model, ctx_size, where, streaming.vram_budget, exact, experts="cpu" if cpu_moe else "auto")
+        llm = _load(model, ctx_size, where, streaming.vram_budget, exact, experts=experts)
         if benchmark:
             cli_run.benchmark(llm, n_predict, as_json, peak)
         elif chat:

@@ -56,7 +56,7 @@ def load_gpu_transformer(model: GGUFModel, max_context: int | None = None, vram_
                          planned: dict[str, int] | None = None, tree_nodes: int = 0,
                          kv_positions: int | None = None,
                          progress: Callable[[int, int], None] | None = None,
-                         experts: str = "auto") -> GpuTransformer:
+                         experts: str | int = "auto") -> GpuTransformer:
     """The model checked as infer.model.load_transformer checks it, its weights resident on the
     current GPU, planned against the VRAM budget (`vram_budget`, default the free memory less a
     margin): weights, the KV caches of `batch` sequences of `max_context` positions (default the
@@ -68,7 +68,8 @@ def load_gpu_transformer(model: GGUFModel, max_context: int | None = None, vram_
     (e.g. {"draft model": bytes}), shown in the plan. progress(done, total): after each layer's
     upload (a load bar). experts (a mixture of experts): "gpu" keeps every expert in VRAM and
     computes the blocks there, "cpu" leaves them in RAM for the CPU to compute (llama.cpp's
-    --cpu-moe), "auto" the first when they fit the budget beside the rest. The inputs of the matrix products are rounded
+    --cpu-moe), an int N the first N blocks' experts to the CPU and the rest in VRAM (--n-cpu-moe),
+    "auto" all in VRAM when they fit the budget beside the rest, else as many of the last blocks' as fit. The inputs of the matrix products are rounded
     as llama.cpp rounds them (8-bit forms for quantized weights); every row's logits are the same
     bits in any pass (docs/GPU.md)."""
     import cupy
@@ -102,13 +103,13 @@ def load_gpu_transformer(model: GGUFModel, max_context: int | None = None, vram_
     account.plan("pass buffers", gpu_pass_nbytes(model, args, prefill_chunk, context, logits_rows))
     for name, nbytes in (planned or {}).items():
         account.plan(name, nbytes)
-    experts_why = _place_experts(model, args, account, prefill_chunk, experts) if args.n_experts else None
+    experts_on_gpu, experts_why = _place_experts(model, args, account, prefill_chunk, experts) if args.n_experts \
+        else ([], None)
     account.check(": lower -c/--ctx-size, or run on the CPU (--device cpu)" if args.n_experts else
                   ": run with --streaming (or lower -c/--ctx-size)")  # no streamed GPU engine for experts yet
     if enforce_budget:
         memory.enforce(account)
-    on_device = args.n_experts and experts_why is None
-    steps = args.n_layers if on_device else 0  # the experts' uploads: a step per block after the rest
+    steps = len(experts_on_gpu)  # the experts' uploads: a step per block after the rest
 
     def weights_progress(done: int, total: int) -> None:
         if progress is not None:
@@ -123,43 +124,69 @@ def load_gpu_transformer(model: GGUFModel, max_context: int | None = None, vram_
     gpu = GpuTransformer(args, weights, rope_freq_factors(model, args), context, prefill_chunk=prefill_chunk,
                          logits_rows=max(LOGITS_ROWS, logits_rows))
     gpu.account = account
-    if on_device:
+    if experts_on_gpu:
         from infer.gpu.experts import GpuExperts
 
         done = args.n_layers + 1
-        gpu.use_gpu_experts(GpuExperts(model, args, prefill_chunk, lambda j: weights_progress(done + j, done)))
+        gpu.use_gpu_experts(GpuExperts(model, args, prefill_chunk, experts_on_gpu,
+                                       lambda j: weights_progress(done + j, done)))
         cupy.get_default_memory_pool().free_all_blocks()
-    elif args.n_experts:  # the experts stay in the file's pages; the CPU computes the blocks' feed-forward
+    on_cpu = [i for i in range(args.n_layers) if i not in set(experts_on_gpu)] if args.n_experts else []
+    if on_cpu:  # these blocks' experts stay in the file's pages; the CPU computes their feed-forward
         from infer.tiers.cpu_tier import CpuExperts
 
-        gpu.cpu_experts = CpuExperts(model, args, why=experts_why)
+        gpu.cpu_experts = CpuExperts(model, args, why=experts_why, layers=on_cpu)
     return gpu
 
 
 EXPERT_PLACES = ("auto", "gpu", "cpu")
 
 
-def _place_experts(model: GGUFModel, args: ModelArgs, account: VramAccount, rows: int, where: str) -> str | None:
-    """Plans a mixture of experts' experts into VRAM (returns None), or says why they stay in RAM
-    for the CPU: asked to (`where` "cpu"), a format the GPU's expert products lack, or ("auto") no
-    room in the budget beside the rest."""
+def _place_experts(model: GGUFModel, args: ModelArgs, account: VramAccount, rows: int,
+                   where: str | int) -> tuple[list[int], str | None]:
+    """(the blocks whose experts go to VRAM, planned in `account`; why the others stay in RAM for
+    the CPU, None when none does). `where`: "gpu" every block, "cpu" none (--cpu-moe), an int N the
+    first N blocks on the CPU (llama.cpp's --n-cpu-moe N), "auto" every block when they fit the
+    budget beside the rest, else the most of the last blocks that fit. Float stacks stay with the
+    CPU ("gpu": an error)."""
     from infer.errors import UnsupportedModelError
     from infer.gpu import experts as on_gpu
     from infer.tiers.plan import format_bytes
 
-    if where not in EXPERT_PLACES:
-        raise ValueError(f"experts go to one of {', '.join(EXPERT_PLACES)}, not {where!r}")
-    if where == "cpu":
-        return "asked for (--cpu-moe)"
+    n = args.n_layers
+    if isinstance(where, int) and not isinstance(where, bool):
+        if where < 0:
+            raise ValueError(f"--n-cpu-moe takes a count of blocks, not {where}")
+        on_device, why = list(range(min(where, n), n)), f"asked for (--n-cpu-moe {where})"
+    elif where not in EXPERT_PLACES:
+        raise ValueError(f"experts go to one of {', '.join(EXPERT_PLACES)} or a count of blocks, not {where!r}")
+    elif where == "cpu":
+        return [], "asked for (--cpu-moe)"
+    else:
+        on_device, why = list(range(n)), None
+    if not on_device:
+        return [], why
     unsupported = on_gpu.stacks_on_device(model, args)
     if unsupported is not None:
         if where == "gpu":
             raise UnsupportedModelError(model.path, unsupported, "experts on the GPU")
-        return unsupported
-    weights, buffers = on_gpu.expert_bytes(model, args), on_gpu.buffers_nbytes(model, args, rows)
-    if where == "auto" and weights + buffers > account.room:
-        return (f"their {format_bytes(weights + buffers)} do not fit the {format_bytes(max(account.room, 0))} "
-                "the VRAM budget leaves")
-    account.plan("experts", weights)
+        return [], unsupported
+    sizes = {i: on_gpu.block_bytes(model, i) for i in on_device}
+    buffers = on_gpu.buffers_nbytes(model, args, rows)
+    if where == "auto":
+        room, fit = account.room - buffers, []
+        for i in reversed(on_device):  # the last blocks, as llama.cpp's --n-cpu-moe leaves the first to the CPU
+            if sizes[i] > room:
+                break
+            room -= sizes[i]
+            fit.append(i)
+        if not fit:
+            total = sum(sizes.values()) + buffers
+            return [], (f"their {format_bytes(total)} do not fit the {format_bytes(max(account.room, 0))} the VRAM "
+                        "budget leaves")
+        if len(fit) < n:
+            why = f"the VRAM budget leaves room for the experts of {len(fit)} of {n} blocks"
+        on_device = sorted(fit)
+    account.plan("experts", sum(sizes[i] for i in on_device))
     account.plan("expert buffers", buffers)
-    return None
+    return on_device, why

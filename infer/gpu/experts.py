@@ -36,7 +36,7 @@ from infer.gpu.layout import FLOAT_FORMATS, format_of
 from infer.gpu.ops import EIGHT_BIT, GpuMatrix, Int8Act, device_ptr, grid_blocks
 from infer.gpu.weights import upload_tensor
 from infer.quants import activation_format
-from infer.tiers.plan import format_bytes
+from infer.tiers.plan import format_bytes, span
 
 F32 = cupy.float32
 MAX_PAIRS = 65535  # (row, slot) pairs of one pass: a launch's grid y
@@ -117,34 +117,42 @@ def buffers_nbytes(model: GGUFModel, args: ModelArgs, rows: int) -> int:
     return total
 
 
-def expert_bytes(model: GGUFModel, args: ModelArgs) -> int:
-    """Device bytes of every block's experts, routers and shared experts (their planar forms)."""
+def block_bytes(model: GGUFModel, layer: int) -> int:
+    """Device bytes of block `layer`'s experts, router and shared expert (their planar forms)."""
     from infer.tiers.plan import gpu_nbytes
 
     kinds = ("ffn_gate_inp", *STACKS, *SHARED)
-    return sum(gpu_nbytes(model.tensor(tensor_name(i, kind))) for i in range(args.n_layers) for kind in kinds
-               if tensor_name(i, kind) in model.tensors)
+    return sum(gpu_nbytes(model.tensor(tensor_name(layer, kind))) for kind in kinds
+               if tensor_name(layer, kind) in model.tensors)
+
+
+def expert_bytes(model: GGUFModel, args: ModelArgs) -> int:
+    """Device bytes of every block's experts, routers and shared experts."""
+    return sum(block_bytes(model, i) for i in range(args.n_layers))
 
 
 class GpuExperts:
-    """Every block's feed-forward of experts on the device, for passes of up to `rows` rows."""
+    """The feed-forward of blocks `layers` (default every block) on the device, their experts in
+    VRAM, for passes of up to `rows` rows."""
 
-    def __init__(self, model: GGUFModel, args: ModelArgs, rows: int,
+    def __init__(self, model: GGUFModel, args: ModelArgs, rows: int, layers: list[int] | None = None,
                  progress: Callable[[int], None] | None = None) -> None:
         """progress(blocks done): after each block's upload."""
         if rows * args.n_experts_used > MAX_PAIRS:
             raise ValueError(f"passes of {rows} rows route {rows * args.n_experts_used} (row, expert) pairs, more "
                              f"than a launch takes ({MAX_PAIRS}): lower the pass size")
         self.args, self.rows = args, rows
-        self.blocks = []
-        for i in range(args.n_layers):
-            self.blocks.append(_upload_block(model, args, i))
+        self.blocks: dict[int, ExpertBlock] = {}
+        for j, i in enumerate(range(args.n_layers) if layers is None else layers):
+            self.blocks[i] = _upload_block(model, args, i)
             if progress is not None:
-                progress(i + 1)
-        b0 = self.blocks[0]
+                progress(j + 1)
+        if not self.blocks:
+            raise ValueError("no block's experts to place on the GPU")
+        b0 = next(iter(self.blocks.values()))
         k, w, d = args.n_experts_used, args.expert_ffn_dim, args.dim
         pairs = rows * k
-        self.inputs = Inputs(args, rows, [x for b in self.blocks for x in _inputs_wanted(args, b)])
+        self.inputs = Inputs(args, rows, [x for b in self.blocks.values() for x in _inputs_wanted(args, b)])
         self.logits = cupy.zeros((rows, args.n_experts), F32)
         self.ids = cupy.full(pairs, -1, cupy.int32)
         self.weights = cupy.zeros(pairs, F32)
@@ -162,16 +170,17 @@ class GpuExperts:
 
     @property
     def nbytes(self) -> int:
-        return sum(m.nbytes for b in self.blocks for m in b.matrices())
+        return sum(m.nbytes for b in self.blocks.values() for m in b.matrices())
 
     def formats(self) -> set[str]:
-        return {m.fmt for b in self.blocks for m in b.matrices()}
+        return {m.fmt for b in self.blocks.values() for m in b.matrices()}
 
     def describe(self) -> str:
         """One line for the load report."""
-        a = self.args
-        return (f"experts: {a.n_experts} per block, {a.n_experts_used} per token, {format_bytes(self.nbytes)} in VRAM "
-                "(routers, routed and shared experts); the GPU computes every block")
+        a, n = self.args, len(self.blocks)
+        which = "every block's" if n == a.n_layers else f"the experts of {n} of {a.n_layers} blocks ({span(self.blocks)})"
+        return (f"experts: {a.n_experts} per block, {a.n_experts_used} per token; {which} in VRAM, "
+                f"{format_bytes(self.nbytes)} (routers, routed and shared experts), computed by the GPU")
 
     def run_ffn(self, model: object, i: int, shape: object) -> None:
         """Block i's feed-forward for the pass's rows: model.x in place (queued on the current stream)."""

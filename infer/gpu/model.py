@@ -217,9 +217,16 @@ class GpuTransformer(DeviceGeneration):
         """Layer i for the rows of a pass of `shape`: self.x in place."""
         self._attention(i, L, shape)
         if L.ffn_down is None:  # a block of experts: its feed-forward on the device or by the CPU
-            (self.gpu_experts or self.cpu_experts).run_ffn(self, i, shape)  # type: ignore[union-attr]
+            self._experts_of(i).run_ffn(self, i, shape)
             return
         self._feed_forward(L, shape)
+
+    def _experts_of(self, i: int) -> GpuExperts | CpuExperts:
+        """Who computes block i's feed-forward of experts: the device (its experts in VRAM) or the CPU."""
+        if self.gpu_experts is not None and i in self.gpu_experts.blocks:
+            return self.gpu_experts
+        assert self.cpu_experts is not None, f"block {i} has experts and no one to compute them"
+        return self.cpu_experts
 
     def _attention(self, i: int, L: GpuLayer, shape: PassShape) -> None:
         """The attention half of layer i: self.x += the attention of its normed rows."""
@@ -317,7 +324,7 @@ class GpuTransformer(DeviceGeneration):
         segments: list[tuple[bool, list[int]]] = []
         for item in items:
             resident = item == EMBED or (self.weights.is_resident(item) and (
-                "ffn_down" in self.weights.formats(item) or self.gpu_experts is not None))
+                "ffn_down" in self.weights.formats(item) or (self.gpu_experts is not None and item in self.gpu_experts.blocks)))
             if resident and segments and segments[-1][0]:
                 segments[-1][1].append(item)
             else:

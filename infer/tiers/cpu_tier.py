@@ -38,7 +38,7 @@ from infer.arch import ModelArgs
 from infer.gguf_file import GGUFModel, TensorInfo
 from infer.model import geglu
 from infer.packed_weights import PackedWeights
-from infer.tiers.plan import Plan, Tier, format_bytes
+from infer.tiers.plan import Plan, Tier, format_bytes, span
 from infer.tiers.tier_b import HostTier
 
 if TYPE_CHECKING:
@@ -168,20 +168,27 @@ class CpuExperts:
     (infer.moe with the native kernels), so the logits differ from an all-CPU run only by the
     attention's GPU numerics."""
 
-    def __init__(self, model: GGUFModel, args: ModelArgs, threads: int | None = None, why: str | None = None) -> None:
-        """why: why the experts are not on the GPU (said in the load report)."""
+    def __init__(self, model: GGUFModel, args: ModelArgs, threads: int | None = None, why: str | None = None,
+                 layers: list[int] | None = None) -> None:
+        """why: why the experts are not on the GPU (said in the load report); layers: the blocks
+        whose feed-forward this computes (default all; the others' experts are in VRAM)."""
         self.blocks = ExpertBlocks(model, args, threads=threads)
         self.args, self.why = args, why
+        self.layers = list(range(args.n_layers)) if layers is None else list(layers)
 
     def describe(self) -> str:
         """One line for the load report: where the experts are and who computes them."""
         from infer.arch import EXPERT_BLOCK_KINDS, parse_tensor_name
 
+        layers = set(self.layers)
         nbytes = sum(t.nbytes for t in self.blocks.model.tensors.values()
-                     if parse_tensor_name(t.name)[1] in EXPERT_BLOCK_KINDS)
+                     if parse_tensor_name(t.name)[1] in EXPERT_BLOCK_KINDS and parse_tensor_name(t.name)[0] in layers)
         threads = self.blocks.threads or cpu_kernels.default_threads()
+        n, which = len(layers), "each block's feed-forward"
+        if n < self.args.n_layers:
+            which = f"the feed-forward of {n} of {self.args.n_layers} blocks ({span(layers)})"
         return (f"experts: {format_bytes(nbytes)} (routers, routed and shared experts) stay in RAM, in the file's "
-                f"pages; the CPU computes each block's feed-forward ({threads} threads), the GPU the rest"
+                f"pages; the CPU computes {which} ({threads} threads), the GPU the rest"
                 + (f" (not in VRAM: {self.why})" if self.why else ""))
 
     def run_ffn(self, model: GpuTransformer, i: int, shape: PassShape) -> None:

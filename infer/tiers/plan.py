@@ -148,6 +148,14 @@ def gpu_nbytes(info: Any) -> int:
     return plane_layout(format_of(info.ggml_type), rows, int(shape[-1])).nbytes
 
 
+def span(layers: Iterable[int]) -> str:
+    """"0-14" for a run of layer numbers, else them listed."""
+    ids = sorted(layers)
+    if ids and ids == list(range(ids[0], ids[-1] + 1)):
+        return f"{ids[0]}-{ids[-1]}" if len(ids) > 1 else str(ids[0])
+    return ", ".join(map(str, ids))
+
+
 def planner_tensors(model: Any, device: str) -> list[Tensor]:
     """A GGUFModel's tensors with their device sizes for `device` (planar forms on the GPU; the token
     embedding takes no VRAM there unless the output reuses it: infer.gpu.weights.upload_embedding)."""

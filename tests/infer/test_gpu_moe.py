@@ -55,15 +55,16 @@ def quantized_moe(request: pytest.FixtureRequest, moe_dir: Path) -> Path:
     return write_moe(moe_dir, *request.param)
 
 
-@pytest.fixture(params=["cpu", "gpu"], ids=lambda p: f"experts-{p}")
-def place(request: pytest.FixtureRequest) -> str:
-    """Where the experts go: "cpu" (RAM, computed by the CPU) or "gpu" (VRAM, computed there)."""
+@pytest.fixture(params=["cpu", "gpu", 1], ids=lambda p: f"experts-{p}")
+def place(request: pytest.FixtureRequest) -> str | int:
+    """Where the experts go: "cpu" (RAM, computed by the CPU), "gpu" (VRAM, computed there) or 1
+    (block 0's on the CPU, the others' in VRAM)."""
     return request.param
 
 
-def placed(moe_path: Path, place: str) -> str:
+def placed(moe_path: Path, place: str | int) -> str | int:
     """The placement a test of this file runs: a float file's experts have no GPU product."""
-    if place == "gpu" and "f16" in moe_path.name:
+    if place != "cpu" and "f16" in moe_path.name:
         pytest.skip("the GPU multiplies experts in quantized formats only (a float file's stay with the CPU)")
     return place
 
@@ -72,15 +73,15 @@ def rel(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
-def test_the_logits_follow_the_cpu(moe_path: Path, place: str, fake_cupy: object) -> None:
+def test_the_logits_follow_the_cpu(moe_path: Path, place: str | int, fake_cupy: object) -> None:
     check_follows_the_cpu(moe_path, placed(moe_path, place))
 
 
-def test_a_row_does_not_depend_on_its_pass(moe_path: Path, place: str, fake_cupy: object) -> None:
+def test_a_row_does_not_depend_on_its_pass(moe_path: Path, place: str | int, fake_cupy: object) -> None:
     check_pass_independence(moe_path, placed(moe_path, place))
 
 
-def check_follows_the_cpu(moe_path: Path, place: str) -> None:
+def check_follows_the_cpu(moe_path: Path, place: str | int) -> None:
     """The experts take device memory only when placed there ("experts" in the plan); the logits
     follow the packed CPU engine's."""
     from infer.gpu import experts as on_gpu
@@ -89,15 +90,20 @@ def check_follows_the_cpu(moe_path: Path, place: str) -> None:
 
     model = GGUFModel(moe_path)
     gpu = load_gpu_transformer(model, CTX, experts=place)
-    assert (gpu.cpu_experts is None, gpu.gpu_experts is None) == ((False, True) if place == "cpu" else (True, False))
+    n = gpu.args.n_layers
+    on_cpu = list(range(n)) if place == "cpu" else [] if place == "gpu" else list(range(int(place)))
+    assert (gpu.cpu_experts.layers if gpu.cpu_experts else []) == on_cpu
+    assert sorted(gpu.gpu_experts.blocks if gpu.gpu_experts else []) == [i for i in range(n) if i not in on_cpu]
     planned = planner_tensors(model, "gpu")
     experts = [t for t in planned if t.kind in EXPERT_BLOCK_KINDS]
     assert experts and all(t.device_nbytes == 0 for t in experts)
     assert gpu.account is not None and gpu.account.planned["weights"] == sum(t.device_nbytes for t in planned)
-    if place == "gpu":
-        assert gpu.account.planned["experts"] == on_gpu.expert_bytes(model, gpu.args) == gpu.gpu_experts.nbytes
+    if place != "cpu":
+        assert gpu.account.planned["experts"] == gpu.gpu_experts.nbytes == \
+            sum(on_gpu.block_bytes(model, i) for i in gpu.gpu_experts.blocks)
         assert gpu.account.planned["expert buffers"] >= on_gpu.buffers_nbytes(model, gpu.args, gpu.capacity) > 0
-        assert all(capturable for capturable, _ in gpu._segments)  # every block replays in the pass's graph
+        # the blocks whose experts are in VRAM replay in the pass's graphs; the CPU's run op by op
+        assert [i for capturable, items in gpu._segments if not capturable for i in items] == on_cpu
     else:
         assert "experts" not in gpu.account.planned
     for L in gpu.layers:
@@ -120,7 +126,7 @@ def check_follows_the_cpu(moe_path: Path, place: str) -> None:
     assert np.mean(g2.argmax(-1) == w2.argmax(-1)) >= 0.75
 
 
-def check_pass_independence(moe_path: Path, place: str) -> None:
+def check_pass_independence(moe_path: Path, place: str | int) -> None:
     """A prompt in one pass, token by token, and beside another sequence: the same bits; the
     device's decode loop gives the host loop's greedy tokens."""
     from infer.gpu import load_gpu_transformer
@@ -176,7 +182,8 @@ def test_the_cli_runs_a_mixture_of_experts_on_the_gpu(moe_dir: Path, fake_cupy: 
 
 def test_the_cli_places_the_experts(moe_dir: Path, fake_cupy: object) -> None:
     """A quantized file's experts go to VRAM when they fit (the load report says so), to the CPU
-    with --cpu-moe or when the budget leaves no room for them; the greedy text is the same."""
+    with --cpu-moe or when the budget leaves no room for them, split by blocks when it leaves room
+    for some or with --n-cpu-moe N (the first N on the CPU); the CPU's runs give the same text."""
     import json
 
     from click.testing import CliRunner
@@ -186,18 +193,26 @@ def test_the_cli_places_the_experts(moe_dir: Path, fake_cupy: object) -> None:
     moe_path = write_moe(moe_dir, "qwen3moe", "q8_0")
     args = ["-m", str(moe_path), "-p", "hello there", "-n", "6", "-t", "0", "--json", "--device", "gpu"]
     runs = {name: CliRunner().invoke(main, [*args, *extra]) for name, extra in
-            (("vram", []), ("asked", ["--cpu-moe"]), ("tight", ["--vram-budget", "675MiB"]))}
+            (("vram", []), ("asked", ["--cpu-moe"]), ("tight", ["--vram-budget", "675MiB"]),
+             ("split", ["--vram-budget", "679MiB"]), ("first", ["--n-cpu-moe", "2"]))}
     for run in runs.values():
         assert run.exit_code == 0, run.output
-    assert "in VRAM" in runs["vram"].stderr and "the GPU computes every block" in runs["vram"].stderr
+    assert "every block's in VRAM" in runs["vram"].stderr and "stay in RAM" not in runs["vram"].stderr
     assert "not in VRAM: asked for (--cpu-moe)" in runs["asked"].stderr
     assert "do not fit the" in runs["tight"].stderr and "the VRAM budget leaves" in runs["tight"].stderr
+    split = runs["split"].stderr
+    assert "the experts of 1 of 3 blocks (2) in VRAM" in split, split
+    assert "the feed-forward of 2 of 3 blocks (0-1)" in split and "room for the experts of 1 of 3 blocks" in split
+    first = runs["first"].stderr
+    assert "the experts of 1 of 3 blocks (2) in VRAM" in first and "asked for (--n-cpu-moe 2)" in first, first
     ids = {name: json.loads(run.stdout)["ids"] for name, run in runs.items()}
     assert ids["asked"] == ids["tight"]
-    assert len(ids["vram"]) == 6
+    assert ids["split"] == ids["first"] and all(len(v) == 6 for v in ids.values())
+    both = CliRunner().invoke(main, [*args, "--cpu-moe", "--n-cpu-moe", "1"])
+    assert both.exit_code == 2 and "cannot be combined" in both.output
 
 
-def test_the_experts_see_no_null_row(moe_dir: Path, place: str, fake_cupy: object,
+def test_the_experts_see_no_null_row(moe_dir: Path, place: str | int, fake_cupy: object,
                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """A pass of 3 sequences is padded to a bucket of 4 rows; the experts see the 3 real ones (on
     the GPU the null row is routed to no expert: ids -1)."""
@@ -222,12 +237,13 @@ def test_the_experts_see_no_null_row(moe_dir: Path, place: str, fake_cupy: objec
 
     assert bucket_of(3, gpu.capacity) == 4  # the pass had a null row
     assert gpu.index.live_rows.tolist() == [0, 1, 2]
+    on_cpu = QWEN3MOE.n_layers if place == "cpu" else 0 if place == "gpu" else int(place)
+    assert seen == [3] * on_cpu
     if place == "cpu":
-        assert seen == [3] * QWEN3MOE.n_layers
         return
     k = QWEN3MOE.n_experts_used
     ids = cupy_host(gpu.gpu_experts.ids)[: 4 * k].reshape(4, k)
-    assert seen == [] and (ids[:3] >= 0).all() and (ids[3] == -1).all()
+    assert (ids[:3] >= 0).all() and (ids[3] == -1).all()
 
 
 def cupy_host(a: object) -> np.ndarray:
@@ -236,7 +252,8 @@ def cupy_host(a: object) -> np.ndarray:
     return cupy.asnumpy(a)
 
 
-def test_speculation_on_the_gpu_moe_is_plain_decoding(quantized_moe: Path, place: str, fake_cupy: object) -> None:
+def test_speculation_on_the_gpu_moe_is_plain_decoding(quantized_moe: Path, place: str | int,
+                                                     fake_cupy: object) -> None:
     """A mixture of experts on the GPU as the target of greedy speculation (its tree passes run the
     experts of every node, on the CPU or the GPU): the text of plain decoding, with a draft that
     agrees (the target itself) and with one that does not (a dense model of the same vocabulary)."""
