@@ -354,8 +354,9 @@ class GpuTransformer(DeviceGeneration):
                     self.cpu_tier.run_layer(self, i, shape)  # type: ignore[union-attr]
                     continue
                 L = self.weights.layer(i)
-                if L.ffn_down is None:  # a block of experts: launched op by op around the CPU's part
-                    self._layer(i, L, shape)  # (its attention half could replay as a graph: not yet tried on a GPU)
+                if L.ffn_down is None:  # a block whose experts the CPU computes: its attention half replays
+                    self.graphs.replay(("attn", i, shape), L.addresses(), lambda i=i, L=L: self._attention(i, L, shape))
+                    self._experts_of(i).run_ffn(self, i, shape)  # then the host's part (no graph can hold it)
                     continue
                 self.graphs.replay(("layer", i, shape), L.addresses(), lambda i=i, L=L: self._layer(i, L, shape))
 
