@@ -296,3 +296,51 @@ class FusedProduct:
                                              ffi.from_buffer("float[]", y, require_writable=True), self.threads)
         raise_for(rc, "matmul")  # NaN or infinity is checked in C, where the values are read anyway
         return y
+
+
+MAX_SLOTS = 32  # experts one token is routed to, at most (native/cpu_moe.c)
+Stack = list[tuple[np.ndarray, int, int, int]]  # an expert stack: per expert (raw bytes, type, rows, cols)
+
+
+class RoutedExperts:
+    """One token's routed experts in one native call (native/cpu_moe.c): for each chosen expert its
+    gate and up products of x, their SwiGLU (the native one) and its down product. The same bits as
+    a FusedProduct of [gate; up], cpu_layers.swiglu and a FusedProduct of down per expert."""
+
+    def __init__(self, gate: Stack, up: Stack, down: Stack, threads: int | None = None) -> None:
+        if not len(gate) == len(up) == len(down) > 0:
+            raise ValueError("the gate, up and down stacks must hold the same experts")
+        for stack in (gate, up, down):
+            if len({(int(t), int(r), int(c)) for _, t, r, c in stack}) != 1:
+                raise ValueError("each stack's experts must share their type and shape")
+        (_, self.gate_type, self.width, self.dim), (_, self.up_type, up_rows, up_cols) = gate[0], up[0]
+        _, self.down_type, down_rows, down_cols = down[0]
+        if (up_rows, up_cols, down_rows, down_cols) != (self.width, self.dim, self.dim, self.width):
+            raise ValueError("the stacks' shapes do not make gated experts (gate, up: width x dim; down: dim x width)")
+        self.n_experts = len(gate)
+        self.threads = default_threads() if threads is None else int(threads)
+        _lib()
+        ffi = _cpu_kernels.ffi
+        self._keep = [[np.ascontiguousarray(np.asarray(raw).reshape(-1).view(np.uint8)) for raw, *_ in stack]
+                      for stack in (gate, up, down)]
+        for stack, (_, t, r, c) in zip(self._keep, (gate[0], up[0], down[0]), strict=True):
+            if any(raw.size != r * weight_row_nbytes(t, c) for raw in stack):
+                raise ValueError(f"an expert's bytes do not make a {r}x{c} {_type_name(t)} matrix")
+        self._tables = [ffi.new("const void *[]", [ffi.from_buffer(raw) for raw in stack]) for stack in self._keep]
+
+    def __call__(self, x: np.ndarray, ids: np.ndarray) -> np.ndarray:
+        """x (dim,) float32, ids (k,) expert ids -> (k, dim) float32: each expert's output for x."""
+        ids = np.ascontiguousarray(ids, dtype=np.int32)
+        if not 1 <= ids.size <= MAX_SLOTS:
+            raise ValueError(f"a token takes 1 to {MAX_SLOTS} experts, not {ids.size}")
+        x = np.ascontiguousarray(x, dtype=np.float32).reshape(-1)
+        if x.size != self.dim:
+            raise ValueError(f"activations have {x.size} values, the experts {self.dim}")
+        out = np.empty((ids.size, self.dim), np.float32)
+        ffi = _cpu_kernels.ffi
+        rc = _cpu_kernels.lib.qdot_moe_row(ffi.from_buffer("int[]", ids), ids.size, *self._tables, self.n_experts,
+                                           int(self.gate_type), int(self.up_type), int(self.down_type), self.width,
+                                           self.dim, ffi.from_buffer("float[]", x),
+                                           ffi.from_buffer("float[]", out, require_writable=True), self.threads)
+        raise_for(rc, "routed experts")
+        return out

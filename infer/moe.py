@@ -127,6 +127,9 @@ class MixtureOfExperts:
     n_used: int  # experts per token
     normalize: bool = True  # the top-k weights divided by their sum
     shared: SharedExpert | None = None  # qwen2moe's, added to the routed experts' sum
+    # one token's experts in one native call, the same bits as gate_up, the native SwiGLU and down
+    # (infer.cpu_kernels.RoutedExperts; the packed engine's, whose glu is that SwiGLU)
+    row_experts: Callable[[np.ndarray, np.ndarray], np.ndarray] | None = None
 
     @classmethod
     def from_stacks(cls, router: Linear, gate: Stack, up: Stack, down: Stack,
@@ -170,6 +173,10 @@ class MixtureOfExperts:
         for all its tokens (the order of the experts changes no result)."""
         if len(h) == 1:  # a decode step: no grouping to do (the same products on the same row)
             wanted = set(experts.tolist())
+            if self.row_experts is not None:
+                slots = [s for s, e in enumerate(chosen[0].tolist()) if e in wanted]
+                outs[0, slots] = self.row_experts(h[0], chosen[0, slots])
+                return
             for slot, expert in enumerate(chosen[0].tolist()):
                 if expert in wanted:
                     gate_up = self.gate_up[expert](h)

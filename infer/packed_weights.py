@@ -96,10 +96,14 @@ class PackedWeights(DequantizedWeights):
             return super()._experts(i)
         gate, up, down = ([(self._bytes(info).reshape(info.shape[0], -1)[e], info.ggml_type, info.shape[1], info.shape[2])
                            for e in range(info.shape[0])] for info in infos)
+        # a decode row's experts in one call, where the block's gated activation is the native SwiGLU
+        row = cpu_kernels.RoutedExperts(gate, up, down, self.threads) \
+            if self.args.arch_table.activation == "silu" and self.args.n_experts_used <= cpu_kernels.MAX_SLOTS else None
         return MixtureOfExperts(self._linear(tensor_name(i, "ffn_gate_inp")),
                                 [PackedLinear([g, u], self.threads) for g, u in zip(gate, up, strict=True)],
                                 [PackedLinear([d], self.threads) for d in down],
-                                self.args.n_experts_used, self.args.expert_weights_norm, self._shared_expert(i))
+                                self.args.n_experts_used, self.args.expert_weights_norm, self._shared_expert(i),
+                                row_experts=row)
 
     def _linear(self, *names: str) -> Linear | PackedLinear:  # type: ignore[override]
         infos = [self.model.tensor(name) for name in names]

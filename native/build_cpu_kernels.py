@@ -58,6 +58,9 @@ struct qdot_decode_layer {
 long long qdot_decode_scratch_floats(const struct qdot_decode_shape *shape);
 int qdot_decode_layers(const struct qdot_decode_shape *shape, const struct qdot_decode_layer *layers, int n_layers,
                        float *x, const float *cos, const float *sin, int pos, float *scratch, int n_threads);
+int qdot_moe_row(const int *ids, int k, const void *const *gate, const void *const *up, const void *const *down,
+                 int n_experts, int gate_type, int up_type, int down_type, int width, int dim, const float *x,
+                 float *out, int n_threads);
 int qdot_implementation(void);
 int qdot_set_implementation(int impl);
 int qdot_cpu_has_avx2(void);
@@ -67,7 +70,8 @@ int qdot_cpu_has_avx512(void);
 # The kernels' files, compiled as one translation unit (their helpers are static inline, and the
 # kernels inline into their dispatchers) in this order; cpu_qdot_common.h holds what they share.
 SOURCES = ["cpu_qdot_quant.c", "cpu_qdot_portable.c", "cpu_qdot_avx2_legacy.c", "cpu_qdot_avx2_k.c",
-           "cpu_qdot_avx512.c", "cpu_qdot_ggml.c", "cpu_qdot_pool.c", "cpu_qdot.c", "cpu_layers.c", "cpu_decode.c"]
+           "cpu_qdot_avx512.c", "cpu_qdot_ggml.c", "cpu_qdot_pool.c", "cpu_qdot.c", "cpu_moe.c", "cpu_layers.c",
+           "cpu_decode.c"]
 HEADERS = ["cpu_qdot.h", "cpu_qdot_common.h"]
 # Their text is inlined (as build_vfio.py does) so the setuptools build needs no source paths; #line
 # keeps the compiler's messages pointing at the real files.

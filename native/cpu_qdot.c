@@ -224,12 +224,13 @@ static int job_make(struct job *J, const void *w, int type, int rows, int cols, 
     return 0;
 }
 
-#define MAX_PARTS 8
+#define MAX_PARTS 8  /* matrices of one matmul_q_parts call */
+#define MAX_JOBS 64  /* jobs of one task (cpu_moe.c: two per routed expert) */
 
 /* Rows [row0[p], row0[p] + span[p]) of each job, cut into chunks of chunk[p] rows for the pool. */
 struct task {
-    struct job jobs[MAX_PARTS];
-    int row0[MAX_PARTS], span[MAX_PARTS], chunk[MAX_PARTS], first[MAX_PARTS + 1];
+    struct job jobs[MAX_JOBS];
+    int row0[MAX_JOBS], span[MAX_JOBS], chunk[MAX_JOBS], first[MAX_JOBS + 1];
     int n_jobs, impl;
 };
 

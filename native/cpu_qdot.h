@@ -54,6 +54,15 @@ int matmul_q(const void *w, int ggml_type, int rows, int cols, const void *xq, i
 int matmul_q_parts(int n_parts, const void *const *w, const int *types, const int *rows, int cols,
                    const float *x, int n_tokens, float *y, int n_threads);
 
+/* One token's routed experts (cpu_moe.c): for slot j < k (at most 32), out[j * dim ...] = the down
+ * product of expert ids[j] applied to SwiGLU(gate, up) of its gate and up products of x (dim floats).
+ * gate, up, down: each expert's packed matrix (width x dim, width x dim, dim x width), indexed by
+ * expert id < n_experts. The same bits as a fused matmul_q_parts of [gate; up], qdot_swiglu and a
+ * matmul_q_parts of down per slot. 0 or a negative error code. */
+int qdot_moe_row(const int *ids, int k, const void *const *gate, const void *const *up, const void *const *down,
+                 int n_experts, int gate_type, int up_type, int down_type, int width, int dim, const float *x,
+                 float *out, int n_threads);
+
 /* dst[i] = the float value of the float16 src[i] (exact), for i < n: the engine's float16 KV cache
  * widened for attention (NumPy's conversion runs about ten times slower). */
 void qdot_half_to_float(const void *src, float *dst, size_t n);

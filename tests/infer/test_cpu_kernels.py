@@ -513,3 +513,57 @@ def test_q4_0_q5_0_q8_0_products_are_llama_cpps_bit_for_bit(rng: np.random.Gener
         for tokens in (slice(0, 1), slice(0, n_tokens), slice(3, 4)):
             got = cpu_kernels.matmul(raw, ggml_type, rows, cols, x[tokens], threads=2)
             assert np.array_equal(got.view(np.uint32), want[tokens].view(np.uint32)), (name, tokens)
+
+
+# ---------------------------------------------------------------- a token's routed experts
+
+@pytest.mark.parametrize(("gate_type", "up_type", "down_type"),
+                         [(T.Q4_K, T.Q4_K, T.Q6_K), (T.Q8_0, T.Q8_0, T.Q8_0), (T.Q5_0, T.Q5_1, T.Q4_0),
+                          (T.Q4_K, T.Q8_0, T.F16), (T.F32, T.BF16, T.Q5_K)], ids=str)
+@pytest.mark.parametrize("k", [1, 3, 8])
+def test_routed_experts_are_each_experts_products(rng: np.random.Generator, gate_type: int, up_type: int,
+                                                  down_type: int, k: int) -> None:
+    """One call for a token's k experts gives, bit for bit, each expert's fused gate/up product, the
+    native SwiGLU and its down product, on every code path and thread count (an expert chosen
+    twice included)."""
+    from infer.cpu_layers import swiglu
+
+    n_experts, dim, width = 6, 512, 256 + 256 * (down_type in (T.Q5_K,))
+    stack = {name: [(_weights(rng, t, rows, cols), t, rows, cols) for _ in range(n_experts)]
+             for name, t, rows, cols in (("gate", gate_type, width, dim), ("up", up_type, width, dim),
+                                         ("down", down_type, dim, width))}
+    x = _activations(rng, 1, dim)[0]
+    ids = rng.integers(0, n_experts, k)
+    ids[-1] = ids[0]
+    for name in _implementations():
+        cpu_kernels.set_implementation(name)
+        want = []
+        for e in ids:
+            gu = cpu_kernels.FusedProduct([stack["gate"][e], stack["up"][e]], 1)(x[None])
+            want.append(cpu_kernels.FusedProduct([stack["down"][e]], 1)(swiglu(gu[:, :width], gu[:, width:]))[0])
+        for threads in (1, 2, 3):
+            got = cpu_kernels.RoutedExperts(stack["gate"], stack["up"], stack["down"], threads)(x, ids)
+            assert got.shape == (k, dim) and np.array_equal(_bits(got), _bits(np.stack(want))), f"{name}, {threads}"
+
+
+def test_routed_experts_refusals(rng: np.random.Generator) -> None:
+    stack = [(_weights(rng, T.Q8_0, 32, 64), T.Q8_0, 32, 64)] * 3
+    down = [(_weights(rng, T.Q8_0, 64, 32), T.Q8_0, 64, 32)] * 3
+    experts = cpu_kernels.RoutedExperts(stack, stack, down, 2)
+    x = _activations(rng, 1, 64)[0]
+    with pytest.raises(RuntimeError, match="bad row range"):
+        experts(x, np.array([0, 3]))  # no expert 3
+    with pytest.raises(ValueError, match="1 to 32"):
+        experts(x, np.zeros(33, np.int32))
+    with pytest.raises(ValueError, match="the experts 64"):
+        experts(x[:32], np.array([0]))
+    bad = x.copy()
+    bad[5] = np.nan
+    from infer.errors import NonFiniteActivations
+
+    with pytest.raises(NonFiniteActivations):
+        experts(bad, np.array([1]))
+    with pytest.raises(ValueError, match="gated experts"):
+        cpu_kernels.RoutedExperts(stack, stack, stack)
+    with pytest.raises(ValueError, match="same experts"):
+        cpu_kernels.RoutedExperts(stack, stack[:2], down)

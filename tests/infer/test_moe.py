@@ -107,14 +107,18 @@ def test_exact_numerics_do_not_depend_on_batching(qwen3moe: Path) -> None:
 @pytest.mark.parametrize("kind", ["q8_0", "q4_k_m"])
 def test_packed_experts_do_not_depend_on_batching(kind: str, tmp_path: Path) -> None:
     """The packed engine keeps each expert as a slice of its stack in the mapped file (no float copy)
-    and multiplies it natively: a row's logits are the same bits token by token, as one prompt, and
-    beside another sequence, so speculation needs no --exact on these files either."""
+    and multiplies it natively: a row's logits are the same bits token by token (a row's experts in
+    one native call), as one prompt (grouped by expert), and beside another sequence, so speculation
+    needs no --exact on these files either."""
     path = tmp_path / f"qwen3moe-{kind}.gguf"
     write_model(path, QWEN3MOE, kind, seed=2)
     model = load_transformer(GGUFModel(path), packed=True)
     moe = model.weights.layer(0).experts
     assert isinstance(model.weights, PackedWeights) and model.weights.batch_invariant and batch_invariant(GGUFModel(path))
     assert all(isinstance(p, PackedLinear) for p in (*moe.gate_up, *moe.down))
+    # token by token runs each row's experts in one native call (RoutedExperts), the prompt groups
+    # its rows by expert through the products: the comparisons below hold the two to the same bits
+    assert moe.row_experts is not None
     ids = np.random.default_rng(4).integers(3, 300, 24)
     whole = model.forward(ids, model.new_cache(40), all_logits=True)
     cache = model.new_cache(40)
