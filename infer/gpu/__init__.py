@@ -151,6 +151,7 @@ def _place_experts(model: GGUFModel, args: ModelArgs, account: VramAccount, rows
     CPU ("gpu": an error)."""
     from infer.errors import UnsupportedModelError
     from infer.gpu import experts as on_gpu
+    from infer.gpu.ops import UPLOAD_CHUNK_BYTES
     from infer.tiers.plan import format_bytes
 
     n = args.n_layers
@@ -171,10 +172,10 @@ def _place_experts(model: GGUFModel, args: ModelArgs, account: VramAccount, rows
         if where == "gpu":
             raise UnsupportedModelError(model.path, unsupported, "experts on the GPU")
         return [], unsupported
-    sizes = {i: on_gpu.block_bytes(model, i) for i in on_device}
+    sizes = {i: on_gpu.block_bytes(model, i) + on_gpu.BUFFER_ROUNDING * on_gpu.MATRICES_PER_BLOCK for i in on_device}
     buffers = on_gpu.buffers_nbytes(model, args, rows)
-    if where == "auto":
-        room, fit = account.room - buffers, []
+    if where == "auto":  # room kept for an upload's transient copy of GGUF bytes (it comes after the plan's)
+        room, fit = account.room - buffers - UPLOAD_CHUNK_BYTES, []
         for i in reversed(on_device):  # the last blocks, as llama.cpp's --n-cpu-moe leaves the first to the CPU
             if sizes[i] > room:
                 break

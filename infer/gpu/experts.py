@@ -40,6 +40,8 @@ from infer.tiers.plan import format_bytes, span
 
 F32 = cupy.float32
 MAX_PAIRS = 65535  # (row, slot) pairs of one pass: a launch's grid y
+BUFFER_ROUNDING = 512  # CuPy's pool rounds each buffer up to this (a block's matrices are buffers of their own)
+MATRICES_PER_BLOCK = 7  # at most: router, gate, up, down, and a shared expert's gate, gate/up and down
 STACKS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
 SHARED = ("ffn_gate_inp_shexp", "ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp")
 

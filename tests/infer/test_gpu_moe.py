@@ -99,8 +99,9 @@ def check_follows_the_cpu(moe_path: Path, place: str | int) -> None:
     assert experts and all(t.device_nbytes == 0 for t in experts)
     assert gpu.account is not None and gpu.account.planned["weights"] == sum(t.device_nbytes for t in planned)
     if place != "cpu":
-        assert gpu.account.planned["experts"] == gpu.gpu_experts.nbytes == \
-            sum(on_gpu.block_bytes(model, i) for i in gpu.gpu_experts.blocks)
+        assert gpu.gpu_experts.nbytes == sum(on_gpu.block_bytes(model, i) for i in gpu.gpu_experts.blocks)
+        rounding = on_gpu.BUFFER_ROUNDING * on_gpu.MATRICES_PER_BLOCK * len(gpu.gpu_experts.blocks)
+        assert gpu.account.planned["experts"] == gpu.gpu_experts.nbytes + rounding
         assert gpu.account.planned["expert buffers"] >= on_gpu.buffers_nbytes(model, gpu.args, gpu.capacity) > 0
         # the blocks whose experts are in VRAM replay in the pass's graphs; the CPU's run op by op
         assert [i for capturable, items in gpu._segments if not capturable for i in items] == on_cpu
@@ -192,9 +193,11 @@ def test_the_cli_places_the_experts(moe_dir: Path, fake_cupy: object) -> None:
 
     moe_path = write_moe(moe_dir, "qwen3moe", "q8_0")
     args = ["-m", str(moe_path), "-p", "hello there", "-n", "6", "-t", "0", "--json", "--device", "gpu"]
+    # the plan without experts takes 669 MiB here; the experts' buffers 7.4 MiB, a block's experts
+    # 1.6 MiB, and an upload's transient 64 MiB stay free: 675 MiB holds no block, 743 MiB one
     runs = {name: CliRunner().invoke(main, [*args, *extra]) for name, extra in
             (("vram", []), ("asked", ["--cpu-moe"]), ("tight", ["--vram-budget", "675MiB"]),
-             ("split", ["--vram-budget", "679MiB"]), ("first", ["--n-cpu-moe", "2"]))}
+             ("split", ["--vram-budget", "743MiB"]), ("first", ["--n-cpu-moe", "2"]))}
     for run in runs.values():
         assert run.exit_code == 0, run.output
     assert "every block's in VRAM" in runs["vram"].stderr and "stay in RAM" not in runs["vram"].stderr
