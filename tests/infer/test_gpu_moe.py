@@ -275,3 +275,24 @@ def test_speculation_on_the_gpu_moe_is_plain_decoding(quantized_moe: Path, place
         spec = Speculator(target, ModelDrafter(draft, CTX, 4, 2), 9, CTX)
         assert list(spec.generate(list(prompt), 12, greedy)) == want
         assert spec.stats.passes > 0
+
+
+def test_placement_refusals_and_edges(moe_dir: Path, fake_cupy: object) -> None:
+    """Placements that cannot be are one-line errors; --n-cpu-moe beyond the blocks is every block
+    on the CPU; a float file's experts asked onto the GPU are refused, and left to the CPU otherwise."""
+    from infer.errors import UnsupportedModelError
+    from infer.gpu import load_gpu_transformer
+
+    model = GGUFModel(write_moe(moe_dir, "qwen3moe", "q8_0"))
+    with pytest.raises(ValueError, match="or a count of blocks, not 'vram'"):
+        load_gpu_transformer(model, CTX, experts="vram")
+    with pytest.raises(ValueError, match="count of blocks, not -1"):
+        load_gpu_transformer(model, CTX, experts=-1)
+    every = load_gpu_transformer(model, CTX, experts=99)
+    assert every.gpu_experts is None and every.cpu_experts.layers == [0, 1, 2]
+    assert "asked for (--n-cpu-moe 99)" in every.cpu_experts.describe()
+    floats = GGUFModel(write_moe(moe_dir, "qwen3moe", "f16"))
+    with pytest.raises(UnsupportedModelError, match="quantized formats only"):
+        load_gpu_transformer(floats, CTX, experts="gpu")
+    split = load_gpu_transformer(floats, CTX, experts=1)
+    assert split.gpu_experts is None and "expert stacks are f16" in split.cpu_experts.describe()
