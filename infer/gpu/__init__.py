@@ -131,7 +131,7 @@ def load_gpu_transformer(model: GGUFModel, max_context: int | None = None, vram_
         gpu.use_gpu_experts(GpuExperts(model, args, prefill_chunk, experts_on_gpu,
                                        lambda j: weights_progress(done + j, done)))
         cupy.get_default_memory_pool().free_all_blocks()
-    on_cpu = [i for i in range(args.n_layers) if i not in set(experts_on_gpu)] if args.n_experts else []
+    on_cpu = sorted(set(range(args.n_layers)) - set(experts_on_gpu)) if args.n_experts else []
     if on_cpu:  # these blocks' experts stay in the file's pages; the CPU computes their feed-forward
         from infer.tiers.cpu_tier import CpuExperts
 

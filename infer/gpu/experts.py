@@ -34,7 +34,7 @@ from infer.gpu import kernels, ops, products
 from infer.gpu.activations import Inputs
 from infer.gpu.layout import FLOAT_FORMATS, format_of
 from infer.gpu.ops import EIGHT_BIT, GpuMatrix, Int8Act, device_ptr, grid_blocks
-from infer.gpu.weights import upload_tensor
+from infer.gpu.weights import runs, upload_tensor
 from infer.quants import activation_format
 from infer.tiers.plan import format_bytes, span
 
@@ -61,6 +61,11 @@ class ExpertBlock:
     def matrices(self) -> list[GpuMatrix]:
         shared = [self.shared_gate, *(self.shared_gate_up or []), self.shared_down]
         return [self.router, self.gate, self.up, self.down, *(m for m in shared if m is not None)]
+
+    def normed_inputs(self) -> list[GpuMatrix]:
+        """The matrices that take the block's normed input (the router, gate and up, the shared expert's)."""
+        return [m for m in (self.router, self.gate, self.up, self.shared_gate, *(self.shared_gate_up or []))
+                if m is not None]
 
 
 def stacks_on_device(model: GGUFModel, args: ModelArgs) -> str | None:
@@ -92,12 +97,6 @@ def _upload_block(model: GGUFModel, args: ModelArgs, i: int) -> ExpertBlock:
         block.shared_gate_up = [up("ffn_gate_shexp"), up("ffn_up_shexp")]  # type: ignore[list-item]
         block.shared_down = up("ffn_down_shexp")
     return block
-
-
-def _inputs_wanted(args: ModelArgs, block: ExpertBlock) -> list[tuple[str, str, int]]:
-    """The normed input "ffn" in every format a block's products take."""
-    matrices = [block.router, block.gate, block.up, block.shared_gate, *(block.shared_gate_up or [])]
-    return [("ffn", m.act, args.dim) for m in matrices if m is not None]
 
 
 def _tensor_act(model: GGUFModel, name: str) -> str:
@@ -154,7 +153,8 @@ class GpuExperts:
         b0 = next(iter(self.blocks.values()))
         k, w, d = args.n_experts_used, args.expert_ffn_dim, args.dim
         pairs = rows * k
-        self.inputs = Inputs(args, rows, [x for b in self.blocks.values() for x in _inputs_wanted(args, b)])
+        self.inputs = Inputs(args, rows, [("ffn", m.act, args.dim) for b in self.blocks.values()
+                                          for m in b.normed_inputs()])
         self.logits = cupy.zeros((rows, args.n_experts), F32)
         self.ids = cupy.full(pairs, -1, cupy.int32)
         self.weights = cupy.zeros(pairs, F32)
@@ -187,24 +187,16 @@ class GpuExperts:
     def run_ffn(self, model: object, i: int, shape: object) -> None:
         """Block i's feed-forward for the pass's rows: model.x in place (queued on the current stream)."""
         a, B = self.args, self.blocks[i]
-        n, k, w, d = shape.rows, a.n_experts_used, a.expert_ffn_dim, a.dim  # type: ignore[attr-defined]
+        n, k, w, d, e = shape.rows, a.n_experts_used, a.expert_ffn_dim, a.dim, a.n_experts  # type: ignore[attr-defined]
         L = model.weights.layer(i)  # type: ignore[attr-defined]
-        acts = [m.act for m in (B.router, B.gate, B.up, B.shared_gate, *(B.shared_gate_up or [])) if m is not None]
-        xs = self.inputs.normed(model.x, L.ffn_norm, "ffn", acts, n)  # type: ignore[attr-defined]
-        products.product([B.router], xs[B.router.act], self.logits, n, ldy=a.n_experts)
-        route(self.logits, n, a.n_experts, k, a.expert_weights_norm, model.index.d["live"], self.ids, self.weights)  # type: ignore[attr-defined]
-        pairs = n * k
-        if B.gate.fmt == B.up.fmt and B.gate.act == B.up.act:
-            products.expert_product([B.gate, B.up], a.n_experts, xs[B.gate.act], self.ids, pairs, k, self.gu, 2 * w)
-        else:
-            flat = self.gu.reshape(-1)
-            products.expert_product([B.gate], a.n_experts, xs[B.gate.act], self.ids, pairs, k, flat, 2 * w)
-            products.expert_product([B.up], a.n_experts, xs[B.up.act], self.ids, pairs, k, flat[w:], 2 * w)
-        if isinstance(self.ff, Int8Act):
-            ops.glu_round(self.gu, w, pairs, B.down.act, int8=self.ff, activation=a.arch_table.activation)
-        else:
-            ops.glu_round(self.gu, w, pairs, B.down.act, y=self.ff, activation=a.arch_table.activation)
-        products.expert_product([B.down], a.n_experts, self.ff, self.ids, pairs, 1, self.outs, d)
+        xs = self.inputs.normed(model.x, L.ffn_norm, "ffn", [m.act for m in B.normed_inputs()], n)  # type: ignore[attr-defined]
+        products.product([B.router], xs[B.router.act], self.logits, n, ldy=e)
+        route(self.logits, n, e, k, a.expert_weights_norm, model.index.d["live"], self.ids, self.weights)  # type: ignore[attr-defined]
+        pairs, gu = n * k, self.gu.reshape(-1)
+        for parts, row0 in runs([B.gate, B.up]):  # row0 counts the stacks' rows: an expert's are 1 / e of them
+            products.expert_product(parts, e, xs[parts[0].act], self.ids, pairs, k, gu[row0 // e :], 2 * w)
+        self._glu(self.gu, w, pairs, self.ff, B.down.act)
+        products.expert_product([B.down], e, self.ff, self.ids, pairs, 1, self.outs, d)
         shared = gate = None
         if self.shared is not None:
             shared, gate = self._shared(B, xs, n)
@@ -213,20 +205,18 @@ class GpuExperts:
     def _shared(self, B: ExpertBlock, xs: dict[str, products.Input], n: int) -> tuple[cupy.ndarray, cupy.ndarray]:
         """qwen2moe's shared expert for n rows: (its output, its gate value) per row."""
         sgu, sff, sout, sgate = self.shared  # type: ignore[misc]
-        s, act = self.args.shared_ffn_dim, B.shared_down.act  # type: ignore[union-attr]
+        s = self.args.shared_ffn_dim
         products.product([B.shared_gate], xs[B.shared_gate.act], sgate, n, ldy=1)  # type: ignore[list-item, union-attr]
-        gate_s, up_s = B.shared_gate_up  # type: ignore[misc]
-        if gate_s.fmt == up_s.fmt and gate_s.act == up_s.act:
-            products.product([gate_s, up_s], xs[gate_s.act], sgu, n)
-        else:
-            products.product([gate_s], xs[gate_s.act], sgu, n, ldy=2 * s)
-            products.product([up_s], xs[up_s.act], sgu.reshape(-1)[s:], n, ldy=2 * s)
-        if isinstance(sff, Int8Act):
-            ops.glu_round(sgu, s, n, act, int8=sff, activation=self.args.arch_table.activation)
-        else:
-            ops.glu_round(sgu, s, n, act, y=sff, activation=self.args.arch_table.activation)
+        for parts, row0 in runs(B.shared_gate_up):  # type: ignore[arg-type]
+            products.product(parts, xs[parts[0].act], sgu.reshape(-1)[row0:], n, ldy=2 * s)
+        self._glu(sgu, s, n, sff, B.shared_down.act)  # type: ignore[union-attr]
         products.product([B.shared_down], sff, sout, n)  # type: ignore[list-item]
         return sout, sgate
+
+    def _glu(self, gu: cupy.ndarray, width: int, rows: int, out: products.Input, act: str) -> None:
+        """out = the gated activation of rows [gate | up] of gu, rounded to `act` (its 8-bit form or floats)."""
+        where = {"int8": out} if isinstance(out, Int8Act) else {"y": out}
+        ops.glu_round(gu, width, rows, act, activation=self.args.arch_table.activation, **where)  # type: ignore[arg-type]
 
 
 # ---------------------------------------------------------------------------- launches
