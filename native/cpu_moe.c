@@ -22,48 +22,25 @@ int qdot_moe_row(const int *ids, int k, const void *const *gate, const void *con
         if (!isfinite(x[i]))
             return QDOT_ENONFINITE;
     const int types[2] = {gate_type, up_type};
-    int fmt[2], n_fmt = 0, rc = 0;
-    uint8_t *xq[2] = {0}, *aq = NULL;
-    struct xdec D[2] = {0}, *DA = calloc((size_t)k, sizeof *DA);
+    int rc = 0;
+    struct rounded R = {0};  /* x rounded once for gate and up (twice if their formats differ) */
+    uint8_t *aq = NULL;
+    struct xdec *DA = calloc((size_t)k, sizeof *DA);
     float *gu = malloc((size_t)k * 2 * width * sizeof(float)), *act = malloc((size_t)k * width * sizeof(float));
-    struct task *T = calloc(1, sizeof *T);
+    struct task *T = malloc(sizeof *T);
     if (!DA || !gu || !act || !T) {
         rc = QDOT_ENOMEM;
         goto done;
     }
-    /* gate and up: x rounded once per activation format (one, unless the two types differ) */
     int which[2];
-    for (int p = 0; p < 2 && !rc; p++) {
-        int f = format_of(types[p]), i = 0;
-        if (f < 0) {
-            rc = QDOT_EUNSUPPORTED;
-            break;
-        }
-        while (i < n_fmt && fmt[i] != f)
-            i++;
-        if (i == n_fmt) {
-            long long xrow = qdot_activation_row_bytes(f, dim);
-            int block, bytes, family;
-            if (xrow < 0) {
-                rc = (int)xrow;
-                break;
-            }
-            fmt[n_fmt++] = f;
-            qdot_type_info(f, &block, &bytes, &family);
-            if (!(xq[i] = malloc((size_t)xrow)))
-                rc = QDOT_ENOMEM;
-            else if (!(rc = qdot_quantize_activations(f, x, 1, dim, xq[i])))
-                rc = xdec_make(&D[i], f, family, dim, dim / block, xq[i], (size_t)xrow, 1);
-        }
-        which[p] = i;
-    }
+    for (int p = 0; p < 2 && !rc; p++)
+        rc = rounded_for(&R, types[p], x, 1, dim, n_threads, &which[p]);
     T->n_jobs = 2 * k;
     for (int j = 0; j < k && !rc; j++)
         for (int p = 0; p < 2 && !rc; p++) {
             const void *w = (p ? up : gate)[ids[j]];
-            struct job *J = &T->jobs[2 * j + p];
-            rc = job_make(J, w, types[p], width, dim, xq[which[p]], 1, &D[which[p]], gu + (size_t)j * 2 * width + p * width,
-                          (size_t)2 * width);
+            rc = job_make(&T->jobs[2 * j + p], w, types[p], width, dim, R.xq[which[p]], 1, &R.D[which[p]],
+                          gu + (size_t)j * 2 * width + p * width, (size_t)2 * width);
             T->row0[2 * j + p] = 0;
             T->span[2 * j + p] = width;
         }
@@ -93,7 +70,6 @@ int qdot_moe_row(const int *ids, int k, const void *const *gate, const void *con
     }
     if ((rc = qdot_quantize_activations(down_fmt, act, k, width, aq)))
         goto done;
-    memset(T, 0, sizeof *T);
     T->n_jobs = k;
     for (int j = 0; j < k && !rc; j++) {
         const uint8_t *row = aq + (size_t)j * arow;
@@ -106,10 +82,7 @@ int qdot_moe_row(const int *ids, int k, const void *const *gate, const void *con
     if (!rc)
         rc = task_run(T, n_threads);
 done:
-    for (int i = 0; i < 2; i++) {
-        free(xq[i]);
-        xdec_free(&D[i]);
-    }
+    rounded_free(&R);
     if (DA)
         for (int j = 0; j < k; j++)
             xdec_free(&DA[j]);

@@ -273,7 +273,10 @@ static int task_run(struct task *T, int n_threads)
 int matmul_q(const void *w, int type, int rows, int cols, const void *xq, int n_tokens, float *y,
              int row0, int row1, int n_threads)
 {
-    struct task T = {.n_jobs = 1, .row0 = {row0}, .span = {row1 - row0}};
+    struct task T;  /* no zeroing: a hot path (the fields a chunk reads are set here and in task_run) */
+    T.n_jobs = 1;
+    T.row0[0] = row0;
+    T.span[0] = row1 - row0;
     int rc = job_make(&T.jobs[0], w, type, rows, cols, xq, n_tokens, NULL, y, (size_t)rows);
     if (rc)
         return rc;
@@ -332,6 +335,50 @@ static int format_of(int type)
     return family == FAM_K ? T_Q4_K : family == FAM_LEGACY ? T_Q8_0 : type;
 }
 
+/* x (n_tokens rows of cols floats) rounded once per activation format and decoded, for the weight
+ * types that ask for it: rounding k is format fmt[k]. */
+struct rounded {
+    int fmt[MAX_PARTS], n;
+    uint8_t *xq[MAX_PARTS];
+    struct xdec D[MAX_PARTS];
+};
+
+/* The index in R of x rounded for weight type `type` (rounded and decoded now if no earlier type took
+ * the same format), in *which. 0 or a negative error code; free R with rounded_free either way. */
+static int rounded_for(struct rounded *R, int type, const float *x, int n_tokens, int cols, int n_threads, int *which)
+{
+    int f = format_of(type), k = 0;
+    if (f < 0)
+        return QDOT_EUNSUPPORTED;
+    while (k < R->n && R->fmt[k] != f)
+        k++;
+    *which = k;
+    if (k < R->n)
+        return 0;
+    if (k == MAX_PARTS)
+        return QDOT_ERANGE;
+    long long row_bytes = qdot_activation_row_bytes(f, cols);
+    if (row_bytes < 0)
+        return (int)row_bytes;
+    size_t xrow = (size_t)row_bytes;
+    int block, bytes, family, rc;
+    R->fmt[R->n++] = f;
+    if (!(R->xq[k] = malloc(xrow * (size_t)n_tokens)))
+        return QDOT_ENOMEM;
+    qdot_type_info(f, &block, &bytes, &family);
+    if ((rc = quantize_on_pool(f, x, n_tokens, cols, R->xq[k], xrow, n_threads)))
+        return rc;
+    return xdec_make(&R->D[k], f, family, cols, cols / block, R->xq[k], xrow, n_tokens);
+}
+
+static void rounded_free(struct rounded *R)
+{
+    for (int k = 0; k < R->n; k++) {
+        free(R->xq[k]);
+        xdec_free(&R->D[k]);
+    }
+}
+
 int matmul_q_parts(int n_parts, const void *const *w, const int *types, const int *rows, int cols,
                    const float *x, int n_tokens, float *y, int n_threads)
 {
@@ -352,38 +399,21 @@ int matmul_q_parts(int n_parts, const void *const *w, const int *types, const in
         if (!isfinite(x[i]))
             return QDOT_ENONFINITE;
     /* x rounded once per activation format, shared by the parts that take it */
-    int fmt[MAX_PARTS], n_fmt = 0, rc = 0;
-    uint8_t *xq[MAX_PARTS] = {0};
-    struct xdec D[MAX_PARTS] = {0};
-    struct task T = {.n_jobs = n_parts};
+    struct rounded R = {0};
+    struct task T;  /* every field a chunk reads is set below or by task_run (no zeroing: a hot path) */
+    T.n_jobs = n_parts;
     size_t col0 = 0;
+    int rc = 0;
     for (int p = 0; p < n_parts && !rc; p++) {
-        int f = format_of(types[p]), k = 0;
-        while (k < n_fmt && fmt[k] != f)
-            k++;
-        if (k == n_fmt) {
-            size_t xrow = (size_t)qdot_activation_row_bytes(f, cols);
-            fmt[n_fmt++] = f;
-            if (!(xq[k] = malloc(xrow * (size_t)n_tokens))) {
-                rc = QDOT_ENOMEM;
-                break;
-            }
-            int block, bytes, family;
-            qdot_type_info(f, &block, &bytes, &family);
-            if ((rc = quantize_on_pool(f, x, n_tokens, cols, xq[k], xrow, n_threads)) ||
-                (rc = xdec_make(&D[k], f, family, cols, cols / block, xq[k], xrow, n_tokens)))
-                break;
-        }
-        rc = job_make(&T.jobs[p], w[p], types[p], rows[p], cols, xq[k], n_tokens, &D[k], y + col0, total);
+        int k;
+        if (!(rc = rounded_for(&R, types[p], x, n_tokens, cols, n_threads, &k)))
+            rc = job_make(&T.jobs[p], w[p], types[p], rows[p], cols, R.xq[k], n_tokens, &R.D[k], y + col0, total);
         T.row0[p] = 0;
         T.span[p] = rows[p];
         col0 += (size_t)rows[p];
     }
     if (!rc)
         rc = task_run(&T, n_threads);
-    for (int k = 0; k < n_fmt; k++) {
-        free(xq[k]);
-        xdec_free(&D[k]);
-    }
+    rounded_free(&R);
     return rc;
 }
