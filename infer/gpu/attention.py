@@ -24,8 +24,9 @@ ATTN_MAX_GROUP = 16
 
 def prepare(shape: AttentionShape) -> None:
     """Raises attn_chunks' shared-memory opt-in for `shape` before any CUDA graph capture."""
-    name = f"attn_chunks_d{shape.head_dim}"
-    with_shared(kernels.function("attention", name), (name,), shape.chunks_shared_bytes())
+    for splits in (1, 2) if shape.head_dim in (128, 256) else (1,):
+        name = chunks_kernel(shape.head_dim, splits)
+        with_shared(kernels.function("attention", name), (name,), shape.chunks_shared_bytes())
 
 
 @dataclass
@@ -124,6 +125,22 @@ def position_blocks(nb: int, rows: int) -> int:
     return nb if rows <= 16 else min(nb, 4)
 
 
+def head_splits(group: int, blocks: int, head_dim: int = 128) -> int:
+    """Parts (1 or 2: attn_chunks_s2_d128/256) a KV head's `group` query heads are split into, a
+    block each, for an attn_chunks grid of `blocks` blocks otherwise: a decode step over a short
+    cache launches a block per KV head, and a block's time grows with its query heads (the
+    30B-A3B's 8 a KV head: 16.5 us a layer at position 64 on the H100, 2026-12-06, against ~10 for
+    the 8B's 4). Parts of whole ATTN_HEADS (a warp's heads at once); each part copies the keys
+    again, so only while the grid is small. Speed only: a head's bits do not depend on its block."""
+    split = head_dim in (128, 256) and group % (2 * ATTN_HEADS) == 0 and 2 * blocks <= 64
+    return 2 if split else 1
+
+
+def chunks_kernel(head_dim: int, splits: int) -> str:
+    """The attn_chunks kernel of a head size and head split."""
+    return f"attn_chunks_{'s2_' if splits == 2 else ''}d{head_dim}"
+
+
 def attention_group_rows(rows: int) -> int:
     """Rows an attn_chunks block takes one after the other (a prompt's rows then share the keys it
     copies): 1, a block per row, unless NVMEDIRECT_ATTN_GROUP says otherwise. Sharing measured
@@ -192,8 +209,6 @@ def attention(qkv: cupy.ndarray, shape: AttentionShape, layer: int, rows: RowFie
     nb = attention_blocks(max_ctx)
     scale = np.float32(1.0 / np.sqrt(s.head_dim) if scale is None else scale)
     smem = s.chunks_shared_bytes()
-    name = f"attn_chunks_d{s.head_dim}"
-    chunks = with_shared(kernels.function("attention", name), (name,), smem)
     merge = kernels.function("attention", "attn_merge")
     q_values = s.n_heads * s.head_dim
     chunk = 256 if q_values % 256 == 0 else 32  # attn_merge: values a block (whole 8-bit groups)
@@ -203,7 +218,11 @@ def attention(qkv: cupy.ndarray, shape: AttentionShape, layer: int, rows: RowFie
         m = min(work_rows, n - r0)
         group = attention_group_rows(m)
         pos, _slot, base, anc_off, anc, kptr, vptr, cap = rows.offset(r0)
-        chunks((s.n_kv_heads, position_blocks(nb, n), -(-m // group)), (ATTN_THREADS,),
+        blocks = position_blocks(nb, n) * -(-m // group)
+        splits = head_splits(s.n_heads // s.n_kv_heads, s.n_kv_heads * blocks, s.head_dim)
+        name = chunks_kernel(s.head_dim, splits)
+        chunks = with_shared(kernels.function("attention", name), (name,), smem)
+        chunks((s.n_kv_heads * splits, position_blocks(nb, n), -(-m // group)), (ATTN_THREADS,),
                (np.uint64(qkv.data.ptr + r0 * s.width * 4), np.int32(s.width), np.int32(s.n_heads),
                 np.int32(s.n_kv_heads), scale, np.int32(window), np.int32(layer), pos, base, anc_off, anc, kptr, vptr,
                 cap, work,

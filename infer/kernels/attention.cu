@@ -219,7 +219,10 @@ __device__ __forceinline__ float attn_reduce8(float (&s)[ATTN_TILE], int lane) {
     return __fadd_rn(v, __shfl_xor_sync(full, v, 1));
 }
 
-// grid (n_kv_heads, blocks along the positions, ceil(rows / group)), ATTN_THREADS threads: a block
+// grid (n_kv_heads * S, blocks along the positions, ceil(rows / group)), ATTN_THREADS threads: a
+// block takes one of S equal parts of a KV head's query heads (attn_chunks_s2_d128/256: S = 2, more blocks
+// for a decode step over a short cache, whose grid is otherwise a block per KV head; each part copies
+// the keys again; S is a template parameter: a run-time split costs the kernels registers) and
 // holds 4 chunks (a warp each) for `group` consecutive rows, one row after the other, and walks the
 // position blocks blockIdx.y, + gridDim.y, ... of nb = ceil(max positions / 128) until the rows'
 // positions end (a grid of nb blocks there is mostly empty blocks for prompt rows in a long context). Before a warp
@@ -234,16 +237,16 @@ __device__ __forceinline__ float attn_reduce8(float (&s)[ATTN_TILE], int lane) {
 // Queries, keys and values are used from registers: a warp takes ATTN_HEADS query heads at a time
 // and ATTN_TILE positions' rows at a time. A row's arithmetic does not depend on the group or on
 // where its keys were copied from.
-template <int D>
+template <int D, int S>
 __device__ __forceinline__ bool attn_chunks_body(const float* qkv, int W, int n_heads, int n_kv_heads, float scale,
                                                  int window, int layer, const Rows& R, float* work, int nb,
                                                  int n_rows, int group, int blk) {
     constexpr int DL = D / 32;     // dimensions per lane
     constexpr int PIECES = D / 8;  // 16-byte pieces of a key or value row
     extern __shared__ __align__(16) float attn_smem[];
-    const int kvh = blockIdx.x;
+    const int kvh = blockIdx.x / S;
     const int r_first = blockIdx.z * group, r_end = min(n_rows, r_first + group);
-    const int G = n_heads / n_kv_heads, h0 = kvh * G;
+    const int G = n_heads / n_kv_heads / S, h0 = blockIdx.x * G;  // this block's query heads
     const int c0 = blk * ATTN_BLOCK_CHUNKS;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const unsigned full = 0xffffffffu;
@@ -432,21 +435,23 @@ __device__ __forceinline__ bool attn_chunks_body(const float* qkv, int W, int n_
     return true;
 }
 
-#define ATTN_CHUNKS(D)                                                                                       \
+#define ATTN_CHUNKS(NAME, D, S)                                                                              \
     extern "C" __global__ void __launch_bounds__(ATTN_THREADS)                                               \
-        attn_chunks_d##D(const float* qkv, int W, int n_heads, int n_kv_heads, float scale, int window,      \
-                         int layer, const int* pos, const int* base, const int* anc_off, const int* anc,      \
-                         const unsigned long long* kptr, const unsigned long long* vptr, const int* cap,      \
-                         float* work, int nb, int n_rows, int group) {                                        \
+        NAME(const float* qkv, int W, int n_heads, int n_kv_heads, float scale, int window, int layer,       \
+             const int* pos, const int* base, const int* anc_off, const int* anc,                             \
+             const unsigned long long* kptr, const unsigned long long* vptr, const int* cap, float* work,     \
+             int nb, int n_rows, int group) {                                                                 \
         const Rows R{pos, nullptr, base, anc_off, anc, kptr, vptr, cap};                                     \
         for (int blk = blockIdx.y; blk < nb; blk += gridDim.y)                                               \
-            if (!attn_chunks_body<D>(qkv, W, n_heads, n_kv_heads, scale, window, layer, R, work, nb, n_rows,    \
-                                     group, blk))                                                            \
+            if (!attn_chunks_body<D, S>(qkv, W, n_heads, n_kv_heads, scale, window, layer, R, work, nb,       \
+                                        n_rows, group, blk))                                                 \
                 break;                                                                                       \
     }
-ATTN_CHUNKS(64)
-ATTN_CHUNKS(128)
-ATTN_CHUNKS(256)
+ATTN_CHUNKS(attn_chunks_d64, 64, 1)
+ATTN_CHUNKS(attn_chunks_d128, 128, 1)
+ATTN_CHUNKS(attn_chunks_d256, 256, 1)
+ATTN_CHUNKS(attn_chunks_s2_d128, 128, 2)
+ATTN_CHUNKS(attn_chunks_s2_d256, 256, 2)
 
 // grid (rows, n / chunk), `chunk` threads (256, or 32 where a row is no whole 256): out (rows,
 // n_heads*D) = the merged attention, a thread per value, then the block's values rounded to `fmt`

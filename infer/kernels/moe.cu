@@ -21,52 +21,81 @@ struct WideSum {
     __device__ __forceinline__ float value() const { return __fadd_rn(s, c); }
 };
 
-// One thread per row of logits (n, E): softmax (exp(l - max) in float32, their sum carried wide, each
-// exp times the float32 reciprocal of the sum), the k most probable experts, most probable first
-// (ties: the lower id), into ids[row * k + j]; their probabilities into weights, divided by their sum
-// (carried wide, floored) when `normalize`. Rows whose `live` entry is 0 (the
-// null rows padding a pass; live may be null: every row) get ids -1: no expert reads its weights.
+// (probability, id) pairs in descending probability, ties to the lower id: a before b.
+__device__ __forceinline__ bool ranks_before(float pa, int ea, float pb, int eb) {
+    return pa > pb || (pa == pb && ea < eb);
+}
+
+// One warp per row of logits (n, E), ROUTE_ROWS rows a block, E floats of dynamic shared memory a
+// row: softmax (exp(l - max) in float32, their sum carried wide in id order by lane 0, each exp times
+// the float32 reciprocal of the sum), the k most probable experts, most probable first (ties: the
+// lower id), into ids[row * k + j]; their probabilities into weights, divided by their sum (carried
+// wide, floored) when `normalize`. The lanes share the exps and the k arg-max rounds; the two sums
+// stay in one lane in id and rank order, so a row's bits do not depend on the warp's width. Rows
+// whose `live` entry is 0 (the null rows padding a pass; live may be null: every row) get ids -1: no
+// expert reads its weights.
+#define ROUTE_ROWS 4
 extern "C" __global__ void moe_route(const float* logits, int n, int E, int k, int normalize, const int* live,
                                      int* ids, float* weights) {
-    const int r = blockIdx.x * blockDim.x + threadIdx.x;
-    if (r >= n) return;
+    extern __shared__ float route_probs[];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int r = blockIdx.x * ROUTE_ROWS + warp;
+    if (r >= n) return;  // the whole warp
     int* out_ids = ids + (long long)r * k;
     float* out_w = weights + (long long)r * k;
     if (live && !live[r]) {
-        for (int j = 0; j < k; ++j) {
+        for (int j = lane; j < k; j += 32) {
             out_ids[j] = -1;
             out_w[j] = 0.f;
         }
         return;
     }
     const float* l = logits + (long long)r * E;
-    float mx = -INFINITY;
-    for (int e = 0; e < E; ++e) mx = fmaxf(mx, l[e]);
-    WideSum sum;
-    for (int e = 0; e < E; ++e) sum.add(expf(__fsub_rn(l[e], mx)));
-    const float inverse = __frcp_rn(sum.value());
+    float* p = route_probs + warp * E;
+    float mx = NEG_INF;
+    for (int e = lane; e < E; e += 32) mx = fmaxf(mx, l[e]);
+    for (int o = 16; o; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+    for (int e = lane; e < E; e += 32) p[e] = expf(__fsub_rn(l[e], mx));
+    __syncwarp();
+    float inverse = 0.f;
+    if (lane == 0) {
+        WideSum sum;
+        for (int e = 0; e < E; ++e) sum.add(p[e]);
+        inverse = __frcp_rn(sum.value());
+    }
+    inverse = __shfl_sync(0xffffffffu, inverse, 0);  // lane 0 has read every exp before any is scaled
+    for (int e = lane; e < E; e += 32) p[e] = __fmul_rn(p[e], inverse);  // a lane's own entries only
     // selection in descending (probability, -id) order: each pick is the best after the previous one
-    float prev_p = INFINITY;
+    float prev_p = __int_as_float(0x7f800000u);
     int prev_e = -1;
     WideSum total;
     for (int j = 0; j < k; ++j) {
         float best_p = -1.f;
         int best_e = -1;
-        for (int e = 0; e < E; ++e) {
-            const float p = __fmul_rn(expf(__fsub_rn(l[e], mx)), inverse);
-            const bool after = p < prev_p || (p == prev_p && e > prev_e);
-            if (after && p > best_p) {
-                best_p = p;
+        for (int e = lane; e < E; e += 32) {
+            const bool after = p[e] < prev_p || (p[e] == prev_p && e > prev_e);
+            if (after && p[e] > best_p) {
+                best_p = p[e];
                 best_e = e;
             }
         }
-        out_ids[j] = best_e;
-        out_w[j] = best_p;
-        total.add(best_p);
+        for (int o = 16; o; o >>= 1) {
+            const float other_p = __shfl_xor_sync(0xffffffffu, best_p, o);
+            const int other_e = __shfl_xor_sync(0xffffffffu, best_e, o);
+            if (other_e >= 0 && (best_e < 0 || ranks_before(other_p, other_e, best_p, best_e))) {
+                best_p = other_p;
+                best_e = other_e;
+            }
+        }
+        if (lane == 0) {
+            out_ids[j] = best_e;
+            out_w[j] = best_p;
+        }
+        total.add(best_p);  // every lane the same sum; lane 0's is written
         prev_p = best_p;
         prev_e = best_e;
     }
-    if (normalize) {
+    if (normalize && lane == 0) {
         const float t = fmaxf(total.value(), WEIGHTS_SUM_FLOOR);
         for (int j = 0; j < k; ++j) out_w[j] = __fdiv_rn(out_w[j], t);
     }

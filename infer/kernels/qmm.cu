@@ -227,8 +227,21 @@ __device__ __forceinline__ void fgemv_body(const T* w, int M, int K, const float
             const int sb = first + lane;
             float t = 0.f;
             if (sb < nsb) {
-#pragma unroll 8
-                for (int i = 0; i < 32; ++i) t = __fadd_rn(t, __fmul_rn(to_float(wr[sb * 32 + i]), xv[sb * 32 + i]));
+                // the sub-block's weights and inputs in 16-byte loads, all in flight before the first
+                // use (one trip to memory, not one per element); the sums in the same order
+                constexpr int WLOADS = 32 * sizeof(T) / 16;
+                uint4 wv[WLOADS];
+                float4 xq[8];
+                const uint4* wp = reinterpret_cast<const uint4*>(wr + sb * 32);
+                const float4* xp = reinterpret_cast<const float4*>(xv + sb * 32);
+#pragma unroll
+                for (int i = 0; i < WLOADS; ++i) wv[i] = wp[i];
+#pragma unroll
+                for (int i = 0; i < 8; ++i) xq[i] = xp[i];
+                const T* we = reinterpret_cast<const T*>(wv);
+                const float* xe = reinterpret_cast<const float*>(xq);
+#pragma unroll
+                for (int i = 0; i < 32; ++i) t = __fadd_rn(t, __fmul_rn(to_float(we[i]), xe[i]));
             }
             t = __fadd_rn(t, __shfl_xor_sync(FULL_MASK, t, 1));
             t = __fadd_rn(t, __shfl_xor_sync(FULL_MASK, t, 2));

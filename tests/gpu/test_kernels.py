@@ -813,6 +813,30 @@ def test_attention_of_a_row_does_not_depend_on_its_block_group(rng: np.random.Ge
     np.testing.assert_array_equal(sliced, alone)
 
 
+@pytest.mark.parametrize("position", [0, 64, 1000, 2000])
+def test_attention_of_a_row_does_not_depend_on_its_head_split(rng: np.random.Generator, position: int,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """A decode step over a short cache splits a KV head's query heads over blocks (the 30B-A3B's
+    8 a KV head: 2 blocks of 4): each head gets the bits of the unsplit launch, which the exact
+    softmax checks."""
+    from infer.gpu.reference import attention_reference
+
+    n_heads, n_kv, hd = 32, 4, 128
+    shape = attn.AttentionShape(n_heads, n_kv, hd, hd // 2, False)
+    caches = _Caches(rng, 1, n_kv, [2048], hd)
+    rows = [(0, position, position, position + 1, None)]
+    qkv = rng.standard_normal((1, shape.width)).astype(np.float32)
+    assert attn.head_splits(n_heads // n_kv, n_kv * -(-(position + 1) // 128), hd) == (2 if position < 2000 else 1)
+    split = _attend(qkv, shape, caches, rows, 0, max_ctx=position + 1)
+    monkeypatch.setattr(attn, "head_splits", lambda group, blocks, head_dim: 1)
+    whole = _attend(qkv, shape, caches, rows, 0, max_ctx=position + 1)
+    np.testing.assert_array_equal(split, whole)
+    q = qkv[0, : n_heads * hd].reshape(n_heads, hd).astype(np.float16).astype(np.float32)
+    keys = caches.host[0][0, :, : position + 1].astype(np.float32)
+    vals = caches.vals[0][0, :, : position + 1].astype(np.float32)
+    assert _rel(split[0], attention_reference(q, keys, vals, 1 / np.sqrt(hd)).reshape(-1)) < 1e-5
+
+
 @pytest.mark.parametrize("act", ["q8_0", "q8_k", "f16"])
 def test_attention_rounds_its_output(rng: np.random.Generator, act: str) -> None:
     """The merge rounds each row to the output projection's format, its 8-bit form with it."""

@@ -320,9 +320,9 @@ class RawKernel:
                 KC, VC = _layer_cache(KP[t], layer, Hkv, int(CAP[t]), D), _layer_cache(VP[t], layer, Hkv, int(CAP[t]), D)
                 sl = SL[t] % CAP[t]  # a local layer's ring: slot s at s % positions
                 KC[:, sl] = _rotate(k, c, s_, npairs, neox).astype(np.float16); VC[:, sl] = v.astype(np.float16)
-        elif n.startswith("attn_chunks_d"):  # the whole attention of each row into its block 0 (m 0, l 1: the merge's o / l)
+        elif n.startswith("attn_chunks_"):  # the whole attention of each row into its block 0 (m 0, l 1: the merge's o / l)
             qkv, W, H, Hkv, scale, window, layer, pos, base, anc_off, anc, kptr, vptr, cap, work, nb, n_rows, _group = args
-            D = int(n.split("_d")[1])
+            D = int(n.rsplit("_d", 1)[1])
             rows = int(n_rows); W, H, Hkv, layer, nb = map(int, (W, H, Hkv, layer, nb)); G = H // Hkv
             P = _arr(pos, np.int32, rows); B = _arr(base, np.int32, rows); OFF = _arr(anc_off, np.int32, rows)
             CAP = _arr(cap, np.int32, rows); KP = _arr(kptr, np.uint64, rows); VP = _arr(vptr, np.uint64, rows)
@@ -345,7 +345,7 @@ class RawKernel:
             else:
                 qkv, W, H, Hkv, scale, layer, pos, kptr, vptr, cap, n_rows, out16 = args
                 window = 0
-            D = int(n.split("_d")[1])
+            D = int(n.rsplit("_d", 1)[1])
             rows = int(n_rows); W, H, Hkv, layer = map(int, (W, H, Hkv, layer))
             P = _arr(pos, np.int32, rows); CAP = _arr(cap, np.int32, rows)
             KP = _arr(kptr, np.uint64, rows); VP = _arr(vptr, np.uint64, rows)
