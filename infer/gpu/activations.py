@@ -100,6 +100,12 @@ class Inputs:
             ops.rmsnorm(src, weight, a.norm_eps, n, a.dim, y=self.floats[(key, act)], y16=y16, act=act,
                         int8=self.int8.get((key, act)), src_rows=src_rows)
             return {act: self.get(key, act)}
+        rounded = [act for act in unique if act != "f32"]
+        if len(rounded) == 1 and ops.norm_fits_one_pass(a.dim, rounded[0]):  # f32 and one other: one launch
+            act = rounded[0]
+            ops.rmsnorm(src, weight, a.norm_eps, n, a.dim, y=self.floats[(key, act)], y16=y16, act=act,
+                        int8=self.int8.get((key, act)), src_rows=src_rows, y_unrounded=self.floats[(key, "f32")])
+            return {act: self.get(key, act) for act in unique}
         base = self.floats[(key, "f32")]
         ops.rmsnorm(src, weight, a.norm_eps, n, a.dim, y=base, y16=y16, src_rows=src_rows)
         for act in unique:

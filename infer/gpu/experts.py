@@ -39,6 +39,7 @@ from infer.quants import activation_format
 from infer.tiers.plan import format_bytes, span
 
 F32 = cupy.float32
+ROUTE_MAX_K = 32  # moe.cu moe_route: a lane keeps each pick
 MAX_PAIRS = 65535  # (row, slot) pairs of one pass: a launch's grid y
 BUFFER_ROUNDING = 512  # CuPy's pool rounds each buffer up to this (a block's matrices are buffers of their own)
 MATRICES_PER_BLOCK = 7  # at most: router, gate, up, down, and a shared expert's gate, gate/up and down
@@ -69,7 +70,10 @@ class ExpertBlock:
 
 
 def stacks_on_device(model: GGUFModel, args: ModelArgs) -> str | None:
-    """None when every block's expert stacks have a product on the device (quantized formats), else why not."""
+    """None when every block's expert stacks have a product on the device (quantized formats) and
+    moe_route takes the routing, else why not."""
+    if args.n_experts_used > ROUTE_MAX_K:
+        return f"it routes {args.n_experts_used} experts a token: the GPU's router takes at most {ROUTE_MAX_K}"
     for i in range(args.n_layers):
         for kind in STACKS:
             info = model.tensors.get(tensor_name(i, kind))

@@ -152,19 +152,29 @@ def int8_args(int8: Int8Act | None) -> tuple:
     return (NULL, NULL, NULL) if int8 is None else (int8.xq, int8.xs, int8.xsum)
 
 
+def norm_fits_one_pass(n: int, act: str) -> bool:
+    """Whether rmsnorm8 (one pass, 8 values a thread in registers) takes rows of n values rounded to `act`."""
+    return n % {"q8_0": 32, "q8_k": 256}.get(act, 8) == 0 and n <= 8192
+
+
 def rmsnorm(x: cupy.ndarray, weight: cupy.ndarray, eps: float, rows: int, n: int, y: cupy.ndarray | None = None,
             y16: cupy.ndarray | None = None, act: str = "f32", int8: Int8Act | None = None,
-            src_rows: cupy.ndarray | None = None) -> None:
+            src_rows: cupy.ndarray | None = None, y_unrounded: cupy.ndarray | None = None) -> None:
     """y = RMSNorm(x) * weight per row, rounded to activation format `act`; int8 (q8_0/q8_k): also
-    its 8-bit form; y16 (float16): the values before rounding (the prompt products' input). y (float32) may be None where the 8-bit form is all that is wanted and the
-    row fits the one-pass kernel. src_rows (int32, optional): output row i from input row src_rows[i]."""
-    fast = n % {"q8_0": 32, "q8_k": 256}.get(act, 8) == 0 and n <= 8192
+    its 8-bit form; y16 (float16) and y_unrounded (float32): the values before rounding (the prompt
+    products' input; a float product's beside an 8-bit one, only where norm_fits_one_pass). y
+    (float32) may be None where the 8-bit form is all that is wanted and the row fits the one-pass
+    kernel. src_rows (int32, optional): output row i from input row src_rows[i]."""
+    fast = norm_fits_one_pass(n, act)
     if y is None and not (fast and act in EIGHT_BIT and int8 is not None):
         raise ValueError("rmsnorm needs the float32 output y here")
+    if y_unrounded is not None and not fast:
+        raise ValueError(f"rmsnorm writes the unrounded values beside a {act} row of {n} only in one pass")
     if fast:  # one pass, values in registers (8 per thread)
         kernels.function("ops", "rmsnorm8")((rows,), (-(-n // 256) * 32,), (x, weight, device_ptr(y), device_ptr(y16), np.int32(n),
                                                                  np.float32(eps), np.int32(ACT_CODES[act]),
-                                                                 *int8_args(int8), device_ptr(src_rows)))
+                                                                 *int8_args(int8), device_ptr(src_rows),
+                                                                 device_ptr(y_unrounded)))
         return
     threads = 1024 if n >= 4096 else 256
     kernels.function("ops", "rmsnorm")((rows,), (threads,), (x, weight, device_ptr(y), device_ptr(y16), np.int32(n),

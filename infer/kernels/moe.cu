@@ -10,7 +10,7 @@
 
 // A float32 sum carried with its rounding error (Neumaier): the CPU takes these sums in double, which
 // costs 64 times more than float32 on the RTX cards; this keeps about double's accuracy for the few
-// hundred terms of a router row.
+// hundred terms of a router row, in any order the warp adds them.
 struct WideSum {
     float s = 0.f, c = 0.f;
     __device__ __forceinline__ void add(float v) {
@@ -26,14 +26,24 @@ __device__ __forceinline__ bool ranks_before(float pa, int ea, float pb, int eb)
     return pa > pb || (pa == pb && ea < eb);
 }
 
+// Two wide sums as one (their values added with the error of that addition kept): symmetric in its
+// operands, so the lanes of a butterfly all end with the same sum.
+__device__ __forceinline__ WideSum wide_join(const WideSum& a, const WideSum& b) {
+    WideSum out;
+    out.s = __fadd_rn(a.s, b.s);
+    const float err = fabsf(a.s) >= fabsf(b.s) ? __fadd_rn(__fsub_rn(a.s, out.s), b.s)
+                                                : __fadd_rn(__fsub_rn(b.s, out.s), a.s);
+    out.c = __fadd_rn(__fadd_rn(a.c, b.c), err);
+    return out;
+}
+
 // One warp per row of logits (n, E), ROUTE_ROWS rows a block, E floats of dynamic shared memory a
-// row: softmax (exp(l - max) in float32, their sum carried wide in id order by lane 0, each exp times
-// the float32 reciprocal of the sum), the k most probable experts, most probable first (ties: the
-// lower id), into ids[row * k + j]; their probabilities into weights, divided by their sum (carried
-// wide, floored) when `normalize`. The lanes share the exps and the k arg-max rounds; the two sums
-// stay in one lane in id and rank order, so a row's bits do not depend on the warp's width. Rows
-// whose `live` entry is 0 (the null rows padding a pass; live may be null: every row) get ids -1: no
-// expert reads its weights.
+// row, k <= 32: softmax (exp(l - max) in float32; their sum carried wide, each lane over its own
+// experts, then joined across the warp; each exp times the float32 reciprocal of the sum), the k most
+// probable experts, most probable first (ties: the lower id), into ids[row * k + j]; their
+// probabilities into weights, divided by their sum (carried wide in rank order, floored) when
+// `normalize`. Lane j keeps the j-th pick and writes it. Rows whose `live` entry is 0 (the null rows
+// padding a pass; live may be null: every row) get ids -1: no expert reads its weights.
 #define ROUTE_ROWS 4
 extern "C" __global__ void moe_route(const float* logits, int n, int E, int k, int normalize, const int* live,
                                      int* ids, float* weights) {
@@ -44,30 +54,33 @@ extern "C" __global__ void moe_route(const float* logits, int n, int E, int k, i
     int* out_ids = ids + (long long)r * k;
     float* out_w = weights + (long long)r * k;
     if (live && !live[r]) {
-        for (int j = lane; j < k; j += 32) {
-            out_ids[j] = -1;
-            out_w[j] = 0.f;
+        if (lane < k) {
+            out_ids[lane] = -1;
+            out_w[lane] = 0.f;
         }
         return;
     }
     const float* l = logits + (long long)r * E;
-    float* p = route_probs + warp * E;
+    float* p = route_probs + warp * E;  // a lane reads and writes only its own entries e = lane + 32 i
     float mx = NEG_INF;
     for (int e = lane; e < E; e += 32) mx = fmaxf(mx, l[e]);
     for (int o = 16; o; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
-    for (int e = lane; e < E; e += 32) p[e] = expf(__fsub_rn(l[e], mx));
-    __syncwarp();
-    float inverse = 0.f;
-    if (lane == 0) {
-        WideSum sum;
-        for (int e = 0; e < E; ++e) sum.add(p[e]);
-        inverse = __frcp_rn(sum.value());
+    WideSum sum;
+    for (int e = lane; e < E; e += 32) {
+        p[e] = expf(__fsub_rn(l[e], mx));
+        sum.add(p[e]);
     }
-    inverse = __shfl_sync(0xffffffffu, inverse, 0);  // lane 0 has read every exp before any is scaled
-    for (int e = lane; e < E; e += 32) p[e] = __fmul_rn(p[e], inverse);  // a lane's own entries only
+    for (int o = 16; o; o >>= 1) {
+        WideSum other;
+        other.s = __shfl_xor_sync(0xffffffffu, sum.s, o);
+        other.c = __shfl_xor_sync(0xffffffffu, sum.c, o);
+        sum = wide_join(sum, other);
+    }
+    const float inverse = __frcp_rn(sum.value());
+    for (int e = lane; e < E; e += 32) p[e] = __fmul_rn(p[e], inverse);
     // selection in descending (probability, -id) order: each pick is the best after the previous one
-    float prev_p = __int_as_float(0x7f800000u);
-    int prev_e = -1;
+    float prev_p = __int_as_float(0x7f800000u), my_p = 0.f;
+    int prev_e = -1, my_e = -1;
     WideSum total;
     for (int j = 0; j < k; ++j) {
         float best_p = -1.f;
@@ -87,17 +100,17 @@ extern "C" __global__ void moe_route(const float* logits, int n, int E, int k, i
                 best_e = other_e;
             }
         }
-        if (lane == 0) {
-            out_ids[j] = best_e;
-            out_w[j] = best_p;
+        if (lane == j) {
+            my_p = best_p;
+            my_e = best_e;
         }
-        total.add(best_p);  // every lane the same sum; lane 0's is written
+        total.add(best_p);  // every lane the same sum
         prev_p = best_p;
         prev_e = best_e;
     }
-    if (normalize && lane == 0) {
-        const float t = fmaxf(total.value(), WEIGHTS_SUM_FLOOR);
-        for (int j = 0; j < k; ++j) out_w[j] = __fdiv_rn(out_w[j], t);
+    if (lane < k) {
+        out_ids[lane] = my_e;
+        out_w[lane] = normalize ? __fdiv_rn(my_p, fmaxf(total.value(), WEIGHTS_SUM_FLOOR)) : my_p;
     }
 }
 

@@ -34,12 +34,13 @@ extern "C" __global__ void rmsnorm(const float* x, const float* w, float* y, __h
 // values in registers from the load to the rounded store, so a warp holds exactly one q8_k group
 // (256 values) and four lanes one q8_0 group: one pass over memory. Threads past the row's end
 // take zeros and store nothing (e.g. Qwen2.5-0.5B's width of 896: 112 threads in 4 warps).
-// y may be null when only the 8-bit form is wanted; y16 (optional) gets the values before rounding
-// as float16. src_rows (optional): output row i normalises input row src_rows[i] (the rows of a
-// pass whose logits are wanted).
+// y may be null when only the 8-bit form is wanted; y16 and yf (optional) get the values before
+// rounding as float16 and float32 (yf: a float product's input beside the 8-bit one, e.g. a mixture
+// of experts' router, without a second launch). src_rows (optional): output row i normalises input
+// row src_rows[i] (the rows of a pass whose logits are wanted).
 extern "C" __global__ void __launch_bounds__(1024)
     rmsnorm8(const float* x, const float* w, float* y, __half* y16, int n, float eps, int fmt, signed char* xq,
-             float* xs, int* xsum, const int* src_rows) {
+             float* xs, int* xsum, const int* src_rows, float* yf) {
     const long long row = blockIdx.x;
     const int t = threadIdx.x, lane = t & 31;
     const bool inside = 8 * t < n;
@@ -62,6 +63,11 @@ extern "C" __global__ void __launch_bounds__(1024)
         h.x = half2_bits(v[0], v[1]), h.y = half2_bits(v[2], v[3]), h.z = half2_bits(v[4], v[5]);
         h.w = half2_bits(v[6], v[7]);
         reinterpret_cast<uint4*>(y16 + row * n + 8 * t)[0] = h;
+    }
+    if (yf && inside) {
+        float4* fr = reinterpret_cast<float4*>(yf + row * n) + 2 * t;
+        fr[0] = make_float4(v[0], v[1], v[2], v[3]);
+        fr[1] = make_float4(v[4], v[5], v[6], v[7]);
     }
     int q[8];
     if (fmt == ACT_F16 || fmt == ACT_BF16) {

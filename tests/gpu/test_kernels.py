@@ -189,6 +189,29 @@ def test_rmsnorm_rounded(rng: np.random.Generator, act: str, n: int) -> None:
         np.testing.assert_array_equal(qsum, q.astype(np.int32).reshape(-1, 32).sum(1))
 
 
+@pytest.mark.parametrize("act", ["q8_0", "q8_k", "f16", "bf16"])
+def test_rmsnorm_with_its_unrounded_values_is_the_two_launches(rng: np.random.Generator, act: str) -> None:
+    """rmsnorm8 writing the float32 values beside their rounding (a mixture of experts' router input
+    beside the experts' 8-bit one) gives the bits of rmsnorm to float32 then round_act."""
+    rows, n = 5, 2048
+    x = cupy.asarray(rng.standard_normal((rows, n)).astype(np.float32) * 2)
+    w = cupy.asarray(rng.standard_normal(n).astype(np.float32))
+    y, raw = _poisoned((rows, n)), _poisoned((rows, n))
+    int8 = ops.Int8Act.zeros(rows, n, act) if act in ops.EIGHT_BIT else None
+    ops.rmsnorm(x, w, 1e-6, rows, n, y=y, act=act, int8=int8, y_unrounded=raw)
+    base, want = _poisoned((rows, n)), _poisoned((rows, n))
+    ops.rmsnorm(x, w, 1e-6, rows, n, y=base)
+    int8_want = ops.Int8Act.zeros(rows, n, act) if act in ops.EIGHT_BIT else None
+    ops.round_act(base, want, rows, n, act, int8=int8_want)
+    np.testing.assert_array_equal(cupy.asnumpy(raw), cupy.asnumpy(base))
+    np.testing.assert_array_equal(cupy.asnumpy(y), cupy.asnumpy(want))
+    if int8 is not None:
+        for got_part, want_part in zip((int8.xq, int8.xs, int8.xsum), (int8_want.xq, int8_want.xs, int8_want.xsum)):
+            np.testing.assert_array_equal(cupy.asnumpy(got_part), cupy.asnumpy(want_part))
+    with pytest.raises(ValueError, match="only in one pass"):
+        ops.rmsnorm(x[:, :900].copy(), w[:900].copy(), 1e-6, rows, 900, y=y, act="f16", y_unrounded=raw)
+
+
 def _args(neox: bool, n_heads: int, n_kv: int, head_dim: int) -> ModelArgs:
     return ModelArgs(arch="qwen2" if neox else "llama", n_layers=1, dim=n_heads * head_dim, ffn_dim=64,
                      n_heads=n_heads, n_kv_heads=n_kv, head_dim=head_dim, vocab_size=32, context_length=4096,

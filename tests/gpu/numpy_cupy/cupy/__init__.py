@@ -280,7 +280,7 @@ class RawKernel:
             for i, r in enumerate(_arr(ids, np.int32, cnt)):
                 o[i] = W[r] * np.float32(scale) if 0 <= r < rows else 0
         elif n in ("rmsnorm", "rmsnorm8"):
-            x, w, y, y16, nn, eps, act, xq, xs8, xsum, src_rows = args
+            x, w, y, y16, nn, eps, act, xq, xs8, xsum, src_rows, *yf = args
             rows, nn = grid[0], int(nn)
             if _ptr(src_rows):
                 sel = _arr(src_rows, np.int32, rows).astype(np.int64)
@@ -291,6 +291,7 @@ class RawKernel:
             from infer.quants import round_activations
             v = rms_norm(xv.copy(), _arr(w, np.float32, nn).copy(), float(eps), exact=True)
             if _ptr(y16): _arr(y16, np.float16, rows * nn)[:] = v.reshape(-1).astype(np.float16)  # before rounding
+            if yf and _ptr(yf[0]): _arr(yf[0], np.float32, rows * nn)[:] = v.reshape(-1)
             if _ptr(xq): _write_int8(xq, xs8, xsum, v.reshape(-1), ACTS[int(act)])
             if _ptr(y):
                 v = round_activations(v, ["f32", "f16", "bf16", "q8_0", "q8_k"][int(act)])
