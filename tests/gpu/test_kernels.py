@@ -206,7 +206,7 @@ def test_rmsnorm_with_its_unrounded_values_is_the_two_launches(rng: np.random.Ge
     np.testing.assert_array_equal(cupy.asnumpy(raw), cupy.asnumpy(base))
     np.testing.assert_array_equal(cupy.asnumpy(y), cupy.asnumpy(want))
     if int8 is not None:
-        for got_part, want_part in zip((int8.xq, int8.xs, int8.xsum), (int8_want.xq, int8_want.xs, int8_want.xsum)):
+        for got_part, want_part in zip((int8.xq, int8.xs, int8.xsum), (int8_want.xq, int8_want.xs, int8_want.xsum), strict=True):
             np.testing.assert_array_equal(cupy.asnumpy(got_part), cupy.asnumpy(want_part))
     with pytest.raises(ValueError, match="only in one pass"):
         ops.rmsnorm(x[:, :900].copy(), w[:900].copy(), 1e-6, rows, 900, y=y, act="f16", y_unrounded=raw)
