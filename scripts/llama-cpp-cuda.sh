@@ -8,11 +8,13 @@
 #
 # The source is .peer/llama.cpp.tgz (/work/shared/device/llama-cpp-src.sh: the llama.cpp that
 # llama-cpp-python 0.3.36 vendors, the version of the CPU oracle tests). This machine's toolkit has
-# no cuBLAS and no driver: cuBLAS comes from the nvidia-cublas wheel of the same CUDA major, in a
-# private directory (the GPU machine links its own libcublas.so.13 at run time), and the build uses
-# no driver API (GGML_CUDA_NO_VMM: llama.cpp's memory pool without virtual memory management, the
-# legacy pool; its speed is the same once warm). GGML_NATIVE=OFF with AVX2/FMA/F16C: the GPU
-# machine's CPU need not be this one's.
+# no cuBLAS and no driver: cuBLAS comes from the nvidia-cublas wheel of the same CUDA major, and the
+# driver library is an empty stub with its soname (libcuda.so.1), both in a private directory (the
+# GPU machine links its own libcublas.so.13 and libcuda.so.1 at run time; llama.cpp keeps its default
+# virtual-memory pool). The CPU backend is built for every x86 variant and loaded at run time
+# (GGML_BACKEND_DL, GGML_CPU_ALL_VARIANTS): the GPU machine's CPU need not be this one's, and with
+# --n-cpu-moe llama.cpp's CPU half gets that machine's best instructions (AVX-512, VNNI, AMX), as a
+# native build there would.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 arch=${1:-90}
@@ -30,19 +32,21 @@ if [ ! -f "$work/cublas/lib/libcublas.so" ]; then
     ln -sf "libcublas.so.$major" "$work/cublas/lib/libcublas.so"
     ln -sf "libcublasLt.so.$major" "$work/cublas/lib/libcublasLt.so"
 fi
+[ -f "$work/cublas/lib/libcuda.so" ] || echo "" | gcc -shared -x c - -o "$work/cublas/lib/libcuda.so" -Wl,-soname,libcuda.so.1
 rm -rf "$work/src" && mkdir -p "$work/src" && tar xzf .peer/llama.cpp.tgz -C "$work/src"
 cd "$work/src/llama.cpp"
 inc="-I$work/cublas/include"
-cmake -B build -DGGML_CUDA=ON -DGGML_CUDA_NO_VMM=ON -DCMAKE_CUDA_ARCHITECTURES="$arch" -DGGML_NATIVE=OFF \
-    -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
+cmake -B build -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES="$arch" -DGGML_NATIVE=OFF \
+    -DGGML_BACKEND_DL=ON -DGGML_CPU_ALL_VARIANTS=ON -DBUILD_SHARED_LIBS=ON -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
     -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON -DCMAKE_BUILD_TYPE=Release \
     -DCMAKE_BUILD_RPATH_USE_ORIGIN=ON -DCMAKE_LIBRARY_PATH="$work/cublas/lib" \
     -DCMAKE_CUDA_FLAGS="$inc" -DCMAKE_CXX_FLAGS="$inc" -DCMAKE_C_FLAGS="$inc" > "$work/cmake.log"
-cmake --build build -j "$(nproc)" --target llama-bench llama-server > "$work/build.log"
+cmake --build build -j "$(nproc)" > "$work/build.log"  # every target: the CPU variants are libraries of their own
 out=$work/bin && rm -rf "$out" && mkdir -p "$out"
 cp build/bin/llama-bench build/bin/llama-server "$out/"
 find build -name "*.so*" -exec cp -P {} "$out/" \;
-rm -f "$out"/libcublas*  # the GPU machine's own
+rm -f "$out"/libcublas* "$out"/libcuda.so*  # the GPU machine's own
+strip --strip-unneeded "$out"/*.so* "$out"/llama-bench "$out"/llama-server 2> /dev/null || true
 { echo "llama.cpp $(git describe --tags 2>/dev/null || echo 'from llama-cpp-python 0.3.36') CUDA sm_$arch, built $(date -u +%F) on $(hostname) with nvcc $(nvcc --version | sed -n 's/.*release //p')"; } > "$out/BUILD"
 cd - > /dev/null
 mkdir -p .peer
