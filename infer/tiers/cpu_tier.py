@@ -175,7 +175,6 @@ class CpuExperts:
         self.blocks = ExpertBlocks(model, args, threads=threads)
         self.args, self.why = args, why
         self.layers = list(range(args.n_layers)) if layers is None else list(layers)
-        self._host_rows = np.empty((0, args.dim), np.float32)  # pinned, grown to a pass's rows
 
     def describe(self) -> str:
         """One line for the load report: where the experts are and who computes them."""
@@ -193,31 +192,16 @@ class CpuExperts:
                 + (f" (not in VRAM: {self.why})" if self.why else ""))
 
     def run_ffn(self, model: GpuTransformer, i: int, shape: PassShape) -> None:
-        """Block i's feed-forward for the pass's rows: model.x (rows 0..shape.rows) in place. The
-        rows cross through one pinned buffer: the copy back is queued, not waited for (the next
-        block's copy out, behind it on the stream, is what the host waits for before writing)."""
+        """Block i's feed-forward for the pass's rows: model.x (rows 0..shape.rows) in place."""
         n, stream = shape.rows, model.stream
         L = self.blocks.layer(i)
-        x = self._host(n, stream)
+        x = np.empty((n, self.args.dim), np.float32)
         cupy_asnumpy(model.x[:n], stream, x)
         live = model.index.live_rows  # null rows route too: computing them would read more experts
-        if len(live) == n:  # every row (decode): no gather
-            x += L.experts(self.blocks.native_layers.norm(x, L.ffn_norm, self.args.norm_eps),  # type: ignore[misc]
-                           self.blocks.native_layers.swiglu)
-        else:
-            h = self.blocks.native_layers.norm(x[live], L.ffn_norm, self.args.norm_eps)
-            x[live] += L.experts(h, self.blocks.native_layers.swiglu)  # type: ignore[misc]
+        h = self.blocks.native_layers.norm(x[live], L.ffn_norm, self.args.norm_eps)
+        x[live] += L.experts(h, self.blocks.native_layers.swiglu)  # type: ignore[misc]
         model.x[:n].set(x, stream=stream)
-
-    def _host(self, n: int, stream: object) -> np.ndarray:
-        """The first n rows of the pinned buffer the hidden state crosses through (grown after the
-        copy back out of the old one is done)."""
-        if len(self._host_rows) < n:
-            import cupyx
-
-            stream.synchronize()  # type: ignore[attr-defined]
-            self._host_rows = cupyx.empty_pinned((n, self.args.dim), np.float32)
-        return self._host_rows[:n]
+        stream.synchronize()  # x (host) is freed on return: the copy out of it must be done
 
 
 def cupy_asnumpy(device_rows: object, stream: object, out: np.ndarray) -> None:
