@@ -205,6 +205,10 @@ if [ -n "${GPU_CHECK_LLAMA:-}${GPU_CHECK_COMPARE:-}" ] && [ -f .peer/llama-bin.t
         ln -sfn /tmp/lcbin "$LLAMA_DIR/llama.cpp/build/bin" && echo "rc=0 (prebuilt)" > "$LLAMA_DIR/done"
     cublas=$(find /usr/local/cuda*/ /opt /usr/lib -name 'libcublas.so.1*' 2>/dev/null | head -1)  # toolkit or pip's
     export LD_LIBRARY_PATH="/tmp/lcbin:${cublas:+$(dirname "$cublas"):}/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
+    rm -f /tmp/lcbin/libggml-cpu-sapphirerapids.so  # its AMX code dies with SIGILL on these machines
+    # the 2026-12-06 package's libggml-cuda.so does not name the driver (scripts/llama-cpp-cuda.sh)
+    libcuda=$(ldconfig -p | awk '/libcuda.so.1 /{print $NF; exit}')
+    [ -n "$libcuda" ] && export LD_PRELOAD="$libcuda${LD_PRELOAD:+:$LD_PRELOAD}"
     note "llama.cpp: prebuilt binaries from .peer/llama-bin.tar.xz ($(cat /tmp/lcbin/BUILD 2>/dev/null | head -1))"
 fi
 if [ -n "${GPU_CHECK_LLAMA:-}" ]; then

@@ -13,8 +13,13 @@
 # GPU machine links its own libcublas.so.13 and libcuda.so.1 at run time; llama.cpp keeps its default
 # virtual-memory pool). The CPU backend is built for every x86 variant and loaded at run time
 # (GGML_BACKEND_DL, GGML_CPU_ALL_VARIANTS): the GPU machine's CPU need not be this one's, and with
-# --n-cpu-moe llama.cpp's CPU half gets that machine's best instructions (AVX-512, VNNI, AMX), as a
-# native build there would.
+# --n-cpu-moe llama.cpp's CPU half gets that machine's best instructions (AVX-512, VNNI, BF16), as a
+# native build there does. Two things learned on the H100 machines (2026-12-06): the sapphirerapids
+# variant (AMX) dies there with SIGILL, so it is left out (the zen4 variant, AVX-512 with VNNI and
+# BF16, is then chosen, as a native build there compiles no AMX code); and the shared libraries are
+# linked with --no-as-needed, or the symbol-less driver stub is dropped from libggml-cuda.so's needs
+# and the CUDA backend fails to load ("undefined symbol: cuMemCreate": the package of that day needs
+# LD_PRELOAD=libcuda.so.1, which scripts/gpu-check.sh sets).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 arch=${1:-90}
@@ -40,12 +45,14 @@ cmake -B build -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES="$arch" -DGGML_NATIVE=O
     -DGGML_BACKEND_DL=ON -DGGML_CPU_ALL_VARIANTS=ON -DBUILD_SHARED_LIBS=ON -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
     -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON -DCMAKE_BUILD_TYPE=Release \
     -DCMAKE_BUILD_RPATH_USE_ORIGIN=ON -DCMAKE_LIBRARY_PATH="$work/cublas/lib" \
+    -DCMAKE_SHARED_LINKER_FLAGS="-Wl,--no-as-needed" \
     -DCMAKE_CUDA_FLAGS="$inc" -DCMAKE_CXX_FLAGS="$inc" -DCMAKE_C_FLAGS="$inc" > "$work/cmake.log"
 cmake --build build -j "$(nproc)" > "$work/build.log"  # every target: the CPU variants are libraries of their own
 out=$work/bin && rm -rf "$out" && mkdir -p "$out"
 cp build/bin/llama-bench build/bin/llama-server "$out/"
 find build -name "*.so*" -exec cp -P {} "$out/" \;
 rm -f "$out"/libcublas* "$out"/libcuda.so*  # the GPU machine's own
+rm -f "$out"/libggml-cpu-sapphirerapids.so  # AMX: SIGILL on the GPU machines
 strip --strip-unneeded "$out"/*.so* "$out"/llama-bench "$out"/llama-server 2> /dev/null || true
 { echo "llama.cpp $(git describe --tags 2>/dev/null || echo 'from llama-cpp-python 0.3.36') CUDA sm_$arch, built $(date -u +%F) on $(hostname) with nvcc $(nvcc --version | sed -n 's/.*release //p')"; } > "$out/BUILD"
 cd - > /dev/null
