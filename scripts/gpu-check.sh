@@ -24,7 +24,10 @@
 #                                                         # wait for that build, then llama-bench pp512/tg128 on
 #                                                         # the synthetic 8B (same file as ours); with a carried
 #                                                         # .peer/llama-bin.tar.xz (scripts/llama-cpp-cuda.sh built
-#                                                         # it on a CPU machine) no build: its binaries are used
+#                                                         # it on a CPU machine) no build: its binaries are used,
+#                                                         # for GPU_CHECK_COMPARE, GPU_CHECK_MOE and
+#                                                         # GPU_CHECK_70B_LLAMA_NGL too (carry .peer/llama-bin.tar.xz;
+#                                                         # 44 MB of the call's 64 MiB)
 #   GPU_CHECK_COMPARE=m.gguf GPU_CHECK_COMPARE_DEPTHS=0,8192 ...
 #                                                         # that file: bench.gpu_bench --depth D and llama-bench -d D
 #                                                         # (pp512, tg128) at each depth
@@ -200,7 +203,8 @@ if [ -n "${GPU_CHECK_SWEEP:-}" ]; then
     grep '"kernel"' "$OUT/sweep.txt" | head -20
 fi
 
-if [ -n "${GPU_CHECK_LLAMA:-}${GPU_CHECK_COMPARE:-}" ] && [ -f .peer/llama-bin.tar.xz ]; then  # prebuilt: no build here
+if [ -n "${GPU_CHECK_LLAMA:-}${GPU_CHECK_COMPARE:-}${GPU_CHECK_MOE:-}${GPU_CHECK_70B_LLAMA_NGL:-}" ] &&
+    [ -f .peer/llama-bin.tar.xz ] && ! grep -q "rc=0" "$LLAMA_DIR/done" 2>/dev/null; then  # prebuilt: no build here
     mkdir -p /tmp/lcbin && tar xJf .peer/llama-bin.tar.xz -C /tmp/lcbin && mkdir -p "$LLAMA_DIR/llama.cpp/build" &&
         ln -sfn /tmp/lcbin "$LLAMA_DIR/llama.cpp/build/bin" && echo "rc=0 (prebuilt)" > "$LLAMA_DIR/done"
     cublas=$(find /usr/local/cuda*/ /opt /usr/lib -name 'libcublas.so.1*' 2>/dev/null | head -1)  # toolkit or pip's
