@@ -296,3 +296,11 @@ def test_placement_refusals_and_edges(moe_dir: Path, fake_cupy: object) -> None:
         load_gpu_transformer(floats, CTX, experts="gpu")
     split = load_gpu_transformer(floats, CTX, experts=1)
     assert split.gpu_experts is None and "expert stacks are f16" in split.cpu_experts.describe()
+    # more routed experts a token than the GPU's router keeps (a lane each): the CPU computes them
+    from dataclasses import replace
+
+    from infer.gpu.experts import ROUTE_MAX_K, stacks_on_device
+
+    wide = replace(every.args, n_experts_used=ROUTE_MAX_K + 1)
+    assert f"it routes {ROUTE_MAX_K + 1} experts a token" in (stacks_on_device(model, wide) or "")
+    assert stacks_on_device(model, every.args) is None
