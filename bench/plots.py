@@ -179,6 +179,36 @@ def speculation(ax_fig: tuple[Any, Any]) -> None:
 
 
 # name -> (draw, subplot columns, figure size, the JSON files it reads)
+S27 = "2026-12-06/session27"  # the synthetic Qwen3-30B-A3B beside llama.cpp, one lease (C) and the first run (A)
+
+
+def _llama_rates(name: str) -> tuple[float, float]:
+    """(pp512, decode) tok/s of a llama-bench JSON."""
+    rows = load(name)
+    return (next(r["avg_ts"] for r in rows if r["n_prompt"]), next(r["avg_ts"] for r in rows if r["n_gen"]))
+
+
+def moe_beside_llama(ax_fig: tuple[Any, Any]) -> None:
+    """The synthetic Qwen3-30B-A3B Q4_K_M at 24 GB (every expert in VRAM) and 8 GB (32 blocks'
+    experts on the CPU): decode and pp512, ours beside llama.cpp measured in the same lease."""
+    _fig, (dec, pp) = ax_fig
+    ours = {"24 GB": load(f"{S27}/run6/gpu-bench-30b-a3b-24GB.json"), "8 GB": load(f"{S27}/run8/gpu-bench-8GB-old.json")}
+    theirs = {"24 GB": _llama_rates(f"{S27}/run8/llama-moe-ngl99.json"),
+              "8 GB": _llama_rates(f"{S27}/run8/llama-moe-ncmoe32.json")}
+    first = load(f"{S27}/run1/gpu-bench-30b-a3b-24GB.json")  # lease A: the kernels before this session's work
+    xs = range(len(ours))
+    for ax, key, which, title in ((dec, "tg_tok_s", 1, "decode, one sequence"), (pp, "pp_tok_s", 0, "prompt, 512 tokens")):
+        ax.bar([x - 0.2 for x in xs], [ours[b][key] for b in ours], 0.4, color=OURS, label="ours")
+        ax.bar([x + 0.2 for x in xs], [theirs[b][which] for b in ours], 0.4, color=THEIRS,
+               label="llama.cpp (-ngl 99; -ncmoe 32 at 8 GB)")
+        ax.plot([-0.2], [first[key]], "kx", label="ours, the first GPU run (another lease)")
+        ax.set_xticks(list(xs), [f"--vram-budget {b}" for b in ours])
+        ax.set_ylabel("tok/s")
+        ax.set_title(f"Synthetic Qwen3-30B-A3B Q4_K_M, {title} (H100)")
+        ax.grid(True, axis="y", alpha=0.3)
+        ax.legend(fontsize=8)
+
+
 FIGURES: dict[str, tuple[Callable[[tuple[Any, Any]], None], int, tuple[float, float], list[str]]] = {
     "verify-pass-time-70b": (verify_curve, 1, (7, 4.2), [f"{DAY}/issue14-70b-verify-exact-passes.json",
                                                         f"{DAY}/issue14-70b-verify-passes.json", RUN8]),
@@ -188,6 +218,11 @@ FIGURES: dict[str, tuple[Callable[[tuple[Any, Any]], None], int, tuple[float, fl
                                              f"{DAY}/issue16-server-70b-32clients.json", REFERENCE]),
     "speculative-tokens-per-pass": (speculation, 2, (13, 4.8), [f"{DAY}/issue14-e2e-h200-run6-final-40-prompts.json",
                                                                f"{DAY}/issue14-acceptance-qwen05b-qwen15b-cpu.json"]),
+    "moe-beside-llama": (moe_beside_llama, 2, (12, 4.4), [f"{S27}/run6/gpu-bench-30b-a3b-24GB.json",
+                                                         f"{S27}/run8/gpu-bench-8GB-old.json",
+                                                         f"{S27}/run8/llama-moe-ngl99.json",
+                                                         f"{S27}/run8/llama-moe-ncmoe32.json",
+                                                         f"{S27}/run1/gpu-bench-30b-a3b-24GB.json"]),
 }
 
 
