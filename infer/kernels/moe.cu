@@ -13,9 +13,20 @@
 // hundred terms of a router row, in any order the warp adds them.
 struct WideSum {
     float s = 0.f, c = 0.f;
+    // the rounding error of t = a + b (Neumaier's branch: exact for any order of a and b)
+    static __device__ __forceinline__ float error_of(float a, float b, float t) {
+        return fabsf(a) >= fabsf(b) ? __fadd_rn(__fsub_rn(a, t), b) : __fadd_rn(__fsub_rn(b, t), a);
+    }
     __device__ __forceinline__ void add(float v) {
         const float t = __fadd_rn(s, v);
-        c = __fadd_rn(c, fabsf(s) >= fabsf(v) ? __fadd_rn(__fsub_rn(s, t), v) : __fadd_rn(__fsub_rn(v, t), s));
+        c = __fadd_rn(c, error_of(s, v, t));
+        s = t;
+    }
+    // another wide sum into this one: symmetric in the two, so the lanes of a butterfly all end
+    // with the same sum
+    __device__ __forceinline__ void join(float other_s, float other_c) {
+        const float t = __fadd_rn(s, other_s);
+        c = __fadd_rn(__fadd_rn(c, other_c), error_of(s, other_s, t));
         s = t;
     }
     __device__ __forceinline__ float value() const { return __fadd_rn(s, c); }
@@ -24,17 +35,6 @@ struct WideSum {
 // (probability, id) pairs in descending probability, ties to the lower id: a before b.
 __device__ __forceinline__ bool ranks_before(float pa, int ea, float pb, int eb) {
     return pa > pb || (pa == pb && ea < eb);
-}
-
-// Two wide sums as one (their values added with the error of that addition kept): symmetric in its
-// operands, so the lanes of a butterfly all end with the same sum.
-__device__ __forceinline__ WideSum wide_join(const WideSum& a, const WideSum& b) {
-    WideSum out;
-    out.s = __fadd_rn(a.s, b.s);
-    const float err = fabsf(a.s) >= fabsf(b.s) ? __fadd_rn(__fsub_rn(a.s, out.s), b.s)
-                                                : __fadd_rn(__fsub_rn(b.s, out.s), a.s);
-    out.c = __fadd_rn(__fadd_rn(a.c, b.c), err);
-    return out;
 }
 
 // One warp per row of logits (n, E), ROUTE_ROWS rows a block, E floats of dynamic shared memory a
@@ -67,15 +67,12 @@ extern "C" __global__ void moe_route(const float* logits, int n, int E, int k, i
     for (int o = 16; o; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
     WideSum sum;
     for (int e = lane; e < E; e += 32) {
-        p[e] = expf(__fsub_rn(l[e], mx));
-        sum.add(p[e]);
+        const float ex = expf(__fsub_rn(l[e], mx));
+        p[e] = ex;
+        sum.add(ex);
     }
-    for (int o = 16; o; o >>= 1) {
-        WideSum other;
-        other.s = __shfl_xor_sync(0xffffffffu, sum.s, o);
-        other.c = __shfl_xor_sync(0xffffffffu, sum.c, o);
-        sum = wide_join(sum, other);
-    }
+    for (int o = 16; o; o >>= 1)
+        sum.join(__shfl_xor_sync(0xffffffffu, sum.s, o), __shfl_xor_sync(0xffffffffu, sum.c, o));
     const float inverse = __frcp_rn(sum.value());
     for (int e = lane; e < E; e += 32) p[e] = __fmul_rn(p[e], inverse);
     // selection in descending (probability, -id) order: each pick is the best after the previous one
@@ -86,9 +83,9 @@ extern "C" __global__ void moe_route(const float* logits, int n, int E, int k, i
         float best_p = -1.f;
         int best_e = -1;
         for (int e = lane; e < E; e += 32) {
-            const bool after = p[e] < prev_p || (p[e] == prev_p && e > prev_e);
-            if (after && p[e] > best_p) {
-                best_p = p[e];
+            const float pe = p[e];
+            if (ranks_before(prev_p, prev_e, pe, e) && pe > best_p) {  // after the previous pick
+                best_p = pe;
                 best_e = e;
             }
         }

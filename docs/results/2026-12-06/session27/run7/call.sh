@@ -1,4 +1,5 @@
 #!/bin/bash
+# .devrun/cpu_tier_old.py was `git show 5602832:infer/tiers/cpu_tier.py` (the code kept after the revert)
 # A/B of the CPU experts' crossing (pinned buffer, one wait; against the two-wait version) at 8 GB, and
 # why the prebuilt llama-bench found no CUDA device.
 set -u

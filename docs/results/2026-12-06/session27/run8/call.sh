@@ -1,4 +1,5 @@
 #!/bin/bash
+# .devrun/cpu_tier_old.py was `git show 5602832:infer/tiers/cpu_tier.py` (the code kept after the revert)
 # Same lease as callS/callT: llama-bench (prebuilt; the driver preloaded: the stub it was linked
 # against carried no symbols), all on the GPU and -ncmoe 32; then the 8 GB A/B again, old first.
 set -u
