@@ -27,7 +27,7 @@ from pathlib import Path
 def bench_model(path: Path, pp: int, tg: int, with_kernels: bool = True, vram_budget: str | None = None,
                 streaming: bool = False, ctx: int | None = None, batch: int = 0, batch_prompt: int = 128,
                 batch_new: int = 64, depth: int = 0, cpu_tier: str | int = "off",
-                experts: str | int = "auto") -> dict[str, object]:
+                experts: str | int = "auto", expert_stream: str | int = "auto") -> dict[str, object]:
     from infer.gguf_file import GGUFModel
     from infer.gpu import load_gpu_transformer
     from infer.gpu.benchmark import measure
@@ -48,13 +48,17 @@ def bench_model(path: Path, pp: int, tg: int, with_kernels: bool = True, vram_bu
             # the KV caches: the prompt/decode run's, the batch's and the check of each alone
             kv = context + (2 * batch * (batch_prompt + batch_new + 1) if batch else 0)
             gpu = load_gpu_transformer(GGUFModel(path), context, vram_budget, enforce_budget=True,
-                                       batch=max(1, 2 * batch), kv_positions=kv, experts=experts)
+                                       batch=max(1, 2 * batch), kv_positions=kv, experts=experts,
+                                       expert_stream=expert_stream)
         load_seconds = round(time.perf_counter() - started, 2)
         result = measure(gpu, pp, tg, with_kernels and not streaming, batch, batch_prompt, batch_new, depth=depth)
     result["peak_vram_bytes"] = peak.peak
     placed = getattr(gpu, "gpu_experts", None) or getattr(gpu, "cpu_experts", None)
     if placed is not None:
         result["experts"] = placed.describe()
+        stream = getattr(getattr(gpu, "gpu_experts", None), "stream", None)
+        if stream is not None:
+            result["expert_stream_bytes"] = stream.streamed_bytes  # over the link, every measured pass
     if session is not None:
         result["streamed_bytes_per_pass"] = session.plan.streamed_nbytes
         result["plan_notes"] = session.plan.notes
@@ -96,6 +100,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--experts", default="auto",
                         help="a mixture of experts: its experts in VRAM (gpu), in RAM for the CPU (cpu), N: the first "
                              "N blocks' on the CPU, the rest in VRAM; auto: in VRAM as many as fit")
+    parser.add_argument("--expert-stream", default="auto",
+                        help="a mixture of experts with blocks on the CPU: stream their experts to the GPU for passes "
+                             "of many prompt rows (auto), from N prompt rows, or never (off)")
     parser.add_argument("--ctx", type=int, help="context (KV cache) to plan for (default: depth + pp + tg + 16)")
     parser.add_argument("--depth", type=int, default=0,
                         help="positions already in the cache when the prompt and the decode are timed (llama-bench -d)")
@@ -112,7 +119,8 @@ def main(argv: list[str] | None = None) -> int:
         path = args.model or synth_path(args.synth, args.synth_dir)
         result = bench_model(path, args.pp, args.tg, not args.no_kernels, args.vram_budget, args.streaming, args.ctx,
                              args.batch, args.batch_prompt, args.batch_new, args.depth, cpu_tier,
-                             int(args.experts) if args.experts.isdigit() else args.experts)
+                             int(args.experts) if args.experts.isdigit() else args.experts,
+                             int(args.expert_stream) if args.expert_stream.isdigit() else args.expert_stream)
         result["command"] = " ".join(["python3 -m bench.gpu_bench", *(argv if argv is not None else sys.argv[1:])])
     except (ValueError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)

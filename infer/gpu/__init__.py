@@ -56,7 +56,7 @@ def load_gpu_transformer(model: GGUFModel, max_context: int | None = None, vram_
                          planned: dict[str, int] | None = None, tree_nodes: int = 0,
                          kv_positions: int | None = None,
                          progress: Callable[[int, int], None] | None = None,
-                         experts: str | int = "auto") -> GpuTransformer:
+                         experts: str | int = "auto", expert_stream: str | int = "auto") -> GpuTransformer:
     """The model checked as infer.model.load_transformer checks it, its weights resident on the
     current GPU, planned against the VRAM budget (`vram_budget`, default the free memory less a
     margin): weights, the KV caches of `batch` sequences of `max_context` positions (default the
@@ -69,7 +69,10 @@ def load_gpu_transformer(model: GGUFModel, max_context: int | None = None, vram_
     upload (a load bar). experts (a mixture of experts): "gpu" keeps every expert in VRAM and
     computes the blocks there, "cpu" leaves them in RAM for the CPU to compute (llama.cpp's
     --cpu-moe), an int N the first N blocks' experts to the CPU and the rest in VRAM (--n-cpu-moe),
-    "auto" all in VRAM when they fit the budget beside the rest, else as many of the last blocks' as fit. The inputs of the matrix products are rounded
+    "auto" all in VRAM when they fit the budget beside the rest, else as many of the last blocks' as fit.
+    expert_stream (blocks the CPU computes): "auto" streams their experts to the GPU for passes of
+    many prompt rows (infer.gpu.expert_stream; its staging planned first), "off" never, an int N
+    from N prompt rows. The inputs of the matrix products are rounded
     as llama.cpp rounds them (8-bit forms for quantized weights); every row's logits are the same
     bits in any pass (docs/GPU.md)."""
     import cupy
@@ -103,8 +106,8 @@ def load_gpu_transformer(model: GGUFModel, max_context: int | None = None, vram_
     account.plan("pass buffers", gpu_pass_nbytes(model, args, prefill_chunk, context, logits_rows))
     for name, nbytes in (planned or {}).items():
         account.plan(name, nbytes)
-    experts_on_gpu, experts_why = _place_experts(model, args, account, prefill_chunk, experts) if args.n_experts \
-        else ([], None)
+    experts_on_gpu, experts_why, stream_rows = _place_experts(model, args, account, prefill_chunk, experts,
+                                                              expert_stream) if args.n_experts else ([], None, 0)
     account.check(": lower -c/--ctx-size, or run on the CPU (--device cpu)" if args.n_experts else
                   ": run with --streaming (or lower -c/--ctx-size)")  # no streamed GPU engine for experts yet
     if enforce_budget:
@@ -124,14 +127,16 @@ def load_gpu_transformer(model: GGUFModel, max_context: int | None = None, vram_
     gpu = GpuTransformer(args, weights, rope_freq_factors(model, args), context, prefill_chunk=prefill_chunk,
                          logits_rows=max(LOGITS_ROWS, logits_rows))
     gpu.account = account
-    if experts_on_gpu:
+    on_cpu = sorted(set(range(args.n_layers)) - set(experts_on_gpu)) if args.n_experts else []
+    if experts_on_gpu or stream_rows:
+        from infer.gpu.expert_stream import ExpertStream
         from infer.gpu.experts import GpuExperts
 
         done = args.n_layers + 1
+        stream = ExpertStream(model, args, on_cpu, stream_rows) if stream_rows else None
         gpu.use_gpu_experts(GpuExperts(model, args, prefill_chunk, experts_on_gpu,
-                                       lambda j: weights_progress(done + j, done)))
+                                       lambda j: weights_progress(done + j, done), stream=stream))
         cupy.get_default_memory_pool().free_all_blocks()
-    on_cpu = sorted(set(range(args.n_layers)) - set(experts_on_gpu)) if args.n_experts else []
     if on_cpu:  # these blocks' experts stay in the file's pages; the CPU computes their feed-forward
         from infer.tiers.cpu_tier import CpuExperts
 
@@ -140,17 +145,43 @@ def load_gpu_transformer(model: GGUFModel, max_context: int | None = None, vram_
 
 
 EXPERT_PLACES = ("auto", "gpu", "cpu")
+# "auto" keeps VRAM for streaming the CPU's blocks to the GPU (long prompts) when the staging costs at
+# most this share of what the experts in VRAM would otherwise take (30B-A3B at 8 GB: ~10%)
+STREAM_SHARE = 0.25
 
 
-def _place_experts(model: GGUFModel, args: ModelArgs, account: VramAccount, rows: int,
-                   where: str | int) -> tuple[list[int], str | None]:
+def _stream_rows(model: GGUFModel, args: ModelArgs, rows: int, on_cpu: list[int], stream: str | int) -> int:
+    """Prompt rows from which the CPU's blocks `on_cpu` stream their experts to the GPU (0: never)."""
+    from infer.gpu import experts as on_gpu
+    from infer.gpu.expert_stream import min_prompt_rows
+
+    if isinstance(stream, int) and not isinstance(stream, bool):
+        if stream < 1:
+            raise ValueError(f"--expert-stream takes auto, off or a count of prompt rows, not {stream}")
+        least = stream
+    elif stream == "off":
+        return 0
+    elif stream == "auto":
+        least = min_prompt_rows(args)
+    else:
+        raise ValueError(f"--expert-stream takes auto, off or a count of prompt rows, not {stream!r}")
+    if not on_cpu or least > rows or on_gpu.stacks_on_device(model, args) is not None or \
+            not on_gpu._stacks_group(model, on_cpu):
+        return 0
+    return least
+
+
+def _place_experts(model: GGUFModel, args: ModelArgs, account: VramAccount, rows: int, where: str | int,
+                   stream: str | int = "auto") -> tuple[list[int], str | None, int]:
     """(the blocks whose experts go to VRAM, planned in `account`; why the others stay in RAM for
-    the CPU, None when none does). `where`: "gpu" every block, "cpu" none (--cpu-moe), an int N the
-    first N blocks on the CPU (llama.cpp's --n-cpu-moe N), "auto" every block when they fit the
-    budget beside the rest, else the most of the last blocks that fit. Float stacks stay with the
-    CPU ("gpu": an error)."""
+    the CPU, None when none does; the prompt rows from which those others stream to the GPU, 0 for
+    never: _stream_rows). `where`: "gpu" every block, "cpu" none (--cpu-moe), an int N the first N
+    blocks on the CPU (llama.cpp's --n-cpu-moe N), "auto" every block when they fit the budget beside
+    the rest, else the most of the last blocks that fit beside the stream's staging. Float stacks
+    stay with the CPU ("gpu": an error)."""
     from infer.errors import UnsupportedModelError
     from infer.gpu import experts as on_gpu
+    from infer.gpu.expert_stream import stream_nbytes
     from infer.gpu.ops import UPLOAD_CHUNK_BYTES
     from infer.tiers.plan import format_bytes
 
@@ -162,32 +193,51 @@ def _place_experts(model: GGUFModel, args: ModelArgs, account: VramAccount, rows
     elif where not in EXPERT_PLACES:
         raise ValueError(f"experts go to one of {', '.join(EXPERT_PLACES)} or a count of blocks, not {where!r}")
     elif where == "cpu":
-        return [], "asked for (--cpu-moe)"
+        on_device, why = [], "asked for (--cpu-moe)"
     else:
         on_device, why = list(range(n)), None
-    if not on_device:
-        return [], why
     unsupported = on_gpu.stacks_on_device(model, args)
     if unsupported is not None:
         if where == "gpu":
             raise UnsupportedModelError(model.path, unsupported, "experts on the GPU")
-        return [], unsupported
+        return [], why if where == "cpu" else unsupported, 0
     sizes = {i: on_gpu.block_bytes(model, i) + on_gpu.BUFFER_ROUNDING * on_gpu.MATRICES_PER_BLOCK for i in on_device}
     buffers = on_gpu.buffers_nbytes(model, args, rows)
-    if where == "auto":  # room kept for an upload's transient copy of GGUF bytes (it comes after the plan's)
-        room, fit = account.room - buffers - UPLOAD_CHUNK_BYTES, []
-        for i in reversed(on_device):  # the last blocks, as llama.cpp's --n-cpu-moe leaves the first to the CPU
-            if sizes[i] > room:
-                break
-            room -= sizes[i]
-            fit.append(i)
-        if not fit:
+    room = account.room - buffers - UPLOAD_CHUNK_BYTES  # kept for an upload's transient copy of GGUF bytes
+    streaming = 0
+    if where == "auto":
+        fit = _last_blocks_that_fit(on_device, sizes, room)
+        staging = stream_nbytes(model, list(range(n)))  # at most: the CPU's blocks are not chosen yet
+        if len(fit) < n and _stream_rows(model, args, rows, list(range(n)), stream) and \
+                staging <= STREAM_SHARE * max(sum(sizes[i] for i in fit), room):
+            fit = _last_blocks_that_fit(on_device, sizes, room - staging)  # the stream's staging first
+            streaming = 1
+        if not fit and not streaming:
             total = sum(sizes.values()) + buffers
             return [], (f"their {format_bytes(total)} do not fit the {format_bytes(max(account.room, 0))} the VRAM "
-                        "budget leaves")
+                        "budget leaves"), 0
         if len(fit) < n:
             why = f"the VRAM budget leaves room for the experts of {len(fit)} of {n} blocks"
         on_device = sorted(fit)
-    account.plan("experts", sum(sizes[i] for i in on_device))
-    account.plan("expert buffers", buffers)
-    return on_device, why
+    on_cpu = [i for i in range(n) if i not in on_device]
+    stream_rows = _stream_rows(model, args, rows, on_cpu, stream)
+    if stream_rows and not streaming and stream_nbytes(model, on_cpu) > room - sum(sizes[i] for i in on_device):
+        stream_rows = 0  # a placement asked for: the staging only where it fits beside it
+    if on_device:
+        account.plan("experts", sum(sizes[i] for i in on_device))
+    if on_device or stream_rows:
+        account.plan("expert buffers", buffers)
+    if stream_rows:
+        account.plan("expert stream", stream_nbytes(model, on_cpu))
+    return on_device, why, stream_rows
+
+
+def _last_blocks_that_fit(blocks: list[int], sizes: dict[int, int], room: int) -> list[int]:
+    """The most of the last `blocks` whose sizes fit `room` (llama.cpp's --n-cpu-moe leaves the first to the CPU)."""
+    fit: list[int] = []
+    for i in reversed(blocks):
+        if sizes[i] > room:
+            break
+        room -= sizes[i]
+        fit.append(i)
+    return fit

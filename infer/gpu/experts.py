@@ -14,16 +14,24 @@ a fixed number of launches for any routing, so it sits inside the layer's CUDA g
 
 The products are the canonical ones (qmm.cu), so a row gets the same bits in any pass, and its
 numbers follow the CPU engine's (infer/moe.py) within the GPU-vs-CPU bound of docs/INFERENCE.md.
-A pair reads its expert's weights by itself: right for decode, batches and trees, where few rows
-share an expert; a long prompt's rows re-read them per pair (grouping the prompt's rows by expert
-is the next step). Expert stacks in a float format (f16, bf16, f32) have no such product: their
+With few pairs an expert (decode, small batches, trees) a pair reads its expert's weights by itself
+(qgemv_id). With many (prompts, large batches: GROUPED_FROM pairs an expert on average) the pairs
+are first sorted by expert on the device (moe.cu moe_group; their input rows gathered in that
+order, moe_gather8), and the tensor-core product walks each expert's pairs (qmm.cu qmm_id), so an
+expert's weights come from HBM once a pass; gu, the down product's input and out then hold the pairs
+in sorted order and the combination reads pair j's output at its position. Both products give a
+pair the same bits, so a row's logits do not depend on which one its pass took. Every launch has a
+fixed size for a given pass size (the routing only changes what the blocks do), so both sit inside
+the layer's CUDA graph. Expert stacks in a float format (f16, bf16, f32) have no such product: their
 blocks stay with the CPU (infer.tiers.cpu_tier.CpuExperts).
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import cupy
 import numpy as np
@@ -38,11 +46,17 @@ from infer.gpu.weights import runs, upload_tensor
 from infer.quants import activation_format
 from infer.tiers.plan import format_bytes, span
 
+if TYPE_CHECKING:
+    from infer.gpu.expert_stream import ExpertStream
+
 F32 = cupy.float32
 ROUTE_MAX_K = 32  # moe.cu moe_route: a lane keeps each pick
 MAX_PAIRS = 65535  # (row, slot) pairs of one pass: a launch's grid y
 BUFFER_ROUNDING = 512  # CuPy's pool rounds each buffer up to this (a block's matrices are buffers of their own)
 MATRICES_PER_BLOCK = 7  # at most: router, gate, up, down, and a shared expert's gate, gate/up and down
+# mean pairs an expert from which a pass groups its pairs by expert (bench.moe_sweep, docs/PERFORMANCE.md);
+# NVMEDIRECT_EXPERTS_GROUPED_FROM overrides it (sweeps; a large value keeps every pass per pair)
+GROUPED_FROM = float(os.environ.get("NVMEDIRECT_EXPERTS_GROUPED_FROM", "4"))
 STACKS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
 SHARED = ("ffn_gate_inp_shexp", "ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp")
 
@@ -85,15 +99,31 @@ def stacks_on_device(model: GGUFModel, args: ModelArgs) -> str | None:
     return None
 
 
+def _stacks_group(model: GGUFModel, layers: list[int]) -> bool:
+    """Whether every expert stack of `layers` has the grouped product (products.groups_experts)."""
+    for i in layers:
+        for kind in STACKS:
+            info = model.tensor(tensor_name(i, kind))
+            if not products.uses_qmm(format_of(info.ggml_type), int(info.shape[-1]), products.QGEMV_MAX + 1):
+                return False
+    return True
+
+
+def upload_piece(model: GGUFModel, layer: int, kind: str) -> GpuMatrix | None:
+    """Tensor `kind` of block `layer` as one planar matrix (a stack: its experts' rows one after
+    another; a vector: one row), None when the file has none."""
+    name = tensor_name(layer, kind)
+    if name not in model.tensors:
+        return None
+    info = model.tensor(name)
+    shape = tuple(int(d) for d in info.shape)
+    rows = int(np.prod(shape[:-1])) if len(shape) > 1 else 1
+    return ops.upload_stacked([(info.data, rows)], info.ggml_type, shape[-1])
+
+
 def _upload_block(model: GGUFModel, args: ModelArgs, i: int) -> ExpertBlock:
     def up(kind: str) -> GpuMatrix | None:
-        name = tensor_name(i, kind)
-        if name not in model.tensors:
-            return None
-        info = model.tensor(name)
-        shape = tuple(int(d) for d in info.shape)
-        rows = int(np.prod(shape[:-1])) if len(shape) > 1 else 1
-        return ops.upload_stacked([(info.data, rows)], info.ggml_type, shape[-1])
+        return upload_piece(model, i, kind)
 
     block = ExpertBlock(upload_tensor(model, tensor_name(i, "ffn_gate_inp")), *(up(kind) for kind in STACKS))
     if args.shared_ffn_dim:
@@ -117,6 +147,7 @@ def buffers_nbytes(model: GGUFModel, args: ModelArgs, rows: int) -> int:
     acts = {_tensor_act(model, tensor_name(0, kind)) for kind in kinds}
     total = 4 * rows * args.n_experts + 8 * pairs + 4 * pairs * (3 * w + d)
     total += Inputs.planned_nbytes(rows, [("ffn", act, d) for act in acts])
+    total += 8 * pairs + 8 * (args.n_experts + 1) + len(acts) * pairs * d * 5 // 4  # grouping, gathered 8-bit rows
     if s:
         total += 4 * rows * (3 * s + d + 1)
     return total
@@ -138,40 +169,50 @@ def expert_bytes(model: GGUFModel, args: ModelArgs) -> int:
 
 class GpuExperts:
     """The feed-forward of blocks `layers` (default every block) on the device, their experts in
-    VRAM, for passes of up to `rows` rows."""
+    VRAM, for passes of up to `rows` rows; with `stream` (infer.gpu.expert_stream) also the prompt
+    rows of the CPU's blocks, their experts streamed in."""
 
     def __init__(self, model: GGUFModel, args: ModelArgs, rows: int, layers: list[int] | None = None,
-                 progress: Callable[[int], None] | None = None) -> None:
+                 progress: Callable[[int], None] | None = None, stream: ExpertStream | None = None) -> None:
         """progress(blocks done): after each block's upload."""
         if rows * args.n_experts_used > MAX_PAIRS:
             raise ValueError(f"passes of {rows} rows route {rows * args.n_experts_used} (row, expert) pairs, more "
                              f"than a launch takes ({MAX_PAIRS}): lower the pass size")
-        self.args, self.rows = args, rows
+        self.args, self.rows, self.stream = args, rows, stream
         self.blocks: dict[int, ExpertBlock] = {}
         for j, i in enumerate(range(args.n_layers) if layers is None else layers):
             self.blocks[i] = _upload_block(model, args, i)
             if progress is not None:
                 progress(j + 1)
-        if not self.blocks:
+        if not self.blocks and stream is None:
             raise ValueError("no block's experts to place on the GPU")
-        b0 = next(iter(self.blocks.values()))
+        every = list(self.blocks) + (stream.layers if stream is not None else [])
+        act = {kind: {_tensor_act(model, tensor_name(i, kind)) for i in every}
+               for kind in ("ffn_gate_inp", *STACKS, *SHARED) if tensor_name(every[0], kind) in model.tensors}
         k, w, d = args.n_experts_used, args.expert_ffn_dim, args.dim
         pairs = rows * k
-        self.inputs = Inputs(args, rows, [("ffn", m.act, args.dim) for b in self.blocks.values()
-                                          for m in b.normed_inputs()])
+        self.inputs = Inputs(args, rows, [("ffn", a, d) for kind in ("ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps",
+                                                                         "ffn_gate_inp_shexp", "ffn_gate_shexp",
+                                                                         "ffn_up_shexp") for a in act.get(kind, ())])
         self.logits = cupy.zeros((rows, args.n_experts), F32)
         self.ids = cupy.full(pairs, -1, cupy.int32)
         self.weights = cupy.zeros(pairs, F32)
         self.gu = cupy.zeros((pairs, 2 * w), F32)  # [gate | up] of each (row, slot) pair
-        down_act = b0.down.act
+        (down_act,) = act["ffn_down_exps"]
         self.ff: products.Input = Int8Act.zeros(pairs, w, down_act) if down_act in EIGHT_BIT else \
             cupy.zeros((pairs, w), F32)
         self.outs = cupy.zeros((pairs, d), F32)
+        # the pairs sorted by expert (moe_group) and the gate/up inputs gathered in that order
+        self.order, self.slot = cupy.zeros(pairs, cupy.int32), cupy.zeros(pairs, cupy.int32)
+        self.starts, self.tiles = cupy.zeros(args.n_experts + 1, cupy.int32), cupy.zeros(args.n_experts + 1, cupy.int32)
+        self.can_group = _stacks_group(model, every)
+        self.sorted_inputs = {a: Int8Act.zeros(pairs, d, a) for kind in STACKS[:2] for a in act[kind]} \
+            if self.can_group else {}
         self.shared = None
         if args.shared_ffn_dim:
             s = args.shared_ffn_dim
-            act = b0.shared_down.act  # type: ignore[union-attr]
-            self.shared = (cupy.zeros((rows, 2 * s), F32), Int8Act.zeros(rows, s, act) if act in EIGHT_BIT
+            (sact,) = act["ffn_down_shexp"]
+            self.shared = (cupy.zeros((rows, 2 * s), F32), Int8Act.zeros(rows, s, sact) if sact in EIGHT_BIT
                            else cupy.zeros((rows, s), F32), cupy.zeros((rows, d), F32), cupy.zeros(rows, F32))
 
     @property
@@ -179,32 +220,67 @@ class GpuExperts:
         return sum(m.nbytes for b in self.blocks.values() for m in b.matrices())
 
     def formats(self) -> set[str]:
-        return {m.fmt for b in self.blocks.values() for m in b.matrices()}
+        streamed = {format_of(t.ggml_type) for t in self.stream.stacks.values()} if self.stream is not None else set()
+        return {m.fmt for b in self.blocks.values() for m in b.matrices()} | streamed
 
     def describe(self) -> str:
         """One line for the load report."""
         a, n = self.args, len(self.blocks)
         which = "every block's" if n == a.n_layers else f"the experts of {n} of {a.n_layers} blocks ({span(self.blocks)})"
-        return (f"experts: {a.n_experts} per block, {a.n_experts_used} per token; {which} in VRAM, "
+        line = (f"experts: {a.n_experts} per block, {a.n_experts_used} per token; {which} in VRAM, "
                 f"{format_bytes(self.nbytes)} (routers, routed and shared experts), computed by the GPU")
+        return line if self.stream is None else f"{line}; the {self.stream.describe()}"
 
     def run_ffn(self, model: object, i: int, shape: object) -> None:
         """Block i's feed-forward for the pass's rows: model.x in place (queued on the current stream)."""
-        a, B = self.args, self.blocks[i]
-        n, k, w, d, e = shape.rows, a.n_experts_used, a.expert_ffn_dim, a.dim, a.n_experts  # type: ignore[attr-defined]
-        L = model.weights.layer(i)  # type: ignore[attr-defined]
-        xs = self.inputs.normed(model.x, L.ffn_norm, "ffn", [m.act for m in B.normed_inputs()], n)  # type: ignore[attr-defined]
+        self._ffn(self.blocks[i], model.weights.layer(i), model.x, shape.rows, model.index.d["live"])  # type: ignore[attr-defined]
+
+    def streams(self, i: int, prompt_rows: int) -> bool:
+        """Whether block i (one the CPU computes) takes a pass's `prompt_rows` (not counting null
+        rows) here, streamed in."""
+        return self.stream is not None and i not in self.blocks and self.stream.takes(prompt_rows)
+
+    def run_streamed(self, model: object, i: int, shape: object) -> None:
+        """Block i's feed-forward for the pass's prompt rows (model.x rows canonical .. rows), its
+        experts streamed in (self.stream); the canonical rows are left to the CPU."""
+        c = shape.canonical  # type: ignore[attr-defined]
+        self._ffn(self.stream.block(i), model.weights.layer(i), model.x[c:], shape.prompt,  # type: ignore[union-attr, attr-defined]
+                  model.index.d["live"][c:])  # type: ignore[attr-defined]
+
+    def _ffn(self, B: ExpertBlock, L: object, x: cupy.ndarray, n: int, live: cupy.ndarray) -> None:
+        """The feed-forward of experts B for rows 0..n of x (live: which are not null rows), in place."""
+        a = self.args
+        k, w, d, e = a.n_experts_used, a.expert_ffn_dim, a.dim, a.n_experts
+        xs = self.inputs.normed(x, L.ffn_norm, "ffn", [m.act for m in B.normed_inputs()], n)  # type: ignore[attr-defined]
         products.product([B.router], xs[B.router.act], self.logits, n, ldy=e)
-        route(self.logits, n, e, k, a.expert_weights_norm, model.index.d["live"], self.ids, self.weights)  # type: ignore[attr-defined]
+        route(self.logits, n, e, k, a.expert_weights_norm, live, self.ids, self.weights)
         pairs, gu = n * k, self.gu.reshape(-1)
+        nt = self.group_tiles(pairs)
+        if nt:
+            group(self.ids, pairs, e, 8 * nt, self.starts, self.tiles, self.order, self.slot)
         for parts, row0 in runs([B.gate, B.up]):  # row0 counts the stacks' rows: an expert's are 1 / e of them
-            products.expert_product(parts, e, xs[parts[0].act], self.ids, pairs, k, gu[row0 // e :], 2 * w)
+            x8 = xs[parts[0].act]
+            if nt:
+                xg = self.sorted_inputs[x8.act]  # type: ignore[union-attr]
+                gather8(x8, self.order, self.starts[e:], k, pairs, xg)  # type: ignore[arg-type]
+                products.grouped_expert_product(parts, e, xg, self.starts, self.tiles, pairs, nt, gu[row0 // e :], 2 * w)  # type: ignore[arg-type]
+            else:
+                products.expert_product(parts, e, x8, self.ids, pairs, k, gu[row0 // e :], 2 * w)
         self._glu(self.gu, w, pairs, self.ff, B.down.act)
-        products.expert_product([B.down], e, self.ff, self.ids, pairs, 1, self.outs, d)
+        if nt:
+            products.grouped_expert_product([B.down], e, self.ff, self.starts, self.tiles, pairs, nt, self.outs, d)  # type: ignore[arg-type]
+        else:
+            products.expert_product([B.down], e, self.ff, self.ids, pairs, 1, self.outs, d)
         shared = gate = None
         if self.shared is not None:
             shared, gate = self._shared(B, xs, n)
-        combine(self.outs, self.ids, self.weights, k, d, n, shared, gate, model.x)  # type: ignore[attr-defined]
+        combine(self.outs, self.ids, self.weights, k, d, n, shared, gate, x, self.slot if nt else None)
+
+    def group_tiles(self, pairs: int) -> int:
+        """0 when a pass of `pairs` pairs takes the per-pair product, else the grouped product's n-tiles."""
+        if not self.can_group or pairs < GROUPED_FROM * self.args.n_experts:
+            return 0
+        return products.group_tiles(pairs, self.args.n_experts)
 
     def _shared(self, B: ExpertBlock, xs: dict[str, products.Input], n: int) -> tuple[cupy.ndarray, cupy.ndarray]:
         """qwen2moe's shared expert for n rows: (its output, its gate value) per row."""
@@ -235,11 +311,30 @@ def route(logits: cupy.ndarray, n: int, n_experts: int, k: int, normalize: bool,
                                          shared_mem=rows_a_block * n_experts * 4)
 
 
+def group(ids: cupy.ndarray, pairs: int, n_experts: int, tile: int, starts: cupy.ndarray, tiles: cupy.ndarray,
+          order: cupy.ndarray, slot: cupy.ndarray) -> None:
+    """The pairs sorted by expert (moe.cu moe_group): starts, tiles (of `tile` pairs) per expert and
+    their totals at [n_experts], order (position -> pair), slot (pair -> position, -1 for none)."""
+    if pairs < 1:
+        return
+    kernels.function("moe", "moe_group")((1,), (1024,), (ids, np.int32(pairs), np.int32(n_experts), np.int32(tile),
+                                                        starts, tiles, order, slot), shared_mem=8 * n_experts)
+
+
+def gather8(x: Int8Act, order: cupy.ndarray, count: cupy.ndarray, xdiv: int, pairs: int, out: Int8Act) -> None:
+    """Row p < count[0] of out = row order[p] // xdiv of x (the 8-bit forms; moe.cu moe_gather8)."""
+    group_size = 32 if x.act == "q8_0" else 256
+    kernels.function("moe", "moe_gather8")((pairs,), (64,), (x.xq, x.xs, x.xsum, np.int32(x.n), np.int32(group_size),
+                                                              order, count, np.int32(xdiv), out.xq, out.xs, out.xsum))
+
+
 def combine(outs: cupy.ndarray, ids: cupy.ndarray, weights: cupy.ndarray, k: int, dim: int, n: int,
-            shared: cupy.ndarray | None, gate: cupy.ndarray | None, x: cupy.ndarray) -> None:
-    """x[r] += the weighted sum of row r's k expert outputs (+ the gated shared expert), r < n (moe.cu)."""
+            shared: cupy.ndarray | None, gate: cupy.ndarray | None, x: cupy.ndarray,
+            slot: cupy.ndarray | None = None) -> None:
+    """x[r] += the weighted sum of row r's k expert outputs (+ the gated shared expert), r < n; pair
+    j's output at row slot[j] of outs (slot None: row j) (moe.cu)."""
     if n < 1:
         return
     kernels.function("moe", "moe_combine")((grid_blocks(dim, 256), n), (256,),
-                                           (outs, ids, weights, np.int32(k), np.int32(dim), device_ptr(shared),
-                                            device_ptr(gate), x))
+                                           (outs, ids, weights, np.int32(k), np.int32(dim), device_ptr(slot),
+                                            device_ptr(shared), device_ptr(gate), x))

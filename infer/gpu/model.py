@@ -356,6 +356,11 @@ class GpuTransformer(DeviceGeneration):
                 L = self.weights.layer(i)
                 if L.ffn_down is None:  # a block whose experts the CPU computes: its attention half replays
                     self.graphs.replay(("attn", i, shape), L.addresses(), lambda i=i, L=L: self._attention(i, L, shape))
+                    if self.gpu_experts is not None and self.gpu_experts.streams(i, self.index.live_prompt_rows):
+                        # a long prompt: the canonical rows on the CPU, the prompt rows here, the experts streamed in
+                        self._experts_of(i).run_ffn(self, i, shape, rows=shape.canonical)
+                        self.gpu_experts.run_streamed(self, i, shape)
+                        continue
                     self._experts_of(i).run_ffn(self, i, shape)  # then the host's part (no graph can hold it)
                     continue
                 self.graphs.replay(("layer", i, shape), L.addresses(), lambda i=i, L=L: self._layer(i, L, shape))

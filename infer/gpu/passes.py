@@ -141,6 +141,7 @@ class PassIndex:
     def __init__(self, capacity: int, null_cache: GpuKVCache, stream: cupy.cuda.Stream) -> None:
         self.capacity, self.stream, self.null = capacity, stream, null_cache
         self.live_rows = np.zeros(0, np.int64)  # the current pass's rows that are not null rows
+        self.live_prompt_rows = 0  # of them in the prompt region
         rows = capacity + 1
         self.anc_capacity = capacity * (capacity + 1) // 2  # any tree of `capacity` nodes
         self.header = rows * (8 * len(self.I64) + 4 * len(self.I32) + 4 * len(self.F32))
@@ -197,6 +198,7 @@ class PassIndex:
         h, null = self.h, self.null
         real = [(r, row) for r, row in enumerate(slots) if row is not None]
         self.live_rows = np.asarray([r for r, _ in real], np.int64)  # host work of a pass skips the null rows
+        self.live_prompt_rows = int(np.count_nonzero(self.live_rows >= shape.canonical))
         nulls = np.asarray([r for r, row in enumerate(slots) if row is None] + [cap], np.int64)
         # null rows: the null cache's one slot, no history
         for name, value in _cache_fields(null).items():

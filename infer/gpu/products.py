@@ -5,7 +5,9 @@ allocating, so each may sit inside a CUDA graph capture.
   few rows, the int8 tensor-core qmm for more, fgemv for float weights; every output in the
   canonical order of canon.cuh (the same bits for any N, kernel variant or split of K).
 - `expert_product`: routed experts, each (row, slot) pair by the expert the router chose for it
-  (qgemv_id: canonical sums, so the same bits as `product` on that expert's rows).
+  (qgemv_id: canonical sums, so the same bits as `product` on that expert's rows);
+  `grouped_expert_product` the same pairs sorted by expert (qmm_id: each expert read once a call,
+  the same bits).
 - `prompt_product`: the prompt rows (prompt tokens whose logits nobody reads): float16 weights
   dequantized in shared memory, float32 sums on the tensor cores (pmm.cu), one order per output.
 """
@@ -89,11 +91,12 @@ def _tiles(n: int) -> int:
     return 1 if n <= 8 else 2 if n <= 16 else 4 if n <= 32 else 8
 
 
-def _qmm_kernel(fmt: str, nt: int, tuning: tuple[int, int] | None = None):  # noqa: ANN202
-    """(kernel, dynamic shared bytes, warps) of qmm_<fmt>_n<nt> in its tuned (or given) variant."""
+def _qmm_kernel(fmt: str, nt: int, tuning: tuple[int, int] | None = None, kind: str = "qmm"):  # noqa: ANN202
+    """(kernel, dynamic shared bytes, warps) of <kind>_<fmt>_n<nt> (kind qmm, or qmm_id for grouped
+    experts) in its tuned (or given) variant."""
     defines = _module_defines(fmt, nt, tuning)
     warps, stages = defines["MMQ_WARPS"], defines["MMQ_STAGES"]
-    name = f"qmm_{fmt}_n{nt}"
+    name = f"{kind}_{fmt}_n{nt}"
     smem = stages * _qmm_stage_bytes(fmt, nt, warps)
     fn = kernels.function("qmm", name, defines)
     return with_shared(fn, (name, *sorted(defines.items())), smem), smem, warps
@@ -107,6 +110,7 @@ def prepare_kernels(formats: set[str]) -> None:
         if fmt not in FLOAT_FORMATS:
             for nt in (1, 2, 4, 8):
                 _qmm_kernel(fmt, nt)
+                _qmm_kernel(fmt, nt, kind="qmm_id")
             for bn in PMM_TILES:
                 _pmm_kernel(fmt, bn)
 
@@ -192,25 +196,60 @@ def product(parts: list[GpuMatrix], x: Input, y: cupy.ndarray, n: int, ldy: int 
     fn((grid_blocks(rows, warps), grid_blocks(n, nv)), (32 * warps,), args)
 
 
+def _expert_parts(parts: list[GpuMatrix], n_experts: int, x: Input) -> tuple[int, tuple]:
+    """(rows an expert, the launch's PARTS_ARGS for one expert's rows) of stacks of experts."""
+    m0 = parts[0]
+    if m0.fmt in FLOAT_FORMATS or not isinstance(x, Int8Act) or x.act != m0.act:
+        raise ValueError(f"experts in {m0.fmt} take the {m0.act} 8-bit form of their input on the GPU")
+    per_expert = [p.rows // n_experts for p in parts]
+    rows = sum(per_expert)
+    ends = [*np.cumsum(per_expert).tolist(), rows, rows]
+    planes = [pl for p in parts for pl in p.planes()] + [NULL] * 4 * (3 - len(parts))
+    return rows, (*planes, np.int32(ends[0]), np.int32(ends[1]), np.int32(rows))
+
+
 def expert_product(parts: list[GpuMatrix], n_experts: int, x: Input, ids: cupy.ndarray, pairs: int,
                    xdiv: int, y: cupy.ndarray, ldy: int) -> None:
     """Row j < pairs of y (at y[j * ldy:]) = the rows of expert ids[j] in each part (a stack of
     n_experts experts; parts: one matrix, or gate and up) times input row j // xdiv; ids[j] < 0
     leaves row j as it is (qmm.cu qgemv_id)."""
     m0 = parts[0]
-    if m0.fmt in FLOAT_FORMATS or not isinstance(x, Int8Act) or x.act != m0.act:
-        raise ValueError(f"experts in {m0.fmt} take the {m0.act} 8-bit form of their input on the GPU")
+    rows, parts_args = _expert_parts(parts, n_experts, x)
     if pairs < 1:
         return
-    per_expert = [p.rows // n_experts for p in parts]
-    rows = sum(per_expert)
-    ends = [*np.cumsum(per_expert).tolist(), rows, rows]
-    planes = [pl for p in parts for pl in p.planes()] + [NULL] * 4 * (3 - len(parts))
     warps = QGEMV_TUNING[0]
     fn = kernels.function("qmm", f"qgemv_id_{m0.fmt}", _gemv_defines(m0.fmt))
     fn((grid_blocks(rows, warps), pairs), (32 * warps,),
-       (*planes, np.int32(ends[0]), np.int32(ends[1]), np.int32(rows), np.int32(m0.cols), x.xq, x.xs, x.xsum, ids,
-        np.int32(xdiv), y, np.int32(ldy)))
+       (*parts_args, np.int32(m0.cols), x.xq, x.xs, x.xsum, ids, np.int32(xdiv), y, np.int32(ldy)))  # type: ignore[union-attr]
+
+
+def groups_experts(parts: list[GpuMatrix]) -> bool:
+    """Whether stacks of experts like these have the grouped product (qmm_id: the tensor-core one)."""
+    return all(uses_qmm(p.fmt, p.cols, QGEMV_MAX + 1) for p in parts)
+
+
+def group_tiles(pairs: int, n_experts: int) -> int:
+    """qmm_id n-tiles (of 8 pairs) a block for `pairs` pairs over n_experts experts: by the mean pairs
+    an expert (moe_group's tiles must be made for the same)."""
+    return _tiles(-(-pairs // n_experts))
+
+
+def grouped_expert_product(parts: list[GpuMatrix], n_experts: int, x: Int8Act, starts: cupy.ndarray,
+                           tiles: cupy.ndarray, pairs: int, nt: int, y: cupy.ndarray, ldy: int) -> None:
+    """The pairs grouped by expert (moe.cu moe_group with tiles of 8 * nt pairs: starts, tiles), at
+    most `pairs`: row p < starts[E] of y (at y[p * ldy:]) = the rows of the expert of sorted position p
+    in each part times row p of x (qmm.cu qmm_id). Each expert's weights are read once a call; each
+    row has the bits expert_product gives the same pair."""
+    m0 = parts[0]
+    rows, parts_args = _expert_parts(parts, n_experts, x)
+    if not groups_experts(parts):
+        raise ValueError(f"no grouped expert product for {m0.fmt} rows of {m0.cols} values")
+    if pairs < 1:
+        return
+    fn, smem, warps = _qmm_kernel(m0.fmt, nt, kind="qmm_id")
+    grid = (grid_blocks(pairs, 8 * nt) + n_experts, grid_blocks(rows, 16 * warps))  # every expert's last tile partial
+    fn(grid, (32 * warps,), (*parts_args, np.int32(m0.cols), x.xq, x.xs, x.xsum, starts, tiles, np.int32(n_experts), y,
+                             np.int32(ldy)), shared_mem=smem)
 
 
 # ---------------------------------------------------------------------------- prompt products

@@ -9,6 +9,9 @@
 //                      cores (mma.sync int8, m16n8k32; m16n8k16 for Q6_K's 16-value scales). The grid
 //                      walks the token tiles of a row tile first, so the blocks that share a weight
 //                      tile run together and the weights come from HBM once per call.
+//   qmm_id_<fmt>_n<NT> routed experts, the pass's (row, slot) pairs grouped by expert (moe.cu
+//                      moe_group): qmm's blocks over each expert's pairs and rows, so an expert's
+//                      weights come from HBM once per call, not once per pair as in qgemv_id.
 //   fgemv_<fmt>        float formats (f16, bf16, f32), any N: a warp per row, each lane a sub-block.
 // Up to three matrices of one format whose outputs are consecutive rows (Q, K, V; gate, up) are one
 // launch: row r reads part p[i] for r in [start_i, end_i) (`Parts`), with no copy stacking them.
@@ -141,15 +144,16 @@ __device__ __forceinline__ void qgemv_body(const Parts& parts, int M, int K, Act
 
 #define STAGES_PER_GROUP (CANON_GROUP / 256)  // a stage holds 256 values of K
 
-// One block: 16 * MMQ_WARPS rows x 8 * NT tokens. Without `partial` it walks all of K and writes y;
-// with it (split K, grid z = group) it computes group blockIdx.z alone and writes that group's sums
-// to partial[(group * N + token) * M + row] for qmm_combine.
+// One block: rows row0 .. row0 + 16 * MMQ_WARPS - 1 x tokens tok0 .. tok0 + 8 * NT - 1 (of expert
+// `expert`'s rows when the parts are stacks of experts, as qgemv_body). Without `partial` it walks
+// all of K and writes y; with it (split K, grid z = group) it computes group blockIdx.z alone and
+// writes that group's sums to partial[(group * N + token) * M + row] for qmm_combine.
 template <int KIND, int NT>
 __device__ __forceinline__ void qmm_body(const Parts& parts, int M, int K, Act8 x, int N, float* y, int ldy,
-                                         const float* bias, const float* residual, float* partial) {
+                                         const float* bias, const float* residual, float* partial, int tok0,
+                                         int row0, int expert) {
     typedef Stage<KIND, NT> S;
     extern __shared__ __align__(16) unsigned char qmm_smem[];
-    const int tok0 = blockIdx.x * S::BN, row0 = blockIdx.y * MMQ_ROWS;
     const int nsb = K >> 5, nk_all = (nsb + 7) >> 3;
     const int k_first = partial ? blockIdx.z * STAGES_PER_GROUP : 0;
     const int nk = partial ? min(STAGES_PER_GROUP, nk_all - k_first) : nk_all;
@@ -158,7 +162,7 @@ __device__ __forceinline__ void qmm_body(const Parts& parts, int M, int K, Act8 
     for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
         for (int e = 0; e < 4; ++e) acc[nt][e] = grp[nt][e] = 0.f;
-    const QmmLoader<KIND, NT> loader(parts, M, K, x, N, row0, tok0);
+    const QmmLoader<KIND, NT> loader(parts, M, K, x, N, row0, tok0, expert);
     // MMQ_STAGES - 1 stages in flight; a group is committed every step (empty past the end) so
     // that wait_group counts stay the same
 #pragma unroll
@@ -198,6 +202,20 @@ __device__ __forceinline__ void qmm_body(const Parts& parts, int M, int K, Act8 
             else y[(long long)tok * ldy + row] = canon_out(acc[nt][e], row, tok, ldy, bias, residual);
         }
     }
+}
+
+// Which expert's token tile block `g` of a qmm_id launch is: e with tiles[e] <= g < tiles[e + 1]
+// (experts without pairs have no tiles), and the tile's index within e's; -1 past the last tile.
+__device__ __forceinline__ int expert_tile(const int* tiles, int E, int g, int& e) {
+    if (g >= __ldg(tiles + E)) return -1;
+    int lo = 0, hi = E - 1;  // the last e with tiles[e] <= g
+    while (lo < hi) {
+        const int mid = (lo + hi + 1) >> 1;
+        if (__ldg(tiles + mid) <= g) lo = mid;
+        else hi = mid - 1;
+    }
+    e = lo;
+    return g - __ldg(tiles + lo);
 }
 
 // y = the groups' sums of a split product, added in order, + bias + residual (grid: N*M / 256)
@@ -283,7 +301,26 @@ __device__ __forceinline__ void fgemv_body(const T* w, int M, int K, const float
     }
 #define QMM(NAME, KIND, NT)                                                                                     \
     extern "C" __global__ void __launch_bounds__(MMQ_THREADS, MMQ_MIN_BLOCKS) qmm_##NAME##_n##NT(PARTS_ARGS, PRODUCT_ARGS) {    \
-        qmm_body<KIND, NT>(PARTS_OF, M, K, Act8{xq, xs, xsum}, N, y, ldy, bias, residual, partial);             \
+        qmm_body<KIND, NT>(PARTS_OF, M, K, Act8{xq, xs, xsum}, N, y, ldy, bias, residual, partial,              \
+                           blockIdx.x * 8 * NT, blockIdx.y * MMQ_ROWS, 0);                                       \
+    }
+// qmm_id_<fmt>_n<NT>: routed experts with many pairs an expert (a prompt's or a batch's pairs grouped
+// by expert: moe.cu moe_group), so each expert's weights are read once a call, not once a pair. Rows
+// [starts[e], starts[e + 1]) of x and y are expert e's pairs; tiles[e] is the first of its token
+// tiles (8 * NT pairs each), tiles[E] their count. Block x is one token tile of one expert (grid x:
+// an upper bound on the tiles; blocks past tiles[E] exit), block y a tile of its rows. The same
+// canonical sums as qgemv_id: a pair gets the same bits by either kernel.
+#define QMM_ID(NAME, KIND, NT)                                                                                  \
+    extern "C" __global__ void __launch_bounds__(MMQ_THREADS, MMQ_MIN_BLOCKS)                                   \
+        qmm_id_##NAME##_n##NT(PARTS_ARGS, int M, int K, const signed char* xq, const float* xs, const int* xsum,  \
+                              const int* starts, const int* tiles, int E, float* y, int ldy) {                   \
+        int e;                                                                                                   \
+        const int tile = expert_tile(tiles, E, blockIdx.x, e);                                                   \
+        if (tile < 0) return;  /* the whole block */                                                             \
+        const long long s = starts[e];                                                                           \
+        const Act8 x{xq + s * K, xs + s * (K >> Q<KIND>::XS_SHIFT), xsum + s * (K >> 5)};                         \
+        qmm_body<KIND, NT>(PARTS_OF, M, K, x, starts[e + 1] - (int)s, y + s * ldy, ldy, nullptr, nullptr,          \
+                           nullptr, tile * 8 * NT, blockIdx.y * MMQ_ROWS, e);                                    \
     }
 #if QMM_KERNELS & 1
 #define QGEMVS(NAME, KIND) QGEMV(NAME, KIND, 1) QGEMV(NAME, KIND, 2) QGEMV(NAME, KIND, 4) QGEMV_ID(NAME, KIND)
@@ -291,7 +328,9 @@ __device__ __forceinline__ void fgemv_body(const T* w, int M, int K, const float
 #define QGEMVS(NAME, KIND)
 #endif
 #if QMM_KERNELS & 2
-#define QMMS(NAME, KIND) QMM(NAME, KIND, 1) QMM(NAME, KIND, 2) QMM(NAME, KIND, 4) QMM(NAME, KIND, 8)
+#define QMMS(NAME, KIND)                                                                                        \
+    QMM(NAME, KIND, 1) QMM(NAME, KIND, 2) QMM(NAME, KIND, 4) QMM(NAME, KIND, 8)                                 \
+    QMM_ID(NAME, KIND, 1) QMM_ID(NAME, KIND, 2) QMM_ID(NAME, KIND, 4) QMM_ID(NAME, KIND, 8)
 #else
 #define QMMS(NAME, KIND)
 #endif

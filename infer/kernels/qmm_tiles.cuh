@@ -80,7 +80,9 @@ struct QmmLoader {
     bool kvalid;
     int nsb, K, N, tok0;
 
-    __device__ __forceinline__ QmmLoader(const Parts& parts, int M, int K_, Act8 x, int N_, int row0, int tok0_) {
+    // `expert` e: each part is a stack of experts of the part's rows, and row r reads row e * rows + r
+    __device__ __forceinline__ QmmLoader(const Parts& parts, int M, int K_, Act8 x, int N_, int row0, int tok0_,
+                                         int expert) {
         const int tid = threadIdx.x;
         K = K_;
         N = N_;
@@ -89,7 +91,7 @@ struct QmmLoader {
         qvalid = rvalid = pvalid = 0u;
         auto row_index = [&](int grow, int& pi) -> long long {  // the row's part and its first sub-block
             pi = parts.part(grow);
-            return (long long)(grow - parts.start(pi)) * nsb;
+            return ((long long)expert * parts.size(pi, M) + (grow - parts.start(pi))) * nsb;
         };
 #pragma unroll
         for (int k = 0; k < PQ; ++k) {

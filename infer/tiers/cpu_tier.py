@@ -191,13 +191,17 @@ class CpuExperts:
                 f"pages; the CPU computes {which} ({threads} threads), the GPU the rest"
                 + (f" (not in VRAM: {self.why})" if self.why else ""))
 
-    def run_ffn(self, model: GpuTransformer, i: int, shape: PassShape) -> None:
-        """Block i's feed-forward for the pass's rows: model.x (rows 0..shape.rows) in place."""
-        n, stream = shape.rows, model.stream
+    def run_ffn(self, model: GpuTransformer, i: int, shape: PassShape, rows: int | None = None) -> None:
+        """Block i's feed-forward for the pass's rows (the first `rows` of them: the canonical ones
+        when the GPU takes the prompt rows, infer.gpu.expert_stream): model.x in place."""
+        n, stream = shape.rows if rows is None else rows, model.stream
+        if n == 0:
+            return
         L = self.blocks.layer(i)
         x = np.empty((n, self.args.dim), np.float32)
         cupy_asnumpy(model.x[:n], stream, x)
         live = model.index.live_rows  # null rows route too: computing them would read more experts
+        live = live[live < n]
         h = self.blocks.native_layers.norm(x[live], L.ffn_norm, self.args.norm_eps)
         x[live] += L.experts(h, self.blocks.native_layers.swiglu)  # type: ignore[misc]
         model.x[:n].set(x, stream=stream)

@@ -84,7 +84,7 @@ class GpuTransport:
         self.released[slot].record(cupy.cuda.get_current_stream())
 
 
-def _repack_into(raw: cupy.ndarray, t: Tensor, out: cupy.ndarray) -> GpuMatrix:
+def repack_into(raw: cupy.ndarray, t: Tensor, out: cupy.ndarray) -> GpuMatrix:
     """The planar matrix of GGUF bytes `raw` (device), written into `out` (device, on the current
     stream). Float formats are plain copies."""
     from gguf.constants import GGMLQuantizationType
@@ -158,7 +158,7 @@ class StreamedWeights:
         fetched = dict(self._resident[index])
         for t in self._streamed[index]:
             slot = self.ring.acquire(t.name)
-            fetched[t.kind] = _repack_into(self.transport.slots[slot][: t.nbytes], t,
+            fetched[t.kind] = repack_into(self.transport.slots[slot][: t.nbytes], t,
                                            self.scratch[self._scratch_at[t.name]:])
             self.ring.release(slot)
         return assemble_layer(self._vectors[index], fetched)

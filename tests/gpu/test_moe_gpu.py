@@ -15,6 +15,7 @@ import pytest
 from tests.infer.test_gpu_moe import (  # noqa: F401
     check_follows_the_cpu,
     check_pass_independence,
+    check_streaming,
     moe_dir,
     moe_path,
     place,
@@ -31,3 +32,8 @@ def test_the_experts_follow_the_cpu_engine(moe_path: Path, place: str) -> None: 
 
 def test_a_row_does_not_depend_on_its_pass_on_the_gpu(moe_path: Path, place: str) -> None:  # noqa: F811
     check_pass_independence(moe_path, placed(moe_path, place))
+
+
+@pytest.mark.parametrize("where", ["cpu", 1], ids=lambda p: f"experts-{p}")
+def test_long_prompts_stream_the_cpus_experts_on_the_gpu(moe_dir: Path, where: str | int) -> None:  # noqa: F811
+    check_streaming(moe_dir, where)

@@ -1,7 +1,8 @@
-"""The mixture-of-experts kernels (infer/kernels/moe.cu, qmm.cu's qgemv_id) against their NumPy
-references on fresh random inputs: each routed (row, slot) pair's product is, bit for bit, the
-canonical sum of that expert's rows (infer/gpu/reference.py) and the ordinary product of the same
-rows uploaded alone; the routing picks infer/moe.py's experts in its order with its weights; the
+"""The mixture-of-experts kernels (infer/kernels/moe.cu, qmm.cu's qgemv_id and qmm_id) against
+their NumPy references on fresh random inputs: each routed (row, slot) pair's product is, bit for
+bit, the canonical sum of that expert's rows (infer/gpu/reference.py) and the ordinary product of
+the same rows uploaded alone, and the grouped product (pairs sorted by expert) gives each pair
+those bits too; the routing picks infer/moe.py's experts in its order with its weights; the
 combination is infer/moe.py's weighted sum. The seed of each test's inputs is printed.
 
 Run on the GPU machine:  python -m pytest -v tests/gpu/test_moe_kernels.py
@@ -84,6 +85,71 @@ def test_expert_products_are_each_experts_canonical_sum(rng: np.random.Generator
         np.testing.assert_array_equal(got[j], np.concatenate(want), err_msg=f"pair {j}, expert {e}")
 
 
+def _grouped(ids: np.ndarray, n_experts: int, nt: int) -> tuple[cupy.ndarray, ...]:
+    """moe_group on the device for `ids`: (starts, tiles, order, slot)."""
+    pairs = ids.size
+    starts, tiles = cupy.full(n_experts + 1, -7, cupy.int32), cupy.full(n_experts + 1, -7, cupy.int32)
+    order, slot = cupy.full(pairs, -7, cupy.int32), cupy.full(pairs, -7, cupy.int32)
+    experts.group(cupy.asarray(ids), pairs, n_experts, 8 * nt, starts, tiles, order, slot)
+    return starts, tiles, order, slot
+
+
+@pytest.mark.parametrize(("n_experts", "pairs"), [(8, 5), (128, 4096), (60, 3001), (300, 2048)])
+def test_grouping_sorts_the_pairs_by_expert(rng: np.random.Generator, n_experts: int, pairs: int) -> None:
+    ids = rng.integers(0, n_experts, pairs).astype(np.int32)
+    ids[rng.random(pairs) < 0.1] = -1  # null rows' pairs: no position
+    ids[ids == 3] = 4  # an expert nobody routes to: no tiles
+    bn = 16
+    starts, tiles, order, slot = (cupy.asnumpy(a) for a in _grouped(ids, n_experts, bn // 8))
+    counts = np.bincount(ids[ids >= 0], minlength=n_experts)
+    np.testing.assert_array_equal(starts, np.concatenate([[0], np.cumsum(counts)]))
+    np.testing.assert_array_equal(tiles, np.concatenate([[0], np.cumsum(-(-counts // bn))]))
+    total = int(starts[-1])
+    assert sorted(order[:total]) == sorted(np.flatnonzero(ids >= 0))  # every pair once
+    np.testing.assert_array_equal(ids[order[:total]], np.repeat(np.arange(n_experts), counts))
+    np.testing.assert_array_equal(slot[order[:total]], np.arange(total))
+    assert (slot[ids < 0] == -1).all()
+
+
+@pytest.mark.parametrize("ggml_type", [T.Q8_0, T.Q4_0, T.Q5_1, T.Q4_K, T.Q5_K, T.Q6_K], ids=lambda t: T(t).name)
+@pytest.mark.parametrize("nt", [1, 2, 4, 8])
+def test_grouped_expert_products_are_the_per_pair_ones(rng: np.random.Generator, ggml_type: int, nt: int) -> None:
+    """Pairs grouped by expert (moe_group, moe_gather8, qmm_id): each sorted row has, bit for bit,
+    the per-pair product's row of its pair (qgemv_id), for gate and up as one launch (xdiv: a token's
+    k slots share its input row) and for down (xdiv 1)."""
+    n_experts, rows, cols, k, tokens = 12, 128, 512, 3, 61
+    act = activation_format(ggml_type)
+    gate, up = _stack(rng, ggml_type, n_experts, rows, cols), _stack(rng, ggml_type, n_experts, rows, cols)
+    parts = [ops.upload_stacked([(s.reshape(-1), n_experts * rows)], ggml_type, cols) for s in (gate, up)]
+    pairs = tokens * k
+    ids = rng.choice(np.arange(n_experts), pairs, p=np.arange(1, n_experts + 1) / sum(range(1, n_experts + 1)))
+    ids = ids.astype(np.int32)
+    ids[3 * k : 4 * k] = -1  # a null row
+    ids[ids == 5] = 6  # an expert without pairs
+    x8, _ = _int8(rng, tokens, cols, act)
+    want = cupy.full((pairs, 2 * rows), np.nan, np.float32)
+    products.expert_product(parts, n_experts, x8, cupy.asarray(ids), pairs, k, want, 2 * rows)
+    starts, tiles, order, slot = _grouped(ids, n_experts, nt)
+    xg = ops.Int8Act.zeros(pairs, cols, act)
+    experts.gather8(x8, order, starts[n_experts:], k, pairs, xg)
+    got = cupy.full((pairs, 2 * rows), np.nan, np.float32)
+    products.grouped_expert_product(parts, n_experts, xg, starts, tiles, pairs, nt, got, 2 * rows)
+    total, order_h = int(starts[-1]), cupy.asnumpy(order)
+    np.testing.assert_array_equal(cupy.asnumpy(got)[:total], cupy.asnumpy(want)[order_h[:total]])
+    assert np.isnan(cupy.asnumpy(got)[total:]).all()  # positions past the pairs: untouched
+    # down: one input row a pair, already in sorted order
+    down = _stack(rng, ggml_type, n_experts, cols, rows * 2)
+    dpart = ops.upload_stacked([(down.reshape(-1), n_experts * cols)], ggml_type, 2 * rows)
+    h8, _ = _int8(rng, pairs, 2 * rows, act)
+    want_d = cupy.full((pairs, cols), np.nan, np.float32)
+    products.expert_product([dpart], n_experts, h8, cupy.asarray(ids), pairs, 1, want_d, cols)
+    hg = ops.Int8Act.zeros(pairs, 2 * rows, act)
+    experts.gather8(h8, order, starts[n_experts:], 1, pairs, hg)
+    got_d = cupy.full((pairs, cols), np.nan, np.float32)
+    products.grouped_expert_product([dpart], n_experts, hg, starts, tiles, pairs, nt, got_d, cols)
+    np.testing.assert_array_equal(cupy.asnumpy(got_d)[:total], cupy.asnumpy(want_d)[order_h[:total]])
+
+
 @pytest.mark.parametrize(("n_experts", "k"), [(8, 2), (64, 8), (128, 8)])
 @pytest.mark.parametrize("normalize", [True, False])
 def test_routing_is_the_cpus(rng: np.random.Generator, n_experts: int, k: int, normalize: bool) -> None:
@@ -120,6 +186,15 @@ def test_combination_is_the_cpus_weighted_sum(rng: np.random.Generator, shared: 
                     k, dim, rows, None if s_out is None else cupy.asarray(s_out),
                     None if gate is None else cupy.asarray(gate), y)
     got = cupy.asnumpy(y)
+    # the same outputs in another order (moe_group's positions): the same sums
+    perm = rng.permutation(rows * k).astype(np.int32)
+    moved = np.empty_like(outs.reshape(-1, dim))
+    moved[perm] = outs.reshape(-1, dim)
+    y2 = cupy.asarray(x)
+    experts.combine(cupy.asarray(moved), cupy.asarray(ids.reshape(-1)), cupy.asarray(w.reshape(-1)), k, dim, rows,
+                    None if s_out is None else cupy.asarray(s_out), None if gate is None else cupy.asarray(gate), y2,
+                    slot=cupy.asarray(perm))
+    np.testing.assert_array_equal(cupy.asnumpy(y2), got)
     t = weighted_sum(outs, w)
     if shared:
         t = t + s_out * SharedExpert.scale(gate)[:, None]

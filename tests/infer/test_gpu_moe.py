@@ -128,16 +128,20 @@ def check_follows_the_cpu(moe_path: Path, place: str | int) -> None:
 
 
 def check_pass_independence(moe_path: Path, place: str | int) -> None:
-    """A prompt in one pass, token by token, and beside another sequence: the same bits; the
-    device's decode loop gives the host loop's greedy tokens."""
+    """A prompt in one pass, token by token, and beside another sequence: the same bits (a pass of
+    6 rows multiplies each (row, expert) pair alone, one of 40 groups the pairs by expert first);
+    the device's decode loop gives the host loop's greedy tokens."""
     from infer.gpu import load_gpu_transformer
 
     gpu = load_gpu_transformer(GGUFModel(moe_path), CTX, batch=2, experts=place)
-    tokens = np.array([1, 17, 300, 42, 599, 8])
-    whole = gpu.forward(tokens, gpu.new_cache(CTX), all_logits=True)
-    cache = gpu.new_cache(CTX)
-    one_by_one = np.stack([gpu.forward(np.array([t]), cache) for t in tokens])
-    np.testing.assert_array_equal(whole, one_by_one)
+    k = gpu.args.n_experts_used
+    if gpu.gpu_experts is not None:
+        assert not gpu.gpu_experts.group_tiles(6 * k) and gpu.gpu_experts.group_tiles(40 * k)
+    for tokens in (np.array([1, 17, 300, 42, 599, 8]), np.random.default_rng(2).integers(3, 600, 40)):
+        whole = gpu.forward(tokens, gpu.new_cache(CTX), all_logits=True)
+        cache = gpu.new_cache(CTX)
+        one_by_one = np.stack([gpu.forward(np.array([t]), cache) for t in tokens])
+        np.testing.assert_array_equal(whole, one_by_one)
     other = gpu.new_cache(CTX)
     gpu.forward(np.array([9, 10, 11]), other)
     alone = gpu.new_cache(CTX)
@@ -193,11 +197,12 @@ def test_the_cli_places_the_experts(moe_dir: Path, fake_cupy: object) -> None:
 
     moe_path = write_moe(moe_dir, "qwen3moe", "q8_0")
     args = ["-m", str(moe_path), "-p", "hello there", "-n", "6", "-t", "0", "--json", "--device", "gpu"]
-    # the plan without experts takes 669 MiB here; the experts' buffers 7.4 MiB, a block's experts
-    # 1.6 MiB, and an upload's transient 64 MiB stay free: 675 MiB holds no block, 743 MiB one
+    # the plan without experts takes 669 MiB here; the experts' buffers 8.4 MiB, a block's experts
+    # 1.6 MiB, and an upload's transient 64 MiB stay free: 675 MiB holds no block, 744 MiB one
+    # (the staging to stream the other two, 2.2 MiB, would cost more than a quarter of that block)
     runs = {name: CliRunner().invoke(main, [*args, *extra]) for name, extra in
             (("vram", []), ("asked", ["--cpu-moe"]), ("tight", ["--vram-budget", "675MiB"]),
-             ("split", ["--vram-budget", "743MiB"]), ("first", ["--n-cpu-moe", "2"]))}
+             ("split", ["--vram-budget", "744MiB"]), ("first", ["--n-cpu-moe", "2"]))}
     for run in runs.values():
         assert run.exit_code == 0, run.output
     assert "every block's in VRAM" in runs["vram"].stderr and "stay in RAM" not in runs["vram"].stderr
@@ -288,8 +293,12 @@ def test_placement_refusals_and_edges(moe_dir: Path, fake_cupy: object) -> None:
         load_gpu_transformer(model, CTX, experts="vram")
     with pytest.raises(ValueError, match="count of blocks, not -1"):
         load_gpu_transformer(model, CTX, experts=-1)
-    every = load_gpu_transformer(model, CTX, experts=99)
+    every = load_gpu_transformer(model, CTX, experts=99, expert_stream="off")
     assert every.gpu_experts is None and every.cpu_experts.layers == [0, 1, 2]
+    streamed = load_gpu_transformer(model, CTX, experts=99)  # nothing in VRAM, long prompts streamed
+    assert streamed.gpu_experts.blocks == {} and streamed.gpu_experts.stream.layers == [0, 1, 2]
+    with pytest.raises(ValueError, match="auto, off or a count of prompt rows, not 'on'"):
+        load_gpu_transformer(model, CTX, experts=1, expert_stream="on")
     assert "asked for (--n-cpu-moe 99)" in every.cpu_experts.describe()
     floats = GGUFModel(write_moe(moe_dir, "qwen3moe", "f16"))
     with pytest.raises(UnsupportedModelError, match="quantized formats only"):
@@ -304,3 +313,43 @@ def test_placement_refusals_and_edges(moe_dir: Path, fake_cupy: object) -> None:
     wide = replace(every.args, n_experts_used=ROUTE_MAX_K + 1)
     assert f"it routes {ROUTE_MAX_K + 1} experts a token" in (stacks_on_device(model, wide) or "")
     assert stacks_on_device(model, every.args) is None
+
+
+@pytest.mark.parametrize("place", ["cpu", 1], ids=lambda p: f"experts-{p}")
+def test_long_prompts_stream_the_cpus_experts(moe_dir: Path, place: str | int, fake_cupy: object) -> None:
+    check_streaming(moe_dir, place)
+
+
+def check_streaming(moe_dir: Path, place: str | int) -> None:
+    """Blocks the CPU computes stream their experts to the GPU for a pass of many prompt rows
+    (infer.gpu.expert_stream): the prompt's KV cache then holds the bits of a run with every expert
+    in VRAM (the same grouped products), each stack crossed the link once a block, a short prompt
+    stays with the CPU, and "off" streams nothing."""
+    from infer.arch import tensor_name
+    from infer.gpu import load_gpu_transformer
+    from infer.gpu.expert_stream import min_prompt_rows
+
+    model = GGUFModel(write_moe(moe_dir, "qwen3moe", "q4_k_m"))
+    gpu = load_gpu_transformer(model, CTX, experts=place)
+    stream = gpu.gpu_experts.stream
+    on_cpu = [0, 1, 2] if place == "cpu" else [0]
+    assert stream is not None and stream.layers == on_cpu and stream.min_rows == min_prompt_rows(gpu.args) == 16
+    assert gpu.account.planned["expert stream"] == stream.nbytes > 0
+    assert "stream to the GPU for passes of >= 16 prompt rows" in gpu.gpu_experts.describe()
+    tokens = np.random.default_rng(5).integers(3, 600, 40)
+    short = gpu.new_cache(CTX)
+    gpu.prefill_batch([(tokens[:15], short)])
+    assert stream.streamed_bytes == 0
+    cache = gpu.new_cache(CTX)
+    gpu.prefill_batch([(tokens, cache)])
+    stacks = sum(model.tensor(tensor_name(i, k)).nbytes for i in on_cpu for k in ("ffn_gate_exps", "ffn_up_exps",
+                                                                                   "ffn_down_exps"))
+    assert stream.streamed_bytes == stacks
+    resident = load_gpu_transformer(model, CTX, experts="gpu")
+    want = resident.new_cache(CTX)
+    resident.prefill_batch([(tokens, want)])
+    for got_group, want_group in ((cache.full, want.full), (cache.ring, want.ring)):
+        np.testing.assert_array_equal(cupy_host(got_group.keys), cupy_host(want_group.keys))
+        np.testing.assert_array_equal(cupy_host(got_group.values), cupy_host(want_group.values))
+    off = load_gpu_transformer(model, CTX, experts=place, expert_stream="off")
+    assert off.gpu_experts is None or off.gpu_experts.stream is None

@@ -211,6 +211,16 @@ class RawKernel:
                     moved = [np.uint64(_ptr(p) + int(sb0 * b)) if _ptr(p) else p for p, b in zip(pl, per_sb)]
                     outs.append(canonical_product(_planar(fmt, *moved, hi - lo, K), fmt, hi - lo, K, q[r:r + 1], xsv[r:r + 1], su[r:r + 1]))
                 Y[j * ldy : j * ldy + M] = np.concatenate(outs, axis=1)[0]
+        elif n.startswith("qmm_id_"):  # routed experts grouped by expert (moe_group's order): as qgemv_id, pair by pair
+            fmt = n.split("_")[2]
+            planes = args[:12]
+            e0, e1, M, K, xq, xs8, xsum, starts, tiles, E, y, ldy = args[12:]
+            E, K = int(E), int(K)
+            S = _arr(starts, np.int32, E + 1).copy()
+            total = int(S[E])
+            ids = np.zeros(max(total, 1), np.int32)
+            for e in range(E): ids[S[e]:S[e + 1]] = e
+            if total: RawKernel(f"qgemv_id_{fmt}")._run((0, total), None, (*planes, e0, e1, M, K, xq, xs8, xsum, np.uint64(ids.ctypes.data), 1, y, ldy))
         elif n.startswith(("qgemv_", "qmm_")) and n != "qmm_combine":  # canonical products, bit for bit (infer.gpu.reference)
             from infer.gpu.reference import canonical_product
             fmt = n.split("_")[1]
@@ -426,11 +436,35 @@ class RawKernel:
             alive = _arr(live, np.int32, rows) != 0 if _ptr(live) else np.ones(rows, bool)
             _arr(ids, np.int32, rows * k)[:] = np.where(alive[:, None], chosen, -1).reshape(-1)
             _arr(w, np.float32, rows * k)[:] = np.where(alive[:, None], weights, 0).reshape(-1)
+        elif n == "moe_group":  # pairs sorted by expert (stable: the device's order within an expert may differ, and nothing depends on it)
+            ids, pairs, E, bn, starts, tiles, order, slot = args
+            pairs, E, bn = int(pairs), int(E), int(bn)
+            I = _arr(ids, np.int32, pairs).copy()
+            counts = np.bincount(I[I >= 0], minlength=E)
+            S = _arr(starts, np.int32, E + 1); S[0] = 0; S[1:] = np.cumsum(counts)
+            TL = _arr(tiles, np.int32, E + 1); TL[0] = 0; TL[1:] = np.cumsum(-(-counts // bn))
+            valid = np.flatnonzero(I >= 0)
+            srt = valid[np.argsort(I[valid], kind="stable")]
+            _arr(order, np.int32, pairs)[: srt.size] = srt
+            SL = _arr(slot, np.int32, pairs); SL[:] = -1; SL[srt] = np.arange(srt.size)
+        elif n == "moe_gather8":
+            xq, xs8, xsum, K, group, order, count, xdiv, oq, os_, osum = args
+            K, group, xdiv = int(K), int(group), int(xdiv)
+            c = int(_arr(count, np.int32, 1)[0])
+            src = _arr(order, np.int32, c).copy() // xdiv
+            nx = int(src.max()) + 1 if c else 0
+            for a, o, w, dt in ((xq, oq, K, np.int8), (xs8, os_, K // group, np.float32), (xsum, osum, K // 32, np.int32)):
+                if c: _arr(o, dt, c * w).reshape(c, w)[:] = _arr(a, dt, nx * w).reshape(nx, w)[src]
         elif n == "moe_combine":
             from infer.moe import SharedExpert, weighted_sum
-            outs, ids, w, k, dim, shared, gate, x = args
+            outs, ids, w, k, dim, slot, shared, gate, x = args
             rows, k, dim = int(grid[1]), int(k), int(dim)
-            O = _arr(outs, np.float32, rows * k * dim).reshape(rows, k, dim)
+            if _ptr(slot):  # outputs in moe_group's order: back to pair order
+                SL = _arr(slot, np.int32, rows * k).copy()
+                src = _arr(outs, np.float32, (int(SL.max()) + 1) * dim).reshape(-1, dim)
+                O = np.zeros((rows * k, dim), np.float32); O[SL >= 0] = src[SL[SL >= 0]]; O = O.reshape(rows, k, dim)
+            else:
+                O = _arr(outs, np.float32, rows * k * dim).reshape(rows, k, dim)
             W = _arr(w, np.float32, rows * k).reshape(rows, k)
             alive = _arr(ids, np.int32, rows * k).reshape(rows, k)[:, 0] >= 0
             t = weighted_sum(O, W)
