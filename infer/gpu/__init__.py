@@ -141,6 +141,11 @@ def load_gpu_transformer(model: GGUFModel, max_context: int | None = None, vram_
         from infer.tiers.cpu_tier import CpuExperts
 
         gpu.cpu_experts = CpuExperts(model, args, why=experts_why, layers=on_cpu)
+        if gpu.gpu_experts is not None and gpu.gpu_experts.stream is not None:  # or shares it with the GPU
+            from infer.gpu.expert_stream import choose_gpu_slots
+
+            gpu.gpu_experts.gpu_slots, gpu.gpu_experts.split_why = choose_gpu_slots(gpu.gpu_experts.stream,
+                                                                                     gpu.cpu_experts, args)
     return gpu
 
 

@@ -21,7 +21,12 @@ protects them, and its copies overlap this block's products and the next block's
 
 from __future__ import annotations
 
+import os
+import time
+from typing import TYPE_CHECKING
+
 import cupy
+import numpy as np
 
 from infer.arch import ModelArgs, tensor_name
 from infer.gguf_file import GGUFModel
@@ -30,6 +35,9 @@ from infer.gpu.ops import GpuMatrix
 from infer.tiers.pipeline import repack_into
 from infer.tiers.plan import Tensor, format_bytes, gpu_nbytes, span, tensors_from
 from infer.tiers.tier_b import HostTier
+
+if TYPE_CHECKING:
+    from infer.tiers.cpu_tier import CpuExperts
 
 
 def _stack_tensors(model: GGUFModel, layers: list[int]) -> dict[tuple[int, str], Tensor]:
@@ -103,6 +111,47 @@ class ExpertStream:
             matrices[kind] = repack_into(self.slot[: t.nbytes], t, self.planar[kind])
             self.released.record(compute)
             self.streamed_bytes += t.nbytes
+        return self._block(i, matrices)
+
+    def fetch(self, i: int, experts: list[int]) -> ExpertBlock:
+        """Block i's experts `experts` only (sorted ids), each slice copied and repacked where the
+        whole stack's would be, queued on the current stream: a product may read those experts'
+        rows of the returned block, no other (valid until the next call)."""
+        from gguf.constants import GGMLQuantizationType
+
+        from infer.gpu import kernels
+        from infer.gpu.layout import PLANE_BYTES, format_of, plane_layout
+        from infer.quants import activation_format
+
+        compute = cupy.cuda.get_current_stream()
+        matrices: dict[str, GpuMatrix] = {}
+        for kind in STACKS:
+            t = self.stacks[(i, kind)]
+            host = self.host.view(t.name)
+            E, rows, cols = (int(d) for d in t.shape)
+            fmt = format_of(t.ggml_type)
+            layout = plane_layout(fmt, E * rows, cols)
+            piece, n_sb = t.nbytes // E, rows * cols // 32
+            per_sb = (*PLANE_BYTES[fmt], 4 / 8)  # dm: 4 bytes per 8 sub-blocks (an expert starts on a 256-value block)
+            base = self.planar[kind].data.ptr
+            kernel = kernels.function("repack", f"repack_{GGMLQuantizationType(t.ggml_type).name.lower()}")
+            self.copy_stream.wait_event(self.released)
+            for e in experts:
+                cupy.cuda.runtime.memcpyAsync(self.slot.data.ptr + e * piece, host.ctypes.data + e * piece, piece,
+                                              cupy.cuda.runtime.memcpyHostToDevice, self.copy_stream.ptr)
+            self.arrived.record(self.copy_stream)
+            compute.wait_event(self.arrived)
+            for e in experts:
+                planes = [np.uint64(base + o + int(e * n_sb * b)) if size else np.uint64(0)
+                          for o, size, b in zip(layout.offsets, layout.sizes, per_sb, strict=True)]
+                kernel((-(-n_sb // 256),), (256,), (self.slot[e * piece :], np.int64(n_sb), *planes))
+            self.released.record(compute)
+            self.streamed_bytes += piece * len(experts)
+            matrices[kind] = GpuMatrix(fmt, E * rows, cols, layout, self.planar[kind][: layout.nbytes], t.nbytes,
+                                       activation_format(t.ggml_type), streamed=True)
+        return self._block(i, matrices)
+
+    def _block(self, i: int, matrices: dict[str, GpuMatrix]) -> ExpertBlock:
         shared = [self.resident.get((i, kind)) for kind in SHARED]
         return ExpertBlock(self.resident[(i, "ffn_gate_inp")], *(matrices[k] for k in STACKS), shared[0],
                            None if shared[1] is None else [shared[1], shared[2]], shared[3])  # type: ignore[list-item]
@@ -117,3 +166,34 @@ def min_prompt_rows(args: ModelArgs) -> int:
     multiply each of them for several rows, while the link carries the block once; at least 16."""
     return max(16, -(-2 * args.n_experts // max(args.n_experts_used, 1)))
 
+
+
+def choose_gpu_slots(stream: ExpertStream, cpu: CpuExperts, args: ModelArgs) -> tuple[int, str]:
+    """How many of a token's picks in the CPU's blocks the GPU computes, their experts fetched over
+    the link while the CPU computes the rest (GpuExperts.run_split): k * cpu / (cpu + link) of one
+    pick's measured costs (best of 3 after a warm-up, block stream.layers[0]), so both sides take
+    about the same time; NVMEDIRECT_EXPERT_GPU_SLOTS overrides it. (slots, the line that says why)."""
+    k, i = args.n_experts_used, stream.layers[0]
+    forced = os.environ.get("NVMEDIRECT_EXPERT_GPU_SLOTS")
+    if forced is not None:
+        g = max(0, min(k, int(forced)))
+        return g, f"{g} of a token's {k} picks in the CPU's blocks fetched to the GPU (NVMEDIRECT_EXPERT_GPU_SLOTS)"
+    picks = list(range(k))
+    link = cpu_s = float("inf")
+    C = cpu.blocks.layer(i)
+    h = np.random.default_rng(0).standard_normal((1, args.dim)).astype(np.float32)
+    outs = np.zeros((1, k, args.dim), np.float32)
+    for rep in range(4):
+        started = time.perf_counter()
+        stream.fetch(i, picks)
+        cupy.cuda.get_current_stream().synchronize()
+        fetched = time.perf_counter() - started
+        started = time.perf_counter()
+        C.experts.run_experts(outs, h, np.array([picks]), np.array(picks), cpu.blocks.native_layers.swiglu)  # type: ignore[union-attr]
+        computed = time.perf_counter() - started
+        if rep:
+            link, cpu_s = min(link, fetched), min(cpu_s, computed)
+    stream.streamed_bytes = 0
+    g = max(0, min(k, round(k * cpu_s / (cpu_s + link))))
+    return g, (f"{g} of a token's {k} picks in the CPU's blocks fetched to the GPU while the CPU computes the rest "
+               f"(a pick: CPU {cpu_s / k * 1e3:.3f} ms, link {link / k * 1e3:.3f} ms)")

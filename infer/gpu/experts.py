@@ -48,6 +48,14 @@ from infer.tiers.plan import format_bytes, span
 
 if TYPE_CHECKING:
     from infer.gpu.expert_stream import ExpertStream
+    from infer.tiers.cpu_tier import CpuExperts
+
+
+def pinned_rows(rows: int, cols: int) -> np.ndarray:
+    """A float32 (rows, cols) host array in page-locked memory (a copy to the device from it is async)."""
+    import cupyx
+
+    return cupyx.empty_pinned((rows, cols), np.float32)
 
 F32 = cupy.float32
 ROUTE_MAX_K = 32  # moe.cu moe_route: a lane keeps each pick
@@ -208,6 +216,10 @@ class GpuExperts:
         self.can_group = _stacks_group(model, every)
         self.sorted_inputs = {a: Int8Act.zeros(pairs, d, a) for kind in STACKS[:2] for a in act[kind]} \
             if self.can_group else {}
+        self.gpu_slots = 0  # picks of a row the GPU computes for the CPU's blocks (run_split; 0: none)
+        self.split_why = ""  # how gpu_slots was chosen (the load report)
+        self.split_ids = cupy.full(pairs, -1, cupy.int32)
+        self.split_outs = pinned_rows(pairs, d) if stream is not None else np.zeros((0, d), np.float32)
         self.shared = None
         if args.shared_ffn_dim:
             s = args.shared_ffn_dim
@@ -229,7 +241,9 @@ class GpuExperts:
         which = "every block's" if n == a.n_layers else f"the experts of {n} of {a.n_layers} blocks ({span(self.blocks)})"
         line = (f"experts: {a.n_experts} per block, {a.n_experts_used} per token; {which} in VRAM, "
                 f"{format_bytes(self.nbytes)} (routers, routed and shared experts), computed by the GPU")
-        return line if self.stream is None else f"{line}; the {self.stream.describe()}"
+        if self.stream is None:
+            return line
+        return f"{line}; the {self.stream.describe()}" + (f"; {self.split_why}" if self.split_why else "")
 
     def run_ffn(self, model: object, i: int, shape: object) -> None:
         """Block i's feed-forward for the pass's rows: model.x in place (queued on the current stream)."""
@@ -246,6 +260,62 @@ class GpuExperts:
         c = shape.canonical  # type: ignore[attr-defined]
         self._ffn(self.stream.block(i), model.weights.layer(i), model.x[c:], shape.prompt,  # type: ignore[union-attr, attr-defined]
                   model.index.d["live"][c:])  # type: ignore[attr-defined]
+
+    def splits(self, i: int) -> bool:
+        """Whether block i (one the CPU holds) splits its rows' picks between the GPU and the CPU."""
+        return self.stream is not None and self.gpu_slots > 0 and i not in self.blocks
+
+    def run_split(self, model: object, i: int, rows: int, cpu: CpuExperts) -> None:
+        """Block i's feed-forward (one whose experts the CPU holds) for model.x rows 0..rows: routed
+        here; each row's first `gpu_slots` picks computed here, their experts fetched over the link
+        (self.stream.fetch), while the CPU computes the other picks from RAM (`cpu`'s products);
+        combined here in the picks' order. Which side computes a pick depends only on its rank, so
+        a row's bits do not depend on the pass (the pass's other rows only change what is fetched)."""
+        a, stream, g = self.args, model.stream, self.gpu_slots  # type: ignore[attr-defined]
+        k, d, e, n = a.n_experts_used, a.dim, a.n_experts, rows
+        if n < 1:
+            return
+        L = model.weights.layer(i)  # type: ignore[attr-defined]
+        router = self.stream.resident[(i, "ffn_gate_inp")]  # type: ignore[union-attr]
+        stacks = self.stream.stacks  # type: ignore[union-attr]
+        acts = [router.act, *(activation_format(stacks[(i, kind)].ggml_type) for kind in STACKS[:2])]
+        xs = self.inputs.normed(model.x, L.ffn_norm, "ffn", acts, n)  # type: ignore[attr-defined]
+        products.product([router], xs[router.act], self.logits, n, ldy=e)
+        route(self.logits, n, e, k, a.expert_weights_norm, model.index.d["live"], self.ids, self.weights)  # type: ignore[attr-defined]
+        x = cupy.asnumpy(model.x[:n], stream=stream)  # type: ignore[attr-defined]
+        chosen = cupy.asnumpy(self.ids[: n * k], stream=stream).reshape(n, k)
+        stream.synchronize()
+        mine = chosen[:, :g]
+        B = self.stream.fetch(i, sorted({int(v) for v in mine[mine >= 0]}))  # type: ignore[union-attr]
+        picks = chosen.copy()
+        picks[:, g:] = -1  # the CPU's picks: no product here
+        self.split_ids[: n * k].set(picks.reshape(-1), stream=stream)
+        pairs, gu = n * k, self.gu.reshape(-1)
+        for parts, row0 in runs([B.gate, B.up]):
+            products.expert_product(parts, e, xs[parts[0].act], self.split_ids, pairs, k, gu[row0 // e :], 2 * a.expert_ffn_dim)
+        self._glu(self.gu, a.expert_ffn_dim, pairs, self.ff, B.down.act)
+        products.expert_product([B.down], e, self.ff, self.split_ids, pairs, 1, self.outs, d)
+        # meanwhile the CPU's picks, from the normed rows as the CPU computes them
+        live = model.index.live_rows  # type: ignore[attr-defined]
+        live = live[live < n]
+        theirs = chosen[live].copy()
+        theirs[:, :g] = -1
+        outs = np.zeros((len(live), k, d), np.float32)
+        if k > g and len(live):
+            C = cpu.blocks.layer(i)
+            h = cpu.blocks.native_layers.norm(x[live], C.ffn_norm, a.norm_eps)
+            wanted = np.unique(theirs[:, g:])
+            C.experts.run_experts(outs, h, theirs, wanted[wanted >= 0], cpu.blocks.native_layers.swiglu)  # type: ignore[union-attr]
+            host = self.split_outs[: len(live) * (k - g)]
+            host[...] = outs[:, g:].reshape(-1, d)
+            for j, r in enumerate(live.tolist()):
+                cupy.cuda.runtime.memcpyAsync(self.outs[r * k + g :].data.ptr, host[j * (k - g) :].ctypes.data,
+                                              (k - g) * d * 4, cupy.cuda.runtime.memcpyHostToDevice, stream.ptr)
+        shared = gate = None
+        if self.shared is not None:
+            shared, gate = self._shared(B, xs, n)
+        combine(self.outs, self.ids, self.weights, k, d, n, shared, gate, model.x)  # type: ignore[attr-defined]
+        stream.synchronize()  # the host rows are reused by the next block
 
     def _ffn(self, B: ExpertBlock, L: object, x: cupy.ndarray, n: int, live: cupy.ndarray) -> None:
         """The feed-forward of experts B for rows 0..n of x (live: which are not null rows), in place."""

@@ -356,14 +356,24 @@ class GpuTransformer(DeviceGeneration):
                 L = self.weights.layer(i)
                 if L.ffn_down is None:  # a block whose experts the CPU computes: its attention half replays
                     self.graphs.replay(("attn", i, shape), L.addresses(), lambda i=i, L=L: self._attention(i, L, shape))
-                    if self.gpu_experts is not None and self.gpu_experts.streams(i, self.index.live_prompt_rows):
-                        # a long prompt: the canonical rows on the CPU, the prompt rows here, the experts streamed in
-                        self._experts_of(i).run_ffn(self, i, shape, rows=shape.canonical)
-                        self.gpu_experts.run_streamed(self, i, shape)
-                        continue
-                    self._experts_of(i).run_ffn(self, i, shape)  # then the host's part (no graph can hold it)
+                    self._host_experts(i, shape)  # then the host's part (no graph can hold it)
                     continue
                 self.graphs.replay(("layer", i, shape), L.addresses(), lambda i=i, L=L: self._layer(i, L, shape))
+
+    def _host_experts(self, i: int, shape: PassShape) -> None:
+        """The feed-forward of block i, whose experts the CPU holds: a long prompt's rows here with
+        the block streamed in (infer.gpu.expert_stream), the other rows by the CPU, or split by
+        pick between the CPU and experts fetched to the GPU (GpuExperts.run_split)."""
+        cpu, gpu = self.cpu_experts, self.gpu_experts
+        assert cpu is not None, f"block {i} has experts and no one to compute them"
+        streamed = gpu is not None and gpu.streams(i, self.index.live_prompt_rows)
+        rows = shape.canonical if streamed else shape.rows
+        if gpu is not None and gpu.splits(i):
+            gpu.run_split(self, i, rows, cpu)
+        else:
+            cpu.run_ffn(self, i, shape, rows=rows)
+        if streamed:
+            gpu.run_streamed(self, i, shape)  # type: ignore[union-attr]
 
     def _run_head(self, m: int, sample: bool = False, advance: bool = False) -> None:
         b = bucket_of(m, self.logits_rows)

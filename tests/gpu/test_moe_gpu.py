@@ -15,6 +15,7 @@ import pytest
 from tests.infer.test_gpu_moe import (  # noqa: F401
     check_follows_the_cpu,
     check_pass_independence,
+    check_split,
     check_streaming,
     moe_dir,
     moe_path,
@@ -37,3 +38,10 @@ def test_a_row_does_not_depend_on_its_pass_on_the_gpu(moe_path: Path, place: str
 @pytest.mark.parametrize("where", ["cpu", 1], ids=lambda p: f"experts-{p}")
 def test_long_prompts_stream_the_cpus_experts_on_the_gpu(moe_dir: Path, where: str | int) -> None:  # noqa: F811
     check_streaming(moe_dir, where)
+
+
+@pytest.mark.parametrize("slots", [1, 3])
+def test_the_cpus_blocks_share_their_picks_with_the_gpu_on_the_gpu(moe_dir: Path, slots: int,  # noqa: F811
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("NVMEDIRECT_EXPERT_GPU_SLOTS", str(slots))
+    check_split(moe_dir, slots)

@@ -353,3 +353,32 @@ def check_streaming(moe_dir: Path, place: str | int) -> None:
         np.testing.assert_array_equal(cupy_host(got_group.values), cupy_host(want_group.values))
     off = load_gpu_transformer(model, CTX, experts=place, expert_stream="off")
     assert off.gpu_experts is None or off.gpu_experts.stream is None
+
+
+@pytest.mark.parametrize("slots", [1, 3])
+def test_the_cpus_blocks_share_their_picks_with_the_gpu(moe_dir: Path, slots: int, fake_cupy: object,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("NVMEDIRECT_EXPERT_GPU_SLOTS", str(slots))
+    check_split(moe_dir, slots)
+
+
+def check_split(moe_dir: Path, slots: int) -> None:
+    """A block the CPU holds splits each row's picks (GpuExperts.run_split, NVMEDIRECT_EXPERT_GPU_SLOTS
+    set by the caller): the first `slots` computed on the GPU from experts fetched over the link,
+    the rest by the CPU. A row's logits still do not depend on its pass and follow the CPU engine;
+    with every pick on the GPU a decode step is bit for bit the run with every expert in VRAM."""
+    from infer.gpu import load_gpu_transformer
+
+    path = write_moe(moe_dir, "qwen3moe", "q4_k_m")
+    gpu = load_gpu_transformer(GGUFModel(path), CTX, experts=1)
+    assert gpu.gpu_experts.gpu_slots == slots and "NVMEDIRECT_EXPERT_GPU_SLOTS" in gpu.gpu_experts.describe()
+    check_pass_independence(path, 1)
+    check_follows_the_cpu(path, 1)
+    tokens = [5, 77, 401, 12, 9]
+    cache = gpu.new_cache(CTX)
+    got = np.stack([gpu.forward(np.array([t]), cache) for t in tokens])
+    assert gpu.gpu_experts.stream.streamed_bytes > 0  # the picks' experts crossed the link
+    if slots == gpu.args.n_experts_used:
+        resident = load_gpu_transformer(GGUFModel(path), CTX, experts="gpu")
+        cache = resident.new_cache(CTX)
+        np.testing.assert_array_equal(got, np.stack([resident.forward(np.array([t]), cache) for t in tokens]))
