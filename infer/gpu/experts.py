@@ -206,6 +206,9 @@ class GpuExperts:
         self.ids = cupy.full(pairs, -1, cupy.int32)
         self.weights = cupy.zeros(pairs, F32)
         self.gu = cupy.zeros((pairs, 2 * w), F32)  # [gate | up] of each (row, slot) pair
+        if len(act["ffn_down_exps"]) > 1 or len(act.get("ffn_down_shexp", ())) > 1:
+            raise ValueError(f"the blocks' down stacks take inputs in several 8-bit forms ({sorted(act['ffn_down_exps'])}): "
+                             "the GPU's expert buffers hold one")
         (down_act,) = act["ffn_down_exps"]
         self.ff: products.Input = Int8Act.zeros(pairs, w, down_act) if down_act in EIGHT_BIT else \
             cupy.zeros((pairs, w), F32)
