@@ -58,7 +58,8 @@ class LLM:
     def load(cls, path: str | Path, ctx_size: int | None = None, device: str = "cpu",
              weight_budget_bytes: int = 8 << 30, exact: bool = False, vram_budget: str | int | None = None,
              enforce_budget: bool = False, planned: dict[str, int] | None = None, tree_nodes: int = 0,
-             progress: Callable[[int, int], None] | None = None, experts: str | int = "auto") -> LLM:
+             progress: Callable[[int, int], None] | None = None, experts: str | int = "auto",
+             expert_stream: str | int = "auto") -> LLM:
         """Opens and checks `path`. ctx_size: tokens of context (default: the model's, at most 4096).
         device: "cpu", "gpu" (CuPy; a ValueError when no GPU is visible) or "auto" (GPU if present).
         exact: on the CPU, float64 sums (infer.model).
@@ -66,7 +67,8 @@ class LLM:
         a model that does not fit raises infer.tiers.budget.VramBudgetError. enforce_budget: cap the
         device memory pool at it (process-wide). planned, tree_nodes, progress (the GPU upload's
         progress(done, total)) and experts (a mixture of experts on the GPU: "auto", "gpu", "cpu" or
-        a count of blocks whose experts the CPU computes):
+        a count of blocks whose experts the CPU computes) and expert_stream (those blocks' experts
+        streamed to the GPU for long prompts and shared per pick in decode: "auto", "off" or N rows):
         see load_gpu_transformer."""
         from infer.gpu import resolve_device
 
@@ -80,7 +82,7 @@ class LLM:
 
             transformer = load_gpu_transformer(gguf, ctx_size, vram_budget, enforce_budget=enforce_budget,
                                                planned=planned, tree_nodes=tree_nodes, progress=progress,
-                                               experts=experts)
+                                               experts=experts, expert_stream=expert_stream)
         else:
             transformer = load_transformer(gguf, weight_budget_bytes, exact=exact)
         ctx = ctx_size or min(transformer.args.context_length, DEFAULT_CTX)

@@ -98,7 +98,8 @@ def _resolve_device(device: str) -> str:
 
 
 def _load(model: str | None, ctx_size: int, device: str, vram_budget: str | None = None, exact: bool = False,
-          planned: dict[str, int] | None = None, tree_nodes: int = 0, experts: str | int = "auto") -> LLM:
+          planned: dict[str, int] | None = None, tree_nodes: int = 0, experts: str | int = "auto",
+          expert_stream: str | int = "auto") -> LLM:
     if not model:
         _fail("no model given: use -m/--model FILE.gguf", EXIT_BAD_INPUT)
     from infer.api import LLM
@@ -112,7 +113,7 @@ def _load(model: str | None, ctx_size: int, device: str, vram_budget: str | None
         with uploads as advance:  # the GPU's uploads, layer by layer (the CPU's come with warm below)
             llm = LLM.load(model, ctx_size=ctx_size or None, device=where, exact=exact, vram_budget=vram_budget,
                            enforce_budget=where == "gpu", planned=planned, tree_nodes=tree_nodes, progress=advance,
-                           experts=experts)
+                           experts=experts, expert_stream=expert_stream)
     except TokenizerError as err:  # before ValueError, which it is
         _fail(f"{model}: tokenizer: {err}", EXIT_BAD_INPUT)
     except (ValueError, ModelError) as err:  # bad file, bad size, budget too small (BudgetError)
@@ -243,12 +244,18 @@ def _sampler(temp: float, top_k: int, top_p: float, min_p: float, repeat_penalty
 @click.option("--n-cpu-moe", type=click.IntRange(min=0), default=None, metavar="N",
               help="GPU, a mixture of experts: the experts of the first N blocks on the CPU, the rest in VRAM "
                    "(llama.cpp's --n-cpu-moe).")
+@click.option("--expert-stream", default="auto", metavar="auto|off|N",
+              help="GPU, a mixture of experts with blocks on the CPU: stream those blocks' experts to the GPU for "
+                   "prompts of at least N tokens (auto: 2 x experts / used, at least 16) and, in decode, fetch "
+                   "a share of each token's experts to the GPU while the CPU computes the rest; off: the CPU "
+                   "computes those blocks alone.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")
 @click.pass_context
 def main(ctx: click.Context, model: str | None, prompt: str | None, n_predict: int, chat: bool, system: str | None,
          benchmark: bool, temp: float, top_k: int, top_p: float, min_p: float, repeat_penalty: float,
          ctx_size: int, seed: int | None, device: str, streaming: StreamingConfig, spec: SpecOptions,
-         threads: int | None, exact: bool, cpu_moe: bool, n_cpu_moe: int | None, as_json: bool) -> None:
+         threads: int | None, exact: bool, cpu_moe: bool, n_cpu_moe: int | None, expert_stream: str,
+         as_json: bool) -> None:
     """Run a GGUF language model (Llama, Qwen2 or Qwen3 architecture) on the GPU or the CPU.
 
     With --streaming, weights that do not fit the VRAM budget are streamed each pass from pinned RAM
@@ -286,7 +293,8 @@ def main(ctx: click.Context, model: str | None, prompt: str | None, n_predict: i
         _note("warning: --cpu-moe and --n-cpu-moe place the experts of a GPU run: on the CPU every expert is the "
               "CPU's anyway")
     with _device_errors(where, measure_peak=benchmark or as_json) as peak:
-        llm = _load(model, ctx_size, where, streaming.vram_budget, exact, experts=experts)
+        llm = _load(model, ctx_size, where, streaming.vram_budget, exact, experts=experts,
+                    expert_stream=int(expert_stream) if expert_stream.isdigit() else expert_stream)
         if benchmark:
             cli_run.benchmark(llm, n_predict, as_json, peak)
         elif chat:

@@ -218,6 +218,11 @@ def test_the_cli_places_the_experts(moe_dir: Path, fake_cupy: object) -> None:
     assert ids["split"] == ids["first"] and all(len(v) == 6 for v in ids.values())
     both = CliRunner().invoke(main, [*args, "--cpu-moe", "--n-cpu-moe", "1"])
     assert both.exit_code == 2 and "cannot be combined" in both.output
+    assert "stream to the GPU for passes of >= 16 prompt rows" in first  # auto: the CPU's blocks stream
+    off = CliRunner().invoke(main, [*args, "--n-cpu-moe", "2", "--expert-stream", "off"])
+    assert off.exit_code == 0 and "stream to the GPU" not in off.stderr and json.loads(off.stdout)["ids"] == ids["first"]
+    bad = CliRunner().invoke(main, [*args, "--n-cpu-moe", "2", "--expert-stream", "sometimes"])
+    assert bad.exit_code == 2 and "--expert-stream takes auto, off or a count of prompt rows" in bad.output
 
 
 def test_the_experts_see_no_null_row(moe_dir: Path, place: str | int, fake_cupy: object,
