@@ -368,12 +368,13 @@ class GpuTransformer(DeviceGeneration):
         assert cpu is not None, f"block {i} has experts and no one to compute them"
         streamed = gpu is not None and gpu.streams(i, self.index.live_prompt_rows)
         rows = shape.canonical if streamed else shape.rows
+        stream_in = (lambda: gpu.run_streamed(self, i, shape)) if streamed else None  # type: ignore[union-attr]
         if gpu is not None and gpu.splits(i):
-            gpu.run_split(self, i, rows, cpu)
-        else:
-            cpu.run_ffn(self, i, shape, rows=rows)
-        if streamed:
-            gpu.run_streamed(self, i, shape)  # type: ignore[union-attr]
+            gpu.run_split(self, i, rows, cpu, then=stream_in)  # the streamed rows overlap the CPU's part
+            return
+        cpu.run_ffn(self, i, shape, rows=rows)
+        if stream_in is not None:
+            stream_in()
 
     def _run_head(self, m: int, sample: bool = False, advance: bool = False) -> None:
         b = bucket_of(m, self.logits_rows)

@@ -387,3 +387,9 @@ def check_split(moe_dir: Path, slots: int) -> None:
         resident = load_gpu_transformer(GGUFModel(path), CTX, experts="gpu")
         cache = resident.new_cache(CTX)
         np.testing.assert_array_equal(got, np.stack([resident.forward(np.array([t]), cache) for t in tokens]))
+        # a long prompt: its prompt rows streamed while the last (canonical) row is split, in one pass
+        prompt = np.random.default_rng(3).integers(3, 600, 40)
+        before = gpu.gpu_experts.stream.streamed_bytes
+        mixed = gpu.forward(prompt, gpu.new_cache(CTX), prompt=True)
+        assert gpu.gpu_experts.stream.streamed_bytes > before
+        np.testing.assert_array_equal(mixed, resident.forward(prompt, resident.new_cache(CTX), prompt=True))
