@@ -133,10 +133,16 @@ def load_gpu_transformer(model: GGUFModel, max_context: int | None = None, vram_
         from infer.gpu.experts import GpuExperts
 
         done = args.n_layers + 1
-        stream = ExpertStream(model, args, on_cpu, stream_rows) if stream_rows else None
-        gpu.use_gpu_experts(GpuExperts(model, args, prefill_chunk, experts_on_gpu,
-                                       lambda j: weights_progress(done + j, done), stream=stream))
-        cupy.get_default_memory_pool().free_all_blocks()
+        stream = None
+        if stream_rows:
+            try:
+                stream = ExpertStream(model, args, on_cpu, stream_rows)
+            except cupy.cuda.runtime.CUDARuntimeError as err:  # page-locking refused (limits, driver)
+                experts_why = f"{experts_why or 'placed'}; not streamed to the GPU: page-locking their pages failed ({err})"
+        if experts_on_gpu or stream is not None:
+            gpu.use_gpu_experts(GpuExperts(model, args, prefill_chunk, experts_on_gpu,
+                                           lambda j: weights_progress(done + j, done), stream=stream))
+            cupy.get_default_memory_pool().free_all_blocks()
     if on_cpu:  # these blocks' experts stay in the file's pages; the CPU computes their feed-forward
         from infer.tiers.cpu_tier import CpuExperts
 

@@ -12,6 +12,11 @@ tokens, the logits rows of a prompt) stay with the CPU, so a row whose logits ar
 bits in any pass; prompt rows already take other products on the GPU (pmm), so their numbers were
 never the canonical rows'.
 
+In decode the same staging serves `fetch`: a token's first picks in such a block (GpuExperts.run_split)
+have only their experts' slices copied and repacked, each at its own place in the staging block,
+while the CPU computes the token's other picks. Registering the span of those blocks' stacks keeps
+their pages in RAM (they are the CPU's working set anyway).
+
 Streams and events: the copy stream waits for the raw slot's release, copies a stack's bytes into
 it and records its arrival; the compute stream waits for the arrival, repacks the stack into its
 planar buffer and records the slot's release. The planar buffers are reused by the next streamed

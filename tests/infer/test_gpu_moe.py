@@ -360,6 +360,28 @@ def check_streaming(moe_dir: Path, place: str | int) -> None:
     assert off.gpu_experts is None or off.gpu_experts.stream is None
 
 
+def test_refused_page_locking_leaves_the_cpus_blocks_unstreamed(moe_dir: Path, fake_cupy: object,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    import cupy
+
+    from infer.gpu import load_gpu_transformer
+
+    def refuse(*args: object) -> None:
+        raise cupy.cuda.runtime.CUDARuntimeError("cudaErrorHostMemoryAlreadyRegistered")
+
+    monkeypatch.setattr("infer.tiers.tier_b.gpu_present", lambda: True)
+    monkeypatch.setattr(cupy.cuda.runtime, "hostRegister", refuse)
+    model = GGUFModel(write_moe(moe_dir, "qwen3moe", "q4_k_m"))
+    gpu = load_gpu_transformer(model, CTX, experts="cpu")
+    assert gpu.gpu_experts is None and "page-locking their pages failed" in gpu.cpu_experts.describe()
+    split = load_gpu_transformer(model, CTX, experts=1)
+    assert split.gpu_experts.stream is None and sorted(split.gpu_experts.blocks) == [1, 2]
+    tokens = np.array([3, 9, 27])
+    np.testing.assert_array_equal(split.forward(tokens, split.new_cache(CTX)),
+                                  load_gpu_transformer(model, CTX, experts=1, expert_stream="off").forward(
+                                      tokens, split.new_cache(CTX)))
+
+
 @pytest.mark.parametrize("slots", [1, 3])
 def test_the_cpus_blocks_share_their_picks_with_the_gpu(moe_dir: Path, slots: int, fake_cupy: object,
                                                         monkeypatch: pytest.MonkeyPatch) -> None:

@@ -94,6 +94,7 @@ cuda = types.SimpleNamespace(
                                   cudaLimitStackSize=0, deviceGetLimit=lambda limit: LIMITS[limit],
                                   deviceSetLimit=_set_limit,
                                   memcpyHostToDevice=1, hostRegister=lambda *a: None, hostUnregister=lambda *a: None,
+                                  CUDARuntimeError=type("CUDARuntimeError", (RuntimeError,), {}),
                                   pointerGetAttributes=_no_attributes,
                                   memcpyAsync=lambda d, s, n, k, st: ctypes.memmove(d, s, n),
                                   memcpy=lambda d, s, n, k: ctypes.memmove(d, s, n), memcpyDeviceToHost=2,
