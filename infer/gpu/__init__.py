@@ -150,8 +150,7 @@ def load_gpu_transformer(model: GGUFModel, max_context: int | None = None, vram_
         if gpu.gpu_experts is not None and gpu.gpu_experts.stream is not None:  # or shares it with the GPU
             from infer.gpu.expert_stream import choose_gpu_slots
 
-            gpu.gpu_experts.gpu_slots, gpu.gpu_experts.split_why = choose_gpu_slots(gpu.gpu_experts.stream,
-                                                                                     gpu.cpu_experts, args)
+            gpu.gpu_experts.gpu_slots, gpu.gpu_experts.split_why = choose_gpu_slots(args)
     return gpu
 
 

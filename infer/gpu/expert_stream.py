@@ -27,8 +27,7 @@ protects them, and its copies overlap this block's products and the next block's
 from __future__ import annotations
 
 import os
-import time
-from typing import TYPE_CHECKING
+import weakref
 
 import cupy
 import numpy as np
@@ -40,9 +39,6 @@ from infer.gpu.ops import GpuMatrix
 from infer.tiers.pipeline import repack_into
 from infer.tiers.plan import Tensor, format_bytes, gpu_nbytes, span, tensors_from
 from infer.tiers.tier_b import HostTier
-
-if TYPE_CHECKING:
-    from infer.tiers.cpu_tier import CpuExperts
 
 
 def _stack_tensors(model: GGUFModel, layers: list[int]) -> dict[tuple[int, str], Tensor]:
@@ -85,6 +81,9 @@ class ExpertStream:
         self.arrived = cupy.cuda.Event(disable_timing=True)
         self.released = cupy.cuda.Event(disable_timing=True)  # never recorded: the slot starts free
         self.streamed_bytes = 0  # over the link so far (the benchmark's figure)
+        # unregister before the mapping goes: a later mapping at the same addresses would otherwise
+        # be taken by CUDA for these pinned pages (a copy into it lands in the old ones)
+        self._unregister = weakref.finalize(self, self.host.close)
 
     @property
     def nbytes(self) -> int:
@@ -162,7 +161,7 @@ class ExpertStream:
                            None if shared[1] is None else [shared[1], shared[2]], shared[3])  # type: ignore[list-item]
 
     def close(self) -> None:
-        self.host.close()
+        self._unregister()
 
 
 def min_prompt_rows(args: ModelArgs) -> int:
@@ -173,32 +172,16 @@ def min_prompt_rows(args: ModelArgs) -> int:
 
 
 
-def choose_gpu_slots(stream: ExpertStream, cpu: CpuExperts, args: ModelArgs) -> tuple[int, str]:
+def choose_gpu_slots(args: ModelArgs) -> tuple[int, str]:
     """How many of a token's picks in the CPU's blocks the GPU computes, their experts fetched over
-    the link while the CPU computes the rest (GpuExperts.run_split): k * cpu / (cpu + link) of one
-    pick's measured costs (best of 3 after a warm-up, block stream.layers[0]), so both sides take
-    about the same time; NVMEDIRECT_EXPERT_GPU_SLOTS overrides it. (slots, the line that says why)."""
-    k, i = args.n_experts_used, stream.layers[0]
+    the link while the CPU computes the rest (GpuExperts.run_split), and the line that says so.
+    None by default: on the H100 host of 2026-12-06 three of eight (what one pick's costs, CPU 0.047
+    ms and link 0.084 ms, suggested) decoded the 30B-A3B at 8 GB at 34.3 tok/s against 53.1 with
+    none, the fixed costs of a fetch (a wait for the picks, a copy and a repack per slice) larger than
+    the CPU's share they save (docs/PERFORMANCE.md). NVMEDIRECT_EXPERT_GPU_SLOTS=g sets one."""
+    k = args.n_experts_used
     forced = os.environ.get("NVMEDIRECT_EXPERT_GPU_SLOTS")
-    if forced is not None:
-        g = max(0, min(k, int(forced)))
-        return g, f"{g} of a token's {k} picks in the CPU's blocks fetched to the GPU (NVMEDIRECT_EXPERT_GPU_SLOTS)"
-    picks = list(range(k))
-    link = cpu_s = float("inf")
-    C = cpu.blocks.layer(i)
-    h = np.random.default_rng(0).standard_normal((1, args.dim)).astype(np.float32)
-    outs = np.zeros((1, k, args.dim), np.float32)
-    for rep in range(4):
-        started = time.perf_counter()
-        stream.fetch(i, picks)
-        cupy.cuda.get_current_stream().synchronize()
-        fetched = time.perf_counter() - started
-        started = time.perf_counter()
-        C.experts.run_experts(outs, h, np.array([picks]), np.array(picks), cpu.blocks.native_layers.swiglu)  # type: ignore[union-attr]
-        computed = time.perf_counter() - started
-        if rep:
-            link, cpu_s = min(link, fetched), min(cpu_s, computed)
-    stream.streamed_bytes = 0
-    g = max(0, min(k, round(k * cpu_s / (cpu_s + link))))
-    return g, (f"{g} of a token's {k} picks in the CPU's blocks fetched to the GPU while the CPU computes the rest "
-               f"(a pick: CPU {cpu_s / k * 1e3:.3f} ms, link {link / k * 1e3:.3f} ms)")
+    if forced is None:
+        return 0, ""
+    g = max(0, min(k, int(forced)))
+    return g, f"{g} of a token's {k} picks in the CPU's blocks fetched to the GPU (NVMEDIRECT_EXPERT_GPU_SLOTS)"

@@ -62,9 +62,10 @@ ROUTE_MAX_K = 32  # moe.cu moe_route: a lane keeps each pick
 MAX_PAIRS = 65535  # (row, slot) pairs of one pass: a launch's grid y
 BUFFER_ROUNDING = 512  # CuPy's pool rounds each buffer up to this (a block's matrices are buffers of their own)
 MATRICES_PER_BLOCK = 7  # at most: router, gate, up, down, and a shared expert's gate, gate/up and down
-# mean pairs an expert from which a pass groups its pairs by expert (bench.moe_sweep, docs/PERFORMANCE.md);
+# mean pairs an expert from which a pass groups its pairs by expert: at 2 (32 decode rows of the
+# 30B-A3B) grouped ran 2653 tok/s against 1358 per pair (H100, 2026-12-06, docs/PERFORMANCE.md);
 # NVMEDIRECT_EXPERTS_GROUPED_FROM overrides it (sweeps; a large value keeps every pass per pair)
-GROUPED_FROM = float(os.environ.get("NVMEDIRECT_EXPERTS_GROUPED_FROM", "4"))
+GROUPED_FROM = float(os.environ.get("NVMEDIRECT_EXPERTS_GROUPED_FROM", "1"))
 STACKS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
 SHARED = ("ffn_gate_inp_shexp", "ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp")
 

@@ -115,6 +115,7 @@ def prepare_kernels(formats: set[str]) -> None:
                 _pmm_kernel(fmt, bn)
 
 
+FGEMV_L2_BYTES = 8 << 20  # float matrices up to this size count as held by the L2 (fgemv's grid)
 SPLIT_MIN_BLOCKS = 264  # a qmm launch of fewer (row tile x token tile) blocks splits K (2 x 132 SMs)
 SPLIT_SCRATCH_BYTES = 16 << 20  # the group sums of a split product (a model's pass buffers hold them)
 CANON_GROUP = 1024  # canon.cuh: values of K per group (a split block computes one)
@@ -169,7 +170,12 @@ def product(parts: list[GpuMatrix], x: Input, y: cupy.ndarray, n: int, ldy: int 
     if m0.fmt in FLOAT_FORMATS:
         warps = QGEMV_TUNING[0]
         fn = kernels.function("qmm", f"fgemv_{m0.fmt}", _gemv_defines(m0.fmt))
-        fn((grid_blocks(rows, warps), min(n, 64)), (32 * warps,),
+        # a warp a (row, vector); grid y strides the vectors. A matrix the L2 holds (a router) takes a
+        # block row per vector: re-reading it costs nothing, and 64 would leave a 512-row prompt's
+        # warps 8 dot products each in turn (274 us a router on the H100, 2026-12-06). A larger one
+        # keeps 64, each weight row read from memory once per 64 vectors. The sums are the same.
+        small = m0.nbytes <= FGEMV_L2_BYTES
+        fn((grid_blocks(rows, warps), min(n, 65535 if small else 64)), (32 * warps,),
            (m0.buffer, np.int32(rows), np.int32(m0.cols), x, np.int32(n), y, np.int32(ldy), device_ptr(bias),
             device_ptr(residual)))
         return

@@ -129,14 +129,14 @@ def check_follows_the_cpu(moe_path: Path, place: str | int) -> None:
 
 def check_pass_independence(moe_path: Path, place: str | int) -> None:
     """A prompt in one pass, token by token, and beside another sequence: the same bits (a pass of
-    6 rows multiplies each (row, expert) pair alone, one of 40 groups the pairs by expert first);
-    the device's decode loop gives the host loop's greedy tokens."""
+    one row multiplies each (row, expert) pair alone, one of 6 or 40 groups the pairs by expert
+    first); the device's decode loop gives the host loop's greedy tokens."""
     from infer.gpu import load_gpu_transformer
 
     gpu = load_gpu_transformer(GGUFModel(moe_path), CTX, batch=2, experts=place)
     k = gpu.args.n_experts_used
     if gpu.gpu_experts is not None:
-        assert not gpu.gpu_experts.group_tiles(6 * k) and gpu.gpu_experts.group_tiles(40 * k)
+        assert not gpu.gpu_experts.group_tiles(k) and gpu.gpu_experts.group_tiles(8 * k)
     for tokens in (np.array([1, 17, 300, 42, 599, 8]), np.random.default_rng(2).integers(3, 600, 40)):
         whole = gpu.forward(tokens, gpu.new_cache(CTX), all_logits=True)
         cache = gpu.new_cache(CTX)
