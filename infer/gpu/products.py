@@ -116,6 +116,7 @@ def prepare_kernels(formats: set[str]) -> None:
 
 
 FGEMV_L2_BYTES = 8 << 20  # float matrices up to this size count as held by the L2 (fgemv's grid)
+FGEMV_VECTORS = 8  # qmm.cu FG_VECTORS
 SPLIT_MIN_BLOCKS = 264  # a qmm launch of fewer (row tile x token tile) blocks splits K (2 x 132 SMs)
 SPLIT_SCRATCH_BYTES = 16 << 20  # the group sums of a split product (a model's pass buffers hold them)
 CANON_GROUP = 1024  # canon.cuh: values of K per group (a split block computes one)
@@ -170,12 +171,14 @@ def product(parts: list[GpuMatrix], x: Input, y: cupy.ndarray, n: int, ldy: int 
     if m0.fmt in FLOAT_FORMATS:
         warps = QGEMV_TUNING[0]
         fn = kernels.function("qmm", f"fgemv_{m0.fmt}", _gemv_defines(m0.fmt))
-        # a warp a (row, vector); grid y strides the vectors. A matrix the L2 holds (a router) takes a
-        # block row per vector: re-reading it costs nothing, and 64 would leave a 512-row prompt's
-        # warps 8 dot products each in turn (274 us a router on the H100, 2026-12-06). A larger one
-        # keeps 64, each weight row read from memory once per 64 vectors. The sums are the same.
+        # a warp a row, FGEMV_VECTORS vectors at a time (each weight sub-block read once for them);
+        # grid y strides the groups of vectors. A matrix the L2 holds (a router) takes a block row
+        # per group: a 512-row prompt's router took 274 us on the H100 (2026-12-06) with a vector at
+        # a time and 64 block rows. A larger matrix keeps at most 64 block rows, each weight row read
+        # from memory once per 64 groups. The sums are the same for any grid.
         small = m0.nbytes <= FGEMV_L2_BYTES
-        fn((grid_blocks(rows, warps), min(n, 65535 if small else 64)), (32 * warps,),
+        groups = -(-n // FGEMV_VECTORS)
+        fn((grid_blocks(rows, warps), min(groups, 65535 if small else 64)), (32 * warps,),
            (m0.buffer, np.int32(rows), np.int32(m0.cols), x, np.int32(n), y, np.int32(ldy), device_ptr(bias),
             device_ptr(residual)))
         return

@@ -230,6 +230,10 @@ extern "C" __global__ void qmm_combine(const float* partial, int groups, int M, 
 }
 
 // ---------------------------------------------------------------- float formats
+// A warp a weight row; each block row (grid y) takes FG_VECTORS vectors at a time, so a sub-block of
+// weights is read once for all of them (a prompt's 512 rows through a router). Each output's sum
+// runs in the same order whatever the grouping: the same bits for any N and any grid.
+#define FG_VECTORS 8
 template <typename T>
 __device__ __forceinline__ void fgemv_body(const T* w, int M, int K, const float* x, int nvec, float* y, int ldy,
                                            const float* bias, const float* residual) {
@@ -238,40 +242,50 @@ __device__ __forceinline__ void fgemv_body(const T* w, int M, int K, const float
     if (row >= M) return;
     const int nsb = K >> 5;
     const T* wr = w + (long long)row * K;
-    for (int v = blockIdx.y; v < nvec; v += gridDim.y) {
-        const float* xv = x + (long long)v * K;
-        float acc = 0.f;
+    for (int v0 = blockIdx.y * FG_VECTORS; v0 < nvec; v0 += gridDim.y * FG_VECTORS) {
+        float acc[FG_VECTORS];
+#pragma unroll
+        for (int j = 0; j < FG_VECTORS; ++j) acc[j] = 0.f;
         for (int first = 0; first < nsb; first += 32) {
             const int sb = first + lane;
-            float t = 0.f;
+            // the sub-block's weights in 16-byte loads, once for the block row's vectors
+            constexpr int WLOADS = 32 * sizeof(T) / 16;
+            uint4 wv[WLOADS];
             if (sb < nsb) {
-                // the sub-block's weights and inputs in 16-byte loads, all in flight before the first
-                // use (one trip to memory, not one per element); the sums in the same order
-                constexpr int WLOADS = 32 * sizeof(T) / 16;
-                uint4 wv[WLOADS];
-                float4 xq[8];
                 const uint4* wp = reinterpret_cast<const uint4*>(wr + sb * 32);
-                const float4* xp = reinterpret_cast<const float4*>(xv + sb * 32);
 #pragma unroll
                 for (int i = 0; i < WLOADS; ++i) wv[i] = wp[i];
-#pragma unroll
-                for (int i = 0; i < 8; ++i) xq[i] = xp[i];
-                const T* we = reinterpret_cast<const T*>(wv);
-                const float* xe = reinterpret_cast<const float*>(xq);
-#pragma unroll
-                for (int i = 0; i < 32; ++i) t = __fadd_rn(t, __fmul_rn(to_float(we[i]), xe[i]));
             }
-            t = __fadd_rn(t, __shfl_xor_sync(FULL_MASK, t, 1));
-            t = __fadd_rn(t, __shfl_xor_sync(FULL_MASK, t, 2));
-            float group = 0.f;  // the iteration's 32 sub-blocks: one group
+            const T* we = reinterpret_cast<const T*>(wv);
 #pragma unroll
-            for (int j = 0; j < 32 / CANON_TILE; ++j) {
-                const float Tv = __shfl_sync(FULL_MASK, t, CANON_TILE * j);
-                if (first + CANON_TILE * j < nsb) group = __fadd_rn(group, Tv);
+            for (int j = 0; j < FG_VECTORS; ++j) {
+                if (v0 + j >= nvec) break;  // uniform across the warp
+                float t = 0.f;
+                if (sb < nsb) {
+                    float4 xq[8];
+                    const float4* xp = reinterpret_cast<const float4*>(x + (long long)(v0 + j) * K + sb * 32);
+#pragma unroll
+                    for (int i = 0; i < 8; ++i) xq[i] = xp[i];
+                    const float* xe = reinterpret_cast<const float*>(xq);
+#pragma unroll
+                    for (int i = 0; i < 32; ++i) t = __fadd_rn(t, __fmul_rn(to_float(we[i]), xe[i]));
+                }
+                t = __fadd_rn(t, __shfl_xor_sync(FULL_MASK, t, 1));
+                t = __fadd_rn(t, __shfl_xor_sync(FULL_MASK, t, 2));
+                float group = 0.f;  // the iteration's 32 sub-blocks: one group
+#pragma unroll
+                for (int g = 0; g < 32 / CANON_TILE; ++g) {
+                    const float Tv = __shfl_sync(FULL_MASK, t, CANON_TILE * g);
+                    if (first + CANON_TILE * g < nsb) group = __fadd_rn(group, Tv);
+                }
+                acc[j] = __fadd_rn(acc[j], group);
             }
-            acc = __fadd_rn(acc, group);
         }
-        if (lane == 0) y[(long long)v * ldy + row] = canon_out(acc, row, v, ldy, bias, residual);
+        if (lane == 0) {
+#pragma unroll
+            for (int j = 0; j < FG_VECTORS; ++j)
+                if (v0 + j < nvec) y[(long long)(v0 + j) * ldy + row] = canon_out(acc[j], row, v0 + j, ldy, bias, residual);
+        }
     }
 }
 
