@@ -356,8 +356,20 @@ def check_streaming(moe_dir: Path, place: str | int) -> None:
     for got_group, want_group in ((cache.full, want.full), (cache.ring, want.ring)):
         np.testing.assert_array_equal(cupy_host(got_group.keys), cupy_host(want_group.keys))
         np.testing.assert_array_equal(cupy_host(got_group.values), cupy_host(want_group.values))
+    # a prompt whose last row is canonical: that row stays with the CPU, the others stream, in one pass
+    mixed, whole = gpu.new_cache(CTX), resident.new_cache(CTX)
+    got = gpu.forward(tokens, mixed, prompt=True)
+    resident.forward(tokens, whole, prompt=True)
+    assert stream.streamed_bytes == 2 * stacks
+    last = len(tokens) - 1
+    np.testing.assert_array_equal(cupy_host(mixed.full.keys)[:, :, :last], cupy_host(whole.full.keys)[:, :, :last])
+    np.testing.assert_array_equal(cupy_host(mixed.full.values)[:, :, :last], cupy_host(whole.full.values)[:, :, :last])
     off = load_gpu_transformer(model, CTX, experts=place, expert_stream="off")
     assert off.gpu_experts is None or off.gpu_experts.stream is None
+    # the canonical row was computed (by the CPU): the logits follow the unstreamed run's (its prompt
+    # rows the CPU's), here within 0.93% on the stand-in
+    want = off.forward(tokens, off.new_cache(CTX), prompt=True)
+    assert rel(got, want) < 3e-2 and got.argmax() == want.argmax()
 
 
 def test_refused_page_locking_leaves_the_cpus_blocks_unstreamed(moe_dir: Path, fake_cupy: object,
