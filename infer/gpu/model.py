@@ -372,7 +372,9 @@ class GpuTransformer(DeviceGeneration):
         if gpu is not None and gpu.splits(i):
             gpu.run_split(self, i, rows, cpu, then=stream_in)  # the streamed rows overlap the CPU's part
             return
-        cpu.run_ffn(self, i, shape, rows=rows, then=stream_in)
+        cpu.run_ffn(self, i, shape, rows=rows)
+        if stream_in is not None:
+            stream_in()
 
     def _run_head(self, m: int, sample: bool = False, advance: bool = False) -> None:
         b = bucket_of(m, self.logits_rows)

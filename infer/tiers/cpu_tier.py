@@ -28,7 +28,6 @@ must not depend on the load (a server whose passes change size with it), run wit
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -175,7 +174,6 @@ class CpuExperts:
         whose feed-forward this computes (default all; the others' experts are in VRAM)."""
         self.blocks = ExpertBlocks(model, args, threads=threads)
         self.args, self.why = args, why
-        self._beside: tuple | None = None  # _run_beside's page-locked rows, side stream and events
         self.layers = list(range(args.n_layers)) if layers is None else list(layers)
 
     def describe(self) -> str:
@@ -193,16 +191,10 @@ class CpuExperts:
                 f"pages; the CPU computes {which} ({threads} threads), the GPU the rest"
                 + (f" (not in VRAM: {self.why})" if self.why else ""))
 
-    def run_ffn(self, model: GpuTransformer, i: int, shape: PassShape, rows: int | None = None,
-                then: Callable[[], None] | None = None) -> None:
+    def run_ffn(self, model: GpuTransformer, i: int, shape: PassShape, rows: int | None = None) -> None:
         """Block i's feed-forward for the pass's rows (the first `rows` of them: the canonical ones
-        when the GPU takes the prompt rows, infer.gpu.expert_stream): model.x in place. `then` (the
-        streamed prompt rows, past `rows`) is queued on the device as soon as the rows are on their
-        way to the host, and nothing waits for it here: its copies and products overlap the CPU's."""
+        when the GPU takes the prompt rows, infer.gpu.expert_stream): model.x in place."""
         n, stream = shape.rows if rows is None else rows, model.stream
-        if then is not None:
-            self._run_beside(model, i, n, then)
-            return
         if n == 0:
             return
         L = self.blocks.layer(i)
@@ -214,37 +206,6 @@ class CpuExperts:
         x[live] += L.experts(h, self.blocks.native_layers.swiglu)  # type: ignore[misc]
         model.x[:n].set(x, stream=stream)
         stream.synchronize()  # x (host) is freed on return: the copy out of it must be done
-
-
-    def _run_beside(self, model: GpuTransformer, i: int, n: int, then: Callable[[], None]) -> None:
-        """run_ffn with `then`: the rows cross through page-locked memory on a side stream, so the
-        host waits for the rows alone, never for `then`'s work."""
-        import cupy
-        import cupyx
-
-        stream = model.stream
-        if self._beside is None:
-            self._beside = (cupyx.empty_pinned((model.capacity, self.args.dim), np.float32),
-                            cupy.cuda.Stream(non_blocking=True), cupy.cuda.Event(disable_timing=True),
-                            cupy.cuda.Event(disable_timing=True))
-        host, side, ready, free = self._beside
-        if n:
-            free.synchronize()  # the previous block's rows have left the page-locked buffer
-            ready.record(stream)
-            side.wait_event(ready)
-            x = host[:n]
-            cupy.asnumpy(model.x[:n], stream=side, out=x)
-        then()
-        if not n:
-            return
-        side.synchronize()
-        L = self.blocks.layer(i)
-        live = model.index.live_rows
-        live = live[live < n]
-        h = self.blocks.native_layers.norm(x[live], L.ffn_norm, self.args.norm_eps)
-        x[live] += L.experts(h, self.blocks.native_layers.swiglu)  # type: ignore[misc]
-        model.x[:n].set(x, stream=stream)  # after `then`'s work on the stream: other rows
-        free.record(stream)
 
 
 def cupy_asnumpy(device_rows: object, stream: object, out: np.ndarray) -> None:
