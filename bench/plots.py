@@ -188,25 +188,44 @@ def _llama_rates(name: str) -> tuple[float, float]:
     return (next(r["avg_ts"] for r in rows if r["n_prompt"]), next(r["avg_ts"] for r in rows if r["n_gen"]))
 
 
-def moe_beside_llama(ax_fig: tuple[Any, Any]) -> None:
-    """The synthetic Qwen3-30B-A3B Q4_K_M at 24 GB (every expert in VRAM) and 8 GB (32 blocks'
-    experts on the CPU): decode and pp512, ours beside llama.cpp measured in the same lease."""
+def _moe_bars(ax_fig: tuple[Any, Any], ours: dict[str, dict], theirs: dict[str, tuple[float, float]],
+              marks: dict[str, dict], mark_label: str) -> None:
+    """Decode and pp512 bars of ours and llama.cpp per budget, `marks` (an earlier run of ours) as crosses."""
     _fig, (dec, pp) = ax_fig
-    ours = {"24 GB": load(f"{S27}/run6/gpu-bench-30b-a3b-24GB.json"), "8 GB": load(f"{S27}/run8/gpu-bench-8GB-old.json")}
-    theirs = {"24 GB": _llama_rates(f"{S27}/run8/llama-moe-ngl99.json"),
-              "8 GB": _llama_rates(f"{S27}/run8/llama-moe-ncmoe32.json")}
-    first = load(f"{S27}/run1/gpu-bench-30b-a3b-24GB.json")  # lease A: the kernels before this session's work
     xs = range(len(ours))
     for ax, key, which, title in ((dec, "tg_tok_s", 1, "decode, one sequence"), (pp, "pp_tok_s", 0, "prompt, 512 tokens")):
         ax.bar([x - 0.2 for x in xs], [ours[b][key] for b in ours], 0.4, color=OURS, label="ours")
         ax.bar([x + 0.2 for x in xs], [theirs[b][which] for b in ours], 0.4, color=THEIRS,
                label="llama.cpp (-ngl 99; -ncmoe 32 at 8 GB)")
-        ax.plot([-0.2], [first[key]], "kx", label="ours, the first GPU run (another lease)")
+        ax.plot([x - 0.2 for x, b in zip(xs, ours, strict=True) if b in marks], [marks[b][key] for b in ours if b in marks],
+                "kx", label=mark_label)
         ax.set_xticks(list(xs), [f"--vram-budget {b}" for b in ours])
         ax.set_ylabel("tok/s")
         ax.set_title(f"Synthetic Qwen3-30B-A3B Q4_K_M, {title} (H100)")
         ax.grid(True, axis="y", alpha=0.3)
         ax.legend(fontsize=8)
+
+
+def moe_beside_llama(ax_fig: tuple[Any, Any]) -> None:
+    """The synthetic Qwen3-30B-A3B Q4_K_M at 24 GB (every expert in VRAM) and 8 GB (32 blocks'
+    experts on the CPU): decode and pp512, ours beside llama.cpp measured in the same lease."""
+    ours = {"24 GB": load(f"{S27}/run6/gpu-bench-30b-a3b-24GB.json"), "8 GB": load(f"{S27}/run8/gpu-bench-8GB-old.json")}
+    theirs = {"24 GB": _llama_rates(f"{S27}/run8/llama-moe-ngl99.json"),
+              "8 GB": _llama_rates(f"{S27}/run8/llama-moe-ncmoe32.json")}
+    first = {"24 GB": load(f"{S27}/run1/gpu-bench-30b-a3b-24GB.json")}  # lease A: before session 27's kernels
+    _moe_bars(ax_fig, ours, theirs, first, "ours, the first GPU run (another lease)")
+
+
+S28 = "2026-12-06/session28"  # the same after grouping the pairs by expert and streaming the CPU's blocks
+
+
+def moe_beside_llama_grouped(ax_fig: tuple[Any, Any]) -> None:
+    """Session 28: 24 GB (lease C) and 8 GB (lease B: 33 blocks' experts on the CPU, long prompts
+    streaming them), each beside llama.cpp in its lease; session 27's figures as crosses."""
+    ours = {"24 GB": load(f"{S28}/run6/bench-24GB.json"), "8 GB": load(f"{S28}/run5/bench-8GB.json")}
+    theirs = {"24 GB": _llama_rates(f"{S28}/run6/llama-ngl99.json"), "8 GB": _llama_rates(f"{S28}/run5/llama-ncmoe32.json")}
+    before = {"24 GB": load(f"{S27}/run6/gpu-bench-30b-a3b-24GB.json"), "8 GB": load(f"{S27}/run8/gpu-bench-8GB-old.json")}
+    _moe_bars(ax_fig, ours, theirs, before, "ours, session 27 (another lease)")
 
 
 FIGURES: dict[str, tuple[Callable[[tuple[Any, Any]], None], int, tuple[float, float], list[str]]] = {
@@ -223,6 +242,10 @@ FIGURES: dict[str, tuple[Callable[[tuple[Any, Any]], None], int, tuple[float, fl
                                                          f"{S27}/run8/llama-moe-ngl99.json",
                                                          f"{S27}/run8/llama-moe-ncmoe32.json",
                                                          f"{S27}/run1/gpu-bench-30b-a3b-24GB.json"]),
+    "moe-beside-llama-grouped": (moe_beside_llama_grouped, 2, (12, 4.4),
+                                 [f"{S28}/run6/bench-24GB.json", f"{S28}/run5/bench-8GB.json",
+                                  f"{S28}/run6/llama-ngl99.json", f"{S28}/run5/llama-ncmoe32.json",
+                                  f"{S27}/run6/gpu-bench-30b-a3b-24GB.json", f"{S27}/run8/gpu-bench-8GB-old.json"]),
 }
 
 
