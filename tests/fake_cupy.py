@@ -18,7 +18,8 @@ FAKE_DIR = Path(__file__).resolve().parent / "gpu" / "numpy_cupy"
 GPU_MODULES = ("infer.gpu.model", "infer.gpu.tree", "infer.gpu.activations", "infer.gpu.ops", "infer.gpu.products",
                "infer.gpu.weights",
                "infer.gpu.memory", "infer.gpu.cache", "infer.gpu.attention", "infer.gpu.passes", "infer.gpu.graphs",
-               "infer.gpu.benchmark", "infer.tiers.pipeline")
+               "infer.gpu.benchmark", "infer.gpu.experts", "infer.gpu.expert_stream", "infer.gpu.expert_split",
+               "infer.tiers.pipeline")
 
 
 def _load(name: str) -> ModuleType:

@@ -148,9 +148,11 @@ def load_gpu_transformer(model: GGUFModel, max_context: int | None = None, vram_
 
         gpu.cpu_experts = CpuExperts(model, args, why=experts_why, layers=on_cpu)
         if gpu.gpu_experts is not None and gpu.gpu_experts.stream is not None:  # or shares it with the GPU
-            from infer.gpu.expert_stream import choose_gpu_slots
+            from infer.gpu.expert_split import PickSplit, choose_gpu_slots
 
-            gpu.gpu_experts.gpu_slots, gpu.gpu_experts.split_why = choose_gpu_slots(args)
+            slots, why = choose_gpu_slots(args)
+            if slots:
+                gpu.gpu_experts.split = PickSplit(gpu.gpu_experts, slots, why)
     return gpu
 
 

@@ -12,7 +12,7 @@ tokens, the logits rows of a prompt) stay with the CPU, so a row whose logits ar
 bits in any pass; prompt rows already take other products on the GPU (pmm), so their numbers were
 never the canonical rows'.
 
-In decode the same staging serves `fetch`: a token's first picks in such a block (GpuExperts.run_split)
+In decode the same staging serves `fetch`: a token's first picks in such a block (infer.gpu.expert_split)
 have only their experts' slices copied and repacked, each at its own place in the staging block,
 while the CPU computes the token's other picks. Registering the span of those blocks' stacks keeps
 their pages in RAM (they are the CPU's working set anyway).
@@ -26,7 +26,6 @@ protects them, and its copies overlap this block's products and the next block's
 
 from __future__ import annotations
 
-import os
 import weakref
 
 import cupy
@@ -169,19 +168,3 @@ def min_prompt_rows(args: ModelArgs) -> int:
     twice on average (n * k >= 2 * E), the CPU would read about all of a block's experts anyway and
     multiply each of them for several rows, while the link carries the block once; at least 16."""
     return max(16, -(-2 * args.n_experts // max(args.n_experts_used, 1)))
-
-
-
-def choose_gpu_slots(args: ModelArgs) -> tuple[int, str]:
-    """How many of a token's picks in the CPU's blocks the GPU computes, their experts fetched over
-    the link while the CPU computes the rest (GpuExperts.run_split), and the line that says so.
-    None by default: on the H100 host of 2026-12-06 three of eight (what one pick's costs, CPU 0.047
-    ms and link 0.084 ms, suggested) decoded the 30B-A3B at 8 GB at 34.3 tok/s against 53.1 with
-    none, the fixed costs of a fetch (a wait for the picks, a copy and a repack per slice) larger than
-    the CPU's share they save (docs/PERFORMANCE.md). NVMEDIRECT_EXPERT_GPU_SLOTS=g sets one."""
-    k = args.n_experts_used
-    forced = os.environ.get("NVMEDIRECT_EXPERT_GPU_SLOTS")
-    if forced is None:
-        return 0, ""
-    g = max(0, min(k, int(forced)))
-    return g, f"{g} of a token's {k} picks in the CPU's blocks fetched to the GPU (NVMEDIRECT_EXPERT_GPU_SLOTS)"

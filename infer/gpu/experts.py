@@ -47,15 +47,8 @@ from infer.quants import activation_format
 from infer.tiers.plan import format_bytes, span
 
 if TYPE_CHECKING:
+    from infer.gpu.expert_split import PickSplit
     from infer.gpu.expert_stream import ExpertStream
-    from infer.tiers.cpu_tier import CpuExperts
-
-
-def pinned_rows(rows: int, cols: int) -> np.ndarray:
-    """A float32 (rows, cols) host array in page-locked memory (a copy to the device from it is async)."""
-    import cupyx
-
-    return cupyx.empty_pinned((rows, cols), np.float32)
 
 F32 = cupy.float32
 ROUTE_MAX_K = 32  # moe.cu moe_route: a lane keeps each pick
@@ -220,17 +213,7 @@ class GpuExperts:
         self.can_group = _stacks_group(model, every)
         self.sorted_inputs = {a: Int8Act.zeros(pairs, d, a) for kind in STACKS[:2] for a in act[kind]} \
             if self.can_group else {}
-        self.gpu_slots = 0  # picks of a row the GPU computes for the CPU's blocks (run_split; 0: none)
-        self.split_why = ""  # how gpu_slots was chosen (the load report)
-        self.split_ids = cupy.full(pairs, -1, cupy.int32)  # the GPU's picks (the CPU's: -1)
-        self.split_logits = cupy.zeros((rows, args.n_experts), F32)
-        self.split_route = (cupy.full(pairs, -1, cupy.int32), cupy.zeros(pairs, F32))  # ids, weights
-        if stream is not None:  # page-locked: x rows and picks to the host, picks and the CPU's outputs back
-            self.split_host = (pinned_rows(rows, d).reshape(-1), pinned_rows(pairs, 1).view(np.int32).reshape(-1),
-                               pinned_rows(pairs, 1).view(np.int32).reshape(-1), pinned_rows(pairs, d))
-            self.side = cupy.cuda.Stream(non_blocking=True)
-            self.routed = cupy.cuda.Event(disable_timing=True)
-            self.host_free = cupy.cuda.Event(disable_timing=True)  # never recorded: free at first
+        self.split: PickSplit | None = None  # the CPU's blocks' picks shared with the GPU (infer.gpu.expert_split)
         self.shared = None
         if args.shared_ffn_dim:
             s = args.shared_ffn_dim
@@ -254,7 +237,7 @@ class GpuExperts:
                 f"{format_bytes(self.nbytes)} (routers, routed and shared experts), computed by the GPU")
         if self.stream is None:
             return line
-        return f"{line}; the {self.stream.describe()}" + (f"; {self.split_why}" if self.split_why else "")
+        return f"{line}; the {self.stream.describe()}" + (f"; {self.split.why}" if self.split is not None else "")
 
     def run_ffn(self, model: object, i: int, shape: object) -> None:
         """Block i's feed-forward for the pass's rows: model.x in place (queued on the current stream)."""
@@ -274,78 +257,7 @@ class GpuExperts:
 
     def splits(self, i: int) -> bool:
         """Whether block i (one the CPU holds) splits its rows' picks between the GPU and the CPU."""
-        return self.stream is not None and self.gpu_slots > 0 and i not in self.blocks
-
-    def run_split(self, model: object, i: int, rows: int, cpu: CpuExperts,
-                  then: Callable[[], None] | None = None) -> None:
-        """Block i's feed-forward (one whose experts the CPU holds) for model.x rows 0..rows: routed
-        here; each row's first `gpu_slots` picks computed here, their experts fetched over the link
-        (self.stream.fetch), while the CPU computes the other picks from RAM (`cpu`'s products);
-        combined here in the picks' order. Which side computes a pick depends only on its rank, so
-        a row's bits do not depend on the pass (the pass's other rows only change what is fetched).
-        `then` (the pass's streamed prompt rows, on rows past `rows`) is queued right after the
-        routing, so the device runs it while the host waits for the picks and the CPU computes;
-        the routing's results have buffers of their own for that reason, and the norm is taken
-        again after it (the same bits)."""
-        a, stream, g = self.args, model.stream, self.gpu_slots  # type: ignore[attr-defined]
-        k, d, e, n = a.n_experts_used, a.dim, a.n_experts, rows
-        if n < 1:
-            if then is not None:
-                then()
-            return
-        L = model.weights.layer(i)  # type: ignore[attr-defined]
-        router = self.stream.resident[(i, "ffn_gate_inp")]  # type: ignore[union-attr]
-        stacks = self.stream.stacks  # type: ignore[union-attr]
-        acts = [router.act, *(activation_format(stacks[(i, kind)].ggml_type) for kind in STACKS[:2])]
-        xs = self.inputs.normed(model.x, L.ffn_norm, "ffn", acts, n)  # type: ignore[attr-defined]
-        products.product([router], xs[router.act], self.split_logits, n, ldy=e)
-        ids, weights = self.split_route
-        route(self.split_logits, n, e, k, a.expert_weights_norm, model.index.d["live"], ids, weights)  # type: ignore[attr-defined]
-        self.host_free.synchronize()  # the previous block's host rows have gone to the device
-        host_x, host_ids, host_picks, host_outs = self.split_host
-        self.routed.record(stream)
-        self.side.wait_event(self.routed)  # the picks and rows to the host beside what `then` queues
-        d2h = cupy.cuda.runtime.memcpyDeviceToHost
-        cupy.cuda.runtime.memcpyAsync(host_x.ctypes.data, model.x.data.ptr, n * d * 4, d2h, self.side.ptr)  # type: ignore[attr-defined]
-        cupy.cuda.runtime.memcpyAsync(host_ids.ctypes.data, ids.data.ptr, n * k * 4, d2h, self.side.ptr)
-        if then is not None:
-            then()
-        self.side.synchronize()
-        chosen = host_ids[: n * k].reshape(n, k).copy()
-        mine = chosen[:, :g]
-        B = self.stream.fetch(i, sorted({int(v) for v in mine[mine >= 0]}))  # type: ignore[union-attr]
-        picks = host_picks[: n * k].reshape(n, k)
-        picks[...] = chosen
-        picks[:, g:] = -1  # the CPU's picks: no product here
-        cupy.cuda.runtime.memcpyAsync(self.split_ids.data.ptr, picks.ctypes.data, n * k * 4,
-                                      cupy.cuda.runtime.memcpyHostToDevice, stream.ptr)
-        xs = self.inputs.normed(model.x, L.ffn_norm, "ffn", acts, n)  # type: ignore[attr-defined]
-        pairs, gu = n * k, self.gu.reshape(-1)
-        for parts, row0 in runs([B.gate, B.up]):
-            products.expert_product(parts, e, xs[parts[0].act], self.split_ids, pairs, k, gu[row0 // e :], 2 * a.expert_ffn_dim)
-        self._glu(self.gu, a.expert_ffn_dim, pairs, self.ff, B.down.act)
-        products.expert_product([B.down], e, self.ff, self.split_ids, pairs, 1, self.outs, d)
-        # meanwhile the CPU's picks, from the normed rows as the CPU computes them
-        live = model.index.live_rows  # type: ignore[attr-defined]
-        live = live[live < n]
-        theirs = chosen[live].copy()
-        theirs[:, :g] = -1
-        if k > g and len(live):
-            C = cpu.blocks.layer(i)
-            h = cpu.blocks.native_layers.norm(host_x[: n * d].reshape(n, d)[live], C.ffn_norm, a.norm_eps)
-            wanted = np.unique(theirs[:, g:])
-            outs = np.zeros((len(live), k, d), np.float32)
-            C.experts.run_experts(outs, h, theirs, wanted[wanted >= 0], cpu.blocks.native_layers.swiglu)  # type: ignore[union-attr]
-            host = host_outs[: len(live) * (k - g)]
-            host[...] = outs[:, g:].reshape(-1, d)
-            for j, r in enumerate(live.tolist()):
-                cupy.cuda.runtime.memcpyAsync(self.outs[r * k + g :].data.ptr, host[j * (k - g) :].ctypes.data,
-                                              (k - g) * d * 4, cupy.cuda.runtime.memcpyHostToDevice, stream.ptr)
-        self.host_free.record(stream)
-        shared = gate = None
-        if self.shared is not None:
-            shared, gate = self._shared(B, xs, n)
-        combine(self.outs, ids, weights, k, d, n, shared, gate, model.x)  # type: ignore[attr-defined]
+        return self.split is not None and i not in self.blocks
 
     def _ffn(self, B: ExpertBlock, L: object, x: cupy.ndarray, n: int, live: cupy.ndarray) -> None:
         """The feed-forward of experts B for rows 0..n of x (live: which are not null rows), in place."""
@@ -366,14 +278,14 @@ class GpuExperts:
                 products.grouped_expert_product(parts, e, xg, self.starts, self.tiles, pairs, nt, gu[row0 // e :], 2 * w)  # type: ignore[arg-type]
             else:
                 products.expert_product(parts, e, x8, self.ids, pairs, k, gu[row0 // e :], 2 * w)
-        self._glu(self.gu, w, pairs, self.ff, B.down.act)
+        self.gated(self.gu, w, pairs, self.ff, B.down.act)
         if nt:
             products.grouped_expert_product([B.down], e, self.ff, self.starts, self.tiles, pairs, nt, self.outs, d)  # type: ignore[arg-type]
         else:
             products.expert_product([B.down], e, self.ff, self.ids, pairs, 1, self.outs, d)
         shared = gate = None
         if self.shared is not None:
-            shared, gate = self._shared(B, xs, n)
+            shared, gate = self.run_shared(B, xs, n)
         combine(self.outs, self.ids, self.weights, k, d, n, shared, gate, x, self.slot if nt else None)
 
     def group_tiles(self, pairs: int) -> int:
@@ -382,18 +294,18 @@ class GpuExperts:
             return 0
         return products.group_tiles(pairs, self.args.n_experts)
 
-    def _shared(self, B: ExpertBlock, xs: dict[str, products.Input], n: int) -> tuple[cupy.ndarray, cupy.ndarray]:
+    def run_shared(self, B: ExpertBlock, xs: dict[str, products.Input], n: int) -> tuple[cupy.ndarray, cupy.ndarray]:
         """qwen2moe's shared expert for n rows: (its output, its gate value) per row."""
         sgu, sff, sout, sgate = self.shared  # type: ignore[misc]
         s = self.args.shared_ffn_dim
         products.product([B.shared_gate], xs[B.shared_gate.act], sgate, n, ldy=1)  # type: ignore[list-item, union-attr]
         for parts, row0 in runs(B.shared_gate_up):  # type: ignore[arg-type]
             products.product(parts, xs[parts[0].act], sgu.reshape(-1)[row0:], n, ldy=2 * s)
-        self._glu(sgu, s, n, sff, B.shared_down.act)  # type: ignore[union-attr]
+        self.gated(sgu, s, n, sff, B.shared_down.act)  # type: ignore[union-attr]
         products.product([B.shared_down], sff, sout, n)  # type: ignore[list-item]
         return sout, sgate
 
-    def _glu(self, gu: cupy.ndarray, width: int, rows: int, out: products.Input, act: str) -> None:
+    def gated(self, gu: cupy.ndarray, width: int, rows: int, out: products.Input, act: str) -> None:
         """out = the gated activation of rows [gate | up] of gu, rounded to `act` (its 8-bit form or floats)."""
         where = {"int8": out} if isinstance(out, Int8Act) else {"y": out}
         ops.glu_round(gu, width, rows, act, activation=self.args.arch_table.activation, **where)  # type: ignore[arg-type]

@@ -363,14 +363,14 @@ class GpuTransformer(DeviceGeneration):
     def _host_experts(self, i: int, shape: PassShape) -> None:
         """The feed-forward of block i, whose experts the CPU holds: a long prompt's rows here with
         the block streamed in (infer.gpu.expert_stream), the other rows by the CPU, or split by
-        pick between the CPU and experts fetched to the GPU (GpuExperts.run_split)."""
+        pick between the CPU and experts fetched to the GPU (infer.gpu.expert_split)."""
         cpu, gpu = self.cpu_experts, self.gpu_experts
         assert cpu is not None, f"block {i} has experts and no one to compute them"
         streamed = gpu is not None and gpu.streams(i, self.index.live_prompt_rows)
         rows = shape.canonical if streamed else shape.rows
         stream_in = (lambda: gpu.run_streamed(self, i, shape)) if streamed else None  # type: ignore[union-attr]
         if gpu is not None and gpu.splits(i):
-            gpu.run_split(self, i, rows, cpu, then=stream_in)  # the streamed rows overlap the CPU's part
+            gpu.split.run(self, i, rows, cpu, then=stream_in)  # type: ignore[union-attr]  # the streamed rows overlap the CPU's part
             return
         cpu.run_ffn(self, i, shape, rows=rows)
         if stream_in is not None:

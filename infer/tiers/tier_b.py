@@ -91,6 +91,7 @@ class HostTier:
             ptr = address_of(span)
             cupy.cuda.runtime.hostRegister(ptr, int(span.size), CUDA_HOST_REGISTER_READ_ONLY)
             self._registered_ptr = ptr
+            self._unregister = cupy.cuda.runtime.hostUnregister  # kept: close() may run at exit, imports gone
             self.pinned = True
         for t in tensors:
             self._views[t.name] = whole[t.offset: t.offset + t.nbytes]
@@ -103,9 +104,7 @@ class HostTier:
 
     def close(self) -> None:
         if self._registered_ptr is not None:
-            import cupy
-
-            cupy.cuda.runtime.hostUnregister(self._registered_ptr)
+            self._unregister(self._registered_ptr)
             self._registered_ptr = None
         self._views = {}
         # the memory map closes once no view refers to it (closing it here would fail while

@@ -402,7 +402,7 @@ def test_the_cpus_blocks_share_their_picks_with_the_gpu(moe_dir: Path, slots: in
 
 
 def check_split(moe_dir: Path, slots: int) -> None:
-    """A block the CPU holds splits each row's picks (GpuExperts.run_split, NVMEDIRECT_EXPERT_GPU_SLOTS
+    """A block the CPU holds splits each row's picks (infer.gpu.expert_split, NVMEDIRECT_EXPERT_GPU_SLOTS
     set by the caller): the first `slots` computed on the GPU from experts fetched over the link,
     the rest by the CPU. A row's logits still do not depend on its pass and follow the CPU engine;
     with every pick on the GPU a decode step is bit for bit the run with every expert in VRAM."""
@@ -410,7 +410,7 @@ def check_split(moe_dir: Path, slots: int) -> None:
 
     path = write_moe(moe_dir, "qwen3moe", "q4_k_m")
     gpu = load_gpu_transformer(GGUFModel(path), CTX, experts=1)
-    assert gpu.gpu_experts.gpu_slots == slots and "NVMEDIRECT_EXPERT_GPU_SLOTS" in gpu.gpu_experts.describe()
+    assert gpu.gpu_experts.split.slots == slots and "NVMEDIRECT_EXPERT_GPU_SLOTS" in gpu.gpu_experts.describe()
     check_pass_independence(path, 1)
     check_follows_the_cpu(path, 1)
     tokens = [5, 77, 401, 12, 9]
