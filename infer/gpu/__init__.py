@@ -162,9 +162,8 @@ EXPERT_PLACES = ("auto", "gpu", "cpu")
 STREAM_SHARE = 0.25
 
 
-def _stream_rows(model: GGUFModel, args: ModelArgs, rows: int, on_cpu: list[int], stream: str | int) -> int:
-    """Prompt rows from which the CPU's blocks `on_cpu` stream their experts to the GPU (0: never)."""
-    from infer.gpu import experts as on_gpu
+def _stream_least(args: ModelArgs, rows: int, stream: str | int) -> int:
+    """--expert-stream as prompt rows from which the CPU's blocks stream to the GPU (0: never)."""
     from infer.gpu.expert_stream import min_prompt_rows
 
     if isinstance(stream, int) and not isinstance(stream, bool):
@@ -177,17 +176,14 @@ def _stream_rows(model: GGUFModel, args: ModelArgs, rows: int, on_cpu: list[int]
         least = min_prompt_rows(args)
     else:
         raise ValueError(f"--expert-stream takes auto, off or a count of prompt rows, not {stream!r}")
-    if not on_cpu or least > rows or on_gpu.stacks_on_device(model, args) is not None or \
-            not on_gpu._stacks_group(model, on_cpu):
-        return 0
-    return least
+    return least if least <= rows else 0
 
 
 def _place_experts(model: GGUFModel, args: ModelArgs, account: VramAccount, rows: int, where: str | int,
                    stream: str | int = "auto") -> tuple[list[int], str | None, int]:
     """(the blocks whose experts go to VRAM, planned in `account`; why the others stay in RAM for
     the CPU, None when none does; the prompt rows from which those others stream to the GPU, 0 for
-    never: _stream_rows). `where`: "gpu" every block, "cpu" none (--cpu-moe), an int N the first N
+    never: --expert-stream). `where`: "gpu" every block, "cpu" none (--cpu-moe), an int N the first N
     blocks on the CPU (llama.cpp's --n-cpu-moe N), "auto" every block when they fit the budget beside
     the rest, else the most of the last blocks that fit beside the stream's staging. Float stacks
     stay with the CPU ("gpu": an error)."""
@@ -208,6 +204,7 @@ def _place_experts(model: GGUFModel, args: ModelArgs, account: VramAccount, rows
         on_device, why = [], "asked for (--cpu-moe)"
     else:
         on_device, why = list(range(n)), None
+    least = _stream_least(args, rows, stream)  # a bad --expert-stream fails here, whatever the placement
     unsupported = on_gpu.stacks_on_device(model, args)
     if unsupported is not None:
         if where == "gpu":
@@ -216,15 +213,15 @@ def _place_experts(model: GGUFModel, args: ModelArgs, account: VramAccount, rows
     sizes = {i: on_gpu.block_bytes(model, i) + on_gpu.BUFFER_ROUNDING * on_gpu.MATRICES_PER_BLOCK for i in on_device}
     buffers = on_gpu.buffers_nbytes(model, args, rows)
     room = account.room - buffers - UPLOAD_CHUNK_BYTES  # kept for an upload's transient copy of GGUF bytes
-    streaming = 0
     if where == "auto":
         fit = _last_blocks_that_fit(on_device, sizes, room)
-        staging = stream_nbytes(model, list(range(n)))  # at most: the CPU's blocks are not chosen yet
-        if len(fit) < n and _stream_rows(model, args, rows, list(range(n)), stream) and \
-                staging <= STREAM_SHARE * max(sum(sizes[i] for i in fit), room):
-            fit = _last_blocks_that_fit(on_device, sizes, room - staging)  # the stream's staging first
-            streaming = 1
-        if not fit and not streaming:
+        if len(fit) < n and least and on_gpu.stacks_group(model, list(range(n))):
+            staging = stream_nbytes(model, list(range(n)))  # at most: the CPU's blocks are not chosen yet
+            if staging <= STREAM_SHARE * max(sum(sizes[i] for i in fit), room):
+                fit = _last_blocks_that_fit(on_device, sizes, room - staging)  # the stream's staging first
+            else:
+                least = 0
+        if not fit and not least:
             total = sum(sizes.values()) + buffers
             return [], (f"their {format_bytes(total)} do not fit the {format_bytes(max(account.room, 0))} the VRAM "
                         "budget leaves"), 0
@@ -232,16 +229,16 @@ def _place_experts(model: GGUFModel, args: ModelArgs, account: VramAccount, rows
             why = f"the VRAM budget leaves room for the experts of {len(fit)} of {n} blocks"
         on_device = sorted(fit)
     on_cpu = [i for i in range(n) if i not in on_device]
-    stream_rows = _stream_rows(model, args, rows, on_cpu, stream)
-    if stream_rows and not streaming and stream_nbytes(model, on_cpu) > room - sum(sizes[i] for i in on_device):
-        stream_rows = 0  # a placement asked for: the staging only where it fits beside it
+    staging = stream_nbytes(model, on_cpu) if least and on_cpu and on_gpu.stacks_group(model, on_cpu) else 0
+    if staging > room - sum(sizes[i] for i in on_device):
+        staging = 0  # a placement asked for: the staging only where it fits beside it
     if on_device:
         account.plan("experts", sum(sizes[i] for i in on_device))
-    if on_device or stream_rows:
+    if on_device or staging:
         account.plan("expert buffers", buffers)
-    if stream_rows:
-        account.plan("expert stream", stream_nbytes(model, on_cpu))
-    return on_device, why, stream_rows
+    if staging:
+        account.plan("expert stream", staging)
+    return on_device, why, least if staging else 0
 
 
 def _last_blocks_that_fit(blocks: list[int], sizes: dict[int, int], room: int) -> list[int]:

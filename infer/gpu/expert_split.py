@@ -43,7 +43,10 @@ def choose_gpu_slots(args: ModelArgs) -> tuple[int, str]:
     forced = os.environ.get("NVMEDIRECT_EXPERT_GPU_SLOTS")
     if forced is None:
         return 0, ""
-    g = max(0, min(k, int(forced)))
+    try:
+        g = max(0, min(k, int(forced)))
+    except ValueError:
+        raise ValueError(f"NVMEDIRECT_EXPERT_GPU_SLOTS takes a count of picks (0 to {k}), not {forced!r}") from None
     return g, f"{g} of a token's {k} picks in the CPU's blocks fetched to the GPU (NVMEDIRECT_EXPERT_GPU_SLOTS)"
 
 
@@ -118,7 +121,8 @@ class PickSplit:
         picks[:, g:] = -1  # the CPU's picks: no product here
         cupy.cuda.runtime.memcpyAsync(self.split_ids.data.ptr, picks.ctypes.data, n * k * 4,
                                       cupy.cuda.runtime.memcpyHostToDevice, stream.ptr)
-        xs = E.inputs.normed(model.x, L.ffn_norm, "ffn", acts, n)  # type: ignore[attr-defined]
+        if then is not None:  # `then` used the normed inputs' buffers
+            xs = E.inputs.normed(model.x, L.ffn_norm, "ffn", acts, n)  # type: ignore[attr-defined]
         pairs, gu = n * k, E.gu.reshape(-1)
         for parts, row0 in runs([B.gate, B.up]):
             products.expert_product(parts, e, xs[parts[0].act], self.split_ids, pairs, k, gu[row0 // e :], 2 * a.expert_ffn_dim)

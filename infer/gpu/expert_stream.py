@@ -29,12 +29,11 @@ from __future__ import annotations
 import weakref
 
 import cupy
-import numpy as np
 
 from infer.arch import ModelArgs, tensor_name
 from infer.gguf_file import GGUFModel
 from infer.gpu.experts import SHARED, STACKS, ExpertBlock, upload_piece
-from infer.gpu.ops import GpuMatrix
+from infer.gpu.ops import GpuMatrix, repack_sub_blocks
 from infer.tiers.pipeline import repack_into
 from infer.tiers.plan import Tensor, format_bytes, gpu_nbytes, span, tensors_from
 from infer.tiers.tier_b import HostTier
@@ -120,10 +119,7 @@ class ExpertStream:
         """Block i's experts `experts` only (sorted ids), each slice copied and repacked where the
         whole stack's would be, queued on the current stream: a product may read those experts'
         rows of the returned block, no other (valid until the next call)."""
-        from gguf.constants import GGMLQuantizationType
-
-        from infer.gpu import kernels
-        from infer.gpu.layout import PLANE_BYTES, format_of, plane_layout
+        from infer.gpu.layout import format_of, plane_layout
         from infer.quants import activation_format
 
         compute = cupy.cuda.get_current_stream()
@@ -135,9 +131,6 @@ class ExpertStream:
             fmt = format_of(t.ggml_type)
             layout = plane_layout(fmt, E * rows, cols)
             piece, n_sb = t.nbytes // E, rows * cols // 32
-            per_sb = (*PLANE_BYTES[fmt], 4 / 8)  # dm: 4 bytes per 8 sub-blocks (an expert starts on a 256-value block)
-            base = self.planar[kind].data.ptr
-            kernel = kernels.function("repack", f"repack_{GGMLQuantizationType(t.ggml_type).name.lower()}")
             self.copy_stream.wait_event(self.released)
             for e in experts:
                 cupy.cuda.runtime.memcpyAsync(self.slot.data.ptr + e * piece, host.ctypes.data + e * piece, piece,
@@ -145,9 +138,7 @@ class ExpertStream:
             self.arrived.record(self.copy_stream)
             compute.wait_event(self.arrived)
             for e in experts:
-                planes = [np.uint64(base + o + int(e * n_sb * b)) if size else np.uint64(0)
-                          for o, size, b in zip(layout.offsets, layout.sizes, per_sb, strict=True)]
-                kernel((-(-n_sb // 256),), (256,), (self.slot[e * piece :], np.int64(n_sb), *planes))
+                repack_sub_blocks(self.slot[e * piece :], t.ggml_type, layout, self.planar[kind].data.ptr, e * n_sb, n_sb)
             self.released.record(compute)
             self.streamed_bytes += piece * len(experts)
             matrices[kind] = GpuMatrix(fmt, E * rows, cols, layout, self.planar[kind][: layout.nbytes], t.nbytes,

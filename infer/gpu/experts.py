@@ -101,7 +101,7 @@ def stacks_on_device(model: GGUFModel, args: ModelArgs) -> str | None:
     return None
 
 
-def _stacks_group(model: GGUFModel, layers: list[int]) -> bool:
+def stacks_group(model: GGUFModel, layers: list[int]) -> bool:
     """Whether every expert stack of `layers` has the grouped product (products.groups_experts)."""
     for i in layers:
         for kind in STACKS:
@@ -210,7 +210,7 @@ class GpuExperts:
         # the pairs sorted by expert (moe_group) and the gate/up inputs gathered in that order
         self.order, self.slot = cupy.zeros(pairs, cupy.int32), cupy.zeros(pairs, cupy.int32)
         self.starts, self.tiles = cupy.zeros(args.n_experts + 1, cupy.int32), cupy.zeros(args.n_experts + 1, cupy.int32)
-        self.can_group = _stacks_group(model, every)
+        self.can_group = stacks_group(model, every)
         self.sorted_inputs = {a: Int8Act.zeros(pairs, d, a) for kind in STACKS[:2] for a in act[kind]} \
             if self.can_group else {}
         self.split: PickSplit | None = None  # the CPU's blocks' picks shared with the GPU (infer.gpu.expert_split)

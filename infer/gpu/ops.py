@@ -72,8 +72,6 @@ def upload_matrix(raw: np.ndarray, ggml_type: int, rows: int, cols: int) -> GpuM
 def upload_stacked(parts: list[tuple[np.ndarray, int]], ggml_type: int, cols: int) -> GpuMatrix:
     """Several GGUF tensors of one type and row length, as one matrix of their rows stacked in order
     (e.g. Q, K and V). parts: (raw bytes, rows) each."""
-    from gguf.constants import GGMLQuantizationType
-
     fmt = format_of(ggml_type)
     rows = sum(r for _, r in parts)
     layout = plane_layout(fmt, rows, cols)
@@ -85,19 +83,27 @@ def upload_stacked(parts: list[tuple[np.ndarray, int]], ggml_type: int, cols: in
             start = row0 * cols * FLOAT_ITEMSIZE[fmt]
             buffer[start : start + raw.size].set(raw)
         else:
-            kernel = kernels.function("repack", f"repack_{GGMLQuantizationType(ggml_type).name.lower()}")
-            n_sb, sb0 = part_rows * cols // 32, row0 * cols // 32
-            per_sb = (*PLANE_BYTES[fmt], 4 / 8)  # dm: 4 bytes per 8 sub-blocks (parts start on 256-weight blocks)
-            planes = (np.uint64(base + o + int(sb0 * b)) if s else NULL
-                      for o, s, b in zip(layout.offsets, layout.sizes, per_sb, strict=True))
             with transient_pool():
                 source = cupy.asarray(raw)
-                kernel((grid_blocks(n_sb, 256),), (256,), (source, np.int64(n_sb), *planes))
+                repack_sub_blocks(source, ggml_type, layout, base, row0 * cols // 32, part_rows * cols // 32)
                 del source
         row0 += part_rows
     from infer.quants import activation_format
 
     return GpuMatrix(fmt, rows, cols, layout, buffer, total, activation_format(ggml_type))
+
+
+def repack_sub_blocks(raw: cupy.ndarray, ggml_type: int, layout: PlaneLayout, base: int, sb0: int, n_sb: int) -> None:
+    """Repacks n_sb sub-blocks (32 values each) of GGUF bytes `raw` (device) into the planes of the
+    matrix of `layout` at device address `base`, from its sub-block sb0 on (a part of stacked
+    matrices, an expert of a stack: it starts on a 256-value block), queued on the current stream."""
+    from gguf.constants import GGMLQuantizationType
+
+    kernel = kernels.function("repack", f"repack_{GGMLQuantizationType(ggml_type).name.lower()}")
+    per_sb = (*PLANE_BYTES[layout.fmt], 4 / 8)  # dm: 4 bytes per 8 sub-blocks
+    planes = (np.uint64(base + o + int(sb0 * b)) if size else NULL
+              for o, size, b in zip(layout.offsets, layout.sizes, per_sb, strict=True))
+    kernel((grid_blocks(n_sb, 256),), (256,), (raw, np.int64(n_sb), *planes))
 
 
 def _in_chunks(parts: list[tuple[np.ndarray, int]]) -> list[tuple[np.ndarray, int]]:

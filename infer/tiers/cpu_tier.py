@@ -201,7 +201,8 @@ class CpuExperts:
         x = np.empty((n, self.args.dim), np.float32)
         cupy_asnumpy(model.x[:n], stream, x)
         live = model.index.live_rows  # null rows route too: computing them would read more experts
-        live = live[live < n]
+        if rows is not None:
+            live = live[live < n]
         h = self.blocks.native_layers.norm(x[live], L.ffn_norm, self.args.norm_eps)
         x[live] += L.experts(h, self.blocks.native_layers.swiglu)  # type: ignore[misc]
         model.x[:n].set(x, stream=stream)

@@ -26,10 +26,9 @@ import numpy as np
 
 from infer.arch import OUTPUT_NORM, TOKEN_EMBD, ModelArgs, output_name, tensor_name
 from infer.gguf_file import GGUFModel
-from infer.gpu import kernels
 from infer.gpu.layout import FLOAT_FORMATS, format_of, plane_layout
 from infer.gpu.memory import arena
-from infer.gpu.ops import GpuMatrix
+from infer.gpu.ops import GpuMatrix, repack_sub_blocks
 from infer.gpu.weights import (
     MATRIX_KINDS,
     GpuLayer,
@@ -87,8 +86,6 @@ class GpuTransport:
 def repack_into(raw: cupy.ndarray, t: Tensor, out: cupy.ndarray) -> GpuMatrix:
     """The planar matrix of GGUF bytes `raw` (device), written into `out` (device, on the current
     stream). Float formats are plain copies."""
-    from gguf.constants import GGMLQuantizationType
-
     rows, cols = int(np.prod(t.shape[:-1])), int(t.shape[-1])
     fmt = format_of(t.ggml_type)
     layout = plane_layout(fmt, rows, cols)
@@ -96,11 +93,7 @@ def repack_into(raw: cupy.ndarray, t: Tensor, out: cupy.ndarray) -> GpuMatrix:
     if fmt in FLOAT_FORMATS:
         buffer[...] = raw[: layout.nbytes]
     else:
-        kernel = kernels.function("repack", f"repack_{GGMLQuantizationType(t.ggml_type).name.lower()}")
-        n_sb = layout.n_subblocks
-        base = buffer.data.ptr
-        planes = [np.uint64(base + o) if s else np.uint64(0) for o, s in zip(layout.offsets, layout.sizes, strict=True)]
-        kernel((max(1, -(-n_sb // 256)),), (256,), (raw, np.int64(n_sb), *planes))
+        repack_sub_blocks(raw, t.ggml_type, layout, buffer.data.ptr, 0, layout.n_subblocks)
     return GpuMatrix(fmt, rows, cols, layout, buffer, t.nbytes, activation_format(t.ggml_type), streamed=True)
 
 
