@@ -164,6 +164,7 @@ def attention_and_friends() -> list[dict[str, object]]:
             qkv, shape, 0, rows, n, max_ctx, work, wr, att, "q8_k", int8), 1)
         out.append({"kernel": "attention (chunks + merge)", "case": tag, "us": round(us, 2)})
         print(json.dumps(out[-2]), json.dumps(out[-1]), flush=True)
+    out += _head_splits(rng, stream)
     from infer.arch import ModelArgs
 
     args = ModelArgs(arch="llama", n_layers=1, dim=DIM, ffn_dim=FFN, n_heads=32, n_kv_heads=8, head_dim=128,
@@ -180,6 +181,41 @@ def attention_and_friends() -> list[dict[str, object]]:
         us = _timed(stream, lambda gu=gu, ff=ff, n=n: ops.glu_round(gu, FFN, n, "q8_k", int8=ff), 1)
         out.append({"kernel": "swiglu + q8_k", "case": f"{n} rows", "us": round(us, 2)})
         print(json.dumps(out[-2]), json.dumps(out[-1]), flush=True)
+    return out
+
+
+def _head_splits(rng: np.random.Generator, stream) -> list[dict[str, object]]:  # noqa: ANN001
+    """A decode step's attention of the 30B-A3B shape (32 query heads over 4 KV heads) with its KV
+    heads' query heads split over 1, 2, 4 and 8 blocks (attention.head_splits), the cache sized to
+    the position (as a bench's max_ctx)."""
+    import os
+
+    import cupy
+
+    from infer.gpu import attention, ops
+
+    shape = attention.AttentionShape(32, 4, 128, 64, True)
+    out: list[dict[str, object]] = []
+    for position in (63, 575, 2047):
+        max_ctx = position + 1
+        caches = [cupy.asarray((rng.standard_normal((1, 4, max_ctx, 128)) * 0.5).astype(np.float16)) for _ in range(2)]
+        i32 = lambda v: cupy.asarray(np.array(v, np.int32))  # noqa: E731
+        rows = attention.RowFields(i32([position]), i32([position]), i32([position + 1]), i32([-1]), i32([0]),
+                                   cupy.asarray(np.array([caches[0].data.ptr], np.uint64)),
+                                   cupy.asarray(np.array([caches[1].data.ptr], np.uint64)), i32([max_ctx]))
+        qkv = cupy.asarray(rng.standard_normal((1, shape.width)).astype(np.float32))
+        work = cupy.zeros(attention.attention_work_nbytes(shape, 1, max_ctx) // 4, cupy.float32)
+        att = cupy.zeros((1, 4096), cupy.float32)
+        int8 = ops.Int8Act.zeros(1, 4096, "q8_k")
+        default = attention.head_splits(8, 4 * attention.attention_blocks(max_ctx))
+        for splits in attention.HEAD_SPLITS:
+            os.environ["NVMEDIRECT_ATTN_SPLITS"] = str(splits)
+            us = _timed(stream, lambda rows=rows, qkv=qkv, work=work, att=att, int8=int8, m=max_ctx: [attention.attention(
+                qkv, shape, 0, rows, 1, m, work, 1, att, "q8_k", int8) for _ in range(20)], 20)
+            out.append({"kernel": "attention 32/4 heads (chunks + merge)", "case": f"position {position}",
+                        "splits": splits, "default": splits == default, "us": round(us, 2)})
+            print(json.dumps(out[-1]), flush=True)
+        os.environ.pop("NVMEDIRECT_ATTN_SPLITS")
     return out
 
 

@@ -20,11 +20,13 @@ ATTN_HEADS = 4  # query heads an attn_chunks warp takes at once
 ATTN_THREADS = 128
 ATTN_MAX_HEAD_DIM = 256
 ATTN_MAX_GROUP = 16
+HEAD_SPLITS = (1, 2, 4, 8)  # attention.cu: attn_chunks_s<S>_d128/256
+HEAD_SPLIT_GRID = 256  # the most blocks a split launch may have
 
 
 def prepare(shape: AttentionShape) -> None:
     """Raises attn_chunks' shared-memory opt-in for `shape` before any CUDA graph capture."""
-    for splits in (1, 2) if shape.head_dim in (128, 256) else (1,):
+    for splits in HEAD_SPLITS if shape.head_dim in (128, 256) else (1,):
         name = chunks_kernel(shape.head_dim, splits)
         with_shared(kernels.function("attention", name), (name,), shape.chunks_shared_bytes())
 
@@ -126,19 +128,29 @@ def position_blocks(nb: int, rows: int) -> int:
 
 
 def head_splits(group: int, blocks: int, head_dim: int = 128) -> int:
-    """Parts (1 or 2: attn_chunks_s2_d128/256) a KV head's `group` query heads are split into, a
-    block each, for an attn_chunks grid of `blocks` blocks otherwise: a decode step over a short
-    cache launches a block per KV head, and a block's time grows with its query heads (the
-    30B-A3B's 8 a KV head: 16.5 us a layer at position 64 on the H100, 2026-12-06, against ~10 for
-    the 8B's 4). Parts of whole ATTN_HEADS (a warp's heads at once); each part copies the keys
-    again, so only while the grid is small. Speed only: a head's bits do not depend on its block."""
-    split = head_dim in (128, 256) and group % (2 * ATTN_HEADS) == 0 and 2 * blocks <= 64
-    return 2 if split else 1
+    """Parts (attn_chunks_s<S>_d128/256, S in HEAD_SPLITS) a KV head's `group` query heads are
+    split into, a block each, for an attn_chunks grid of `blocks` blocks otherwise: a decode step
+    over a short cache launches a block per KV head, and a block's time grows with its query heads
+    (the 30B-A3B's 8 a KV head: 16.5 us a layer at position 64 on the H100, 2026-12-06, against ~10
+    for the 8B's 4). The most parts that divide the group and keep the grid within HEAD_SPLIT_GRID
+    blocks (each part copies the keys again); NVMEDIRECT_ATTN_SPLITS forces a number (sweeps).
+    Speed only: a head's bits do not depend on its block."""
+    import os
+
+    if head_dim not in (128, 256):
+        return 1
+    forced = os.environ.get("NVMEDIRECT_ATTN_SPLITS")
+    if forced:
+        s = int(forced)
+        if s not in HEAD_SPLITS:
+            raise ValueError(f"NVMEDIRECT_ATTN_SPLITS={forced}: one of {HEAD_SPLITS}")
+        return s if group % s == 0 else 1
+    return max(s for s in HEAD_SPLITS if group % s == 0 and (s == 1 or s * blocks <= HEAD_SPLIT_GRID))
 
 
 def chunks_kernel(head_dim: int, splits: int) -> str:
     """The attn_chunks kernel of a head size and head split."""
-    return f"attn_chunks_{'s2_' if splits == 2 else ''}d{head_dim}"
+    return f"attn_chunks_{f's{splits}_' if splits > 1 else ''}d{head_dim}"
 
 
 def attention_group_rows(rows: int) -> int:

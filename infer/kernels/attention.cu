@@ -220,9 +220,10 @@ __device__ __forceinline__ float attn_reduce8(float (&s)[ATTN_TILE], int lane) {
 }
 
 // grid (n_kv_heads * S, blocks along the positions, ceil(rows / group)), ATTN_THREADS threads: a
-// block takes one of S equal parts of a KV head's query heads (attn_chunks_s2_d128/256: S = 2, more blocks
-// for a decode step over a short cache, whose grid is otherwise a block per KV head; each part copies
-// the keys again; S is a template parameter: a run-time split costs the kernels registers) and
+// block takes one of S equal parts of a KV head's query heads (attn_chunks_s<S>_d128/256, S = 2, 4,
+// 8: more blocks, each with fewer heads a warp, for a decode step over a short cache, whose grid is
+// otherwise a block per KV head; each part copies the keys again; S is a template parameter: a
+// run-time split costs the kernels registers) and
 // holds 4 chunks (a warp each) for `group` consecutive rows, one row after the other, and walks the
 // position blocks blockIdx.y, + gridDim.y, ... of nb = ceil(max positions / 128) until the rows'
 // positions end (a grid of nb blocks there is mostly empty blocks for prompt rows in a long context). Before a warp
@@ -451,7 +452,11 @@ ATTN_CHUNKS(attn_chunks_d64, 64, 1)
 ATTN_CHUNKS(attn_chunks_d128, 128, 1)
 ATTN_CHUNKS(attn_chunks_d256, 256, 1)
 ATTN_CHUNKS(attn_chunks_s2_d128, 128, 2)
+ATTN_CHUNKS(attn_chunks_s4_d128, 128, 4)
+ATTN_CHUNKS(attn_chunks_s8_d128, 128, 8)
 ATTN_CHUNKS(attn_chunks_s2_d256, 256, 2)
+ATTN_CHUNKS(attn_chunks_s4_d256, 256, 4)
+ATTN_CHUNKS(attn_chunks_s8_d256, 256, 8)
 
 // grid (rows, n / chunk), `chunk` threads (256, or 32 where a row is no whole 256): out (rows,
 // n_heads*D) = the merged attention, a thread per value, then the block's values rounded to `fmt`

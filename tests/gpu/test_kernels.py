@@ -840,8 +840,8 @@ def test_attention_of_a_row_does_not_depend_on_its_block_group(rng: np.random.Ge
 def test_attention_of_a_row_does_not_depend_on_its_head_split(rng: np.random.Generator, position: int,
                                                                monkeypatch: pytest.MonkeyPatch) -> None:
     """A decode step over a short cache splits a KV head's query heads over blocks (the 30B-A3B's
-    8 a KV head: 2 blocks of 4): each head gets the bits of the unsplit launch, which the exact
-    softmax checks."""
+    8 a KV head: up to 8 blocks of 1): each head gets the bits of the unsplit launch in every split,
+    which the exact softmax checks."""
     from infer.gpu.reference import attention_reference
 
     n_heads, n_kv, hd = 32, 4, 128
@@ -849,15 +849,19 @@ def test_attention_of_a_row_does_not_depend_on_its_head_split(rng: np.random.Gen
     caches = _Caches(rng, 1, n_kv, [2048], hd)
     rows = [(0, position, position, position + 1, None)]
     qkv = rng.standard_normal((1, shape.width)).astype(np.float32)
-    assert attn.head_splits(n_heads // n_kv, n_kv * -(-(position + 1) // 128), hd) == (2 if position < 2000 else 1)
-    split = _attend(qkv, shape, caches, rows, 0, max_ctx=position + 1)
-    monkeypatch.setattr(attn, "head_splits", lambda group, blocks, head_dim: 1)
+    blocks = n_kv * -(-(position + 1) // 128)
+    assert attn.head_splits(n_heads // n_kv, blocks, hd) == (8 if position < 2000 else 4)
+    assert attn.head_splits(6, blocks, hd) == 2 and attn.head_splits(8, blocks, 64) == 1
+    monkeypatch.setenv("NVMEDIRECT_ATTN_SPLITS", "1")
     whole = _attend(qkv, shape, caches, rows, 0, max_ctx=position + 1)
-    np.testing.assert_array_equal(split, whole)
+    for splits in (2, 4, 8):
+        monkeypatch.setenv("NVMEDIRECT_ATTN_SPLITS", str(splits))
+        split = _attend(qkv, shape, caches, rows, 0, max_ctx=position + 1)
+        np.testing.assert_array_equal(split, whole, err_msg=f"{splits} parts")
     q = qkv[0, : n_heads * hd].reshape(n_heads, hd).astype(np.float16).astype(np.float32)
     keys = caches.host[0][0, :, : position + 1].astype(np.float32)
     vals = caches.vals[0][0, :, : position + 1].astype(np.float32)
-    assert _rel(split[0], attention_reference(q, keys, vals, 1 / np.sqrt(hd)).reshape(-1)) < 1e-5
+    assert _rel(whole[0], attention_reference(q, keys, vals, 1 / np.sqrt(hd)).reshape(-1)) < 1e-5
 
 
 @pytest.mark.parametrize("act", ["q8_0", "q8_k", "f16"])
