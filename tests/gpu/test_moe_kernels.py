@@ -204,3 +204,70 @@ def test_combination_is_the_cpus_weighted_sum(rng: np.random.Generator, shared: 
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
     else:
         np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("router_type", [T.F32, T.F16], ids=lambda t: T(t).name)
+@pytest.mark.parametrize("rows", [1, 3, 8])
+def test_routing_in_the_routers_launch_gives_the_separate_launches_bits(rng: np.random.Generator, router_type: int,
+                                                                        rows: int) -> None:
+    """fgemv_route (a decode step's router product, then its last block routes the rows) against
+    the router product and moe_route as two launches; twice, so the arrival counter is left zero."""
+    n_experts, k, dim = 128, 8, 2048
+    w = (rng.standard_normal((n_experts, dim)) * 0.05).astype(np.float32 if router_type == T.F32 else np.float16)
+    router = ops.upload_matrix(w.reshape(-1).view(np.uint8), router_type, n_experts, dim)
+    live = cupy.asarray(np.array([1, 0, 1, 1, 1, 1, 1, 1][:rows], np.int32))
+    arrivals = cupy.zeros(1, cupy.uint32)
+    for _ in range(2):
+        x = cupy.asarray(rng.standard_normal((rows, dim)).astype(np.float32))
+        want = [cupy.full(rows * n_experts, np.nan, cupy.float32), cupy.full(rows * k, 7, cupy.int32),
+                cupy.full(rows * k, np.nan, cupy.float32)]
+        products.product([router], x, want[0], rows, ldy=n_experts)
+        experts.route(want[0], rows, n_experts, k, True, live, want[1], want[2])
+        got = [cupy.full(a.shape, 7 if a.dtype == cupy.int32 else np.nan, a.dtype) for a in want]
+        experts.router_route(router, x, rows, k, True, live, *got, arrivals)
+        for g, wv, what in zip(got, want, ("logits", "ids", "weights")):
+            np.testing.assert_array_equal(cupy.asnumpy(g), cupy.asnumpy(wv), err_msg=what)
+        assert int(cupy.asnumpy(arrivals)[0]) == 0
+
+
+@pytest.mark.parametrize("ggml_type", [T.Q8_0, T.Q5_1, T.Q4_K, T.Q6_K], ids=lambda t: T(t).name)
+def test_glu_and_combination_in_the_products_launches_give_the_separate_launches_bits(
+        rng: np.random.Generator, ggml_type: int) -> None:
+    """qgemv_id_glu (gate/up, then each pair's last block rounds its gated activation) and
+    qgemv_id_combine (down, then each row tile's last block adds the weighted outputs into x)
+    against qgemv_id, glu_round and moe_combine as separate launches; twice (the counters)."""
+    n_experts, k, width, dim, rows = 16, 4, 256, 512, 2
+    pairs = rows * k
+    act = activation_format(ggml_type)
+    gate, up = _stack(rng, ggml_type, n_experts, width, dim), _stack(rng, ggml_type, n_experts, width, dim)
+    gate_up = [ops.upload_stacked([(s.reshape(-1), n_experts * width)], ggml_type, dim) for s in (gate, up)]
+    down = [ops.upload_stacked([(_stack(rng, ggml_type, n_experts, dim, width).reshape(-1), n_experts * dim)],
+                               ggml_type, width)]
+    arrivals = cupy.zeros(pairs + dim, cupy.uint32)
+    for _ in range(2):
+        x8, _host = _int8(rng, rows, dim, act)
+        ids = rng.integers(0, n_experts, pairs).astype(np.int32)
+        ids[k : 2 * k] = -1  # row 1 a null row: x left as it is
+        ids_d, weights = cupy.asarray(ids), cupy.asarray(rng.random(pairs).astype(np.float32))
+        gu = [cupy.full((pairs, 2 * width), np.nan, cupy.float32) for _ in range(2)]
+        ff = [ops.Int8Act.zeros(pairs, width, act) for _ in range(2)]
+        products.expert_product(gate_up, n_experts, x8, ids_d, pairs, k, gu[0], 2 * width)
+        ops.glu_round(gu[0], width, pairs, act, int8=ff[0])
+        tail = products.ExpertTail("glu", (np.int32(width), np.int32(ops.ACT_CODES[act]), *ops.int8_args(ff[1]),
+                                           np.int32(0), arrivals[:pairs]))
+        products.expert_product(gate_up, n_experts, x8, ids_d, pairs, k, gu[1], 2 * width, tail)
+        live = np.repeat(ids[::k] >= 0, k)
+        np.testing.assert_array_equal(cupy.asnumpy(gu[1])[live], cupy.asnumpy(gu[0])[live])
+        for a, b, what in zip(ops.int8_args(ff[1]), ops.int8_args(ff[0]), ("values", "scales", "sums")):
+            np.testing.assert_array_equal(cupy.asnumpy(a).reshape(pairs, -1)[live],
+                                          cupy.asnumpy(b).reshape(pairs, -1)[live], err_msg=f"8-bit {what}")
+        x0 = rng.standard_normal((rows, dim)).astype(np.float32)
+        xs = [cupy.asarray(x0), cupy.asarray(x0)]
+        outs = [cupy.full((pairs, dim), np.nan, cupy.float32) for _ in range(2)]
+        products.expert_product(down, n_experts, ff[0], ids_d, pairs, 1, outs[0], dim)
+        experts.combine(outs[0], ids_d, weights, k, dim, rows, None, None, xs[0])
+        tail = products.ExpertTail("combine", (weights, np.int32(k), xs[1], arrivals[pairs:]))
+        products.expert_product(down, n_experts, ff[0], ids_d, pairs, 1, outs[1], dim, tail)
+        np.testing.assert_array_equal(cupy.asnumpy(xs[1]), cupy.asnumpy(xs[0]))
+        np.testing.assert_array_equal(cupy.asnumpy(xs[1])[1], x0[1])
+        assert not cupy.asnumpy(arrivals).any(), "the counters are left zero"
