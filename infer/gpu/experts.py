@@ -41,7 +41,7 @@ from infer.gguf_file import GGUFModel
 from infer.gpu import kernels, ops, products
 from infer.gpu.activations import Inputs
 from infer.gpu.layout import FLOAT_FORMATS, format_of
-from infer.gpu.ops import ACT_CODES, EIGHT_BIT, GpuMatrix, Int8Act, device_ptr, grid_blocks, int8_args
+from infer.gpu.ops import EIGHT_BIT, GpuMatrix, Int8Act, device_ptr, grid_blocks
 from infer.gpu.weights import runs, upload_tensor
 from infer.quants import activation_format
 from infer.tiers.plan import format_bytes, span
@@ -59,12 +59,6 @@ MATRICES_PER_BLOCK = 7  # at most: router, gate, up, down, and a shared expert's
 # 30B-A3B) grouped ran 2653 tok/s against 1358 per pair (H100, 2026-12-06, docs/PERFORMANCE.md);
 # NVMEDIRECT_EXPERTS_GROUPED_FROM overrides it (sweeps; a large value keeps every pass per pair)
 GROUPED_FROM = float(os.environ.get("NVMEDIRECT_EXPERTS_GROUPED_FROM", "1"))
-# a pass of at most this many rows routes in its router's launch, and one with each pair its own
-# product (decode) rounds its gated activation and combines its experts in their products' launches
-# (qmm.cu fgemv_route, qgemv_id_glu, qgemv_id_combine: arrival.cuh); NVMEDIRECT_EXPERTS_FUSED=0 keeps
-# every step a launch of its own (the same bits; comparisons)
-FUSED_ROWS = 8
-FUSED = os.environ.get("NVMEDIRECT_EXPERTS_FUSED", "1") != "0"
 STACKS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
 SHARED = ("ffn_gate_inp_shexp", "ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp")
 
@@ -156,7 +150,6 @@ def buffers_nbytes(model: GGUFModel, args: ModelArgs, rows: int) -> int:
     total = 4 * rows * args.n_experts + 8 * pairs + 4 * pairs * (3 * w + d)
     total += Inputs.planned_nbytes(rows, [("ffn", act, d) for act in acts])
     total += 8 * pairs + 8 * (args.n_experts + 1) + len(acts) * pairs * d * 5 // 4  # grouping, gathered 8-bit rows
-    total += 4 * (1 + pairs + d)  # the fused launches' arrival counters
     if s:
         total += 4 * rows * (3 * s + d + 1)
     return total
@@ -214,8 +207,6 @@ class GpuExperts:
         self.ff: products.Input = Int8Act.zeros(pairs, w, down_act) if down_act in EIGHT_BIT else \
             cupy.zeros((pairs, w), F32)
         self.outs = cupy.zeros((pairs, d), F32)
-        # arrival.cuh counters of the fused launches: the router's, one a pair (glu), one a row tile (combine)
-        self.arrivals = cupy.zeros(1 + pairs + d, cupy.uint32)
         # the pairs sorted by expert (moe_group) and the gate/up inputs gathered in that order
         self.order, self.slot = cupy.zeros(pairs, cupy.int32), cupy.zeros(pairs, cupy.int32)
         self.starts, self.tiles = cupy.zeros(args.n_experts + 1, cupy.int32), cupy.zeros(args.n_experts + 1, cupy.int32)
@@ -273,49 +264,29 @@ class GpuExperts:
         a = self.args
         k, w, d, e = a.n_experts_used, a.expert_ffn_dim, a.dim, a.n_experts
         xs = self.inputs.normed(x, L.ffn_norm, "ffn", [m.act for m in B.normed_inputs()], n)  # type: ignore[attr-defined]
-        if FUSED and B.router.fmt in FLOAT_FORMATS and n <= FUSED_ROWS:
-            router_route(B.router, xs[B.router.act], n, k, a.expert_weights_norm, live, self.logits, self.ids,  # type: ignore[arg-type]
-                         self.weights, self.arrivals[:1])
-        else:
-            products.product([B.router], xs[B.router.act], self.logits, n, ldy=e)
-            route(self.logits, n, e, k, a.expert_weights_norm, live, self.ids, self.weights)
+        products.product([B.router], xs[B.router.act], self.logits, n, ldy=e)
+        route(self.logits, n, e, k, a.expert_weights_norm, live, self.ids, self.weights)
         pairs, gu = n * k, self.gu.reshape(-1)
         nt = self.group_tiles(pairs)
-        # a decode step's gated activation in its gate/up launch, its combination in its down launch
-        gate_up = list(runs([B.gate, B.up]))  # one launch unless gate and up differ in format
-        fuse_glu = FUSED and not nt and n <= FUSED_ROWS and isinstance(self.ff, Int8Act) and len(gate_up) == 1
-        fuse_combine = FUSED and not nt and n <= FUSED_ROWS and self.shared is None
         if nt:
             group(self.ids, pairs, e, 8 * nt, self.starts, self.tiles, self.order, self.slot)
-        for parts, row0 in gate_up:  # row0 counts the stacks' rows: an expert's are 1 / e of them
+        for parts, row0 in runs([B.gate, B.up]):  # row0 counts the stacks' rows: an expert's are 1 / e of them
             x8 = xs[parts[0].act]
             if nt:
                 xg = self.sorted_inputs[x8.act]  # type: ignore[union-attr]
                 gather8(x8, self.order, self.starts[e:], k, pairs, xg)  # type: ignore[arg-type]
                 products.grouped_expert_product(parts, e, xg, self.starts, self.tiles, pairs, nt, gu[row0 // e :], 2 * w)  # type: ignore[arg-type]
             else:
-                tail = self.glu_tail(w, pairs, B.down.act) if fuse_glu else None
-                products.expert_product(parts, e, x8, self.ids, pairs, k, gu[row0 // e :], 2 * w, tail)
-        if not fuse_glu:
-            self.gated(self.gu, w, pairs, self.ff, B.down.act)
+                products.expert_product(parts, e, x8, self.ids, pairs, k, gu[row0 // e :], 2 * w)
+        self.gated(self.gu, w, pairs, self.ff, B.down.act)
         if nt:
             products.grouped_expert_product([B.down], e, self.ff, self.starts, self.tiles, pairs, nt, self.outs, d)  # type: ignore[arg-type]
         else:
-            tail = products.ExpertTail("combine", (self.weights, np.int32(k), x, self.arrivals[1 + pairs:])) \
-                if fuse_combine else None
-            products.expert_product([B.down], e, self.ff, self.ids, pairs, 1, self.outs, d, tail)
-            if fuse_combine:
-                return
+            products.expert_product([B.down], e, self.ff, self.ids, pairs, 1, self.outs, d)
         shared = gate = None
         if self.shared is not None:
             shared, gate = self.run_shared(B, xs, n)
         combine(self.outs, self.ids, self.weights, k, d, n, shared, gate, x, self.slot if nt else None)
-
-    def glu_tail(self, width: int, pairs: int, act: str) -> products.ExpertTail:
-        """The gate/up launch's tail that rounds each pair's gated activation into self.ff (8-bit)."""
-        gelu = self.args.arch_table.activation == "gelu_tanh"
-        return products.ExpertTail("glu", (np.int32(width), np.int32(ACT_CODES[act]), *int8_args(self.ff),  # type: ignore[arg-type]
-                                           np.int32(gelu), self.arrivals[1 : 1 + pairs]))
 
     def group_tiles(self, pairs: int) -> int:
         """0 when a pass of `pairs` pairs takes the per-pair product, else the grouped product's n-tiles."""
@@ -341,18 +312,6 @@ class GpuExperts:
 
 
 # ---------------------------------------------------------------------------- launches
-def router_route(router: GpuMatrix, x: cupy.ndarray, n: int, k: int, normalize: bool, live: cupy.ndarray | None,
-                 logits: cupy.ndarray, ids: cupy.ndarray, weights: cupy.ndarray, arrivals: cupy.ndarray) -> None:
-    """logits = router @ x (a float router, n <= FUSED_ROWS rows of x) and route's ids and weights
-    of them, in one launch (qmm.cu fgemv_route: the same bits as product and route); arrivals: one
-    zero counter, left zero."""
-    warps, e = products.QGEMV_TUNING[0], router.rows
-    fn = products.gemv_function(f"fgemv_route_{router.fmt}", router.fmt)
-    fn((grid_blocks(e, warps), grid_blocks(n, products.FGEMV_VECTORS)), (32 * warps,),
-       (router.buffer, np.int32(e), np.int32(router.cols), x, np.int32(n), logits, device_ptr(live), np.int32(k),
-        np.int32(normalize), ids, weights, arrivals), shared_mem=4 * warps * e)
-
-
 def route(logits: cupy.ndarray, n: int, n_experts: int, k: int, normalize: bool, live: cupy.ndarray | None,
           ids: cupy.ndarray, weights: cupy.ndarray) -> None:
     """ids, weights (n * k) = the top k experts of each of n rows of router logits (n, n_experts),

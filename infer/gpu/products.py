@@ -15,7 +15,6 @@ allocating, so each may sit inside a CUDA graph capture.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 
 import cupy
 import numpy as np
@@ -69,11 +68,6 @@ def _gemv_defines(fmt: str, tuning: tuple[int, int] | None = None) -> dict[str, 
     """The #defines of the module of format `fmt`'s qgemv (or float) kernels (tuning: warps, unroll)."""
     warps, unroll = tuning or QGEMV_TUNING
     return {"QMM_FORMAT": FORMAT_KIND.get(fmt, 100), "QG_WARPS": warps, "QG_UNROLL": unroll, "QMM_KERNELS": 1}
-
-
-def gemv_function(name: str, fmt: str):  # noqa: ANN201
-    """qmm.cu's kernel `name` from the module of format fmt's small-N kernels (a fused launch)."""
-    return kernels.function("qmm", name, _gemv_defines(fmt))
 
 
 def _qmm_stage_bytes(fmt: str, nt: int, warps: int = 4) -> int:
@@ -223,30 +217,19 @@ def _expert_parts(parts: list[GpuMatrix], n_experts: int, x: Input) -> tuple[int
     return rows, (*planes, np.int32(ends[0]), np.int32(ends[1]), np.int32(rows))
 
 
-@dataclass
-class ExpertTail:
-    """The step a decode step's expert product ends with, done by the product's last blocks
-    (qmm.cu qgemv_id_<kind>_<fmt>: "glu" or "combine"): the kernel's arguments after the product's."""
-
-    kind: str
-    args: tuple
-
-
 def expert_product(parts: list[GpuMatrix], n_experts: int, x: Input, ids: cupy.ndarray, pairs: int,
-                   xdiv: int, y: cupy.ndarray, ldy: int, tail: ExpertTail | None = None) -> None:
+                   xdiv: int, y: cupy.ndarray, ldy: int) -> None:
     """Row j < pairs of y (at y[j * ldy:]) = the rows of expert ids[j] in each part (a stack of
     n_experts experts; parts: one matrix, or gate and up) times input row j // xdiv; ids[j] < 0
-    leaves row j as it is (qmm.cu qgemv_id); with `tail`, then that step in the same launch."""
+    leaves row j as it is (qmm.cu qgemv_id)."""
     m0 = parts[0]
     rows, parts_args = _expert_parts(parts, n_experts, x)
     if pairs < 1:
         return
     warps = QGEMV_TUNING[0]
-    name = f"qgemv_id_{m0.fmt}" if tail is None else f"qgemv_id_{tail.kind}_{m0.fmt}"
-    fn = kernels.function("qmm", name, _gemv_defines(m0.fmt))
+    fn = kernels.function("qmm", f"qgemv_id_{m0.fmt}", _gemv_defines(m0.fmt))
     fn((grid_blocks(rows, warps), pairs), (32 * warps,),
-       (*parts_args, np.int32(m0.cols), x.xq, x.xs, x.xsum, ids, np.int32(xdiv), y, np.int32(ldy),  # type: ignore[union-attr]
-        *(tail.args if tail is not None else ())))
+       (*parts_args, np.int32(m0.cols), x.xq, x.xs, x.xsum, ids, np.int32(xdiv), y, np.int32(ldy)))  # type: ignore[union-attr]
 
 
 def groups_experts(parts: list[GpuMatrix]) -> bool:

@@ -4,7 +4,6 @@
 // a row gets the same bits in any pass. (Rotary embedding, the KV cache and attention: attention.cu.)
 #include "formats.cuh"
 #include "act.cuh"
-#include "glu.cuh"
 
 // y = x / sqrt(mean(x^2) + eps) * w, one block per row, then rounded to activation format `fmt`.
 // The sum of squares in float32 in an order fixed by n alone (each thread's values in order, then
@@ -137,6 +136,20 @@ extern "C" __global__ void round_act(const float* x, float* y, __half* y16, int 
     round_groups_8bit(xr, yr, y16r, n, fmt, o8, first, stride);
 }
 
+// SiLU(gate) * up in float32, each operation rounded: gate / (1 + exp(-gate)) * up
+__device__ __forceinline__ float silu_mul(float g, float u) {
+    return __fmul_rn(__fdiv_rn(g, __fadd_rn(1.f, expf(-g))), u);
+}
+
+// GELU(gate) * up, GELU's tanh form in float32 (Gemma's GeGLU, as llama.cpp's CUDA computes it):
+// 0.5 g (1 + tanh(sqrt(2/pi) g (1 + 0.044715 g^2))) * up
+__device__ __forceinline__ float gelu_mul(float g, float u) {
+    const float inner = __fmul_rn(__fmul_rn(0.7978845608028654f, g), __fmaf_rn(__fmul_rn(0.044715f, g), g, 1.f));
+    return __fmul_rn(__fmul_rn(__fmul_rn(0.5f, g), __fadd_rn(1.f, tanhf(inner))), u);
+}
+
+__device__ __forceinline__ float glu(float g, float u, int gelu) { return gelu ? gelu_mul(g, u) : silu_mul(g, u); }
+
 // x[row] += RMSNorm(t[row]) * w, one block per row (Gemma's post-attention and post-FFN norms: the
 // block's output normalised before the residual add); the sum of squares as rmsnorm's.
 extern "C" __global__ void norm_add(const float* t, const float* w, float* x, int n, float eps) {
@@ -150,16 +163,51 @@ extern "C" __global__ void norm_add(const float* t, const float* w, float* x, in
     for (int i = threadIdx.x; i < n; i += blockDim.x) xr[i] = __fadd_rn(xr[i], __fmul_rn(__fdiv_rn(tr[i], s), w[i]));
 }
 
-// ff = SiLU(gate) * up (gelu: GELU(gate) * up) of rows of gu = [gate (n) | up (n)] (row stride 2n),
-// rounded: glu.cuh glu_round_row, y (row stride n) and y16 optional. grid (pieces of a row, rows),
-// 256 threads: a warp per 8-bit group, 1024 values a block for the float formats.
+// ff = SiLU(gate) * up (gelu: GELU(gate) * up) of rows of gu = [gate (n) | up (n)] (row stride 2n), rounded to the down
+// projection's activation format `fmt`: its 8-bit form (xq/xs/xsum) for q8_0/q8_k, and/or the
+// rounded float32 values in y (row stride n); y16 (optional) the values before rounding as float16
+// (the prompt products' input). grid (pieces of a row, rows), 256 threads: a warp per 8-bit group
+// (q8_0: 32 values, q8_k: 256), 1024 values a block for the float formats.
 extern "C" __global__ void glu_round(const float* gu, int n, float* y, __half* y16, int fmt, signed char* xq,
                                      float* xs, int* xsum, int gelu) {
     const long long row = blockIdx.y;
-    const int warps = blockDim.x >> 5;
-    glu_round_row(gu + row * 2 * n, n, y ? y + row * n : nullptr, y16 ? y16 + row * n : nullptr, fmt,
-                  int8_row(xq, xs, xsum, row, n, fmt), gelu, blockIdx.x * blockDim.x + threadIdx.x,
-                  gridDim.x * blockDim.x, blockIdx.x * warps + (threadIdx.x >> 5), gridDim.x * warps);
+    const float* gr = gu + row * 2 * n;
+    const float* ur = gr + n;
+    float* yr = y ? y + row * n : nullptr;
+    __half* hr = y16 ? y16 + row * n : nullptr;
+    if (fmt == ACT_F32 || fmt == ACT_F16 || fmt == ACT_BF16) {
+        for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
+            const float v = glu(gr[i], ur[i], gelu);
+            yr[i] = round_float(v, fmt);
+            if (hr) hr[i] = __float2half_rn(v);
+        }
+        return;
+    }
+    const int lane = threadIdx.x & 31, warps = blockDim.x >> 5;
+    const int first = blockIdx.x * warps + (threadIdx.x >> 5), stride = gridDim.x * warps;
+    const Int8Out o8 = int8_row(xq, xs, xsum, row, n, fmt);
+    if (fmt == ACT_Q8_0) {
+        for (int g = first; g < n / 32; g += stride) {
+            const int i = g * 32 + lane;
+            const float v[1] = {glu(gr[i], ur[i], gelu)};
+            if (hr) hr[i] = __float2half_rn(v[0]);
+            quantize_group<1>(v, g, fmt, yr ? yr + g * 32 : nullptr, nullptr, o8);
+        }
+    } else {
+        for (int g = first; g < n / 256; g += stride) {
+            const int i = g * 256 + lane * 8;
+            float v[8];
+#pragma unroll
+            for (int k = 0; k < 8; ++k) v[k] = glu(gr[i + k], ur[i + k], gelu);
+            if (hr) {
+                uint4 h;
+                h.x = half2_bits(v[0], v[1]), h.y = half2_bits(v[2], v[3]), h.z = half2_bits(v[4], v[5]);
+                h.w = half2_bits(v[6], v[7]);
+                reinterpret_cast<uint4*>(hr + i)[0] = h;
+            }
+            quantize_group<8>(v, g, fmt, yr ? yr + g * 256 : nullptr, nullptr, o8);
+        }
+    }
 }
 
 __device__ __forceinline__ uint32_t mix32(uint32_t x) {

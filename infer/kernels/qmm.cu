@@ -20,9 +20,6 @@
 #include "formats.cuh"
 #include "canon.cuh"
 #include "async.cuh"
-#include "arrival.cuh"
-#include "glu.cuh"
-#include "moe_steps.cuh"
 
 #ifndef QG_WARPS
 #define QG_WARPS 4  // weight rows (warps) per qgemv block
@@ -316,43 +313,6 @@ __device__ __forceinline__ void fgemv_body(const T* w, int M, int K, const float
                      xsum + (long long)xrow * (K >> 5)};                                                         \
         qgemv_body<KIND, 1>(PARTS_OF, M, K, x, 1, y + (long long)pair * ldy, ldy, nullptr, nullptr, 0, expert);  \
     }
-// A decode step's routed experts in two launches (arrival.cuh: the step after a product done by the
-// product's last block, not by a launch of its own; the same arithmetic, so the same bits):
-// qgemv_id_glu_<fmt>   qgemv_id over gate and up (y: the pairs' [gate | up], ldy = 2 * width), then
-//                      the last of a pair's blocks rounds the pair's gated activation into its row of
-//                      the down product's 8-bit input (glu.cuh); arrivals: a counter a pair.
-// qgemv_id_combine_<fmt> qgemv_id over down (y: the pairs' outputs, xdiv 1, ldy = M), then the last
-//                      of a row tile's blocks (every pair) adds its columns' weighted sums into the
-//                      pass's rows of x (moe_steps.cuh combine_at, no shared expert); arrivals: a
-//                      counter a row tile.
-#define QGEMV_ID_PAIR(KIND)                                                                                     \
-    const int pair = blockIdx.y, expert = __ldg(ids + pair), xrow = pair / xdiv;                                \
-    if (expert >= 0) {                                                                                           \
-        const Act8 x{xq + (long long)xrow * K, xs + (long long)xrow * (K >> Q<KIND>::XS_SHIFT),                  \
-                     xsum + (long long)xrow * (K >> 5)};                                                         \
-        qgemv_body<KIND, 1>(PARTS_OF, M, K, x, 1, y + (long long)pair * ldy, ldy, nullptr, nullptr, 0, expert);  \
-    }
-#define QGEMV_ID_TAILS(NAME, KIND)                                                                              \
-    extern "C" __global__ void __launch_bounds__(QG_WARPS * 32)                                                 \
-        qgemv_id_glu_##NAME(PARTS_ARGS, int M, int K, const signed char* xq, const float* xs, const int* xsum,  \
-                            const int* ids, int xdiv, float* y, int ldy, int width, int fmt, signed char* fq,   \
-                            float* fs, int* fsum, int gelu, unsigned int* arrivals) {                           \
-        QGEMV_ID_PAIR(KIND)                                                                                      \
-        if (!last_to_arrive(arrivals + pair, gridDim.x)) return;                                                 \
-        glu_round_row(y + (long long)pair * ldy, width, nullptr, nullptr, fmt, int8_row(fq, fs, fsum, pair, width, fmt), \
-                      gelu, threadIdx.x, blockDim.x, threadIdx.x >> 5, blockDim.x >> 5);                        \
-    }                                                                                                            \
-    extern "C" __global__ void __launch_bounds__(QG_WARPS * 32)                                                 \
-        qgemv_id_combine_##NAME(PARTS_ARGS, int M, int K, const signed char* xq, const float* xs,               \
-                                const int* xsum, const int* ids, int xdiv, float* y, int ldy,                   \
-                                const float* weights, int k, float* x_out, unsigned int* arrivals) {            \
-        QGEMV_ID_PAIR(KIND)                                                                                      \
-        if (!last_to_arrive(arrivals + blockIdx.x, gridDim.y)) return;                                           \
-        const int c = blockIdx.x * QG_WARPS + (threadIdx.x >> 5);                                                \
-        if (c >= M) return;                                                                                      \
-        for (int r = threadIdx.x & 31; r < (int)gridDim.y / k; r += 32)                                          \
-            combine_at(y, ids, weights, k, ldy, nullptr, nullptr, nullptr, x_out, r, c);                         \
-    }
 #define QMM(NAME, KIND, NT)                                                                                     \
     extern "C" __global__ void __launch_bounds__(MMQ_THREADS, MMQ_MIN_BLOCKS) qmm_##NAME##_n##NT(PARTS_ARGS, PRODUCT_ARGS) {    \
         qmm_body<KIND, NT>(PARTS_OF, M, K, Act8{xq, xs, xsum}, N, y, ldy, bias, residual, partial,              \
@@ -377,8 +337,7 @@ __device__ __forceinline__ void fgemv_body(const T* w, int M, int K, const float
                            nullptr, tile * 8 * NT, blockIdx.y * MMQ_ROWS, e);                                    \
     }
 #if QMM_KERNELS & 1
-#define QGEMVS(NAME, KIND)                                                                                      \
-    QGEMV(NAME, KIND, 1) QGEMV(NAME, KIND, 2) QGEMV(NAME, KIND, 4) QGEMV_ID(NAME, KIND) QGEMV_ID_TAILS(NAME, KIND)
+#define QGEMVS(NAME, KIND) QGEMV(NAME, KIND, 1) QGEMV(NAME, KIND, 2) QGEMV(NAME, KIND, 4) QGEMV_ID(NAME, KIND)
 #else
 #define QGEMVS(NAME, KIND)
 #endif
@@ -418,24 +377,8 @@ QUANT_FORMAT(k6, 16)
                      const float* residual) {                                                                   \
         fgemv_body<T>(reinterpret_cast<const T*>(w), M, K, x, N, y, ldy, bias, residual);                       \
     }
-// fgemv_route_<fmt>: a decode step's router (y: the logits, ldy = M = the experts), then its last
-// block routes the rows (moe_steps.cuh route_row, a warp a row; dynamic shared memory: QG_WARPS x M
-// floats): one launch instead of two (arrival.cuh; the same bits as fgemv and moe_route).
-#define FGEMV_ROUTE(NAME, T)                                                                                    \
-    extern "C" __global__ void __launch_bounds__(QG_WARPS * 32)                                                 \
-        fgemv_route_##NAME(const uint8_t* w, int M, int K, const float* x, int N, float* y, const int* live,    \
-                           int k, int normalize, int* ids, float* weights, unsigned int* arrivals) {            \
-        fgemv_body<T>(reinterpret_cast<const T*>(w), M, K, x, N, y, M, nullptr, nullptr);                       \
-        if (!last_to_arrive(arrivals, gridDim.x * gridDim.y)) return;                                            \
-        extern __shared__ float route_probs[];                                                                   \
-        const int warp = threadIdx.x >> 5;                                                                       \
-        for (int r = warp; r < N; r += QG_WARPS) route_row(y, r, M, k, normalize, live, ids, weights, route_probs + warp * M); \
-    }
 #if QMM_FORMAT == 0 || QMM_FORMAT == 100
 FGEMV(f16, __half)
 FGEMV(bf16, __nv_bfloat16)
 FGEMV(f32, float)
-FGEMV_ROUTE(f16, __half)
-FGEMV_ROUTE(bf16, __nv_bfloat16)
-FGEMV_ROUTE(f32, float)
 #endif

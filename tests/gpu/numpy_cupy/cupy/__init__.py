@@ -188,21 +188,6 @@ class RawKernel:
             lay = layout.plane_layout(fmt, r_, c_)
             for p, o, s in zip((qs, hi, sm, dm), lay.offsets, lay.sizes):
                 if s: _arr(p, np.uint8, s)[:] = planar[o:o+s]
-        elif n.startswith("qgemv_id_glu_"):  # qgemv_id, then each pair's glu_round (arrival.cuh: the last block's step)
-            fmt = n[len("qgemv_id_glu_"):]
-            *head, width, act, fq, fs, fsum, gelu, arrivals = args
-            RawKernel(f"qgemv_id_{fmt}")._run(grid, block, tuple(head))
-            RawKernel("glu_round")._run((1, int(grid[1])), None, (head[-2], width, 0, 0, act, fq, fs, fsum, gelu))
-        elif n.startswith("qgemv_id_combine_"):  # qgemv_id over down, then moe_combine of the pass's rows
-            fmt = n[len("qgemv_id_combine_"):]
-            *head, w, k, x, arrivals = args
-            RawKernel(f"qgemv_id_{fmt}")._run(grid, block, tuple(head))
-            M = int(head[14])
-            RawKernel("moe_combine")._run((1, int(grid[1]) // int(k)), None, (head[-2], head[-4], w, k, M, 0, 0, 0, x))
-        elif n.startswith("fgemv_route_"):  # fgemv over the router, then moe_route of its rows
-            w, M, K, x, N, y, live, k, norm, ids, weights, arrivals = args
-            RawKernel(f"fgemv_{n[len('fgemv_route_'):]}")._run(grid, block, (w, M, K, x, N, y, M, 0, 0))
-            RawKernel("moe_route")._run(None, None, (y, N, M, k, norm, live, ids, weights))
         elif n.startswith("qgemv_id_"):  # routed experts: each (row, slot) pair by its expert's rows (infer.gpu.experts)
             from infer.gpu.reference import canonical_product
             fmt = n[len("qgemv_id_"):]
