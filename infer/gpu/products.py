@@ -33,6 +33,8 @@ FORMAT_KIND = {"q8": 1, "g4": 4, "g5": 5, "k4": 14, "k5": 15, "k6": 16}  # qmm.c
 # NVMEDIRECT_QMM_TUNING="1:2,4;8:4,3" and NVMEDIRECT_QGEMV_TUNING="4,2" override them (sweeps)
 QMM_TUNING: dict[int, tuple[int, int]] = {1: (4, 3), 2: (4, 3), 4: (4, 3), 8: (4, 3)}
 QGEMV_TUNING: tuple[int, int] = (4, 2)
+# (row length up to, weight rows a qgemv warp takes): qgemv_rows
+QGEMV_ROWS: tuple[tuple[int, int], ...] = ((1024, 4), (2048, 2), (1 << 30, 1))
 # blocks per SM the registers of a format's qmm kernels must allow (qmm.cu MMQ_MIN_BLOCKS; absent:
 # the kernel's default; NVMEDIRECT_QMM_MIN_BLOCKS overrides, for sweeps)
 QMM_MIN_BLOCKS: dict[str, int] = {}
@@ -64,10 +66,24 @@ def _module_defines(fmt: str, nt: int = 1, tuning: tuple[int, int] | None = None
     return defines
 
 
-def _gemv_defines(fmt: str, tuning: tuple[int, int] | None = None) -> dict[str, int]:
-    """The #defines of the module of format `fmt`'s qgemv (or float) kernels (tuning: warps, unroll)."""
+def qgemv_rows(cols: int) -> int:
+    """Weight rows a qgemv warp takes (qmm.cu QG_ROWS) for rows of `cols` values: more for short
+    rows, whose warps otherwise hold a load or two each (NVMEDIRECT_QGEMV_ROWS forces it: sweeps).
+    Speed only: a row's sum does not depend on it."""
+    forced = os.environ.get("NVMEDIRECT_QGEMV_ROWS")
+    if forced:
+        return int(forced)
+    return next(rows for most, rows in QGEMV_ROWS if cols <= most)
+
+
+def _gemv_defines(fmt: str, tuning: tuple[int, int] | None = None, rows: int = 1) -> dict[str, int]:
+    """The #defines of the module of format `fmt`'s qgemv (or float) kernels (tuning: warps, unroll;
+    rows: weight rows a warp)."""
     warps, unroll = tuning or QGEMV_TUNING
-    return {"QMM_FORMAT": FORMAT_KIND.get(fmt, 100), "QG_WARPS": warps, "QG_UNROLL": unroll, "QMM_KERNELS": 1}
+    defines = {"QMM_FORMAT": FORMAT_KIND.get(fmt, 100), "QG_WARPS": warps, "QG_UNROLL": unroll, "QMM_KERNELS": 1}
+    if rows != 1:
+        defines["QG_ROWS"] = rows
+    return defines
 
 
 def _qmm_stage_bytes(fmt: str, nt: int, warps: int = 4) -> int:
@@ -106,7 +122,8 @@ def prepare_kernels(formats: set[str]) -> None:
     """Compiles the product kernels of `formats` and raises the shared-memory opt-in of those that
     need more than the default, before any CUDA graph capture (attention: attention.prepare)."""
     for fmt in formats:
-        kernels.module("qmm", _gemv_defines(fmt))
+        for rows in {rows for _, rows in QGEMV_ROWS} | {qgemv_rows(0)} if fmt not in FLOAT_FORMATS else {1}:
+            kernels.module("qmm", _gemv_defines(fmt, rows=rows))
         if fmt not in FLOAT_FORMATS:
             for nt in (1, 2, 4, 8):
                 _qmm_kernel(fmt, nt)
@@ -200,9 +217,9 @@ def product(parts: list[GpuMatrix], x: Input, y: cupy.ndarray, n: int, ldy: int 
                                                     np.int32(ldy), device_ptr(bias), device_ptr(residual)))
         return
     nv = 1 if n == 1 else 2 if n == 2 else 4
-    warps = (tuning or QGEMV_TUNING)[0]
-    fn = kernels.function("qmm", f"qgemv_{m0.fmt}_v{nv}", _gemv_defines(m0.fmt, tuning))
-    fn((grid_blocks(rows, warps), grid_blocks(n, nv)), (32 * warps,), args)
+    warps, per_warp = (tuning or QGEMV_TUNING)[0], qgemv_rows(m0.cols)
+    fn = kernels.function("qmm", f"qgemv_{m0.fmt}_v{nv}", _gemv_defines(m0.fmt, tuning, per_warp))
+    fn((grid_blocks(rows, warps * per_warp), grid_blocks(n, nv)), (32 * warps,), args)
 
 
 def _expert_parts(parts: list[GpuMatrix], n_experts: int, x: Input) -> tuple[int, tuple]:
@@ -226,9 +243,9 @@ def expert_product(parts: list[GpuMatrix], n_experts: int, x: Input, ids: cupy.n
     rows, parts_args = _expert_parts(parts, n_experts, x)
     if pairs < 1:
         return
-    warps = QGEMV_TUNING[0]
-    fn = kernels.function("qmm", f"qgemv_id_{m0.fmt}", _gemv_defines(m0.fmt))
-    fn((grid_blocks(rows, warps), pairs), (32 * warps,),
+    warps, per_warp = QGEMV_TUNING[0], qgemv_rows(m0.cols)
+    fn = kernels.function("qmm", f"qgemv_id_{m0.fmt}", _gemv_defines(m0.fmt, rows=per_warp))
+    fn((grid_blocks(rows, warps * per_warp), pairs), (32 * warps,),
        (*parts_args, np.int32(m0.cols), x.xq, x.xs, x.xsum, ids, np.int32(xdiv), y, np.int32(ldy)))  # type: ignore[union-attr]
 
 

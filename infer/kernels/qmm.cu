@@ -1,7 +1,7 @@
 // Matrix products Y = X W^T for N token rows at once, over the planar quantized formats of
 // formats.cuh, every output summed in the canonical order of canon.cuh (so a token's result does not
 // depend on N, on the other tokens, or on which of these kernels computed it):
-//   qgemv_<fmt>_v<NV>  a warp per weight row, each lane a sub-block, dp4a integer dot products, NV
+//   qgemv_<fmt>_v<NV>  a warp per QG_ROWS weight rows, each lane a sub-block, dp4a integer dot products, NV
 //                      (1, 2, 4) vectors per block (grid y: groups of NV): the weights are read once
 //                      per group. Decode and small batches, and any N where qmm does not apply.
 //   qmm_<fmt>_n<NT>    any N: 64 weight rows x 8*NT tokens per block of 4 warps, both operands staged
@@ -27,6 +27,9 @@
 #ifndef QG_UNROLL
 #define QG_UNROLL 2  // iterations of 32 sub-blocks whose loads a qgemv lane issues before using them
 #endif
+#ifndef QG_ROWS
+#define QG_ROWS 1  // consecutive weight rows a qgemv warp takes (loads of all of them in flight at once)
+#endif
 #ifndef MMQ_WARPS
 #define MMQ_WARPS 4  // warps per qmm block, 16 weight rows each
 #endif
@@ -49,36 +52,48 @@
 #include "qmm_operands.cuh"
 
 // ---------------------------------------------------------------- qgemv: N <= NV vectors
-// Vectors v0 .. v0 + NV - 1 of x times the parts' rows. `expert` e: each part holds a stack of
-// experts of the part's rows each, and row r of the part reads row e * rows + r (qgemv_id).
+// Vectors v0 .. v0 + NV - 1 of x times the parts' rows, QG_ROWS consecutive rows a warp: the warp
+// issues every row's weight loads of an iteration before it sums any, so a short row (an expert's
+// down row of 768 values: 24 sub-blocks) keeps more bytes in flight a warp and the launch has
+// fewer warps to cycle through; the vectors' 8-bit values are loaded once for the warp's rows. Each
+// row's sum is the same whatever QG_ROWS. `expert` e: each part holds a stack of experts of the
+// part's rows each, and row r of the part reads row e * rows + r (qgemv_id).
 template <int KIND, int NV>
 __device__ __forceinline__ void qgemv_body(const Parts& parts, int M, int K, Act8 x, int nvec, float* y, int ldy,
                                            const float* bias, const float* residual, int v0, int expert) {
     typedef Q<KIND> F;
     const int lane = threadIdx.x & 31;
-    const int row = blockIdx.x * QG_WARPS + (threadIdx.x >> 5);
-    if (row >= M) return;  // the whole warp
+    const int row0 = (blockIdx.x * QG_WARPS + (threadIdx.x >> 5)) * QG_ROWS;
+    if (row0 >= M) return;  // the whole warp
     nvec = min(NV, nvec - v0);
     x.xq += (long long)v0 * K;
     x.xs += (long long)v0 * (K >> F::XS_SHIFT);
     x.xsum += (long long)v0 * (K >> 5);
     y += (long long)v0 * ldy;
     if (residual) residual += (long long)v0 * ldy;
-    const int pi = parts.part(row);
-    const Planes p = parts.planes(pi);
     const int nsb = K >> 5, ngroups = K >> F::XS_SHIFT;
-    const long long base = ((long long)expert * parts.size(pi, M) + (row - parts.start(pi))) * nsb;
-    float acc[NV];
+    Planes p[QG_ROWS];
+    long long base[QG_ROWS];
+    float acc[QG_ROWS][NV];
 #pragma unroll
-    for (int v = 0; v < NV; ++v) acc[v] = 0.f;
+    for (int i = 0; i < QG_ROWS; ++i) {
+        const int row = min(row0 + i, M - 1);  // past the last row: a copy of it, not written
+        const int pi = parts.part(row);
+        p[i] = parts.planes(pi);
+        base[i] = ((long long)expert * parts.size(pi, M) + (row - parts.start(pi))) * nsb;
+#pragma unroll
+        for (int v = 0; v < NV; ++v) acc[i][v] = 0.f;
+    }
     for (int s0 = 0; s0 < nsb; s0 += 32 * QG_UNROLL) {
-        typename F::Raw r[QG_UNROLL];
+        typename F::Raw r[QG_ROWS][QG_UNROLL];
 #pragma unroll
-        for (int u = 0; u < QG_UNROLL; ++u) {
-            const int sb = s0 + 32 * u + lane;
-            if (sb < nsb) r[u] = F::load(p, base + sb);
-            else r[u] = typename F::Raw{make_uint4(0, 0, 0, 0), make_uint4(0, 0, 0, 0), make_uint2(0, 0), 0u, 0u};
-        }
+        for (int i = 0; i < QG_ROWS; ++i)
+#pragma unroll
+            for (int u = 0; u < QG_UNROLL; ++u) {
+                const int sb = s0 + 32 * u + lane;
+                if (sb < nsb) r[i][u] = F::load(p[i], base[i] + sb);
+                else r[i][u] = typename F::Raw{make_uint4(0, 0, 0, 0), make_uint4(0, 0, 0, 0), make_uint2(0, 0), 0u, 0u};
+            }
 #pragma unroll
         for (int u = 0; u < QG_UNROLL; ++u) {
             const int first = s0 + 32 * u;  // the warp's first sub-block of this iteration
@@ -98,45 +113,52 @@ __device__ __forceinline__ void qgemv_body(const Parts& parts, int M, int K, Act
                     xs = __ldg(x.xs + (long long)v * ngroups + (sb >> (F::XS_SHIFT - 5)));
                     if (F::XSUM) xsum = __ldg(x.xsum + (long long)v * nsb + sb);
                 }
-                int lo16, hi16;
-                F::idots(r[u], xa, xb, lo16, hi16);
-                // the iteration's 32 sub-blocks are one group (CANON_GROUP): its tiles in order from 0,
-                // then added to acc
-                float group = 0.f;
-                if (!F::SUPER) {
-                    // lanes 4j..4j+3 hold tile j of the iteration: pairwise, as tile4
-                    float t = have ? F::term(r[u].sm, xs, lo16 + hi16, xsum) : 0.f;
-                    t = __fadd_rn(t, __shfl_xor_sync(FULL_MASK, t, 1));
-                    t = __fadd_rn(t, __shfl_xor_sync(FULL_MASK, t, 2));
 #pragma unroll
-                    for (int j = 0; j < 32 / CANON_TILE; ++j) {
-                        const float T = __shfl_sync(FULL_MASK, t, CANON_TILE * j);
-                        if (first + CANON_TILE * j < nsb) group = __fadd_rn(group, T);
-                    }
-                } else {
-                    // lanes 8j..8j+7 hold super-block j: exact integer sums, then its term
-                    int ip, mp;
-                    F::super_parts(r[u].sm, lo16, hi16, xsum, ip, mp);
+                for (int i = 0; i < QG_ROWS; ++i) {
+                    int lo16, hi16;
+                    F::idots(r[i][u], xa, xb, lo16, hi16);
+                    // the iteration's 32 sub-blocks are one group (CANON_GROUP): its tiles in order
+                    // from 0, then added to acc
+                    float group = 0.f;
+                    if (!F::SUPER) {
+                        // lanes 4j..4j+3 hold tile j of the iteration: pairwise, as tile4
+                        float t = have ? F::term(r[i][u].sm, xs, lo16 + hi16, xsum) : 0.f;
+                        t = __fadd_rn(t, __shfl_xor_sync(FULL_MASK, t, 1));
+                        t = __fadd_rn(t, __shfl_xor_sync(FULL_MASK, t, 2));
 #pragma unroll
-                    for (int o = 1; o < 8; o <<= 1) {
-                        ip += __shfl_xor_sync(FULL_MASK, ip, o);
-                        mp += __shfl_xor_sync(FULL_MASK, mp, o);
-                    }
-                    const float t = F::super_term(r[u].dm, xs, ip, mp);
+                        for (int j = 0; j < 32 / CANON_TILE; ++j) {
+                            const float T = __shfl_sync(FULL_MASK, t, CANON_TILE * j);
+                            if (first + CANON_TILE * j < nsb) group = __fadd_rn(group, T);
+                        }
+                    } else {
+                        // lanes 8j..8j+7 hold super-block j: exact integer sums, then its term
+                        int ip, mp;
+                        F::super_parts(r[i][u].sm, lo16, hi16, xsum, ip, mp);
 #pragma unroll
-                    for (int j = 0; j < 4; ++j) {
-                        const float T = __shfl_sync(FULL_MASK, t, 8 * j);
-                        if (first + 8 * j < nsb) group = __fadd_rn(group, T);
+                        for (int o = 1; o < 8; o <<= 1) {
+                            ip += __shfl_xor_sync(FULL_MASK, ip, o);
+                            mp += __shfl_xor_sync(FULL_MASK, mp, o);
+                        }
+                        const float t = F::super_term(r[i][u].dm, xs, ip, mp);
+#pragma unroll
+                        for (int j = 0; j < 4; ++j) {
+                            const float T = __shfl_sync(FULL_MASK, t, 8 * j);
+                            if (first + 8 * j < nsb) group = __fadd_rn(group, T);
+                        }
                     }
+                    acc[i][v] = __fadd_rn(acc[i][v], group);
                 }
-                acc[v] = __fadd_rn(acc[v], group);
             }
         }
     }
     if (lane == 0) {
 #pragma unroll
-        for (int v = 0; v < NV; ++v)
-            if (v < nvec) y[(long long)v * ldy + row] = canon_out(acc[v], row, v, ldy, bias, residual);
+        for (int i = 0; i < QG_ROWS; ++i) {
+            const int row = row0 + i;
+#pragma unroll
+            for (int v = 0; v < NV; ++v)
+                if (v < nvec && row < M) y[(long long)v * ldy + row] = canon_out(acc[i][v], row, v, ldy, bias, residual);
+        }
     }
 }
 

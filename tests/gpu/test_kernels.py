@@ -376,12 +376,16 @@ def test_products_are_the_canonical_sum_for_every_row_count(rng: np.random.Gener
 
 
 @pytest.mark.parametrize("ggml_type", [T.Q8_0, T.Q5_1, T.Q4_K, T.Q6_K], ids=lambda t: T(t).name)
-@pytest.mark.parametrize("n", [1, 4, 40, 512])
-def test_product_of_stacked_parts_with_bias_and_residual(rng: np.random.Generator, ggml_type: int, n: int) -> None:
+@pytest.mark.parametrize(("n", "per_warp"), [(1, 1), (1, 2), (1, 4), (4, 1), (4, 4), (40, 1), (512, 1)])
+def test_product_of_stacked_parts_with_bias_and_residual(rng: np.random.Generator, ggml_type: int, n: int,
+                                                         per_warp: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """Three matrices of one format as one launch (rows per part not multiples of the tile), plus a
-    bias and the residual in place on a strided output: each part's rows are its own product."""
+    bias and the residual in place on a strided output: each part's rows are its own product, with
+    any number of weight rows a qgemv warp (a warp's rows across the parts' edges)."""
     from infer.gpu.reference import canonical_product
     from infer.quants import activation_format
+
+    monkeypatch.setenv("NVMEDIRECT_QGEMV_ROWS", str(per_warp))
 
     act, cols = activation_format(ggml_type), 1024
     parts = [(100, _tensor(rng, ggml_type, 100, cols)), (37, _tensor(rng, ggml_type, 37, cols)),

@@ -54,8 +54,12 @@ def _int8(rng: np.random.Generator, n: int, cols: int, act: str) -> tuple[ops.In
 
 @pytest.mark.parametrize("ggml_type", [T.Q8_0, T.Q4_0, T.Q5_1, T.Q4_K, T.Q5_K, T.Q6_K], ids=lambda t: T(t).name)
 @pytest.mark.parametrize("xdiv", [1, 3])  # down: a row per pair; gate/up: one input row for k slots
-def test_expert_products_are_each_experts_canonical_sum(rng: np.random.Generator, ggml_type: int, xdiv: int) -> None:
+@pytest.mark.parametrize("per_warp", [1, 4])  # weight rows a qgemv warp
+def test_expert_products_are_each_experts_canonical_sum(rng: np.random.Generator, ggml_type: int, xdiv: int,
+                                                        per_warp: int, monkeypatch: pytest.MonkeyPatch) -> None:
     from infer.gpu.reference import canonical_product
+
+    monkeypatch.setenv("NVMEDIRECT_QGEMV_ROWS", str(per_warp))
 
     n_experts, rows, cols = 6, 72, 512
     act = activation_format(ggml_type)

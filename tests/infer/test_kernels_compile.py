@@ -59,3 +59,14 @@ def test_hot_kernels_do_not_spill(tmp_path: Path, name: str) -> None:
 def test_every_cu_file_is_a_loadable_module() -> None:
     files = {p.stem for p in Path(kernels.KERNEL_DIR).glob("*.cu")}
     assert files == set(kernels.SOURCES)
+
+
+@pytest.mark.parametrize("rows", [2, 4])  # infer/gpu/products.py QGEMV_ROWS (which imports CuPy)
+def test_qgemv_with_several_rows_a_warp_does_not_spill(tmp_path: Path, rows: int) -> None:
+    """The qgemv kernels in every variant of weight rows a warp that the products launch."""
+    report = _compile(tmp_path, "qmm", "-cubin", "-Xptxas", "-v", defines={"QMM_KERNELS": 1, "QG_ROWS": rows})
+    functions = re.findall(r"Function properties for (\w+)\n\s+(\d+) bytes stack frame, (\d+) bytes spill stores",
+                           report)
+    assert functions, report
+    spilling = [fn for fn, stack, spill in functions if int(stack) or int(spill)]
+    assert not spilling, f"register spills or a stack frame in {spilling}"
