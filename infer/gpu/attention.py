@@ -141,10 +141,9 @@ def head_splits(group: int, blocks: int, head_dim: int = 128) -> int:
         return 1
     forced = os.environ.get("NVMEDIRECT_ATTN_SPLITS")
     if forced:
-        s = int(forced)
-        if s not in HEAD_SPLITS:
-            raise ValueError(f"NVMEDIRECT_ATTN_SPLITS={forced}: one of {HEAD_SPLITS}")
-        return s if group % s == 0 else 1
+        if forced not in {str(s) for s in HEAD_SPLITS}:
+            raise ValueError(f"NVMEDIRECT_ATTN_SPLITS={forced!r}: one of {HEAD_SPLITS}")
+        return int(forced) if group % int(forced) == 0 else 1
     return max(s for s in HEAD_SPLITS if group % s == 0 and (s == 1 or s * blocks <= HEAD_SPLIT_GRID))
 
 

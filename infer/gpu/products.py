@@ -72,6 +72,8 @@ def qgemv_rows(cols: int) -> int:
     Speed only: a row's sum does not depend on it."""
     forced = os.environ.get("NVMEDIRECT_QGEMV_ROWS")
     if forced:
+        if not forced.isdigit() or not 1 <= int(forced) <= 8:
+            raise ValueError(f"NVMEDIRECT_QGEMV_ROWS={forced!r}: weight rows a warp, 1 to 8")
         return int(forced)
     return next(rows for most, rows in QGEMV_ROWS if cols <= most)
 
@@ -122,7 +124,9 @@ def prepare_kernels(formats: set[str]) -> None:
     """Compiles the product kernels of `formats` and raises the shared-memory opt-in of those that
     need more than the default, before any CUDA graph capture (attention: attention.prepare)."""
     for fmt in formats:
-        for rows in {rows for _, rows in QGEMV_ROWS} | {qgemv_rows(0)} if fmt not in FLOAT_FORMATS else {1}:
+        # every variant of rows a warp the products may launch (a forced one included)
+        variants = {rows for _, rows in QGEMV_ROWS} | {qgemv_rows(0)} if fmt not in FLOAT_FORMATS else {1}
+        for rows in variants:
             kernels.module("qmm", _gemv_defines(fmt, rows=rows))
         if fmt not in FLOAT_FORMATS:
             for nt in (1, 2, 4, 8):

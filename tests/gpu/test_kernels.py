@@ -973,3 +973,20 @@ def test_sample_rows_temperature_follows_softmax() -> None:
     counts = np.bincount(draws, minlength=len(logits))
     sigma = np.sqrt(n * p * (1 - p))
     assert (np.abs(counts - n * p) < 5 * sigma).all(), (counts, n * p)
+
+
+def test_forced_rows_a_warp_and_head_splits_are_checked(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sweeps' overrides say what they take instead of launching a bad grid."""
+    for bad in ("0", "9", "two"):
+        monkeypatch.setenv("NVMEDIRECT_QGEMV_ROWS", bad)
+        with pytest.raises(ValueError, match="NVMEDIRECT_QGEMV_ROWS"):
+            products.qgemv_rows(2048)
+    monkeypatch.setenv("NVMEDIRECT_QGEMV_ROWS", "3")
+    assert products.qgemv_rows(2048) == 3
+    monkeypatch.delenv("NVMEDIRECT_QGEMV_ROWS")
+    assert [products.qgemv_rows(c) for c in (768, 2048, 4096)] == [4, 2, 1]
+    monkeypatch.setenv("NVMEDIRECT_ATTN_SPLITS", "3")
+    with pytest.raises(ValueError, match="NVMEDIRECT_ATTN_SPLITS"):
+        attn.head_splits(8, 4)
+    monkeypatch.setenv("NVMEDIRECT_ATTN_SPLITS", "8")
+    assert attn.head_splits(8, 4) == 8 and attn.head_splits(6, 4) == 1
