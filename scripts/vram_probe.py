@@ -134,7 +134,7 @@ def _kernel_names(name: str, defines: tuple) -> list[str]:
     names = set(re.findall(r'extern "C" __global__ void(?: __launch_bounds__\([^)]*\))?\s+(\w+)\(', text))
     names |= {f"qgemv_{fmt}_v{v}" for fmt in FORMATS for v in (1, 2, 4)}
     names |= {f"qmm_{fmt}_n{nt}" for fmt in FORMATS for nt in (1, 2, 4, 8)}
-    names |= {f"attn_chunks_d{d}" for d in (64, 128, 256)} | {f"attn_chunks_s2_d{d}" for d in (128, 256)}
+    names |= {f"attn_chunks_d{d}" for d in (64, 128, 256)} | {f"attn_chunks_s{s}_d{d}" for s in (2, 4, 8) for d in (128, 256)}
     return sorted(names)
 
 
