@@ -316,11 +316,13 @@ def route(logits: cupy.ndarray, n: int, n_experts: int, k: int, normalize: bool,
           ids: cupy.ndarray, weights: cupy.ndarray) -> None:
     """ids, weights (n * k) = the top k experts of each of n rows of router logits (n, n_experts),
     most probable first, and their (normalised) probabilities; rows with live 0: ids -1 (moe.cu)."""
-    rows_a_block = 4  # moe.cu ROUTE_ROWS: a warp a row, a row's probabilities in shared memory
-    kernels.function("moe", "moe_route")((grid_blocks(n, rows_a_block),), (32 * rows_a_block,),
+    if n < 1:
+        return
+    threads = 128  # moe.cu ROUTE_THREADS: a block a row, its probabilities and picks in shared memory
+    kernels.function("moe", "moe_route")((n,), (threads,),
                                          (logits, np.int32(n), np.int32(n_experts), np.int32(k), np.int32(normalize),
                                           device_ptr(live), ids, weights),
-                                         shared_mem=rows_a_block * n_experts * 4)
+                                         shared_mem=4 * (n_experts + 2 * k))
 
 
 def group(ids: cupy.ndarray, pairs: int, n_experts: int, tile: int, starts: cupy.ndarray, tiles: cupy.ndarray,

@@ -39,77 +39,80 @@ __device__ __forceinline__ bool ranks_before(float pa, int ea, float pb, int eb)
     return pa > pb || (pa == pb && ea < eb);
 }
 
-// One warp per row of logits (n, E), ROUTE_ROWS rows a block, E floats of dynamic shared memory a
-// row, k <= 32: softmax (exp(l - max) in float32; their sum carried wide, each lane over its own
-// experts, then joined across the warp; each exp times the float32 reciprocal of the sum), the k most
-// probable experts, most probable first (ties: the lower id), into ids[row * k + j]; their
-// probabilities into weights, divided by their sum (carried wide in rank order, floored) when
-// `normalize`. Lane j keeps the j-th pick and writes it. Rows whose `live` entry is 0 (the null rows
-// padding a pass; live may be null: every row) get ids -1: no expert reads its weights.
-#define ROUTE_ROWS 4
-extern "C" __global__ void moe_route(const float* logits, int n, int E, int k, int normalize, const int* live,
-                                     int* ids, float* weights) {
+// A block of ROUTE_THREADS threads per row of logits (n, E), k <= 32; dynamic shared memory: E
+// floats, then the k picks (probability, id). Warp 0 takes the softmax: exp(l - max) in float32,
+// their sum carried wide, each lane over its own experts e = lane + 32 i, then joined across the
+// warp; each exp times the float32 reciprocal of the sum. Then every thread ranks its experts: the
+// rank of e is the number of experts before it in descending (probability, -id) order (ties: the
+// lower id first), so the k most probable experts, most probable first, are ranks 0 .. k - 1 (a
+// thread a rank-0..k-1 slot, no serial picks: 8 warp-wide arg-maxes one after another took most of
+// a decode step's 5 us here). A NaN probability ranks nowhere (no comparison with it holds), and a
+// slot no expert fills keeps id -1, probability -1, as the serial picks left it. The k picks' sum
+// is carried wide in rank order; their probabilities go to weights divided by it (floored) when
+// `normalize`. Rows whose `live` entry is 0 (the null rows padding a pass; live may be null: every
+// row) get ids -1: no expert reads its weights.
+#define ROUTE_THREADS 128
+extern "C" __global__ void __launch_bounds__(ROUTE_THREADS)
+    moe_route(const float* logits, int n, int E, int k, int normalize, const int* live, int* ids, float* weights) {
     extern __shared__ float route_probs[];
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int r = blockIdx.x * ROUTE_ROWS + warp;
-    if (r >= n) return;  // the whole warp
+    float* p = route_probs;
+    float* pick_p = p + E;
+    int* pick_e = reinterpret_cast<int*>(pick_p + k);
+    const int r = blockIdx.x, tid = threadIdx.x, lane = tid & 31;
     int* out_ids = ids + (long long)r * k;
     float* out_w = weights + (long long)r * k;
     if (live && !live[r]) {
-        if (lane < k) {
-            out_ids[lane] = -1;
-            out_w[lane] = 0.f;
+        if (tid < k) {
+            out_ids[tid] = -1;
+            out_w[tid] = 0.f;
         }
-        return;
+        return;  // the whole block
     }
-    const float* l = logits + (long long)r * E;
-    float* p = route_probs + warp * E;  // a lane reads and writes only its own entries e = lane + 32 i
-    float mx = NEG_INF;
-    for (int e = lane; e < E; e += 32) mx = fmaxf(mx, l[e]);
-    for (int o = 16; o; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
-    WideSum sum;
-    for (int e = lane; e < E; e += 32) {
-        const float ex = expf(__fsub_rn(l[e], mx));
-        p[e] = ex;
-        sum.add(ex);
+    if (tid < k) {
+        pick_p[tid] = -1.f;
+        pick_e[tid] = -1;
     }
-    for (int o = 16; o; o >>= 1)
-        sum.join(__shfl_xor_sync(0xffffffffu, sum.s, o), __shfl_xor_sync(0xffffffffu, sum.c, o));
-    const float inverse = __frcp_rn(sum.value());
-    for (int e = lane; e < E; e += 32) p[e] = __fmul_rn(p[e], inverse);
-    // selection in descending (probability, -id) order: each pick is the best after the previous one
-    float prev_p = __int_as_float(0x7f800000u), my_p = 0.f;
-    int prev_e = -1, my_e = -1;
-    WideSum total;
-    for (int j = 0; j < k; ++j) {
-        float best_p = -1.f;
-        int best_e = -1;
+    if (tid < 32) {
+        const float* l = logits + (long long)r * E;
+        float mx = NEG_INF;
+        for (int e = lane; e < E; e += 32) mx = fmaxf(mx, l[e]);
+        for (int o = 16; o; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+        WideSum sum;
         for (int e = lane; e < E; e += 32) {
-            const float pe = p[e];
-            if (ranks_before(prev_p, prev_e, pe, e) && pe > best_p) {  // after the previous pick
-                best_p = pe;
-                best_e = e;
-            }
+            const float ex = expf(__fsub_rn(l[e], mx));
+            p[e] = ex;
+            sum.add(ex);
         }
-        for (int o = 16; o; o >>= 1) {
-            const float other_p = __shfl_xor_sync(0xffffffffu, best_p, o);
-            const int other_e = __shfl_xor_sync(0xffffffffu, best_e, o);
-            if (other_e >= 0 && (best_e < 0 || ranks_before(other_p, other_e, best_p, best_e))) {
-                best_p = other_p;
-                best_e = other_e;
-            }
-        }
-        if (lane == j) {
-            my_p = best_p;
-            my_e = best_e;
-        }
-        total.add(best_p);  // every lane the same sum
-        prev_p = best_p;
-        prev_e = best_e;
+        for (int o = 16; o; o >>= 1)
+            sum.join(__shfl_xor_sync(0xffffffffu, sum.s, o), __shfl_xor_sync(0xffffffffu, sum.c, o));
+        const float inverse = __frcp_rn(sum.value());
+        for (int e = lane; e < E; e += 32) p[e] = __fmul_rn(p[e], inverse);
     }
-    if (lane < k) {
-        out_ids[lane] = my_e;
-        out_w[lane] = normalize ? __fdiv_rn(my_p, fmaxf(total.value(), WEIGHTS_SUM_FLOOR)) : my_p;
+    __syncthreads();
+    for (int e = tid; e < E; e += blockDim.x) {
+        const float pe = p[e];
+        int before = 0, before2 = 0;  // two counts: independent adds
+        int f = 0;
+        for (; f + 1 < E; f += 2) {
+            before += ranks_before(p[f], f, pe, e);
+            before2 += ranks_before(p[f + 1], f + 1, pe, e);
+        }
+        if (f < E) before += ranks_before(p[f], f, pe, e);
+        const int rank = before + before2;
+        if (rank < k && pe == pe) {  // pe == pe: not NaN
+            pick_p[rank] = pe;
+            pick_e[rank] = e;
+        }
+    }
+    __syncthreads();
+    if (tid < 32) {
+        WideSum total;  // every lane the same sum, in rank order
+        for (int j = 0; j < k; ++j) total.add(pick_p[j]);
+        if (lane < k) {
+            const float pj = pick_p[lane];
+            out_ids[lane] = pick_e[lane];
+            out_w[lane] = normalize ? __fdiv_rn(pj, fmaxf(total.value(), WEIGHTS_SUM_FLOOR)) : pj;
+        }
     }
 }
 

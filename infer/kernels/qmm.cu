@@ -256,6 +256,9 @@ extern "C" __global__ void qmm_combine(const float* partial, int groups, int M, 
 // weights is read once for all of them (a prompt's 512 rows through a router). Each output's sum
 // runs in the same order whatever the grouping: the same bits for any N and any grid.
 #define FG_VECTORS 8
+#ifndef FG_UNROLL
+#define FG_UNROLL 2  // iterations of 32 sub-blocks whose weight loads a fgemv lane issues before using them
+#endif
 template <typename T>
 __device__ __forceinline__ void fgemv_body(const T* w, int M, int K, const float* x, int nvec, float* y, int ldy,
                                            const float* bias, const float* residual) {
@@ -268,39 +271,50 @@ __device__ __forceinline__ void fgemv_body(const T* w, int M, int K, const float
         float acc[FG_VECTORS];
 #pragma unroll
         for (int j = 0; j < FG_VECTORS; ++j) acc[j] = 0.f;
-        for (int first = 0; first < nsb; first += 32) {
-            const int sb = first + lane;
-            // the sub-block's weights in 16-byte loads, once for the block row's vectors
-            constexpr int WLOADS = 32 * sizeof(T) / 16;
-            uint4 wv[WLOADS];
-            if (sb < nsb) {
-                const uint4* wp = reinterpret_cast<const uint4*>(wr + sb * 32);
+        constexpr int WLOADS = 32 * sizeof(T) / 16;
+        for (int first0 = 0; first0 < nsb; first0 += 32 * FG_UNROLL) {
+            // the sub-blocks' weights in 16-byte loads, once for the block row's vectors, FG_UNROLL
+            // iterations' loads in flight before the first is used (a router row of 2048 floats:
+            // one trip to memory instead of two)
+            uint4 wv_all[FG_UNROLL][WLOADS];
 #pragma unroll
-                for (int i = 0; i < WLOADS; ++i) wv[i] = wp[i];
-            }
-            const T* we = reinterpret_cast<const T*>(wv);
-#pragma unroll
-            for (int j = 0; j < FG_VECTORS; ++j) {
-                if (v0 + j >= nvec) break;  // uniform across the warp
-                float t = 0.f;
+            for (int u = 0; u < FG_UNROLL; ++u) {
+                const int sb = first0 + 32 * u + lane;
                 if (sb < nsb) {
-                    float4 xq[8];
-                    const float4* xp = reinterpret_cast<const float4*>(x + (long long)(v0 + j) * K + sb * 32);
+                    const uint4* wp = reinterpret_cast<const uint4*>(wr + sb * 32);
 #pragma unroll
-                    for (int i = 0; i < 8; ++i) xq[i] = xp[i];
-                    const float* xe = reinterpret_cast<const float*>(xq);
-#pragma unroll
-                    for (int i = 0; i < 32; ++i) t = __fadd_rn(t, __fmul_rn(to_float(we[i]), xe[i]));
+                    for (int i = 0; i < WLOADS; ++i) wv_all[u][i] = wp[i];
                 }
-                t = __fadd_rn(t, __shfl_xor_sync(FULL_MASK, t, 1));
-                t = __fadd_rn(t, __shfl_xor_sync(FULL_MASK, t, 2));
-                float group = 0.f;  // the iteration's 32 sub-blocks: one group
+            }
 #pragma unroll
-                for (int g = 0; g < 32 / CANON_TILE; ++g) {
-                    const float Tv = __shfl_sync(FULL_MASK, t, CANON_TILE * g);
-                    if (first + CANON_TILE * g < nsb) group = __fadd_rn(group, Tv);
+            for (int u = 0; u < FG_UNROLL; ++u) {
+                const int first = first0 + 32 * u;
+                if (first >= nsb) break;  // uniform across the warp
+                const int sb = first + lane;
+                const T* we = reinterpret_cast<const T*>(wv_all[u]);
+#pragma unroll
+                for (int j = 0; j < FG_VECTORS; ++j) {
+                    if (v0 + j >= nvec) break;  // uniform across the warp
+                    float t = 0.f;
+                    if (sb < nsb) {
+                        float4 xq[8];
+                        const float4* xp = reinterpret_cast<const float4*>(x + (long long)(v0 + j) * K + sb * 32);
+#pragma unroll
+                        for (int i = 0; i < 8; ++i) xq[i] = xp[i];
+                        const float* xe = reinterpret_cast<const float*>(xq);
+#pragma unroll
+                        for (int i = 0; i < 32; ++i) t = __fadd_rn(t, __fmul_rn(to_float(we[i]), xe[i]));
+                    }
+                    t = __fadd_rn(t, __shfl_xor_sync(FULL_MASK, t, 1));
+                    t = __fadd_rn(t, __shfl_xor_sync(FULL_MASK, t, 2));
+                    float group = 0.f;  // the iteration's 32 sub-blocks: one group
+#pragma unroll
+                    for (int g = 0; g < 32 / CANON_TILE; ++g) {
+                        const float Tv = __shfl_sync(FULL_MASK, t, CANON_TILE * g);
+                        if (first + CANON_TILE * g < nsb) group = __fadd_rn(group, Tv);
+                    }
+                    acc[j] = __fadd_rn(acc[j], group);
                 }
-                acc[j] = __fadd_rn(acc[j], group);
             }
         }
         if (lane == 0) {

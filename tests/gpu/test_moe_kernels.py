@@ -160,6 +160,7 @@ def test_routing_is_the_cpus(rng: np.random.Generator, n_experts: int, k: int, n
     rows = 9
     # distinct logits a few hundredths apart: no two probabilities tie within an exp's last bits
     logits = np.stack([rng.permutation(n_experts) * 0.03 + rng.standard_normal() for _ in range(rows)])
+    logits[6] = np.where(np.arange(n_experts) % 3 == 0, 0.5, -0.25)  # exact ties: the lower id first
     logits = logits.astype(np.float32)
     live = np.ones(rows, np.int32)
     live[4] = 0
