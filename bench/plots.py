@@ -228,6 +228,18 @@ def moe_beside_llama_grouped(ax_fig: tuple[Any, Any]) -> None:
     _moe_bars(ax_fig, ours, theirs, before, "ours, session 27 (another lease)")
 
 
+S29 = "2026-12-06/session29"  # the same after the route by ranks, the attention's head splits
+
+
+def moe_beside_llama_session29(ax_fig: tuple[Any, Any]) -> None:
+    """Session 29: 24 GB (run 4) and 8 GB (run 2, another host), each beside llama.cpp in its lease;
+    session 28's figures as crosses."""
+    ours = {"24 GB": load(f"{S29}/run4/bench-24GB.json"), "8 GB": load(f"{S29}/run2/bench-8GB.json")}
+    theirs = {"24 GB": _llama_rates(f"{S29}/run4/llama-ngl99.json"), "8 GB": _llama_rates(f"{S29}/run2/llama-ncmoe32.json")}
+    before = {"24 GB": load(f"{S28}/run6/bench-24GB.json"), "8 GB": load(f"{S28}/run5/bench-8GB.json")}
+    _moe_bars(ax_fig, ours, theirs, before, "ours, session 28 (another lease)")
+
+
 FIGURES: dict[str, tuple[Callable[[tuple[Any, Any]], None], int, tuple[float, float], list[str]]] = {
     "verify-pass-time-70b": (verify_curve, 1, (7, 4.2), [f"{DAY}/issue14-70b-verify-exact-passes.json",
                                                         f"{DAY}/issue14-70b-verify-passes.json", RUN8]),
@@ -246,6 +258,10 @@ FIGURES: dict[str, tuple[Callable[[tuple[Any, Any]], None], int, tuple[float, fl
                                  [f"{S28}/run6/bench-24GB.json", f"{S28}/run5/bench-8GB.json",
                                   f"{S28}/run6/llama-ngl99.json", f"{S28}/run5/llama-ncmoe32.json",
                                   f"{S27}/run6/gpu-bench-30b-a3b-24GB.json", f"{S27}/run8/gpu-bench-8GB-old.json"]),
+    "moe-beside-llama-session29": (moe_beside_llama_session29, 2, (12, 4.4),
+                                   [f"{S29}/run4/bench-24GB.json", f"{S29}/run2/bench-8GB.json",
+                                    f"{S29}/run4/llama-ngl99.json", f"{S29}/run2/llama-ncmoe32.json",
+                                    f"{S28}/run6/bench-24GB.json", f"{S28}/run5/bench-8GB.json"]),
 }
 
 
