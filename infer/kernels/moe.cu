@@ -44,9 +44,9 @@ __device__ __forceinline__ bool ranks_before(float pa, int ea, float pb, int eb)
 // their sum carried wide, each lane over its own experts e = lane + 32 i, then joined across the
 // warp; each exp times the float32 reciprocal of the sum. Then every thread ranks its experts: the
 // rank of e is the number of experts before it in descending (probability, -id) order (ties: the
-// lower id first), so the k most probable experts, most probable first, are ranks 0 .. k - 1 (a
-// thread a rank-0..k-1 slot, no serial picks: 8 warp-wide arg-maxes one after another took most of
-// a decode step's 5 us here). A NaN probability ranks nowhere (no comparison with it holds), and a
+// lower id first), so the k most probable experts, most probable first, are ranks 0 .. k - 1, all
+// found in one step (k warp-wide arg-maxes one after another took most of the kernel's 5 us a
+// decode step on the H100). A NaN probability ranks nowhere (no comparison with it holds), and a
 // slot no expert fills keeps id -1, probability -1, as the serial picks left it. The k picks' sum
 // is carried wide in rank order; their probabilities go to weights divided by it (floored) when
 // `normalize`. Rows whose `live` entry is 0 (the null rows padding a pass; live may be null: every
