@@ -225,9 +225,14 @@ class GpuExperts:
     def nbytes(self) -> int:
         return sum(m.nbytes for b in self.blocks.values() for m in b.matrices())
 
-    def formats(self) -> set[str]:
-        streamed = {format_of(t.ggml_type) for t in self.stream.stacks.values()} if self.stream is not None else set()
-        return {m.fmt for b in self.blocks.values() for m in b.matrices()} | streamed
+    def matrix_shapes(self) -> set[tuple[str, int]]:
+        """(format, row length) of every matrix the products take, resident or streamed (their
+        kernels are compiled before any capture)."""
+        shapes = {(m.fmt, m.cols) for b in self.blocks.values() for m in b.matrices()}
+        if self.stream is not None:
+            shapes |= {(format_of(t.ggml_type), int(t.shape[-1])) for t in self.stream.stacks.values()}
+            shapes |= {(m.fmt, m.cols) for m in self.stream.resident.values() if m is not None}
+        return shapes
 
     def describe(self) -> str:
         """One line for the load report."""

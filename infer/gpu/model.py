@@ -122,8 +122,8 @@ class GpuTransformer(DeviceGeneration):
         for name in kernels.SOURCES:  # compiled before any capture (products: the model's formats only)
             if name not in ("qmm", "pmm"):
                 kernels.module(name)
-        kinds = {f.fmt for i in range(args.n_layers) for f in weights.formats(i).values()}
-        products.prepare_kernels(kinds | {weights.output.fmt})
+        matrices = {(f.fmt, f.cols) for i in range(args.n_layers) for f in weights.formats(i).values()}
+        products.prepare_kernels(matrices | {(weights.output.fmt, weights.output.cols)})
         attention.prepare(self.shape)
         a, C = args, prefill_chunk
         cos, sin = self.rope.angles(np.arange(max_context))
@@ -198,7 +198,7 @@ class GpuTransformer(DeviceGeneration):
     def use_gpu_experts(self, experts: GpuExperts) -> None:
         """Computes the blocks of experts on the device with `experts` (their kernels compiled now,
         before any capture): every resident layer then replays in the pass's graphs."""
-        products.prepare_kernels(experts.formats())
+        products.prepare_kernels(experts.matrix_shapes())
         self.gpu_experts = experts
         self._segments = self._plan_segments()
         self.graphs.drop("run")

@@ -120,13 +120,13 @@ def _qmm_kernel(fmt: str, nt: int, tuning: tuple[int, int] | None = None, kind: 
     return with_shared(fn, (name, *sorted(defines.items())), smem), smem, warps
 
 
-def prepare_kernels(formats: set[str]) -> None:
-    """Compiles the product kernels of `formats` and raises the shared-memory opt-in of those that
-    need more than the default, before any CUDA graph capture (attention: attention.prepare)."""
-    for fmt in formats:
-        # every variant of rows a warp the products may launch (a forced one included)
-        variants = {rows for _, rows in QGEMV_ROWS} | {qgemv_rows(0)} if fmt not in FLOAT_FORMATS else {1}
-        for rows in variants:
+def prepare_kernels(matrices: set[tuple[str, int]]) -> None:
+    """Compiles the product kernels of matrices of these (format, row length), the qgemv variants
+    their row lengths take (qgemv_rows), and raises the shared-memory opt-in of those that need more
+    than the default, before any CUDA graph capture (attention: attention.prepare)."""
+    for fmt in {fmt for fmt, _ in matrices}:
+        per_warp = {qgemv_rows(cols) for f, cols in matrices if f == fmt} if fmt not in FLOAT_FORMATS else {1}
+        for rows in per_warp:
             kernels.module("qmm", _gemv_defines(fmt, rows=rows))
         if fmt not in FLOAT_FORMATS:
             for nt in (1, 2, 4, 8):

@@ -86,11 +86,13 @@ class GpuLayer:
 
 @dataclass(frozen=True)
 class MatrixFormat:
-    """What the forward pass must know of a matrix before it exists (buffers are allocated before
-    any CUDA graph capture): its planar format and the activation format of its input."""
+    """What the forward pass must know of a matrix before it exists (buffers are allocated and
+    kernels compiled before any CUDA graph capture): its planar format, the activation format of
+    its input, and its row length."""
 
     fmt: str
     act: str
+    cols: int
 
 
 class GpuWeightSource(Protocol):
@@ -116,7 +118,7 @@ class GpuWeightSource(Protocol):
 def matrix_format(info: TensorInfo) -> MatrixFormat:
     from infer.gpu.layout import format_of
 
-    return MatrixFormat(format_of(info.ggml_type), activation_format(info.ggml_type))
+    return MatrixFormat(format_of(info.ggml_type), activation_format(info.ggml_type), int(info.shape[-1]))
 
 
 def layer_formats(model: GGUFModel, layer: int) -> dict[str, MatrixFormat]:
