@@ -8,7 +8,7 @@ import cupy
 
 from infer.arch import ModelArgs
 from infer.gpu import ops
-from infer.gpu.ops import EIGHT_BIT, Int8Act
+from infer.gpu.ops import EIGHT_BIT, Int8Act, NormOutputs, norm_fits_one_pass
 from infer.gpu.products import Input
 from infer.gpu.weights import MatrixFormat
 
@@ -88,24 +88,38 @@ class Inputs:
         """Input `key` in format `act`: its 8-bit form for q8_0/q8_k, else the float32 rows."""
         return self.int8[(key, act)] if act in EIGHT_BIT else self.floats[(key, act)]
 
-    def normed(self, src: cupy.ndarray, weight: cupy.ndarray, key: str, acts: list[str], n: int,
-               src_rows: cupy.ndarray | None = None, half: bool = False) -> dict[str, Input]:
-        """RMSNorm(row) * weight for n rows (src's first n, or rows src_rows[i]), rounded to each
-        activation format in `acts` (one launch for one format); with `half` also its float16 copy
-        before rounding (self.half(key))."""
+    def norm_outputs(self, key: str, acts: list[str], half: bool = False) -> NormOutputs | None:
+        """Where one rmsnorm8 launch writes input `key` normalised for the formats `acts` (and, with
+        `half`, its float16 copy), or None where that takes more than one launch."""
         a, unique = self.args, sorted(set(acts))
         y16 = self.halves[key] if half else None
-        if len(unique) == 1:
+        rounded = [act for act in unique if act != "f32"]
+        act = unique[0] if len(unique) == 1 else rounded[0] if len(rounded) == 1 else None
+        if act is None or not norm_fits_one_pass(a.dim, act):
+            return None
+        return NormOutputs(act, y=self.floats[(key, act)], y16=y16, int8=self.int8.get((key, act)),
+                           y_unrounded=self.floats[(key, "f32")] if len(unique) == 2 else None)
+
+    def normed(self, src: cupy.ndarray, weight: cupy.ndarray, key: str, acts: list[str], n: int,
+               src_rows: cupy.ndarray | None = None, half: bool = False, written: bool = False) -> dict[str, Input]:
+        """RMSNorm(row) * weight for n rows (src's first n, or rows src_rows[i]), rounded to each
+        activation format in `acts` (one launch for one format); with `half` also its float16 copy
+        before rounding (self.half(key)). `written`: a kernel before wrote them (norm_outputs)."""
+        a, unique = self.args, sorted(set(acts))
+        one = self.norm_outputs(key, acts, half)
+        if written:
+            assert one is not None, "only a row one launch normalises is written ahead"
+            return {act: self.get(key, act) for act in unique}
+        if one is not None:
+            ops.rmsnorm(src, weight, a.norm_eps, n, a.dim, y=one.y, y16=one.y16, act=one.act, int8=one.int8,
+                        src_rows=src_rows, y_unrounded=one.y_unrounded)
+            return {act: self.get(key, act) for act in unique}
+        y16 = self.halves[key] if half else None
+        if len(unique) == 1:  # the two-pass kernel, rounding in place
             act = unique[0]
             ops.rmsnorm(src, weight, a.norm_eps, n, a.dim, y=self.floats[(key, act)], y16=y16, act=act,
                         int8=self.int8.get((key, act)), src_rows=src_rows)
             return {act: self.get(key, act)}
-        rounded = [act for act in unique if act != "f32"]
-        if len(rounded) == 1 and ops.norm_fits_one_pass(a.dim, rounded[0]):  # f32 and one other: one launch
-            act = rounded[0]
-            ops.rmsnorm(src, weight, a.norm_eps, n, a.dim, y=self.floats[(key, act)], y16=y16, act=act,
-                        int8=self.int8.get((key, act)), src_rows=src_rows, y_unrounded=self.floats[(key, "f32")])
-            return {act: self.get(key, act) for act in unique}
         base = self.floats[(key, "f32")]
         ops.rmsnorm(src, weight, a.norm_eps, n, a.dim, y=base, y16=y16, src_rows=src_rows)
         for act in unique:

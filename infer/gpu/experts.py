@@ -244,9 +244,11 @@ class GpuExperts:
             return line
         return f"{line}; the {self.stream.describe()}" + (f"; {self.split.why}" if self.split is not None else "")
 
-    def run_ffn(self, model: object, i: int, shape: object) -> None:
-        """Block i's feed-forward for the pass's rows: model.x in place (queued on the current stream)."""
-        self._ffn(self.blocks[i], model.weights.layer(i), model.x, shape.rows, model.index.d["live"])  # type: ignore[attr-defined]
+    def run_ffn(self, model: object, i: int, shape: object, next_norm: NextNorm | None = None) -> bool:
+        """Block i's feed-forward for the pass's rows: model.x in place (queued on the current stream).
+        With next_norm, its last launch may also normalise model.x for the next layer: whether it did."""
+        return self._ffn(self.blocks[i], model.weights.layer(i), model.x, shape.rows, model.index.d["live"],  # type: ignore[attr-defined]
+                         next_norm)
 
     def streams(self, i: int, prompt_rows: int) -> bool:
         """Whether block i (one the CPU computes) takes a pass's `prompt_rows` (not counting null
@@ -264,12 +266,23 @@ class GpuExperts:
         """Whether block i (one the CPU holds) splits its rows' picks between the GPU and the CPU."""
         return self.split is not None and i not in self.blocks
 
-    def _ffn(self, B: ExpertBlock, L: object, x: cupy.ndarray, n: int, live: cupy.ndarray) -> None:
-        """The feed-forward of experts B for rows 0..n of x (live: which are not null rows), in place."""
+    def _ffn(self, B: ExpertBlock, L: object, x: cupy.ndarray, n: int, live: cupy.ndarray,
+             next_norm: NextNorm | None = None) -> bool:
+        """The feed-forward of experts B for rows 0..n of x (live: which are not null rows), in place;
+        with next_norm the combine also normalises x for the next layer where it can (returned). A
+        decode step (one row) normalises its input in the router's launch and gates the down
+        product's input in that product's (fused_steps): three launches a block fewer, the same bits."""
         a = self.args
         k, w, d, e = a.n_experts_used, a.expert_ffn_dim, a.dim, a.n_experts
-        xs = self.inputs.normed(x, L.ffn_norm, "ffn", [m.act for m in B.normed_inputs()], n)  # type: ignore[attr-defined]
-        products.product([B.router], xs[B.router.act], self.logits, n, ldy=e)
+        fused = fused_steps()
+        acts = [m.act for m in B.normed_inputs()]
+        ahead = self.inputs.norm_outputs("ffn", acts) if fused and n == 1 else None
+        if ahead is not None and products.norms_own_input(B.router, d, ahead.act):
+            products.normed_product(B.router, x, L.ffn_norm, a.norm_eps, self.logits, ahead)  # type: ignore[attr-defined]
+            xs = self.inputs.normed(x, L.ffn_norm, "ffn", acts, n, written=True)  # type: ignore[attr-defined]
+        else:
+            xs = self.inputs.normed(x, L.ffn_norm, "ffn", acts, n)  # type: ignore[attr-defined]
+            products.product([B.router], xs[B.router.act], self.logits, n, ldy=e)
         route(self.logits, n, e, k, a.expert_weights_norm, live, self.ids, self.weights)
         pairs, gu = n * k, self.gu.reshape(-1)
         nt = self.group_tiles(pairs)
@@ -283,15 +296,21 @@ class GpuExperts:
                 products.grouped_expert_product(parts, e, xg, self.starts, self.tiles, pairs, nt, gu[row0 // e :], 2 * w)  # type: ignore[arg-type]
             else:
                 products.expert_product(parts, e, x8, self.ids, pairs, k, gu[row0 // e :], 2 * w)
-        self.gated(self.gu, w, pairs, self.ff, B.down.act)
         if nt:
+            self.gated(self.gu, w, pairs, self.ff, B.down.act)
             products.grouped_expert_product([B.down], e, self.ff, self.starts, self.tiles, pairs, nt, self.outs, d)  # type: ignore[arg-type]
+        elif fused and B.down.act in EIGHT_BIT and products.gates_own_input(B.down):
+            products.gated_expert_product(B.down, e, self.gu, self.ids, pairs, self.outs, d,
+                                          self.args.arch_table.activation)
         else:
+            self.gated(self.gu, w, pairs, self.ff, B.down.act)
             products.expert_product([B.down], e, self.ff, self.ids, pairs, 1, self.outs, d)
         shared = gate = None
         if self.shared is not None:
             shared, gate = self.run_shared(B, xs, n)
-        combine(self.outs, self.ids, self.weights, k, d, n, shared, gate, x, self.slot if nt else None)
+        norm = next_norm if fused and next_norm is not None and ops.norm_fits_one_pass(d, next_norm.outputs.act) else None
+        combine(self.outs, self.ids, self.weights, k, d, n, shared, gate, x, self.slot if nt else None, norm=norm)
+        return norm is not None
 
     def group_tiles(self, pairs: int) -> int:
         """0 when a pass of `pairs` pairs takes the per-pair product, else the grouped product's n-tiles."""
@@ -347,12 +366,36 @@ def gather8(x: Int8Act, order: cupy.ndarray, count: cupy.ndarray, xdiv: int, pai
                                                               order, count, np.int32(xdiv), out.xq, out.xs, out.xsum))
 
 
+@dataclass
+class NextNorm:
+    """The next layer's input RMSNorm that a block's last launch can take over: its weight and where
+    its outputs go (ops.NormOutputs)."""
+
+    weight: cupy.ndarray
+    eps: float
+    outputs: ops.NormOutputs
+
+
+def fused_steps() -> bool:
+    """Whether decode's steps around the experts run fused into their neighbours (the router's input
+    norm, the gated activation, the next layer's input norm); NVMEDIRECT_DECODE_FUSED=0 keeps them
+    apart (the same bits, for timing)."""
+    return os.environ.get("NVMEDIRECT_DECODE_FUSED", "1") != "0"
+
+
 def combine(outs: cupy.ndarray, ids: cupy.ndarray, weights: cupy.ndarray, k: int, dim: int, n: int,
             shared: cupy.ndarray | None, gate: cupy.ndarray | None, x: cupy.ndarray,
-            slot: cupy.ndarray | None = None) -> None:
+            slot: cupy.ndarray | None = None, norm: NextNorm | None = None) -> None:
     """x[r] += the weighted sum of row r's k expert outputs (+ the gated shared expert), r < n; pair
-    j's output at row slot[j] of outs (slot None: row j) (moe.cu)."""
+    j's output at row slot[j] of outs (slot None: row j) (moe.cu). With `norm`, x's rows normalised
+    too, as ops.rmsnorm writes them (moe_combine_norm: a block a row)."""
     if n < 1:
+        return
+    if norm is not None:
+        kernels.function("moe", "moe_combine_norm")((n,), (-(-dim // 256) * 32,),
+                                                    (outs, ids, weights, np.int32(k), np.int32(dim), device_ptr(slot),
+                                                     device_ptr(shared), device_ptr(gate), x, norm.weight,
+                                                     np.float32(norm.eps), *norm.outputs.args()))
         return
     kernels.function("moe", "moe_combine")((grid_blocks(dim, 256), n), (256,),
                                            (outs, ids, weights, np.int32(k), np.int32(dim), device_ptr(slot),

@@ -33,6 +33,7 @@ from infer.gpu import attention, kernels, ops, products
 from infer.gpu.activations import Inputs, layer_inputs
 from infer.gpu.attention import AttentionShape
 from infer.gpu.cache import GpuKVCache
+from infer.gpu.experts import GpuExperts, NextNorm
 from infer.gpu.generation import DeviceGeneration
 from infer.gpu.graphs import GraphCache
 from infer.gpu.ops import GpuMatrix
@@ -43,7 +44,6 @@ from infer.layers import Rope, check_batch
 from infer.tiers.budget import VramAccount
 
 if TYPE_CHECKING:
-    from infer.gpu.experts import GpuExperts
     from infer.tiers.cpu_tier import CpuExperts, CpuTier
 
 F32 = cupy.float32
@@ -213,13 +213,27 @@ class GpuTransformer(DeviceGeneration):
         return view
 
     # ------------------------------------------------------------------ the layer recipe
-    def _layer(self, i: int, L: GpuLayer, shape: PassShape) -> None:
-        """Layer i for the rows of a pass of `shape`: self.x in place."""
-        self._attention(i, L, shape)
+    def _layer(self, i: int, L: GpuLayer, shape: PassShape, normed: bool = False,
+               then: GpuLayer | None = None) -> bool:
+        """Layer i for the rows of a pass of `shape`: self.x in place. `normed`: its input norm was
+        written by the layer before; `then`: the next layer, whose input norm this one's last launch
+        may take over (a block of experts on the device: GpuExperts.run_ffn); whether it did."""
+        self._attention(i, L, shape, normed)
         if L.ffn_down is None:  # a block of experts: its feed-forward on the device or by the CPU
-            self._experts_of(i).run_ffn(self, i, shape)
-            return
+            experts = self._experts_of(i)
+            if isinstance(experts, GpuExperts):
+                return experts.run_ffn(self, i, shape, self._next_norm(then, shape))
+            experts.run_ffn(self, i, shape)
+            return False
         self._feed_forward(L, shape)
+        return False
+
+    def _next_norm(self, L: GpuLayer | None, shape: PassShape) -> NextNorm | None:
+        """Layer L's attention input norm as a NextNorm (None: no layer, or more than one launch)."""
+        if L is None:
+            return None
+        outputs = self.inputs.norm_outputs("attn", [L.attn_q.act, L.attn_k.act, L.attn_v.act], half=shape.prompt > 0)
+        return None if outputs is None else NextNorm(L.attn_norm, self.args.norm_eps, outputs)
 
     def _experts_of(self, i: int) -> GpuExperts | CpuExperts:
         """Who computes block i's feed-forward of experts: the device (its experts in VRAM) or the CPU."""
@@ -228,13 +242,15 @@ class GpuTransformer(DeviceGeneration):
         assert self.cpu_experts is not None, f"block {i} has experts and no one to compute them"
         return self.cpu_experts
 
-    def _attention(self, i: int, L: GpuLayer, shape: PassShape) -> None:
-        """The attention half of layer i: self.x += the attention of its normed rows."""
+    def _attention(self, i: int, L: GpuLayer, shape: PassShape, normed: bool = False) -> None:
+        """The attention half of layer i: self.x += the attention of its normed rows (`normed`: written
+        by the layer before)."""
         a, s, ix, inputs, n = self.args, self.shape, self.index, self.inputs, shape.rows
         half = shape.prompt > 0  # the prompt rows' float16 inputs are wanted too
         local = a.is_local(i)
         window = a.sliding_window if local else 0
-        xs = inputs.normed(self.x, L.attn_norm, "attn", [L.attn_q.act, L.attn_k.act, L.attn_v.act], n, half=half)
+        xs = inputs.normed(self.x, L.attn_norm, "attn", [L.attn_q.act, L.attn_k.act, L.attn_v.act], n, half=half,
+                           written=normed)
         qkv = self.qkv.reshape(-1)
         for parts, row0 in L.attn_qkv():
             rows = sum(m.rows for m in parts)
@@ -243,7 +259,11 @@ class GpuTransformer(DeviceGeneration):
         tables = self.rope_tables_local if local else self.rope_tables
         fields = ix.fields_local if local else ix.fields
         j = self.null_cache.layer(i)[1]  # the layer's index among the cache's global or local layers
-        attention.rope_rows(self.qkv, s, *tables, j, fields, n, L.q_norm, L.k_norm, a.norm_eps)
+        rope = None  # a decode step's one row: the attention rotates its q and k itself
+        if not half and attention.rotates_in_attention(s, n):
+            rope = attention.RopeInputs(*tables, L.q_norm, L.k_norm, a.norm_eps)
+        else:
+            attention.rope_rows(self.qkv, s, *tables, j, fields, n, L.q_norm, L.k_norm, a.norm_eps)
         att = inputs.get("att", L.attn_output.act) if L.attn_output.act in ops.EIGHT_BIT else self.att
         int8 = att if isinstance(att, ops.Int8Act) else None
         scale = a.scores_scale
@@ -259,7 +279,8 @@ class GpuTransformer(DeviceGeneration):
                                        window=window)
         else:
             attention.attention(self.qkv, s, j, fields, n, self.max_context, self.work, self.work_rows, self.att,
-                                L.attn_output.act, int8, inputs.half("att") if half else None, window=window, scale=scale)
+                                L.attn_output.act, int8, inputs.half("att") if half else None, window=window, scale=scale,
+                                rope=rope)
         self._residual_product(L.attn_output, att, "att", shape, L.post_attn_norm)
 
     def _feed_forward(self, L: GpuLayer, shape: PassShape) -> None:
@@ -332,11 +353,17 @@ class GpuTransformer(DeviceGeneration):
         return segments
 
     def _launch(self, items: list[int], shape: PassShape) -> None:
-        for item in items:
+        """The launches of a run of resident items (one graph): a layer may normalise the next one's
+        input in its last launch."""
+        normed = False
+        for k, item in enumerate(items):
             if item == EMBED:
                 ops.embed(self.token_embd, self.index.d["tok"], shape.rows, self.x, self.embed_scale)
-            else:
-                self._layer(item, self.weights.layer(item), shape)
+                normed = False
+                continue
+            after = items[k + 1] if k + 1 < len(items) else None
+            normed = self._layer(item, self.weights.layer(item), shape, normed,
+                                 self.weights.layer(after) if after is not None else None)
 
     def _run_layers(self) -> None:
         """Every layer for the rows in the index (queued on self.stream)."""

@@ -163,6 +163,24 @@ def norm_fits_one_pass(n: int, act: str) -> bool:
     return n % {"q8_0": 32, "q8_k": 256}.get(act, 8) == 0 and n <= 8192
 
 
+@dataclass
+class NormOutputs:
+    """Where rmsnorm8 (ops.cu; act.cuh norm8_row) writes a normalised row: y the values rounded to
+    activation format `act`, int8 its 8-bit form, y16 / y_unrounded the values before rounding (float16,
+    float32); any may be None. The kernels that normalise their own input write the same."""
+
+    act: str
+    y: cupy.ndarray | None = None
+    y16: cupy.ndarray | None = None
+    int8: Int8Act | None = None
+    y_unrounded: cupy.ndarray | None = None
+
+    def args(self) -> tuple:
+        """The kernels' (fmt, y, y16, yf, xq, xs, xsum) arguments."""
+        return (np.int32(ACT_CODES[self.act]), device_ptr(self.y), device_ptr(self.y16), device_ptr(self.y_unrounded),
+                *int8_args(self.int8))
+
+
 def rmsnorm(x: cupy.ndarray, weight: cupy.ndarray, eps: float, rows: int, n: int, y: cupy.ndarray | None = None,
             y16: cupy.ndarray | None = None, act: str = "f32", int8: Int8Act | None = None,
             src_rows: cupy.ndarray | None = None, y_unrounded: cupy.ndarray | None = None) -> None:

@@ -1,6 +1,7 @@
-// Reductions (shared by ops.cu and gemv.cu) and the rounding of activations to the formats llama.cpp
+// Reductions (shared by ops.cu, attention.cu, moe.cu and qmm.cu) and the rounding of activations to the formats llama.cpp
 // feeds its matrix products (float16, bfloat16, and the 8-bit q8_0 / q8_k blocks with their integer
 // form for the dp4a GEMVs), used by ops.cu's RMSNorm, activation rounding and attention output.
+#pragma once
 #include "formats.cuh"
 
 // butterfly: every lane ends with the same bits (a + b == b + a)
@@ -225,4 +226,154 @@ __device__ void round_row(float* y, __half* y16, int n, int fmt, Int8Out o8 = In
         return;
     }
     round_groups_8bit(y, y, y16, n, fmt, o8, threadIdx.x >> 5, blockDim.x >> 5);
+}
+
+// SiLU(gate) * up in float32, each operation rounded: gate / (1 + exp(-gate)) * up
+__device__ __forceinline__ float silu_mul(float g, float u) {
+    return __fmul_rn(__fdiv_rn(g, __fadd_rn(1.f, expf(-g))), u);
+}
+
+// GELU(gate) * up, GELU's tanh form in float32 (Gemma's GeGLU, as llama.cpp's CUDA computes it):
+// 0.5 g (1 + tanh(sqrt(2/pi) g (1 + 0.044715 g^2))) * up
+__device__ __forceinline__ float gelu_mul(float g, float u) {
+    const float inner = __fmul_rn(__fmul_rn(0.7978845608028654f, g), __fmaf_rn(__fmul_rn(0.044715f, g), g, 1.f));
+    return __fmul_rn(__fmul_rn(__fmul_rn(0.5f, g), __fadd_rn(1.f, tanhf(inner))), u);
+}
+
+__device__ __forceinline__ float glu(float g, float u, int gelu) { return gelu ? gelu_mul(g, u) : silu_mul(g, u); }
+
+// glu_round's 8-bit groups first, first + stride, ... of a row: ff = glu(gate, up), its float16
+// copy into hr (before rounding; may be null), rounded into yr (may be null) and its 8-bit form
+// into o8; a warp per group (q8_0: 32 values, q8_k: 256). Shared by glu_round (ops.cu) and the
+// down products that gate their own input (qmm.cu qgemv_id_gated), so both give the same bits.
+__device__ __forceinline__ void glu_round_groups(const float* gr, const float* ur, int n, int gelu, int fmt, float* yr,
+                                                 __half* hr, Int8Out o8, int first, int stride) {
+    const int lane = threadIdx.x & 31;
+    if (fmt == ACT_Q8_0) {
+        for (int g = first; g < n / 32; g += stride) {
+            const int i = g * 32 + lane;
+            const float v[1] = {glu(gr[i], ur[i], gelu)};
+            if (hr) hr[i] = __float2half_rn(v[0]);
+            quantize_group<1>(v, g, fmt, yr ? yr + g * 32 : nullptr, nullptr, o8);
+        }
+    } else {
+        for (int g = first; g < n / 256; g += stride) {
+            const int i = g * 256 + lane * 8;
+            float v[8];
+#pragma unroll
+            for (int k = 0; k < 8; ++k) v[k] = glu(gr[i + k], ur[i + k], gelu);
+            if (hr) {
+                uint4 h;
+                h.x = half2_bits(v[0], v[1]), h.y = half2_bits(v[2], v[3]), h.z = half2_bits(v[4], v[5]);
+                h.w = half2_bits(v[6], v[7]);
+                reinterpret_cast<uint4*>(hr + i)[0] = h;
+            }
+            quantize_group<8>(v, g, fmt, yr ? yr + g * 256 : nullptr, nullptr, o8);
+        }
+    }
+}
+
+// ---------------------------------------------------------------- RMSNorm, 8 values a thread
+// A row of n values (n a multiple of 8, of 32 for q8_0, of 256 for q8_k, at most 8192) held 8
+// consecutive values a thread by a block of n / 8 threads rounded up to whole warps (rmsnorm8's
+// layout: a warp holds one q8_k group, four lanes one q8_0 group). Threads past the row's end hold
+// zeros and store nothing.
+__device__ __forceinline__ bool holds8(int n) { return 8 * (int)threadIdx.x < n; }
+
+// This thread's 8 values of row r (n floats): zeros past the row's end.
+__device__ __forceinline__ void load8(const float* r, int n, float (&v)[8]) {
+    const float4 zero = make_float4(0.f, 0.f, 0.f, 0.f);
+    const float4* p = reinterpret_cast<const float4*>(r) + 2 * threadIdx.x;
+    const float4 a0 = holds8(n) ? p[0] : zero, a1 = holds8(n) ? p[1] : zero;
+    v[0] = a0.x, v[1] = a0.y, v[2] = a0.z, v[3] = a0.w, v[4] = a1.x, v[5] = a1.y, v[6] = a1.z, v[7] = a1.w;
+}
+
+// Where a normalised row goes (rmsnorm8's outputs, row `row` of each; any may be null): y the values
+// rounded to the activation format, y16 / yf the values before rounding as float16 / float32, and
+// the 8-bit form (xq, xs, xsum) for q8_0 / q8_k.
+struct Norm8Out {
+    float* y;
+    __half* y16;
+    float* yf;
+    signed char* xq;
+    float* xs;
+    int* xsum;
+};
+
+// RMSNorm of the row in v (this thread's 8 values): v / sqrt(mean(v^2) + eps) * w, the sum of
+// squares in an order fixed by n (each thread's fused multiply-adds, then block_sum). `unrounded`
+// gets this thread's normalised values; with `store` they go to the outputs as rmsnorm8 writes them
+// (rounded to `fmt` into y, its 8-bit form). Every thread of the block calls it (a block-wide sum
+// and shuffles), so rmsnorm8 and the kernels that normalise a row in their first step (moe.cu
+// moe_combine_norm, qmm.cu fgemv_normed) give the same bits.
+__device__ __forceinline__ void norm8_row(float (&v)[8], const float* w, int n, float eps, int fmt, Norm8Out o,
+                                          long long row, bool store, float (&unrounded)[8]) {
+    const int t = threadIdx.x, lane = t & 31;
+    const bool inside = holds8(n);
+    float wv[8];
+    load8(w, n, wv);  // before the reduction
+    float ss = 0.f;
+#pragma unroll
+    for (int k = 0; k < 8; ++k) ss = __fmaf_rn(v[k], v[k], ss);
+    ss = block_sum(ss);
+    const float s = sqrtf(__fadd_rn(__fdiv_rn(ss, (float)n), eps));
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+        v[k] = __fmul_rn(__fdiv_rn(v[k], s), wv[k]);
+        unrounded[k] = v[k];
+    }
+    store = store && inside;
+    if (o.y16 && store) {  // before rounding: the prompt products' float16 input
+        uint4 h;
+        h.x = half2_bits(v[0], v[1]), h.y = half2_bits(v[2], v[3]), h.z = half2_bits(v[4], v[5]);
+        h.w = half2_bits(v[6], v[7]);
+        reinterpret_cast<uint4*>(o.y16 + row * n + 8 * t)[0] = h;
+    }
+    if (o.yf && store) {
+        float4* fr = reinterpret_cast<float4*>(o.yf + row * n) + 2 * t;
+        fr[0] = make_float4(v[0], v[1], v[2], v[3]);
+        fr[1] = make_float4(v[4], v[5], v[6], v[7]);
+    }
+    int q[8];
+    if (fmt == ACT_F16 || fmt == ACT_BF16) {
+#pragma unroll
+        for (int k = 0; k < 8; ++k) v[k] = round_float(v[k], fmt);
+    } else if (fmt == ACT_Q8_0 || fmt == ACT_Q8_K) {
+        float best = -1.f, extreme = 0.f;
+        int best_i = 0x7fffffff;
+#pragma unroll
+        for (int k = 0; k < 8; ++k) {
+            const float a = fabsf(v[k]);
+            if (pick_largest(a, best)) {
+                best = a;
+                best_i = lane * 8 + k;
+                extreme = v[k];
+            }
+        }
+        float inv, scale, hi;  // xor distances: 4 lanes (32 values) or the warp (256)
+        group_scale(fmt, best, best_i, extreme, fmt == ACT_Q8_0 ? 2 : 16, inv, scale, hi);
+        int qsum = 0;
+#pragma unroll
+        for (int k = 0; k < 8; ++k) {
+            const float qf = round_int8(v[k], inv, hi);
+            v[k] = qf * scale;
+            q[k] = (int)qf;
+            qsum += q[k];
+        }
+        if (o.xq) {  // the 8-bit form: values, a scale per group, a sum per 32 values (4 lanes)
+            qsum += __shfl_xor_sync(0xffffffffu, qsum, 1);
+            qsum += __shfl_xor_sync(0xffffffffu, qsum, 2);
+            const long long e = row * n + 8 * t;  // first value of this thread
+            if (store) {
+                if ((lane & 3) == 0) o.xsum[e / 32] = qsum;
+                if (fmt == ACT_Q8_0 ? (lane & 3) == 0 : lane == 0) o.xs[e / (fmt == ACT_Q8_0 ? 32 : 256)] = scale;
+                reinterpret_cast<uint2*>(o.xq + e)[0] = pack_int8x8(q);
+            }
+        }
+    }
+    if (o.y && store) {
+        float4* yr = reinterpret_cast<float4*>(o.y + row * n) + 2 * t;
+        yr[0] = make_float4(v[0], v[1], v[2], v[3]);
+        yr[1] = make_float4(v[4], v[5], v[6], v[7]);
+    }
 }

@@ -6,7 +6,9 @@
 //   moe_group    the (row, slot) pairs sorted by expert, for products that read an expert once
 //                (qmm.cu qmm_id), and moe_gather8 their input rows in that order
 //   moe_combine  x += sum over slots of weight * expert output (+ the shared expert's, gated)
+//   moe_combine_norm  the same, then the next layer's input RMSNorm of x (ops.cu rmsnorm8's outputs)
 #include "formats.cuh"
+#include "act.cuh"
 
 #define WEIGHTS_SUM_FLOOR 6.103515625e-5f  // infer/moe.py: float16's smallest normal
 
@@ -189,6 +191,15 @@ extern "C" __global__ void moe_gather8(const signed char* xq, const float* xs, c
     for (int i = threadIdx.x; i < ns; i += blockDim.x) osum[(long long)pos * ns + i] = xsum[src * ns + i];
 }
 
+// The weighted sum of moe_combine for value c of row r (the same operations in the same order).
+__device__ __forceinline__ float combined(const float* outs, const int* slot, const float* w, const float* shared,
+                                          float scale, long long r, int k, int dim, int c) {
+    auto out = [&](int j) { return outs[(slot ? (long long)slot[r * k + j] : r * k + j) * dim + c]; };
+    float t = __fmul_rn(out(0), w[0]);
+    for (int j = 1; j < k; ++j) t = __fadd_rn(t, __fmul_rn(out(j), w[j]));
+    return shared ? __fadd_rn(t, __fmul_rn(shared[r * dim + c], scale)) : t;
+}
+
 // x[r] += sum_j weights[r, j] * outs[r * k + j] over the k slots in order (each product in float32,
 // then added one after another: infer/moe.py weighted_sum), + shared[r] * (silu(g) / g) with g =
 // gate[r] (qwen2moe's shared expert; shared null: none), then the residual add. Pair j's output is
@@ -200,13 +211,55 @@ extern "C" __global__ void moe_combine(const float* outs, const int* ids, const 
     const int c = blockIdx.x * blockDim.x + threadIdx.x;
     if (c >= dim || ids[r * k] < 0) return;
     const float* w = weights + r * k;
-    auto out = [&](int j) { return outs[(slot ? (long long)slot[r * k + j] : r * k + j) * dim + c]; };
-    float t = __fmul_rn(out(0), w[0]);
-    for (int j = 1; j < k; ++j) t = __fadd_rn(t, __fmul_rn(out(j), w[j]));
+    float scale = 0.f;
     if (shared) {
         const float g = gate[r];
-        const float scale = __fdiv_rn(__fdiv_rn(g, __fadd_rn(1.f, expf(-g))), g);
-        t = __fadd_rn(t, __fmul_rn(shared[r * dim + c], scale));
+        scale = __fdiv_rn(__fdiv_rn(g, __fadd_rn(1.f, expf(-g))), g);
     }
+    const float t = combined(outs, slot, w, shared, scale, r, k, dim, c);
     x[r * dim + c] = __fadd_rn(x[r * dim + c], t);
+}
+
+// moe_combine, then RMSNorm(x[r]) * norm_w into rmsnorm8's outputs (the next layer's normalised input:
+// that launch and its wait saved; act.cuh norm8_row, so the same bits). A block per row of
+// dim / 8 threads in whole warps (dim as rmsnorm8 takes it), each thread its 8 consecutive values.
+extern "C" __global__ void __launch_bounds__(1024)
+    moe_combine_norm(const float* outs, const int* ids, const float* weights, int k, int dim, const int* slot,
+                     const float* shared, const float* gate, float* x, const float* norm_w, float eps, int fmt,
+                     float* y, __half* y16, float* yf, signed char* xq, float* xs, int* xsum) {
+    const long long r = blockIdx.x;
+    float* xr = x + r * dim;
+    float v[8], unrounded[8];
+    load8(xr, dim, v);
+    if (ids[r * k] >= 0 && holds8(dim)) {  // a null row is left as it is
+        const float* w = weights + r * k;
+        float scale = 0.f;
+        if (shared) {
+            const float g = gate[r];
+            scale = __fdiv_rn(__fdiv_rn(g, __fadd_rn(1.f, expf(-g))), g);
+        }
+        // combined()'s operations for 8 consecutive values at once, slot after slot
+        const long long c0 = 8 * threadIdx.x;
+        float t[8], o[8];
+        for (int j = 0; j < k; ++j) {
+            const float4* op = reinterpret_cast<const float4*>(
+                outs + (slot ? (long long)slot[r * k + j] : r * k + j) * dim + c0);
+            const float4 o0 = op[0], o1 = op[1];
+            o[0] = o0.x, o[1] = o0.y, o[2] = o0.z, o[3] = o0.w, o[4] = o1.x, o[5] = o1.y, o[6] = o1.z, o[7] = o1.w;
+#pragma unroll
+            for (int i = 0; i < 8; ++i) t[i] = j ? __fadd_rn(t[i], __fmul_rn(o[i], w[j])) : __fmul_rn(o[i], w[j]);
+        }
+        if (shared) {
+            float sh[8];
+            load8(shared + r * dim, dim, sh);
+#pragma unroll
+            for (int i = 0; i < 8; ++i) t[i] = __fadd_rn(t[i], __fmul_rn(sh[i], scale));
+        }
+#pragma unroll
+        for (int i = 0; i < 8; ++i) v[i] = __fadd_rn(v[i], t[i]);
+        float4* xp = reinterpret_cast<float4*>(xr) + 2 * threadIdx.x;
+        xp[0] = make_float4(v[0], v[1], v[2], v[3]);
+        xp[1] = make_float4(v[4], v[5], v[6], v[7]);
+    }
+    norm8_row(v, norm_w, dim, eps, fmt, Norm8Out{y, y16, yf, xq, xs, xsum}, r, true, unrounded);
 }

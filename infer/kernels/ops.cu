@@ -42,76 +42,9 @@ extern "C" __global__ void __launch_bounds__(1024)
     rmsnorm8(const float* x, const float* w, float* y, __half* y16, int n, float eps, int fmt, signed char* xq,
              float* xs, int* xsum, const int* src_rows, float* yf) {
     const long long row = blockIdx.x;
-    const int t = threadIdx.x, lane = t & 31;
-    const bool inside = 8 * t < n;
-    const float4 zero = make_float4(0.f, 0.f, 0.f, 0.f);
-    const float4* xr = reinterpret_cast<const float4*>(x + (src_rows ? (long long)src_rows[row] : row) * n) + 2 * t;
-    const float4 a0 = inside ? xr[0] : zero, a1 = inside ? xr[1] : zero;
-    const float4* wr = reinterpret_cast<const float4*>(w) + 2 * t;
-    const float4 w0 = inside ? wr[0] : zero, w1 = inside ? wr[1] : zero;  // loaded before the reduction
-    float v[8] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
-    float ss = 0.f;
-#pragma unroll
-    for (int k = 0; k < 8; ++k) ss = __fmaf_rn(v[k], v[k], ss);
-    ss = block_sum(ss);
-    const float s = sqrtf(__fadd_rn(__fdiv_rn(ss, (float)n), eps));
-    const float wv[8] = {w0.x, w0.y, w0.z, w0.w, w1.x, w1.y, w1.z, w1.w};
-#pragma unroll
-    for (int k = 0; k < 8; ++k) v[k] = __fmul_rn(__fdiv_rn(v[k], s), wv[k]);
-    if (y16 && inside) {  // before rounding: the prompt products' float16 input
-        uint4 h;
-        h.x = half2_bits(v[0], v[1]), h.y = half2_bits(v[2], v[3]), h.z = half2_bits(v[4], v[5]);
-        h.w = half2_bits(v[6], v[7]);
-        reinterpret_cast<uint4*>(y16 + row * n + 8 * t)[0] = h;
-    }
-    if (yf && inside) {
-        float4* fr = reinterpret_cast<float4*>(yf + row * n) + 2 * t;
-        fr[0] = make_float4(v[0], v[1], v[2], v[3]);
-        fr[1] = make_float4(v[4], v[5], v[6], v[7]);
-    }
-    int q[8];
-    if (fmt == ACT_F16 || fmt == ACT_BF16) {
-#pragma unroll
-        for (int k = 0; k < 8; ++k) v[k] = round_float(v[k], fmt);
-    } else if (fmt == ACT_Q8_0 || fmt == ACT_Q8_K) {
-        float best = -1.f, extreme = 0.f;
-        int best_i = 0x7fffffff;
-#pragma unroll
-        for (int k = 0; k < 8; ++k) {
-            const float a = fabsf(v[k]);
-            if (pick_largest(a, best)) {
-                best = a;
-                best_i = lane * 8 + k;
-                extreme = v[k];
-            }
-        }
-        float inv, scale, hi;  // xor distances: 4 lanes (32 values) or the warp (256)
-        group_scale(fmt, best, best_i, extreme, fmt == ACT_Q8_0 ? 2 : 16, inv, scale, hi);
-        int qsum = 0;
-#pragma unroll
-        for (int k = 0; k < 8; ++k) {
-            const float qf = round_int8(v[k], inv, hi);
-            v[k] = qf * scale;
-            q[k] = (int)qf;
-            qsum += q[k];
-        }
-        if (xq) {  // the 8-bit form: values, a scale per group, a sum per 32 values (4 lanes)
-            qsum += __shfl_xor_sync(0xffffffffu, qsum, 1);
-            qsum += __shfl_xor_sync(0xffffffffu, qsum, 2);
-            const long long e = row * n + 8 * t;  // first value of this thread
-            if (inside) {
-                if ((lane & 3) == 0) xsum[e / 32] = qsum;
-                if (fmt == ACT_Q8_0 ? (lane & 3) == 0 : lane == 0) xs[e / (fmt == ACT_Q8_0 ? 32 : 256)] = scale;
-                reinterpret_cast<uint2*>(xq + e)[0] = pack_int8x8(q);
-            }
-        }
-    }
-    if (!inside) return;  // after the last shuffle and block-wide sum
-    if (y) {
-        float4* yr = reinterpret_cast<float4*>(y + row * n) + 2 * t;
-        yr[0] = make_float4(v[0], v[1], v[2], v[3]);
-        yr[1] = make_float4(v[4], v[5], v[6], v[7]);
-    }
+    float v[8], unrounded[8];
+    load8(x + (src_rows ? (long long)src_rows[row] : row) * n, n, v);
+    norm8_row(v, w, n, eps, fmt, Norm8Out{y, y16, yf, xq, xs, xsum}, row, true, unrounded);
 }
 
 // y (and/or y16) = x rounded to activation format `fmt`; grid (pieces of a row, rows of n); y may
@@ -135,20 +68,6 @@ extern "C" __global__ void round_act(const float* x, float* y, __half* y16, int 
     const Int8Out o8 = int8_row(xq, xs, xsum, row, n, fmt);
     round_groups_8bit(xr, yr, y16r, n, fmt, o8, first, stride);
 }
-
-// SiLU(gate) * up in float32, each operation rounded: gate / (1 + exp(-gate)) * up
-__device__ __forceinline__ float silu_mul(float g, float u) {
-    return __fmul_rn(__fdiv_rn(g, __fadd_rn(1.f, expf(-g))), u);
-}
-
-// GELU(gate) * up, GELU's tanh form in float32 (Gemma's GeGLU, as llama.cpp's CUDA computes it):
-// 0.5 g (1 + tanh(sqrt(2/pi) g (1 + 0.044715 g^2))) * up
-__device__ __forceinline__ float gelu_mul(float g, float u) {
-    const float inner = __fmul_rn(__fmul_rn(0.7978845608028654f, g), __fmaf_rn(__fmul_rn(0.044715f, g), g, 1.f));
-    return __fmul_rn(__fmul_rn(__fmul_rn(0.5f, g), __fadd_rn(1.f, tanhf(inner))), u);
-}
-
-__device__ __forceinline__ float glu(float g, float u, int gelu) { return gelu ? gelu_mul(g, u) : silu_mul(g, u); }
 
 // x[row] += RMSNorm(t[row]) * w, one block per row (Gemma's post-attention and post-FFN norms: the
 // block's output normalised before the residual add); the sum of squares as rmsnorm's.
@@ -183,31 +102,10 @@ extern "C" __global__ void glu_round(const float* gu, int n, float* y, __half* y
         }
         return;
     }
-    const int lane = threadIdx.x & 31, warps = blockDim.x >> 5;
+    const int warps = blockDim.x >> 5;
     const int first = blockIdx.x * warps + (threadIdx.x >> 5), stride = gridDim.x * warps;
     const Int8Out o8 = int8_row(xq, xs, xsum, row, n, fmt);
-    if (fmt == ACT_Q8_0) {
-        for (int g = first; g < n / 32; g += stride) {
-            const int i = g * 32 + lane;
-            const float v[1] = {glu(gr[i], ur[i], gelu)};
-            if (hr) hr[i] = __float2half_rn(v[0]);
-            quantize_group<1>(v, g, fmt, yr ? yr + g * 32 : nullptr, nullptr, o8);
-        }
-    } else {
-        for (int g = first; g < n / 256; g += stride) {
-            const int i = g * 256 + lane * 8;
-            float v[8];
-#pragma unroll
-            for (int k = 0; k < 8; ++k) v[k] = glu(gr[i + k], ur[i + k], gelu);
-            if (hr) {
-                uint4 h;
-                h.x = half2_bits(v[0], v[1]), h.y = half2_bits(v[2], v[3]), h.z = half2_bits(v[4], v[5]);
-                h.w = half2_bits(v[6], v[7]);
-                reinterpret_cast<uint4*>(hr + i)[0] = h;
-            }
-            quantize_group<8>(v, g, fmt, yr ? yr + g * 256 : nullptr, nullptr, o8);
-        }
-    }
+    glu_round_groups(gr, ur, n, gelu, fmt, yr, hr, o8, first, stride);
 }
 
 __device__ __forceinline__ uint32_t mix32(uint32_t x) {

@@ -1,0 +1,174 @@
+"""The launches a decode step of a mixture of experts saves (infer/gpu/experts.py, fused_steps) give
+the separate launches' bits, on fresh random inputs (the seed is printed):
+- fgemv_normed (the router normalising its own input) = ops.rmsnorm then the router's product, with
+  rmsnorm's outputs written by its block 0;
+- qgemv_id_gated (the down product gating its own input) = ops.glu_round then expert_product;
+- moe_combine_norm (the combination normalising the next layer's input) = moe_combine then rmsnorm.
+Bit-identity is what lets a row get the same logits alone, batched, or as a prompt position.
+
+Run on the GPU machine:  python -m pytest -v tests/gpu/test_fused_decode.py
+(On the NumPy stand-in: PYTHONPATH=tests/gpu/numpy_cupy:. python -m pytest tests/gpu/test_fused_decode.py)
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+from infer.quants import activation_format
+from infer.synth import random_blocks
+
+cupy = pytest.importorskip("cupy")
+from infer.gpu import experts, ops, products  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+T = GGMLQuantizationType
+
+
+@pytest.fixture
+def rng() -> np.random.Generator:
+    seed = int.from_bytes(os.urandom(4), "little")
+    print(f"seed {seed}")
+    return np.random.default_rng(seed)
+
+
+def _outputs(n: int, dim: int, act: str, unrounded: bool) -> ops.NormOutputs:
+    """Fresh NaN-filled buffers for a normalised row's outputs (so a missing write shows)."""
+    return ops.NormOutputs(act, y=cupy.full((n, dim), np.nan, np.float32),
+                           int8=ops.Int8Act.zeros(n, dim, act) if act in ops.EIGHT_BIT else None,
+                           y_unrounded=cupy.full((n, dim), np.nan, np.float32) if unrounded else None)
+
+
+def _same_outputs(got: ops.NormOutputs, want: ops.NormOutputs) -> None:
+    np.testing.assert_array_equal(cupy.asnumpy(got.y), cupy.asnumpy(want.y), err_msg="rounded values")
+    if want.y_unrounded is not None:
+        np.testing.assert_array_equal(cupy.asnumpy(got.y_unrounded), cupy.asnumpy(want.y_unrounded),
+                                      err_msg="values before rounding")
+    if want.int8 is not None:
+        for name in ("xq", "xs", "xsum"):
+            np.testing.assert_array_equal(cupy.asnumpy(getattr(got.int8, name)), cupy.asnumpy(getattr(want.int8, name)),
+                                          err_msg=f"8-bit form: {name}")
+
+
+@pytest.mark.parametrize(("dim", "act"), [(2048, "q8_k"), (4096, "q8_k"), (896, "q8_0")])
+def test_the_normed_router_is_rmsnorm_then_its_product(rng: np.random.Generator, dim: int, act: str) -> None:
+    n_experts = 128
+    w = (rng.standard_normal((n_experts, dim)) / np.sqrt(dim)).astype(np.float32)
+    router = ops.upload_matrix(w.reshape(-1).view(np.uint8), T.F32, n_experts, dim)
+    assert products.norms_own_input(router, dim, act)
+    x = cupy.asarray((rng.standard_normal((1, dim)) * 3).astype(np.float32))
+    weight = cupy.asarray((1 + 0.1 * rng.standard_normal(dim)).astype(np.float32))
+    want_out = _outputs(1, dim, act, unrounded=True)
+    ops.rmsnorm(x, weight, 1e-6, 1, dim, y=want_out.y, act=act, int8=want_out.int8, y_unrounded=want_out.y_unrounded)
+    want = cupy.full((1, n_experts), np.nan, np.float32)
+    products.product([router], want_out.y_unrounded, want, 1)
+    got_out = _outputs(1, dim, act, unrounded=True)
+    got = cupy.full((1, n_experts), np.nan, np.float32)
+    products.normed_product(router, x, weight, 1e-6, got, got_out)
+    np.testing.assert_array_equal(cupy.asnumpy(got), cupy.asnumpy(want))
+    _same_outputs(got_out, want_out)
+
+
+@pytest.mark.parametrize("ggml_type", [T.Q8_0, T.Q4_0, T.Q5_1, T.Q4_K, T.Q5_K, T.Q6_K], ids=lambda t: T(t).name)
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+def test_the_gated_down_product_is_glu_round_then_the_expert_product(rng: np.random.Generator, ggml_type: int,
+                                                                     activation: str) -> None:
+    n_experts, rows, width, pairs = 6, 64, 768, 9
+    block, _ = GGML_QUANT_SIZES[T(ggml_type)]
+    stack = random_blocks(ggml_type, n_experts * rows * width // block, rng, 1.0 / np.sqrt(width))
+    down = ops.upload_stacked([(stack.reshape(-1), n_experts * rows)], ggml_type, width)
+    assert products.gates_own_input(down)
+    gu = cupy.asarray((rng.standard_normal((pairs, 2 * width)) * rng.choice([0.1, 1.0, 8.0], (pairs, 1)))
+                      .astype(np.float32))
+    ids = rng.integers(0, n_experts, pairs).astype(np.int32)
+    ids[4] = -1  # a null row's pair: left as it is
+    ids = cupy.asarray(ids)
+    act = activation_format(ggml_type)
+    ff = ops.Int8Act.zeros(pairs, width, act)
+    ops.glu_round(gu, width, pairs, act, int8=ff, y=cupy.zeros((pairs, width), np.float32), activation=activation)
+    want = cupy.full((pairs, rows), np.nan, np.float32)
+    products.expert_product([down], n_experts, ff, ids, pairs, 1, want, rows)
+    got = cupy.full((pairs, rows), np.nan, np.float32)
+    products.gated_expert_product(down, n_experts, gu, ids, pairs, got, rows, activation)
+    g = cupy.asnumpy(got)
+    assert np.isnan(g[4]).all()
+    np.testing.assert_array_equal(g, cupy.asnumpy(want))
+
+
+@pytest.mark.parametrize(("dim", "act"), [(2048, "q8_k"), (896, "q8_0")])
+@pytest.mark.parametrize("shared", [False, True])
+@pytest.mark.parametrize("slotted", [False, True])
+def test_the_combination_with_the_next_norm_is_combine_then_rmsnorm(rng: np.random.Generator, dim: int, act: str,
+                                                                    shared: bool, slotted: bool) -> None:
+    rows, k = 5, 8
+    outs = cupy.asarray(rng.standard_normal((rows * k, dim)).astype(np.float32))
+    w = cupy.asarray(rng.random(rows * k).astype(np.float32))
+    ids = rng.integers(0, 64, (rows, k)).astype(np.int32)
+    ids[3] = -1  # a null row: x left as it is, and normalised all the same
+    ids = cupy.asarray(ids.reshape(-1))
+    slot = cupy.asarray(rng.permutation(rows * k).astype(np.int32)) if slotted else None
+    s_out = cupy.asarray(rng.standard_normal((rows, dim)).astype(np.float32)) if shared else None
+    gate = cupy.asarray(rng.standard_normal(rows).astype(np.float32)) if shared else None
+    x0 = rng.standard_normal((rows, dim)).astype(np.float32)
+    weight = cupy.asarray((1 + 0.1 * rng.standard_normal(dim)).astype(np.float32))
+    want_x, want_out = cupy.asarray(x0), _outputs(rows, dim, act, unrounded=True)
+    experts.combine(outs, ids, w, k, dim, rows, s_out, gate, want_x, slot)
+    ops.rmsnorm(want_x, weight, 1e-5, rows, dim, y=want_out.y, act=act, int8=want_out.int8,
+                y_unrounded=want_out.y_unrounded)
+    got_x, got_out = cupy.asarray(x0), _outputs(rows, dim, act, unrounded=True)
+    experts.combine(outs, ids, w, k, dim, rows, s_out, gate, got_x, slot,
+                    norm=experts.NextNorm(weight, 1e-5, got_out))
+    np.testing.assert_array_equal(cupy.asnumpy(got_x), cupy.asnumpy(want_x))
+    np.testing.assert_array_equal(cupy.asnumpy(got_x)[3], x0[3])
+    _same_outputs(got_out, want_out)
+
+
+@pytest.mark.parametrize("hd", [128, 256])
+@pytest.mark.parametrize(("neox", "qk_norm", "partial"), [(True, True, False), (False, False, False),
+                                                          (True, False, True)], ids=["neox-norms", "adjacent", "partial"])
+@pytest.mark.parametrize(("position", "window"), [(0, 0), (37, 0), (300, 0), (300, 40)])
+@pytest.mark.parametrize("splits", ["1", "8"])
+def test_attention_that_rotates_its_row_is_rope_rows_then_attention(rng: np.random.Generator, hd: int, neox: bool,
+                                                                    qk_norm: bool, partial: bool, position: int,
+                                                                    window: int, splits: str,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """A decode step's one row (attn_chunks_rope): the output and both caches (the new key and value
+    at the row's slot, nothing else) as rope_rows then attention leave them."""
+    from infer.gpu import attention as attn
+
+    monkeypatch.setenv("NVMEDIRECT_ATTN_SPLITS", splits)
+    n_heads, n_kv, cap, layers, eps = 16, 2, 512, 2, 1e-6
+    n_pairs = hd // 4 if partial else hd // 2
+    shape = attn.AttentionShape(n_heads, n_kv, hd, n_pairs, neox)
+    assert attn.rotates_in_attention(shape, 1) and not attn.rotates_in_attention(shape, 2)
+    angles = rng.random((cap, n_pairs)) * 6.3
+    cos, sin = cupy.asarray(np.cos(angles).astype(np.float32)), cupy.asarray(np.sin(angles).astype(np.float32))
+    q_norm, k_norm = ((cupy.asarray((1 + 0.3 * rng.standard_normal(hd)).astype(np.float32)) for _ in range(2))
+                      if qk_norm else (None, None))
+    k0 = (rng.standard_normal((layers, n_kv, cap, hd)) * 0.5).astype(np.float16)
+    v0 = rng.standard_normal((layers, n_kv, cap, hd)).astype(np.float16)
+    qkv = (rng.standard_normal((1, shape.width)) * 3).astype(np.float32)
+    i32 = lambda v: cupy.asarray(np.array(v, np.int32))  # noqa: E731
+    max_ctx = cap
+    runs = []
+    for fused in (False, True):
+        k, v, x = cupy.asarray(k0), cupy.asarray(v0), cupy.asarray(qkv)
+        fields = attn.RowFields(i32([position]), i32([position]), i32([position + 1]), i32([-1]), i32([0]),
+                                cupy.asarray(np.array([k.data.ptr], np.uint64)),
+                                cupy.asarray(np.array([v.data.ptr], np.uint64)), i32([cap]))
+        work = cupy.zeros(attn.attention_work_nbytes(shape, 1, max_ctx) // 4, cupy.float32)
+        out = cupy.full((1, n_heads * hd), np.nan, np.float32)
+        rope = attn.RopeInputs(cos, sin, q_norm, k_norm, eps) if fused else None
+        if not fused:
+            attn.rope_rows(x, shape, cos, sin, 1, fields, 1, q_norm, k_norm, eps)
+        attn.attention(x, shape, 1, fields, 1, max_ctx, work, 1, out, "f32", window=window, rope=rope)
+        runs.append((cupy.asnumpy(out), cupy.asnumpy(k), cupy.asnumpy(v)))
+    (out_a, k_a, v_a), (out_b, k_b, v_b) = runs
+    np.testing.assert_array_equal(k_b, k_a, err_msg="keys")
+    np.testing.assert_array_equal(v_b, v_a, err_msg="values")
+    np.testing.assert_array_equal(out_b, out_a, err_msg="attention")
+    changed = np.argwhere((k_a != k0).any(axis=-1))
+    assert set(map(tuple, changed[:, [0, 2]])) <= {(1, position)}  # layer 1, the row's slot only
