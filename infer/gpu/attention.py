@@ -27,9 +27,8 @@ HEAD_SPLIT_GRID = 256  # the most blocks a split launch may have
 def prepare(shape: AttentionShape) -> None:
     """Raises attn_chunks' shared-memory opt-in for `shape` before any CUDA graph capture."""
     for splits in HEAD_SPLITS if shape.head_dim in (128, 256) else (1,):
-        for rope in (False, True) if shape.head_dim in (128, 256) else (False,):
-            name = chunks_kernel(shape.head_dim, splits, rope)
-            with_shared(kernels.function("attention", name), (name,), shape.chunks_shared_bytes())
+        name = chunks_kernel(shape.head_dim, splits)
+        with_shared(kernels.function("attention", name), (name,), shape.chunks_shared_bytes())
 
 
 @dataclass
@@ -148,31 +147,9 @@ def head_splits(group: int, blocks: int, head_dim: int = 128) -> int:
     return max(s for s in HEAD_SPLITS if group % s == 0 and (s == 1 or s * blocks <= HEAD_SPLIT_GRID))
 
 
-def chunks_kernel(head_dim: int, splits: int, rope: bool = False) -> str:
-    """The attn_chunks kernel of a head size and head split (rope: the one that rotates a decode
-    row's q and k itself, attn_chunks_rope)."""
-    return f"attn_chunks_{'rope_' if rope else ''}{f's{splits}_' if splits > 1 else ''}d{head_dim}"
-
-
-@dataclass
-class RopeInputs:
-    """rope_rows' inputs for attention() to apply itself (a pass of one row: attn_chunks_rope):
-    the layer kind's cos and sin tables, the norms (or None) and their epsilon."""
-
-    cos: cupy.ndarray
-    sin: cupy.ndarray
-    q_norm: cupy.ndarray | None
-    k_norm: cupy.ndarray | None
-    eps: float
-
-
-def rotates_in_attention(shape: AttentionShape, n: int) -> bool:
-    """Whether attention() takes a pass of n rows with its rotary embedding (attn_chunks_rope): one
-    row (whose new slot no other row reads) and a head size of 128 or 256; NVMEDIRECT_DECODE_FUSED=0
-    keeps rope_rows apart (the same bits, for timing)."""
-    import os
-
-    return n == 1 and shape.head_dim in (128, 256) and os.environ.get("NVMEDIRECT_DECODE_FUSED", "1") != "0"
+def chunks_kernel(head_dim: int, splits: int) -> str:
+    """The attn_chunks kernel of a head size and head split."""
+    return f"attn_chunks_{f's{splits}_' if splits > 1 else ''}d{head_dim}"
 
 
 def attention_group_rows(rows: int) -> int:
@@ -232,18 +209,14 @@ def rope_rows(qkv: cupy.ndarray, shape: AttentionShape, cos: cupy.ndarray, sin: 
 
 def attention(qkv: cupy.ndarray, shape: AttentionShape, layer: int, rows: RowFields, n: int, max_ctx: int,
               work: cupy.ndarray, work_rows: int, out: cupy.ndarray, act: str, int8: Int8Act | None = None,
-              out16: cupy.ndarray | None = None, window: int = 0, scale: float | None = None,
-              rope: RopeInputs | None = None) -> None:
+              out16: cupy.ndarray | None = None, window: int = 0, scale: float | None = None) -> None:
     """out (n, n_heads * head_dim) = each row's attention over its span (its position, slots and
     cache in `rows`; keys and values stored by rope_rows), rounded to activation format `act` (with
     its 8-bit form into int8; out16, float16: the values before rounding, for the prompt products). `work` holds the partials of work_rows rows at a time
     (attention_work_nbytes); max_ctx bounds every row's position + 1. window > 0: a row at position p
     sees positions p - window + 1 .. p only (a sliding-window layer); scale: the scores' factor
-    (default 1 / sqrt(head_dim)). `rope` (a pass of one row: rotates_in_attention): q and k come
-    unrotated and the kernel applies rope_rows' rotation and cache stores itself."""
+    (default 1 / sqrt(head_dim))."""
     s = shape
-    if rope is not None and not rotates_in_attention(s, n):
-        raise ValueError(f"attention rotates only a pass of one row of head size 128 or 256 (not {n} rows of {s.head_dim})")
     nb = attention_blocks(max_ctx)
     scale = np.float32(1.0 / np.sqrt(s.head_dim) if scale is None else scale)
     smem = s.chunks_shared_bytes()
@@ -255,23 +228,16 @@ def attention(qkv: cupy.ndarray, shape: AttentionShape, layer: int, rows: RowFie
     for r0 in range(0, n, work_rows):
         m = min(work_rows, n - r0)
         group = attention_group_rows(m)
-        pos, slot, base, anc_off, anc, kptr, vptr, cap = rows.offset(r0)
+        pos, _slot, base, anc_off, anc, kptr, vptr, cap = rows.offset(r0)
         blocks = position_blocks(nb, n) * -(-m // group)
         splits = head_splits(s.n_heads // s.n_kv_heads, s.n_kv_heads * blocks, s.head_dim)
-        name = chunks_kernel(s.head_dim, splits, rope is not None)
+        name = chunks_kernel(s.head_dim, splits)
         chunks = with_shared(kernels.function("attention", name), (name,), smem)
-        grid = (s.n_kv_heads * splits, position_blocks(nb, n), -(-m // group))
-        head = (np.uint64(qkv.data.ptr + r0 * s.width * 4), np.int32(s.width), np.int32(s.n_heads),
-                np.int32(s.n_kv_heads), scale, np.int32(window), np.int32(layer), pos)
-        if rope is None:
-            chunks(grid, (ATTN_THREADS,), (*head, base, anc_off, anc, kptr, vptr, cap, work, np.int32(nb), np.int32(m),
-                                           np.int32(group)), shared_mem=smem)
-        else:
-            chunks(grid, (ATTN_THREADS,), (*head, slot, base, anc_off, anc, kptr, vptr, cap, work, np.int32(nb),
-                                           rope.cos, rope.sin, np.int32(s.n_pairs), np.int32(1 if s.neox else 0),
-                                           NULL if rope.q_norm is None else rope.q_norm,
-                                           NULL if rope.k_norm is None else rope.k_norm, np.float32(rope.eps)),
-                   shared_mem=smem)
+        chunks((s.n_kv_heads * splits, position_blocks(nb, n), -(-m // group)), (ATTN_THREADS,),
+               (np.uint64(qkv.data.ptr + r0 * s.width * 4), np.int32(s.width), np.int32(s.n_heads),
+                np.int32(s.n_kv_heads), scale, np.int32(window), np.int32(layer), pos, base, anc_off, anc, kptr, vptr,
+                cap, work,
+                np.int32(nb), np.int32(m), np.int32(group)), shared_mem=smem)
         part = None if int8 is None else int8.rows(r0, r0 + m)
         merge((m, q_values // chunk), (chunk,), (work, np.int32(nb), np.int32(s.n_heads), np.int32(s.head_dim), pos,
                                                  np.int32(window), np.uint64(out.data.ptr + r0 * q_values * 4),

@@ -259,11 +259,7 @@ class GpuTransformer(DeviceGeneration):
         tables = self.rope_tables_local if local else self.rope_tables
         fields = ix.fields_local if local else ix.fields
         j = self.null_cache.layer(i)[1]  # the layer's index among the cache's global or local layers
-        rope = None  # a decode step's one row: the attention rotates its q and k itself
-        if not half and attention.rotates_in_attention(s, n):
-            rope = attention.RopeInputs(*tables, L.q_norm, L.k_norm, a.norm_eps)
-        else:
-            attention.rope_rows(self.qkv, s, *tables, j, fields, n, L.q_norm, L.k_norm, a.norm_eps)
+        attention.rope_rows(self.qkv, s, *tables, j, fields, n, L.q_norm, L.k_norm, a.norm_eps)
         att = inputs.get("att", L.attn_output.act) if L.attn_output.act in ops.EIGHT_BIT else self.att
         int8 = att if isinstance(att, ops.Int8Act) else None
         scale = a.scores_scale
@@ -279,8 +275,7 @@ class GpuTransformer(DeviceGeneration):
                                        window=window)
         else:
             attention.attention(self.qkv, s, j, fields, n, self.max_context, self.work, self.work_rows, self.att,
-                                L.attn_output.act, int8, inputs.half("att") if half else None, window=window, scale=scale,
-                                rope=rope)
+                                L.attn_output.act, int8, inputs.half("att") if half else None, window=window, scale=scale)
         self._residual_product(L.attn_output, att, "att", shape, L.post_attn_norm)
 
     def _feed_forward(self, L: GpuLayer, shape: PassShape) -> None:

@@ -1,7 +1,7 @@
 // Attention of N query rows of a pass, each row with its own sequence (KV cache), position and span
 // (a token tree's node attends to its ancestors' slots), in three launches for the whole pass:
 //   rope_rows      rotary embedding of each row's q (in place) and k, k and v stored in the row's
-//                  cache at its slot (a decode step's one row: attn_chunks_rope does it itself);
+//                  cache at its slot;
 //   attn_chunks    grid (KV head, block of 4 chunks, group of rows): a warp per chunk of 32
 //                  positions of the row's span (copied to shared memory first) computes the G query
 //                  heads' partial softmax (max m, sum l, weighted values o), then the block's 4
@@ -64,92 +64,55 @@ __device__ __forceinline__ __half* cache_at(unsigned long long base, int layer, 
     return reinterpret_cast<__half*>(base) + (((long long)layer * n_kv + kvh) * cap + slot % cap) * (long long)D;
 }
 
-// Rotary embedding of one head of D = 32 * DL values at src, a lane's DL consecutive dimensions
-// [lane * DL, lane * DL + DL) into out: first (nw, the head's norm weights, not null) RMS-normalised
-// over the head (Qwen3's q_norm / k_norm: each lane's fused multiply-adds in order, then warp_sum;
-// the rmsnorm kernels' formula), then pair i rotated by the angle with cosine c[i] and sine s[i]:
-// pair (2i, 2i+1) for Llama (GGUF permutes Q/K so pairs are adjacent), (i, i + n_pairs) for NeoX;
-// the dimensions past 2 * n_pairs as they are. A lane reads its partners' values itself (no
-// shuffle), so every lane must read src before any writes it. Every lane of the warp calls it.
-// Shared by rope_rows and attn_chunks_rope: a head gets the same bits from either.
-template <int DL>
-__device__ __forceinline__ void rope_lane(const float* src, const float* nw, float eps, const float* c, const float* s,
-                                          int n_pairs, int neox, float (&out)[DL]) {
-    const int d0 = (threadIdx.x & 31) * DL;
-    float rms = 1.f;
-    if (nw) {
-        float ss = 0.f;
-#pragma unroll
-        for (int j = 0; j < DL; ++j) ss = __fmaf_rn(src[d0 + j], src[d0 + j], ss);
-        ss = warp_sum(ss);
-        rms = sqrtf(__fadd_rn(__fdiv_rn(ss, (float)(32 * DL)), eps));
-    }
-    auto value = [&](int d) { return nw ? __fmul_rn(__fdiv_rn(src[d], rms), nw[d]) : src[d]; };
-#pragma unroll
-    for (int j = 0; j < DL; ++j) {
-        const int d = d0 + j;
-        if (d >= 2 * n_pairs) {
-            out[j] = value(d);
-            continue;
-        }
-        const bool first = neox ? d < n_pairs : (d & 1) == 0;  // a pair's first element
-        const int i = neox ? (first ? d : d - n_pairs) : d >> 1;
-        const int ia = neox ? i : 2 * i, ib = neox ? i + n_pairs : 2 * i + 1;
-        float ra, rb;
-        rotate(value(ia), value(ib), c[i], s[i], ra, rb);
-        out[j] = first ? ra : rb;
-    }
-}
-
-// The same for the q, k and v of head h of a row (q heads first, then the KV heads): q rotated in
-// place, or k rotated and v as it is, both stored at `slot` of the row's cache.
-template <int DL>
-__device__ __forceinline__ void rope_head(float* row, int h, const float* c, const float* s, int n_heads, int n_kv_heads,
-                                          int n_pairs, int neox, int layer, unsigned long long kbase,
-                                          unsigned long long vbase, int cap, int slot, const float* q_norm,
-                                          const float* k_norm, float eps) {
-    constexpr int D = 32 * DL;
-    const int d0 = (threadIdx.x & 31) * DL;
+// grid (rows, n_heads + n_kv_heads): q rotated in place; k rotated and stored, v stored, at the row's
+// slot. qkv: (rows, W) float32 with q at 0, k at n_heads*D, v at (n_heads + n_kv_heads)*D. Pair i is
+// (2i, 2i+1) for Llama (GGUF permutes Q/K so pairs are adjacent), (i, i + n_pairs) for NeoX.
+// q_norm / k_norm (D floats, or null): each query / key head is first RMS-normalised over its D
+// values and multiplied by them (Qwen3), in the rmsnorm kernels' arithmetic (ops.cu).
+extern "C" __global__ void rope_rows(float* qkv, int W, const float* cos_t, const float* sin_t, int n_heads,
+                                     int n_kv_heads, int D, int n_pairs, int neox, int layer, const int* pos,
+                                     const int* slot, const unsigned long long* kptr,
+                                     const unsigned long long* vptr, const int* cap, const float* q_norm,
+                                     const float* k_norm, float eps) {
+    const int r = blockIdx.x, h = blockIdx.y;
+    const int p = pos[r];
+    const float* c = cos_t + (long long)p * n_pairs;
+    const float* s = sin_t + (long long)p * n_pairs;
+    float* row = qkv + (long long)r * W;
     const bool is_q = h < n_heads;
     const int kh = h - n_heads;
     float* src = is_q ? row + h * D : row + (n_heads + kh) * D;
-    float out[DL];
-    rope_lane<DL>(src, is_q ? q_norm : k_norm, eps, c, s, n_pairs, neox, out);
-    if (is_q) {
-        __syncwarp();  // every lane has read its partners' values
-#pragma unroll
-        for (int j = 0; j < DL; ++j) src[d0 + j] = out[j];
+    __half* kdst = is_q ? nullptr : cache_at(kptr[r], layer, n_kv_heads, kh, cap[r], slot[r], D);
+    const float* nw = is_q ? q_norm : k_norm;  // the same for the whole block
+    float rms = 1.f;
+    if (nw) {
+        float ss = 0.f;
+        for (int d = threadIdx.x; d < D; d += blockDim.x) ss = __fmaf_rn(src[d], src[d], ss);
+        ss = block_sum(ss);  // every thread has read its values before any is written below
+        rms = sqrtf(__fadd_rn(__fdiv_rn(ss, (float)D), eps));
+    }
+    auto value = [&](int d) { return nw ? __fmul_rn(__fdiv_rn(src[d], rms), nw[d]) : src[d]; };
+    for (int i = threadIdx.x; i < n_pairs; i += blockDim.x) {
+        const int ia = neox ? i : 2 * i, ib = neox ? i + n_pairs : 2 * i + 1;
+        float ra, rb;
+        rotate(value(ia), value(ib), c[i], s[i], ra, rb);
+        if (is_q) {
+            src[ia] = ra;
+            src[ib] = rb;
+        } else {
+            kdst[ia] = __float2half_rn(ra);
+            kdst[ib] = __float2half_rn(rb);
+        }
+    }
+    if (is_q) {  // the dimensions past the rotated ones: normalised in place
+        if (nw)
+            for (int d = 2 * n_pairs + threadIdx.x; d < D; d += blockDim.x) src[d] = value(d);
         return;
     }
-    __half* kdst = cache_at(kbase, layer, n_kv_heads, kh, cap, slot, D);
-    __half* vdst = cache_at(vbase, layer, n_kv_heads, kh, cap, slot, D);
+    for (int d = 2 * n_pairs + threadIdx.x; d < D; d += blockDim.x) kdst[d] = __float2half_rn(value(d));
     const float* vs = row + (n_heads + n_kv_heads + kh) * D;
-#pragma unroll
-    for (int j = 0; j < DL; ++j) {
-        kdst[d0 + j] = __float2half_rn(out[j]);
-        vdst[d0 + j] = __float2half_rn(vs[d0 + j]);
-    }
-}
-
-// grid (rows, n_heads + n_kv_heads), a warp a block (rope_head): q rotated in place; k rotated and
-// stored, v stored, at the row's slot. qkv: (rows, W) float32 with q at 0, k at n_heads*D, v at
-// (n_heads + n_kv_heads)*D; D = 64, 128 or 256. q_norm / k_norm (D floats, or null): Qwen3's norms.
-extern "C" __global__ void __launch_bounds__(32)
-    rope_rows(float* qkv, int W, const float* cos_t, const float* sin_t, int n_heads, int n_kv_heads, int D,
-              int n_pairs, int neox, int layer, const int* pos, const int* slot, const unsigned long long* kptr,
-              const unsigned long long* vptr, const int* cap, const float* q_norm, const float* k_norm, float eps) {
-    const int r = blockIdx.x, h = blockIdx.y;
-    const long long p = pos[r];
-    const float* c = cos_t + p * n_pairs;
-    const float* s = sin_t + p * n_pairs;
-    float* row = qkv + (long long)r * W;
-#define ROPE_HEAD(DL)                                                                                          \
-    rope_head<DL>(row, h, c, s, n_heads, n_kv_heads, n_pairs, neox, layer, kptr[r], vptr[r], cap[r], slot[r],    \
-                  q_norm, k_norm, eps)
-    if (D == 64) ROPE_HEAD(2);
-    else if (D == 128) ROPE_HEAD(4);
-    else ROPE_HEAD(8);
-#undef ROPE_HEAD
+    __half* vdst = cache_at(vptr[r], layer, n_kv_heads, kh, cap[r], slot[r], D);
+    for (int d = threadIdx.x; d < D; d += blockDim.x) vdst[d] = __float2half_rn(vs[d]);
 }
 
 // A partial softmax over some positions: max m, sum l of exp(s - m), o = sum of exp(s - m) * v.
@@ -275,22 +238,10 @@ __device__ __forceinline__ float attn_reduce8(float (&s)[ATTN_TILE], int lane) {
 // Queries, keys and values are used from registers: a warp takes ATTN_HEADS query heads at a time
 // and ATTN_TILE positions' rows at a time. A row's arithmetic does not depend on the group or on
 // where its keys were copied from.
-// The rotary embedding attn_chunks_rope applies itself (rope_rows' arguments): tables of the
-// layer kind, the norms (or null).
-struct RopeIn {
-    const float* cos_t;
-    const float* sin_t;
-    int n_pairs;
-    int neox;
-    const float* q_norm;
-    const float* k_norm;
-    float eps;
-};
-
-template <int D, int S, bool ROPE>
+template <int D, int S>
 __device__ __forceinline__ bool attn_chunks_body(const float* qkv, int W, int n_heads, int n_kv_heads, float scale,
                                                  int window, int layer, const Rows& R, float* work, int nb,
-                                                 int n_rows, int group, int blk, const RopeIn& rope) {
+                                                 int n_rows, int group, int blk) {
     constexpr int DL = D / 32;     // dimensions per lane
     constexpr int PIECES = D / 8;  // 16-byte pieces of a key or value row
     extern __shared__ __align__(16) float attn_smem[];
@@ -351,33 +302,6 @@ __device__ __forceinline__ bool attn_chunks_body(const float* qkv, int W, int n_
                 cp_async_wait<0>();
             }
             __syncwarp();
-            if (ROPE && p >= t0 && p < t0 + ATTN_CHUNK) {  // the row's own new key and value (rope_rows')
-                const long long pp = p;
-                float kr[DL];
-                const float* krow = qkv + (long long)r * W + (long long)(n_heads + kvh) * D;
-                const float* vrow = krow + (long long)n_kv_heads * D;
-                rope_lane<DL>(krow, rope.k_norm, rope.eps, rope.cos_t + pp * rope.n_pairs,
-                              rope.sin_t + pp * rope.n_pairs, rope.n_pairs, rope.neox, kr);
-                __half* ks = kst + (p - t0) * D + lane * DL;
-                __half* vs = vst + (p - t0) * D + lane * DL;
-                __half* kg = nullptr;
-                __half* vg = nullptr;
-                if (blockIdx.x % S == 0) {  // one part of the KV head stores them in the cache
-                    kg = cache_at(R.kptr[r], layer, n_kv_heads, kvh, R.cap[r], R.slot[r], D) + lane * DL;
-                    vg = cache_at(R.vptr[r], layer, n_kv_heads, kvh, R.cap[r], R.slot[r], D) + lane * DL;
-                }
-#pragma unroll
-                for (int j = 0; j < DL; ++j) {
-                    const __half kh = __float2half_rn(kr[j]), vh = __float2half_rn(vrow[lane * DL + j]);
-                    ks[j] = kh;
-                    vs[j] = vh;
-                    if (kg) {
-                        kg[j] = kh;
-                        vg[j] = vh;
-                    }
-                }
-                __syncwarp();
-            }
         }
         if (chunk >= nchunks || t0 + ATTN_CHUNK <= lo) {  // empty slot: past the position, or before the window
             for (int g = lane; g < G; g += 32) mine[g * PART_STRIDE(D) + 1] = 0.f;
@@ -390,20 +314,10 @@ __device__ __forceinline__ bool attn_chunks_body(const float* qkv, int W, int n_
                 // the heads' queries, rounded to float16 as they meet the float16 keys
                 float q[ATTN_HEADS][DL];
 #pragma unroll
-                for (int gg = 0; gg < ATTN_HEADS; ++gg) {
-                    float qv[DL];
-                    if (ROPE && g0 + gg < G) {  // (uniform) rotated here, as rope_rows would have
-                        const long long pp = p;
-                        rope_lane<DL>(qrow - lane * DL + (g0 + gg) * D, rope.q_norm, rope.eps,
-                                      rope.cos_t + pp * rope.n_pairs, rope.sin_t + pp * rope.n_pairs, rope.n_pairs,
-                                      rope.neox, qv);
-                    } else {
+                for (int gg = 0; gg < ATTN_HEADS; ++gg)
 #pragma unroll
-                        for (int j = 0; j < DL; ++j) qv[j] = g0 + gg < G ? qrow[(g0 + gg) * D + j] : 0.f;
-                    }
-#pragma unroll
-                    for (int j = 0; j < DL; ++j) q[gg][j] = g0 + gg < G ? __half2float(__float2half_rn(qv[j])) : 0.f;
-                }
+                    for (int j = 0; j < DL; ++j)
+                        q[gg][j] = g0 + gg < G ? __half2float(__float2half_rn(qrow[(g0 + gg) * D + j])) : 0.f;
                 // scores, ATTN_TILE positions at a time
                 for (int t1 = 0; t1 < n; t1 += ATTN_TILE) {
                     float kf[ATTN_TILE][DL];
@@ -529,28 +443,9 @@ __device__ __forceinline__ bool attn_chunks_body(const float* qkv, int W, int n_
              const unsigned long long* kptr, const unsigned long long* vptr, const int* cap, float* work,     \
              int nb, int n_rows, int group) {                                                                 \
         const Rows R{pos, nullptr, base, anc_off, anc, kptr, vptr, cap};                                     \
-        const RopeIn none{};                                                                                 \
         for (int blk = blockIdx.y; blk < nb; blk += gridDim.y)                                               \
-            if (!attn_chunks_body<D, S, false>(qkv, W, n_heads, n_kv_heads, scale, window, layer, R, work, nb, \
-                                               n_rows, group, blk, none))                                    \
-                break;                                                                                       \
-    }
-// attn_chunks_rope_*: a pass of one row (a decode step) whose q, k and v come unrotated: the kernel
-// applies rope_rows' rotary embedding itself (rope_lane: the same bits), q in registers, the new key
-// and value into the chunk that holds the row's position and (the KV head's first part) into the
-// cache at its slot; rope_rows' launch saved. One row only: no other row may read that slot.
-#define ATTN_CHUNKS_ROPE(NAME, D, S)                                                                         \
-    extern "C" __global__ void __launch_bounds__(ATTN_THREADS)                                               \
-        NAME(const float* qkv, int W, int n_heads, int n_kv_heads, float scale, int window, int layer,       \
-             const int* pos, const int* slot, const int* base, const int* anc_off, const int* anc,            \
-             const unsigned long long* kptr, const unsigned long long* vptr, const int* cap, float* work,     \
-             int nb, const float* cos_t, const float* sin_t, int n_pairs, int neox, const float* q_norm,      \
-             const float* k_norm, float eps) {                                                                \
-        const Rows R{pos, slot, base, anc_off, anc, kptr, vptr, cap};                                        \
-        const RopeIn rope{cos_t, sin_t, n_pairs, neox, q_norm, k_norm, eps};                                 \
-        for (int blk = blockIdx.y; blk < nb; blk += gridDim.y)                                               \
-            if (!attn_chunks_body<D, S, true>(qkv, W, n_heads, n_kv_heads, scale, window, layer, R, work, nb,  \
-                                              1, 1, blk, rope))                                              \
+            if (!attn_chunks_body<D, S>(qkv, W, n_heads, n_kv_heads, scale, window, layer, R, work, nb,       \
+                                        n_rows, group, blk))                                                 \
                 break;                                                                                       \
     }
 ATTN_CHUNKS(attn_chunks_d64, 64, 1)
@@ -562,14 +457,6 @@ ATTN_CHUNKS(attn_chunks_s8_d128, 128, 8)
 ATTN_CHUNKS(attn_chunks_s2_d256, 256, 2)
 ATTN_CHUNKS(attn_chunks_s4_d256, 256, 4)
 ATTN_CHUNKS(attn_chunks_s8_d256, 256, 8)
-ATTN_CHUNKS_ROPE(attn_chunks_rope_d128, 128, 1)
-ATTN_CHUNKS_ROPE(attn_chunks_rope_d256, 256, 1)
-ATTN_CHUNKS_ROPE(attn_chunks_rope_s2_d128, 128, 2)
-ATTN_CHUNKS_ROPE(attn_chunks_rope_s4_d128, 128, 4)
-ATTN_CHUNKS_ROPE(attn_chunks_rope_s8_d128, 128, 8)
-ATTN_CHUNKS_ROPE(attn_chunks_rope_s2_d256, 256, 2)
-ATTN_CHUNKS_ROPE(attn_chunks_rope_s4_d256, 256, 4)
-ATTN_CHUNKS_ROPE(attn_chunks_rope_s8_d256, 256, 8)
 
 // grid (rows, n / chunk), `chunk` threads (256, or 32 where a row is no whole 256): out (rows,
 // n_heads*D) = the merged attention, a thread per value, then the block's values rounded to `fmt`

@@ -355,11 +355,6 @@ class RawKernel:
                 KC, VC = _layer_cache(KP[t], layer, Hkv, int(CAP[t]), D), _layer_cache(VP[t], layer, Hkv, int(CAP[t]), D)
                 sl = SL[t] % CAP[t]  # a local layer's ring: slot s at s % positions
                 KC[:, sl] = _rotate(k, c, s_, npairs, neox).astype(np.float16); VC[:, sl] = v.astype(np.float16)
-        elif n.startswith("attn_chunks_rope_"):  # rope_rows of the one row, then attn_chunks
-            qkv, W, H, Hkv, scale, window, layer, pos, slot, base, anc_off, anc, kptr, vptr, cap, work, nb, cos, sin, npairs, neox, qn, kn, eps = args
-            D = int(n.rsplit("_d", 1)[1])
-            RawKernel("rope_rows")._run((1, int(H) + int(Hkv)), None, (qkv, W, cos, sin, H, Hkv, np.int32(D), npairs, neox, layer, pos, slot, kptr, vptr, cap, qn, kn, eps))
-            RawKernel(f"attn_chunks_d{D}")._run(grid, None, (qkv, W, H, Hkv, scale, window, layer, pos, base, anc_off, anc, kptr, vptr, cap, work, nb, np.int32(1), np.int32(1)))
         elif n.startswith("attn_chunks_"):  # the whole attention of each row into its block 0 (m 0, l 1: the merge's o / l)
             qkv, W, H, Hkv, scale, window, layer, pos, base, anc_off, anc, kptr, vptr, cap, work, nb, n_rows, _group = args
             D = int(n.rsplit("_d", 1)[1])
