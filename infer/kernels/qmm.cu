@@ -65,6 +65,7 @@ __device__ __forceinline__ T load_x(const T* p) {
 // so every warp runs the product, warps past the last row on a copy of it, writing nothing.
 struct NoPrologue {
     static constexpr bool ALL_WARPS = false;
+    static constexpr bool BEFORE_LOADS = false;  // (true: it runs first, the loads after it)
     __device__ __forceinline__ void operator()() const {}
 };
 
@@ -83,6 +84,7 @@ __device__ __forceinline__ void qgemv_body(const Parts& parts, int M, int K, Act
     const int lane = threadIdx.x & 31;
     const int row0 = (blockIdx.x * QG_WARPS + (threadIdx.x >> 5)) * QG_ROWS;
     if (!Prologue::ALL_WARPS && row0 >= M) return;  // the whole warp
+    if (Prologue::BEFORE_LOADS) prologue();
     nvec = min(NV, nvec - v0);
     x.xq += (long long)v0 * K;
     x.xs += (long long)v0 * (K >> F::XS_SHIFT);
@@ -112,7 +114,7 @@ __device__ __forceinline__ void qgemv_body(const Parts& parts, int M, int K, Act
                 if (sb < nsb) r[i][u] = F::load(p[i], base[i] + sb);
                 else r[i][u] = typename F::Raw{make_uint4(0, 0, 0, 0), make_uint4(0, 0, 0, 0), make_uint2(0, 0), 0u, 0u};
             }
-        if (s0 == 0) prologue();
+        if (!Prologue::BEFORE_LOADS && s0 == 0) prologue();
 #pragma unroll
         for (int u = 0; u < QG_UNROLL; ++u) {
             const int first = s0 + 32 * u;  // the warp's first sub-block of this iteration
@@ -378,9 +380,10 @@ __device__ __forceinline__ void fgemv_body(const T* w, int M, int K, const float
 // glu_round's bits), then qgemv_id's sums over it. Decode's glu_round launch and its wait saved; each
 // block re-derives 2K floats that L2 holds. Dynamic shared memory: gated_smem_bytes(K, fmt).
 __host__ __device__ constexpr int gated_xs_offset(int K) { return K + 4 * (K >> 5); }
-template <int FMT>
+template <int FMT, bool BEFORE>
 struct GatedInput {  // qgemv_id_gated's prologue: the pair's gated activation, 8-bit, into shared memory
     static constexpr bool ALL_WARPS = true;
+    static constexpr bool BEFORE_LOADS = BEFORE;
     const float* gr;
     int K, gelu;
     Int8Out o8;
@@ -389,6 +392,9 @@ struct GatedInput {  // qgemv_id_gated's prologue: the pair's gated activation, 
         __syncthreads();
     }
 };
+// Q8_0 and Q4_0/Q4_1 rows run the prologue before their loads: after them ptxas spills 16 bytes
+// with 4 rows a warp (the down rows of 768 values).
+#define GATED_BEFORE_LOADS(KIND) ((KIND) == 1 || (KIND) == 4)
 #define QGEMV_ID_GATED(NAME, KIND)                                                                              \
     extern "C" __global__ void __launch_bounds__(QG_WARPS * 32)                                                 \
         qgemv_id_gated_##NAME(PARTS_ARGS, int M, int K, const float* gu, int gelu, const int* ids, float* y,    \
@@ -400,7 +406,8 @@ struct GatedInput {  // qgemv_id_gated's prologue: the pair's gated activation, 
         signed char* xq = reinterpret_cast<signed char*>(gated_smem);                                            \
         int* xsum = reinterpret_cast<int*>(gated_smem + K);                                                      \
         float* xs = reinterpret_cast<float*>(gated_smem + gated_xs_offset(K));                                   \
-        const GatedInput<fmt> gated{gu + (long long)pair * 2 * K, K, gelu, Int8Out{xq, xs, xsum}};               \
+        const GatedInput<fmt, GATED_BEFORE_LOADS(KIND)> gated{gu + (long long)pair * 2 * K, K, gelu,             \
+                                                              Int8Out{xq, xs, xsum}};                            \
         qgemv_body<KIND, 1, true>(PARTS_OF, M, K, Act8{xq, xs, xsum}, 1, y + (long long)pair * ldy, ldy, nullptr, \
                                   nullptr, 0, expert, gated);                                                    \
     }
@@ -478,6 +485,7 @@ QUANT_FORMAT(k6, 16)
 #define FG_NORMED_THREADS 512  // infer/gpu/products.py NORMED_MAX_COLS / 8
 struct NormedInput {  // fgemv_normed's prologue: RMSNorm of the row into shared memory (block 0: its outputs)
     static constexpr bool ALL_WARPS = true;
+    static constexpr bool BEFORE_LOADS = false;
     const float *x, *nw;
     int K, fmt;
     float eps;
