@@ -269,20 +269,12 @@ class GpuExperts:
     def _ffn(self, B: ExpertBlock, L: object, x: cupy.ndarray, n: int, live: cupy.ndarray,
              next_norm: NextNorm | None = None) -> bool:
         """The feed-forward of experts B for rows 0..n of x (live: which are not null rows), in place;
-        with next_norm the combine also normalises x for the next layer where it can (returned). A
-        decode step (one row) normalises its input in the router's launch and gates the down
-        product's input in that product's (fused_steps): three launches a block fewer, the same bits."""
+        with next_norm the combination also normalises x for the next layer where it can (returned:
+        moe_combine_norm, the next layer's norm launch saved, the same bits)."""
         a = self.args
         k, w, d, e = a.n_experts_used, a.expert_ffn_dim, a.dim, a.n_experts
-        fused = fused_steps()
-        acts = [m.act for m in B.normed_inputs()]
-        ahead = self.inputs.norm_outputs("ffn", acts) if fused and n == 1 else None
-        if ahead is not None and products.norms_own_input(B.router, d, ahead.act):
-            products.normed_product(B.router, x, L.ffn_norm, a.norm_eps, self.logits, ahead)  # type: ignore[attr-defined]
-            xs = self.inputs.normed(x, L.ffn_norm, "ffn", acts, n, written=True)  # type: ignore[attr-defined]
-        else:
-            xs = self.inputs.normed(x, L.ffn_norm, "ffn", acts, n)  # type: ignore[attr-defined]
-            products.product([B.router], xs[B.router.act], self.logits, n, ldy=e)
+        xs = self.inputs.normed(x, L.ffn_norm, "ffn", [m.act for m in B.normed_inputs()], n)  # type: ignore[attr-defined]
+        products.product([B.router], xs[B.router.act], self.logits, n, ldy=e)
         route(self.logits, n, e, k, a.expert_weights_norm, live, self.ids, self.weights)
         pairs, gu = n * k, self.gu.reshape(-1)
         nt = self.group_tiles(pairs)
@@ -296,19 +288,16 @@ class GpuExperts:
                 products.grouped_expert_product(parts, e, xg, self.starts, self.tiles, pairs, nt, gu[row0 // e :], 2 * w)  # type: ignore[arg-type]
             else:
                 products.expert_product(parts, e, x8, self.ids, pairs, k, gu[row0 // e :], 2 * w)
+        self.gated(self.gu, w, pairs, self.ff, B.down.act)
         if nt:
-            self.gated(self.gu, w, pairs, self.ff, B.down.act)
             products.grouped_expert_product([B.down], e, self.ff, self.starts, self.tiles, pairs, nt, self.outs, d)  # type: ignore[arg-type]
-        elif fused and B.down.act in EIGHT_BIT and products.gates_own_input(B.down):
-            products.gated_expert_product(B.down, e, self.gu, self.ids, pairs, self.outs, d,
-                                          self.args.arch_table.activation)
         else:
-            self.gated(self.gu, w, pairs, self.ff, B.down.act)
             products.expert_product([B.down], e, self.ff, self.ids, pairs, 1, self.outs, d)
         shared = gate = None
         if self.shared is not None:
             shared, gate = self.run_shared(B, xs, n)
-        norm = next_norm if fused and next_norm is not None and ops.norm_fits_one_pass(d, next_norm.outputs.act) else None
+        norm = next_norm if fused_steps() and next_norm is not None and ops.norm_fits_one_pass(d, next_norm.outputs.act) \
+            else None
         combine(self.outs, self.ids, self.weights, k, d, n, shared, gate, x, self.slot if nt else None, norm=norm)
         return norm is not None
 
@@ -377,9 +366,9 @@ class NextNorm:
 
 
 def fused_steps() -> bool:
-    """Whether decode's steps around the experts run fused into their neighbours (the router's input
-    norm, the gated activation, the next layer's input norm); NVMEDIRECT_DECODE_FUSED=0 keeps them
-    apart (the same bits, for timing)."""
+    """Whether the combination of a block of experts also writes the next layer's normalised input
+    (moe_combine_norm); NVMEDIRECT_DECODE_FUSED=0 keeps the two launches apart (the same bits, for
+    timing)."""
     return os.environ.get("NVMEDIRECT_DECODE_FUSED", "1") != "0"
 
 

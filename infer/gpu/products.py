@@ -7,8 +7,7 @@ allocating, so each may sit inside a CUDA graph capture.
 - `expert_product`: routed experts, each (row, slot) pair by the expert the router chose for it
   (qgemv_id: canonical sums, so the same bits as `product` on that expert's rows);
   `grouped_expert_product` the same pairs sorted by expert (qmm_id: each expert read once a call,
-  the same bits); `gated_expert_product` a down product that gates its own input first.
-- `normed_product`: one vector's float product (a router) whose input RMSNorm each block computes.
+  the same bits).
 - `prompt_product`: the prompt rows (prompt tokens whose logits nobody reads): float16 weights
   dequantized in shared memory, float32 sums on the tensor cores (pmm.cu), one order per output.
 """
@@ -26,10 +25,8 @@ from infer.gpu.ops import (
     NULL,
     GpuMatrix,
     Int8Act,
-    NormOutputs,
     device_ptr,
     grid_blocks,
-    norm_fits_one_pass,
     with_shared,
 )
 
@@ -266,64 +263,6 @@ def expert_product(parts: list[GpuMatrix], n_experts: int, x: Input, ids: cupy.n
     fn = kernels.function("qmm", f"qgemv_id_{m0.fmt}", _gemv_defines(m0.fmt, rows=per_warp))
     fn((grid_blocks(rows, warps * per_warp), pairs), (32 * warps,),
        (*parts_args, np.int32(m0.cols), x.xq, x.xs, x.xsum, ids, np.int32(xdiv), y, np.int32(ldy)))  # type: ignore[union-attr]
-
-
-GATED_MAX_SHARED = 48 << 10  # qgemv_id_gated's input in shared memory: within the default opt-in
-
-
-def gated_shared_bytes(cols: int, act: str) -> int:
-    """qgemv_id_gated's dynamic shared memory: the 8-bit input (int8 values, a sum per 32, a scale
-    per group)."""
-    return cols + 4 * (cols // 32) + 4 * (cols // (256 if act == "q8_k" else 32))
-
-
-def gates_own_input(m: GpuMatrix) -> bool:
-    """Whether a down stack of experts like m has qgemv_id_gated (its input's 8-bit form in shared
-    memory)."""
-    return m.fmt not in FLOAT_FORMATS and gated_shared_bytes(m.cols, m.act) <= GATED_MAX_SHARED
-
-
-def gated_expert_product(down: GpuMatrix, n_experts: int, gu: cupy.ndarray, ids: cupy.ndarray, pairs: int,
-                         y: cupy.ndarray, ldy: int, activation: str = "silu") -> None:
-    """expert_product of the down stack for `pairs` pairs, its input the gated activation (ops.glu_round's
-    `activation`) of each pair's row of gu ([gate | up], 2 * down.cols floats a pair) rounded to
-    down.act by each block itself (qmm.cu qgemv_id_gated: the bits of glu_round then expert_product,
-    one launch)."""
-    if activation not in ("silu", "gelu_tanh"):
-        raise ValueError(f"unknown gated activation {activation!r}")
-    if not gates_own_input(down):
-        raise ValueError(f"no gated expert product for {down.fmt} rows of {down.cols} values")
-    rows, parts_args = _expert_planes([down], n_experts)
-    if pairs < 1:
-        return
-    warps, per_warp = QGEMV_TUNING[0], qgemv_rows(down.cols)
-    fn = kernels.function("qmm", f"qgemv_id_gated_{down.fmt}", _gemv_defines(down.fmt, rows=per_warp))
-    fn((grid_blocks(rows, warps * per_warp), pairs), (32 * warps,),
-       (*parts_args, np.int32(down.cols), gu, np.int32(activation == "gelu_tanh"), ids, y, np.int32(ldy)),
-       shared_mem=gated_shared_bytes(down.cols, down.act))
-
-
-NORMED_MAX_COLS = 4096  # qmm.cu FG_NORMED_THREADS * 8
-
-
-def norms_own_input(m: GpuMatrix, cols: int, act: str) -> bool:
-    """Whether fgemv_normed takes a float matrix like m whose input is a normalised row of `cols`
-    values (also rounded to `act`, rmsnorm8's layout)."""
-    return m.fmt == "f32" and m.cols == cols and cols <= NORMED_MAX_COLS and norm_fits_one_pass(cols, act)
-
-
-def normed_product(m: GpuMatrix, x: cupy.ndarray, weight: cupy.ndarray, eps: float, y: cupy.ndarray,
-                   outputs: NormOutputs) -> None:
-    """y (m.rows) = m times RMSNorm(x[0]) * weight for one row x[0] (qmm.cu fgemv_normed: each block
-    normalises the row itself, in rmsnorm8's arithmetic); block 0 also writes `outputs` (the row as
-    ops.rmsnorm would write them): the norm's launch saved."""
-    if not norms_own_input(m, m.cols, outputs.act):
-        raise ValueError(f"no normalised product for a {m.fmt} matrix of rows of {m.cols}")
-    threads = -(-m.cols // 256) * 32
-    fn = kernels.function("qmm", f"fgemv_normed_{m.fmt}", _gemv_defines(m.fmt))
-    fn((grid_blocks(m.rows, threads // 32),), (threads,),
-       (m.buffer, np.int32(m.rows), np.int32(m.cols), x, weight, np.float32(eps), *outputs.args(), y),
-       shared_mem=4 * m.cols)
 
 
 def groups_experts(parts: list[GpuMatrix]) -> bool:

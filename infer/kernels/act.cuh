@@ -1,4 +1,4 @@
-// Reductions (shared by ops.cu, attention.cu, moe.cu and qmm.cu) and the rounding of activations to the formats llama.cpp
+// Reductions (shared by ops.cu, attention.cu and moe.cu) and the rounding of activations to the formats llama.cpp
 // feeds its matrix products (float16, bfloat16, and the 8-bit q8_0 / q8_k blocks with their integer
 // form for the dp4a GEMVs), used by ops.cu's RMSNorm, activation rounding and attention output.
 #pragma once
@@ -228,51 +228,6 @@ __device__ void round_row(float* y, __half* y16, int n, int fmt, Int8Out o8 = In
     round_groups_8bit(y, y, y16, n, fmt, o8, threadIdx.x >> 5, blockDim.x >> 5);
 }
 
-// SiLU(gate) * up in float32, each operation rounded: gate / (1 + exp(-gate)) * up
-__device__ __forceinline__ float silu_mul(float g, float u) {
-    return __fmul_rn(__fdiv_rn(g, __fadd_rn(1.f, expf(-g))), u);
-}
-
-// GELU(gate) * up, GELU's tanh form in float32 (Gemma's GeGLU, as llama.cpp's CUDA computes it):
-// 0.5 g (1 + tanh(sqrt(2/pi) g (1 + 0.044715 g^2))) * up
-__device__ __forceinline__ float gelu_mul(float g, float u) {
-    const float inner = __fmul_rn(__fmul_rn(0.7978845608028654f, g), __fmaf_rn(__fmul_rn(0.044715f, g), g, 1.f));
-    return __fmul_rn(__fmul_rn(__fmul_rn(0.5f, g), __fadd_rn(1.f, tanhf(inner))), u);
-}
-
-__device__ __forceinline__ float glu(float g, float u, int gelu) { return gelu ? gelu_mul(g, u) : silu_mul(g, u); }
-
-// glu_round's 8-bit groups first, first + stride, ... of a row: ff = glu(gate, up), its float16
-// copy into hr (before rounding; may be null), rounded into yr (may be null) and its 8-bit form
-// into o8; a warp per group (q8_0: 32 values, q8_k: 256). Shared by glu_round (ops.cu) and the
-// down products that gate their own input (qmm.cu qgemv_id_gated), so both give the same bits.
-__device__ __forceinline__ void glu_round_groups(const float* gr, const float* ur, int n, int gelu, int fmt, float* yr,
-                                                 __half* hr, Int8Out o8, int first, int stride) {
-    const int lane = threadIdx.x & 31;
-    if (fmt == ACT_Q8_0) {
-        for (int g = first; g < n / 32; g += stride) {
-            const int i = g * 32 + lane;
-            const float v[1] = {glu(gr[i], ur[i], gelu)};
-            if (hr) hr[i] = __float2half_rn(v[0]);
-            quantize_group<1>(v, g, fmt, yr ? yr + g * 32 : nullptr, nullptr, o8);
-        }
-    } else {
-        for (int g = first; g < n / 256; g += stride) {
-            const int i = g * 256 + lane * 8;
-            float v[8];
-#pragma unroll
-            for (int k = 0; k < 8; ++k) v[k] = glu(gr[i + k], ur[i + k], gelu);
-            if (hr) {
-                uint4 h;
-                h.x = half2_bits(v[0], v[1]), h.y = half2_bits(v[2], v[3]), h.z = half2_bits(v[4], v[5]);
-                h.w = half2_bits(v[6], v[7]);
-                reinterpret_cast<uint4*>(hr + i)[0] = h;
-            }
-            quantize_group<8>(v, g, fmt, yr ? yr + g * 256 : nullptr, nullptr, o8);
-        }
-    }
-}
-
 // ---------------------------------------------------------------- RMSNorm, 8 values a thread
 // A row of n values (n a multiple of 8, of 32 for q8_0, of 256 for q8_k, at most 8192) held 8
 // consecutive values a thread by a block of n / 8 threads rounded up to whole warps (rmsnorm8's
@@ -305,7 +260,7 @@ struct Norm8Out {
 // gets this thread's normalised values; with `store` they go to the outputs as rmsnorm8 writes them
 // (rounded to `fmt` into y, its 8-bit form). Every thread of the block calls it (a block-wide sum
 // and shuffles), so rmsnorm8 and the kernels that normalise a row in their first step (moe.cu
-// moe_combine_norm, qmm.cu fgemv_normed) give the same bits.
+// moe_combine_norm) give the same bits.
 __device__ __forceinline__ void norm8_row(float (&v)[8], const float* w, int n, float eps, int fmt, Norm8Out o,
                                           long long row, bool store, float (&unrounded)[8]) {
     const int t = threadIdx.x, lane = t & 31;

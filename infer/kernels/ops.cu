@@ -69,6 +69,20 @@ extern "C" __global__ void round_act(const float* x, float* y, __half* y16, int 
     round_groups_8bit(xr, yr, y16r, n, fmt, o8, first, stride);
 }
 
+// SiLU(gate) * up in float32, each operation rounded: gate / (1 + exp(-gate)) * up
+__device__ __forceinline__ float silu_mul(float g, float u) {
+    return __fmul_rn(__fdiv_rn(g, __fadd_rn(1.f, expf(-g))), u);
+}
+
+// GELU(gate) * up, GELU's tanh form in float32 (Gemma's GeGLU, as llama.cpp's CUDA computes it):
+// 0.5 g (1 + tanh(sqrt(2/pi) g (1 + 0.044715 g^2))) * up
+__device__ __forceinline__ float gelu_mul(float g, float u) {
+    const float inner = __fmul_rn(__fmul_rn(0.7978845608028654f, g), __fmaf_rn(__fmul_rn(0.044715f, g), g, 1.f));
+    return __fmul_rn(__fmul_rn(__fmul_rn(0.5f, g), __fadd_rn(1.f, tanhf(inner))), u);
+}
+
+__device__ __forceinline__ float glu(float g, float u, int gelu) { return gelu ? gelu_mul(g, u) : silu_mul(g, u); }
+
 // x[row] += RMSNorm(t[row]) * w, one block per row (Gemma's post-attention and post-FFN norms: the
 // block's output normalised before the residual add); the sum of squares as rmsnorm's.
 extern "C" __global__ void norm_add(const float* t, const float* w, float* x, int n, float eps) {
@@ -102,10 +116,31 @@ extern "C" __global__ void glu_round(const float* gu, int n, float* y, __half* y
         }
         return;
     }
-    const int warps = blockDim.x >> 5;
+    const int lane = threadIdx.x & 31, warps = blockDim.x >> 5;
     const int first = blockIdx.x * warps + (threadIdx.x >> 5), stride = gridDim.x * warps;
     const Int8Out o8 = int8_row(xq, xs, xsum, row, n, fmt);
-    glu_round_groups(gr, ur, n, gelu, fmt, yr, hr, o8, first, stride);
+    if (fmt == ACT_Q8_0) {
+        for (int g = first; g < n / 32; g += stride) {
+            const int i = g * 32 + lane;
+            const float v[1] = {glu(gr[i], ur[i], gelu)};
+            if (hr) hr[i] = __float2half_rn(v[0]);
+            quantize_group<1>(v, g, fmt, yr ? yr + g * 32 : nullptr, nullptr, o8);
+        }
+    } else {
+        for (int g = first; g < n / 256; g += stride) {
+            const int i = g * 256 + lane * 8;
+            float v[8];
+#pragma unroll
+            for (int k = 0; k < 8; ++k) v[k] = glu(gr[i + k], ur[i + k], gelu);
+            if (hr) {
+                uint4 h;
+                h.x = half2_bits(v[0], v[1]), h.y = half2_bits(v[2], v[3]), h.z = half2_bits(v[4], v[5]);
+                h.w = half2_bits(v[6], v[7]);
+                reinterpret_cast<uint4*>(hr + i)[0] = h;
+            }
+            quantize_group<8>(v, g, fmt, yr ? yr + g * 256 : nullptr, nullptr, o8);
+        }
+    }
 }
 
 __device__ __forceinline__ uint32_t mix32(uint32_t x) {

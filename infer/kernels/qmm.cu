@@ -20,7 +20,6 @@
 #include "formats.cuh"
 #include "canon.cuh"
 #include "async.cuh"
-#include "act.cuh"
 
 #ifndef QG_WARPS
 #define QG_WARPS 4  // weight rows (warps) per qgemv block
@@ -52,23 +51,6 @@
 
 #include "qmm_operands.cuh"
 
-// An operand of x: through the read-only cache, or a plain load where x lies in shared memory (a
-// kernel that computed its own input: qgemv_id_gated)
-template <bool SHARED, typename T>
-__device__ __forceinline__ T load_x(const T* p) {
-    if constexpr (SHARED) return *p;
-    else return __ldg(p);
-}
-
-// A step a product runs once its first weight loads are in flight and before it reads x (x computed
-// by the block itself: its latency hidden behind those loads). ALL_WARPS: it synchronises the block,
-// so every warp runs the product, warps past the last row on a copy of it, writing nothing.
-struct NoPrologue {
-    static constexpr bool ALL_WARPS = false;
-    static constexpr bool BEFORE_LOADS = false;  // (true: it runs first, the loads after it)
-    __device__ __forceinline__ void operator()() const {}
-};
-
 // ---------------------------------------------------------------- qgemv: N <= NV vectors
 // Vectors v0 .. v0 + NV - 1 of x times the parts' rows, QG_ROWS consecutive rows a warp: the warp
 // issues every row's weight loads of an iteration before it sums any, so a short row (an expert's
@@ -76,15 +58,13 @@ struct NoPrologue {
 // fewer warps to cycle through; the vectors' 8-bit values are loaded once for the warp's rows. Each
 // row's sum is the same whatever QG_ROWS. `expert` e: each part holds a stack of experts of the
 // part's rows each, and row r of the part reads row e * rows + r (qgemv_id).
-template <int KIND, int NV, bool X_SHARED = false, class Prologue = NoPrologue>
+template <int KIND, int NV>
 __device__ __forceinline__ void qgemv_body(const Parts& parts, int M, int K, Act8 x, int nvec, float* y, int ldy,
-                                           const float* bias, const float* residual, int v0, int expert,
-                                           const Prologue& prologue = Prologue{}) {
+                                           const float* bias, const float* residual, int v0, int expert) {
     typedef Q<KIND> F;
     const int lane = threadIdx.x & 31;
     const int row0 = (blockIdx.x * QG_WARPS + (threadIdx.x >> 5)) * QG_ROWS;
-    if (!Prologue::ALL_WARPS && row0 >= M) return;  // the whole warp
-    if (Prologue::BEFORE_LOADS) prologue();
+    if (row0 >= M) return;  // the whole warp
     nvec = min(NV, nvec - v0);
     x.xq += (long long)v0 * K;
     x.xs += (long long)v0 * (K >> F::XS_SHIFT);
@@ -114,7 +94,6 @@ __device__ __forceinline__ void qgemv_body(const Parts& parts, int M, int K, Act
                 if (sb < nsb) r[i][u] = F::load(p[i], base[i] + sb);
                 else r[i][u] = typename F::Raw{make_uint4(0, 0, 0, 0), make_uint4(0, 0, 0, 0), make_uint2(0, 0), 0u, 0u};
             }
-        if (!Prologue::BEFORE_LOADS && s0 == 0) prologue();
 #pragma unroll
         for (int u = 0; u < QG_UNROLL; ++u) {
             const int first = s0 + 32 * u;  // the warp's first sub-block of this iteration
@@ -129,10 +108,10 @@ __device__ __forceinline__ void qgemv_body(const Parts& parts, int M, int K, Act
                 int xsum = 0;
                 if (have) {
                     const int4* xv = reinterpret_cast<const int4*>(x.xq + (long long)v * K + ((long long)sb << 5));
-                    xa = load_x<X_SHARED>(xv);
-                    xb = load_x<X_SHARED>(xv + 1);
-                    xs = load_x<X_SHARED>(x.xs + (long long)v * ngroups + (sb >> (F::XS_SHIFT - 5)));
-                    if (F::XSUM) xsum = load_x<X_SHARED>(x.xsum + (long long)v * nsb + sb);
+                    xa = __ldg(xv);
+                    xb = __ldg(xv + 1);
+                    xs = __ldg(x.xs + (long long)v * ngroups + (sb >> (F::XS_SHIFT - 5)));
+                    if (F::XSUM) xsum = __ldg(x.xsum + (long long)v * nsb + sb);
                 }
 #pragma unroll
                 for (int i = 0; i < QG_ROWS; ++i) {
@@ -280,14 +259,12 @@ extern "C" __global__ void qmm_combine(const float* partial, int groups, int M, 
 #ifndef FG_UNROLL
 #define FG_UNROLL 2  // iterations of 32 sub-blocks whose weight loads a fgemv lane issues before using them
 #endif
-template <typename T, class Prologue = NoPrologue>
+template <typename T>
 __device__ __forceinline__ void fgemv_body(const T* w, int M, int K, const float* x, int nvec, float* y, int ldy,
-                                           const float* bias, const float* residual,
-                                           const Prologue& prologue = Prologue{}) {
+                                           const float* bias, const float* residual) {
     const int lane = threadIdx.x & 31;
-    const int row_of_warp = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    if (!Prologue::ALL_WARPS && row_of_warp >= M) return;
-    const int row = min(row_of_warp, M - 1);  // past the last row (a prologue's warps): a copy, not written
+    const int row = blockIdx.x * QG_WARPS + (threadIdx.x >> 5);
+    if (row >= M) return;
     const int nsb = K >> 5;
     const T* wr = w + (long long)row * K;
     for (int v0 = blockIdx.y * FG_VECTORS; v0 < nvec; v0 += gridDim.y * FG_VECTORS) {
@@ -309,7 +286,6 @@ __device__ __forceinline__ void fgemv_body(const T* w, int M, int K, const float
                     for (int i = 0; i < WLOADS; ++i) wv_all[u][i] = wp[i];
                 }
             }
-            if (v0 == blockIdx.y * FG_VECTORS && first0 == 0) prologue();
 #pragma unroll
             for (int u = 0; u < FG_UNROLL; ++u) {
                 const int first = first0 + 32 * u;
@@ -344,8 +320,7 @@ __device__ __forceinline__ void fgemv_body(const T* w, int M, int K, const float
         if (lane == 0) {
 #pragma unroll
             for (int j = 0; j < FG_VECTORS; ++j)
-                if (v0 + j < nvec && row_of_warp < M)
-                    y[(long long)(v0 + j) * ldy + row] = canon_out(acc[j], row, v0 + j, ldy, bias, residual);
+                if (v0 + j < nvec) y[(long long)(v0 + j) * ldy + row] = canon_out(acc[j], row, v0 + j, ldy, bias, residual);
         }
     }
 }
@@ -374,43 +349,6 @@ __device__ __forceinline__ void fgemv_body(const T* w, int M, int K, const float
                      xsum + (long long)xrow * (K >> 5)};                                                         \
         qgemv_body<KIND, 1>(PARTS_OF, M, K, x, 1, y + (long long)pair * ldy, ldy, nullptr, nullptr, 0, expert);  \
     }
-// qgemv_id_gated_<fmt>: a mixture of experts' down product for one pair a block row that gates its
-// own input: the block first computes its pair's glu(gate, up) from gu (the gate/up product's rows,
-// 2K floats a pair) rounded to the weights' 8-bit input format (q8_k, q8_0) into shared memory (act.cuh glu_round_groups:
-// glu_round's bits), then qgemv_id's sums over it. Decode's glu_round launch and its wait saved; each
-// block re-derives 2K floats that L2 holds. Dynamic shared memory: gated_smem_bytes(K, fmt).
-__host__ __device__ constexpr int gated_xs_offset(int K) { return K + 4 * (K >> 5); }
-template <int FMT, bool BEFORE>
-struct GatedInput {  // qgemv_id_gated's prologue: the pair's gated activation, 8-bit, into shared memory
-    static constexpr bool ALL_WARPS = true;
-    static constexpr bool BEFORE_LOADS = BEFORE;
-    const float* gr;
-    int K, gelu;
-    Int8Out o8;
-    __device__ __forceinline__ void operator()() const {
-        glu_round_groups(gr, gr + K, K, gelu, FMT, nullptr, nullptr, o8, threadIdx.x >> 5, QG_WARPS);
-        __syncthreads();
-    }
-};
-// Q8_0 and Q4_0/Q4_1 rows run the prologue before their loads: after them ptxas spills 16 bytes
-// with 4 rows a warp (the down rows of 768 values).
-#define GATED_BEFORE_LOADS(KIND) ((KIND) == 1 || (KIND) == 4)
-#define QGEMV_ID_GATED(NAME, KIND)                                                                              \
-    extern "C" __global__ void __launch_bounds__(QG_WARPS * 32)                                                 \
-        qgemv_id_gated_##NAME(PARTS_ARGS, int M, int K, const float* gu, int gelu, const int* ids, float* y,    \
-                              int ldy) {                                                                         \
-        constexpr int fmt = Q<KIND>::XS_SHIFT == 8 ? ACT_Q8_K : ACT_Q8_0; /* the format's 8-bit input */         \
-        extern __shared__ __align__(16) unsigned char gated_smem[];                                              \
-        const int pair = blockIdx.y, expert = __ldg(ids + pair);                                                 \
-        if (expert < 0) return; /* the whole block */                                                            \
-        signed char* xq = reinterpret_cast<signed char*>(gated_smem);                                            \
-        int* xsum = reinterpret_cast<int*>(gated_smem + K);                                                      \
-        float* xs = reinterpret_cast<float*>(gated_smem + gated_xs_offset(K));                                   \
-        const GatedInput<fmt, GATED_BEFORE_LOADS(KIND)> gated{gu + (long long)pair * 2 * K, K, gelu,             \
-                                                              Int8Out{xq, xs, xsum}};                            \
-        qgemv_body<KIND, 1, true>(PARTS_OF, M, K, Act8{xq, xs, xsum}, 1, y + (long long)pair * ldy, ldy, nullptr, \
-                                  nullptr, 0, expert, gated);                                                    \
-    }
 #define QMM(NAME, KIND, NT)                                                                                     \
     extern "C" __global__ void __launch_bounds__(MMQ_THREADS, MMQ_MIN_BLOCKS) qmm_##NAME##_n##NT(PARTS_ARGS, PRODUCT_ARGS) {    \
         qmm_body<KIND, NT>(PARTS_OF, M, K, Act8{xq, xs, xsum}, N, y, ldy, bias, residual, partial,              \
@@ -435,8 +373,7 @@ struct GatedInput {  // qgemv_id_gated's prologue: the pair's gated activation, 
                            nullptr, tile * 8 * NT, blockIdx.y * MMQ_ROWS, e);                                    \
     }
 #if QMM_KERNELS & 1
-#define QGEMVS(NAME, KIND) \
-    QGEMV(NAME, KIND, 1) QGEMV(NAME, KIND, 2) QGEMV(NAME, KIND, 4) QGEMV_ID(NAME, KIND) QGEMV_ID_GATED(NAME, KIND)
+#define QGEMVS(NAME, KIND) QGEMV(NAME, KIND, 1) QGEMV(NAME, KIND, 2) QGEMV(NAME, KIND, 4) QGEMV_ID(NAME, KIND)
 #else
 #define QGEMVS(NAME, KIND)
 #endif
@@ -476,43 +413,7 @@ QUANT_FORMAT(k6, 16)
                      const float* residual) {                                                                   \
         fgemv_body<T>(reinterpret_cast<const T*>(w), M, K, x, N, y, ldy, bias, residual);                       \
     }
-// fgemv_normed_<fmt>: one vector's product whose input is RMSNorm(x) * nw, normalised by every block
-// (act.cuh norm8_row: rmsnorm8's bits) into shared memory while its weight loads are in flight
-// (NormedInput, a fgemv_body prologue); block 0 also writes rmsnorm8's
-// outputs (the 8-bit form the experts' products read next, and the rest). A block of K / 8 threads
-// in whole warps (at most FG_NORMED_THREADS: rows up to 4096 values), a warp a row: a mixture of experts' router in a decode step without the norm's
-// launch. Dynamic shared memory: 4K bytes.
-#define FG_NORMED_THREADS 512  // infer/gpu/products.py NORMED_MAX_COLS / 8
-struct NormedInput {  // fgemv_normed's prologue: RMSNorm of the row into shared memory (block 0: its outputs)
-    static constexpr bool ALL_WARPS = true;
-    static constexpr bool BEFORE_LOADS = false;
-    const float *x, *nw;
-    int K, fmt;
-    float eps;
-    Norm8Out out;
-    float* normed;
-    __device__ __forceinline__ void operator()() const {
-        float v[8], u[8];
-        load8(x, K, v);
-        norm8_row(v, nw, K, eps, fmt, out, 0, blockIdx.x == 0, u);
-        if (holds8(K)) {
-            float4* np = reinterpret_cast<float4*>(normed) + 2 * threadIdx.x;
-            np[0] = make_float4(u[0], u[1], u[2], u[3]);
-            np[1] = make_float4(u[4], u[5], u[6], u[7]);
-        }
-        __syncthreads();
-    }
-};
-#define FGEMV_NORMED(NAME, T)                                                                                   \
-    extern "C" __global__ void __launch_bounds__(FG_NORMED_THREADS)                                             \
-        fgemv_normed_##NAME(const uint8_t* w, int M, int K, const float* x, const float* nw, float eps, int fmt, \
-                            float* y8, __half* y16, float* yf, signed char* xq, float* xs, int* xsum, float* y) {   \
-        extern __shared__ __align__(16) float normed[];                                                          \
-        const NormedInput norm{x, nw, K, fmt, eps, Norm8Out{y8, y16, yf, xq, xs, xsum}, normed};                 \
-        fgemv_body<T>(reinterpret_cast<const T*>(w), M, K, normed, 1, y, M, nullptr, nullptr, norm);             \
-    }
 #if QMM_FORMAT == 0 || QMM_FORMAT == 100
-FGEMV_NORMED(f32, float)
 FGEMV(f16, __half)
 FGEMV(bf16, __nv_bfloat16)
 FGEMV(f32, float)

@@ -1,10 +1,7 @@
-"""The launches a decode step of a mixture of experts saves (infer/gpu/experts.py, fused_steps) give
-the separate launches' bits, on fresh random inputs (the seed is printed):
-- fgemv_normed (the router normalising its own input) = ops.rmsnorm then the router's product, with
-  rmsnorm's outputs written by its block 0;
-- qgemv_id_gated (the down product gating its own input) = ops.glu_round then expert_product;
-- moe_combine_norm (the combination normalising the next layer's input) = moe_combine then rmsnorm.
-Bit-identity is what lets a row get the same logits alone, batched, or as a prompt position.
+"""The launch a block of experts on the device saves (infer/gpu/experts.py, fused_steps) gives the
+separate launches' bits, on fresh random inputs (the seed is printed): moe_combine_norm (the
+combination normalising the next layer's input) = moe_combine then rmsnorm. Bit-identity is what
+lets a row get the same logits alone, batched, or as a prompt position.
 
 Run on the GPU machine:  python -m pytest -v tests/gpu/test_fused_decode.py
 (On the NumPy stand-in: PYTHONPATH=tests/gpu/numpy_cupy:. python -m pytest tests/gpu/test_fused_decode.py)
@@ -16,13 +13,10 @@ import os
 
 import numpy as np
 import pytest
-from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
-
-from infer.quants import activation_format
-from infer.synth import random_blocks
+from gguf.constants import GGMLQuantizationType
 
 cupy = pytest.importorskip("cupy")
-from infer.gpu import experts, ops, products  # noqa: E402
+from infer.gpu import experts, ops  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 T = GGMLQuantizationType
@@ -51,51 +45,6 @@ def _same_outputs(got: ops.NormOutputs, want: ops.NormOutputs) -> None:
         for name in ("xq", "xs", "xsum"):
             np.testing.assert_array_equal(cupy.asnumpy(getattr(got.int8, name)), cupy.asnumpy(getattr(want.int8, name)),
                                           err_msg=f"8-bit form: {name}")
-
-
-@pytest.mark.parametrize(("dim", "act"), [(2048, "q8_k"), (4096, "q8_k"), (896, "q8_0")])
-def test_the_normed_router_is_rmsnorm_then_its_product(rng: np.random.Generator, dim: int, act: str) -> None:
-    n_experts = 128
-    w = (rng.standard_normal((n_experts, dim)) / np.sqrt(dim)).astype(np.float32)
-    router = ops.upload_matrix(w.reshape(-1).view(np.uint8), T.F32, n_experts, dim)
-    assert products.norms_own_input(router, dim, act)
-    x = cupy.asarray((rng.standard_normal((1, dim)) * 3).astype(np.float32))
-    weight = cupy.asarray((1 + 0.1 * rng.standard_normal(dim)).astype(np.float32))
-    want_out = _outputs(1, dim, act, unrounded=True)
-    ops.rmsnorm(x, weight, 1e-6, 1, dim, y=want_out.y, act=act, int8=want_out.int8, y_unrounded=want_out.y_unrounded)
-    want = cupy.full((1, n_experts), np.nan, np.float32)
-    products.product([router], want_out.y_unrounded, want, 1)
-    got_out = _outputs(1, dim, act, unrounded=True)
-    got = cupy.full((1, n_experts), np.nan, np.float32)
-    products.normed_product(router, x, weight, 1e-6, got, got_out)
-    np.testing.assert_array_equal(cupy.asnumpy(got), cupy.asnumpy(want))
-    _same_outputs(got_out, want_out)
-
-
-@pytest.mark.parametrize("ggml_type", [T.Q8_0, T.Q4_0, T.Q5_1, T.Q4_K, T.Q5_K, T.Q6_K], ids=lambda t: T(t).name)
-@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
-def test_the_gated_down_product_is_glu_round_then_the_expert_product(rng: np.random.Generator, ggml_type: int,
-                                                                     activation: str) -> None:
-    n_experts, rows, width, pairs = 6, 64, 768, 9
-    block, _ = GGML_QUANT_SIZES[T(ggml_type)]
-    stack = random_blocks(ggml_type, n_experts * rows * width // block, rng, 1.0 / np.sqrt(width))
-    down = ops.upload_stacked([(stack.reshape(-1), n_experts * rows)], ggml_type, width)
-    assert products.gates_own_input(down)
-    gu = cupy.asarray((rng.standard_normal((pairs, 2 * width)) * rng.choice([0.1, 1.0, 8.0], (pairs, 1)))
-                      .astype(np.float32))
-    ids = rng.integers(0, n_experts, pairs).astype(np.int32)
-    ids[4] = -1  # a null row's pair: left as it is
-    ids = cupy.asarray(ids)
-    act = activation_format(ggml_type)
-    ff = ops.Int8Act.zeros(pairs, width, act)
-    ops.glu_round(gu, width, pairs, act, int8=ff, y=cupy.zeros((pairs, width), np.float32), activation=activation)
-    want = cupy.full((pairs, rows), np.nan, np.float32)
-    products.expert_product([down], n_experts, ff, ids, pairs, 1, want, rows)
-    got = cupy.full((pairs, rows), np.nan, np.float32)
-    products.gated_expert_product(down, n_experts, gu, ids, pairs, got, rows, activation)
-    g = cupy.asnumpy(got)
-    assert np.isnan(g[4]).all()
-    np.testing.assert_array_equal(g, cupy.asnumpy(want))
 
 
 @pytest.mark.parametrize(("dim", "act"), [(2048, "q8_k"), (896, "q8_0")])

@@ -188,24 +188,6 @@ class RawKernel:
             lay = layout.plane_layout(fmt, r_, c_)
             for p, o, s in zip((qs, hi, sm, dm), lay.offsets, lay.sizes):
                 if s: _arr(p, np.uint8, s)[:] = planar[o:o+s]
-        elif n.startswith("qgemv_id_gated_"):  # glu_round of each pair's gate/up row, then qgemv_id
-            fmt = n[len("qgemv_id_gated_"):]
-            planes = args[:12]
-            e0, e1, M, K, gu, gelu, ids, y, ldy = args[12:]
-            pairs, K = int(grid[1]), int(K)
-            act = "q8_k" if fmt in layout.K_FORMATS else "q8_0"
-            xq = np.zeros(pairs * K, np.int8); xs8 = np.zeros(pairs * K // 32, np.float32); xsum = np.zeros(pairs * K // 32, np.int32)
-            p8 = tuple(np.uint64(a.ctypes.data) for a in (xq, xs8, xsum))
-            RawKernel("glu_round")._run((1, pairs), None, (gu, np.int32(K), 0, 0, np.int32(ACTS.index(act)), *p8, gelu))
-            RawKernel(f"qgemv_id_{fmt}")._run(grid, None, (*planes, e0, e1, M, K, *p8, ids, np.int32(1), y, ldy))
-        elif n.startswith("fgemv_normed_"):  # rmsnorm8 of the one row (block 0's outputs), then fgemv
-            w, M, K, x, nw, eps, act, y8, y16, yf, xq, xs8, xsum, y = args
-            K = int(K)
-            from infer.model import rms_norm
-            v = rms_norm(_arr(x, np.float32, K).reshape(1, K).copy(), _arr(nw, np.float32, K).copy(), float(eps), exact=True)
-            v = np.ascontiguousarray(v, np.float32)
-            RawKernel("rmsnorm8")._run((1,), None, (x, nw, y8, y16, np.int32(K), eps, act, xq, xs8, xsum, 0, yf))
-            RawKernel(f"fgemv_{n[len('fgemv_normed_'):]}")._run((1, 1), None, (w, M, np.int32(K), np.uint64(v.ctypes.data), np.int32(1), y, M, 0, 0))
         elif n == "moe_combine_norm":  # moe_combine, then rmsnorm8 of the rows
             outs, ids, w, k, dim, slot, shared, gate, x, nw, eps, act, y, y16, yf, xq, xs8, xsum = args
             rows = int(grid[0])
