@@ -167,7 +167,7 @@ def norm_fits_one_pass(n: int, act: str) -> bool:
 class NormOutputs:
     """Where rmsnorm8 (ops.cu; act.cuh norm8_row) writes a normalised row: y the values rounded to
     activation format `act`, int8 its 8-bit form, y16 / y_unrounded the values before rounding (float16,
-    float32); any may be None. The kernels that normalise their own input write the same."""
+    float32); any may be None. moe.cu's moe_combine_norm writes the same."""
 
     act: str
     y: cupy.ndarray | None = None

@@ -21,14 +21,7 @@ import numpy as np
 
 from infer.gpu import kernels
 from infer.gpu.layout import FLOAT_FORMATS, K_FORMATS
-from infer.gpu.ops import (
-    NULL,
-    GpuMatrix,
-    Int8Act,
-    device_ptr,
-    grid_blocks,
-    with_shared,
-)
+from infer.gpu.ops import NULL, GpuMatrix, Int8Act, device_ptr, grid_blocks, with_shared
 
 QGEMV_MAX = 4  # qgemv_*_v4: products of up to this many rows use the GEMV-shaped kernels
 Input = Int8Act | cupy.ndarray  # the 8-bit form for quantized weights, float32 rows for float ones
@@ -238,11 +231,6 @@ def _expert_parts(parts: list[GpuMatrix], n_experts: int, x: Input) -> tuple[int
     m0 = parts[0]
     if m0.fmt in FLOAT_FORMATS or not isinstance(x, Int8Act) or x.act != m0.act:
         raise ValueError(f"experts in {m0.fmt} take the {m0.act} 8-bit form of their input on the GPU")
-    return _expert_planes(parts, n_experts)
-
-
-def _expert_planes(parts: list[GpuMatrix], n_experts: int) -> tuple[int, tuple]:
-    """(rows an expert, PARTS_ARGS for one expert's rows) of stacks of n_experts experts."""
     per_expert = [p.rows // n_experts for p in parts]
     rows = sum(per_expert)
     ends = [*np.cumsum(per_expert).tolist(), rows, rows]

@@ -1,5 +1,5 @@
-// Reductions (shared by ops.cu, attention.cu and moe.cu) and the rounding of activations to the formats llama.cpp
-// feeds its matrix products (float16, bfloat16, and the 8-bit q8_0 / q8_k blocks with their integer
+// Reductions (shared by ops.cu, attention.cu and moe.cu) and the rounding of activations to the
+// formats llama.cpp feeds its matrix products (float16, bfloat16, and the 8-bit q8_0 / q8_k blocks with their integer
 // form for the dp4a GEMVs), used by ops.cu's RMSNorm, activation rounding and attention output.
 #pragma once
 #include "formats.cuh"
@@ -256,15 +256,14 @@ struct Norm8Out {
 };
 
 // RMSNorm of the row in v (this thread's 8 values): v / sqrt(mean(v^2) + eps) * w, the sum of
-// squares in an order fixed by n (each thread's fused multiply-adds, then block_sum). `unrounded`
-// gets this thread's normalised values; with `store` they go to the outputs as rmsnorm8 writes them
-// (rounded to `fmt` into y, its 8-bit form). Every thread of the block calls it (a block-wide sum
-// and shuffles), so rmsnorm8 and the kernels that normalise a row in their first step (moe.cu
-// moe_combine_norm) give the same bits.
+// squares in an order fixed by n (each thread's fused multiply-adds, then block_sum), into the
+// outputs of row `row` (rounded to `fmt` into y, its 8-bit form, the values before rounding). Every
+// thread of the block calls it (a block-wide sum and shuffles), so rmsnorm8 and moe.cu's
+// moe_combine_norm give the same bits.
 __device__ __forceinline__ void norm8_row(float (&v)[8], const float* w, int n, float eps, int fmt, Norm8Out o,
-                                          long long row, bool store, float (&unrounded)[8]) {
+                                          long long row) {
     const int t = threadIdx.x, lane = t & 31;
-    const bool inside = holds8(n);
+    const bool store = holds8(n);
     float wv[8];
     load8(w, n, wv);  // before the reduction
     float ss = 0.f;
@@ -273,11 +272,7 @@ __device__ __forceinline__ void norm8_row(float (&v)[8], const float* w, int n, 
     ss = block_sum(ss);
     const float s = sqrtf(__fadd_rn(__fdiv_rn(ss, (float)n), eps));
 #pragma unroll
-    for (int k = 0; k < 8; ++k) {
-        v[k] = __fmul_rn(__fdiv_rn(v[k], s), wv[k]);
-        unrounded[k] = v[k];
-    }
-    store = store && inside;
+    for (int k = 0; k < 8; ++k) v[k] = __fmul_rn(__fdiv_rn(v[k], s), wv[k]);
     if (o.y16 && store) {  // before rounding: the prompt products' float16 input
         uint4 h;
         h.x = half2_bits(v[0], v[1]), h.y = half2_bits(v[2], v[3]), h.z = half2_bits(v[4], v[5]);

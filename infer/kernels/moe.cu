@@ -229,7 +229,7 @@ extern "C" __global__ void __launch_bounds__(1024)
                      float* y, __half* y16, float* yf, signed char* xq, float* xs, int* xsum) {
     const long long r = blockIdx.x;
     float* xr = x + r * dim;
-    float v[8], unrounded[8];
+    float v[8];
     load8(xr, dim, v);
     if (ids[r * k] >= 0 && holds8(dim)) {  // a null row is left as it is
         const float* w = weights + r * k;
@@ -261,5 +261,5 @@ extern "C" __global__ void __launch_bounds__(1024)
         xp[0] = make_float4(v[0], v[1], v[2], v[3]);
         xp[1] = make_float4(v[4], v[5], v[6], v[7]);
     }
-    norm8_row(v, norm_w, dim, eps, fmt, Norm8Out{y, y16, yf, xq, xs, xsum}, r, true, unrounded);
+    norm8_row(v, norm_w, dim, eps, fmt, Norm8Out{y, y16, yf, xq, xs, xsum}, r);
 }

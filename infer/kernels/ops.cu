@@ -42,9 +42,9 @@ extern "C" __global__ void __launch_bounds__(1024)
     rmsnorm8(const float* x, const float* w, float* y, __half* y16, int n, float eps, int fmt, signed char* xq,
              float* xs, int* xsum, const int* src_rows, float* yf) {
     const long long row = blockIdx.x;
-    float v[8], unrounded[8];
+    float v[8];
     load8(x + (src_rows ? (long long)src_rows[row] : row) * n, n, v);
-    norm8_row(v, w, n, eps, fmt, Norm8Out{y, y16, yf, xq, xs, xsum}, row, true, unrounded);
+    norm8_row(v, w, n, eps, fmt, Norm8Out{y, y16, yf, xq, xs, xsum}, row);
 }
 
 // y (and/or y16) = x rounded to activation format `fmt`; grid (pieces of a row, rows of n); y may
