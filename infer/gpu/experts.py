@@ -296,8 +296,7 @@ class GpuExperts:
         shared = gate = None
         if self.shared is not None:
             shared, gate = self.run_shared(B, xs, n)
-        norm = next_norm if fused_steps() and next_norm is not None and ops.norm_fits_one_pass(d, next_norm.outputs.act) \
-            else None
+        norm = next_norm if fused_steps() else None  # (Inputs.norm_outputs: only a norm one launch takes)
         combine(self.outs, self.ids, self.weights, k, d, n, shared, gate, x, self.slot if nt else None, norm=norm)
         return norm is not None
 

@@ -191,13 +191,9 @@ extern "C" __global__ void moe_gather8(const signed char* xq, const float* xs, c
     for (int i = threadIdx.x; i < ns; i += blockDim.x) osum[(long long)pos * ns + i] = xsum[src * ns + i];
 }
 
-// The weighted sum of moe_combine for value c of row r (the same operations in the same order).
-__device__ __forceinline__ float combined(const float* outs, const int* slot, const float* w, const float* shared,
-                                          float scale, long long r, int k, int dim, int c) {
-    auto out = [&](int j) { return outs[(slot ? (long long)slot[r * k + j] : r * k + j) * dim + c]; };
-    float t = __fmul_rn(out(0), w[0]);
-    for (int j = 1; j < k; ++j) t = __fadd_rn(t, __fmul_rn(out(j), w[j]));
-    return shared ? __fadd_rn(t, __fmul_rn(shared[r * dim + c], scale)) : t;
+// qwen2moe's shared expert's factor silu(g) / g for its gate value g (infer/moe.py SharedExpert.scale)
+__device__ __forceinline__ float shared_expert_scale(float g) {
+    return __fdiv_rn(__fdiv_rn(g, __fadd_rn(1.f, expf(-g))), g);
 }
 
 // x[r] += sum_j weights[r, j] * outs[r * k + j] over the k slots in order (each product in float32,
@@ -211,12 +207,12 @@ extern "C" __global__ void moe_combine(const float* outs, const int* ids, const 
     const int c = blockIdx.x * blockDim.x + threadIdx.x;
     if (c >= dim || ids[r * k] < 0) return;
     const float* w = weights + r * k;
-    float scale = 0.f;
+    auto out = [&](int j) { return outs[(slot ? (long long)slot[r * k + j] : r * k + j) * dim + c]; };
+    float t = __fmul_rn(out(0), w[0]);
+    for (int j = 1; j < k; ++j) t = __fadd_rn(t, __fmul_rn(out(j), w[j]));
     if (shared) {
-        const float g = gate[r];
-        scale = __fdiv_rn(__fdiv_rn(g, __fadd_rn(1.f, expf(-g))), g);
+        t = __fadd_rn(t, __fmul_rn(shared[r * dim + c], shared_expert_scale(gate[r])));
     }
-    const float t = combined(outs, slot, w, shared, scale, r, k, dim, c);
     x[r * dim + c] = __fadd_rn(x[r * dim + c], t);
 }
 
@@ -233,25 +229,17 @@ extern "C" __global__ void __launch_bounds__(1024)
     load8(xr, dim, v);
     if (ids[r * k] >= 0 && holds8(dim)) {  // a null row is left as it is
         const float* w = weights + r * k;
-        float scale = 0.f;
-        if (shared) {
-            const float g = gate[r];
-            scale = __fdiv_rn(__fdiv_rn(g, __fadd_rn(1.f, expf(-g))), g);
-        }
-        // combined()'s operations for 8 consecutive values at once, slot after slot
-        const long long c0 = 8 * threadIdx.x;
+        // moe_combine's operations for 8 consecutive values at once, slot after slot
         float t[8], o[8];
         for (int j = 0; j < k; ++j) {
-            const float4* op = reinterpret_cast<const float4*>(
-                outs + (slot ? (long long)slot[r * k + j] : r * k + j) * dim + c0);
-            const float4 o0 = op[0], o1 = op[1];
-            o[0] = o0.x, o[1] = o0.y, o[2] = o0.z, o[3] = o0.w, o[4] = o1.x, o[5] = o1.y, o[6] = o1.z, o[7] = o1.w;
+            load8(outs + (slot ? (long long)slot[r * k + j] : r * k + j) * dim, dim, o);
 #pragma unroll
             for (int i = 0; i < 8; ++i) t[i] = j ? __fadd_rn(t[i], __fmul_rn(o[i], w[j])) : __fmul_rn(o[i], w[j]);
         }
         if (shared) {
             float sh[8];
             load8(shared + r * dim, dim, sh);
+            const float scale = shared_expert_scale(gate[r]);
 #pragma unroll
             for (int i = 0; i < 8; ++i) t[i] = __fadd_rn(t[i], __fmul_rn(sh[i], scale));
         }
