@@ -5,43 +5,78 @@
  * quarter of its decode step (2026-12-05, the 2-core machine: ~63 us a layer beside ~190 us of
  * products); here the layers cost their products and arithmetic.
  *
- * Also the SwiGLU of the packed path (qdot_swiglu), which the batched recipe calls too: its exp is
- * exp_softmax's polynomial over the full range, not NumPy's, so both recipes form the same bits.
+ * Also the SwiGLU of the packed path (qdot_swiglu), which the batched recipe calls too: its exp is a
+ * fixed polynomial in double, not NumPy's, so both recipes form the same bits.
  */
 #include "cpu_qdot_common.h"
 
-/* exp(x) to within ~1 ulp for x <= 88 (exp_poly, cpu_qdot_common.h; 88 and above give exp(88),
- * finite; below -87, 0). NaN stays NaN. */
-static inline float exp_full(float x)
+/* SwiGLU in double, rounded to float once at the end: a float formula rounds four times (exp ~1 ulp,
+ * the add, the divide, the multiply) and reached 3 ulps near the top of a binade; this is within
+ * ~0.5 ulp. exp(x) for x clamped to [-708, 709]: k = round(x / ln 2), r = x - k ln 2 (ln 2 in two
+ * parts, |r| <= 0.35), a degree-10 Taylor polynomial (relative error < 1e-13), times 2^k from the
+ * exponent bits. Only + - * /, no FMA (-ffp-contract=off), so the scalar and AVX2 code give the same
+ * bits. A NaN gate gives NaN through the divide, whatever the exp gives. */
+#define EXP_D_ROUND 6755399441055744.0  /* 1.5 * 2^52: adding it rounds to an integer in the low bits */
+#define LN2_HI 6.93145751953125E-1
+#define LN2_LO 1.42860682030941723212E-6
+#define LOG2E 1.4426950408889634
+static const double exp_taylor[11] = {1.0 / 3628800, 1.0 / 362880, 1.0 / 40320, 1.0 / 5040, 1.0 / 720,
+                                      1.0 / 120, 1.0 / 24, 1.0 / 6, 0.5, 1.0, 1.0};
+
+static inline double exp_d(double x)
 {
-    if (x != x)
-        return x;
-    if (!(x >= -87.0f))
-        return 0.0f;
-    return exp_poly(x > 88.0f ? 88.0f : x);
+    x = x > 709.0 ? 709.0 : x < -708.0 ? -708.0 : x;
+    double k = (x * LOG2E + EXP_D_ROUND) - EXP_D_ROUND;
+    double r = (x - k * LN2_HI) - k * LN2_LO;
+    double p = exp_taylor[0];
+    for (int i = 1; i < 11; i++)
+        p = p * r + exp_taylor[i];
+    uint64_t scale = (uint64_t)((int64_t)k + 1023) << 52;
+    double s;
+    memcpy(&s, &scale, sizeof s);
+    return p * s;
 }
 
-static inline float silu_times(float g, float u) { return g / (1.0f + exp_full(-g)) * u; }
+static inline float silu_times(float g, float u)
+{
+    if (g != g)
+        return g;
+    double gd = g;
+    return (float)(gd / (1.0 + exp_d(-gd)) * (double)u);
+}
 
 #ifdef QDOT_X86
-/* exp_full on eight lanes, operation for operation. */
-AVX2_INLINE __m256 exp_full8(__m256 x)
+/* exp_d on four lanes, operation for operation (NaN lanes give garbage: the divide makes them NaN). */
+AVX2_INLINE __m256d exp_d4(__m256d x)
 {
-    __m256 nan = _mm256_cmp_ps(x, x, _CMP_UNORD_Q);
-    __m256 keep = _mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_GE_OQ);
-    x = _mm256_min_ps(x, _mm256_set1_ps(88.0f));
-    return _mm256_blendv_ps(_mm256_and_ps(exp_poly8(x), keep), x, nan);  /* min_ps passed the NaN through to x */
+    x = _mm256_min_pd(_mm256_max_pd(x, _mm256_set1_pd(-708.0)), _mm256_set1_pd(709.0));
+    __m256d round = _mm256_set1_pd(EXP_D_ROUND);
+    __m256d t = _mm256_add_pd(_mm256_mul_pd(x, _mm256_set1_pd(LOG2E)), round);
+    __m256d k = _mm256_sub_pd(t, round);
+    __m256d r = _mm256_sub_pd(_mm256_sub_pd(x, _mm256_mul_pd(k, _mm256_set1_pd(LN2_HI))),
+                              _mm256_mul_pd(k, _mm256_set1_pd(LN2_LO)));
+    __m256d p = _mm256_set1_pd(exp_taylor[0]);
+    for (int i = 1; i < 11; i++)
+        p = _mm256_add_pd(_mm256_mul_pd(p, r), _mm256_set1_pd(exp_taylor[i]));
+    /* k as an integer: t's low mantissa bits hold it, offset by the rounding constant's */
+    __m256i ki = _mm256_sub_epi64(_mm256_castpd_si256(t), _mm256_castpd_si256(round));
+    __m256i scale = _mm256_slli_epi64(_mm256_add_epi64(ki, _mm256_set1_epi64x(1023)), 52);
+    return _mm256_mul_pd(p, _mm256_castsi256_pd(scale));
+}
+
+AVX2_INLINE __m128 silu_times4(__m128 g, __m128 u)
+{
+    __m256d gd = _mm256_cvtps_pd(g);
+    __m256d e = exp_d4(_mm256_sub_pd(_mm256_setzero_pd(), gd));
+    __m256d s = _mm256_div_pd(gd, _mm256_add_pd(_mm256_set1_pd(1.0), e));
+    return _mm256_cvtpd_ps(_mm256_mul_pd(s, _mm256_cvtps_pd(u)));
 }
 
 AVX2 static void swiglu_avx2(const float *g, const float *u, size_t n, float *out)
 {
     size_t i = 0;
-    for (; i + 8 <= n; i += 8) {
-        __m256 vg = _mm256_loadu_ps(g + i);
-        __m256 e = exp_full8(_mm256_sub_ps(_mm256_setzero_ps(), vg));
-        _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_div_ps(vg, _mm256_add_ps(_mm256_set1_ps(1.0f), e)),
-                                                _mm256_loadu_ps(u + i)));
-    }
+    for (; i + 4 <= n; i += 4)
+        _mm_storeu_ps(out + i, silu_times4(_mm_loadu_ps(g + i), _mm_loadu_ps(u + i)));
     for (; i < n; i++)
         out[i] = silu_times(g[i], u[i]);
 }

@@ -93,8 +93,8 @@ int qdot_attention(const struct qdot_attn_shape *shape, const float *q, int n_to
 /* y[i] = the softmax's exp of x[i] <= 0 (cpu_layers.c's polynomial, within ~1 ulp; 0 below -87). */
 void qdot_exp_softmax(const float *x, float *y, size_t n);
 
-/* The decode step (cpu_decode.c). out[i] = silu(gate[i]) * up[i]: g / (1 + exp(-g)) * u in float32,
- * exp by a fixed polynomial (the same bits in the AVX2 and the portable code). */
+/* The decode step (cpu_decode.c). out[i] = silu(gate[i]) * up[i]: g / (1 + exp(-g)) * u in double,
+ * rounded to float32 once, exp by a fixed polynomial (the same bits in the AVX2 and the portable code). */
 void qdot_swiglu(const float *gate, const float *up, size_t n, float *out);
 /* A fused product's matrices, as matmul_q_parts takes them. */
 struct qdot_product {

@@ -173,7 +173,7 @@ static inline float weight_to_f32(int type, const uint8_t *row, int i)
 
 /* Cephes' expf core for x in [-87, 88], within ~1 ulp: range reduction by ln 2 in two parts, a
  * degree-6 polynomial, times 2^k; float operations only, so every compiler and vector width gets the
- * same bits (exp_poly8). The softmax's and SwiGLU's exps (cpu_layers.c, cpu_decode.c) clamp around it. */
+ * same bits (exp_poly8). The softmax's exp (cpu_layers.c) clamps around it. */
 static inline float exp_poly(float x)
 {
     float k = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  /* round to nearest: 1.5 * 2^23 */
