@@ -214,7 +214,10 @@ def measure(gpu, pp: int = 512, tg: int = 128, with_kernels: bool = True, batch:
     instructions of a pass's kernels; product timings with `with_kernels` (resident models)."""
     import cupy
 
-    result: dict[str, object] = {"device": cupy.cuda.runtime.getDeviceProperties(0)["name"].decode()}
+    from infer.gpu import pdl
+
+    result: dict[str, object] = {"device": cupy.cuda.runtime.getDeviceProperties(0)["name"].decode(),
+                                 "programmatic_launch": pdl.available()}  # replayed passes' kernels wait on the GPU
     copy = copy_bandwidth(budget=gpu.account.budget if gpu.account is not None else None)
     result["copy_GBps"] = round(copy, 1) if copy else None
     a, stream = gpu.args, gpu.stream

@@ -7,6 +7,8 @@ from collections.abc import Callable, Hashable
 
 import cupy
 
+from infer.gpu import pdl
+
 
 class GraphCache:
     """Graphs by key on one stream. A graph is captured again when the addresses it was captured
@@ -26,7 +28,8 @@ class GraphCache:
         if kept is None or kept[1] != addresses:
             self.stream.begin_capture()
             try:
-                launches()
+                with pdl.capturing():  # the pass's kernels wait for their predecessor on the GPU
+                    launches()
             finally:
                 graph = self.stream.end_capture()
             kept = self._graphs[key] = (graph, addresses)

@@ -11,6 +11,8 @@ import re
 from functools import cache
 from pathlib import Path
 
+from infer.gpu import pdl
+
 KERNEL_DIR = Path(__file__).resolve().parent.parent / "kernels"
 SOURCES = ("qmm", "pmm", "dequant", "repack", "ops", "attention", "prompt_attention", "moe")
 # QG_WARPS / QG_UNROLL: the small-N product kernels' rows per block and loads in flight (qmm.cu).
@@ -90,4 +92,5 @@ def function(module_name: str, kernel: str, defines: dict[str, int] | None = Non
     """One kernel of a module (cupy.RawKernel-like: call with (grid, block, args))."""
     if _recording:
         _recording[0].add((module_name, kernel, tuple(sorted((defines or {}).items()))))
-    return module(module_name, defines).get_function(kernel)
+    found = module(module_name, defines).get_function(kernel)
+    return pdl.Kernel(found) if pdl.ready(module_name, kernel) else found

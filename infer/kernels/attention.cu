@@ -22,6 +22,7 @@
 #include "formats.cuh"
 #include "act.cuh"
 #include "async.cuh"
+#include "pdl.cuh"
 
 #define ATTN_CHUNK 32         // positions per chunk (one per lane of the warp that holds it)
 #define ATTN_BLOCK_CHUNKS 4   // chunks per attn_chunks block (one per warp)
@@ -74,6 +75,7 @@ extern "C" __global__ void rope_rows(float* qkv, int W, const float* cos_t, cons
                                      const int* slot, const unsigned long long* kptr,
                                      const unsigned long long* vptr, const int* cap, const float* q_norm,
                                      const float* k_norm, float eps) {
+    pdl_enter();
     const int r = blockIdx.x, h = blockIdx.y;
     const int p = pos[r];
     const float* c = cos_t + (long long)p * n_pairs;
@@ -442,6 +444,7 @@ __device__ __forceinline__ bool attn_chunks_body(const float* qkv, int W, int n_
              const int* pos, const int* base, const int* anc_off, const int* anc,                             \
              const unsigned long long* kptr, const unsigned long long* vptr, const int* cap, float* work,     \
              int nb, int n_rows, int group) {                                                                 \
+        pdl_enter();                                                                                         \
         const Rows R{pos, nullptr, base, anc_off, anc, kptr, vptr, cap};                                     \
         for (int blk = blockIdx.y; blk < nb; blk += gridDim.y)                                               \
             if (!attn_chunks_body<D, S>(qkv, W, n_heads, n_kv_heads, scale, window, layer, R, work, nb,       \
@@ -467,6 +470,7 @@ ATTN_CHUNKS(attn_chunks_s8_d256, 256, 8)
 extern "C" __global__ void __launch_bounds__(256)
     attn_merge(const float* work, int nb, int n_heads, int D, const int* pos, int window, float* out, __half* out16,
                int fmt, signed char* xq, float* xs, int* xsum) {
+    pdl_enter();
     const int r = blockIdx.x, chunk = blockDim.x;
     // the blocks from the first that holds a position of the row's window to the one of its position
     const int b0 = window > 0 ? max(0, pos[r] - window + 1) / (ATTN_CHUNK * ATTN_BLOCK_CHUNKS) : 0;

@@ -1,6 +1,7 @@
 // Planar weights -> plain numbers: whole matrices to float16 for the batched (cuBLAS) prompt path,
 // and selected rows to float32 for the token embedding lookup. One thread per 32-weight sub-block.
 #include "formats.cuh"
+#include "pdl.cuh"
 
 template <class F>
 __device__ __forceinline__ void dequant_matrix(Planes p, long long n_sb, __half* out) {
@@ -64,6 +65,7 @@ __device__ __forceinline__ void to_half(const T* w, long long n, __half* out) {
     extern "C" __global__ void embed_##NAME(const uint8_t* qs, const uint8_t* hi, const uint8_t* sm,        \
                                             const uint8_t* dm, int rows, int K, const int* ids, int n,      \
                                             float* out, float scale) {                                      \
+        pdl_enter();                                                                                        \
         embed_rows<F>(Planes{qs, hi, sm, dm}, rows, K, ids, n, out, scale);                                 \
     }
 
@@ -75,6 +77,7 @@ __device__ __forceinline__ void to_half(const T* w, long long n, __half* out) {
     extern "C" __global__ void embed_##NAME(const uint8_t* qs, const uint8_t* hi, const uint8_t* sm,        \
                                             const uint8_t* dm, int rows, int K, const int* ids, int n,      \
                                             float* out, float scale) {                                      \
+        pdl_enter();                                                                                        \
         embed_rows_float<T>(reinterpret_cast<const T*>(qs), rows, K, ids, n, out, scale);                   \
     }
 

@@ -9,6 +9,7 @@
 //   moe_combine_norm  the same, then the next layer's input RMSNorm of x (ops.cu rmsnorm8's outputs)
 #include "formats.cuh"
 #include "act.cuh"
+#include "pdl.cuh"
 
 #define WEIGHTS_SUM_FLOOR 6.103515625e-5f  // infer/moe.py: float16's smallest normal
 
@@ -56,6 +57,7 @@ __device__ __forceinline__ bool ranks_before(float pa, int ea, float pb, int eb)
 #define ROUTE_THREADS 128
 extern "C" __global__ void __launch_bounds__(ROUTE_THREADS)
     moe_route(const float* logits, int n, int E, int k, int normalize, const int* live, int* ids, float* weights) {
+    pdl_enter();
     extern __shared__ float route_probs[];
     float* p = route_probs;
     float* pick_p = p + E;
@@ -126,6 +128,7 @@ extern "C" __global__ void __launch_bounds__(ROUTE_THREADS)
 // not depend on where it sits (canonical sums), so nothing downstream depends on that order.
 extern "C" __global__ void moe_group(const int* ids, int pairs, int E, int bn, int* starts, int* tiles, int* order,
                                      int* slot) {
+    pdl_enter();
     extern __shared__ int group_counts[];  // counts, then each expert's next free position
     int* fill = group_counts + E;
     const int tid = threadIdx.x, lane = tid & 31;
@@ -180,6 +183,7 @@ extern "C" __global__ void moe_group(const int* ids, int pairs, int E, int bn, i
 extern "C" __global__ void moe_gather8(const signed char* xq, const float* xs, const int* xsum, int K, int group,
                                        const int* order, const int* count, int xdiv, signed char* oq, float* os,
                                        int* osum) {
+    pdl_enter();
     const int pos = blockIdx.x;
     if (pos >= *count) return;
     const long long src = order[pos] / xdiv;
@@ -203,6 +207,7 @@ __device__ __forceinline__ float shared_expert_scale(float g) {
 // rows), 256 threads. A null row (ids -1, moe_route) is left as it is, as the CPU leaves it.
 extern "C" __global__ void moe_combine(const float* outs, const int* ids, const float* weights, int k, int dim,
                                        const int* slot, const float* shared, const float* gate, float* x) {
+    pdl_enter();
     const long long r = blockIdx.y;
     const int c = blockIdx.x * blockDim.x + threadIdx.x;
     if (c >= dim || ids[r * k] < 0) return;
@@ -223,6 +228,7 @@ extern "C" __global__ void __launch_bounds__(1024)
     moe_combine_norm(const float* outs, const int* ids, const float* weights, int k, int dim, const int* slot,
                      const float* shared, const float* gate, float* x, const float* norm_w, float eps, int fmt,
                      float* y, __half* y16, float* yf, signed char* xq, float* xs, int* xsum) {
+    pdl_enter();
     const long long r = blockIdx.x;
     float* xr = x + r * dim;
     float v[8];

@@ -4,6 +4,7 @@
 // a row gets the same bits in any pass. (Rotary embedding, the KV cache and attention: attention.cu.)
 #include "formats.cuh"
 #include "act.cuh"
+#include "pdl.cuh"
 
 // y = x / sqrt(mean(x^2) + eps) * w, one block per row, then rounded to activation format `fmt`.
 // The sum of squares in float32 in an order fixed by n alone (each thread's values in order, then
@@ -11,6 +12,7 @@
 // 8-bit form) and/or float16 (y16: the values before that rounding, the prompt products' input)
 extern "C" __global__ void rmsnorm(const float* x, const float* w, float* y, __half* y16, int n, float eps,
                                    int fmt, signed char* xq, float* xs, int* xsum, const int* src_rows) {
+    pdl_enter();
     const long long row = blockIdx.x;
     const float* xr = x + (src_rows ? (long long)src_rows[row] : row) * n;
     float ss = 0.f;
@@ -41,6 +43,7 @@ extern "C" __global__ void rmsnorm(const float* x, const float* w, float* y, __h
 extern "C" __global__ void __launch_bounds__(1024)
     rmsnorm8(const float* x, const float* w, float* y, __half* y16, int n, float eps, int fmt, signed char* xq,
              float* xs, int* xsum, const int* src_rows, float* yf) {
+    pdl_enter();
     const long long row = blockIdx.x;
     float v[8];
     load8(x + (src_rows ? (long long)src_rows[row] : row) * n, n, v);
@@ -52,6 +55,7 @@ extern "C" __global__ void __launch_bounds__(1024)
 // for an 8B FFN's 14336 values, docs/GPU.md), a warp per 8-bit group, no copy before rounding.
 extern "C" __global__ void round_act(const float* x, float* y, __half* y16, int n, int fmt, signed char* xq,
                                      float* xs, int* xsum) {
+    pdl_enter();
     const long long row = blockIdx.y;
     const float* xr = x + row * n;
     float* yr = y + row * n;
@@ -86,6 +90,7 @@ __device__ __forceinline__ float glu(float g, float u, int gelu) { return gelu ?
 // x[row] += RMSNorm(t[row]) * w, one block per row (Gemma's post-attention and post-FFN norms: the
 // block's output normalised before the residual add); the sum of squares as rmsnorm's.
 extern "C" __global__ void norm_add(const float* t, const float* w, float* x, int n, float eps) {
+    pdl_enter();
     const long long row = blockIdx.x;
     const float* tr = t + row * n;
     float ss = 0.f;
@@ -103,6 +108,7 @@ extern "C" __global__ void norm_add(const float* t, const float* w, float* x, in
 // (q8_0: 32 values, q8_k: 256), 1024 values a block for the float formats.
 extern "C" __global__ void glu_round(const float* gu, int n, float* y, __half* y16, int fmt, signed char* xq,
                                      float* xs, int* xsum, int gelu) {
+    pdl_enter();
     const long long row = blockIdx.y;
     const float* gr = gu + row * 2 * n;
     const float* ur = gr + n;
@@ -194,6 +200,7 @@ __device__ __forceinline__ void block_best(float& bv, int& bi) {
 extern "C" __global__ void __launch_bounds__(1024)
     sample_rows(const float* logits, int vocab, const int* out_rows, const float* temps, const unsigned int* seeds,
                 int* tok, int* pos, int* slot, int* base, const unsigned long long* hist, int advance) {
+    pdl_enter();
     const float* row = logits + (size_t)blockIdx.x * vocab;
     const int r = out_rows[blockIdx.x];
     const int p = pos[r];
@@ -243,6 +250,7 @@ extern "C" __global__ void __launch_bounds__(1024)
 // token tree reads these few numbers instead of copying each visited row of the vocabulary.
 extern "C" __global__ void __launch_bounds__(1024)
     argmax_rows(const float* logits, int vocab, int* ids, float* maxima, int* nonfinite) {
+    pdl_enter();
     __shared__ float best_v[32];
     __shared__ int best_i[32];
     __shared__ int bad_n[32];

@@ -20,6 +20,7 @@
 #include "formats.cuh"
 #include "canon.cuh"
 #include "async.cuh"
+#include "pdl.cuh"
 
 #ifndef QG_WARPS
 #define QG_WARPS 4  // weight rows (warps) per qgemv block
@@ -243,6 +244,7 @@ __device__ __forceinline__ int expert_tile(const int* tiles, int E, int g, int& 
 // y = the groups' sums of a split product, added in order, + bias + residual (grid: N*M / 256)
 extern "C" __global__ void qmm_combine(const float* partial, int groups, int M, int N, float* y, int ldy,
                                        const float* bias, const float* residual) {
+    pdl_enter();
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (long long)N * M) return;
     const int tok = (int)(i / M), row = (int)(i % M);
@@ -332,6 +334,7 @@ __device__ __forceinline__ void fgemv_body(const T* w, int M, int K, const float
 
 #define QGEMV(NAME, KIND, NV)                                                                                   \
     extern "C" __global__ void __launch_bounds__(QG_WARPS * 32) qgemv_##NAME##_v##NV(PARTS_ARGS, PRODUCT_ARGS) { \
+        pdl_enter();                                                                                            \
         qgemv_body<KIND, NV>(PARTS_OF, M, K, Act8{xq, xs, xsum}, N, y, ldy, bias, residual, blockIdx.y * NV, 0); \
     }
 // qgemv_id_<fmt>: routed experts (a mixture of experts' rows). Each part is a stack of experts of
@@ -343,6 +346,7 @@ __device__ __forceinline__ void fgemv_body(const T* w, int M, int K, const float
     extern "C" __global__ void __launch_bounds__(QG_WARPS * 32)                                                 \
         qgemv_id_##NAME(PARTS_ARGS, int M, int K, const signed char* xq, const float* xs, const int* xsum,      \
                         const int* ids, int xdiv, float* y, int ldy) {                                          \
+        pdl_enter();                                                                                            \
         const int pair = blockIdx.y, expert = __ldg(ids + pair), xrow = pair / xdiv;                            \
         if (expert < 0) return;                                                                                  \
         const Act8 x{xq + (long long)xrow * K, xs + (long long)xrow * (K >> Q<KIND>::XS_SHIFT),                  \
@@ -351,6 +355,7 @@ __device__ __forceinline__ void fgemv_body(const T* w, int M, int K, const float
     }
 #define QMM(NAME, KIND, NT)                                                                                     \
     extern "C" __global__ void __launch_bounds__(MMQ_THREADS, MMQ_MIN_BLOCKS) qmm_##NAME##_n##NT(PARTS_ARGS, PRODUCT_ARGS) {    \
+        pdl_enter();                                                                                            \
         qmm_body<KIND, NT>(PARTS_OF, M, K, Act8{xq, xs, xsum}, N, y, ldy, bias, residual, partial,              \
                            blockIdx.x * 8 * NT, blockIdx.y * MMQ_ROWS, 0);                                       \
     }
@@ -364,6 +369,7 @@ __device__ __forceinline__ void fgemv_body(const T* w, int M, int K, const float
     extern "C" __global__ void __launch_bounds__(MMQ_THREADS, MMQ_MIN_BLOCKS)                                   \
         qmm_id_##NAME##_n##NT(PARTS_ARGS, int M, int K, const signed char* xq, const float* xs, const int* xsum,  \
                               const int* starts, const int* tiles, int E, float* y, int ldy) {                   \
+        pdl_enter();                                                                                             \
         int e;                                                                                                   \
         const int tile = expert_tile(tiles, E, blockIdx.x, e);                                                   \
         if (tile < 0) return;  /* the whole block */                                                             \
@@ -411,6 +417,7 @@ QUANT_FORMAT(k6, 16)
     extern "C" __global__ void __launch_bounds__(QG_WARPS * 32)                                                 \
         fgemv_##NAME(const uint8_t* w, int M, int K, const float* x, int N, float* y, int ldy, const float* bias, \
                      const float* residual) {                                                                   \
+        pdl_enter();                                                                                            \
         fgemv_body<T>(reinterpret_cast<const T*>(w), M, K, x, N, y, ldy, bias, residual);                       \
     }
 #if QMM_FORMAT == 0 || QMM_FORMAT == 100

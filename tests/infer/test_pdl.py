@@ -1,0 +1,69 @@
+"""infer.gpu.pdl without a GPU: which kernels may be launched to wait on the GPU (their sources
+checked), the switch, and the kernel arguments as cuLaunchKernelEx takes them."""
+
+from __future__ import annotations
+
+import ctypes
+import re
+
+import numpy as np
+import pytest
+
+from infer.gpu import kernels, pdl
+
+
+def _kernel_bodies(source: str) -> list[tuple[str, str]]:
+    """(name, text after the opening brace) of every __global__ kernel of a .cu text, macros too."""
+    found = []
+    for m in re.finditer(r"__global__\s+void\s+(?:__launch_bounds__\([^)]*\)\s*)?([\w#]+)\s*\(", source):
+        brace = source.index("{", m.end())
+        found.append((m.group(1), source[brace + 1 : brace + 400]))
+    return found
+
+
+@pytest.mark.parametrize("module_name", kernels.SOURCES)
+def test_every_kernel_pdl_may_launch_waits_before_it_touches_memory(module_name: str) -> None:
+    """A kernel launched with the attribute starts before its predecessor ends: its first statement
+    must be pdl_enter() (infer/kernels/pdl.cuh), or it would read what that kernel still writes."""
+    bodies = _kernel_bodies(kernels.source_text(module_name))
+    assert bodies, module_name
+    launched = [(name, body) for name, body in bodies if pdl.ready(module_name, name.replace("##", ""))]
+    for name, body in launched:
+        first = re.sub(r"\\\s*\n", "\n", body).lstrip()
+        assert first.startswith("pdl_enter();"), f"{module_name}.{name} launches with PDL but starts: {first[:80]!r}"
+    if module_name in pdl.PDL_MODULES:
+        assert len(launched) == len(bodies)
+
+
+def test_which_kernels_are_ready() -> None:
+    assert pdl.ready("qmm", "qgemv_k4_v1") and pdl.ready("attention", "rope_rows")
+    assert pdl.ready("dequant", "embed_k4") and not pdl.ready("dequant", "dequant_k4")
+    assert not pdl.ready("pmm", "pmm_k4_t128") and not pdl.ready("repack", "repack_q4_k")
+
+
+def test_the_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("NVMEDIRECT_PDL", raising=False)
+    assert pdl.requested()
+    monkeypatch.setenv("NVMEDIRECT_PDL", "0")
+    assert not pdl.requested()
+    monkeypatch.setenv("NVMEDIRECT_PDL", "yes")
+    with pytest.raises(ValueError, match="NVMEDIRECT_PDL must be 0 or 1"):
+        pdl.requested()
+
+
+class _DeviceArray:  # what the launcher reads of a cupy.ndarray: its device address
+    class data:  # noqa: N801
+        ptr = 0x7F00_0000_1000
+
+
+def test_kernel_arguments_are_laid_out_as_cupy_passes_them() -> None:
+    args = (_DeviceArray(), np.int32(-5), np.float32(1.5), np.uint64(2**63 + 7), np.int8(-2), 7, 0.25, True)
+    values, pointers = pdl.kernel_arguments(args)
+    sizes = [ctypes.sizeof(v) for v in values]
+    assert sizes == [8, 4, 4, 8, 1, 8, 8, 1]
+    assert [v.value for v in values] == [0x7F00_0000_1000, -5, 1.5, 2**63 + 7, -2, 7, 0.25, True]
+    assert [pointers[i] for i in range(len(values))] == [ctypes.addressof(v) for v in values]
+    with pytest.raises(TypeError, match="no kernel argument of type"):
+        pdl.kernel_arguments((None,))
+    with pytest.raises(TypeError, match="no kernel argument of NumPy type"):
+        pdl.kernel_arguments((np.complex64(1),))
