@@ -216,8 +216,7 @@ def measure(gpu, pp: int = 512, tg: int = 128, with_kernels: bool = True, batch:
 
     from infer.gpu import pdl
 
-    result: dict[str, object] = {"device": cupy.cuda.runtime.getDeviceProperties(0)["name"].decode(),
-                                 "programmatic_launch": pdl.available()}  # replayed passes' kernels wait on the GPU
+    result: dict[str, object] = {"device": cupy.cuda.runtime.getDeviceProperties(0)["name"].decode()}
     copy = copy_bandwidth(budget=gpu.account.budget if gpu.account is not None else None)
     result["copy_GBps"] = round(copy, 1) if copy else None
     a, stream = gpu.args, gpu.stream
@@ -264,6 +263,7 @@ def measure(gpu, pp: int = 512, tg: int = 128, with_kernels: bool = True, batch:
     result["achieved_GBps"] = round(vram * tok_s / 1e9, 1)  # bytes the kernels actually read
     result["achieved_gguf_GBps"] = round(src * tok_s / 1e9, 1)  # as llama.cpp would count
     result["fraction_of_copy"] = round(vram * tok_s / 1e9 / copy, 3) if copy else None
+    result["programmatic_launch"] = pdl.available()  # the replayed passes' kernels waited on the GPU
     if batch:
         result["batch"] = batch_decode(gpu, batch, batch_prompt, batch_new, check_alone)
     result.update(pass_fp64(gpu))

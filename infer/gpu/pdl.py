@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import warnings
 from collections.abc import Iterator, Sequence
 from functools import cache
 from typing import Any
@@ -38,6 +39,7 @@ _CTYPES = {np.dtype(np.int8): ctypes.c_int8, np.dtype(np.uint8): ctypes.c_uint8,
            np.dtype(np.bool_): ctypes.c_bool}
 
 _capturing = 0
+_broken: list[str] = []  # why launching with the attribute failed in this process (then it is not tried again)
 
 
 def ready(module_name: str, kernel: str) -> bool:
@@ -88,7 +90,7 @@ def available() -> bool:
     """Whether launches on the current device use PDL while a graph is captured."""
     import cupy
 
-    return requested() and _driver(cupy.cuda.Device().id) is not None
+    return requested() and not _broken and _driver(cupy.cuda.Device().id) is not None
 
 
 def kernel_arguments(args: Sequence[object]) -> tuple[list[object], ctypes.Array]:
@@ -143,19 +145,26 @@ class Kernel:
         if unknown:
             raise TypeError(f"no launch option {', '.join(sorted(unknown))}")
         driver = _driver(cupy.cuda.Device().id)
-        shared_mem = options.get("shared_mem", 0)
         stream = options.get("stream") or cupy.cuda.get_current_stream()
-        attr = driver.CUlaunchAttribute()
-        attr.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
-        attr.value.programmaticStreamSerializationAllowed = 1
-        config = driver.CUlaunchConfig()
-        config.gridDimX, config.gridDimY, config.gridDimZ = _dims(grid)
-        config.blockDimX, config.blockDimY, config.blockDimZ = _dims(block)
-        config.sharedMemBytes = int(shared_mem)
-        config.hStream = driver.CUstream(stream.ptr)
-        config.attrs = [attr]
-        config.numAttrs = 1
         _values, pointers = kernel_arguments(args)
-        (err,) = driver.cuLaunchKernelEx(config, driver.CUfunction(self.function.ptr), ctypes.addressof(pointers), 0)
+        try:  # the bindings' structures, before anything reaches the driver
+            attr = driver.CUlaunchAttribute()
+            attr.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+            attr.value.programmaticStreamSerializationAllowed = 1
+            config = driver.CUlaunchConfig()
+            config.gridDimX, config.gridDimY, config.gridDimZ = _dims(grid)
+            config.blockDimX, config.blockDimY, config.blockDimZ = _dims(block)
+            config.sharedMemBytes = int(options.get("shared_mem", 0))
+            config.hStream = driver.CUstream(stream.ptr)
+            config.attrs = [attr]
+            config.numAttrs = 1
+            function = driver.CUfunction(self.function.ptr)
+        except (AttributeError, TypeError) as err:  # bindings of another shape: launch as before from now on
+            _broken.append(f"{type(err).__name__}: {err}")
+            warnings.warn(f"programmatic dependent launch is off: cuda-python's bindings refused it ({_broken[0]})",
+                          RuntimeWarning, stacklevel=2)
+            self.function(grid, block, args, **options)
+            return
+        (err,) = driver.cuLaunchKernelEx(config, function, ctypes.addressof(pointers), 0)
         if err != driver.CUresult.CUDA_SUCCESS:
             raise RuntimeError(f"cuLaunchKernelEx failed: {err}")
