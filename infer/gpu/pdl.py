@@ -129,18 +129,22 @@ class Kernel:
     that takes it, else by CuPy as before."""
 
     def __init__(self, function: Any) -> None:
-        self.function = function
+        object.__setattr__(self, "function", function)
 
-    def __getattr__(self, name: str) -> Any:  # attributes (max_dynamic_shared_size_bytes, ...) are the kernel's
+    # attributes (max_dynamic_shared_size_bytes, ...) are the kernel's, read and set
+    def __getattr__(self, name: str) -> Any:
         return getattr(self.function, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self.function, name, value)
 
     def __call__(self, grid: int | Sequence[int], block: int | Sequence[int], args: Sequence[object],
                  **options: Any) -> None:
-        import cupy
-
         if not _capturing or not available():
             self.function(grid, block, args, **options)
             return
+        import cupy
+
         unknown = set(options) - {"shared_mem", "stream"}
         if unknown:
             raise TypeError(f"no launch option {', '.join(sorted(unknown))}")

@@ -67,3 +67,20 @@ def test_kernel_arguments_are_laid_out_as_cupy_passes_them() -> None:
         pdl.kernel_arguments((None,))
     with pytest.raises(TypeError, match="no kernel argument of NumPy type"):
         pdl.kernel_arguments((np.complex64(1),))
+
+
+def test_the_wrapped_kernel_keeps_its_attributes() -> None:
+    """ops.with_shared raises a kernel's shared-memory limit through the object kernels.function
+    returns: it must reach the CuPy function, not stay on the wrapper."""
+    class Function:
+        max_dynamic_shared_size_bytes = 0
+
+        def __call__(self, grid: object, block: object, args: object, **options: object) -> None:
+            self.called = (grid, block, args, options)
+
+    f = Function()
+    k = pdl.Kernel(f)
+    k.max_dynamic_shared_size_bytes = 99 * 1024
+    assert f.max_dynamic_shared_size_bytes == 99 * 1024 and k.max_dynamic_shared_size_bytes == 99 * 1024
+    k((2,), (32,), (np.int32(1),), shared_mem=64)  # not capturing: CuPy's own launch, options as given
+    assert f.called == ((2,), (32,), (np.int32(1),), {"shared_mem": 64})
