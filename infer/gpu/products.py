@@ -85,6 +85,8 @@ def _gemv_defines(fmt: str, tuning: tuple[int, int] | None = None, rows: int = 1
     defines = {"QMM_FORMAT": FORMAT_KIND.get(fmt, 100), "QG_WARPS": warps, "QG_UNROLL": unroll, "QMM_KERNELS": 1}
     if rows != 1:
         defines["QG_ROWS"] = rows
+    if os.environ.get("NVMEDIRECT_PDL_PREFETCH") == "1":  # an experiment for resident models only (qmm.cu)
+        defines["PDL_PREFETCH"] = 1
     return defines
 
 

@@ -28,6 +28,12 @@
 #ifndef QG_UNROLL
 #define QG_UNROLL 2  // iterations of 32 sub-blocks whose loads a qgemv lane issues before using them
 #endif
+#ifndef PDL_PREFETCH
+// 1: qgemv and fgemv issue their first weight loads before pdl_wait (pdl.cuh), overlapping the
+// previous kernel's end; only for weights no kernel writes (a resident model: the streaming engine
+// repacks its layers on the GPU). An experiment (NVMEDIRECT_PDL_PREFETCH=1, infer/gpu/products.py).
+#define PDL_PREFETCH 0
+#endif
 #ifndef QG_ROWS
 #define QG_ROWS 1  // consecutive weight rows a qgemv warp takes (loads of all of them in flight at once)
 #endif
@@ -95,6 +101,7 @@ __device__ __forceinline__ void qgemv_body(const Parts& parts, int M, int K, Act
                 if (sb < nsb) r[i][u] = F::load(p[i], base[i] + sb);
                 else r[i][u] = typename F::Raw{make_uint4(0, 0, 0, 0), make_uint4(0, 0, 0, 0), make_uint2(0, 0), 0u, 0u};
             }
+        if (PDL_PREFETCH && s0 == 0) pdl_enter();  // the first weight loads are in flight; x is an earlier kernel's
 #pragma unroll
         for (int u = 0; u < QG_UNROLL; ++u) {
             const int first = s0 + 32 * u;  // the warp's first sub-block of this iteration
@@ -288,6 +295,7 @@ __device__ __forceinline__ void fgemv_body(const T* w, int M, int K, const float
                     for (int i = 0; i < WLOADS; ++i) wv_all[u][i] = wp[i];
                 }
             }
+            if (PDL_PREFETCH && first0 == 0) pdl_enter();  // the first weight loads are in flight
 #pragma unroll
             for (int u = 0; u < FG_UNROLL; ++u) {
                 const int first = first0 + 32 * u;
@@ -334,7 +342,7 @@ __device__ __forceinline__ void fgemv_body(const T* w, int M, int K, const float
 
 #define QGEMV(NAME, KIND, NV)                                                                                   \
     extern "C" __global__ void __launch_bounds__(QG_WARPS * 32) qgemv_##NAME##_v##NV(PARTS_ARGS, PRODUCT_ARGS) { \
-        pdl_enter();                                                                                            \
+        if (!PDL_PREFETCH) pdl_enter(); /* else qgemv_body waits after its first weight loads */                \
         qgemv_body<KIND, NV>(PARTS_OF, M, K, Act8{xq, xs, xsum}, N, y, ldy, bias, residual, blockIdx.y * NV, 0); \
     }
 // qgemv_id_<fmt>: routed experts (a mixture of experts' rows). Each part is a stack of experts of
@@ -417,7 +425,7 @@ QUANT_FORMAT(k6, 16)
     extern "C" __global__ void __launch_bounds__(QG_WARPS * 32)                                                 \
         fgemv_##NAME(const uint8_t* w, int M, int K, const float* x, int N, float* y, int ldy, const float* bias, \
                      const float* residual) {                                                                   \
-        pdl_enter();                                                                                            \
+        if (!PDL_PREFETCH) pdl_enter(); /* else fgemv_body waits after its first weight loads */                \
         fgemv_body<T>(reinterpret_cast<const T*>(w), M, K, x, N, y, ldy, bias, residual);                       \
     }
 #if QMM_FORMAT == 0 || QMM_FORMAT == 100

@@ -21,6 +21,13 @@ def _kernel_bodies(source: str) -> list[tuple[str, str]]:
     return found
 
 
+def source_of_body(module_name: str, body_name: str) -> str:
+    """The text of device function `body_name` of a module, to its closing brace at column 0."""
+    text = kernels.source_text(module_name)
+    start = text.index(f" {body_name}(")
+    return text[start : text.index("\n}\n", start)]
+
+
 @pytest.mark.parametrize("module_name", kernels.SOURCES)
 def test_every_kernel_pdl_may_launch_waits_before_it_touches_memory(module_name: str) -> None:
     """A kernel launched with the attribute starts before its predecessor ends: its first statement
@@ -30,6 +37,10 @@ def test_every_kernel_pdl_may_launch_waits_before_it_touches_memory(module_name:
     launched = [(name, body) for name, body in bodies if pdl.ready(module_name, name.replace("##", ""))]
     for name, body in launched:
         first = re.sub(r"\\\s*\n", "\n", body).lstrip()
+        if first.startswith("if (!PDL_PREFETCH) pdl_enter();"):  # or its body waits after its first weight loads
+            body_name = re.search(r"(\w+_body)<", first).group(1)
+            assert "if (PDL_PREFETCH && " in source_of_body(module_name, body_name), name
+            continue
         assert first.startswith("pdl_enter();"), f"{module_name}.{name} launches with PDL but starts: {first[:80]!r}"
     if module_name in pdl.PDL_MODULES:
         assert len(launched) == len(bodies)

@@ -1,7 +1,8 @@
 #!/bin/bash
 # Session 31, call 1: programmatic dependent launch (infer/gpu/pdl.py). Its GPU test on every model
 # pair and the MoE model tests with it on; 24 GB decode with it (default) and NVMEDIRECT_PDL=0 beside
-# llama.cpp -ngl 99 in the same lease; the decode profile with it.
+# llama.cpp -ngl 99 in the same lease; with the products' first weight loads before the wait
+# (NVMEDIRECT_PDL_PREFETCH=1, resident only); the decode profile with PDL.
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl > /dev/null 2>&1
 export PYTHONPATH="/tmp/site:$PWD"
@@ -23,8 +24,9 @@ llama() {  # $1: output, rest: llama-bench flags
 timeout 80 $B --out $OUT/bench-24GB-pdl.json > /tmp/b.txt 2>&1; echo "== 24GB pdl rc=$?"; grep -i "tok/s\|error" /tmp/b.txt | head -3
 NVMEDIRECT_PDL=0 timeout 80 $B --out $OUT/bench-24GB-plain.json > /tmp/b.txt 2>&1; echo "== 24GB plain rc=$?"; grep -i "tok/s\|error" /tmp/b.txt | head -3
 llama $OUT/llama-ngl99.json -ngl 99 -r 2
+NVMEDIRECT_PDL_PREFETCH=1 timeout 80 $B --out $OUT/bench-24GB-pdl-prefetch.json > /tmp/b.txt 2>&1; echo "== 24GB pdl+prefetch rc=$?"; grep -i "tok/s\|error" /tmp/b.txt | head -3
 echo "elapsed ${SECONDS}s"
-[ $SECONDS -lt 400 ] && timeout 70 python3 -m bench.pass_profile --synth qwen3-30b-a3b:q4_k_m --synth-dir /tmp/nvmedirect-synth --vram-budget 24GB --pp 512 --steps 2 --out /tmp/profile.json > $OUT/profile.txt 2>&1
+[ $SECONDS -lt 450 ] && timeout 70 python3 -m bench.pass_profile --synth qwen3-30b-a3b:q4_k_m --synth-dir /tmp/nvmedirect-synth --vram-budget 24GB --pp 512 --steps 2 --out /tmp/profile.json > $OUT/profile.txt 2>&1
 echo "profile rc=$?"; sed -n '/^decode/,/^prompt:/p' $OUT/profile.txt | head -18
 cp /tmp/profile.json $OUT/ 2>/dev/null
 echo "elapsed ${SECONDS}s"
