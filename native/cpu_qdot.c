@@ -245,13 +245,28 @@ static int task_chunk(void *ctx, int i)
     return rows_any(&T->jobs[p], a, b, T->impl);
 }
 
-/* Rows per chunk: about eight chunks per thread (a thread that is descheduled holds up at most one),
- * at most ~256 KB of weights times tokens each, a multiple of 8 (the one-token tile). */
+/* Chunks a thread gets of each job: 8 by default (a thread that is descheduled holds up at most one);
+ * NVMEDIRECT_CPU_CHUNKS (1 to 64) sets it, to measure what longer runs of rows (each streamed in
+ * memory order) give against the balance of shorter ones. */
+static int chunks_per_thread(void)
+{
+    static int chunks;
+    if (!chunks) {
+        const char *set = getenv("NVMEDIRECT_CPU_CHUNKS");
+        int n = set ? atoi(set) : 8;
+        chunks = n >= 1 && n <= 64 ? n : 8;
+    }
+    return chunks;
+}
+
+/* Rows per chunk: about chunks_per_thread() chunks per thread, at most ~256 KB of weights times
+ * tokens each, a multiple of 8 (the one-token tile). */
 static int chunk_rows(const struct job *J, int span, int threads)
 {
     if (threads <= 1)
         return span > 0 ? span : 1;
-    long long per = (span + 8LL * threads - 1) / (8LL * threads);
+    const long long split = (long long)chunks_per_thread() * threads;
+    long long per = (span + split - 1) / split;
     long long cap = (1LL << 18) / ((long long)J->wrow * J->n_tokens);
     per = per < cap ? per : cap;
     per = (per + 7) & ~7LL;
