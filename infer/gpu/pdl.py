@@ -162,7 +162,10 @@ class Kernel:
             config.hStream = driver.CUstream(stream.ptr)
             config.attrs = [attr]
             config.numAttrs = 1
-            function = driver.CUfunction(self.function.ptr)
+            handle = getattr(self.function, "ptr", None)  # a cupy.cuda.function.Function's
+            if handle is None:  # a RawKernel (CuPy 14's RawModule.get_function): its Function
+                handle = self.function.kernel.ptr
+            function = driver.CUfunction(handle)
         except (AttributeError, TypeError) as err:  # bindings of another shape: launch as before from now on
             _broken.append(f"{type(err).__name__}: {err}")
             warnings.warn(f"programmatic dependent launch is off: cuda-python's bindings refused it ({_broken[0]})",
