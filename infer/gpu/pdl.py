@@ -8,7 +8,9 @@ attribute may start as soon as every block of the kernel before it has begun; it
 writes are visible. So the wait replaces the idle gap, and nothing reads or writes any earlier.
 
 Only kernels whose every load and store comes after `pdl_enter()` may be launched so
-(`ready`: the modules whose every kernel does; a test reads the sources). The launch goes through the
+(`ready`: the modules whose every kernel does; a test reads the sources), but for one exception:
+the products of resident weights, which no kernel writes, load their first weights before it
+(`prefetch_weights`, qmm.cu PDL_PREFETCH), so that trip to memory overlaps the previous kernel too. The launch goes through the
 driver's cuLaunchKernelEx (cuda-python's bindings), and only while a graph is being captured
 (`capturing`): a replay costs nothing per launch, while an eager launch would pay the Python here.
 Cards below sm_90 (the RTX 3090 and 4090 among them) launch as before; so does every card with
@@ -91,6 +93,13 @@ def available() -> bool:
     import cupy
 
     return requested() and not _broken and _driver(cupy.cuda.Device().id) is not None
+
+
+def prefetch_weights(matrices: Sequence[Any]) -> bool:
+    """Whether a product of these matrices may load its first weights before the PDL wait (qmm.cu
+    PDL_PREFETCH): under PDL, and only weights no kernel writes, those of resident layers (a streamed
+    layer's are repacked into its scratch by a kernel that may still run: infer.tiers.pipeline)."""
+    return available() and not any(getattr(m, "streamed", True) for m in matrices)
 
 
 def kernel_arguments(args: Sequence[object]) -> tuple[list[object], ctypes.Array]:

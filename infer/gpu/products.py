@@ -19,7 +19,7 @@ import os
 import cupy
 import numpy as np
 
-from infer.gpu import kernels
+from infer.gpu import kernels, pdl
 from infer.gpu.layout import FLOAT_FORMATS, K_FORMATS
 from infer.gpu.ops import NULL, GpuMatrix, Int8Act, device_ptr, grid_blocks, with_shared
 
@@ -78,14 +78,15 @@ def qgemv_rows(cols: int) -> int:
     return next(rows for most, rows in QGEMV_ROWS if cols <= most)
 
 
-def _gemv_defines(fmt: str, tuning: tuple[int, int] | None = None, rows: int = 1) -> dict[str, int]:
+def _gemv_defines(fmt: str, tuning: tuple[int, int] | None = None, rows: int = 1,
+                  prefetch: bool = False) -> dict[str, int]:
     """The #defines of the module of format `fmt`'s qgemv (or float) kernels (tuning: warps, unroll;
-    rows: weight rows a warp)."""
+    rows: weight rows a warp; prefetch: their first weight loads before the PDL wait, qmm.cu)."""
     warps, unroll = tuning or QGEMV_TUNING
     defines = {"QMM_FORMAT": FORMAT_KIND.get(fmt, 100), "QG_WARPS": warps, "QG_UNROLL": unroll, "QMM_KERNELS": 1}
     if rows != 1:
         defines["QG_ROWS"] = rows
-    if os.environ.get("NVMEDIRECT_PDL_PREFETCH") == "1":  # an experiment for resident models only (qmm.cu)
+    if prefetch:
         defines["PDL_PREFETCH"] = 1
     return defines
 
@@ -129,7 +130,8 @@ def prepare_kernels(matrices: set[tuple[str, int]]) -> None:
     for fmt in {fmt for fmt, _ in matrices}:
         per_warp = {qgemv_rows(cols) for f, cols in matrices if f == fmt} if fmt not in FLOAT_FORMATS else {1}
         for rows in per_warp:
-            kernels.module("qmm", _gemv_defines(fmt, rows=rows))
+            for prefetch in {False, pdl.available()}:
+                kernels.module("qmm", _gemv_defines(fmt, rows=rows, prefetch=prefetch))
         if fmt not in FLOAT_FORMATS:
             for nt in (1, 2, 4, 8):
                 _qmm_kernel(fmt, nt)
@@ -193,7 +195,7 @@ def product(parts: list[GpuMatrix], x: Input, y: cupy.ndarray, n: int, ldy: int 
         return
     if m0.fmt in FLOAT_FORMATS:
         warps = QGEMV_TUNING[0]
-        fn = kernels.function("qmm", f"fgemv_{m0.fmt}", _gemv_defines(m0.fmt))
+        fn = kernels.function("qmm", f"fgemv_{m0.fmt}", _gemv_defines(m0.fmt, prefetch=pdl.prefetch_weights(parts)))
         # a warp a row, FGEMV_VECTORS vectors at a time (each weight sub-block read once for them);
         # grid y strides the groups of vectors. A matrix the L2 holds (a router) takes a block row
         # per group: a 512-row prompt's router took 274 us on the H100 (2026-12-06) with a vector at
@@ -224,7 +226,8 @@ def product(parts: list[GpuMatrix], x: Input, y: cupy.ndarray, n: int, ldy: int 
         return
     nv = 1 if n == 1 else 2 if n == 2 else 4
     warps, per_warp = (tuning or QGEMV_TUNING)[0], qgemv_rows(m0.cols)
-    fn = kernels.function("qmm", f"qgemv_{m0.fmt}_v{nv}", _gemv_defines(m0.fmt, tuning, per_warp))
+    fn = kernels.function("qmm", f"qgemv_{m0.fmt}_v{nv}", _gemv_defines(m0.fmt, tuning, per_warp,
+                                                                          pdl.prefetch_weights(parts)))
     fn((grid_blocks(rows, warps * per_warp), grid_blocks(n, nv)), (32 * warps,), args)
 
 

@@ -30,8 +30,8 @@
 #endif
 #ifndef PDL_PREFETCH
 // 1: qgemv and fgemv issue their first weight loads before pdl_wait (pdl.cuh), overlapping the
-// previous kernel's end; only for weights no kernel writes (a resident model: the streaming engine
-// repacks its layers on the GPU). An experiment (NVMEDIRECT_PDL_PREFETCH=1, infer/gpu/products.py).
+// previous kernel's end; only for weights no kernel writes: resident layers' (the streaming engine
+// repacks a streamed layer on the GPU). infer/gpu/pdl.py prefetch_weights chooses the variant.
 #define PDL_PREFETCH 0
 #endif
 #ifndef QG_ROWS

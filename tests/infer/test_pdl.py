@@ -95,3 +95,16 @@ def test_the_wrapped_kernel_keeps_its_attributes() -> None:
     assert f.max_dynamic_shared_size_bytes == 99 * 1024 and k.max_dynamic_shared_size_bytes == 99 * 1024
     k((2,), (32,), (np.int32(1),), shared_mem=64)  # not capturing: CuPy's own launch, options as given
     assert f.called == ((2,), (32,), (np.int32(1),), {"shared_mem": 64})
+
+
+def test_only_weights_no_kernel_writes_are_loaded_before_the_wait(monkeypatch: pytest.MonkeyPatch) -> None:
+    class Matrix:
+        def __init__(self, streamed: bool) -> None:
+            self.streamed = streamed
+
+    monkeypatch.setattr(pdl, "available", lambda: True)
+    assert pdl.prefetch_weights([Matrix(False), Matrix(False)])
+    assert not pdl.prefetch_weights([Matrix(False), Matrix(True)])  # a streamed layer's: its repack writes them
+    assert not pdl.prefetch_weights([object()])  # unknown: wait first
+    monkeypatch.setattr(pdl, "available", lambda: False)
+    assert not pdl.prefetch_weights([Matrix(False)])
