@@ -189,7 +189,7 @@ def _llama_rates(name: str) -> tuple[float, float]:
 
 
 def _moe_bars(ax_fig: tuple[Any, Any], ours: dict[str, dict], theirs: dict[str, tuple[float, float]],
-              marks: dict[str, dict], mark_label: str) -> None:
+              marks: dict[str, dict], mark_label: str, card: str = "H100") -> None:
     """Decode and pp512 bars of ours and llama.cpp per budget, `marks` (an earlier run of ours) as crosses."""
     _fig, (dec, pp) = ax_fig
     xs = range(len(ours))
@@ -201,7 +201,7 @@ def _moe_bars(ax_fig: tuple[Any, Any], ours: dict[str, dict], theirs: dict[str, 
                 "kx", label=mark_label)
         ax.set_xticks(list(xs), [f"--vram-budget {b}" for b in ours])
         ax.set_ylabel("tok/s")
-        ax.set_title(f"Synthetic Qwen3-30B-A3B Q4_K_M, {title} (H100)")
+        ax.set_title(f"Synthetic Qwen3-30B-A3B Q4_K_M, {title} ({card})")
         ax.grid(True, axis="y", alpha=0.3)
         ax.legend(fontsize=8)
 
@@ -240,6 +240,19 @@ def moe_beside_llama_session29(ax_fig: tuple[Any, Any]) -> None:
     _moe_bars(ax_fig, ours, theirs, before, "ours, session 28 (another lease)")
 
 
+S31 = "2026-12-06/session31"  # programmatic dependent launch; one H200 lease
+
+
+def moe_beside_llama_session31(ax_fig: tuple[Any, Any]) -> None:
+    """Session 31 (one H200 lease): 24 GB with the replayed kernels launched to wait on the GPU (run
+    4) and 8 GB (run 2), beside llama.cpp in that lease; at 24 GB the same launches without it
+    (NVMEDIRECT_PDL=0) as a cross."""
+    ours = {"24 GB": load(f"{S31}/run4/bench-24GB-pdl-a.json"), "8 GB": load(f"{S31}/run2/bench-8GB.json")}
+    theirs = {"24 GB": _llama_rates(f"{S31}/run4/llama-ngl99.json"), "8 GB": _llama_rates(f"{S31}/run2/llama-ncmoe32.json")}
+    plain = {"24 GB": load(f"{S31}/run4/bench-24GB-plain.json")}
+    _moe_bars(ax_fig, ours, theirs, plain, "ours, plain launches (NVMEDIRECT_PDL=0, same lease)", card="H200")
+
+
 FIGURES: dict[str, tuple[Callable[[tuple[Any, Any]], None], int, tuple[float, float], list[str]]] = {
     "verify-pass-time-70b": (verify_curve, 1, (7, 4.2), [f"{DAY}/issue14-70b-verify-exact-passes.json",
                                                         f"{DAY}/issue14-70b-verify-passes.json", RUN8]),
@@ -262,6 +275,10 @@ FIGURES: dict[str, tuple[Callable[[tuple[Any, Any]], None], int, tuple[float, fl
                                    [f"{S29}/run4/bench-24GB.json", f"{S29}/run2/bench-8GB.json",
                                     f"{S29}/run4/llama-ngl99.json", f"{S29}/run2/llama-ncmoe32.json",
                                     f"{S28}/run6/bench-24GB.json", f"{S28}/run5/bench-8GB.json"]),
+    "moe-beside-llama-session31": (moe_beside_llama_session31, 2, (12, 4.4),
+                                   [f"{S31}/run4/bench-24GB-pdl-a.json", f"{S31}/run2/bench-8GB.json",
+                                    f"{S31}/run4/llama-ngl99.json", f"{S31}/run2/llama-ncmoe32.json",
+                                    f"{S31}/run4/bench-24GB-plain.json"]),
 }
 
 
