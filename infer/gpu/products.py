@@ -130,7 +130,7 @@ def prepare_kernels(matrices: set[tuple[str, int]]) -> None:
     for fmt in {fmt for fmt, _ in matrices}:
         per_warp = {qgemv_rows(cols) for f, cols in matrices if f == fmt} if fmt not in FLOAT_FORMATS else {1}
         for rows in per_warp:
-            for prefetch in {False, pdl.available()}:
+            for prefetch in {False, pdl.prefetch_enabled()}:
                 kernels.module("qmm", _gemv_defines(fmt, rows=rows, prefetch=prefetch))
         if fmt not in FLOAT_FORMATS:
             for nt in (1, 2, 4, 8):

@@ -103,6 +103,9 @@ def test_only_weights_no_kernel_writes_are_loaded_before_the_wait(monkeypatch: p
             self.streamed = streamed
 
     monkeypatch.setattr(pdl, "available", lambda: True)
+    monkeypatch.delenv("NVMEDIRECT_PDL_PREFETCH", raising=False)
+    assert not pdl.prefetch_weights([Matrix(False)])  # off unless asked for
+    monkeypatch.setenv("NVMEDIRECT_PDL_PREFETCH", "1")
     assert pdl.prefetch_weights([Matrix(False), Matrix(False)])
     assert not pdl.prefetch_weights([Matrix(False), Matrix(True)])  # a streamed layer's: its repack writes them
     assert not pdl.prefetch_weights([object()])  # unknown: wait first
