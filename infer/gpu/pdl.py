@@ -11,9 +11,9 @@ Only kernels whose every load and store comes after `pdl_enter()` may be launche
 (`ready`: the modules whose every kernel does; a test reads the sources), but for one exception:
 with NVMEDIRECT_PDL_PREFETCH=1 the products of resident weights, which no kernel writes, load their
 first weights before it (`prefetch_weights`, qmm.cu PDL_PREFETCH), so that trip to memory overlaps
-the previous kernel too. The launch goes through the
-driver's cuLaunchKernelEx (cuda-python's bindings), and only while a graph is being captured
-(`capturing`): a replay costs nothing per launch, while an eager launch would pay the Python here.
+the previous kernel too. The launch goes through the driver's cuLaunchKernelEx (cuda-python's
+bindings), and only while a graph is being captured (`capturing`): a replay costs nothing per
+launch, while an eager launch would pay the Python here.
 Cards below sm_90 (the RTX 3090 and 4090 among them) launch as before; so does every card with
 NVMEDIRECT_PDL=0 (for timing), or where the bindings are missing.
 """
