@@ -9,9 +9,9 @@ writes are visible. So the wait replaces the idle gap, and nothing reads or writ
 
 Only kernels whose every load and store comes after `pdl_enter()` may be launched so
 (`ready`: the modules whose every kernel does; a test reads the sources), but for one exception:
-with NVMEDIRECT_PDL_PREFETCH=1 the products of resident weights, which no kernel writes, load their
-first weights before it (`prefetch_weights`, qmm.cu PDL_PREFETCH), so that trip to memory overlaps
-the previous kernel too. The launch goes through the driver's cuLaunchKernelEx (cuda-python's
+the products of resident weights, which no kernel writes, load their first weights before it
+(`prefetch_weights`, qmm.cu PDL_PREFETCH; NVMEDIRECT_PDL_PREFETCH=0 makes them wait first), so that
+trip to memory overlaps the previous kernel too. The launch goes through the driver's cuLaunchKernelEx (cuda-python's
 bindings), and only while a graph is being captured (`capturing`): a replay costs nothing per
 launch, while an eager launch would pay the Python here.
 Cards below sm_90 (the RTX 3090 and 4090 among them) launch as before; so does every card with
@@ -98,16 +98,18 @@ def available() -> bool:
 
 def prefetch_weights(matrices: Sequence[Any]) -> bool:
     """Whether a product of these matrices loads its first weights before the PDL wait (qmm.cu
-    PDL_PREFETCH): with NVMEDIRECT_PDL_PREFETCH=1 under PDL, and only weights no kernel writes, those
-    of resident layers (a streamed layer's are repacked into its scratch by a kernel that may still
-    run: infer.tiers.pipeline). Off by default: measured faster (session 31: 404 against 385 tok/s),
-    but the GPU suite has not yet run with it."""
+    PDL_PREFETCH): under PDL, unless NVMEDIRECT_PDL_PREFETCH=0, and only weights no kernel writes,
+    those of resident layers (a streamed layer's are repacked into its scratch by a kernel that may
+    still run: infer.tiers.pipeline). Session 31: 404 against 385 tok/s waiting first."""
     return prefetch_enabled() and not any(getattr(m, "streamed", True) for m in matrices)
 
 
 def prefetch_enabled() -> bool:
-    """NVMEDIRECT_PDL_PREFETCH=1, where PDL is available."""
-    return os.environ.get("NVMEDIRECT_PDL_PREFETCH") == "1" and available()
+    """Where PDL is available, unless NVMEDIRECT_PDL_PREFETCH=0."""
+    value = os.environ.get("NVMEDIRECT_PDL_PREFETCH", "1").strip()
+    if value not in ("0", "1"):
+        raise ValueError(f"NVMEDIRECT_PDL_PREFETCH must be 0 or 1, not {value!r}")
+    return value == "1" and available()
 
 
 def kernel_arguments(args: Sequence[object]) -> tuple[list[object], ctypes.Array]:

@@ -32,7 +32,7 @@
 // 1: qgemv and fgemv issue their first weight loads before pdl_wait (pdl.cuh), overlapping the
 // previous kernel's end; only for weights no kernel writes: resident layers' (the streaming engine
 // repacks a streamed layer on the GPU). infer/gpu/pdl.py prefetch_weights chooses the variant
-// (NVMEDIRECT_PDL_PREFETCH=1).
+// (NVMEDIRECT_PDL_PREFETCH=0: never).
 #define PDL_PREFETCH 0
 #endif
 #ifndef QG_ROWS

@@ -104,10 +104,14 @@ def test_only_weights_no_kernel_writes_are_loaded_before_the_wait(monkeypatch: p
 
     monkeypatch.setattr(pdl, "available", lambda: True)
     monkeypatch.delenv("NVMEDIRECT_PDL_PREFETCH", raising=False)
-    assert not pdl.prefetch_weights([Matrix(False)])  # off unless asked for
-    monkeypatch.setenv("NVMEDIRECT_PDL_PREFETCH", "1")
     assert pdl.prefetch_weights([Matrix(False), Matrix(False)])
     assert not pdl.prefetch_weights([Matrix(False), Matrix(True)])  # a streamed layer's: its repack writes them
     assert not pdl.prefetch_weights([object()])  # unknown: wait first
+    monkeypatch.setenv("NVMEDIRECT_PDL_PREFETCH", "0")
+    assert not pdl.prefetch_weights([Matrix(False)])
+    monkeypatch.setenv("NVMEDIRECT_PDL_PREFETCH", "maybe")
+    with pytest.raises(ValueError, match="NVMEDIRECT_PDL_PREFETCH must be 0 or 1"):
+        pdl.prefetch_weights([Matrix(False)])
+    monkeypatch.setenv("NVMEDIRECT_PDL_PREFETCH", "1")
     monkeypatch.setattr(pdl, "available", lambda: False)
     assert not pdl.prefetch_weights([Matrix(False)])
