@@ -264,6 +264,7 @@ def measure(gpu, pp: int = 512, tg: int = 128, with_kernels: bool = True, batch:
     result["achieved_gguf_GBps"] = round(src * tok_s / 1e9, 1)  # as llama.cpp would count
     result["fraction_of_copy"] = round(vram * tok_s / 1e9 / copy, 3) if copy else None
     result["programmatic_launch"] = pdl.available()  # the replayed passes' kernels waited on the GPU
+    result["programmatic_launch_prefetch"] = pdl.prefetch_enabled()  # resident products loaded weights first
     if batch:
         result["batch"] = batch_decode(gpu, batch, batch_prompt, batch_new, check_alone)
     result.update(pass_fp64(gpu))
