@@ -185,37 +185,46 @@ def attention_and_friends() -> list[dict[str, object]]:
 
 
 def _head_splits(rng: np.random.Generator, stream) -> list[dict[str, object]]:  # noqa: ANN001
-    """A decode step's attention of the 30B-A3B shape (32 query heads over 4 KV heads) with its KV
-    heads' query heads split over 1, 2, 4 and 8 blocks (attention.head_splits), the cache sized to
-    the position (as a bench's max_ctx)."""
+    """A decode step's attention with each KV head's query heads split over every count of
+    attention.HEAD_SPLITS that divides the group (attention.head_splits), the cache sized to the
+    position (as a bench's max_ctx), for the 30B-A3B (32 query heads over 4 KV heads of 128) and
+    the Qwen2.5-Coder pair (0.5B: 14 over 2 of 64; 1.5B: 12 over 2 of 128)."""
     import os
 
     import cupy
 
     from infer.gpu import attention, ops
 
-    shape = attention.AttentionShape(32, 4, 128, 64, True)
     out: list[dict[str, object]] = []
-    for position in (63, 575, 2047):
-        max_ctx = position + 1
-        caches = [cupy.asarray((rng.standard_normal((1, 4, max_ctx, 128)) * 0.5).astype(np.float16)) for _ in range(2)]
-        i32 = lambda v: cupy.asarray(np.array(v, np.int32))  # noqa: E731
-        rows = attention.RowFields(i32([position]), i32([position]), i32([position + 1]), i32([-1]), i32([0]),
-                                   cupy.asarray(np.array([caches[0].data.ptr], np.uint64)),
-                                   cupy.asarray(np.array([caches[1].data.ptr], np.uint64)), i32([max_ctx]))
-        qkv = cupy.asarray(rng.standard_normal((1, shape.width)).astype(np.float32))
-        work = cupy.zeros(attention.attention_work_nbytes(shape, 1, max_ctx) // 4, cupy.float32)
-        att = cupy.zeros((1, 4096), cupy.float32)
-        int8 = ops.Int8Act.zeros(1, 4096, "q8_k")
-        default = attention.head_splits(8, 4 * attention.attention_blocks(max_ctx))
-        for splits in attention.HEAD_SPLITS:
-            os.environ["NVMEDIRECT_ATTN_SPLITS"] = str(splits)
-            us = _timed(stream, lambda rows=rows, qkv=qkv, work=work, att=att, int8=int8, m=max_ctx: [attention.attention(
-                qkv, shape, 0, rows, 1, m, work, 1, att, "q8_k", int8) for _ in range(20)], 20)
-            out.append({"kernel": "attention 32/4 heads (chunks + merge)", "case": f"position {position}",
-                        "splits": splits, "default": splits == default, "us": round(us, 2)})
-            print(json.dumps(out[-1]), flush=True)
-        os.environ.pop("NVMEDIRECT_ATTN_SPLITS")
+    for name, n_heads, n_kv, hd in (("30B-A3B", 32, 4, 128), ("Qwen2.5 0.5B", 14, 2, 64), ("Qwen2.5 1.5B", 12, 2, 128)):
+        shape = attention.AttentionShape(n_heads, n_kv, hd, hd // 2, True)
+        group, q_values = n_heads // n_kv, n_heads * hd
+        for position in (63, 575, 2047):
+            max_ctx = position + 1
+            caches = [cupy.asarray((rng.standard_normal((1, n_kv, max_ctx, hd)) * 0.5).astype(np.float16))
+                      for _ in range(2)]
+            i32 = lambda v: cupy.asarray(np.array(v, np.int32))  # noqa: E731
+            rows = attention.RowFields(i32([position]), i32([position]), i32([position + 1]), i32([-1]), i32([0]),
+                                       cupy.asarray(np.array([caches[0].data.ptr], np.uint64)),
+                                       cupy.asarray(np.array([caches[1].data.ptr], np.uint64)), i32([max_ctx]))
+            qkv = cupy.asarray(rng.standard_normal((1, shape.width)).astype(np.float32))
+            work = cupy.zeros(attention.attention_work_nbytes(shape, 1, max_ctx) // 4, cupy.float32)
+            att = cupy.zeros((1, q_values), cupy.float32)
+            act = "q8_k" if q_values % 256 == 0 else "q8_0"
+            int8 = ops.Int8Act.zeros(1, q_values, act)
+            default = attention.head_splits(group, n_kv * attention.attention_blocks(max_ctx), hd)
+            for splits in attention.HEAD_SPLITS[hd]:
+                if group % splits:
+                    continue
+                os.environ["NVMEDIRECT_ATTN_SPLITS"] = str(splits)
+                us = _timed(stream, lambda rows=rows, qkv=qkv, work=work, att=att, int8=int8, m=max_ctx, shape=shape,
+                            act=act: [attention.attention(qkv, shape, 0, rows, 1, m, work, 1, att, act, int8)
+                                      for _ in range(20)], 20)
+                out.append({"kernel": f"attention {n_heads}/{n_kv} heads of {hd} (chunks + merge, {name})",
+                            "case": f"position {position}", "splits": splits, "default": splits == default,
+                            "us": round(us, 2)})
+                print(json.dumps(out[-1]), flush=True)
+            os.environ.pop("NVMEDIRECT_ATTN_SPLITS")
     return out
 
 

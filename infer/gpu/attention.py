@@ -20,13 +20,15 @@ ATTN_HEADS = 4  # query heads an attn_chunks warp takes at once
 ATTN_THREADS = 128
 ATTN_MAX_HEAD_DIM = 256
 ATTN_MAX_GROUP = 16
-HEAD_SPLITS = (1, 2, 4, 8)  # attention.cu: attn_chunks_s<S>_d128/256
+# attention.cu's attn_chunks_s<S>_d<D> by head dimension: 3, 6 and 7 for the groups of 6 and 7 query
+# heads a KV head of the Qwen2.5 family (0.5B: 7 of head size 64; 1.5B: 6 and 7B: 7 of 128)
+HEAD_SPLITS = {64: (1, 2, 4, 7, 8), 128: (1, 2, 3, 4, 6, 7, 8), 256: (1, 2, 4, 8)}
 HEAD_SPLIT_GRID = 256  # the most blocks a split launch may have
 
 
 def prepare(shape: AttentionShape) -> None:
     """Raises attn_chunks' shared-memory opt-in for `shape` before any CUDA graph capture."""
-    for splits in HEAD_SPLITS if shape.head_dim in (128, 256) else (1,):
+    for splits in HEAD_SPLITS.get(shape.head_dim, (1,)):
         name = chunks_kernel(shape.head_dim, splits)
         with_shared(kernels.function("attention", name), (name,), shape.chunks_shared_bytes())
 
@@ -128,23 +130,23 @@ def position_blocks(nb: int, rows: int) -> int:
 
 
 def head_splits(group: int, blocks: int, head_dim: int = 128) -> int:
-    """Parts (attn_chunks_s<S>_d128/256, S in HEAD_SPLITS) a KV head's `group` query heads are
+    """Parts (attn_chunks_s<S>_d<D>, S in HEAD_SPLITS[D]) a KV head's `group` query heads are
     split into, a block each, for an attn_chunks grid of `blocks` blocks otherwise: a decode step
     over a short cache launches a block per KV head, and a block's time grows with its query heads
     (the 30B-A3B's 8 a KV head: 16.5 us a layer at position 64 on the H100, 2026-12-06, against ~10
-    for the 8B's 4). The most parts that divide the group and keep the grid within HEAD_SPLIT_GRID
-    blocks (each part copies the keys again); NVMEDIRECT_ATTN_SPLITS forces a number (sweeps).
-    Speed only: a head's bits do not depend on its block."""
+    for the 8B's 4; the Qwen2.5 0.5B draft's 7 of size 64: 14.4 us on the H200, 2026-12-03). The most
+    parts that divide the group and keep the grid within HEAD_SPLIT_GRID blocks (each part copies
+    the keys again); NVMEDIRECT_ATTN_SPLITS forces a number (sweeps). Speed only: a head's bits do
+    not depend on its block."""
     import os
 
-    if head_dim not in (128, 256):
-        return 1
+    splits = HEAD_SPLITS.get(head_dim, (1,))
     forced = os.environ.get("NVMEDIRECT_ATTN_SPLITS")
     if forced:
-        if forced not in {str(s) for s in HEAD_SPLITS}:
-            raise ValueError(f"NVMEDIRECT_ATTN_SPLITS={forced!r}: one of {HEAD_SPLITS}")
+        if forced not in {str(s) for s in splits}:
+            raise ValueError(f"NVMEDIRECT_ATTN_SPLITS={forced!r}: one of {splits} for heads of size {head_dim}")
         return int(forced) if group % int(forced) == 0 else 1
-    return max(s for s in HEAD_SPLITS if group % s == 0 and (s == 1 or s * blocks <= HEAD_SPLIT_GRID))
+    return max(s for s in splits if group % s == 0 and (s == 1 or s * blocks <= HEAD_SPLIT_GRID))
 
 
 def chunks_kernel(head_dim: int, splits: int) -> str:

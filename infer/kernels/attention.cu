@@ -222,8 +222,9 @@ __device__ __forceinline__ float attn_reduce8(float (&s)[ATTN_TILE], int lane) {
 }
 
 // grid (n_kv_heads * S, blocks along the positions, ceil(rows / group)), ATTN_THREADS threads: a
-// block takes one of S equal parts of a KV head's query heads (attn_chunks_s<S>_d128/256, S = 2, 4,
-// 8: more blocks, each with fewer heads a warp, for a decode step over a short cache, whose grid is
+// block takes one of S equal parts of a KV head's query heads (attn_chunks_s<S>_d<D>, S of
+// attention.py's HEAD_SPLITS: 2, 4, 8, and 3, 6, 7 for the groups of 6 and 7 heads of the Qwen2.5
+// family: more blocks, each with fewer heads a warp, for a decode step over a short cache, whose grid is
 // otherwise a block per KV head; each part copies the keys again; S is a template parameter: a
 // run-time split costs the kernels registers) and
 // holds 4 chunks (a warp each) for `group` consecutive rows, one row after the other, and walks the
@@ -454,8 +455,15 @@ __device__ __forceinline__ bool attn_chunks_body(const float* qkv, int W, int n_
 ATTN_CHUNKS(attn_chunks_d64, 64, 1)
 ATTN_CHUNKS(attn_chunks_d128, 128, 1)
 ATTN_CHUNKS(attn_chunks_d256, 256, 1)
+ATTN_CHUNKS(attn_chunks_s2_d64, 64, 2)
+ATTN_CHUNKS(attn_chunks_s4_d64, 64, 4)
+ATTN_CHUNKS(attn_chunks_s7_d64, 64, 7)
+ATTN_CHUNKS(attn_chunks_s8_d64, 64, 8)
 ATTN_CHUNKS(attn_chunks_s2_d128, 128, 2)
+ATTN_CHUNKS(attn_chunks_s3_d128, 128, 3)
 ATTN_CHUNKS(attn_chunks_s4_d128, 128, 4)
+ATTN_CHUNKS(attn_chunks_s6_d128, 128, 6)
+ATTN_CHUNKS(attn_chunks_s7_d128, 128, 7)
 ATTN_CHUNKS(attn_chunks_s8_d128, 128, 8)
 ATTN_CHUNKS(attn_chunks_s2_d256, 256, 2)
 ATTN_CHUNKS(attn_chunks_s4_d256, 256, 4)

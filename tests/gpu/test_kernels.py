@@ -841,24 +841,28 @@ def test_attention_of_a_row_does_not_depend_on_its_block_group(rng: np.random.Ge
 
 
 @pytest.mark.parametrize("position", [0, 64, 1000, 2000])
-def test_attention_of_a_row_does_not_depend_on_its_head_split(rng: np.random.Generator, position: int,
-                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(("n_heads", "n_kv", "hd"), [(32, 4, 128), (14, 2, 64), (12, 2, 128), (28, 4, 128)])
+def test_attention_of_a_row_does_not_depend_on_its_head_split(rng: np.random.Generator, position: int, n_heads: int,
+                                                               n_kv: int, hd: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """A decode step over a short cache splits a KV head's query heads over blocks (the 30B-A3B's
-    8 a KV head: up to 8 blocks of 1): each head gets the bits of the unsplit launch in every split,
-    which the exact softmax checks."""
+    8 a KV head: up to 8 blocks of 1; the Qwen2.5 0.5B's 7 of size 64, the 1.5B's 6 and the 7B's 7
+    of 128): each head gets the bits of the unsplit launch in every split, which the exact softmax
+    checks."""
     from infer.gpu.reference import attention_reference
 
-    n_heads, n_kv, hd = 32, 4, 128
+    group = n_heads // n_kv
     shape = attn.AttentionShape(n_heads, n_kv, hd, hd // 2, False)
     caches = _Caches(rng, 1, n_kv, [2048], hd)
     rows = [(0, position, position, position + 1, None)]
     qkv = rng.standard_normal((1, shape.width)).astype(np.float32)
     blocks = n_kv * -(-(position + 1) // 128)
-    assert attn.head_splits(n_heads // n_kv, blocks, hd) == (8 if position < 2000 else 4)
-    assert attn.head_splits(6, blocks, hd) == 2 and attn.head_splits(8, blocks, 64) == 1
+    chosen = attn.head_splits(group, blocks, hd)
+    assert chosen == max(s for s in attn.HEAD_SPLITS[hd] if group % s == 0 and (s == 1 or s * blocks <= 256))
+    if (n_heads, hd, position) in ((32, 128, 0), (14, 64, 0), (12, 128, 64)):
+        assert chosen == group  # a head a block over a short cache
     monkeypatch.setenv("NVMEDIRECT_ATTN_SPLITS", "1")
     whole = _attend(qkv, shape, caches, rows, 0, max_ctx=position + 1)
-    for splits in (2, 4, 8):
+    for splits in [s for s in attn.HEAD_SPLITS[hd] if s > 1 and group % s == 0]:
         monkeypatch.setenv("NVMEDIRECT_ATTN_SPLITS", str(splits))
         split = _attend(qkv, shape, caches, rows, 0, max_ctx=position + 1)
         np.testing.assert_array_equal(split, whole, err_msg=f"{splits} parts")
@@ -985,8 +989,11 @@ def test_forced_rows_a_warp_and_head_splits_are_checked(monkeypatch: pytest.Monk
     assert products.qgemv_rows(2048) == 3
     monkeypatch.delenv("NVMEDIRECT_QGEMV_ROWS")
     assert [products.qgemv_rows(c) for c in (768, 2048, 4096)] == [4, 2, 1]
-    monkeypatch.setenv("NVMEDIRECT_ATTN_SPLITS", "3")
-    with pytest.raises(ValueError, match="NVMEDIRECT_ATTN_SPLITS"):
-        attn.head_splits(8, 4)
+    for bad, hd in (("5", 128), ("3", 64), ("7", 256)):
+        monkeypatch.setenv("NVMEDIRECT_ATTN_SPLITS", bad)
+        with pytest.raises(ValueError, match="NVMEDIRECT_ATTN_SPLITS"):
+            attn.head_splits(8, 4, hd)
     monkeypatch.setenv("NVMEDIRECT_ATTN_SPLITS", "8")
     assert attn.head_splits(8, 4) == 8 and attn.head_splits(6, 4) == 1
+    monkeypatch.setenv("NVMEDIRECT_ATTN_SPLITS", "7")
+    assert attn.head_splits(7, 4, 64) == 7 and attn.head_splits(8, 4, 64) == 1
