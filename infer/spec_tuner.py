@@ -10,7 +10,11 @@ best chain by a fifth), so the tuner measures:
 
 - how often the accepted path reached each chain depth, among the passes whose chain offered it;
 - where the chain failed, the draft rank of the target's token, as far as the leaves offered saw it;
-- the draft's seconds per step, and the verify pass's seconds against its node count (a line).
+- the draft's seconds against its depth (a line: a drafting round has costs of its own besides its
+  steps, the feeding of what the target accepted and the trip of the chosen ids to the host, 2.5 ms
+  against 1.1 ms a step on the H200 on 2026-12-03; charged to the steps, they made depth look dear
+  and the tuner settle on shallow trees), and the verify pass's seconds against its node count
+  (another line).
 
 Expected tokens per pass for depth D and width W:
 
@@ -48,6 +52,7 @@ class ShapeTuner:
         self.rank_hits: Counter = Counter()  # rank r -> of those, the target's token was that leaf
         self.draft_steps = 0
         self.draft_seconds = 0.0
+        self.drafts: list[tuple[int, float]] = []  # (depth, seconds) of the latest passes' drafting
         self.verify: list[tuple[int, float]] = []  # (nodes, seconds) of the latest passes
         self.passes = 0
 
@@ -66,8 +71,8 @@ class ShapeTuner:
                 self.rank_hits[leaf_rank] += 1
         self.draft_steps += depth
         self.draft_seconds += draft_seconds
-        self.verify.append((nodes, verify_seconds))
-        self.verify = self.verify[-256:]
+        self.drafts = [*self.drafts[-255:], (depth, draft_seconds)]
+        self.verify = [*self.verify[-255:], (nodes, verify_seconds)]
         self.passes += 1
         if self.passes % self.every == 0:
             self.depth, self.width = self.best()[:2]
@@ -105,16 +110,18 @@ class ShapeTuner:
         fails = sum(q[d - 1] - q[d] for d in range(1, depth + 1))
         return 1.0 + sum(q[1:]) + self.leaf_share(width) * fails
 
+    def draft_line(self) -> tuple[float, float]:
+        """(fixed, per step) seconds of drafting a chain: the line through the latest passes' (depth,
+        seconds) once they offered two depths and it rises with depth; else all of it per step."""
+        fixed, step = _line(self.drafts)
+        if step > 0 and fixed >= 0:
+            return fixed, step
+        return 0.0, (self.draft_seconds / self.draft_steps if self.draft_steps else 0.0)
+
     def seconds(self, depth: int, width: int) -> float:
-        step = self.draft_seconds / self.draft_steps if self.draft_steps else 0.0
-        nodes = np.array([n for n, _ in self.verify], float)
-        secs = np.array([t for _, t in self.verify], float)
-        if len(set(nodes.tolist())) >= 2:
-            slope, intercept = np.polyfit(nodes, secs, 1)
-            slope = max(float(slope), 0.0)
-        else:
-            slope, intercept = 0.0, float(secs.mean()) if secs.size else 0.0
-        return depth * step + float(intercept) + slope * (1 + depth * width)
+        fixed, step = self.draft_line()
+        intercept, slope = _line(self.verify)
+        return fixed + depth * step + intercept + max(slope, 0.0) * (1 + depth * width)
 
     def shapes(self) -> list[tuple[int, int]]:
         return [(d, w) for d in range(1, self.max_depth + 1) for w in range(self.min_width, self.max_width + 1)
@@ -127,10 +134,19 @@ class ShapeTuner:
 
     def describe(self) -> str:
         d, w, rate = self.best()
-        step = self.draft_seconds / self.draft_steps if self.draft_steps else 0.0
+        fixed, step = self.draft_line()
         return (f"{d} x {w} (expected {self.expected_tokens(d, w):.2f} tokens per pass in "
-                f"{self.seconds(d, w) * 1e3:.1f} ms: draft {step * 1e3:.2f} ms per step, {rate:.1f} tok/s; "
-                f"from {self.passes} passes)")
+                f"{self.seconds(d, w) * 1e3:.1f} ms: draft {fixed * 1e3:.2f} ms + {step * 1e3:.2f} ms per step, "
+                f"{rate:.1f} tok/s; from {self.passes} passes)")
+
+
+def _line(points: Sequence[tuple[int, float]]) -> tuple[float, float]:
+    """(intercept, slope) of the least-squares line through (x, seconds) points; with fewer than two
+    distinct x, (mean, 0)."""
+    if len({x for x, _ in points}) < 2:
+        return (float(np.mean([t for _, t in points])) if points else 0.0), 0.0
+    slope, intercept = np.polyfit(np.array([x for x, _ in points], float), np.array([t for _, t in points], float), 1)
+    return float(intercept), float(slope)
 
 
 def chain_and_leaf(parents: Sequence[int], path: Sequence[int]) -> tuple[int, int]:
