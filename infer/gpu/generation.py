@@ -7,6 +7,7 @@ is not the layer recipe's job; the recipe does not know these loops exist."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import cupy
@@ -15,7 +16,7 @@ import numpy as np
 from infer.arch import ModelArgs
 from infer.gpu import ops
 from infer.gpu.cache import GpuKVCache
-from infer.gpu.passes import PassShape, Row, bucket_of
+from infer.gpu.passes import PassShape, Row, bucket_of, sequence_rows
 from infer.layers import check_batch
 
 if TYPE_CHECKING:
@@ -42,16 +43,45 @@ class DeviceGeneration:
 
     def prefill_batch(self, batch: Sequence[tuple[np.ndarray, GpuKVCache]]) -> None: ...
 
-    def _decode_rows(self, rows: Sequence[Row], steps: int, each: Callable[[int], None] | None = None) -> None:
+    def _decode_rows(self, rows: Sequence[Row], steps: int, each: Callable[[int], None] | None = None,
+                     lead: Sequence[Row] = ()) -> None:
         """Queues `steps` decode steps of `rows` (each row's token at its position, history on):
-        each step samples every row's next token into its cache's history and moves the row on."""
+        each step samples every row's next token into its cache's history and moves the row on.
+        `lead`: rows of tokens fed before the rows' own (their sequences' earlier positions), in the
+        first step's pass beside them (a pass of a few rows costs about one of one row), so they
+        need no pass of their own."""
         if len(rows) > self.logits_rows:
             raise ValueError(f"{len(rows)} sequences decoded together exceed the {self.logits_rows} logits rows "
                              "planned (load with batch=...)")
-        n = bucket_of(len(rows), self.capacity)
         for row in rows:
             row.cache.wrote(row.slot + steps)
+        if lead and steps:
+            first = [*rows, *lead]  # the sampled rows first: after the step their tokens sit in rows 0..len(rows)
+            n = bucket_of(len(first), self.capacity)
+            self.index.fill([*first, *[None] * (n - len(first))], PassShape(n), range(len(rows)))
+            self.passes += 1
+            self._run_layers()
+            self._run_head(len(rows), sample=True, advance=True)
+            if each is not None:
+                each(0)
+            sampled = getattr(self, "_sampled", None)
+            if sampled is None:  # a few bytes, once
+                sampled = self._sampled = cupy.empty(self.logits_rows, cupy.int32)
+            sampled[: len(rows)] = self.index.d["tok"][: len(rows)]  # the next tokens (the host does not know them)
+            sampled = sampled[: len(rows)]
+            rows = [replace(r, pos=r.pos + 1, slot=r.slot + 1, base=r.base + 1) for r in rows]
+            if steps > 1:
+                self._queue_steps(rows, steps - 1, None if each is None else (lambda step: each(step + 1)), sampled)
+            return
+        self._queue_steps(rows, steps, each)
+
+    def _queue_steps(self, rows: Sequence[Row], steps: int, each: Callable[[int], None] | None,
+                     tokens: cupy.ndarray | None = None) -> None:
+        """_decode_rows without lead rows; `tokens`: the rows' tokens on the device (not row.token)."""
+        n = bucket_of(len(rows), self.capacity)
         self.index.fill([*rows, *[None] * (n - len(rows))], PassShape(n), range(len(rows)))
+        if tokens is not None:  # the rows' tokens, already on the device
+            self.index.d["tok"][: len(rows)] = tokens
         self.passes += 1
         for step in range(steps):
             self._run_layers()
@@ -69,7 +99,7 @@ class DeviceGeneration:
 
     def draft_chain(self, tokens: np.ndarray, cache: GpuKVCache, depth: int, width: int) -> np.ndarray:
         """The draft side of speculation, queued on the device with one wait at the end: `tokens`
-        fed at cache.length (all but the last in one pass), then `depth` greedy decode steps, each
+        fed at cache.length (all but the last in the first step's pass), then `depth` greedy decode steps, each
         picking its next token on the device. Returns (depth, width) ids: column 0 the chain, the
         others each step's runners-up (one sort of all steps' logits at the end). The cache then
         holds `tokens` and the chain's first depth - 1 tokens (cache.length counts them)."""
@@ -81,14 +111,18 @@ class DeviceGeneration:
         feeds = [(np.asarray(t, dtype=np.int64).reshape(-1), c) for t, c in feeds]
         if not feeds or any(len(t) == 0 for t, _ in feeds) or depth < 1 or width < 1:
             raise ValueError("draft_chain needs tokens, depth >= 1 and width >= 1")
+        check_batch(feeds, self.args.vocab_size)
         for tokens, cache in feeds:
             if cache.length + len(tokens) + depth - 1 > cache.max_tokens:
                 raise ValueError(f"context full: {cache.length} + {len(tokens)} + {depth - 1} exceed {cache.max_tokens}")
-        heads = [(t[:-1], c) for t, c in feeds if len(t) > 1]
-        if heads:  # canonical rows (as a forward of them), no logits read
-            self._passes(heads, False, None, logits=False)  # type: ignore[attr-defined]
         m = len(feeds)
-        starts = [c.length for _, c in feeds]  # positions of the last fed tokens; the chains follow them
+        lead = [row for t, c in feeds for row in sequence_rows(c, t[:-1], c.length)]
+        if m + len(lead) > self.capacity:  # the fed tokens do not fit the first step's pass: a pass of their own
+            self._passes([(t[:-1], c) for t, c in feeds if len(t) > 1], False, None, logits=False)  # type: ignore[attr-defined]
+            for t, c in feeds:
+                c.length -= len(t) - 1  # counted again below
+            lead = []
+        starts = [c.length + len(t) - 1 for t, c in feeds]  # positions of the last fed tokens; the chains follow them
         with self.stream:
             steps = None
             if width > 1:  # each step's logits (step d, sequence i: row d * m + i), in the head's spare rows when they fit
@@ -100,7 +134,7 @@ class DeviceGeneration:
                     steps[d * m : (d + 1) * m] = self.logits[:m]
 
             rows = [Row(c, int(t[-1]), p, p, p + 1, None, True) for (t, c), p in zip(feeds, starts, strict=True)]
-            self._decode_rows(rows, depth, keep)
+            self._decode_rows(rows, depth, keep, lead)
             chains = [c.tokens[p + 1 : p + 1 + depth] for (_, c), p in zip(feeds, starts, strict=True)]
             if steps is None:
                 ids = [cupy.asnumpy(chain, stream=self.stream).astype(np.int64)[:, None] for chain in chains]
@@ -111,8 +145,8 @@ class DeviceGeneration:
                 host = cupy.asnumpy(top, stream=self.stream).astype(np.int64)
                 ids = [host[:, i, :] for i in range(m)]
         self.stream.synchronize()
-        for _, cache in feeds:
-            cache.length += depth  # the last fed token and the chain's first depth - 1
+        for tokens, cache in feeds:
+            cache.length += len(tokens) + depth - 1  # the fed tokens and the chain's first depth - 1
         return ids
 
     def generate(self, prompt: np.ndarray, cache: GpuKVCache, n_new: int, temperature: float = 0.0, seed: int = 0,
