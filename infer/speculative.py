@@ -78,17 +78,22 @@ class SpecStats:
 def follow(tree: Tree, logits: np.ndarray, choose: Chooser, history: list[int]) -> tuple[list[int], int]:
     """The path of nodes the target keeps (from the root) and the token it chose after the path's
     end: at each node the target's choice is drawn; if it is a child's token, the walk goes on.
-    A chooser that is a plain arg-max (`argmax_only`) reads every row's arg-max at once where the
-    logits offer it (`row_argmax`); a row with NaN or +inf still goes to the chooser (its error)."""
+    A chooser that is a plain arg-max (`argmax_only`), or an arg-max after a logit bias
+    (`biased_argmax_only`: a server's greedy request with ignore_eos), reads every row's arg-max at
+    once where the logits offer it (`row_argmax`, the bias added there) instead of fetching each row
+    it visits; a row with NaN or +inf, or with every token excluded, still goes to the chooser (its
+    error)."""
     children = tree.children()
     path, node = [0], 0
     seen = list(history) + [tree.tokens[0]]
     # the chooser, or the sampler whose bound `sample` it is (a request's)
-    greedy = getattr(choose, "argmax_only", False) or getattr(getattr(choose, "__self__", None), "argmax_only", False)
-    row_argmax = getattr(logits, "row_argmax", None) if greedy else None
-    best = row_argmax() if row_argmax is not None else None
+    sampler = getattr(choose, "__self__", None)
+    greedy = getattr(choose, "argmax_only", False) or getattr(sampler, "argmax_only", False)
+    bias = () if greedy or not getattr(sampler, "biased_argmax_only", False) else sampler.config.logit_bias  # type: ignore[union-attr]
+    row_argmax = getattr(logits, "row_argmax", None) if greedy or bias else None
+    best = (row_argmax(bias) if bias else row_argmax()) if row_argmax is not None else None
     while True:
-        if best is not None and best[2][node] == 0:
+        if best is not None and best[2][node] == 0 and not np.isneginf(best[1][node]):
             token = int(best[0][node])
         else:
             token = int(choose(logits[node], seen))

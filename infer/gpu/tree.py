@@ -46,15 +46,25 @@ class TreeLogits:
         self.stream.synchronize()
         return out
 
-    def row_argmax(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def row_argmax(self, bias: Sequence[tuple[int, float]] = ()) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(ids, maxima, nonfinite) of every row: its arg-max as the decode step's sampler picks it
         (ties to the lowest id, NaN never chosen), that value, and its count of NaN and +inf. On the
-        device one kernel and one small copy: a greedy walk reads these, not the rows it visits."""
+        device one kernel and one small copy: a greedy walk reads these, not the rows it visits.
+        bias: (token id, value) pairs added to every row first, as Sampler's logit_bias adds them
+        (float32, in order; ignore_eos is one): on the device the rows are changed in place."""
         if not self.on_device:
-            return argmax_rows(self.rows)
+            rows = self.rows
+            if bias:
+                rows = np.array(rows, np.float32, copy=True)
+                for row in rows:
+                    apply_logit_bias(row, bias)
+            return argmax_rows(rows)
         self._check()
         n, vocab = self.rows.shape
         with self.stream:
+            pairs = [(token, value) for token, value in bias if 0 <= token < vocab]
+            for at, token, value in _bias_rounds([(r, pairs) for r in range(n)] if pairs else []):
+                self.rows[at, token] += value
             out = cupy.empty(3 * n, cupy.int32)  # ids, maxima (as float32 bits), nonfinite counts
             ops.argmax_rows(self.rows, n, vocab, out[:n], out[n : 2 * n].view(F32), out[2 * n :])
             host = cupy.asnumpy(out, stream=self.stream)

@@ -321,6 +321,36 @@ def test_device_argmax_is_the_host_samplers_greedy_choice(pair: Pair) -> None:
             Sampler(SamplerConfig(temperature=0.0, logit_bias=((7, float("-inf")),))).sample(block[1])
 
 
+def test_a_biased_greedy_walk_of_a_verified_tree_takes_the_devices_choices(pair: Pair) -> None:
+    """A server's greedy request with a logit bias (ignore_eos is a ban) walks a verified tree from
+    the device's arg-max of every node with the bias added there (TreeLogits.row_argmax(bias)): the
+    same path and next token as Sampler.sample on the host rows, with a ban, a boost and an id
+    biased twice."""
+    from infer.sampler import Sampler, SamplerConfig
+    from infer.speculative import Tree, follow
+
+    gpu, vocab = pair.gpu, pair.gpu.args.vocab_size
+    prompt = _prompt(12, 61)
+    cache = gpu.new_cache(128)
+    logits = gpu.forward(prompt, cache)
+    sampler = Sampler(SamplerConfig(temperature=0.0, logit_bias=((int(np.argmax(logits)), float("-inf")),
+                                                                 (5, 0.5), (5, 0.25))))
+    chain = []  # the target's own biased greedy tokens, a step at a time
+    for _ in range(4):
+        chain.append(sampler.sample(logits))
+        logits = gpu.forward(np.array([chain[-1]]), cache)
+    other = [t for t in range(3, vocab) if t not in chain][:2]
+    tokens = [int(prompt[-1]), chain[0], other[0], chain[1], other[1], chain[2]]
+    tree = Tree(tokens, [-1, 0, 0, 1, 1, 3])
+    verify = gpu.new_cache(128)
+    gpu.forward(prompt[:-1], verify)
+    rows = gpu.verify_tree(np.asarray(tokens), np.asarray(tree.parents), verify)
+    host = rows.to_host()  # first: the walk adds the bias to the device rows in place
+    history = [int(t) for t in prompt[:-1]]
+    assert follow(tree, host, sampler.sample, history) == ([0, 1, 3, 5], chain[3])
+    assert follow(tree, rows, sampler.sample, history) == ([0, 1, 3, 5], chain[3])
+
+
 def test_graph_generation_is_the_host_loop(pair: Pair) -> None:
     gpu, prompt, n = pair.gpu, _prompt(20, 4), 24
     cache = gpu.new_cache(128)

@@ -97,11 +97,14 @@ class _RowCounting:
         self.reads += 1
         return self.rows[node]
 
-    def row_argmax(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        from infer.sampler import argmax_rows
+    def row_argmax(self, bias: tuple[tuple[int, float], ...] = ()) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        from infer.sampler import apply_logit_bias, argmax_rows
 
         self.argmax_calls += 1
-        return argmax_rows(self.rows)
+        rows = self.rows.copy()
+        for row in rows:
+            apply_logit_bias(row, bias)
+        return argmax_rows(rows)
 
 
 def test_a_greedy_walk_reads_the_arg_max_rows_not_the_rows() -> None:
@@ -125,6 +128,32 @@ def test_a_greedy_walk_reads_the_arg_max_rows_not_the_rows() -> None:
     rows[1, 2] = np.nan
     with pytest.raises(NonFiniteLogits):
         follow(tree, _RowCounting(rows), Sampler(SamplerConfig(temperature=0)), [])
+
+
+def test_a_biased_greedy_walk_reads_the_arg_max_rows_with_the_bias_added() -> None:
+    """A greedy Sampler with a logit bias (a server request's ignore_eos: a ban) takes its choices
+    from row_argmax(bias) in one call, the same path and next token as reading each row; a row whose
+    every token is banned goes to the sampler, which refuses it as it does without a tree."""
+    from infer.sampler import Sampler, SamplerConfig
+
+    tree = Tree([7, 1, 2, 3, 4], [-1, 0, 0, 1, 1])
+    rows = np.zeros((5, 10), np.float32)
+    rows[0, 1] = rows[1, 9] = 1.0
+    rows[1, 4] = rows[4, 6] = 0.5  # with 9 banned, 7 -> 1 -> 4 -> 6 (not in the tree)
+    banned = Sampler(SamplerConfig(temperature=0, logit_bias=((9, float("-inf")), (0, 0.25), (0, 0.125))))
+    assert banned.biased_argmax_only and not banned.argmax_only
+    logits = _RowCounting(rows)
+    assert follow(tree, logits, banned.sample, []) == ([0, 1, 4], 6)
+    assert (logits.argmax_calls, logits.reads) == (1, 0)
+    boosted = Sampler(SamplerConfig(temperature=0, logit_bias=((2, 0.5), (2, 0.75))))  # 7 -> 2 (0 + 1.25 > 1)
+    logits = _RowCounting(rows)
+    assert follow(tree, logits, boosted.sample, []) == follow(tree, rows, boosted.sample, []) == ([0, 2], 2)  # row 2 is zeros: the boosted 2 again
+    assert (logits.argmax_calls, logits.reads) == (1, 0)
+    everything = Sampler(SamplerConfig(temperature=0, logit_bias=tuple((t, float("-inf")) for t in range(10))))
+    logits = _RowCounting(rows)
+    with pytest.raises(ValueError, match="every token is excluded"):
+        follow(tree, logits, everything.sample, [])
+    assert logits.reads == 1
 
 
 def prompts_for(model: object, n: int) -> list[list[int]]:
