@@ -143,7 +143,7 @@ def profile_pair(args: argparse.Namespace) -> dict[str, Any]:
     result: dict[str, Any] = {"target": str(args.target), "draft": str(args.draft), "vram_budget_bytes": budget,
                               "prompt_tokens": len(prompt), "traces": {}}
     try:
-        tcache, dcache = target.new_cache(args.ctx), dmodel.new_cache(args.ctx)
+        tcache, dcache = target.new_cache(args.ctx), draft.engine.cache  # the draft plan holds one cache
 
         def generate(n: int) -> None:
             tcache.length = 0
