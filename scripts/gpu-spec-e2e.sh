@@ -1,11 +1,11 @@
 #!/bin/bash
 # Issue 14's end-to-end measurement on the GPU machine, with the real pair (Qwen2.5-Coder-1.5B-Instruct
 # Q4_K_M target, 0.5B draft). The machine has no PyPI and a call carries at most 64 MiB (the working
-# tree included), so the two models (1.6 GB) travel as 62 MB pieces of their concatenation, one piece
-# per call, into /tmp/models/pieces of one warm machine (it is handed back 30 s after a call: make
-# the calls back to back):
+# tree included, about 8 MB on disk in 2026-12), so the two models (1.6 GB) travel as 56 MB pieces
+# of their concatenation (29), one piece per call, into /tmp/models/pieces of one warm machine (it is
+# handed back 30 s after a call: make the calls back to back):
 #
-#   here:   cat 1.5b.gguf 0.5b.gguf | split -b 62000000 -d -a 2 - /work/pieces/p; ln -s /work/pieces .pieces
+#   here:   cat 1.5b.gguf 0.5b.gguf | split -b 56000000 -d -a 2 - /work/pieces/p; ln -s /work/pieces .pieces
 #           (.pieces ignored through .git/info/exclude)
 #   there:  bash scripts/gpu-spec-e2e.sh piece .pieces  (carry [".pieces/pNN"]: keeps it in /tmp/models/pieces)
 #   last:   OUT=... bash scripts/gpu-spec-e2e.sh run    (joins, checks the sha256 below, runs bench.spec_bench e2e)
@@ -15,7 +15,7 @@
 # no PyPI: `run` installs the carried wheels (.whl, from /work/shared/device/fetch-wheels.sh) into
 # /tmp/site when they are not there yet, and takes the HumanEval prompts from .carry/HumanEval.jsonl.gz
 # (a copy of ~/.cache/nvmedirect/humaneval/HumanEval.jsonl.gz) when the cache has none: carry .whl and
-# .carry in a call of their own (with a 62 MB piece they exceed the 64 MiB a call carries).
+# .carry in a call of their own (with a piece they exceed the 64 MiB a call carries).
 set -u
 cd "$(dirname "$0")/.."
 DIR=/tmp/models
