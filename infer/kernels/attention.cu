@@ -439,8 +439,11 @@ __device__ __forceinline__ bool attn_chunks_body(const float* qkv, int W, int n_
     return true;
 }
 
-#define ATTN_CHUNKS(NAME, D, S)                                                                              \
-    extern "C" __global__ void __launch_bounds__(ATTN_THREADS)                                               \
+// BOUNDS: the kernel's __launch_bounds__. The split kernels of head size 64 say a block an SM is
+// enough: without it ptxas holds them at 80 registers and spills (8-16 bytes, CUDA 13.0, sm_90);
+// with it they take 89-90 and spill nothing. The others keep the bounds they were measured with.
+#define ATTN_CHUNKS_BOUNDED(NAME, D, S, BOUNDS)                                                              \
+    extern "C" __global__ void BOUNDS                                                                        \
         NAME(const float* qkv, int W, int n_heads, int n_kv_heads, float scale, int window, int layer,       \
              const int* pos, const int* base, const int* anc_off, const int* anc,                             \
              const unsigned long long* kptr, const unsigned long long* vptr, const int* cap, float* work,     \
@@ -452,13 +455,15 @@ __device__ __forceinline__ bool attn_chunks_body(const float* qkv, int W, int n_
                                         n_rows, group, blk))                                                 \
                 break;                                                                                       \
     }
+#define ATTN_CHUNKS(NAME, D, S) ATTN_CHUNKS_BOUNDED(NAME, D, S, __launch_bounds__(ATTN_THREADS))
+#define ATTN_CHUNKS_ONE_BLOCK(NAME, D, S) ATTN_CHUNKS_BOUNDED(NAME, D, S, __launch_bounds__(ATTN_THREADS, 1))
 ATTN_CHUNKS(attn_chunks_d64, 64, 1)
 ATTN_CHUNKS(attn_chunks_d128, 128, 1)
 ATTN_CHUNKS(attn_chunks_d256, 256, 1)
-ATTN_CHUNKS(attn_chunks_s2_d64, 64, 2)
-ATTN_CHUNKS(attn_chunks_s4_d64, 64, 4)
-ATTN_CHUNKS(attn_chunks_s7_d64, 64, 7)
-ATTN_CHUNKS(attn_chunks_s8_d64, 64, 8)
+ATTN_CHUNKS_ONE_BLOCK(attn_chunks_s2_d64, 64, 2)
+ATTN_CHUNKS_ONE_BLOCK(attn_chunks_s4_d64, 64, 4)
+ATTN_CHUNKS_ONE_BLOCK(attn_chunks_s7_d64, 64, 7)
+ATTN_CHUNKS_ONE_BLOCK(attn_chunks_s8_d64, 64, 8)
 ATTN_CHUNKS(attn_chunks_s2_d128, 128, 2)
 ATTN_CHUNKS(attn_chunks_s3_d128, 128, 3)
 ATTN_CHUNKS(attn_chunks_s4_d128, 128, 4)
