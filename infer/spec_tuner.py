@@ -119,8 +119,15 @@ class ShapeTuner:
         return 0.0, (self.draft_seconds / self.draft_steps if self.draft_steps else 0.0)
 
     def seconds(self, depth: int, width: int) -> float:
-        fixed, step = self.draft_line()
-        intercept, slope = _line(self.verify)
+        return self._seconds(depth, width, self._lines())
+
+    def _lines(self) -> tuple[tuple[float, float], tuple[float, float]]:
+        """The drafting line and the verify line (fit once for every shape compared)."""
+        return self.draft_line(), _line(self.verify)
+
+    @staticmethod
+    def _seconds(depth: int, width: int, lines: tuple[tuple[float, float], tuple[float, float]]) -> float:
+        (fixed, step), (intercept, slope) = lines
         return fixed + depth * step + intercept + max(slope, 0.0) * (1 + depth * width)
 
     def shapes(self) -> list[tuple[int, int]]:
@@ -129,7 +136,8 @@ class ShapeTuner:
 
     def best(self) -> tuple[int, int, float]:
         """(depth, width, expected tokens per second) of the best shape."""
-        rates = [(d, w, self.expected_tokens(d, w) / max(self.seconds(d, w), 1e-9)) for d, w in self.shapes()]
+        lines = self._lines()
+        rates = [(d, w, self.expected_tokens(d, w) / max(self._seconds(d, w, lines), 1e-9)) for d, w in self.shapes()]
         return max(rates, key=lambda r: r[2])
 
     def describe(self) -> str:

@@ -91,7 +91,7 @@ def follow(tree: Tree, logits: np.ndarray, choose: Chooser, history: list[int]) 
     greedy = getattr(choose, "argmax_only", False) or getattr(sampler, "argmax_only", False)
     bias = () if greedy or not getattr(sampler, "biased_argmax_only", False) else sampler.config.logit_bias  # type: ignore[union-attr]
     row_argmax = getattr(logits, "row_argmax", None) if greedy or bias else None
-    best = (row_argmax(bias) if bias else row_argmax()) if row_argmax is not None else None
+    best = row_argmax(bias) if row_argmax is not None else None
     while True:
         if best is not None and best[2][node] == 0 and not np.isneginf(best[1][node]):
             token = int(best[0][node])

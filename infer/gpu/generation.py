@@ -55,37 +55,26 @@ class DeviceGeneration:
                              "planned (load with batch=...)")
         for row in rows:
             row.cache.wrote(row.slot + steps)
-        if lead and steps:
-            first = [*rows, *lead]  # the sampled rows first: after the step their tokens sit in rows 0..len(rows)
-            n = bucket_of(len(first), self.capacity)
-            self.index.fill([*first, *[None] * (n - len(first))], PassShape(n), range(len(rows)))
-            self.passes += 1
-            self._run_layers()
-            self._run_head(len(rows), sample=True, advance=True)
-            if each is not None:
-                each(0)
-            sampled = getattr(self, "_sampled", None)
-            if sampled is None:  # a few bytes, once
-                sampled = self._sampled = cupy.empty(self.logits_rows, cupy.int32)
-            sampled[: len(rows)] = self.index.d["tok"][: len(rows)]  # the next tokens (the host does not know them)
-            sampled = sampled[: len(rows)]
+        carry = 0
+        if lead and steps:  # the sampled rows first: after the step their next tokens sit in rows 0..len(rows)
+            self._steps([*rows, *lead], len(rows), 1, each)
+            if steps == 1:
+                return
             rows = [replace(r, pos=r.pos + 1, slot=r.slot + 1, base=r.base + 1) for r in rows]
-            if steps > 1:
-                self._queue_steps(rows, steps - 1, None if each is None else (lambda step: each(step + 1)), sampled)
-            return
-        self._queue_steps(rows, steps, each)
+            steps, carry = steps - 1, len(rows)
+            each = None if each is None else (lambda step, each=each: each(step + 1))
+        self._steps(rows, len(rows), steps, each, carry)
 
-    def _queue_steps(self, rows: Sequence[Row], steps: int, each: Callable[[int], None] | None,
-                     tokens: cupy.ndarray | None = None) -> None:
-        """_decode_rows without lead rows; `tokens`: the rows' tokens on the device (not row.token)."""
+    def _steps(self, rows: Sequence[Row], sampled: int, steps: int, each: Callable[[int], None] | None,
+               carry: int = 0) -> None:
+        """`steps` passes of `rows`, the first `sampled` of them sampled and moved on each time
+        (`carry`: PassIndex.fill's)."""
         n = bucket_of(len(rows), self.capacity)
-        self.index.fill([*rows, *[None] * (n - len(rows))], PassShape(n), range(len(rows)))
-        if tokens is not None:  # the rows' tokens, already on the device
-            self.index.d["tok"][: len(rows)] = tokens
+        self.index.fill([*rows, *[None] * (n - len(rows))], PassShape(n), range(sampled), carry)
         self.passes += 1
         for step in range(steps):
             self._run_layers()
-            self._run_head(len(rows), sample=True, advance=True)
+            self._run_head(sampled, sample=True, advance=True)
             if each is not None:
                 each(step)
 
@@ -119,9 +108,7 @@ class DeviceGeneration:
         lead = [row for t, c in feeds for row in sequence_rows(c, t[:-1], c.length)]
         if m + len(lead) > self.capacity:  # the fed tokens do not fit the first step's pass: a pass of their own
             self._passes([(t[:-1], c) for t, c in feeds if len(t) > 1], False, None, logits=False)  # type: ignore[attr-defined]
-            for t, c in feeds:
-                c.length -= len(t) - 1  # counted again below
-            lead = []
+            feeds, lead = [(t[-1:], c) for t, c in feeds], []
         starts = [c.length + len(t) - 1 for t, c in feeds]  # positions of the last fed tokens; the chains follow them
         with self.stream:
             steps = None

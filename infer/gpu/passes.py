@@ -145,11 +145,12 @@ class PassIndex:
         rows = capacity + 1
         self.anc_capacity = capacity * (capacity + 1) // 2  # any tree of `capacity` nodes
         self.header = rows * (8 * len(self.I64) + 4 * len(self.I32) + 4 * len(self.F32))
-        self.nbytes = self.nbytes_for(capacity)
+        self.nbytes = self._table_nbytes(capacity)  # what the host lays out and copies
         self._pinned = cupy.cuda.alloc_pinned_memory(self.nbytes)
         self.host = np.frombuffer(self._pinned, np.uint8, self.nbytes)
         with stream:
-            self.device = cupy.zeros(self.nbytes, cupy.uint8)
+            self.device = cupy.zeros(self.nbytes_for(capacity), cupy.uint8)
+        self.kept = self.device[self.nbytes :].view(cupy.int32)  # tokens kept across a fill (fill's carry)
         self._views(rows)
         self._uploaded = cupy.cuda.Event(disable_timing=True)
         self._uploaded.record(stream)
@@ -158,7 +159,12 @@ class PassIndex:
 
     @classmethod
     def nbytes_for(cls, capacity: int) -> int:
-        """Device (and pinned host) bytes of the index of `capacity` rows."""
+        """Device bytes of the index of `capacity` rows: the table, and a token a row kept across a fill."""
+        return cls._table_nbytes(capacity) + 4 * (capacity + 1)
+
+    @classmethod
+    def _table_nbytes(cls, capacity: int) -> int:
+        """Bytes of the table (pinned on the host, copied to the device)."""
         per_row = 8 * len(cls.I64) + 4 * len(cls.I32) + 4 * len(cls.F32)
         return (capacity + 1) * per_row + 4 * capacity * (capacity + 1) // 2
 
@@ -173,7 +179,7 @@ class PassIndex:
                 self.d[name] = self.device[at : at + size].view(cupy.uint32 if name == "seeds" else dtype)
                 at += size
         self.h["anc"] = self.host[at:].view(np.int32)
-        self.d["anc"] = self.device[at:].view(cupy.int32)
+        self.d["anc"] = self.device[at : self.nbytes].view(cupy.int32)
 
     @property
     def fields(self) -> RowFields:
@@ -187,10 +193,11 @@ class PassIndex:
         d = self.d
         return RowFields(d["pos"], d["slot"], d["base"], d["anc_off"], d["anc"], d["kptr_l"], d["vptr_l"], d["ring"])
 
-    def fill(self, slots: Sequence[Row | None], shape: PassShape, out_rows: Sequence[int]) -> None:
+    def fill(self, slots: Sequence[Row | None], shape: PassShape, out_rows: Sequence[int], carry: int = 0) -> None:
         """Lays out the pass's rows (`slots`, shape.rows of them: None a null row) and the rows whose
         logits are wanted, and copies them to the device on the stream (the staging buffer is reused
-        only after the previous copy ran)."""
+        only after the previous copy ran). carry: rows 0..carry-1 keep the tokens the previous pass
+        sampled into them (advance), which the host does not know (their Row.token is not used)."""
         n, cap = len(slots), self.capacity
         if n != shape.rows or n > cap or len(out_rows) > cap:
             raise ValueError(f"{n} rows for a pass shape of {shape.rows} (capacity {cap}), {len(out_rows)} logits rows")
@@ -236,9 +243,14 @@ class PassIndex:
         h["out_rows"][:] = cap
         h["out_rows"][: len(out_rows)] = np.asarray(out_rows, np.int32)
         size = self.header + 4 * used
-        cupy.cuda.runtime.memcpyAsync(self.device.data.ptr, self.host.ctypes.data, size,
-                                      cupy.cuda.runtime.memcpyHostToDevice, self.stream.ptr)
-        self._uploaded.record(self.stream)
+        with self.stream:
+            if carry:
+                self.kept[:carry] = self.d["tok"][:carry]
+            cupy.cuda.runtime.memcpyAsync(self.device.data.ptr, self.host.ctypes.data, size,
+                                          cupy.cuda.runtime.memcpyHostToDevice, self.stream.ptr)
+            self._uploaded.record(self.stream)
+            if carry:
+                self.d["tok"][:carry] = self.kept[:carry]
         self.n, self.shape = len(real), shape
 
     def set_out_rows(self, out_rows: Sequence[int]) -> None:
