@@ -60,7 +60,8 @@ class DeviceGeneration:
             self._steps([*rows, *lead], len(rows), 1, each)
             if steps == 1:
                 return
-            rows = [replace(r, pos=r.pos + 1, slot=r.slot + 1, base=r.base + 1) for r in rows]
+            # as sample_rows moves them: a row with a span of its own keeps its base
+            rows = [replace(r, pos=r.pos + 1, slot=r.slot + 1, base=r.base + (r.anc is None)) for r in rows]
             steps, carry = steps - 1, len(rows)
             each = None if each is None else (lambda step, each=each: each(step + 1))
         self._steps(rows, len(rows), steps, each, carry)
@@ -135,6 +136,42 @@ class DeviceGeneration:
         for tokens, cache in feeds:
             cache.length += len(tokens) + depth - 1  # the fed tokens and the chain's first depth - 1
         return ids
+
+    def draft_branches(self, cache: GpuKVCache, lead: Sequence[int], branches: Sequence[tuple[int, int]], steps: int,
+                       width: int) -> BranchDraft:
+        """The draft's side of drafting ahead (infer/draft_ahead.py), queued on the draft's stream
+        with no wait: `lead` fed at cache.length (the sequence's next tokens; the cache counts them),
+        then for each branch (token, position p: it sees the cache's positions before p) `steps`
+        greedy decode steps in slots of its own past the sequence's, all branches in one pass a
+        step (`lead` rides in the first). The handle's ranked() gives (branches, steps, width) ids:
+        row t of a branch the draft's `width` likeliest tokens after its t-th token, column 0 the
+        one the step chose. The sequence's slots past cache.length are left as they were."""
+        n, start = len(branches), cache.length
+        scratch = start + len(lead)  # the branches' slots: past the sequence's (a branch b, step t: scratch + b * steps + t)
+        if not n or steps < 1 or width < 1 or scratch + n * steps > cache.max_tokens:
+            raise ValueError(f"{n} branches of {steps} steps do not fit the cache after {scratch} tokens")
+        if n > self.logits_rows or n + len(lead) > self.capacity:
+            raise ValueError(f"{n} branches and {len(lead)} tokens exceed a pass of {self.capacity} rows")
+        check_batch([(np.asarray([t for t, _ in branches], np.int64), cache)], self.args.vocab_size)
+        with self.stream:
+            chosen = cupy.empty(n * steps, cupy.int32)  # branch b's step t: [b * steps + t]
+            ranked = cupy.empty((steps, n, width), cupy.int32) if width > 1 else None
+            rows = []
+            for b, (token, pos) in enumerate(branches):
+                slots = np.arange(scratch + b * steps, scratch + (b + 1) * steps, dtype=np.int32)
+                # sample_rows writes the step at position q to [q + 1]: branch b's row of `chosen`
+                at = chosen.data.ptr + 4 * (b * steps - pos - 1)
+                rows.append(Row(cache, int(token), int(pos), int(slots[0]), int(pos), slots, True, history_at=at))
+
+            def keep(step: int) -> None:
+                if ranked is not None:
+                    ranked[step] = ops.top_rows(self.logits[:n], n, width)
+
+            self._decode_rows(rows, steps, keep, sequence_rows(cache, lead, start))
+            cache.length = scratch
+            done = cupy.cuda.Event(disable_timing=True)
+            done.record(self.stream)
+        return BranchDraft(chosen.reshape(n, steps), ranked, done)
 
     def generate(self, prompt: np.ndarray, cache: GpuKVCache, n_new: int, temperature: float = 0.0, seed: int = 0,
                  stop: set[int] | frozenset[int] = frozenset(), check_every: int = 16,
@@ -217,3 +254,20 @@ class DeviceGeneration:
                 caches[s].length = state[s][1]  # the tokens processed; the last sampled one is not
             live = [s for s in live if state[s][2] < n_new and not (fresh[s] and fresh[s][-1] in stop)]
             yield fresh
+
+
+class BranchDraft:
+    """draft_branches' results, on the device until asked for."""
+
+    def __init__(self, chosen: cupy.ndarray, ranked: cupy.ndarray | None, done: cupy.cuda.Event) -> None:
+        self.chosen, self._ranked, self.done = chosen, ranked, done
+
+    def ranked(self) -> np.ndarray:
+        """(branches, steps, width) int64 ids (waits for the draft's stream to get there)."""
+        self.done.synchronize()
+        chosen = cupy.asnumpy(self.chosen).astype(np.int64)
+        if self._ranked is None:
+            return chosen[:, :, None]
+        out = cupy.asnumpy(self._ranked).astype(np.int64).transpose(1, 0, 2).copy()
+        out[:, :, 0] = chosen  # the token each step chose (ties: the same one)
+        return out

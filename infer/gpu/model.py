@@ -330,7 +330,7 @@ class GpuTransformer(DeviceGeneration):
         products.product([out], xs[out.act], self.logits, m, ldy=a.vocab_size, scratch=self.split)
         if sample:
             ops.sample_rows(self.logits, m, a.vocab_size, d["out_rows"], d["temps"], d["seeds"], d["tok"], d["pos"],
-                            d["slot"], d["base"], d["hist"], advance)
+                            d["slot"], d["base"], d["anc_off"], d["hist"], advance)
 
     def _plan_segments(self) -> list[tuple[bool, list[int]]]:
         """A pass as (capturable, items): runs of the embedding and resident layers, which replay as

@@ -299,11 +299,12 @@ def top_rows(logits: cupy.ndarray, rows: int, k: int) -> cupy.ndarray:
 
 def sample_rows(logits: cupy.ndarray, n: int, vocab: int, out_rows: cupy.ndarray, temps: cupy.ndarray,
                 seeds: cupy.ndarray, tok: cupy.ndarray, pos: cupy.ndarray, slot: cupy.ndarray, base: cupy.ndarray,
-                hist: cupy.ndarray, advance: bool) -> None:
+                anc_off: cupy.ndarray, hist: cupy.ndarray, advance: bool) -> None:
     """The next token of each of the first n logits rows (for pass row out_rows[i]: arg-max, or a
     draw at temps[row] seeded by seeds[row] and the position) into the row's token history; with
-    `advance` the rows with a history become the next decode step (tok, pos, slot, base)."""
+    `advance` the rows with a history become the next decode step (tok, pos, slot, and base where
+    the row has no span of its own: anc_off < 0)."""
     if n > 0:
         kernels.function("ops", "sample_rows")(
-            (n,), (1024,), (logits, np.int32(vocab), out_rows, temps, seeds, tok, pos, slot, base, hist,
+            (n,), (1024,), (logits, np.int32(vocab), out_rows, temps, seeds, tok, pos, slot, base, anc_off, hist,
                             np.int32(1 if advance else 0)))

@@ -51,6 +51,7 @@ class Row:
     temperature: float = 0.0
     seed: int = 0
     prompt: bool = False
+    history_at: int = 0  # with `history`: the token goes to the int32 array at this device address instead, at [pos + 1]
 
 
 def sequence_rows(cache: GpuKVCache, tokens: Sequence[int], start: int, prompt: int = 0) -> list[Row]:
@@ -221,7 +222,7 @@ class PassIndex:
             fields = {id(row.cache): _cache_fields(row.cache) for row in rows}
             for name in ("kptr", "vptr", "kptr_l", "vptr_l", "cap", "ring"):
                 h[name][idx] = [fields[id(row.cache)][name] for row in rows]
-            h["hist"][idx] = [row.cache.tokens.data.ptr if row.history else 0 for row in rows]
+            h["hist"][idx] = [(row.history_at or row.cache.tokens.data.ptr) if row.history else 0 for row in rows]
             h["tok"][idx] = [row.token for row in rows]
             h["pos"][idx] = [row.pos for row in rows]
             h["live"][idx] = 1  # a mixture of experts routes no null row (infer/kernels/moe.cu)

@@ -196,10 +196,13 @@ __device__ __forceinline__ void block_best(float& bv, int& bi) {
 // exactly from softmax(logits/T)) with noise hashed from (seeds[r], position, token). Ties go to the
 // lowest id, as numpy.argmax does; NaN never wins. The token goes to hist[r][pos + 1] (the
 // sequence's token history, when hist[r] != 0); with `advance` the row becomes the next decode
-// step's: tok = the token, pos, slot and base one further (a plain row's span is its own slots).
+// step's: tok = the token, pos and slot one further, and base too for a plain row (its span is its
+// own slots); a row with a span of its own (anc_off >= 0: a branch drafted ahead in slots past the
+// sequence's, infer/draft_ahead.py) keeps its base and reads its next slot from the span.
 extern "C" __global__ void __launch_bounds__(1024)
     sample_rows(const float* logits, int vocab, const int* out_rows, const float* temps, const unsigned int* seeds,
-                int* tok, int* pos, int* slot, int* base, const unsigned long long* hist, int advance) {
+                int* tok, int* pos, int* slot, int* base, const int* anc_off, const unsigned long long* hist,
+                int advance) {
     pdl_enter();
     const float* row = logits + (size_t)blockIdx.x * vocab;
     const int r = out_rows[blockIdx.x];
@@ -239,7 +242,7 @@ extern "C" __global__ void __launch_bounds__(1024)
             tok[r] = next;
             pos[r] = p + 1;
             slot[r] = slot[r] + 1;
-            base[r] = p + 2;
+            if (anc_off[r] < 0) base[r] = p + 2;
         }
     }
 }

@@ -935,11 +935,12 @@ def test_rope_rows(rng: np.random.Generator, neox: bool, qk_norm: bool) -> None:
 
 
 # ---------------------------------------------------------------- sampling
-def _sample_index(n: int, temps: list[float], seeds: list[int], positions: list[int], hist: list[cupy.ndarray | None]):
+def _sample_index(n: int, temps: list[float], seeds: list[int], positions: list[int], hist: list[cupy.ndarray | None],
+                  anc_off: list[int] | None = None):
     i32 = lambda v: cupy.asarray(np.array(v, np.int32))  # noqa: E731
     return dict(out_rows=i32(list(range(n))), temps=cupy.asarray(np.array(temps, np.float32)),
                 seeds=cupy.asarray(np.array(seeds, np.uint32)), tok=i32([-5] * n), pos=i32(positions),
-                slot=i32(positions), base=i32([p + 1 for p in positions]),
+                slot=i32(positions), base=i32([p + 1 for p in positions]), anc_off=i32(anc_off or [-1] * n),
                 hist=cupy.asarray(np.array([0 if h is None else h.data.ptr for h in hist], np.uint64)))
 
 
@@ -952,14 +953,15 @@ def test_sample_rows_argmax_history_and_advance(rng: np.random.Generator, vocab:
     logits[2] = 0.0
     logits[2, vocab - 1] = 1.0  # the maximum in the last element (the tail loop)
     hists = [cupy.full(100, -1, cupy.int32) for _ in range(2)]
-    ix = _sample_index(3, [0.0] * 3, [0] * 3, [41, 7, 60], [hists[0], hists[1], None])
+    # row 1 has a span of its own (a branch drafted ahead): it moves on, its base stays
+    ix = _sample_index(3, [0.0] * 3, [0] * 3, [41, 7, 60], [hists[0], hists[1], None], anc_off=[-1, 0, -1])
     ops.sample_rows(cupy.asarray(logits), 3, vocab, ix["out_rows"], ix["temps"], ix["seeds"], ix["tok"], ix["pos"],
-                    ix["slot"], ix["base"], ix["hist"], advance=True)
+                    ix["slot"], ix["base"], ix["anc_off"], ix["hist"], advance=True)
     want = [int(np.argmax(logits[0])), 7]
     assert int(hists[0][42]) == want[0] and int(hists[1][8]) == want[1]
     assert cupy.asnumpy(ix["tok"]).tolist() == [*want, -5]  # the row without a history does not move
     assert cupy.asnumpy(ix["pos"]).tolist() == [42, 8, 60] and cupy.asnumpy(ix["slot"]).tolist() == [42, 8, 60]
-    assert cupy.asnumpy(ix["base"]).tolist() == [43, 9, 61]
+    assert cupy.asnumpy(ix["base"]).tolist() == [43, 8, 61]
 
 
 def test_sample_rows_temperature_follows_softmax() -> None:
@@ -970,7 +972,7 @@ def test_sample_rows_temperature_follows_softmax() -> None:
     d_logits = cupy.asarray(logits[None])
     for _ in range(n):  # one draw per position: the row advances
         ops.sample_rows(d_logits, 1, len(logits), ix["out_rows"], ix["temps"], ix["seeds"], ix["tok"], ix["pos"],
-                        ix["slot"], ix["base"], ix["hist"], advance=True)
+                        ix["slot"], ix["base"], ix["anc_off"], ix["hist"], advance=True)
     draws = cupy.asnumpy(hist[1 : n + 1])
     p = np.exp(logits / temperature)
     p /= p.sum()

@@ -418,11 +418,12 @@ class RawKernel:
             for out, dtype, values in zip((ids, maxima, bad), (np.int32, np.float32, np.int32), got):
                 _arr(out, dtype, rows)[:] = values
         elif n == "sample_rows":
-            lg, vocab, out_rows, temps, seeds, tok, pos, slot, base, hist, advance = args
+            lg, vocab, out_rows, temps, seeds, tok, pos, slot, base, anc_off, hist, advance = args
             rows, vocab = int(grid[0]), int(vocab)
             OR = _arr(out_rows, np.int32, rows); cap = int(OR.max()) + 1
             TP = _arr(temps, np.float32, cap); SD = _arr(seeds, np.uint32, cap); TK = _arr(tok, np.int32, cap)
             PS = _arr(pos, np.int32, cap); SL = _arr(slot, np.int32, cap); BS = _arr(base, np.int32, cap); HS = _arr(hist, np.uint64, cap)
+            OF = _arr(anc_off, np.int32, cap)
             L = _arr(lg, np.float32, rows * vocab).reshape(rows, vocab)
             for i in range(rows):
                 r = int(OR[i]); p = int(PS[r]); v = L[i].astype(np.float64)
@@ -431,7 +432,9 @@ class RawKernel:
                 nxt = int(np.argmax(v))
                 if int(HS[r]):
                     _arr(int(HS[r]), np.int32, p + 2)[p + 1] = nxt
-                    if int(advance): TK[r] = nxt; PS[r] = p + 1; SL[r] += 1; BS[r] = p + 2
+                    if int(advance):
+                        TK[r] = nxt; PS[r] = p + 1; SL[r] += 1
+                        if int(OF[r]) < 0: BS[r] = p + 2
         elif n == "moe_route":
             from infer.moe import expert_weights, router_softmax, top_k
             lg, rows, E, k, norm, live, ids, w = args
