@@ -361,6 +361,10 @@ def e2e(args: argparse.Namespace) -> dict[str, Any]:
     runs: dict[str, Speculator] = {}
     views: dict[str, Any] = {}
     for name in shapes:
+        ahead = not name.startswith("noahead:")  # noahead:SHAPE: without drafting ahead (infer/draft_ahead.py)
+        base = name.removeprefix("noahead:")
+        if not ahead and base != "auto" and (_fixed_shape(base) or ("",))[0] != "chain":
+            raise SystemExit(f"--shapes: {name!r}: noahead: goes with auto or DxW")
         if name.startswith(("self:", "skip=")):  # the target's own layers: self:K, skip=T:K
             view = _self_view(name, target, tokenizer, args.target)
             views[name] = view
@@ -369,9 +373,11 @@ def e2e(args: argparse.Namespace) -> dict[str, Any]:
                                     1 + depth, args.ctx)
             print(f"{name}: the draft keeps {target.args.n_layers - len(view.skip)} of {target.args.n_layers} layers",
                   file=sys.stderr)
-        elif name == "auto":
-            runs[name] = Speculator(target, ModelDrafter(draft.transformer, args.ctx, auto.depth, auto.width,
-                                                         cache=draft.engine.cache), auto.max_nodes, args.ctx, auto)
+        elif base == "auto":
+            tuner = auto if ahead else tuned(SpecOptions(draft_model=str(args.draft)), streaming=True)
+            runs[name] = Speculator(target, ModelDrafter(draft.transformer, args.ctx, tuner.depth, tuner.width,
+                                                         cache=draft.engine.cache, ahead=ahead),
+                                    tuner.max_nodes, args.ctx, tuner)
         elif name.startswith("auto-best:"):  # a best-first tree of this width, its depth tuned
             width = int(name.split(":")[1])
             tuner = ShapeTuner(max(1, min(4, (auto.max_nodes - 1) // width)), (auto.max_nodes - 1) // width, width,
@@ -379,13 +385,15 @@ def e2e(args: argparse.Namespace) -> dict[str, Any]:
             runs[name] = Speculator(target, BestFirstDrafter(draft.transformer, args.ctx, tuner.depth, width,
                                                              cache=draft.engine.cache), auto.max_nodes, args.ctx, tuner)
         else:
-            shape = _fixed_shape(name)
+            shape = _fixed_shape(base)
             if shape is None:
-                raise SystemExit(f"--shapes: {name!r} is not DxW, best:DxW, auto, auto-best:W, self:K or skip=T:K")
+                raise SystemExit(f"--shapes: {name!r} is not DxW, best:DxW, auto, auto-best:W, self:K, skip=T:K "
+                                 "or noahead: before auto or DxW")
             kind, depth, width = shape
-            make = BestFirstDrafter if kind == "best" else ModelDrafter
-            runs[name] = Speculator(target, make(draft.transformer, args.ctx, depth, width, cache=draft.engine.cache),
-                                    1 + depth * width, args.ctx)
+            drafter = BestFirstDrafter(draft.transformer, args.ctx, depth, width, cache=draft.engine.cache) \
+                if kind == "best" else ModelDrafter(draft.transformer, args.ctx, depth, width, cache=draft.engine.cache,
+                                                    ahead=ahead)
+            runs[name] = Speculator(target, drafter, 1 + depth * width, args.ctx)
 
     def plain(ids: list[int]) -> tuple[list[int], float]:
         cache.length = 0
@@ -396,6 +404,7 @@ def e2e(args: argparse.Namespace) -> dict[str, Any]:
     def speculative(spec: Speculator, ids: list[int]) -> tuple[list[int], float]:
         began = time.perf_counter()
         out = list(spec.generate(ids, args.tokens, greedy, is_end=stop.__contains__, cache=cache))
+        draft.transformer.stream.synchronize()  # branches drafted ahead of a pass that never came: counted here
         return out, time.perf_counter() - began
 
     def prefill(ids: list[int]) -> float:
@@ -451,6 +460,7 @@ def e2e(args: argparse.Namespace) -> dict[str, Any]:
             "all_identical": all(r[name]["identical"] for r in rows),
             "identical_prompts": sum(r[name]["identical"] for r in rows),
             **({"tuned": spec.tuner.describe()} if spec.tuner is not None else {}),
+            **({"drafted_ahead": spec.drafter.ahead.as_dict()} if getattr(spec.drafter, "ahead", None) else {}),
             **({"draft_layers": target.args.n_layers - len(views[name].skip), "draft_perplexity": ppl[name],
                 "target_perplexity": ppl["full"]} if name in views else {})}
     return {"target": str(args.target), "draft": str(args.draft), "vram_budget_bytes": budget,
@@ -576,7 +586,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="draft trees, depth x width (1 + depth*width nodes), comma-separated: DxW the draft's chain "
                         "with leaves, best:DxW a best-first tree (infer/draft_tree.py); auto: the CLI's tuned tree, "
                         "auto-best:W a best-first tree of width W, its depth tuned; self:K the target's resident layers drafting K; skip=T:K also leaving out layers of "
-                        "similarity >= T")
+                        "similarity >= T; noahead:auto or noahead:DxW the same without drafting the next tree during "
+                        "the target's pass (infer/draft_ahead.py; on by default for a GPU draft)")
     e.add_argument("--resident-fraction", type=float, default=0.5, help="share of the target's layer bytes in VRAM")
     e.add_argument("--draft-budget", default=None, help="--vram-budget for the draft alone (default: its own needs)")
     e.add_argument("--ctx", type=int, default=1024)

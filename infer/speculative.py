@@ -16,6 +16,7 @@ output so far, no model).
 
 from __future__ import annotations
 
+import os
 import time
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator, Sequence
@@ -24,6 +25,7 @@ from typing import Protocol
 
 import numpy as np
 
+from infer.draft_ahead import DraftAhead
 from infer.engine import Cache, Model
 from infer.layers import tree_depths
 from infer.spec_tuner import ShapeTuner, chain_and_leaf
@@ -117,6 +119,11 @@ class Speculator:
         self.target, self.drafter, self.tree_size, self.ctx_size = target, drafter, tree_size, ctx_size
         self.tuner = tuner
         self.stats = SpecStats()
+        stream = getattr(target, "stream", None)
+        if stream is not None and getattr(getattr(drafter, "draft", None), "stream", None) is stream:
+            # a view of the target (a self-draft) shares its stream and buffers: nothing can run
+            # beside its pass, and branches would overwrite the tree's logits before the walk
+            drafter.ahead = None  # type: ignore[attr-defined]
         reserve = getattr(target, "reserve_tree", None)
         if reserve is not None:  # the GPU's verification buffers, made once for the largest tree
             reserve(tree_size)
@@ -164,8 +171,14 @@ class Speculator:
     def settle(self, tree: Tree, logits: np.ndarray, cache: Cache, choose: Chooser, context: list[int],
                draft_s: float, verify_s: float) -> list[int]:
         """After the target's pass scored `tree` (its nodes' `logits`): the path the target keeps goes
-        into the cache; returns its tokens after the root and the token chosen after it."""
+        into the cache; returns its tokens after the root and the token chosen after it. The
+        drafter's next tree is drafted ahead first (the pass is queued, not yet waited for)."""
         began = time.perf_counter()
+        ahead = getattr(self.drafter, "draft_ahead", None)
+        if ahead is not None:
+            ahead()
+            draft_s += time.perf_counter() - began
+            began = time.perf_counter()
         path, chosen = follow(tree, logits, choose, context)
         cache.accept(path)  # type: ignore[attr-defined]
         verify_s += time.perf_counter() - began
@@ -195,18 +208,28 @@ class ModelDrafter:
     tokens are leaf siblings of the chain node (a tree of 1 + depth * width nodes). The draft keeps
     its own cache in step with what the target accepted (rolled back to the common prefix)."""
 
-    def __init__(self, draft: Model, ctx_size: int, depth: int = 4, width: int = 2, cache: Cache | None = None) -> None:
+    def __init__(self, draft: Model, ctx_size: int, depth: int = 4, width: int = 2, cache: Cache | None = None,
+                 ahead: bool | None = None) -> None:
         if depth < 1 or width < 1:
             raise ValueError(f"draft depth and width must be >= 1, not {depth} and {width}")
         self.draft, self.depth, self.width = draft, depth, width
         self.cache: Cache = cache if cache is not None else draft.new_cache(ctx_size)  # the draft's own KV cache
         self.cache.length = 0
         self.fed: list[int] = []  # the tokens in the draft's cache
+        # the next tree drafted during the target's pass (infer/draft_ahead.py); by default where the
+        # draft drafts on a stream of its own (the GPU's), beside the target's pass
+        if ahead is None:
+            ahead = hasattr(draft, "draft_branches") and os.environ.get("NVMEDIRECT_DRAFT_AHEAD", "1") != "0"
+        self.ahead: DraftAhead | None = DraftAhead() if ahead else None
+        self._ahead_of: tuple | None = None  # (context, root, tree, depth, width) of the tree to draft ahead from
 
     def reset(self) -> None:
         """Forget the cache's contents (another sequence, or another drafter sharing it, ran)."""
         self.cache.length = 0
         self.fed = []
+        self._ahead_of = None
+        if self.ahead is not None:
+            self.ahead.reset()
 
     def shape(self, size: int) -> tuple[int, int]:
         """(depth, width) of the tree for a budget of `size` nodes."""
@@ -220,36 +243,57 @@ class ModelDrafter:
 
     def propose(self, context: Sequence[int], root: int, size: int) -> Tree:
         depth, width = self.shape(size)
+        self._ahead_of = None
         if depth == 0:
+            if self.ahead is not None:
+                self.ahead.reset()
             return Tree([root], [-1])
-        fresh = self._rewind(context, root)
-        chain_step = getattr(self.draft, "draft_chain", None)
-        if chain_step is not None:  # the whole chain on the device (GpuTransformer.draft_chain)
-            ranked = chain_step(fresh, self.cache, depth, width)
-        else:
-            ranked = self._chain(fresh, depth, width)
-        return self._tree(root, ranked)
+        # the chain's first steps drafted during the last pass (infer/draft_ahead.py), if its walk ended where they began
+        ranked = self.ahead.take(context, root, width) if self.ahead is not None else None
+        ranked = np.zeros((0, width), np.int64) if ranked is None else ranked[:depth]
+        if len(ranked) < depth:  # the chain (or its rest) drafted now
+            chain = [int(r[0]) for r in ranked]
+            fresh = self._rewind([*context, root, *chain[:-1]], chain[-1]) if chain else self._rewind(context, root)
+            chain_step = getattr(self.draft, "draft_chain", None)
+            if chain_step is not None:  # the whole chain on the device (GpuTransformer.draft_chain)
+                rest = chain_step(fresh, self.cache, depth - len(ranked), width)
+            else:
+                rest = self._chain(fresh, depth - len(ranked), width)
+            self.fed = [*self.fed, *(int(r[0]) for r in rest[:-1])]  # the draft's cache holds the chain but its last
+            ranked = np.concatenate([ranked, rest])
+        tree = self._tree(root, ranked)
+        # its branches are drafted once the target's pass is queued (draft_ahead: first the target's work)
+        self._ahead_of = (list(context), root, tree, depth, width) if self.ahead is not None else None
+        return tree
 
-    def _rewind(self, context: Sequence[int], root: int) -> np.ndarray:
-        """Rolls the draft's cache back to what it shares with `context` + root; returns the tokens
-        to feed it from there (at least the root, whose logits are needed)."""
-        want = [*context, root]
+    def draft_ahead(self) -> None:
+        """Drafts the branches of the tree proposed last (infer/draft_ahead.py); Speculator.settle
+        calls it once the target's pass over the tree is queued, before waiting for it."""
+        if self.ahead is not None and self._ahead_of is not None:
+            self.ahead.launch(self, *self._ahead_of)
+        self._ahead_of = None
+
+    def common_prefix(self, want: Sequence[int]) -> int:
+        """How many of `want`'s first tokens the draft's cache holds and can go back to."""
         common = 0
         for a, b in zip(self.fed, want, strict=False):
             if a != b:
                 break
             common += 1
-        common = min(common, len(want) - 1)  # the last token is always run: its logits are needed
-        if not self.cache.can_rewind(common):  # a local layer's ring moved past the prefix's window
-            common = 0
+        return common if self.cache.can_rewind(common) else 0  # a local layer's ring moved past the prefix's window
+
+    def _rewind(self, context: Sequence[int], root: int) -> np.ndarray:
+        """Rolls the draft's cache back to what it shares with `context` + root; returns the tokens
+        to feed it from there (at least the root, whose logits are needed)."""
+        want = [*context, root]
+        common = self.common_prefix(want[:-1])  # the last token is always run: its logits are needed
         self.cache.length = common
         self.fed = want
         return np.asarray(want[common:])
 
     def _tree(self, root: int, ranked: np.ndarray) -> Tree:
         """The tree of a ranked chain (depth, width): the most likely token of each depth continues
-        the chain, the others are its leaf siblings. The draft's cache holds the chain but its last."""
-        self.fed = [*self.fed, *(int(r[0]) for r in ranked[:-1])]
+        the chain, the others are its leaf siblings."""
         tokens, parents = [root], [-1]
         chain_parent = 0
         for row in ranked:
@@ -278,6 +322,11 @@ class ModelDrafter:
                     ranked[i] = ids
         else:
             ranked = {i: np.stack(rows) for i, rows in ModelDrafter._host_chains(model, drafters, feeds, shapes).items()}
+        for i, rows in ranked.items():
+            drafters[i].fed = [*drafters[i].fed, *(int(r[0]) for r in rows[:-1])]  # the cache holds the chain but its last
+        for d in drafters:  # drafting together does not draft ahead (yet): nothing pending is taken
+            if d.ahead is not None:
+                d.ahead.reset()
         return [drafters[i]._tree(roots[i], ranked[i]) if i in ranked else Tree([roots[i]], [-1])
                 for i in range(len(drafters))]
 

@@ -215,3 +215,51 @@ def test_speculation_in_the_server_loop_is_plain_serving(path: Path) -> None:
                 assert scheduler.stats.draft_tokens > 0
         finally:
             close()
+
+
+def test_drafting_ahead_makes_the_trees_of_drafting_without(path: Path) -> None:
+    """The branches drafted during the target's pass (infer/draft_ahead.py: draft_branches on the
+    draft's stream, slots past the sequence's) are the host loop's rows and leave the draft's cache
+    as it was; greedy speculation drafting ahead makes the trees, passes and text of drafting
+    without, resident and streamed, with trees taken from the branches."""
+    from infer.draft_ahead import host_branches
+    from infer.gpu import load_gpu_transformer
+    from infer.layerskip import skipping
+
+    draft = skipping(load_gpu_transformer(GGUFModel(path), CTX), {1, 3})
+    rng = np.random.default_rng(13)
+    want = [int(t) for t in rng.integers(3, SHAPE.vocab_size, 30)]
+    branches = [(5, 30), (7, 28), (9, 25), (11, 26)]
+    for width, lead in ((1, 0), (4, 3)):
+        a, b, fresh = draft.new_cache(CTX), draft.new_cache(CTX), draft.new_cache(CTX)
+        for cache in (a, b):
+            draft.forward(np.asarray(want[: 30 - lead]), cache)
+        got = draft.draft_branches(a, want[30 - lead :], branches, 6, width).ranked()
+        expect, _ = host_branches(draft, b, want, 30 - lead, branches, 6, width)
+        np.testing.assert_array_equal(got, expect.ranked())
+        draft.forward(np.asarray(want), fresh)
+        np.testing.assert_array_equal(draft.forward(np.array([3]), a), draft.forward(np.array([3]), fresh))
+    prompts = [list(rng.integers(3, SHAPE.vocab_size, n)) for n in (20, 9)]
+    for name, model, close in _models(path):
+        try:
+            for prompt in prompts:
+                runs = {}
+                for ahead in (False, True):
+                    drafter = ModelDrafter(draft, CTX, 4, 3, ahead=ahead)
+                    trees: list[tuple[list[int], list[int]]] = []
+                    propose = drafter.propose
+
+                    def record(context, root, size, propose=propose, trees=trees):  # noqa: ANN001, ANN202
+                        tree = propose(context, root, size)
+                        trees.append((list(tree.tokens), list(tree.parents)))
+                        return tree
+
+                    drafter.propose = record  # type: ignore[method-assign]
+                    spec = Speculator(model, drafter, 13, CTX)
+                    runs[ahead] = (list(spec.generate(prompt, 40, greedy)), trees, drafter.ahead)
+                assert runs[True][:2] == runs[False][:2], (name, prompt[:3])
+                stats = runs[True][2].as_dict()
+                print(f"{name}: drafting ahead {stats}")
+                assert stats["launched"] > 0
+        finally:
+            close()
