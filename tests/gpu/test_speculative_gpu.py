@@ -225,6 +225,7 @@ def test_drafting_ahead_makes_the_trees_of_drafting_without(path: Path) -> None:
     from infer.draft_ahead import host_branches
     from infer.gpu import load_gpu_transformer
     from infer.layerskip import skipping
+    from tests.spec.test_draft_ahead import recording
 
     draft = skipping(load_gpu_transformer(GGUFModel(path), CTX), {1, 3})
     rng = np.random.default_rng(13)
@@ -246,15 +247,7 @@ def test_drafting_ahead_makes_the_trees_of_drafting_without(path: Path) -> None:
                 runs = {}
                 for ahead in (False, True):
                     drafter = ModelDrafter(draft, CTX, 4, 3, ahead=ahead)
-                    trees: list[tuple[list[int], list[int]]] = []
-                    propose = drafter.propose
-
-                    def record(context, root, size, propose=propose, trees=trees):  # noqa: ANN001, ANN202
-                        tree = propose(context, root, size)
-                        trees.append((list(tree.tokens), list(tree.parents)))
-                        return tree
-
-                    drafter.propose = record  # type: ignore[method-assign]
+                    trees = recording(drafter)
                     spec = Speculator(model, drafter, 13, CTX)
                     runs[ahead] = (list(spec.generate(prompt, 40, greedy)), trees, drafter.ahead)
                 assert runs[True][:2] == runs[False][:2], (name, prompt[:3])

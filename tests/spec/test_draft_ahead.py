@@ -28,6 +28,20 @@ def pair() -> tuple[object, object, object]:
     return load_transformer(GGUFModel(target_path), exact=True), load_transformer(GGUFModel(draft_path)), tokenizer
 
 
+def recording(drafter: ModelDrafter) -> list[tuple[list[int], list[int]]]:
+    """The (tokens, parents) of every tree the drafter proposes from now on."""
+    trees: list[tuple[list[int], list[int]]] = []
+    propose = drafter.propose
+
+    def record(context: list[int], root: int, size: int) -> Tree:
+        tree = propose(context, root, size)
+        trees.append((list(tree.tokens), list(tree.parents)))
+        return tree
+
+    drafter.propose = record  # type: ignore[method-assign]
+    return trees
+
+
 def test_branch_nodes_are_the_chains_end_then_the_leaves_by_rank() -> None:
     # a 3 x 3 chain-with-leaves tree: depth d's chain node, then its two leaves
     parents = [-1, 0, 0, 0, 1, 1, 1, 4, 4, 4]
@@ -69,15 +83,7 @@ def test_speculation_drafting_ahead_makes_the_same_trees_and_text(depth: int, wi
             drafter = ModelDrafter(draft, CTX, depth, width, ahead=ahead)
             if ahead:
                 drafter.ahead = DraftAhead(max_steps=steps)
-            trees: list[tuple[list[int], list[int]]] = []
-            propose = drafter.propose
-
-            def record(context: list[int], root: int, size: int, propose=propose, trees=trees) -> Tree:
-                tree = propose(context, root, size)
-                trees.append((list(tree.tokens), list(tree.parents)))
-                return tree
-
-            drafter.propose = record  # type: ignore[method-assign]
+            trees = recording(drafter)
             spec = Speculator(target, drafter, 1 + depth * width, CTX)
             runs[ahead] = (list(spec.generate(ids, 32, greedy)), trees, spec.stats.passes, drafter.ahead)
         assert runs[True][0] == runs[False][0], text

@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.spec.test_draft_ahead import recording
 from tests.tiers.test_tiers_gpu_glue import CTX, SHAPE, gpu_session, model_path  # noqa: F401 (a fixture)
 
 
@@ -61,15 +62,7 @@ def test_gpu_glue_speculation_drafting_ahead_is_drafting_without(model_path: Pat
         runs = {}
         for ahead in (False, True):
             drafter = ModelDrafter(draft, CTX, 3, 2, ahead=ahead)
-            trees = []
-            propose = drafter.propose
-
-            def record(context, root, size, propose=propose, trees=trees):  # noqa: ANN001, ANN202
-                tree = propose(context, root, size)
-                trees.append((list(tree.tokens), list(tree.parents)))
-                return tree
-
-            drafter.propose = record  # type: ignore[method-assign]
+            trees = recording(drafter)
             spec = Speculator(m, drafter, 7, CTX)
             runs[ahead] = (list(spec.generate(prompt, 24, greedy)), trees, drafter.ahead)
         assert runs[True][:2] == runs[False][:2]
