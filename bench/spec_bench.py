@@ -361,10 +361,10 @@ def e2e(args: argparse.Namespace) -> dict[str, Any]:
     runs: dict[str, Speculator] = {}
     views: dict[str, Any] = {}
     for name in shapes:
-        ahead = not name.startswith("noahead:")  # noahead:SHAPE: without drafting ahead (infer/draft_ahead.py)
-        base = name.removeprefix("noahead:")
-        if not ahead and base != "auto" and (_fixed_shape(base) or ("",))[0] != "chain":
-            raise SystemExit(f"--shapes: {name!r}: noahead: goes with auto or DxW")
+        ahead = name.startswith("ahead:")  # ahead:SHAPE: drafting the next tree during the pass (infer/draft_ahead.py)
+        base = name.removeprefix("ahead:")
+        if ahead and base != "auto" and (_fixed_shape(base) or ("",))[0] != "chain":
+            raise SystemExit(f"--shapes: {name!r}: ahead: goes with auto or DxW")
         if name.startswith(("self:", "skip=")):  # the target's own layers: self:K, skip=T:K
             view = _self_view(name, target, tokenizer, args.target)
             views[name] = view
@@ -374,7 +374,7 @@ def e2e(args: argparse.Namespace) -> dict[str, Any]:
             print(f"{name}: the draft keeps {target.args.n_layers - len(view.skip)} of {target.args.n_layers} layers",
                   file=sys.stderr)
         elif base == "auto":
-            tuner = auto if ahead else tuned(SpecOptions(draft_model=str(args.draft)), streaming=True)
+            tuner = tuned(SpecOptions(draft_model=str(args.draft)), streaming=True) if ahead else auto
             runs[name] = Speculator(target, ModelDrafter(draft.transformer, args.ctx, tuner.depth, tuner.width,
                                                          cache=draft.engine.cache, ahead=ahead),
                                     tuner.max_nodes, args.ctx, tuner)
@@ -388,7 +388,7 @@ def e2e(args: argparse.Namespace) -> dict[str, Any]:
             shape = _fixed_shape(base)
             if shape is None:
                 raise SystemExit(f"--shapes: {name!r} is not DxW, best:DxW, auto, auto-best:W, self:K, skip=T:K "
-                                 "or noahead: before auto or DxW")
+                                 "or ahead: before auto or DxW")
             kind, depth, width = shape
             drafter = BestFirstDrafter(draft.transformer, args.ctx, depth, width, cache=draft.engine.cache) \
                 if kind == "best" else ModelDrafter(draft.transformer, args.ctx, depth, width, cache=draft.engine.cache,
@@ -586,8 +586,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="draft trees, depth x width (1 + depth*width nodes), comma-separated: DxW the draft's chain "
                         "with leaves, best:DxW a best-first tree (infer/draft_tree.py); auto: the CLI's tuned tree, "
                         "auto-best:W a best-first tree of width W, its depth tuned; self:K the target's resident layers drafting K; skip=T:K also leaving out layers of "
-                        "similarity >= T; noahead:auto or noahead:DxW the same without drafting the next tree during "
-                        "the target's pass (infer/draft_ahead.py; on by default for a GPU draft)")
+                        "similarity >= T; ahead:auto or ahead:DxW the same drafting the next tree during the target's "
+                        "pass (infer/draft_ahead.py; off by default: slower on the H200 on 2026-12-07)")
     e.add_argument("--resident-fraction", type=float, default=0.5, help="share of the target's layer bytes in VRAM")
     e.add_argument("--draft-budget", default=None, help="--vram-budget for the draft alone (default: its own needs)")
     e.add_argument("--ctx", type=int, default=1024)

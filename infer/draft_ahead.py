@@ -9,17 +9,20 @@ leaf). Each such branch gets `steps` greedy tokens with their runners-up, all br
 pass a step on the draft's own stream (GpuTransformer.draft_branches: the branches in slots of their
 own past the sequence's, so its cache is untouched).
 
-After the pass, the walk ended at one of those nodes in most rounds (on prose with a 4 x 4 tree,
-about half of them, docs/SPECULATIVE.md); if the token the target chose after it is the branch's first
-token, the branch's next tokens are exactly the chain the draft would draft from there: the same
-tokens at the same positions after the same context, so the same rows and bits. The next tree is
+After the pass, if the walk ended at one of those nodes and the token the target chose after it is
+the branch's first token (54% of the real pair's rounds on prose at 4 x 4, 63% on code), the
+branch's next tokens are exactly the chain the draft would draft from there: the same tokens at the
+same positions after the same context, so the same rows and bits. The next tree is
 taken from them without a draft step, and is the tree drafting would have made: the text, the trees
 and the passes are those of drafting without it; only the time moves. When the branch holds fewer
 steps than the next chain is deep, the chain continues from its end.
 
 On the CPU nothing runs beside the target's pass, so `host_branches` (the same branches, one after
-the other, through the draft's cache) only serves the tests; ModelDrafter drafts ahead by default
-only where the draft model drafts on a stream of its own.
+the other, through the draft's cache) only serves the tests. Off by default (ModelDrafter's `ahead`,
+NVMEDIRECT_DRAFT_AHEAD=1): on the H200 on 2026-12-07 the real pair's rounds got slower with it (prose
+1.99x -> 1.32x, code 3.57x -> 2.62x, though the next tree came from a branch in 54% and 63% of
+rounds): the branches share the draft's one stream, so a round that missed drafts its chain behind
+them (docs/SPECULATIVE.md).
 """
 
 from __future__ import annotations

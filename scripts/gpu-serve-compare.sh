@@ -51,7 +51,7 @@ DEVICE=${SERVE_COMPARE_DEVICE:-gpu}
 cublas=$(find /usr/local/cuda*/ /opt /usr/lib -name 'libcublas.so.1*' 2>/dev/null | head -1)
 export LD_LIBRARY_PATH="/tmp/lcbin:${cublas:+$(dirname "$cublas"):}/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
 
-up() { python3 scripts/wait_health.py "$1"; }  # /health answers 200 within 5 minutes
+up() { python3 scripts/wait_health.py "$1" "$pid"; }  # /health answers 200 within 5 minutes (not waited for once $pid is gone)
 bench() {  # name port args...: one bench.server_bench --url run, its headline in the summary
     local name=$1 port=$2
     shift 2

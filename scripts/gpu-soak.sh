@@ -28,7 +28,7 @@ vram() { nvidia-smi --query-gpu=memory.used --format=csv,noheader > "$OUT/$1" 2>
 python3 -c "from infer.cli import main; main()" serve -m "$MODEL" --device "$DEVICE" "${SERVE_ARGS[@]}" \
     --port 8093 > "$OUT/server.log" 2>&1 &
 pid=$!
-python3 scripts/wait_health.py 8093 || { echo "server did not come up: $(tail -3 "$OUT/server.log")"; kill -9 $pid; exit 1; }
+python3 scripts/wait_health.py 8093 $pid || { echo "server did not come up: $(tail -3 "$OUT/server.log")"; kill -9 $pid; exit 1; }
 vram vram-before.txt
 python3 -m bench.server_soak --url http://127.0.0.1:8093 --pid $pid --seconds "$SECONDS_" --clients "$CLIENTS" \
     --out "$OUT/soak-gpu-${SECONDS_}s.json" > "$OUT/soak.log" 2>&1

@@ -27,6 +27,10 @@ if ls .whl/*.whl >/dev/null 2>&1; then
     [ -d /tmp/site ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl > /dev/null 2>&1
     export PYTHONPATH="/tmp/site:$PWD"
 fi
+if ! python3 -c "import fastapi, uvicorn, pydantic" 2> /dev/null; then  # the server's stack: not on the GPU machine
+    echo "the server's packages are missing: carry their wheels (.whl, docs/SERVER.md: fetch-wheels.sh fastapi ...)" >&2
+    exit 1
+fi
 CLIENTS=${SPEC_SERVE_CLIENTS:-8}
 TOKENS=${SPEC_SERVE_TOKENS:-128}
 TREE=${SPEC_SERVE_TREE:-9}
@@ -52,7 +56,7 @@ PY
 )
 note "target $TARGET, draft $DRAFT, $CLIENTS clients x $TOKENS tokens, tree $TREE, budgets: plain $PLAIN_BUDGET, with draft $SPEC_BUDGET"
 
-up() { python3 scripts/wait_health.py "$1"; }
+up() { python3 scripts/wait_health.py "$1" "$2"; }  # port, the server pid (a server that died is not waited for)
 stop() { kill -INT "$1" 2>/dev/null; for _ in $(seq 1 60); do kill -0 "$1" 2>/dev/null || return; sleep 1; done; kill -9 "$1"; }
 run() {  # name budget extra-flags...
     local name=$1 budget=$2
@@ -62,7 +66,7 @@ run() {  # name budget extra-flags...
     python3 -c "from infer.cli import main; main()" serve -m "$TARGET" "${where[@]}" \
         --max-batch "$CLIENTS" -c "$SLOT" --port 8093 "$@" > "$OUT/$name.log" 2>&1 &
     local pid=$!
-    if up 8093; then
+    if up 8093 $pid; then
         timeout 500 python3 -m bench.server_bench --url http://127.0.0.1:8093 --clients "$CLIENTS" --tokens "$TOKENS" \
             --prompt-file "$PROMPTS" --chat --out "$OUT/$name.json" > /dev/null 2> "$OUT/$name.err"
         note "$name: exit $? $(python3 -c "import json; s = json.load(open('$OUT/$name.json'))['server']; print(s['aggregate_tok_s'], 'tok/s, TTFT p50', s['ttft_p50_s'])" 2>&1 | tail -1)"

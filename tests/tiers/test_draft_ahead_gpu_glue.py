@@ -57,7 +57,7 @@ def test_gpu_glue_speculation_drafting_ahead_is_drafting_without(model_path: Pat
     try:
         m = s.engine.model
         draft = load_gpu_transformer(GGUFModel(model_path), CTX)
-        assert Speculator(m, ModelDrafter(skipping(m, {0}), CTX, 3, 2), 7, CTX).drafter.ahead is None  # type: ignore[attr-defined]
+        assert Speculator(m, ModelDrafter(skipping(m, {0}), CTX, 3, 2, ahead=True), 7, CTX).drafter.ahead is None  # type: ignore[attr-defined]
         prompt = [int(t) for t in np.random.default_rng(12).integers(3, SHAPE.vocab_size, 7)]
         runs = {}
         for ahead in (False, True):
