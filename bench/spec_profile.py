@@ -178,8 +178,8 @@ def profile_pair(args: argparse.Namespace) -> dict[str, Any]:
             from infer.engine import greedy
             from infer.speculative import ModelDrafter, Speculator
 
-            drafter = ModelDrafter(dmodel, args.ctx, args.depth, 1, cache=dcache)
-            spec = Speculator(target, drafter, 1 + args.depth, args.ctx)
+            drafter = ModelDrafter(dmodel, args.ctx, args.depth, args.width, cache=dcache, ahead=args.ahead)
+            spec = Speculator(target, drafter, 1 + args.depth * args.width, args.ctx)
             list(spec.generate(list(prompt), 8, greedy, cache=tcache))  # warm-up
             run = spec.generate(list(prompt), args.loop, greedy, cache=tcache)
             next(run, None)  # the first pass: the draft's prompt goes through it (counted as draft time)
@@ -193,7 +193,8 @@ def profile_pair(args: argparse.Namespace) -> dict[str, Any]:
                               "verify_ms_per_pass": round(1e3 * st.verify_seconds / max(st.passes, 1), 3),
                               "first_pass_draft_ms": round(1e3 * first[0], 3),
                               "later_draft_ms_per_pass": round(1e3 * (st.draft_seconds - first[0]) / later, 3),
-                              "later_verify_ms_per_pass": round(1e3 * (st.verify_seconds - first[1]) / later, 3)}
+                              "later_verify_ms_per_pass": round(1e3 * (st.verify_seconds - first[1]) / later, 3),
+                              "width": args.width, "drafted_ahead": drafter.ahead.as_dict() if drafter.ahead else None}
             print(f"loop: {result['loop']}", file=sys.stderr, flush=True)
             run = spec.generate(list(prompt), args.loop, greedy, cache=tcache)
             next(run, None)  # prefills and the first pass stay out of the trace
@@ -256,7 +257,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--nodes", default="1,2,5,9,17,33", help="verify tree sizes (chains) timed")
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--resident", action="store_true", help="also the verify passes with the target resident")
-    parser.add_argument("--loop", type=int, default=0, help="also a Speculator loop of this many tokens (chains of --depth)")
+    parser.add_argument("--loop", type=int, default=0,
+                        help="also a Speculator loop of this many tokens (trees of --depth x --width)")
+    parser.add_argument("--width", type=int, default=1, help="the loop's tree: the chain's runners-up as leaves")
+    parser.add_argument("--ahead", action="store_true",
+                        help="the loop drafts the next tree during the target's pass (infer/draft_ahead.py): its "
+                             "trace shows the branches' passes on the draft's stream beside the verify")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
     if args.target is not None and args.draft is None:
