@@ -196,7 +196,8 @@ def curve(args: argparse.Namespace) -> dict[str, Any]:
     return {"target": str(args.target), "draft": str(args.draft), "prompts": len(prompts), "tokens": args.tokens,
             "device": "cpu", "method": "simulated from the draft's teacher-forced ranks along the target's greedy text",
             "draft_top1": round(float(np.mean(np.concatenate(ranks) == 0)), 4), "checks": checks, "shapes": rows,
-            "seconds": round(time.perf_counter() - began, 1)}
+            "seconds": round(time.perf_counter() - began, 1),
+            **({"ranks": [[int(x) for x in r] for r in ranks]} if args.keep_ranks else {})}
 
 
 def verify(args: argparse.Namespace) -> dict[str, Any]:
@@ -564,6 +565,8 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--tokens", type=int, default=128)
     c.add_argument("--ctx", type=int, default=2048)
     c.add_argument("--check", type=int, default=2, help="prompts also run through the real Speculator")
+    c.add_argument("--keep-ranks", action="store_true",
+                   help="the ranks themselves in the output (bench.spec_ahead_sim reads them)")
     v = sub.add_parser("verify")
     source = v.add_mutually_exclusive_group(required=True)
     source.add_argument("--model", type=Path)
