@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from infer.engine import Cache, Model
+from infer.layers import tree_depths
 
 if TYPE_CHECKING:
     from infer.speculative import ModelDrafter, Tree
@@ -47,18 +48,17 @@ def branch_nodes(parents: Sequence[int], max_branches: int = MAX_BRANCHES) -> li
     then its leaves) where the target's walk ends having taken the draft's token: the chain's last
     node, then the leaves by rank (the runners-up first), shallow before deep within a rank; at most
     `max_branches`."""
-    depth_of: dict[int, int] = {0: 0}
+    depths = tree_depths(parents)
     chain, leaves = [0], []  # leaves: (rank, depth, node)
     rank_at: dict[int, int] = {}
     for node in range(1, len(parents)):
         parent = parents[node]
-        depth_of[node] = depth_of[parent] + 1
         rank = rank_at.get(parent, 0)
         rank_at[parent] = rank + 1
         if rank == 0 and parent == chain[-1]:
             chain.append(node)
         else:
-            leaves.append((rank, depth_of[node], node))
+            leaves.append((rank, int(depths[node]), node))
     if len(chain) == 1:
         return []
     return [chain[-1], *(node for _, _, node in sorted(leaves))][:max_branches]
@@ -123,10 +123,8 @@ class DraftAhead:
         chain = [tree.tokens[n] for n in _chain(tree.parents)]
         n0 = len(context)
         want = [*context, root, *chain[1:-1]]  # what drafting the tree fed: the context, the root, the chain but its last
-        depth_of = {0: 0}
-        for node in range(1, len(tree.parents)):
-            depth_of[node] = depth_of[tree.parents[node]] + 1
-        branches = [(tree.tokens[n], n0 + depth_of[n]) for n in nodes]
+        depths = tree_depths(tree.parents)
+        branches = [(tree.tokens[n], n0 + int(depths[n])) for n in nodes]
         steps = min(self.max_steps, depth + 1)  # the next chain's depth, and the guess of the target's token
         common = drafter.common_prefix(want)
         cache, model = drafter.cache, drafter.draft

@@ -953,15 +953,28 @@ def test_sample_rows_argmax_history_and_advance(rng: np.random.Generator, vocab:
     logits[2] = 0.0
     logits[2, vocab - 1] = 1.0  # the maximum in the last element (the tail loop)
     hists = [cupy.full(100, -1, cupy.int32) for _ in range(2)]
-    # row 1 has a span of its own (a branch drafted ahead): it moves on, its base stays
-    ix = _sample_index(3, [0.0] * 3, [0] * 3, [41, 7, 60], [hists[0], hists[1], None], anc_off=[-1, 0, -1])
+    ix = _sample_index(3, [0.0] * 3, [0] * 3, [41, 7, 60], [hists[0], hists[1], None])
     ops.sample_rows(cupy.asarray(logits), 3, vocab, ix["out_rows"], ix["temps"], ix["seeds"], ix["tok"], ix["pos"],
                     ix["slot"], ix["base"], ix["anc_off"], ix["hist"], advance=True)
     want = [int(np.argmax(logits[0])), 7]
     assert int(hists[0][42]) == want[0] and int(hists[1][8]) == want[1]
     assert cupy.asnumpy(ix["tok"]).tolist() == [*want, -5]  # the row without a history does not move
     assert cupy.asnumpy(ix["pos"]).tolist() == [42, 8, 60] and cupy.asnumpy(ix["slot"]).tolist() == [42, 8, 60]
-    assert cupy.asnumpy(ix["base"]).tolist() == [43, 8, 61]
+    assert cupy.asnumpy(ix["base"]).tolist() == [43, 9, 61]
+
+
+def test_sample_rows_moves_a_row_with_a_span_of_its_own_without_its_base(rng: np.random.Generator) -> None:
+    """A branch drafted ahead (anc_off >= 0: its positions past its base read slots from its span)
+    moves on to its next position and slot; its base stays, beside a plain row whose base moves."""
+    logits = rng.standard_normal((2, 1000)).astype(np.float32)
+    hists = [cupy.full(100, -1, cupy.int32) for _ in range(2)]
+    ix = _sample_index(2, [0.0] * 2, [0] * 2, [41, 7], hists, anc_off=[-1, 0])
+    ops.sample_rows(cupy.asarray(logits), 2, 1000, ix["out_rows"], ix["temps"], ix["seeds"], ix["tok"], ix["pos"],
+                    ix["slot"], ix["base"], ix["anc_off"], ix["hist"], advance=True)
+    want = [int(np.argmax(row)) for row in logits]
+    assert [int(hists[0][42]), int(hists[1][8])] == want and cupy.asnumpy(ix["tok"]).tolist() == want
+    assert cupy.asnumpy(ix["pos"]).tolist() == [42, 8] and cupy.asnumpy(ix["slot"]).tolist() == [42, 8]
+    assert cupy.asnumpy(ix["base"]).tolist() == [43, 8]
 
 
 def test_sample_rows_temperature_follows_softmax() -> None:

@@ -225,7 +225,7 @@ def test_drafting_ahead_makes_the_trees_of_drafting_without(path: Path) -> None:
     from infer.draft_ahead import host_branches
     from infer.gpu import load_gpu_transformer
     from infer.layerskip import skipping
-    from tests.spec.test_draft_ahead import recording
+    from tests.spec.test_draft_ahead import with_and_without_ahead
 
     draft = skipping(load_gpu_transformer(GGUFModel(path), CTX), {1, 3})
     rng = np.random.default_rng(13)
@@ -244,14 +244,10 @@ def test_drafting_ahead_makes_the_trees_of_drafting_without(path: Path) -> None:
     for name, model, close in _models(path):
         try:
             for prompt in prompts:
-                runs = {}
-                for ahead in (False, True):
-                    drafter = ModelDrafter(draft, CTX, 4, 3, ahead=ahead)
-                    trees = recording(drafter)
-                    spec = Speculator(model, drafter, 13, CTX)
-                    runs[ahead] = (list(spec.generate(prompt, 40, greedy)), trees, drafter.ahead)
-                assert runs[True][:2] == runs[False][:2], (name, prompt[:3])
-                stats = runs[True][2].as_dict()
+                runs = with_and_without_ahead(model, draft, prompt, 40, 4, 3, CTX)
+                assert runs[True].tokens == runs[False].tokens, (name, prompt[:3])
+                assert runs[True].trees == runs[False].trees, (name, prompt[:3])
+                stats = runs[True].ahead.as_dict()
                 print(f"{name}: drafting ahead {stats}")
                 assert stats["launched"] > 0
         finally:

@@ -5,10 +5,12 @@ with trees taken from the branches."""
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 import pytest
 
-from infer.draft_ahead import DraftAhead, branch_nodes, host_branches
+from infer.draft_ahead import MAX_STEPS, DraftAhead, branch_nodes, host_branches
 from infer.engine import greedy
 from infer.gguf_file import GGUFModel
 from infer.model import load_transformer
@@ -28,18 +30,34 @@ def pair() -> tuple[object, object, object]:
     return load_transformer(GGUFModel(target_path), exact=True), load_transformer(GGUFModel(draft_path)), tokenizer
 
 
-def recording(drafter: ModelDrafter) -> list[tuple[list[int], list[int]]]:
-    """The (tokens, parents) of every tree the drafter proposes from now on."""
-    trees: list[tuple[list[int], list[int]]] = []
-    propose = drafter.propose
+class Run(NamedTuple):
+    tokens: list[int]
+    trees: list[tuple[list[int], list[int]]]  # (tokens, parents) of every tree proposed
+    passes: int
+    ahead: DraftAhead | None
 
-    def record(context: list[int], root: int, size: int) -> Tree:
-        tree = propose(context, root, size)
-        trees.append((list(tree.tokens), list(tree.parents)))
-        return tree
 
-    drafter.propose = record  # type: ignore[method-assign]
-    return trees
+def with_and_without_ahead(target: object, draft: object, prompt: list[int], n: int, depth: int, width: int,
+                           ctx: int = CTX, steps: int = MAX_STEPS) -> dict[bool, Run]:
+    """Greedy speculation of n tokens after `prompt` with a depth x width ModelDrafter on `draft`,
+    without (False) and with (True) drafting ahead (`steps` a branch)."""
+    runs = {}
+    for ahead in (False, True):
+        drafter = ModelDrafter(draft, ctx, depth, width, ahead=ahead)  # type: ignore[arg-type]
+        if ahead:
+            drafter.ahead = DraftAhead(max_steps=steps)
+        trees: list[tuple[list[int], list[int]]] = []
+        propose = drafter.propose
+
+        def record(context: list[int], root: int, size: int, propose=propose, trees=trees) -> Tree:  # noqa: ANN001
+            tree = propose(context, root, size)
+            trees.append((list(tree.tokens), list(tree.parents)))
+            return tree
+
+        drafter.propose = record  # type: ignore[method-assign]
+        spec = Speculator(target, drafter, 1 + depth * width, ctx)  # type: ignore[arg-type]
+        runs[ahead] = Run(list(spec.generate(list(prompt), n, greedy)), trees, spec.stats.passes, drafter.ahead)
+    return runs
 
 
 def test_branch_nodes_are_the_chains_end_then_the_leaves_by_rank() -> None:
@@ -78,18 +96,12 @@ def test_speculation_drafting_ahead_makes_the_same_trees_and_text(depth: int, wi
     hits = 0
     for text in ["The capital of France is", "def add(a, b):\n    return", "1, 2, 3, 4, 5,"]:
         ids = tokenizer.encode(text)
-        runs = {}
-        for ahead in (False, True):
-            drafter = ModelDrafter(draft, CTX, depth, width, ahead=ahead)
-            if ahead:
-                drafter.ahead = DraftAhead(max_steps=steps)
-            trees = recording(drafter)
-            spec = Speculator(target, drafter, 1 + depth * width, CTX)
-            runs[ahead] = (list(spec.generate(ids, 32, greedy)), trees, spec.stats.passes, drafter.ahead)
-        assert runs[True][0] == runs[False][0], text
-        assert runs[True][1] == runs[False][1] and runs[True][2] == runs[False][2], text
-        ahead_stats = runs[True][3]
-        assert ahead_stats.launched >= runs[True][2] - 1, (text, ahead_stats.as_dict())
+        runs = with_and_without_ahead(target, draft, ids, 32, depth, width, steps=steps)
+        assert runs[True].tokens == runs[False].tokens, text
+        assert runs[True].trees == runs[False].trees and runs[True].passes == runs[False].passes, text
+        ahead_stats = runs[True].ahead
+        assert ahead_stats is not None
+        assert ahead_stats.launched >= runs[True].passes - 1, (text, ahead_stats.as_dict())
         assert ahead_stats.tokens <= ahead_stats.hits * (steps - 1)
         hits += ahead_stats.hits
     assert hits > 0

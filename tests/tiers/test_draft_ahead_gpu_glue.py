@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.spec.test_draft_ahead import recording
+from tests.spec.test_draft_ahead import with_and_without_ahead
 from tests.tiers.test_tiers_gpu_glue import CTX, SHAPE, gpu_session, model_path  # noqa: F401 (a fixture)
 
 
@@ -47,7 +47,6 @@ def test_gpu_glue_speculation_drafting_ahead_is_drafting_without(model_path: Pat
     most walks end at the chain's end (or at a leaf, where a near tie falls the other way): with the
     branches drafted ahead, the same trees, passes and text as without, trees taken from the
     branches. A view of the target itself (a self-draft, its stream and buffers) drafts nothing ahead."""
-    from infer.engine import greedy
     from infer.gguf_file import GGUFModel
     from infer.gpu import load_gpu_transformer
     from infer.layerskip import skipping
@@ -59,15 +58,10 @@ def test_gpu_glue_speculation_drafting_ahead_is_drafting_without(model_path: Pat
         draft = load_gpu_transformer(GGUFModel(model_path), CTX)
         assert Speculator(m, ModelDrafter(skipping(m, {0}), CTX, 3, 2, ahead=True), 7, CTX).drafter.ahead is None  # type: ignore[attr-defined]
         prompt = [int(t) for t in np.random.default_rng(12).integers(3, SHAPE.vocab_size, 7)]
-        runs = {}
-        for ahead in (False, True):
-            drafter = ModelDrafter(draft, CTX, 3, 2, ahead=ahead)
-            trees = recording(drafter)
-            spec = Speculator(m, drafter, 7, CTX)
-            runs[ahead] = (list(spec.generate(prompt, 24, greedy)), trees, drafter.ahead)
-        assert runs[True][:2] == runs[False][:2]
-        assert runs[True][0] == m.generate(np.asarray(prompt), m.new_cache(CTX), 24)
-        ahead = runs[True][2]
-        assert ahead.launched == len(runs[True][1]) and ahead.hits > len(runs[True][1]) // 2, ahead.as_dict()
+        runs = with_and_without_ahead(m, draft, prompt, 24, 3, 2, CTX)
+        assert runs[True].tokens == runs[False].tokens and runs[True].trees == runs[False].trees
+        assert runs[True].tokens == m.generate(np.asarray(prompt), m.new_cache(CTX), 24)
+        ahead = runs[True].ahead
+        assert ahead.launched == len(runs[True].trees) and ahead.hits > len(runs[True].trees) // 2, ahead.as_dict()
     finally:
         s.close()
