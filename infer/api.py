@@ -59,7 +59,7 @@ class LLM:
              weight_budget_bytes: int = 8 << 30, exact: bool = False, vram_budget: str | int | None = None,
              enforce_budget: bool = False, planned: dict[str, int] | None = None, tree_nodes: int = 0,
              progress: Callable[[int, int], None] | None = None, experts: str | int = "auto",
-             expert_stream: str | int = "auto") -> LLM:
+             expert_stream: str | int = "auto", gpus: Sequence[int] | None = None) -> LLM:
         """Opens and checks `path`. ctx_size: tokens of context (default: the model's, at most 4096).
         device: "cpu", "gpu" (CuPy; a ValueError when no GPU is visible) or "auto" (GPU if present).
         exact: on the CPU, float64 sums (infer.model).
@@ -69,7 +69,9 @@ class LLM:
         progress(done, total)) and experts (a mixture of experts on the GPU: "auto", "gpu", "cpu" or
         a count of blocks whose experts the CPU computes) and expert_stream (those blocks' experts
         streamed to the GPU for long prompts and shared per pick in decode: "auto", "off" or N rows):
-        see load_gpu_transformer."""
+        see load_gpu_transformer. gpus (device "gpu"): the layers split across these GPUs, each a stage
+        (infer.gpu.stages.load_gpu_stages); vram_budget then one size for each GPU or one per GPU
+        ("24GB,20GB")."""
         from infer.gpu import resolve_device
 
         where = resolve_device(device)  # ValueError with one line for 'gpu' without a GPU
@@ -77,7 +79,14 @@ class LLM:
         ModelArgs.from_gguf(gguf)  # an architecture we cannot run is the error, not its tokenizer
         tokenizer = Tokenizer.from_gguf(gguf.metadata)
         transformer: Model
-        if where == "gpu":
+        if where == "gpu" and gpus:
+            from infer.gpu.stages import load_gpu_stages
+            from infer.tiers.stage_plan import parse_budgets
+
+            budgets = parse_budgets(None if vram_budget is None else str(vram_budget), len(gpus))
+            transformer = load_gpu_stages(gguf, gpus, budgets, ctx_size, tree_nodes=tree_nodes, progress=progress,
+                                          enforce_budget=enforce_budget, planned=planned)
+        elif where == "gpu":
             from infer.gpu import load_gpu_transformer
 
             transformer = load_gpu_transformer(gguf, ctx_size, vram_budget, enforce_budget=enforce_budget,

@@ -172,14 +172,15 @@ class ModelArgs:
                 f"of {ring}")
 
     def kv_cache_nbytes(self, ctx_size: int, pass_rows: int, itemsize: int = 2, sequences: int = 1,
-                        positions: int | None = None) -> int:
+                        positions: int | None = None, layers: range | None = None) -> int:
         """Keys and values (float16) of `sequences` sequences of ctx_size positions, or of `positions`
         in all where they share fewer: every position in each global layer, at most a kv_ring per
-        sequence in each local one."""
+        sequence in each local one (`layers`: of those layers only, a stage across GPUs)."""
         total = sequences * ctx_size if positions is None else positions
-        n_local = sum(self.local_layers)
+        layers = range(self.n_layers) if layers is None else layers
+        n_local = sum(self.is_local(i) for i in layers)
         local = min(total, sequences * self.kv_ring(ctx_size, pass_rows))
-        return 2 * ((self.n_layers - n_local) * total + n_local * local) * self.kv_dim * itemsize
+        return 2 * ((len(layers) - n_local) * total + n_local * local) * self.kv_dim * itemsize
 
     @property
     def rope_linear_scale(self) -> float:

@@ -99,7 +99,7 @@ def _resolve_device(device: str) -> str:
 
 def _load(model: str | None, ctx_size: int, device: str, vram_budget: str | None = None, exact: bool = False,
           planned: dict[str, int] | None = None, tree_nodes: int = 0, experts: str | int = "auto",
-          expert_stream: str | int = "auto") -> LLM:
+          expert_stream: str | int = "auto", gpus: list[int] | None = None) -> LLM:
     if not model:
         _fail("no model given: use -m/--model FILE.gguf", EXIT_BAD_INPUT)
     from infer.api import LLM
@@ -113,7 +113,7 @@ def _load(model: str | None, ctx_size: int, device: str, vram_budget: str | None
         with uploads as advance:  # the GPU's uploads, layer by layer (the CPU's come with warm below)
             llm = LLM.load(model, ctx_size=ctx_size or None, device=where, exact=exact, vram_budget=vram_budget,
                            enforce_budget=where == "gpu", planned=planned, tree_nodes=tree_nodes, progress=advance,
-                           experts=experts, expert_stream=expert_stream)
+                           experts=experts, expert_stream=expert_stream, gpus=gpus)
     except TokenizerError as err:  # before ValueError, which it is
         _fail(f"{model}: tokenizer: {err}", EXIT_BAD_INPUT)
     except (ValueError, ModelError) as err:  # bad file, bad size, budget too small (BudgetError)
@@ -127,13 +127,19 @@ def _load(model: str | None, ctx_size: int, device: str, vram_budget: str | None
           f"{a.n_heads}/{a.n_kv_heads} heads, vocab {a.vocab_size}, context {llm.engine.ctx_size} "
           f"({time.perf_counter() - started:.1f} s)")
     _context_note(a, llm.engine.ctx_size, model)
-    account = getattr(llm.transformer, "account", None)
-    if account is not None:
-        _note(account.render())
+    for account in getattr(llm.transformer, "accounts", None) or [getattr(llm.transformer, "account", None)]:
+        if account is not None:  # a pipeline across GPUs: each stage's plan
+            _note(account.render())
     for placed in (getattr(llm.transformer, "gpu_experts", None), getattr(llm.transformer, "cpu_experts", None)):
         if placed is not None:
             _note(placed.describe())
     return llm
+
+
+GPUS_HELP = ("Split the layers across these GPUs of the host (e.g. 0,1): each GPU a stage of contiguous layers, "
+             "balanced by their bytes, the hidden states handed over by NCCL (a draft model, if any, on the first). "
+             "--vram-budget is then one size for each GPU or one per GPU (24GB,20GB). Resident dense models "
+             "(not --streaming, a mixture of experts or --self-spec, yet).")
 
 
 PROGRESS_DELAY_S = 2.0  # a bar appears only for work that has already taken this long
@@ -249,13 +255,14 @@ def _sampler(temp: float, top_k: int, top_p: float, min_p: float, repeat_penalty
                    "prompts of at least N tokens (auto: 2 x experts / used, at least 16) and, in decode, fetch "
                    "a share of each token's experts to the GPU while the CPU computes the rest; off: the CPU "
                    "computes those blocks alone.")
+@click.option("--gpus", metavar="LIST", default=None, help=GPUS_HELP)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")
 @click.pass_context
 def main(ctx: click.Context, model: str | None, prompt: str | None, n_predict: int, chat: bool, system: str | None,
          benchmark: bool, temp: float, top_k: int, top_p: float, min_p: float, repeat_penalty: float,
          ctx_size: int, seed: int | None, device: str, streaming: StreamingConfig, spec: SpecOptions,
          threads: int | None, exact: bool, cpu_moe: bool, n_cpu_moe: int | None, expert_stream: str,
-         as_json: bool) -> None:
+         gpus: str | None, as_json: bool) -> None:
     """Run a GGUF language model (Llama, Qwen2 or Qwen3 architecture) on the GPU or the CPU.
 
     With --streaming, weights that do not fit the VRAM budget are streamed each pass from pinned RAM
@@ -275,13 +282,14 @@ def main(ctx: click.Context, model: str | None, prompt: str | None, n_predict: i
         _fail("--cpu-moe and --n-cpu-moe cannot be combined (--cpu-moe is every block's experts on the CPU)",
               EXIT_BAD_INPUT)
     experts: str | int = "cpu" if cpu_moe else ("auto" if n_cpu_moe is None else n_cpu_moe)
+    devices = _gpus(gpus, device, streaming, experts, exact, spec.self_draft)
     if experts != "auto" and (spec.active or streaming.enabled or streaming.batch > 1 or streaming.prompts_file):
         _note("warning: --cpu-moe and --n-cpu-moe place the experts of a resident GPU run: this run ignores them")
     if spec.active:
         from infer.cli_spec import run as run_speculative
 
         run_speculative(model, spec, streaming, ctx_size, device, prompt or BENCHMARK_PROMPT, n_predict, sampler,
-                        chat, benchmark, exact, as_json)
+                        chat, benchmark, exact, as_json, gpus=devices)
         return
     if streaming.enabled or streaming.batch > 1 or streaming.prompts_file:
         _run_streaming(model, streaming, ctx_size, device, prompt, n_predict, sampler, chat, benchmark, as_json,
@@ -294,13 +302,47 @@ def main(ctx: click.Context, model: str | None, prompt: str | None, n_predict: i
               "CPU's anyway")
     with _device_errors(where, measure_peak=benchmark or as_json) as peak:
         llm = _load(model, ctx_size, where, streaming.vram_budget, exact, experts=experts,
-                    expert_stream=int(expert_stream) if expert_stream.isdigit() else expert_stream)
+                    expert_stream=int(expert_stream) if expert_stream.isdigit() else expert_stream, gpus=devices)
         if benchmark:
             cli_run.benchmark(llm, n_predict, as_json, peak)
         elif chat:
             cli_run.chat(llm, sampler, n_predict, system)
         else:
             cli_run.generate(llm, prompt or "", n_predict, sampler, as_json)
+
+
+def _gpus(text: str | None, device: str, streaming: StreamingConfig, experts: str | int = "auto",
+          exact: bool = False, self_draft: bool = False) -> list[int] | None:
+    """--gpus as device numbers, or the reason it cannot be (exit 2); a budget per GPU needs it."""
+    if text is None:
+        if streaming.vram_budget and "," in streaming.vram_budget:
+            _fail("--vram-budget: one size per GPU (a list) needs --gpus", EXIT_BAD_INPUT)
+        return None
+    from infer.gpu import gpu_available
+    from infer.tiers.stage_plan import parse_budgets, parse_gpus
+
+    try:
+        devices = parse_gpus(text)
+        parse_budgets(streaming.vram_budget, len(devices))
+    except ValueError as err:
+        _fail(str(err), EXIT_BAD_INPUT)
+    clash = [flag for flag, on in (("--device cpu", device == "cpu"), ("--exact", exact),
+                                   ("--streaming", streaming.enabled),
+                                   ("--batch/--prompts", streaming.batch > 1 or bool(streaming.prompts_file)),
+                                   ("--self-spec/--skip-threshold (a draft of the target's own layers)", self_draft),
+                                   ("--cpu-moe/--n-cpu-moe", experts != "auto")) if on]
+    if clash:
+        _fail(f"--gpus splits a resident GPU run: it cannot be combined with {clash[0]} (yet)", EXIT_BAD_INPUT)
+    if not gpu_available():
+        _fail(f"--gpus {text}: no CUDA GPU is visible to CuPy (install cupy-cuda13x, check the driver)",
+              EXIT_NOT_AVAILABLE)
+    import cupy
+
+    count = cupy.cuda.runtime.getDeviceCount()
+    if max(devices) >= count:
+        _fail(f"--gpus {text}: GPU {max(devices)} is not there ({count} GPU{'s' if count != 1 else ''} visible to CuPy)",
+              EXIT_NOT_AVAILABLE)
+    return devices
 
 
 def _warn_unused(where: str, streaming: StreamingConfig, exact: bool) -> None:
@@ -412,11 +454,12 @@ def perplexity_command(ctx: click.Context, model: str | None, text_file: str, ct
               "(no draft model).")
 @click.option("--draft-tree", type=click.IntRange(min=1), default=None,
               help="Nodes of each request's draft tree (default 9, 33 with --streaming).")
+@click.option("--gpus", metavar="LIST", default=None, help=GPUS_HELP)
 @click.pass_context
 def serve_command(ctx: click.Context, model: str | None, host: str, port: int, api_key: str | None, max_batch: int,
                   queue_size: int, ctx_size: int, device: str, streaming: StreamingConfig, exact: bool,
                   threads: int | None, prefix_cache: bool | None, draft_model: str | None, lookup: bool,
-                  draft_tree: int | None) -> None:
+                  draft_tree: int | None, gpus: str | None) -> None:
     """An OpenAI-compatible HTTP server: /v1/completions, /v1/chat/completions (stream: true for
     server-sent events; JSON schemas, tools, logprobs), /v1/models, /tokenize, /detokenize, /health,
     /metrics, and a chat page at /. Continuous batching: every pass over the weights serves every
@@ -438,6 +481,7 @@ def serve_command(ctx: click.Context, model: str | None, host: str, port: int, a
     from infer.server.app import Server
     from infer.server.run import loader, serve
 
+    devices = _gpus(gpus, device, streaming, exact=exact)
     where = _resolve_device(device)
     speculation = serve_speculation(model, draft_model, lookup, draft_tree, where, exact, streaming.enabled)
     try:  # a bad file stops here, before the server listens
@@ -446,8 +490,8 @@ def serve_command(ctx: click.Context, model: str | None, host: str, port: int, a
         _fail(str(err), EXIT_BAD_INPUT)
     context = ctx_size or min(args.context_length, 4096)
     _context_note(args, context, model)
-    server = Server(loader(model, where, context, max_batch, streaming, exact, speculation), context, max_batch,
-                    queue_size, api_key, prefix_cache=prefix_cache)
+    server = Server(loader(model, where, context, max_batch, streaming, exact, speculation, gpus=devices), context,
+                    max_batch, queue_size, api_key, prefix_cache=prefix_cache)
     _note(f"serving {Path(model).name} on http://{host}:{port} ({where}, {max_batch} slots of {context} tokens"
           f"{', API key required' if api_key else ''}); Ctrl-C stops after the requests in flight")
     serve(server, host, port)

@@ -63,8 +63,11 @@ def check_sizes(values: dict[str, Any]) -> None:
 
     for name, flag in (("vram_budget", "--vram-budget"), ("ram_budget", "--ram-budget")):
         if values.get(name) is not None:
+            # --vram-budget with --gpus: one size per GPU, separated by commas
+            parts = values[name].split(",") if name == "vram_budget" else [values[name]]
             try:
-                parse_size(values[name])
+                for part in parts:
+                    parse_size(part.strip())
             except BudgetError as err:
                 raise OptionConflict(f"{flag}: {err}") from None
 

@@ -203,9 +203,11 @@ def generate(target: Any, cache: Any, tokenizer: Any, spec: SpecOptions, draft: 
 
 
 def run(model: str | None, spec: SpecOptions, streaming: Any, ctx_size: int, device: str, prompt: str,
-        n_predict: int, sampler: Any, chat: bool, benchmark: bool, exact: bool, as_json: bool) -> None:
+        n_predict: int, sampler: Any, chat: bool, benchmark: bool, exact: bool, as_json: bool,
+        gpus: list[int] | None = None) -> None:
     """--draft-model / --lookup: one sequence, each target pass verifying a tree of drafted tokens.
-    Bad input is one line and exit 2 (infer.cli's conventions)."""
+    Bad input is one line and exit 2 (infer.cli's conventions). gpus: the target split across these
+    GPUs (infer.gpu.stages), the draft on the first."""
     from infer import cli as c
     from infer.errors import ModelError
     from infer.tokenizer import TokenizerError
@@ -228,7 +230,8 @@ def run(model: str | None, spec: SpecOptions, streaming: Any, ctx_size: int, dev
     with c._storage_errors(), c._device_errors(where):
         draft = None
         if spec.draft_model:  # resident, inside the budget
-            draft = c._load(spec.draft_model, ctx_size, where, streaming.vram_budget)
+            budget = streaming.vram_budget.split(",")[0] if gpus and streaming.vram_budget else streaming.vram_budget
+            draft = c._load(spec.draft_model, ctx_size, where, budget)
         planned = {"draft model": draft.transformer.account.planned_total} if draft is not None and where == "gpu" \
             else None  # type: ignore[attr-defined]
         tree = spec.tree or (DEFAULT_TREE_STREAMING if streaming.enabled else DEFAULT_TREE_RESIDENT)
@@ -258,7 +261,8 @@ def run(model: str | None, spec: SpecOptions, streaming: Any, ctx_size: int, dev
                     session.warm(advance)
                 target, cache, closer = session.engine.model, None, session.close
             else:
-                llm = c._load(model, ctx_size, where, streaming.vram_budget, exact, planned=planned, tree_nodes=nodes)
+                llm = c._load(model, ctx_size, where, streaming.vram_budget, exact, planned=planned, tree_nodes=nodes,
+                              gpus=gpus)
                 target, tokenizer, context, closer = llm.transformer, llm.tokenizer, llm.engine.ctx_size, None
                 cache = llm.engine.cache  # the one cache its budget planned
             try:

@@ -37,18 +37,21 @@ def resolve_device(device: str) -> str:
 
 
 def gpu_pass_nbytes(model: GGUFModel, args: ModelArgs, capacity: int, context: int,
-                    logits_rows: int | None = None) -> int:
+                    logits_rows: int | None = None, layers: range | None = None) -> int:
     """Device bytes of a GpuTransformer's pass buffers for `capacity` rows a pass (a prompt chunk,
-    a batch, a tree) over caches of up to `context` positions, and its rotary tables."""
+    a batch, a tree) over caches of up to `context` positions, and its rotary tables (`layers`: of
+    a stage of those layers, infer.gpu.stages: the head's buffers with the last layer)."""
     from infer.arch import output_name
     from infer.gpu.model import LOGITS_ROWS, pass_buffers_nbytes
     from infer.gpu.weights import layer_formats, matrix_format
 
-    formats = [layer_formats(model, i) for i in range(args.n_layers)]
+    layers = range(args.n_layers) if layers is None else layers
+    formats = [layer_formats(model, i) for i in layers]
     out_act = matrix_format(model.tensor(output_name(model))).act
     rows = max(LOGITS_ROWS, logits_rows or 0)
     tables = 2 if args.rope_base_local else 1  # Gemma's local layers rotate by their own table
-    return pass_buffers_nbytes(args, formats, out_act, capacity, context, rows) + tables * 8 * context * (args.rope_dim // 2)
+    return (pass_buffers_nbytes(args, formats, out_act, capacity, context, rows, head=layers.stop == args.n_layers)
+            + tables * 8 * context * (args.rope_dim // 2))
 
 
 def load_gpu_transformer(model: GGUFModel, max_context: int | None = None, vram_budget: str | int | None = None,
@@ -56,7 +59,8 @@ def load_gpu_transformer(model: GGUFModel, max_context: int | None = None, vram_
                          planned: dict[str, int] | None = None, tree_nodes: int = 0,
                          kv_positions: int | None = None,
                          progress: Callable[[int, int], None] | None = None,
-                         experts: str | int = "auto", expert_stream: str | int = "auto") -> GpuTransformer:
+                         experts: str | int = "auto", expert_stream: str | int = "auto",
+                         layers: range | None = None) -> GpuTransformer:
     """The model checked as infer.model.load_transformer checks it, its weights resident on the
     current GPU, planned against the VRAM budget (`vram_budget`, default the free memory less a
     margin): weights, the KV caches of `batch` sequences of `max_context` positions (default the
@@ -72,7 +76,8 @@ def load_gpu_transformer(model: GGUFModel, max_context: int | None = None, vram_
     "auto" all in VRAM when they fit the budget beside the rest, else as many of the last blocks' as fit.
     expert_stream (blocks the CPU computes): "auto" streams their experts to the GPU for passes of
     many prompt rows (infer.gpu.expert_stream; its staging planned first), "off" never, an int N
-    from N prompt rows. The inputs of the matrix products are rounded
+    from N prompt rows. layers: only these blocks, a stage of a pipeline across the GPUs of a host
+    (infer.gpu.stages.load_gpu_stages), planned on the current GPU. The inputs of the matrix products are rounded
     as llama.cpp rounds them (8-bit forms for quantized weights); every row's logits are the same
     bits in any pass (docs/GPU.md)."""
     import cupy
@@ -84,6 +89,7 @@ def load_gpu_transformer(model: GGUFModel, max_context: int | None = None, vram_
     from infer.gpu.model import GpuTransformer
     from infer.gpu.weights import ResidentWeights
     from infer.tiers.plan import planner_tensors
+    from infer.tiers.stage_plan import stage_tensors
 
     args = check_model(model)
     for info in model.tensors.values():
@@ -93,17 +99,23 @@ def load_gpu_transformer(model: GGUFModel, max_context: int | None = None, vram_
             except ValueError as err:
                 raise UnsupportedModelError(model.path, str(err), f"tensor {info.name}") from None
     context = max_context or min(args.context_length, 4096)
-    account = memory.new_account(vram_budget, f"{model.path.name} on the GPU")
-    tensors = planner_tensors(model, "gpu")
+    stage = range(args.n_layers) if layers is None else layers
+    if len(stage) < args.n_layers and args.n_experts:
+        raise UnsupportedModelError(model.path, "a mixture of experts does not split across GPUs yet",
+                                    "run it on one GPU")
+    where = "the GPU" if len(stage) == args.n_layers else \
+        f"GPU {cupy.cuda.Device().id} (layers {stage.start}-{stage.stop - 1})"
+    account = memory.new_account(vram_budget, f"{model.path.name} on {where}")
+    tensors = stage_tensors(planner_tensors(model, "gpu"), model, stage, args.n_layers)
     weights_nbytes = sum(t.device_nbytes for t in tensors)
     account.plan("weights", weights_nbytes)
     # the global layers keep every position; a local layer a ring of its window and a pass per sequence
     positions = kv_positions or batch * context
-    kv = args.kv_cache_nbytes(context, prefill_chunk, sequences=batch, positions=positions)
+    kv = args.kv_cache_nbytes(context, prefill_chunk, sequences=batch, positions=positions, layers=stage)
     layout = args.kv_cache_layout(context, prefill_chunk)
     account.plan(f"KV cache ({layout})" if layout else "KV cache", kv + 4 * (positions + 2 * batch))
     logits_rows = max(batch, tree_nodes)
-    account.plan("pass buffers", gpu_pass_nbytes(model, args, prefill_chunk, context, logits_rows))
+    account.plan("pass buffers", gpu_pass_nbytes(model, args, prefill_chunk, context, logits_rows, stage))
     for name, nbytes in (planned or {}).items():
         account.plan(name, nbytes)
     experts_on_gpu, experts_why, stream_rows = _place_experts(model, args, account, prefill_chunk, experts,
@@ -119,13 +131,13 @@ def load_gpu_transformer(model: GGUFModel, max_context: int | None = None, vram_
             progress(done, total + steps)
 
     with memory.arena(weights_nbytes, len(tensors)):
-        weights = ResidentWeights(model, args, weights_progress)
+        weights = ResidentWeights(model, args, weights_progress, layers=stage)
     cupy.cuda.Device().synchronize()
     cupy.get_default_memory_pool().free_all_blocks()  # the uploads' temporaries
     from infer.gpu.model import LOGITS_ROWS
 
     gpu = GpuTransformer(args, weights, rope_freq_factors(model, args), context, prefill_chunk=prefill_chunk,
-                         logits_rows=max(LOGITS_ROWS, logits_rows))
+                         logits_rows=max(LOGITS_ROWS, logits_rows), layers=stage)
     gpu.account = account
     on_cpu = sorted(set(range(args.n_layers)) - set(experts_on_gpu)) if args.n_experts else []
     if experts_on_gpu or stream_rows:

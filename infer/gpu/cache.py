@@ -46,13 +46,19 @@ class GpuKVCache:
     lost: int = 0  # positions below this were overwritten in the local layers' ring
 
     @classmethod
-    def allocate(cls, args: ModelArgs, max_tokens: int, capacity: int, stream: cupy.cuda.Stream | None) -> GpuKVCache:
-        """A cache of max_tokens positions for passes of up to `capacity` rows."""
+    def allocate(cls, args: ModelArgs, max_tokens: int, capacity: int, stream: cupy.cuda.Stream | None,
+                 layers: range | None = None) -> GpuKVCache:
+        """A cache of max_tokens positions for passes of up to `capacity` rows (`layers`: of those
+        layers only, a stage of a pipeline across GPUs)."""
         ring = args.kv_ring(max_tokens, capacity)
-        local = [args.is_local(i) for i in range(args.n_layers)]
+        layers = range(args.n_layers) if layers is None else layers
         counts = {False: 0, True: 0}
         layer_group = []
-        for is_local in local:
+        for i in range(args.n_layers):
+            if i not in layers:
+                layer_group.append((False, -1))  # another stage's
+                continue
+            is_local = args.is_local(i)
             layer_group.append((is_local, counts[is_local]))
             counts[is_local] += 1
 
@@ -76,6 +82,8 @@ class GpuKVCache:
     def layer(self, i: int) -> tuple[KVGroup, int]:
         """(the group holding layer i, its index there)."""
         in_ring, index = self.layer_group[i]
+        if index < 0:
+            raise IndexError(f"layer {i} is another stage's: this cache holds no keys or values for it")
         return (self.ring if in_ring else self.full), index
 
     def wrote(self, end: int) -> None:

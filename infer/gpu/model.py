@@ -34,13 +34,13 @@ from infer.gpu.activations import Inputs, layer_inputs
 from infer.gpu.attention import AttentionShape
 from infer.gpu.cache import GpuKVCache
 from infer.gpu.experts import GpuExperts, NextNorm
+from infer.gpu.front import PassFront
 from infer.gpu.generation import DeviceGeneration
 from infer.gpu.graphs import GraphCache
 from infer.gpu.ops import GpuMatrix
-from infer.gpu.passes import PassIndex, PassShape, Row, bucket_of, pass_layout, sequence_rows, tree_rows
-from infer.gpu.tree import TreeLogits, greedy_choices
+from infer.gpu.passes import PassIndex, PassShape, Row, bucket_of, pass_layout
 from infer.gpu.weights import GpuLayer, GpuWeightSource
-from infer.layers import Rope, check_batch
+from infer.layers import Rope
 from infer.tiers.budget import VramAccount
 
 if TYPE_CHECKING:
@@ -58,9 +58,9 @@ def attention_work_rows(shape: AttentionShape, capacity: int, max_context: int) 
 
 
 def pass_buffers_nbytes(args: ModelArgs, formats: list[dict], output_act: str, capacity: int, max_context: int,
-                        logits_rows: int = LOGITS_ROWS) -> int:
+                        logits_rows: int = LOGITS_ROWS, head: bool = True) -> int:
     """Device bytes of a GpuTransformer's pass buffers (what __init__ allocates besides the rotary
-    tables): for the VRAM plan."""
+    tables): for the VRAM plan (`head`: the logits' buffers, a pipeline's last stage's)."""
     a = args
     shape = _shape(a, Rope(a, None))
     wanted = [w for f in formats for w in layer_inputs(a, f)]
@@ -68,20 +68,10 @@ def pass_buffers_nbytes(args: ModelArgs, formats: list[dict], output_act: str, c
     post = rows * a.dim if has_post_norms(a) else 0  # a block's output before its post-norm (Gemma)
     hidden = 4 * ((rows + 1) * a.dim + rows * (shape.width + a.q_dim + 2 * a.ffn_dim) + post)
     work = attention.attention_work_nbytes(shape, attention_work_rows(shape, capacity, max_context), max_context)
-    head = Inputs.planned_nbytes(logits_rows, [("out", output_act, a.dim)]) + 4 * logits_rows * a.vocab_size
+    head = Inputs.planned_nbytes(logits_rows, [("out", output_act, a.dim)]) + 4 * logits_rows * a.vocab_size if head else 0
     index = PassIndex.nbytes_for(capacity)
     return (hidden + Inputs.planned_nbytes(rows, wanted) + work + head + index + GpuKVCache.nbytes_for(a, 1, 1)
             + products.SPLIT_SCRATCH_BYTES)
-
-
-def check_tree(parents: Sequence[int] | np.ndarray, nodes: int) -> np.ndarray:
-    """The parents of a token tree of `nodes` nodes as int64, checked: one root first (-1), then
-    0 <= parents[i] < i."""
-    parents = np.asarray(parents, dtype=np.int64).reshape(-1)
-    if len(parents) != nodes or parents[0] != -1 or (parents[1:] >= np.arange(1, nodes)).any() \
-            or (parents[1:] < 0).any():
-        raise ValueError("a token tree needs one parent per node, parents[0] == -1 and 0 <= parents[i] < i")
-    return parents
 
 
 def has_post_norms(a: ModelArgs) -> bool:
@@ -92,7 +82,7 @@ def _shape(a: ModelArgs, rope: Rope) -> AttentionShape:
     return AttentionShape(a.n_heads, a.n_kv_heads, a.head_dim, rope.n_pairs, a.rope_neox)
 
 
-class GpuTransformer(DeviceGeneration):
+class GpuTransformer(PassFront, DeviceGeneration):
     """new_cache(max_tokens), forward(tokens, cache, all_logits) and forward_batch(batch) -> NumPy
     logits, as infer.model.Transformer; verify_tree for token trees; generate_iter, draft_chain and
     decode_batch decode on the device."""
@@ -104,9 +94,16 @@ class GpuTransformer(DeviceGeneration):
     gpu_experts: GpuExperts | None = None  # or on the GPU, its experts in VRAM (infer.gpu.experts)
 
     def __init__(self, args: ModelArgs, weights: GpuWeightSource, rope_freq_factors: np.ndarray | None,
-                 max_context: int, prefill_chunk: int = 512, logits_rows: int = LOGITS_ROWS) -> None:
+                 max_context: int, prefill_chunk: int = 512, logits_rows: int = LOGITS_ROWS,
+                 layers: range | None = None) -> None:
+        """layers: only these blocks (a stage of a pipeline across GPUs, infer.gpu.stages): the
+        first stage embeds the tokens, the last runs the head; the others take and leave the
+        hidden states in `x`."""
         self.args = args
         self.weights = weights
+        self.stage = range(args.n_layers) if layers is None else layers
+        self.device_id = cupy.cuda.Device().id  # the GPU its buffers and weights are on
+        self.embeds, self.heads = self.stage.start == 0, self.stage.stop == args.n_layers
         self.capacity = prefill_chunk  # rows a pass holds: a prompt chunk, a batch, a tree
         self.prefill_chunk = prefill_chunk
         self.max_context = max_context
@@ -122,8 +119,10 @@ class GpuTransformer(DeviceGeneration):
         for name in kernels.SOURCES:  # compiled before any capture (products: the model's formats only)
             if name not in ("qmm", "pmm"):
                 kernels.module(name)
-        matrices = {(f.fmt, f.cols) for i in range(args.n_layers) for f in weights.formats(i).values()}
-        products.prepare_kernels(matrices | {(weights.output.fmt, weights.output.cols)})
+        matrices = {(f.fmt, f.cols) for i in self.stage for f in weights.formats(i).values()}
+        if self.heads:
+            matrices.add((weights.output.fmt, weights.output.cols))  # type: ignore[union-attr]
+        products.prepare_kernels(matrices)
         attention.prepare(self.shape)
         a, C = args, prefill_chunk
         cos, sin = self.rope.angles(np.arange(max_context))
@@ -135,13 +134,13 @@ class GpuTransformer(DeviceGeneration):
                 cos, sin = local.angles(np.arange(max_context))
                 self.rope_tables_local = (cupy.asarray(cos.astype(np.float32)), cupy.asarray(sin.astype(np.float32)))
             self.post = cupy.zeros((C, a.dim), F32) if has_post_norms(args) else None
-            self.null_cache = GpuKVCache.allocate(args, 1, 1, self.stream)
+            self.null_cache = GpuKVCache.allocate(args, 1, 1, self.stream, self.stage)
             self.index = PassIndex(C, self.null_cache, self.stream)
             self.x = cupy.zeros((C + 1, a.dim), F32)  # hidden states; row C: the null row
             self.qkv = cupy.zeros((C, self.shape.width), F32)
             self.att = cupy.zeros((C, a.q_dim), F32)
             self.gu = cupy.zeros((C, 2 * a.ffn_dim), F32)  # [gate | up]
-            formats = [weights.formats(i) for i in range(a.n_layers)]
+            formats = [weights.formats(i) for i in self.stage]
             self.inputs = Inputs(args, C, [w for f in formats for w in layer_inputs(args, f)])
             self.split = cupy.zeros(products.SPLIT_SCRATCH_BYTES // 4, F32)  # group sums of products that split K
             self.work_rows = attention_work_rows(self.shape, C, max_context)
@@ -152,6 +151,9 @@ class GpuTransformer(DeviceGeneration):
 
     def _make_head(self, rows: int) -> None:
         self.logits_rows = rows
+        if not self.heads:  # a stage before the last: its passes end with the hidden states
+            self.logits = cupy.zeros((0, self.args.vocab_size), F32)
+            return
         self.head_inputs = Inputs(self.args, rows, [("out", self.output.act, self.args.dim)])
         self.logits = cupy.zeros((rows, self.args.vocab_size), F32)
 
@@ -166,7 +168,7 @@ class GpuTransformer(DeviceGeneration):
     @property
     def layers(self) -> list[GpuLayer]:
         """The resident layers (kernel timings and tests); streamed layers exist one at a time."""
-        return [self.weights.layer(i) for i in range(self.args.n_layers) if self.weights.is_resident(i)]
+        return [self.weights.layer(i) for i in self.stage if self.weights.is_resident(i)]
 
     def weight_bytes_per_token(self) -> int:
         """Bytes of weights one pass reads from VRAM (all layer matrices and the output)."""
@@ -180,7 +182,7 @@ class GpuTransformer(DeviceGeneration):
         if max_tokens > self.max_context:
             raise ValueError(f"a cache of {max_tokens} positions exceeds the model's context of {self.max_context} "
                              "(raise -c/--ctx-size)")
-        cache = GpuKVCache.allocate(self.args, max_tokens, self.capacity, self.stream)
+        cache = GpuKVCache.allocate(self.args, max_tokens, self.capacity, self.stream, self.stage)
         self.stream.synchronize()
         return cache
 
@@ -336,7 +338,8 @@ class GpuTransformer(DeviceGeneration):
         """A pass as (capturable, items): runs of the embedding and resident layers, which replay as
         one CUDA graph each, and single streamed layers (or blocks of experts: the CPU's part waits
         for the host, which no graph can)."""
-        items = [EMBED, *(i for i in range(self.args.n_layers) if i not in self.skip)]
+        items = [EMBED] if self.embeds else []
+        items += [i for i in self.stage if i not in self.skip]
         segments: list[tuple[bool, list[int]]] = []
         for item in items:
             resident = item == EMBED or (self.weights.is_resident(item) and (
@@ -406,185 +409,53 @@ class GpuTransformer(DeviceGeneration):
         """One pass over the layers for `rows` (at most the capacity); the logits of rows `out_rows`
         (len, vocab): NumPy, or with to_host=False a view of the device block when they fit it
         (valid until the next pass)."""
+        slots, shape, out_rows = self.lay_out(rows, out_rows)
+        with self.stream:
+            self.fill_pass(slots, shape, out_rows)
+            self._run_layers()
+            return self.finish_pass(out_rows, to_host)
+
+    # ------------------------------------------------------------------ a pass in steps (a pipeline's stages)
+    def lay_out(self, rows: Sequence[Row], out_rows: Sequence[int]) -> tuple[list[Row | None], PassShape, list[int]]:
+        """Where the rows of a pass go (pass_layout) and where the rows wanting logits went; the
+        rows' caches learn which slots the pass writes."""
         slots, shape, where = pass_layout(rows, self.capacity)
-        out_rows = [where[r] for r in out_rows]
         for row in rows:
             row.cache.wrote(row.slot + 1)
+        return slots, shape, [where[r] for r in out_rows]
+
+    def fill_pass(self, slots: Sequence[Row | None], shape: PassShape, out_rows: Sequence[int]) -> None:
+        """The pass's rows into the device index (on self.stream)."""
+        self.index.fill(slots, shape, out_rows[: self.logits_rows])
+        self.passes += 1
+
+    def run_layers(self) -> None:
+        """The pass's layers (of this stage), queued on self.stream."""
         with self.stream:
-            self.index.fill(slots, shape, out_rows[: self.logits_rows])
-            self.passes += 1
             self._run_layers()
-            m = len(out_rows)
-            if not to_host and m <= self.logits_rows:
-                self._run_head(m)
-                return self.logits[:m]
-            # pinned host memory (CuPy's pool): the rows come back at the link's speed in one copy; a
-            # server step of 32 sequences brings 16 MB of logits back
-            out = cupyx.empty_pinned((m, self.args.vocab_size), np.float32)
-            for j0 in range(0, m, self.logits_rows):
+
+    def queue_logits(self, out_rows: Sequence[int]) -> np.ndarray:
+        """The head over the pass's rows `out_rows` (as laid out), their logits copied to pinned host
+        memory, queued and not waited for: valid once self.stream has run (a pipeline's micro-batch)."""
+        out = cupyx.empty_pinned((len(out_rows), self.args.vocab_size), np.float32)
+        with self.stream:
+            for j0 in range(0, len(out_rows), self.logits_rows):
                 part = out_rows[j0 : j0 + self.logits_rows]
                 if j0:
                     self.index.set_out_rows(part)
                 self._run_head(len(part))
                 cupy.asnumpy(self.logits[: len(part)], stream=self.stream, out=out[j0 : j0 + len(part)])
+        return out
+
+    def finish_pass(self, out_rows: Sequence[int], to_host: bool) -> np.ndarray | cupy.ndarray:
+        """The head over the hidden states of the pass's rows `out_rows` (as laid out): their logits
+        as run_pass returns them (pinned host memory: the rows come back at the link's speed in one
+        copy; a server step of 32 sequences brings 16 MB of logits back)."""
+        m = len(out_rows)
+        if not to_host and m <= self.logits_rows:
+            with self.stream:
+                self._run_head(m)
+            return self.logits[:m]
+        out = self.queue_logits(out_rows)
         self.stream.synchronize()
         return out
-
-    # ------------------------------------------------------------------ public calls
-    def forward(self, tokens: np.ndarray, cache: GpuKVCache, all_logits: bool = False,
-                prompt: bool = False) -> np.ndarray:
-        """As infer.model.Transformer.forward: NumPy float32 logits, (T, vocab) with all_logits,
-        else (vocab,) of the last token. prompt: the tokens are (the end of) a prompt whose logits
-        before the last nobody reads: all but the last run as prompt rows (docs/GPU.md)."""
-        tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
-        prompt_rows = [len(tokens) - 1] if prompt else None
-        return self.forward_batch([(tokens, cache)], all_logits, prompt_rows)[0]
-
-    def prefill(self, tokens: np.ndarray, cache: GpuKVCache) -> None:
-        """Appends prompt tokens whose logits nobody reads (prompt rows; no logits)."""
-        self.prefill_batch([(np.asarray(tokens, dtype=np.int64).reshape(-1), cache)])
-
-    def prefill_batch(self, batch: Sequence[tuple[np.ndarray, GpuKVCache]]) -> None:
-        """prefill for several sequences, sharing passes."""
-        self._passes(batch, False, [len(np.asarray(t).reshape(-1)) for t, _ in batch], logits=False)
-
-    def forward_batch(self, batch: Sequence[tuple[np.ndarray, GpuKVCache]], all_logits: bool = False,
-                      prompt_rows: Sequence[int] | None = None,
-                      trees: Sequence[np.ndarray | None] | None = None) -> list[np.ndarray | TreeLogits]:
-        """Each (tokens, cache) at its cache's next positions; per sequence the logits of its last
-        token (vocab,) or of every token (T, vocab). prompt_rows[s]: how many of sequence s's first
-        tokens are prompt rows (their logits, if returned, are the prompt products'). Passes of at
-        most `capacity` rows, shared evenly by the sequences with tokens left. trees[s]: the parents
-        of sequence s's tokens, a token tree verified as verify_tree does (then the whole batch is
-        ONE pass: see _tree_pass)."""
-        if trees is not None and any(t is not None for t in trees):
-            return self._tree_pass(batch, prompt_rows, trees)
-        return self._passes(batch, all_logits, prompt_rows)
-
-    def prompt_room(self, canonical: int) -> int:
-        """Prompt rows a pass with `canonical` other rows (decode tokens, tree nodes, prompts' last
-        tokens) still holds: the canonical region is padded to a bucket (pass_layout)."""
-        return max(0, self.capacity - bucket_of(min(max(1, canonical), self.capacity), self.capacity))
-
-    def _tree_pass(self, batch: Sequence[tuple[np.ndarray, GpuKVCache]], prompt_rows: Sequence[int] | None,
-                   trees: Sequence[np.ndarray | None]) -> list[np.ndarray | TreeLogits]:
-        """forward_batch with token trees, in one pass (the caller keeps it within the capacity): the
-        trees of several requests verified together beside decode tokens and prompt chunks. A tree's
-        logits come as TreeLogits (on the device while the pass's logits fit its block: a greedy walk
-        reads arg-maxes, not rows; valid until the next pass), a sequence's last token's on the host.
-        A tree's cache keeps its length (cache.accept keeps a path); a sequence's grows."""
-        sizes = check_batch(batch, self.args.vocab_size)
-        prompt_rows = list(prompt_rows) if prompt_rows is not None else [0] * len(batch)
-        if len(trees) != len(batch) or len(prompt_rows) != len(batch):
-            raise ValueError(f"{len(trees)} trees and {len(prompt_rows)} prompt-row counts for {len(batch)} sequences")
-        rows: list[Row] = []
-        out_rows: list[int] = []
-        spans: list[tuple[int, int]] = []  # per sequence: (first logits row, count)
-        for (tokens, cache), n, prompt, parents in zip(batch, sizes, prompt_rows, trees, strict=True):
-            tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
-            first = len(rows)
-            if parents is None:
-                rows += sequence_rows(cache, tokens, cache.length, prompt)
-                spans.append((len(out_rows), 1))
-                out_rows.append(len(rows) - 1)
-                continue
-            parents = check_tree(parents, n)
-            rows += tree_rows(cache, tokens.tolist(), parents)
-            spans.append((len(out_rows), n))
-            out_rows += range(first, first + n)
-        if len(rows) > self.capacity:
-            raise ValueError(f"a pass of {len(rows)} rows (token trees beside other sequences) exceeds the pass "
-                             f"capacity of {self.capacity}")
-        on_device = len(out_rows) <= self.logits_rows
-        got = self.run_pass(rows, out_rows, to_host=not on_device)
-        this = self.passes
-        plain = [j0 for (j0, _), parents in zip(spans, trees, strict=True) if parents is None]
-        rows_of = {j0: got[j0] for j0 in plain}  # the sequences' rows, in one copy when on the device
-        if on_device and plain:
-            host = cupy.asnumpy(got[plain], stream=self.stream)
-            self.stream.synchronize()
-            rows_of = dict(zip(plain, host, strict=True))
-        out: list[np.ndarray | TreeLogits] = []
-        for s, ((j0, count), parents) in enumerate(zip(spans, trees, strict=True)):
-            if parents is None:
-                batch[s][1].length += sizes[s]
-                out.append(rows_of[j0])
-            else:
-                out.append(TreeLogits(got[j0 : j0 + count], self.stream, lambda: self.passes == this))
-        return out
-
-    def forward_batch_argmax(self, batch: Sequence[tuple[np.ndarray, GpuKVCache]],
-                             prompt_rows: Sequence[int] | None = None,
-                             bias: Sequence[Sequence[tuple[int, float]]] | None = None) -> list[tuple[int, float]]:
-        """forward_batch's greedy choices: per sequence (token id, value) of the arg-max of its last
-        token's logits with bias[s] added (infer.gpu.tree.greedy_choices), found on the device: a
-        server step of 32 sequences brings back 384 bytes instead of 16 MB of logits."""
-        if bias is not None and len(bias) != len(batch):
-            raise ValueError(f"bias must give one list of (token id, value) per sequence: {len(bias)} for {len(batch)}")
-        return self._passes(batch, False, prompt_rows, pick=bias or [()] * len(batch))  # type: ignore[return-value]
-
-    def _passes(self, batch: Sequence[tuple[np.ndarray, GpuKVCache]], all_logits: bool,
-                prompt_rows: Sequence[int] | None, logits: bool = True,
-                pick: Sequence[Sequence[tuple[int, float]]] | None = None) -> list[np.ndarray]:
-        sizes = check_batch(batch, self.args.vocab_size)
-        prompt_rows = list(prompt_rows) if prompt_rows is not None else [0] * len(batch)
-        if len(prompt_rows) != len(batch) or any(not 0 <= p <= n for p, n in zip(prompt_rows, sizes, strict=True)):
-            raise ValueError("prompt_rows must give 0..len(tokens) per sequence")
-        outputs: list[list[np.ndarray]] = [[] for _ in batch]
-        done = [0] * len(batch)
-        while True:
-            live = [s for s in range(len(batch)) if done[s] < sizes[s]]
-            if not live:
-                break
-            live = live[: self.capacity]
-            # canonical rows beside prompt rows are padded to a bucket: room for that padding
-            mixed = any(prompt_rows[s] > done[s] for s in live) and any(prompt_rows[s] < sizes[s] for s in live)
-            share = max(1, (self.capacity - (len(live) - 1 if mixed else 0)) // len(live))
-            rows: list[Row] = []
-            wanted: list[tuple[int, int, int]] = []  # (sequence, first row, count) of logits rows
-            out_rows: list[int] = []
-            for s in live:
-                tokens, cache = batch[s]
-                part = np.asarray(tokens)[done[s] : done[s] + share]
-                first = len(rows)
-                rows += sequence_rows(cache, part, cache.length, max(0, prompt_rows[s] - done[s]))
-                if not logits:
-                    continue
-                if all_logits:
-                    wanted.append((s, len(out_rows), len(part)))
-                    out_rows += range(first, first + len(part))
-                elif done[s] + len(part) == sizes[s]:
-                    wanted.append((s, len(out_rows), 1))
-                    out_rows.append(len(rows) - 1)
-            got = self.run_pass(rows, out_rows, to_host=pick is None)
-            if pick is not None:  # the greedy choices only (forward_batch_argmax)
-                got = greedy_choices(got, self.stream, [(j0, pick[s]) for s, j0, _ in wanted if pick[s]])
-            for s in live:
-                n = min(share, sizes[s] - done[s])
-                batch[s][1].length += n
-                done[s] += n
-            for s, j0, count in wanted:
-                outputs[s].append(got[j0 : j0 + count])
-        if not logits:
-            return []
-        return [np.concatenate(out) if all_logits else out[-1][0] for out in outputs]
-
-    def verify_tree(self, tokens: np.ndarray, parents: np.ndarray, cache: GpuKVCache) -> TreeLogits:
-        """Logits of every node of a token tree (node i in cache slot cache.length + i, root's parent
-        -1, parents[i] < i) in one pass; node i's logits are the bits plain decoding gets at its
-        position after its path. cache.length stays; cache.accept keeps a path."""
-        tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
-        check_batch([(tokens, cache)], self.args.vocab_size)
-        parents = check_tree(parents, len(tokens))
-        if cache.length + len(tokens) > cache.max_tokens:
-            raise ValueError(f"context full: {cache.length} + {len(tokens)} tree nodes exceed {cache.max_tokens}")
-        rows = tree_rows(cache, tokens.tolist(), parents)
-        n = len(rows)
-        logits = self.run_pass(rows, range(n), to_host=n > self.logits_rows)
-        this = self.passes
-        spare = self.logits[n:] if n < self.logits_rows else None
-        return TreeLogits(logits, self.stream, lambda: self.passes == this, spare)
-
-    def forward_tree(self, tokens: np.ndarray, parents: np.ndarray, cache: GpuKVCache) -> np.ndarray:
-        """As infer.model.Transformer.forward_tree: verify_tree's logits on the host."""
-        return self.verify_tree(tokens, parents, cache).to_host()

@@ -189,34 +189,43 @@ def layer_vectors(model: GGUFModel, args: ModelArgs, i: int) -> dict[str, cupy.n
     return {kind: None if v is None else cupy.asarray(v) for kind, v in host.items()}
 
 
-def layer_bytes(layers: list[GpuLayer], output: GpuMatrix) -> tuple[int, int]:
-    mats = [m for layer in layers for m in layer.matrices()] + [output]
+def layer_bytes(layers: list[GpuLayer], output: GpuMatrix | None) -> tuple[int, int]:
+    mats = [m for layer in layers for m in layer.matrices()] + ([output] if output is not None else [])
     return sum(m.nbytes for m in mats), sum(m.source_nbytes for m in mats)
 
 
 class ResidentWeights:
-    """All weights of a checked model on the current device; the inputs of each matrix product are
-    rounded as llama.cpp rounds them (8-bit forms for quantized weights)."""
+    """The weights of a checked model on the current device (`layers`: only those blocks, a stage
+    of a pipeline across GPUs, infer.gpu.stages: the embedding with the first block, the output
+    with the last); the inputs of each matrix product are rounded as llama.cpp rounds them (8-bit
+    forms for quantized weights)."""
 
     def __init__(self, model: GGUFModel, args: ModelArgs,
-                 progress: Callable[[int, int], None] | None = None) -> None:
+                 progress: Callable[[int, int], None] | None = None, layers: range | None = None) -> None:
         """progress(done, total): after the embedding and output, then after each layer."""
         self.args = args
-        total = args.n_layers + 1
+        self.stage = range(args.n_layers) if layers is None else layers
+        first, last = self.stage.start == 0, self.stage.stop == args.n_layers
+        total = len(self.stage) + 1
         host = embedding_on_host(model)  # SmolLM2: the output reuses the embeddings, which stay on the device
-        self.token_embd = upload_embedding(model) if host else upload_tensor(model, TOKEN_EMBD)
-        self.output_norm = upload_vector(model, OUTPUT_NORM)
-        self.output = upload_tensor(model, output_name(model)) if host else self.token_embd
+        self.token_embd: GpuMatrix | None = None
+        self.output_norm: cupy.ndarray | None = None
+        self.output: GpuMatrix | None = None
+        if first or (last and not host):
+            self.token_embd = upload_embedding(model) if host else upload_tensor(model, TOKEN_EMBD)
+        if last:
+            self.output_norm = upload_vector(model, OUTPUT_NORM)
+            self.output = upload_tensor(model, output_name(model)) if host else self.token_embd
         if progress is not None:
             progress(1, total)
-        self.layers = []
-        for i in range(args.n_layers):
+        self.layers: dict[int, GpuLayer] = {}
+        for k, i in enumerate(self.stage):
             matrices = {kind: upload_tensor(model, tensor_name(i, kind)) for kind in MATRIX_KINDS
                         if tensor_name(i, kind) in model.tensors}
-            self.layers.append(assemble_layer(layer_vectors(model, args, i), matrices))
+            self.layers[i] = assemble_layer(layer_vectors(model, args, i), matrices)
             if progress is not None:
-                progress(i + 2, total)
-        self._formats = [layer_formats(model, i) for i in range(args.n_layers)]
+                progress(k + 2, total)
+        self._formats = {i: layer_formats(model, i) for i in self.stage}
 
     def layer(self, index: int) -> GpuLayer:
         return self.layers[index]
@@ -228,4 +237,4 @@ class ResidentWeights:
         return self._formats[index]
 
     def bytes_per_token(self) -> tuple[int, int]:
-        return layer_bytes(self.layers, self.output)
+        return layer_bytes(list(self.layers.values()), self.output)

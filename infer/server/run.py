@@ -11,10 +11,12 @@ from infer.tiers.config import StreamingConfig
 
 
 def loader(model_path: str, device: str, ctx_size: int, max_batch: int, streaming: StreamingConfig,
-           exact: bool = False, speculation: ServeSpeculation | None = None):  # noqa: ANN201 - a Callable[[], Loaded]
+           exact: bool = False, speculation: ServeSpeculation | None = None,
+           gpus: list[int] | None = None):  # noqa: ANN201 - a Callable[[], Loaded]
     """The function the server calls (in a thread) to load the model: resident on the GPU or the
     CPU, or through the streaming engine, planned for `max_batch` caches of `ctx_size` positions.
-    speculation: the draft model (loaded first, in the same budget) or prompt lookup."""
+    speculation: the draft model (loaded first, in the same budget) or prompt lookup. gpus: the
+    layers split across these GPUs (infer.gpu.stages; a draft on the first, in its budget)."""
 
     def load() -> Loaded:
         from infer.chat import ChatTemplate, ChatTemplateError
@@ -25,7 +27,8 @@ def loader(model_path: str, device: str, ctx_size: int, max_batch: int, streamin
         tokenizer = Tokenizer.from_gguf(gguf.metadata)
         draft, planned, tree_nodes = None, None, 0
         if speculation is not None:
-            draft = speculation.load_draft(device, ctx_size, max_batch, streaming.vram_budget, exact)
+            first_budget = streaming.vram_budget.split(",")[0] if streaming.vram_budget else None  # --gpus: per GPU
+            draft = speculation.load_draft(device, ctx_size, max_batch, first_budget, exact)
             account = getattr(draft, "account", None)
             planned = {"draft model": account.planned_total} if account is not None else None
             # every slot's tree in one pass: their logits stay on the device (within a pass's rows)
@@ -45,6 +48,12 @@ def loader(model_path: str, device: str, ctx_size: int, max_batch: int, streamin
                                              tree_nodes=tree_nodes)
             session.warm()  # before the first request: the CPU's tier A, or a MoE's most used experts
             model, close, problem = session.engine.model, session.close, session.problem
+        elif device == "gpu" and gpus:
+            from infer.gpu.stages import load_gpu_stages
+            from infer.tiers.stage_plan import parse_budgets
+
+            model = load_gpu_stages(gguf, gpus, parse_budgets(streaming.vram_budget, len(gpus)), ctx_size,
+                                    batch=max_batch, tree_nodes=tree_nodes, enforce_budget=True, planned=planned)
         elif device == "gpu":
             from infer.gpu import load_gpu_transformer
 

@@ -1,0 +1,158 @@
+"""A model split across GPUs in stages (infer.gpu.stages), run on the NumPy stand-in for CuPy
+(tests/fake_cupy.py) with every stage on its one device and the hand-over a device copy: each
+row's logits are the one-GPU engine's bits, for prompts, decode steps, a batch of sequences and a
+token tree, on a Llama, a Qwen3 and a Gemma 3 (local layers, post-norms). tests/gpu/ runs the same
+on a real GPU."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from infer.gguf_file import GGUFModel
+
+CTX = 64
+
+
+def pipeline(path: Path, cuts: list[int]):
+    """The model in stages split before layers `cuts`, all on device 0, joined by copies."""
+    from infer.gpu import load_gpu_transformer
+    from infer.gpu.stages import CopyLink, PipelineTransformer
+
+    model = GGUFModel(path)
+    n = model.metadata[f"{model.metadata['general.architecture']}.block_count"]
+    bounds = [0, *cuts, n]
+    stages = [load_gpu_transformer(model, CTX, "10GB", layers=range(a, b)) for a, b in zip(bounds, bounds[1:], strict=False)]
+    return PipelineTransformer(stages, CopyLink())
+
+
+def steps_of(model, prompt: np.ndarray, steps: list[int]) -> list[np.ndarray]:
+    cache = model.new_cache(CTX)
+    return [model.forward(prompt, cache, all_logits=True)] + [model.forward(np.array([t]), cache) for t in steps]
+
+
+@pytest.mark.parametrize("fixture", ["tiny_model", "tiny_qwen3", "tiny_gemma3"])
+def test_stages_give_the_one_gpu_bits(request: pytest.FixtureRequest, fake_cupy: object, fixture: str) -> None:
+    from infer.gpu import load_gpu_transformer
+
+    path = request.getfixturevalue(fixture)
+    whole = load_gpu_transformer(GGUFModel(path), CTX, "10GB")
+    prompt = np.array([1, 5, 9, 14, 3, 7, 11, 2, 8, 4, 6, 10])
+    expect = steps_of(whole, prompt, [12, 13, 15])
+    for cuts in ([2], [1, 3]):
+        staged = pipeline(path, cuts)
+        got = steps_of(staged, prompt, [12, 13, 15])
+        for e, g in zip(expect, got, strict=True):
+            assert np.array_equal(e, g), cuts
+        # a batch of two sequences, one of them mid-prompt, and a tree over a third
+        caches = {m: [m.new_cache(CTX) for _ in range(3)] for m in (whole, staged)}
+        outs = {}
+        for m, (a, b, c) in caches.items():
+            m.forward(prompt[:5], a)
+            m.forward(prompt[:7], c)
+            batch = m.forward_batch([(np.array([3, 4]), a), (prompt[:6], b)])
+            tree = m.verify_tree(np.array([9, 4, 5, 6]), np.array([-1, 0, 0, 1]), c).to_host()
+            c.accept([0, 1, 3])
+            after = m.forward(np.array([2]), c)
+            outs[m] = [*batch, tree, after]
+        for e, g in zip(outs[whole], outs[staged], strict=True):
+            assert np.array_equal(e, g), cuts
+
+
+def test_a_stage_holds_only_its_layers(tiny_model: Path, fake_cupy: object) -> None:
+    staged = pipeline(tiny_model, [2])
+    first, last = staged.stages
+    assert (first.embeds, first.heads, last.embeds, last.heads) == (True, False, False, True)
+    assert sorted(first.weights.layers) == [0, 1] and sorted(last.weights.layers) == [2, 3]
+    assert first.weights.output is None and last.weights.output is not None
+    cache = staged.new_cache(CTX)
+    assert [int(p.full.keys.shape[0]) for p in cache.parts] == [2, 2]  # each stage its layers' keys
+    with pytest.raises(IndexError, match="another stage"):
+        cache.parts[0].layer(3)
+    whole = load_whole(tiny_model)
+    assert staged.weight_bytes_per_token() == whole.weight_bytes_per_token()
+
+
+def load_whole(path: Path):
+    from infer.gpu import load_gpu_transformer
+
+    return load_gpu_transformer(GGUFModel(path), CTX, "10GB")
+
+
+def test_load_gpu_stages_plans_balanced_stages_and_refuses_what_is_not_there(tiny_model: Path,
+                                                                             fake_cupy: object) -> None:
+    from infer.gpu.stages import CopyLink, load_gpu_stages
+    from infer.tiers.budget import VramBudgetError
+
+    staged = load_gpu_stages(GGUFModel(tiny_model), [0, 0], ["10GB", "10GB"], CTX)  # the stand-in: one device twice
+    assert [s.stage for s in staged.stages] == [range(0, 2), range(2, 4)]
+    assert isinstance(staged.link, CopyLink)
+    prompt = np.array([1, 5, 9, 14, 3])
+    assert np.array_equal(steps_of(staged, prompt, [2])[1], steps_of(load_whole(tiny_model), prompt, [2])[1])
+    with pytest.raises(ValueError, match="GPU 1 is not there"):
+        load_gpu_stages(GGUFModel(tiny_model), [0, 1], [None, None], CTX)
+    with pytest.raises(VramBudgetError, match="does not fit the budgets of GPU 0, GPU 0 split by layers"):
+        load_gpu_stages(GGUFModel(tiny_model), [0, 0], ["1MB", "1MB"], CTX)
+
+
+def test_the_scheduler_and_speculation_run_on_stages(tiny_model: Path, fake_cupy: object) -> None:
+    """The generation loop (infer.scheduler) over a split model: four requests decoded together,
+    and speculation with a draft model on the first GPU verifying every request's tree across
+    the stages, give the one-GPU engine's tokens."""
+    from infer.engine import greedy
+    from infer.scheduler import Request, Scheduler, as_sampler
+    from infer.spec_serve import DraftPool
+    from infer.speculative import ModelDrafter
+
+    prompts = [[1] + [40, 41, 42, 43] * 4, [1, 300, 2, 8], [1, *range(100, 118)], [1, 5, 9, 200, 31, 7, 7, 40]]
+    whole, staged = load_whole(tiny_model), pipeline(tiny_model, [1])
+    draft = load_whole(tiny_model)  # the target as its own draft: every tree is kept (the deepest walks)
+
+    def served(model, drafting: bool) -> tuple[list[list[int]], int]:  # noqa: ANN001
+        requests = [Request(list(p), 10, as_sampler(greedy)) for p in prompts]
+        pool = DraftPool(model, lambda: ModelDrafter(draft, CTX, depth=3, width=2, cache=draft.new_cache(CTX)),
+                         7, CTX) if drafting else None
+        passes: list[int] = []
+        Scheduler(model, CTX, 4, speculation=pool, on_pass=lambda _s, rows, _n: passes.append(rows)).run(requests)
+        return [r.generated for r in requests], len(passes)
+
+    expect, plain_passes = served(whole, False)
+    assert served(staged, False) == (expect, plain_passes)
+    tokens, spec_passes = served(staged, True)
+    assert tokens == expect and spec_passes < plain_passes  # trees verified across the stages
+
+
+def test_micro_batches_of_a_large_pass_give_the_same_bits(tiny_model: Path, fake_cupy: object) -> None:
+    """A pass of many rows split into micro-batches (so that one stage works on the next while the
+    next stage works on the one before): a long prompt's every logits row, and a batch of prompt
+    chunks of several sequences, as the one-GPU engine gives them."""
+    from infer.gpu import load_gpu_transformer
+    from infer.gpu.stages import MICRO_ROWS, CopyLink, PipelineTransformer
+
+    ctx = 512
+    model = GGUFModel(tiny_model)
+    whole = load_gpu_transformer(model, ctx, "10GB")
+    stages = [load_gpu_transformer(model, ctx, "10GB", layers=r) for r in (range(0, 2), range(2, 4))]
+    rng = np.random.default_rng(2)
+    prompt = rng.integers(3, 500, 3 * MICRO_ROWS + 5)
+    others = [rng.integers(3, 500, n) for n in (40, 90)]
+    for micro in (2, 3):
+        staged = PipelineTransformer(stages, CopyLink(), micro_batches=micro)
+        assert staged.micro_batches(len(prompt), [0], True) == \
+            [(len(prompt) * i // micro, len(prompt) * (i + 1) // micro) for i in range(micro)]
+        assert staged.micro_batches(len(prompt), [0], False) == [(0, len(prompt))]  # logits kept on the device
+        outs = {}
+        for m in (whole, staged):
+            a, b, c = (m.new_cache(ctx) for _ in range(3))
+            before = stages[0].passes
+            rows = [m.forward(prompt, a, all_logits=True)]
+            if m is staged:  # the pass went as `micro` passes of each stage
+                assert stages[0].passes - before == micro
+            rows += m.forward_batch([(prompt[:100], b), (others[0], c)], all_logits=True)
+            rows.append(m.forward(others[1], c))  # then a decode-sized pass on what the micro-batches wrote
+            rows.append(m.forward(np.array([7]), a))
+            outs[m] = rows
+        for e, g in zip(outs[whole], outs[staged], strict=True):
+            assert np.array_equal(e, g), micro
