@@ -138,8 +138,9 @@ def _load(model: str | None, ctx_size: int, device: str, vram_budget: str | None
 
 GPUS_HELP = ("Split the layers across these GPUs of the host (e.g. 0,1): each GPU a stage of contiguous layers, "
              "balanced by their bytes, the hidden states handed over by NCCL (a draft model, if any, on the first). "
-             "--vram-budget is then one size for each GPU or one per GPU (24GB,20GB). Resident dense models "
-             "(not --streaming, a mixture of experts or --self-spec, yet).")
+             "--vram-budget is then one size for each GPU or one per GPU (24GB,20GB); with --streaming each GPU "
+             "streams its stage's share over its own link. Dense models (not a mixture of experts, --exact or "
+             "--self-spec, yet).")
 
 
 PROGRESS_DELAY_S = 2.0  # a bar appears only for work that has already taken this long
@@ -293,7 +294,7 @@ def main(ctx: click.Context, model: str | None, prompt: str | None, n_predict: i
         return
     if streaming.enabled or streaming.batch > 1 or streaming.prompts_file:
         _run_streaming(model, streaming, ctx_size, device, prompt, n_predict, sampler, chat, benchmark, as_json,
-                       exact)
+                       exact, gpus=devices)
         return
     where = _resolve_device(device)
     _warn_unused(where, streaming, exact)
@@ -327,8 +328,8 @@ def _gpus(text: str | None, device: str, streaming: StreamingConfig, experts: st
     except ValueError as err:
         _fail(str(err), EXIT_BAD_INPUT)
     clash = [flag for flag, on in (("--device cpu", device == "cpu"), ("--exact", exact),
-                                   ("--streaming", streaming.enabled),
-                                   ("--batch/--prompts", streaming.batch > 1 or bool(streaming.prompts_file)),
+                                   ("--tier-c nvme", streaming.enabled and streaming.tier_c == "nvme"),
+                                   ("--cpu-tier", streaming.enabled and streaming.cpu_tier not in (None, "off", "auto")),
                                    ("--self-spec/--skip-threshold (a draft of the target's own layers)", self_draft),
                                    ("--cpu-moe/--n-cpu-moe", experts != "auto")) if on]
     if clash:
@@ -356,7 +357,7 @@ def _warn_unused(where: str, streaming: StreamingConfig, exact: bool) -> None:
 
 def _run_streaming(model: str | None, streaming: StreamingConfig, ctx_size: int, device: str, prompt: str | None,
                    n_predict: int, sampler: Any, chat: bool, benchmark: bool, as_json: bool,
-                   exact: bool = False) -> None:
+                   exact: bool = False, gpus: list[int] | None = None) -> None:
     if chat:
         _fail("--chat runs one sequence on the resident engine: drop --streaming/--batch/--prompts", EXIT_BAD_INPUT)
     if not model:
@@ -371,7 +372,7 @@ def _run_streaming(model: str | None, streaming: StreamingConfig, ctx_size: int,
         with _storage_errors(), _device_errors(where, measure_peak=benchmark or as_json) as peak:
             run_streaming(model, streaming, ctx_size, where, prompt or (BENCHMARK_PROMPT if benchmark else None),
                           n_predict, sampler, benchmark=benchmark, as_json=as_json, echo=click.echo, note=_note,
-                          peak=peak, stream=_stream, exact=exact, progress=_progress)
+                          peak=peak, stream=_stream, exact=exact, progress=_progress, gpus=gpus)
     except TokenizerError as err:  # before ValueError, which it is
         _fail(f"{model}: tokenizer: {err}", EXIT_BAD_INPUT)
     except (ValueError, ModelError) as err:  # bad file, budgets too small (BudgetError)

@@ -253,9 +253,15 @@ def run(model: str | None, spec: SpecOptions, streaming: Any, ctx_size: int, dev
                 tokenizer = Tokenizer.from_gguf(gguf.metadata)
                 context = ctx_size or min(_context(gguf), 4096)
                 c._context_note(ModelArgs.from_gguf(gguf), context, model)
-                session = build_streaming_engine(gguf, streaming, context, where, prefill_chunk=max(512, nodes),
-                                                 enforce_budget=where == "gpu", planned=planned, tree_nodes=nodes,
-                                                 exact=exact)
+                if gpus:  # the target's stages each streaming their share (infer.tiers.staged_session)
+                    from infer.tiers.staged_session import build_streaming_stages
+
+                    session = build_streaming_stages(gguf, streaming, context, gpus, prefill_chunk=max(512, nodes),
+                                                     enforce_budget=True, planned=planned, tree_nodes=nodes)
+                else:
+                    session = build_streaming_engine(gguf, streaming, context, where, prefill_chunk=max(512, nodes),
+                                                     enforce_budget=where == "gpu", planned=planned, tree_nodes=nodes,
+                                                     exact=exact)
                 c._note(session.report())
                 with c._progress(f"loading {gguf.path.name}", 0, session.warm_unit) as advance:
                     session.warm(advance)

@@ -13,8 +13,9 @@ stage after stage with its rows' hidden states handed over between them.
 
 A row's hidden state crosses as float32 bits, so every row's logits are the bits of the one-GPU
 engine (tested). A large pass runs as micro-batches in row order where the stages have GPUs of
-their own (PipelineTransformer.micro_batches). Not yet: streamed layers per stage, a mixture of
-experts per stage, generation loops on the device (the engine drives the pipeline from the host).
+their own (PipelineTransformer.micro_batches). Streamed stages: infer.tiers.staged_session. Not
+yet: a mixture of experts per stage, generation loops on the device (the engine drives the
+pipeline from the host).
 """
 
 from __future__ import annotations

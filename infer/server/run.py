@@ -40,7 +40,13 @@ def loader(model_path: str, device: str, ctx_size: int, max_batch: int, streamin
         title = gguf.metadata.get("general.name")
         close = lambda: None  # noqa: E731
         problem = lambda: None  # noqa: E731
-        if streaming.enabled:
+        if streaming.enabled and gpus:  # each stage streams its share over its own GPU's link
+            from infer.tiers.staged_session import build_streaming_stages
+
+            session = build_streaming_stages(gguf, replace(streaming, batch=max_batch), ctx_size, gpus,
+                                             enforce_budget=True, planned=planned, tree_nodes=tree_nodes)
+            model, close, problem = session.engine.model, session.close, session.problem
+        elif streaming.enabled:
             from infer.tiers.session import build_streaming_engine
 
             session = build_streaming_engine(gguf, replace(streaming, batch=max_batch), ctx_size, device,

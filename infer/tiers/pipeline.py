@@ -105,8 +105,12 @@ class StreamedWeights:
     is reused)."""
 
     def __init__(self, model: GGUFModel, args: ModelArgs, plan: Plan, host: HostTier | None,
-                 source: StorageSource | None, n_staging: int = 4) -> None:
+                 source: StorageSource | None, n_staging: int = 4, layers: range | None = None) -> None:
+        """layers: only these blocks (a stage of a pipeline across GPUs, infer.gpu.stages; the plan
+        then places that stage's tensors): the embedding with the first, the output with the last."""
         self.model, self.args, self.plan = model, args, plan
+        self.stage = range(args.n_layers) if layers is None else layers
+        first, last = self.stage.start == 0, self.stage.stop == args.n_layers
         self.transport = GpuTransport(plan.n_slots, plan.slot_nbytes)
         c_pieces = [t for t in plan.streamed if plan.tier[t.name] is Tier.STORAGE]
         if c_pieces and source is None:
@@ -128,16 +132,21 @@ class StreamedWeights:
                 raise RuntimeError(f"layer scratch of {self.scratch.nbytes} bytes cannot hold {at}")
         host = embedding_on_host(model)
         resident = [t for t in plan.tensors if plan.tier[t.name] is Tier.VRAM]
+        self.token_embd: GpuMatrix | None = None
+        self.output_norm: cupy.ndarray | None = None
+        self.output: GpuMatrix | None = None
         with arena(sum(t.device_nbytes for t in resident), len(resident)):  # not a 2 MiB page each
-            self.token_embd = upload_embedding(model) if host else upload_tensor(model, TOKEN_EMBD)
-            self.output_norm = upload_vector(model, OUTPUT_NORM)
-            self.output = upload_tensor(model, output_name(model)) if host else self.token_embd
-            self._vectors = [layer_vectors(model, args, i) for i in range(args.n_layers)]
-            self._resident = [{kind: upload_tensor(model, tensor_name(i, kind)) for kind in MATRIX_KINDS
-                               if plan.tier[tensor_name(i, kind)] is Tier.VRAM} for i in range(args.n_layers)]
-        self._whole = {i: assemble_layer(self._vectors[i], self._resident[i]) for i in range(args.n_layers)
+            if first or (last and not host):
+                self.token_embd = upload_embedding(model) if host else upload_tensor(model, TOKEN_EMBD)
+            if last:
+                self.output_norm = upload_vector(model, OUTPUT_NORM)
+                self.output = upload_tensor(model, output_name(model)) if host else self.token_embd
+            self._vectors = {i: layer_vectors(model, args, i) for i in self.stage}
+            self._resident = {i: {kind: upload_tensor(model, tensor_name(i, kind)) for kind in MATRIX_KINDS
+                                  if plan.tier[tensor_name(i, kind)] is Tier.VRAM} for i in self.stage}
+        self._whole = {i: assemble_layer(self._vectors[i], self._resident[i]) for i in self.stage
                        if not self._streamed[i]}
-        self._formats = [layer_formats(model, i) for i in range(args.n_layers)]
+        self._formats = {i: layer_formats(model, i) for i in self.stage}
         # uploads ran on the legacy default stream, which the non-blocking compute stream does not
         # wait for: finish them before any pass starts
         cupy.cuda.Device().synchronize()
@@ -175,8 +184,8 @@ class StreamedWeights:
         """(device bytes, GGUF bytes) of the matrices one decode step reads: the planar size of a
         matrix whether resident or repacked into the scratch."""
         mats = [t for t in self.plan.tensors if t.layer is not None and not t.is_vector]
-        return (sum(t.device_nbytes for t in mats) + self.output.nbytes,
-                sum(t.nbytes for t in mats) + self.output.source_nbytes)
+        head = (self.output.nbytes, self.output.source_nbytes) if self.output is not None else (0, 0)
+        return sum(t.device_nbytes for t in mats) + head[0], sum(t.nbytes for t in mats) + head[1]
 
     def bytes_moved(self) -> dict[Tier, int]:
         return dict(self.ring.moved)

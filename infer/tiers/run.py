@@ -33,7 +33,8 @@ def run_streaming(model_path: str, config: StreamingConfig, ctx_size: int, devic
                   n_predict: int, sampler_config: Any, benchmark: bool = False, as_json: bool = False,
                   echo: Callable[[str], None] = print, note: Callable[[str], None] = print,
                   peak: Any = None, stream: Callable[[str], None] | None = None,
-                  exact: bool = False, progress: Callable[[str, int, str], Any] | None = None) -> dict[str, Any]:
+                  exact: bool = False, progress: Callable[[str, int, str], Any] | None = None,
+                  gpus: list[int] | None = None) -> dict[str, Any]:
     """Generates for every prompt in one batch; prints each sequence's text (or one JSON object)
     with `echo` and the plan and statistics with `note`; returns the JSON-able result.
     ctx_size 0: the model's context, at most 4096 (per sequence: the KV cache is that times the
@@ -41,7 +42,8 @@ def run_streaming(model_path: str, config: StreamingConfig, ctx_size: int, devic
     (infer.benchmark) on the streamed model, beside the plan's link roofline; `peak`: a
     PeakMonitor running around the call (GPU). stream (text output): the text of one sequence is
     given to it piece by piece as its tokens come; several sequences are echoed each as it ends.
-    exact: the CPU engine's float64 sums (see build_streaming_engine). progress(what, total, unit):
+    exact: the CPU engine's float64 sums (see build_streaming_engine). gpus: the layers split across
+    these GPUs, each stage streaming its own share (infer.tiers.staged_session). progress(what, total, unit):
     a context manager yielding advance(done, total), for the CPU weights' load before the first pass."""
     from infer.sampler import Sampler
     from infer.tokenizer import StreamDecoder, Tokenizer
@@ -60,8 +62,13 @@ def run_streaming(model_path: str, config: StreamingConfig, ctx_size: int, devic
     ids = [tokenizer.encode(t) for t in texts]
     if any(not x for x in ids):
         raise ValueError("a prompt is empty after tokenization")
-    session = build_streaming_engine(gguf, replace(config, batch=len(texts)), ctx_size, device, enforce_budget=True,
-                                     exact=exact)
+    if gpus:  # the layers split across GPUs, each stage streaming its share (infer.tiers.staged_session)
+        from infer.tiers.staged_session import build_streaming_stages
+
+        session = build_streaming_stages(gguf, replace(config, batch=len(texts)), ctx_size, gpus, enforce_budget=True)
+    else:
+        session = build_streaming_engine(gguf, replace(config, batch=len(texts)), ctx_size, device,
+                                         enforce_budget=True, exact=exact)
     try:
         note(session.report())
         with (progress or _silent)(f"loading {gguf.path.name}", 0, session.warm_unit) as advance:

@@ -90,3 +90,39 @@ def test_micro_batches_give_the_same_bits(model_path: Path) -> None:
         cache = m.new_cache(CTX)
         outs.append([m.forward(prompt, cache, all_logits=True), m.forward(np.array([11]), cache)])
     same(*outs)
+
+
+def test_streamed_stages_give_the_resident_bits(tmp_path: Path) -> None:
+    """--streaming --gpus on the GPU: each stage (both on GPU 0 here) keeps a tenth of its layers
+    resident and streams the rest through its own ring from pinned RAM and the file; every row's
+    logits are the resident engine's."""
+    from infer.arch import ModelArgs
+    from infer.gpu import gpu_pass_nbytes, memory
+    from infer.tiers.config import StreamingConfig
+    from infer.tiers.plan import Tier, minimum_vram, planner_tensors
+    from infer.tiers.stage_plan import stage_tensors
+    from infer.tiers.staged_session import build_streaming_stages
+
+    path = tmp_path / "eight.gguf"
+    write_model(path, replace(SHAPE, n_layers=8), "q4_k_m", seed=7)
+    model = GGUFModel(path)
+    args = ModelArgs.from_gguf(model)
+    tensors = planner_tensors(model, "gpu")
+    raw = sum(t.nbytes for t in tensors if t.layer is not None and not t.is_vector)
+    reserve = sum(memory.new_account(None, "test").reserved.values())
+    budgets = []
+    for stage in (range(0, 4), range(4, 8)):
+        mine = stage_tensors(tensors, model, stage, args.n_layers)
+        layers = sum(t.device_nbytes for t in mine if t.layer is not None and not t.is_vector)
+        overhead = args.kv_cache_nbytes(CTX, 512, layers=stage) + 4 * (CTX + 1) + reserve + \
+            gpu_pass_nbytes(model, args, 512, CTX, None, stage)
+        budgets.append(minimum_vram(mine, 4, True) + layers // 10 + overhead)
+    config = StreamingConfig(enabled=True, vram_budget=",".join(map(str, budgets)), ram_budget=str(raw // 3 + 4 * raw))
+    session = build_streaming_stages(model, config, CTX, [0, 0])
+    try:
+        for _, _, plan, _ in session.stage_plans:
+            assert {plan.tier[t.name] for t in plan.tensors if t.layer is not None} - {Tier.VRAM}, "a stage streams"
+        prompt = np.random.default_rng(8).integers(3, 2000, 40)
+        same(outputs(load_gpu_transformer(model, CTX, "4GB"), prompt), outputs(session.engine.model, prompt))
+    finally:
+        session.close()

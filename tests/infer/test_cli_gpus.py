@@ -29,7 +29,7 @@ def run(tiny: Path, *flags: str):
     (["--gpus", "zero"], "device numbers separated by commas"),
     (["--gpus", "0,1", "--vram-budget", "1GB,2GB,3GB"], "3 sizes for 2 GPUs"),
     (["--vram-budget", "1GB,2GB"], "needs --gpus"),
-    (["--gpus", "0", "--streaming"], "cannot be combined with --streaming"),
+    (["--gpus", "0", "--streaming", "--tier-c", "nvme"], "cannot be combined with --tier-c nvme"),
     (["--gpus", "0", "--device", "cpu"], "cannot be combined with --device cpu"),
     (["--gpus", "0", "--exact"], "cannot be combined with --exact"),
 ])
@@ -75,7 +75,17 @@ def test_serve_takes_gpus_and_says_what_it_cannot(tiny: Path, fake_cupy: object)
 
     result = CliRunner().invoke(main, ["serve", "-m", str(tiny), "--gpus", "0,0"])
     assert result.exit_code == 2 and "distinct device numbers" in result.stderr, result.output
-    result = CliRunner().invoke(main, ["serve", "-m", str(tiny), "--gpus", "0", "--streaming"])
-    assert result.exit_code == 2 and "cannot be combined with --streaming" in result.stderr, result.output
+    result = CliRunner().invoke(main, ["serve", "-m", str(tiny), "--gpus", "0", "--exact"])
+    assert result.exit_code == 2 and "cannot be combined with --exact" in result.stderr, result.output
     loaded = loader(str(tiny), "gpu", 64, 2, StreamingConfig(vram_budget="10GB"), gpus=[0])()
     assert isinstance(loaded.model, PipelineTransformer)
+
+
+def test_streaming_across_gpus_gives_the_one_gpu_tokens(tiny: Path, fake_cupy: object) -> None:
+    """--streaming --gpus: the stages' plans reported, the resident run's tokens."""
+    staged = run(tiny, "--gpus", "0", "--streaming", "--vram-budget", "10GB", "--ram-budget", "1GB")
+    whole = run(tiny, "--device", "gpu")
+    assert staged.exit_code == 0, staged.output
+    assert staged.stdout == whole.stdout and "1 stage: GPU 0 layers 0-2" in staged.stderr
+    missing = run(tiny, "--gpus", "0", "--streaming")
+    assert missing.exit_code == 2 and "needs --vram-budget" in missing.stderr, missing.output

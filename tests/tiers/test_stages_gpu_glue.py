@@ -156,3 +156,49 @@ def test_micro_batches_of_a_large_pass_give_the_same_bits(tiny_model: Path, fake
             outs[m] = rows
         for e, g in zip(outs[whole], outs[staged], strict=True):
             assert np.array_equal(e, g), micro
+
+
+def test_streamed_stages_give_the_resident_bits(tmp_path: Path, fake_cupy: object) -> None:
+    """--streaming --gpus: each stage's own plan streams part of its layers through its own ring
+    (tier B pinned RAM and tier C the file here); every row's logits are the resident one-GPU
+    engine's, and both stages moved bytes. Eight layers: a stage of four is more than its ring
+    and scratch."""
+    from infer.synth import SHAPES, Shape, write_model
+
+    tiny_model = tmp_path / "tiny8.gguf"
+    write_model(tiny_model, Shape(**{**SHAPES["tiny"].__dict__, "n_layers": 8}), "q4_k_m", seed=11)
+    from infer.arch import ModelArgs
+    from infer.gpu import gpu_pass_nbytes, load_gpu_transformer
+    from infer.tiers.config import StreamingConfig
+    from infer.tiers.plan import Tier, minimum_vram, planner_tensors
+    from infer.tiers.stage_plan import stage_tensors
+    from infer.tiers.staged_session import build_streaming_stages
+    from tests.tiers.test_tiers_gpu_glue import device_reserve
+
+    model = GGUFModel(tiny_model)
+    args = ModelArgs.from_gguf(model)
+    tensors = planner_tensors(model, "gpu")
+    raw = sum(t.nbytes for t in tensors if t.layer is not None and not t.is_vector)
+    budgets = []
+    for stage in (range(0, 4), range(4, 8)):  # each GPU: its stage's minimum and a tenth of its layers
+        mine = stage_tensors(tensors, model, stage, args.n_layers)
+        layers = sum(t.device_nbytes for t in mine if t.layer is not None and not t.is_vector)
+        overhead = args.kv_cache_nbytes(CTX, 512, layers=stage) + 4 * (CTX + 1) + device_reserve() + \
+            gpu_pass_nbytes(model, args, 512, CTX, None, stage)
+        budgets.append(minimum_vram(mine, 4, True) + layers // 10 + overhead)
+    config = StreamingConfig(enabled=True, vram_budget=",".join(map(str, budgets)),
+                             ram_budget=str(int(0.3 * raw) + 4 * raw))
+    session = build_streaming_stages(model, config, CTX, [0, 0])
+    try:
+        tiers = [{plan.tier[t.name] for t in plan.tensors if t.layer is not None} for _, _, plan, _ in session.stage_plans]
+        assert all(Tier.RAM in found or Tier.STORAGE in found for found in tiers), tiers  # each stage streams
+        assert [r for _, r, _, _ in session.stage_plans] == [range(0, 4), range(4, 8)]
+        assert "2 stages: GPU 0 layers 0-3, GPU 0 layers 4-7" in session.report()
+        staged = session.engine.model
+        whole = load_gpu_transformer(model, CTX, "10GB")
+        prompt = np.array([1, 5, 9, 14, 3, 7, 11, 2, 8, 4, 6, 10])
+        for e, g in zip(steps_of(whole, prompt, [12, 13]), steps_of(staged, prompt, [12, 13]), strict=True):
+            assert np.array_equal(e, g)
+        assert all(get() for get in [w.bytes_moved for w in (s.weights for s in staged.stages)])
+    finally:
+        session.close()

@@ -1,0 +1,151 @@
+"""The streaming engine across the GPUs of one host (issue 30): the layers split in stages
+(infer.tiers.stage_plan), each stage's tensors placed by its own plan in its GPU's budget (tier A
+in its VRAM, the rest streamed through its own ring over its own link from pinned RAM or storage),
+the stages joined as infer.gpu.stages joins them.
+
+    session = build_streaming_stages(GGUFModel(path), StreamingConfig(enabled=True, vram_budget="24GB"),
+                                     ctx_size=2048, gpus=[0, 1])
+
+Each GPU's link carries only its own stage's streamed bytes, so with the stages on two GPUs a
+pass's copies run on two links at once (a GPU's ring fills while the other GPU computes). Tier B is
+a pinned copy per stage (a registered file mapping is one per process); tier C is a file (an NVMe
+drive is one queue owner: not split yet).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from infer.arch import check_model, refuse_experts, rope_freq_factors
+from infer.gguf_file import GGUFModel
+from infer.streaming import StreamingEngine
+from infer.tiers.budget import BudgetError, compute_budgets
+from infer.tiers.config import StreamingConfig
+from infer.tiers.plan import PlanError, Tier, format_bytes, make_plan, planner_tensors
+from infer.tiers.report import render_plan
+from infer.tiers.session import StreamingSession
+from infer.tiers.stage_plan import parse_budgets, split_layers, stage_tensors
+from infer.tiers.tier_b import HostTier
+from infer.tiers.tier_c import StorageSource, open_source
+
+
+class StagedStreamingSession(StreamingSession):
+    """A StreamingSession whose engine runs a pipeline of streamed stages: `stage_plans` (GPU,
+    layers, plan, account) report each stage."""
+
+    stage_plans: list[tuple[int, range, Any, Any]]
+
+    def report(self) -> str:
+        n = len(self.stage_plans)
+        lines = [f"{n} stage{'s' if n != 1 else ''}: " + ", ".join(
+            f"GPU {g} layers {r.start}-{r.stop - 1}" for g, r, _, _ in self.stage_plans)]
+        for g, r, plan, account in self.stage_plans:
+            lines += [f"-- stage on GPU {g} (layers {r.start}-{r.stop - 1})", account.render(), render_plan(plan, None, {
+                t.name: "resident" if plan.tier[t.name] is Tier.VRAM else
+                ("pinned-RAM copy" if plan.tier[t.name] is Tier.RAM else "staged read (file)") for t in plan.tensors})]
+        return "\n".join(lines)
+
+
+def build_streaming_stages(model: GGUFModel, config: StreamingConfig, ctx_size: int, gpus: Sequence[int],
+                           prefill_chunk: int = 512, enforce_budget: bool = False,
+                           planned: dict[str, int] | None = None, tree_nodes: int = 0) -> StagedStreamingSession:
+    """The model split across `gpus` (config.vram_budget: one size for each GPU or one per GPU;
+    config.ram_budget shared, each stage its share by its layers' bytes), each stage streamed as its
+    plan says. planned: device memory already taken on the first GPU (a draft model). Budget
+    problems raise BudgetError with the stage's numbers."""
+    import cupy
+
+    from infer.gpu import gpu_pass_nbytes, memory
+    from infer.gpu.model import LOGITS_ROWS, GpuTransformer
+    from infer.gpu.stages import CopyLink, NcclLink, PipelineTransformer, _has_nccl
+    from infer.tiers.pipeline import StreamedWeights
+
+    args = check_model(model)
+    refuse_experts(args, model.path, "the streaming engine across GPUs", "run it on one GPU")
+    if config.tier_c == "nvme":
+        raise BudgetError("--gpus with --tier-c nvme: one drive cannot feed several stages yet (use --tier-c file)")
+    count = cupy.cuda.runtime.getDeviceCount()
+    if max(gpus) >= count:
+        raise ValueError(f"GPU {max(gpus)} is not there ({count} GPU{'s' if count != 1 else ''} visible to CuPy)")
+    budgets = parse_budgets(config.vram_budget, len(gpus))
+    if any(b is None for b in budgets):
+        raise BudgetError("--streaming --gpus needs --vram-budget (one size for each GPU, or one per GPU)")
+    rows = max(prefill_chunk, config.batch)
+    tensors = planner_tensors(model, "gpu")
+    per_layer = [sum(t.device_nbytes for t in tensors if t.layer == i) for i in range(args.n_layers)]
+    head = sum(t.device_nbytes for t in stage_tensors(tensors, model, range(args.n_layers, args.n_layers),
+                                                        args.n_layers) if t.layer is None)
+    # streaming lets any range fit its GPU: the split balances the bytes a pass reads (and copies)
+    ranges = split_layers(per_layer, per_layer, [float("inf")] * len(gpus), head_cost=head, head_size=head)
+    staging = config.staging_buffers * max((t.nbytes for t in tensors if t.layer is not None), default=0)
+    whole = compute_budgets(args, ctx_size, config.batch, rows, staging, 10**15, config.ram_budget)
+    layer_raw = sum(t.nbytes for t in tensors if t.layer is not None and not t.is_vector)
+    factors = rope_freq_factors(model, args)
+    stages: list[GpuTransformer] = []
+    reports: list[tuple[int, range, Any, Any]] = []
+    closers: list[Callable[[], None]] = []
+    moved: list[Callable[[], dict]] = []
+    try:
+        for k, (g, layers, budget) in enumerate(zip(gpus, ranges, budgets, strict=True)):
+            mine = stage_tensors(tensors, model, layers, args.n_layers)
+            with cupy.cuda.Device(g):
+                account = memory.new_account(budget, f"{model.path.name} streamed on GPU {g} "
+                                                     f"(layers {layers.start}-{layers.stop - 1})")
+                for name, nbytes in ((planned or {}).items() if k == 0 else ()):
+                    account.plan(name, nbytes)
+                kv = args.kv_cache_nbytes(ctx_size, rows, sequences=config.batch, layers=layers) + \
+                    4 * config.batch * (ctx_size + 1)
+                act = gpu_pass_nbytes(model, args, rows, ctx_size, max(config.batch, tree_nodes), layers)
+                room = account.pool_limit - account.planned_total - kv - act
+                share = sum(t.nbytes for t in mine if t.layer is not None and not t.is_vector) / max(layer_raw, 1)
+                try:
+                    plan = make_plan(mine, args.n_layers, room, int(whole.ram_for_weights * share), config.slots,
+                                     layer_scratch=True)
+                except PlanError as err:
+                    raise BudgetError(f"GPU {g} (layers {layers.start}-{layers.stop - 1}): {err}; with its KV cache "
+                                      f"and pass buffers its VRAM budget must be at least "
+                                      f"{format_bytes(err.minimum + kv + act)}") from None
+                for name, nbytes in (("weights (tier A)", plan.bytes_in(Tier.VRAM)),
+                                     ("ring slots", plan.n_slots * plan.slot_nbytes),
+                                     ("layer scratch", plan.scratch_nbytes), ("KV cache", kv), ("pass buffers", act)):
+                    account.plan(name, nbytes)
+                account.check(": lower -c/--ctx-size or --batch")
+                b_tensors = plan.tensors_in(Tier.RAM)
+                host = HostTier(model, b_tensors, "pinned") if b_tensors else None
+                if host is not None:
+                    closers.append(host.close)
+                c_tensors = plan.tensors_in(Tier.STORAGE)
+                source: StorageSource | None = None
+                if c_tensors:
+                    source = open_source(config.tier_c, model.path, c_tensors, None, notes=plan.notes)
+                    closers.append(source.close)
+                weights = StreamedWeights(model, args, plan, host, source, config.staging_buffers, layers=layers)
+                closers.append(weights.close)
+                moved.append(weights.bytes_moved)
+                stage = GpuTransformer(args, weights, factors, ctx_size, rows,
+                                       logits_rows=max(LOGITS_ROWS, config.batch, tree_nodes), layers=layers)
+                stage.account = account
+                if enforce_budget and len(set(gpus)) == len(gpus):
+                    cupy.get_default_memory_pool().set_limit(size=max(account.pool_limit, 0))
+            stages.append(stage)
+            reports.append((g, layers, plan, account))
+    except BaseException:
+        for close in reversed(closers):
+            close()
+        raise
+    distinct = len(set(gpus)) == len(gpus) and len(gpus) > 1
+    pipeline = PipelineTransformer(stages, NcclLink(gpus) if distinct and _has_nccl() else CopyLink())
+
+    def bytes_moved() -> dict[str, int]:
+        total: dict[str, int] = {}
+        for get in moved:
+            for tier, n in get().items():
+                total[tier.value] = total.get(tier.value, 0) + n
+        return total
+
+    engine = StreamingEngine(pipeline, ctx_size, prefill_chunk, bytes_moved=bytes_moved)
+    session = StagedStreamingSession(engine, reports[0][2], whole, stages[0].weights, {}, None,
+                                     reports[0][3], closers)
+    session.stage_plans = reports
+    return session
