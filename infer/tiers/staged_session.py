@@ -82,35 +82,37 @@ def build_streaming_stages(model: GGUFModel, config: StreamingConfig, ctx_size: 
     whole = compute_budgets(args, ctx_size, config.batch, rows, staging, 10**15, config.ram_budget)
     layer_raw = sum(t.nbytes for t in tensors if t.layer is not None and not t.is_vector)
     factors = rope_freq_factors(model, args)
+    # every stage planned before any loads: where stages share a GPU (the stand-in of tests) a later
+    # account would count an earlier stage's weights as another process's memory
+    planned_stages: list[tuple[int, range, Any, Any]] = []
+    for k, (g, layers, budget) in enumerate(zip(gpus, ranges, budgets, strict=True)):
+        mine = stage_tensors(tensors, model, layers, args.n_layers)
+        with cupy.cuda.Device(g):
+            account = memory.new_account(budget, f"{model.path.name} streamed on GPU {g} "
+                                                 f"(layers {layers.start}-{layers.stop - 1})")
+        for name, nbytes in ((planned or {}).items() if k == 0 else ()):
+            account.plan(name, nbytes)
+        kv = args.kv_cache_nbytes(ctx_size, rows, sequences=config.batch, layers=layers) + 4 * config.batch * (ctx_size + 1)
+        act = gpu_pass_nbytes(model, args, rows, ctx_size, max(config.batch, tree_nodes), layers)
+        room = account.pool_limit - account.planned_total - kv - act
+        share = sum(t.nbytes for t in mine if t.layer is not None and not t.is_vector) / max(layer_raw, 1)
+        try:
+            plan = make_plan(mine, args.n_layers, room, int(whole.ram_for_weights * share), config.slots,
+                             layer_scratch=True)
+        except PlanError as err:
+            raise BudgetError(f"GPU {g} (layers {layers.start}-{layers.stop - 1}): {err}; with its KV cache and pass "
+                              f"buffers its VRAM budget must be at least {format_bytes(err.minimum + kv + act)}") from None
+        for name, nbytes in (("weights (tier A)", plan.bytes_in(Tier.VRAM)), ("ring slots", plan.n_slots * plan.slot_nbytes),
+                             ("layer scratch", plan.scratch_nbytes), ("KV cache", kv), ("pass buffers", act)):
+            account.plan(name, nbytes)
+        account.check(": lower -c/--ctx-size or --batch")
+        planned_stages.append((g, layers, plan, account))
     stages: list[GpuTransformer] = []
-    reports: list[tuple[int, range, Any, Any]] = []
     closers: list[Callable[[], None]] = []
     moved: list[Callable[[], dict]] = []
     try:
-        for k, (g, layers, budget) in enumerate(zip(gpus, ranges, budgets, strict=True)):
-            mine = stage_tensors(tensors, model, layers, args.n_layers)
+        for g, layers, plan, account in planned_stages:
             with cupy.cuda.Device(g):
-                account = memory.new_account(budget, f"{model.path.name} streamed on GPU {g} "
-                                                     f"(layers {layers.start}-{layers.stop - 1})")
-                for name, nbytes in ((planned or {}).items() if k == 0 else ()):
-                    account.plan(name, nbytes)
-                kv = args.kv_cache_nbytes(ctx_size, rows, sequences=config.batch, layers=layers) + \
-                    4 * config.batch * (ctx_size + 1)
-                act = gpu_pass_nbytes(model, args, rows, ctx_size, max(config.batch, tree_nodes), layers)
-                room = account.pool_limit - account.planned_total - kv - act
-                share = sum(t.nbytes for t in mine if t.layer is not None and not t.is_vector) / max(layer_raw, 1)
-                try:
-                    plan = make_plan(mine, args.n_layers, room, int(whole.ram_for_weights * share), config.slots,
-                                     layer_scratch=True)
-                except PlanError as err:
-                    raise BudgetError(f"GPU {g} (layers {layers.start}-{layers.stop - 1}): {err}; with its KV cache "
-                                      f"and pass buffers its VRAM budget must be at least "
-                                      f"{format_bytes(err.minimum + kv + act)}") from None
-                for name, nbytes in (("weights (tier A)", plan.bytes_in(Tier.VRAM)),
-                                     ("ring slots", plan.n_slots * plan.slot_nbytes),
-                                     ("layer scratch", plan.scratch_nbytes), ("KV cache", kv), ("pass buffers", act)):
-                    account.plan(name, nbytes)
-                account.check(": lower -c/--ctx-size or --batch")
                 b_tensors = plan.tensors_in(Tier.RAM)
                 host = HostTier(model, b_tensors, "pinned") if b_tensors else None
                 if host is not None:
@@ -129,7 +131,6 @@ def build_streaming_stages(model: GGUFModel, config: StreamingConfig, ctx_size: 
                 if enforce_budget and len(set(gpus)) == len(gpus):
                     cupy.get_default_memory_pool().set_limit(size=max(account.pool_limit, 0))
             stages.append(stage)
-            reports.append((g, layers, plan, account))
     except BaseException:
         for close in reversed(closers):
             close()
@@ -145,7 +146,7 @@ def build_streaming_stages(model: GGUFModel, config: StreamingConfig, ctx_size: 
         return total
 
     engine = StreamingEngine(pipeline, ctx_size, prefill_chunk, bytes_moved=bytes_moved)
-    session = StagedStreamingSession(engine, reports[0][2], whole, stages[0].weights, {}, None,
-                                     reports[0][3], closers)
-    session.stage_plans = reports
+    session = StagedStreamingSession(engine, planned_stages[0][2], whole, stages[0].weights, {}, None,
+                                     planned_stages[0][3], closers)
+    session.stage_plans = planned_stages
     return session

@@ -5,6 +5,7 @@ GPUs); and, where the machine has two GPUs, with each stage on its own GPU and N
 
 from __future__ import annotations
 
+import gc
 from dataclasses import replace
 from pathlib import Path
 
@@ -103,12 +104,14 @@ def test_streamed_stages_give_the_resident_bits(tmp_path: Path) -> None:
     from infer.tiers.stage_plan import stage_tensors
     from infer.tiers.staged_session import build_streaming_stages
 
-    path = tmp_path / "eight.gguf"
-    write_model(path, replace(SHAPE, n_layers=8), "q4_k_m", seed=7)
+    path = tmp_path / "eight.gguf"  # layers of ~7 MB: a stage's four are well past its ring and scratch
+    write_model(path, replace(SHAPE, n_layers=8, dim=1024, ffn_dim=3072), "q4_k_m", seed=7)
     model = GGUFModel(path)
     args = ModelArgs.from_gguf(model)
     tensors = planner_tensors(model, "gpu")
     raw = sum(t.nbytes for t in tensors if t.layer is not None and not t.is_vector)
+    gc.collect()  # the earlier tests' models (their graphs hold device memory outside the pool) gone first
+    cupy.get_default_memory_pool().free_all_blocks()
     reserve = sum(memory.new_account(None, "test").reserved.values())
     budgets = []
     for stage in (range(0, 4), range(4, 8)):
