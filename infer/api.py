@@ -85,7 +85,8 @@ class LLM:
 
             budgets = parse_budgets(None if vram_budget is None else str(vram_budget), len(gpus))
             transformer = load_gpu_stages(gguf, gpus, budgets, ctx_size, tree_nodes=tree_nodes, progress=progress,
-                                          enforce_budget=enforce_budget, planned=planned)
+                                          enforce_budget=enforce_budget, planned=planned, experts=experts,
+                                          expert_stream=expert_stream)
         elif where == "gpu":
             from infer.gpu import load_gpu_transformer
 

@@ -130,17 +130,18 @@ def _load(model: str | None, ctx_size: int, device: str, vram_budget: str | None
     for account in getattr(llm.transformer, "accounts", None) or [getattr(llm.transformer, "account", None)]:
         if account is not None:  # a pipeline across GPUs: each stage's plan
             _note(account.render())
-    for placed in (getattr(llm.transformer, "gpu_experts", None), getattr(llm.transformer, "cpu_experts", None)):
-        if placed is not None:
-            _note(placed.describe())
+    for part in getattr(llm.transformer, "stages", None) or [llm.transformer]:  # a pipeline: each stage's experts
+        for placed in (getattr(part, "gpu_experts", None), getattr(part, "cpu_experts", None)):
+            if placed is not None:
+                _note(placed.describe())
     return llm
 
 
 GPUS_HELP = ("Split the layers across these GPUs of the host (e.g. 0,1): each GPU a stage of contiguous layers, "
              "balanced by their bytes, the hidden states handed over by NCCL (a draft model, if any, on the first). "
              "--vram-budget is then one size for each GPU or one per GPU (24GB,20GB); with --streaming each GPU "
-             "streams its stage's share over its own link. Dense models (not a mixture of experts, --exact or "
-             "--self-spec, yet).")
+             "streams its stage's share over its own link; a mixture of experts places each stage's experts "
+             "in its GPU (not with --streaming). Not with --exact or --self-spec (yet).")
 
 
 PROGRESS_DELAY_S = 2.0  # a bar appears only for work that has already taken this long
@@ -283,7 +284,7 @@ def main(ctx: click.Context, model: str | None, prompt: str | None, n_predict: i
         _fail("--cpu-moe and --n-cpu-moe cannot be combined (--cpu-moe is every block's experts on the CPU)",
               EXIT_BAD_INPUT)
     experts: str | int = "cpu" if cpu_moe else ("auto" if n_cpu_moe is None else n_cpu_moe)
-    devices = _gpus(gpus, device, streaming, experts, exact, spec.self_draft)
+    devices = _gpus(gpus, device, streaming, exact, spec.self_draft)
     if experts != "auto" and (spec.active or streaming.enabled or streaming.batch > 1 or streaming.prompts_file):
         _note("warning: --cpu-moe and --n-cpu-moe place the experts of a resident GPU run: this run ignores them")
     if spec.active:
@@ -312,8 +313,8 @@ def main(ctx: click.Context, model: str | None, prompt: str | None, n_predict: i
             cli_run.generate(llm, prompt or "", n_predict, sampler, as_json)
 
 
-def _gpus(text: str | None, device: str, streaming: StreamingConfig, experts: str | int = "auto",
-          exact: bool = False, self_draft: bool = False) -> list[int] | None:
+def _gpus(text: str | None, device: str, streaming: StreamingConfig, exact: bool = False,
+          self_draft: bool = False) -> list[int] | None:
     """--gpus as device numbers, or the reason it cannot be (exit 2); a budget per GPU needs it."""
     if text is None:
         if streaming.vram_budget and "," in streaming.vram_budget:
@@ -330,8 +331,8 @@ def _gpus(text: str | None, device: str, streaming: StreamingConfig, experts: st
     clash = [flag for flag, on in (("--device cpu", device == "cpu"), ("--exact", exact),
                                    ("--tier-c nvme", streaming.enabled and streaming.tier_c == "nvme"),
                                    ("--cpu-tier", streaming.enabled and streaming.cpu_tier not in (None, "off", "auto")),
-                                   ("--self-spec/--skip-threshold (a draft of the target's own layers)", self_draft),
-                                   ("--cpu-moe/--n-cpu-moe", experts != "auto")) if on]
+                                   ("--self-spec/--skip-threshold (a draft of the target's own layers)", self_draft))
+             if on]
     if clash:
         _fail(f"--gpus splits a resident GPU run: it cannot be combined with {clash[0]} (yet)", EXIT_BAD_INPUT)
     if not gpu_available():

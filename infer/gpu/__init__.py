@@ -100,9 +100,6 @@ def load_gpu_transformer(model: GGUFModel, max_context: int | None = None, vram_
                 raise UnsupportedModelError(model.path, str(err), f"tensor {info.name}") from None
     context = max_context or min(args.context_length, 4096)
     stage = range(args.n_layers) if layers is None else layers
-    if len(stage) < args.n_layers and args.n_experts:
-        raise UnsupportedModelError(model.path, "a mixture of experts does not split across GPUs yet",
-                                    "run it on one GPU")
     where = "the GPU" if len(stage) == args.n_layers else \
         f"GPU {cupy.cuda.Device().id} (layers {stage.start}-{stage.stop - 1})"
     account = memory.new_account(vram_budget, f"{model.path.name} on {where}")
@@ -118,7 +115,7 @@ def load_gpu_transformer(model: GGUFModel, max_context: int | None = None, vram_
     account.plan("pass buffers", gpu_pass_nbytes(model, args, prefill_chunk, context, logits_rows, stage))
     for name, nbytes in (planned or {}).items():
         account.plan(name, nbytes)
-    experts_on_gpu, experts_why, stream_rows = _place_experts(model, args, account, prefill_chunk, experts,
+    experts_on_gpu, experts_why, stream_rows = _place_experts(model, args, account, prefill_chunk, experts, stage,
                                                               expert_stream) if args.n_experts else ([], None, 0)
     account.check(": lower -c/--ctx-size, or run on the CPU (--device cpu)" if args.n_experts else
                   ": run with --streaming (or lower -c/--ctx-size)")  # no streamed GPU engine for experts yet
@@ -139,7 +136,7 @@ def load_gpu_transformer(model: GGUFModel, max_context: int | None = None, vram_
     gpu = GpuTransformer(args, weights, rope_freq_factors(model, args), context, prefill_chunk=prefill_chunk,
                          logits_rows=max(LOGITS_ROWS, logits_rows), layers=stage)
     gpu.account = account
-    on_cpu = sorted(set(range(args.n_layers)) - set(experts_on_gpu)) if args.n_experts else []
+    on_cpu = sorted(set(stage) - set(experts_on_gpu)) if args.n_experts else []
     if experts_on_gpu or stream_rows:
         from infer.gpu.expert_stream import ExpertStream
         from infer.gpu.experts import GpuExperts
@@ -192,30 +189,32 @@ def _stream_least(args: ModelArgs, rows: int, stream: str | int) -> int:
 
 
 def _place_experts(model: GGUFModel, args: ModelArgs, account: VramAccount, rows: int, where: str | int,
-                   stream: str | int = "auto") -> tuple[list[int], str | None, int]:
+                   stage: range | None = None, stream: str | int = "auto") -> tuple[list[int], str | None, int]:
     """(the blocks whose experts go to VRAM, planned in `account`; why the others stay in RAM for
     the CPU, None when none does; the prompt rows from which those others stream to the GPU, 0 for
     never: --expert-stream). `where`: "gpu" every block, "cpu" none (--cpu-moe), an int N the first N
     blocks on the CPU (llama.cpp's --n-cpu-moe N), "auto" every block when they fit the budget beside
     the rest, else the most of the last blocks that fit beside the stream's staging. Float stacks
-    stay with the CPU ("gpu": an error)."""
+    stay with the CPU ("gpu": an error). stage: the blocks of this GPU (a pipeline's stage), every
+    block by default."""
     from infer.errors import UnsupportedModelError
     from infer.gpu import experts as on_gpu
     from infer.gpu.expert_stream import stream_nbytes
     from infer.gpu.ops import UPLOAD_CHUNK_BYTES
     from infer.tiers.plan import format_bytes
 
-    n = args.n_layers
+    blocks = list(range(args.n_layers) if stage is None else stage)
+    n = len(blocks)
     if isinstance(where, int) and not isinstance(where, bool):
         if where < 0:
             raise ValueError(f"--n-cpu-moe takes a count of blocks, not {where}")
-        on_device, why = list(range(min(where, n), n)), f"asked for (--n-cpu-moe {where})"
+        on_device, why = [i for i in blocks if i >= where], f"asked for (--n-cpu-moe {where})"
     elif where not in EXPERT_PLACES:
         raise ValueError(f"experts go to one of {', '.join(EXPERT_PLACES)} or a count of blocks, not {where!r}")
     elif where == "cpu":
         on_device, why = [], "asked for (--cpu-moe)"
     else:
-        on_device, why = list(range(n)), None
+        on_device, why = list(blocks), None
     least = _stream_least(args, rows, stream)  # a bad --expert-stream fails here, whatever the placement
     unsupported = on_gpu.stacks_on_device(model, args)
     if unsupported is not None:
@@ -227,8 +226,8 @@ def _place_experts(model: GGUFModel, args: ModelArgs, account: VramAccount, rows
     room = account.room - buffers - UPLOAD_CHUNK_BYTES  # kept for an upload's transient copy of GGUF bytes
     if where == "auto":
         fit = _last_blocks_that_fit(on_device, sizes, room)
-        if len(fit) < n and least and on_gpu.stacks_group(model, list(range(n))):
-            staging = stream_nbytes(model, list(range(n)))  # at most: the CPU's blocks are not chosen yet
+        if len(fit) < n and least and on_gpu.stacks_group(model, blocks):
+            staging = stream_nbytes(model, blocks)  # at most: the CPU's blocks are not chosen yet
             if staging <= STREAM_SHARE * max(sum(sizes[i] for i in fit), room):
                 fit = _last_blocks_that_fit(on_device, sizes, room - staging)  # the stream's staging first
             else:
@@ -240,7 +239,7 @@ def _place_experts(model: GGUFModel, args: ModelArgs, account: VramAccount, rows
         if len(fit) < n:
             why = f"the VRAM budget leaves room for the experts of {len(fit)} of {n} blocks"
         on_device = sorted(fit)
-    on_cpu = [i for i in range(n) if i not in on_device]
+    on_cpu = [i for i in blocks if i not in on_device]
     staging = stream_nbytes(model, on_cpu) if least and on_cpu and on_gpu.stacks_group(model, on_cpu) else 0
     if staging > room - sum(sizes[i] for i in on_device):
         staging = 0  # a placement asked for: the staging only where it fits beside it

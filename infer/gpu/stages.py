@@ -13,9 +13,9 @@ stage after stage with its rows' hidden states handed over between them.
 
 A row's hidden state crosses as float32 bits, so every row's logits are the bits of the one-GPU
 engine (tested). A large pass runs as micro-batches in row order where the stages have GPUs of
-their own (PipelineTransformer.micro_batches). Streamed stages: infer.tiers.staged_session. Not
-yet: a mixture of experts per stage, generation loops on the device (the engine drives the
-pipeline from the host).
+their own (PipelineTransformer.micro_batches). Streamed stages: infer.tiers.staged_session; a
+mixture of experts: each stage places its own blocks' experts (load_gpu_transformer). Not yet:
+generation loops on the device (the engine drives the pipeline from the host).
 """
 
 from __future__ import annotations
@@ -263,14 +263,17 @@ def load_gpu_stages(model: GGUFModel, gpus: Sequence[int], vram_budgets: Sequenc
                     max_context: int | None = None, prefill_chunk: int = 512, batch: int = 1,
                     tree_nodes: int = 0, link: str = "auto",
                     progress: Callable[[int, int], None] | None = None,
-                    enforce_budget: bool = False, planned: dict[str, int] | None = None) -> PipelineTransformer:
+                    enforce_budget: bool = False, planned: dict[str, int] | None = None,
+                    experts: str | int = "auto", expert_stream: str | int = "auto") -> PipelineTransformer:
     """`model` split across `gpus` (each with its VRAM budget): the stages planned (plan_stages,
     balanced by the layers' bytes, each GPU's room its budget less its KV cache and pass buffers),
     each loaded on its GPU (load_gpu_transformer with its layers), joined by `link` ("nccl",
     "copy", or "auto": NCCL between distinct GPUs, a copy when they are one). A split that cannot
     fit raises VramBudgetError. enforce_budget: each GPU's memory pool capped at its stage's plan
     (not where stages share a GPU: the stand-in of tests). planned: device memory already taken on
-    the first GPU in its budget (a draft model loaded there), shown in its stage's plan."""
+    the first GPU in its budget (a draft model loaded there), shown in its stage's plan. experts,
+    expert_stream (a mixture of experts): as load_gpu_transformer, each stage placing its own
+    blocks' experts in its GPU's budget."""
     from infer.arch import check_model
     from infer.gpu import gpu_pass_nbytes, load_gpu_transformer
     from infer.gpu import memory as gpu_memory
@@ -313,7 +316,8 @@ def load_gpu_stages(model: GGUFModel, gpus: Sequence[int], vram_budgets: Sequenc
         with cupy.cuda.Device(stage.gpu):
             loaded.append(load_gpu_transformer(model, context, budget, prefill_chunk, batch, tree_nodes=tree_nodes,
                                                progress=step, layers=stage.layers,
-                                               planned=planned if not loaded else None))
+                                               planned=planned if not loaded else None, experts=experts,
+                                               expert_stream=expert_stream))
             if enforce_budget and len(set(gpus)) == len(gpus):
                 cupy.get_default_memory_pool().set_limit(size=max(loaded[-1].account.pool_limit, 0))
     distinct = len(set(gpus)) == len(gpus) and len(gpus) > 1

@@ -427,3 +427,42 @@ def check_split(moe_dir: Path, slots: int) -> None:
         mixed = gpu.forward(prompt, gpu.new_cache(CTX), prompt=True)
         assert gpu.gpu_experts.stream.streamed_bytes > before
         np.testing.assert_array_equal(mixed, resident.forward(prompt, resident.new_cache(CTX), prompt=True))
+
+
+def test_a_split_across_gpus_places_each_stages_experts(quantized_moe: Path, place: str | int,
+                                                         fake_cupy: object) -> None:
+    """A mixture of experts in stages (infer.gpu.stages, --gpus; both on the stand-in's one device):
+    each stage places its own blocks' experts (--n-cpu-moe 1: block 0's on the CPU, in the first
+    stage) and every row's logits are the one-GPU engine's with the same placement."""
+    from infer.gpu import load_gpu_transformer
+    from infer.gpu.stages import CopyLink, PipelineTransformer
+
+    model = GGUFModel(quantized_moe)
+    whole = load_gpu_transformer(model, CTX, "10GB", experts=place)
+    stages = [load_gpu_transformer(model, CTX, "10GB", experts=place, layers=r) for r in (range(0, 1), range(1, 3))]
+    staged = PipelineTransformer(stages, CopyLink())
+    on_cpu = {i for s in stages if s.cpu_experts is not None for i in s.cpu_experts.layers}
+    assert on_cpu == {"cpu": {0, 1, 2}, "gpu": set(), 1: {0}}[place]
+    prompt = np.array([1, 5, 9, 14, 3, 7, 11, 2, 8, 4])
+    for m in (whole, staged):
+        cache = m.new_cache(CTX)
+        m.rows = [m.forward(prompt, cache, all_logits=True), m.forward(np.array([12]), cache)]  # type: ignore[attr-defined]
+    for e, g in zip(whole.rows, staged.rows, strict=True):  # type: ignore[attr-defined]
+        assert np.array_equal(e, g)
+
+
+def test_the_cli_splits_a_mixture_of_experts_across_gpus(moe_dir: Path, fake_cupy: object) -> None:
+    """`--gpus 0 --n-cpu-moe 1`: the one GPU's tokens, its stage's experts placed as asked."""
+    import json
+
+    from click.testing import CliRunner
+
+    from infer.cli import main
+
+    args = ["-m", str(write_moe(moe_dir, "qwen3moe", "q8_0")), "-p", "hello there", "-n", "6", "-t", "0", "--json",
+            "--n-cpu-moe", "1", "--vram-budget", "10GB"]
+    staged = CliRunner().invoke(main, [*args, "--gpus", "0"])
+    whole = CliRunner().invoke(main, [*args, "--device", "gpu"])
+    assert staged.exit_code == 0 and whole.exit_code == 0, staged.output + whole.output
+    assert json.loads(staged.stdout)["ids"] == json.loads(whole.stdout)["ids"]
+    assert "asked for (--n-cpu-moe 1)" in staged.stderr
