@@ -52,12 +52,15 @@ def parse_budgets(text: str | None, n: int) -> list[str | None]:
 
 
 def split_layers(costs: Sequence[float], sizes: Sequence[int], rooms: Sequence[float],
-                 speeds: Sequence[float] | None = None, head_cost: float = 0.0, head_size: int = 0) -> list[range]:
+                 speeds: Sequence[float] | None = None, head_cost: float = 0.0, head_size: int = 0,
+                 link_speeds: Sequence[float] | None = None) -> list[range]:
     """Contiguous layer ranges, one per stage in order, every stage at least one layer: layer i
     costs costs[i] (bytes a pass reads) and takes sizes[i] bytes of its stage's room (rooms[k]:
     what stage k may hold for layers); the last stage also holds the head (head_cost, head_size).
     Stage k's time is its cost over speeds[k]; the ranges make the slowest stage as fast as
-    possible (ties: the earlier stages take more). ValueError when no split fits the rooms."""
+    possible (ties: the earlier stages take more). ValueError when no split fits the rooms.
+    link_speeds (a streamed model): a stage may hold more than its room; what its room does not
+    hold streams each pass at link_speeds[k] (its GPU's link), the rest is read at speeds[k]."""
     n, s = len(costs), len(rooms)
     speeds = list(speeds) if speeds is not None else [1.0] * s
     if s < 1 or n < s:
@@ -69,9 +72,13 @@ def split_layers(costs: Sequence[float], sizes: Sequence[int], rooms: Sequence[f
     def stage_time(k: int, a: int, b: int) -> float:
         last = k == s - 1
         size = size_sum[b] - size_sum[a] + (head_size if last else 0)
+        cost = cost_sum[b] - cost_sum[a] + (head_cost if last else 0.0)
+        if link_speeds is not None:  # the part past its room streams over its link
+            over = max(0.0, size - rooms[k])
+            return (cost - over) / speeds[k] + over / link_speeds[k]
         if size > rooms[k]:
             return inf
-        return (cost_sum[b] - cost_sum[a] + (head_cost if last else 0.0)) / speeds[k]
+        return cost / speeds[k]
 
     # best[k][b]: the slowest of stages 0..k over layers 0..b-1, stage k ending at b
     best = [[inf] * (n + 1) for _ in range(s)]

@@ -29,6 +29,8 @@ from infer.tiers.stage_plan import parse_budgets, split_layers, stage_tensors
 from infer.tiers.tier_b import HostTier
 from infer.tiers.tier_c import StorageSource, open_source
 
+HBM_OVER_LINK = 40.0  # a GPU reads its VRAM ~40x faster than its PCIe link brings bytes (RTX 4090: ~1 TB/s, ~25 GB/s)
+
 
 class StagedStreamingSession(StreamingSession):
     """A StreamingSession whose engine runs a pipeline of streamed stages: `stage_plans` (GPU,
@@ -76,8 +78,16 @@ def build_streaming_stages(model: GGUFModel, config: StreamingConfig, ctx_size: 
     per_layer = [sum(t.device_nbytes for t in tensors if t.layer == i) for i in range(args.n_layers)]
     head = sum(t.device_nbytes for t in stage_tensors(tensors, model, range(args.n_layers, args.n_layers),
                                                         args.n_layers) if t.layer is None)
-    # streaming lets any range fit its GPU: the split balances the bytes a pass reads (and copies)
-    ranges = split_layers(per_layer, per_layer, [float("inf")] * len(gpus), head_cost=head, head_size=head)
+    # streaming lets any range fit its GPU: the split balances each stage's time per pass, its room's
+    # bytes read from VRAM and the rest copied over its link (HBM_OVER_LINK times slower)
+    rooms = []
+    for g, budget in zip(gpus, budgets, strict=True):
+        with cupy.cuda.Device(g):
+            account = memory.new_account(budget, "the split")
+        rooms.append(account.pool_limit - gpu_pass_nbytes(model, args, rows, ctx_size, max(config.batch, tree_nodes))
+                     - args.kv_cache_nbytes(ctx_size, rows, sequences=config.batch) // len(gpus))
+    ranges = split_layers(per_layer, per_layer, rooms, head_cost=head, head_size=head,
+                          link_speeds=[1.0 / HBM_OVER_LINK] * len(gpus))
     staging = config.staging_buffers * max((t.nbytes for t in tensors if t.layer is not None), default=0)
     whole = compute_budgets(args, ctx_size, config.batch, rows, staging, 10**15, config.ram_budget)
     layer_raw = sum(t.nbytes for t in tensors if t.layer is not None and not t.is_vector)

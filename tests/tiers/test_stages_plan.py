@@ -42,3 +42,17 @@ def test_gpus_and_budgets_parse_or_say_why_not() -> None:
     assert parse_budgets("24GB, 20GB", 2) == ["24GB", "20GB"]
     with pytest.raises(ValueError, match="3 sizes for 2 GPUs"):
         parse_budgets("1GB,2GB,3GB", 2)
+
+
+def test_a_streamed_split_gives_the_gpu_with_less_room_fewer_layers() -> None:
+    # 12 layers of 10 bytes; GPU 0 holds 80 of them, GPU 1 40; the rest streams 40x slower
+    ranges = split_layers([10.0] * 12, [10] * 12, [80, 40], link_speeds=[1 / 40, 1 / 40])
+    assert ranges == [range(0, 8), range(8, 12)]  # each fills its room; nothing streams
+    # the bytes past the rooms stream: each GPU streams 20 (by bytes alone, 6 | 6, GPU 1 would stream 40)
+    ranges = split_layers([10.0] * 12, [10] * 12, [60, 20], link_speeds=[1 / 40, 1 / 40])
+    assert ranges == [range(0, 8), range(8, 12)]
+    # GPU 1's link twice as fast: it streams 30 (600 time units), GPU 0 10 (400); 8 | 4 would take 860
+    ranges = split_layers([10.0] * 12, [10] * 12, [60, 20], link_speeds=[1 / 40, 1 / 20])
+    assert ranges == [range(0, 7), range(7, 12)]
+    # equal rooms: an even split, with or without streaming
+    assert split_layers([10.0] * 12, [10] * 12, [30, 30], link_speeds=[1 / 40, 1 / 40]) == [range(0, 6), range(6, 12)]
