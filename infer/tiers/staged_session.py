@@ -6,10 +6,12 @@ the stages joined as infer.gpu.stages joins them.
     session = build_streaming_stages(GGUFModel(path), StreamingConfig(enabled=True, vram_budget="24GB"),
                                      ctx_size=2048, gpus=[0, 1])
 
-Each GPU's link carries only its own stage's streamed bytes, so with the stages on two GPUs a
-pass's copies run on two links at once (a GPU's ring fills while the other GPU computes). Tier B is
-a pinned copy per stage (a registered file mapping is one per process); tier C is a file (an NVMe
-drive is one queue owner: not split yet).
+Each GPU's link carries only its own stage's streamed bytes. While one stage works, the next
+stage's GPU prefetches only what its ring holds (a few tensors), so in one stage after the other
+the two links mostly take turns: two links' worth of copying at once needs the stages interleaved
+in chunks of about a ring's bytes each (not built yet). Tier B is a pinned copy per stage (a
+registered file mapping is one per process); tier C is a file (an NVMe drive is one queue owner:
+not split yet).
 """
 
 from __future__ import annotations
