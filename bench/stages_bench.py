@@ -44,6 +44,7 @@ def bench(path: Path, gpus: list[int], budgets: list[str | None], pp: int, tg: i
     from infer.gpu import load_gpu_transformer
     from infer.gpu.memory import PeakMonitor
     from infer.gpu.stages import load_gpu_stages
+    from infer.tiers.plan import span
 
     ctx = pp + tg + 8
     prompt = np.random.default_rng(0).integers(3, 1000, pp)
@@ -59,7 +60,7 @@ def bench(path: Path, gpus: list[int], budgets: list[str | None], pp: int, tg: i
         row: dict[str, object] = {"pp_tok_s": round(pp / prompt_s, 1), "tg_tok_s": round((tg - 1) / decode_s, 2),
                                   "peak_device_bytes_gpu0": peak.peak}
         if name == "stages":
-            row["stages"] = [{"gpu": s.device_id, "layers": f"{s.stage.start}-{s.stage.stop - 1}",
+            row["stages"] = [{"gpu": s.device_id, "layers": span(s.stage),
                               "planned_bytes": s.account.planned_total} for s in model.stages]
             row["link"] = type(model.link).__name__
             row["handover_bytes_per_decode_pass"] = (len(gpus) - 1) * model.args.dim * 4

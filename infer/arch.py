@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -172,7 +172,7 @@ class ModelArgs:
                 f"of {ring}")
 
     def kv_cache_nbytes(self, ctx_size: int, pass_rows: int, itemsize: int = 2, sequences: int = 1,
-                        positions: int | None = None, layers: range | None = None) -> int:
+                        positions: int | None = None, layers: Sequence[int] | None = None) -> int:
         """Keys and values (float16) of `sequences` sequences of ctx_size positions, or of `positions`
         in all where they share fewer: every position in each global layer, at most a kv_ring per
         sequence in each local one (`layers`: of those layers only, a stage across GPUs)."""

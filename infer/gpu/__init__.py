@@ -3,7 +3,7 @@ its NumPy parts run) on machines without it."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -37,7 +37,7 @@ def resolve_device(device: str) -> str:
 
 
 def gpu_pass_nbytes(model: GGUFModel, args: ModelArgs, capacity: int, context: int,
-                    logits_rows: int | None = None, layers: range | None = None) -> int:
+                    logits_rows: int | None = None, layers: Sequence[int] | None = None) -> int:
     """Device bytes of a GpuTransformer's pass buffers for `capacity` rows a pass (a prompt chunk,
     a batch, a tree) over caches of up to `context` positions, and its rotary tables (`layers`: of
     a stage of those layers, infer.gpu.stages: the head's buffers with the last layer)."""
@@ -50,7 +50,7 @@ def gpu_pass_nbytes(model: GGUFModel, args: ModelArgs, capacity: int, context: i
     out_act = matrix_format(model.tensor(output_name(model))).act
     rows = max(LOGITS_ROWS, logits_rows or 0)
     tables = 2 if args.rope_base_local else 1  # Gemma's local layers rotate by their own table
-    return (pass_buffers_nbytes(args, formats, out_act, capacity, context, rows, head=layers.stop == args.n_layers)
+    return (pass_buffers_nbytes(args, formats, out_act, capacity, context, rows, head=args.n_layers - 1 in layers)
             + tables * 8 * context * (args.rope_dim // 2))
 
 
@@ -60,7 +60,7 @@ def load_gpu_transformer(model: GGUFModel, max_context: int | None = None, vram_
                          kv_positions: int | None = None,
                          progress: Callable[[int, int], None] | None = None,
                          experts: str | int = "auto", expert_stream: str | int = "auto",
-                         layers: range | None = None) -> GpuTransformer:
+                         layers: Sequence[int] | None = None) -> GpuTransformer:
     """The model checked as infer.model.load_transformer checks it, its weights resident on the
     current GPU, planned against the VRAM budget (`vram_budget`, default the free memory less a
     margin): weights, the KV caches of `batch` sequences of `max_context` positions (default the
@@ -88,7 +88,7 @@ def load_gpu_transformer(model: GGUFModel, max_context: int | None = None, vram_
     from infer.gpu.layout import format_of
     from infer.gpu.model import GpuTransformer
     from infer.gpu.weights import ResidentWeights
-    from infer.tiers.plan import planner_tensors
+    from infer.tiers.plan import planner_tensors, span
     from infer.tiers.stage_plan import stage_tensors
 
     args = check_model(model)
@@ -99,9 +99,9 @@ def load_gpu_transformer(model: GGUFModel, max_context: int | None = None, vram_
             except ValueError as err:
                 raise UnsupportedModelError(model.path, str(err), f"tensor {info.name}") from None
     context = max_context or min(args.context_length, 4096)
-    stage = range(args.n_layers) if layers is None else layers
+    stage = tuple(range(args.n_layers)) if layers is None else tuple(sorted(layers))
     where = "the GPU" if len(stage) == args.n_layers else \
-        f"GPU {cupy.cuda.Device().id} (layers {stage.start}-{stage.stop - 1})"
+        f"GPU {cupy.cuda.Device().id} (layers {span(stage)})"
     account = memory.new_account(vram_budget, f"{model.path.name} on {where}")
     tensors = stage_tensors(planner_tensors(model, "gpu"), model, stage, args.n_layers)
     weights_nbytes = sum(t.device_nbytes for t in tensors)

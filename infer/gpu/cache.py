@@ -47,7 +47,7 @@ class GpuKVCache:
 
     @classmethod
     def allocate(cls, args: ModelArgs, max_tokens: int, capacity: int, stream: cupy.cuda.Stream | None,
-                 layers: range | None = None) -> GpuKVCache:
+                 layers: Sequence[int] | None = None) -> GpuKVCache:
         """A cache of max_tokens positions for passes of up to `capacity` rows (`layers`: of those
         layers only, a stage of a pipeline across GPUs)."""
         ring = args.kv_ring(max_tokens, capacity)

@@ -95,15 +95,15 @@ class GpuTransformer(PassFront, DeviceGeneration):
 
     def __init__(self, args: ModelArgs, weights: GpuWeightSource, rope_freq_factors: np.ndarray | None,
                  max_context: int, prefill_chunk: int = 512, logits_rows: int = LOGITS_ROWS,
-                 layers: range | None = None) -> None:
-        """layers: only these blocks (a stage of a pipeline across GPUs, infer.gpu.stages): the
-        first stage embeds the tokens, the last runs the head; the others take and leave the
-        hidden states in `x`."""
+                 layers: Sequence[int] | None = None) -> None:
+        """layers: only these blocks (a GPU's share of a pipeline across GPUs, infer.gpu.stages: one
+        run of layers or several): the GPU with block 0 embeds the tokens, the one with the last
+        block runs the head; a pass's hidden states come and go through `x`."""
         self.args = args
         self.weights = weights
-        self.stage = range(args.n_layers) if layers is None else layers
+        self.stage = tuple(range(args.n_layers)) if layers is None else tuple(sorted(layers))
         self.device_id = cupy.cuda.Device().id  # the GPU its buffers and weights are on
-        self.embeds, self.heads = self.stage.start == 0, self.stage.stop == args.n_layers
+        self.embeds, self.heads = 0 in self.stage, args.n_layers - 1 in self.stage
         self.capacity = prefill_chunk  # rows a pass holds: a prompt chunk, a batch, a tree
         self.prefill_chunk = prefill_chunk
         self.max_context = max_context
@@ -344,7 +344,9 @@ class GpuTransformer(PassFront, DeviceGeneration):
         for item in items:
             resident = item == EMBED or (self.weights.is_resident(item) and (
                 "ffn_down" in self.weights.formats(item) or (self.gpu_experts is not None and item in self.gpu_experts.blocks)))
-            if resident and segments and segments[-1][0]:
+            # a graph never spans a gap in a GPU's share of the layers (other GPUs' layers run there)
+            follows = bool(self.skip) or (bool(segments) and item - segments[-1][1][-1] == 1)
+            if resident and segments and segments[-1][0] and follows:
                 segments[-1][1].append(item)
             else:
                 segments.append((resident, [item]))
@@ -363,14 +365,17 @@ class GpuTransformer(PassFront, DeviceGeneration):
             normed = self._layer(item, self.weights.layer(item), shape, normed,
                                  self.weights.layer(after) if after is not None else None)
 
-    def _run_layers(self) -> None:
-        """Every layer for the rows in the index (queued on self.stream)."""
+    def _run_layers(self, part: range | None = None) -> None:
+        """Every layer for the rows in the index (queued on self.stream); `part`: only those layers
+        (a run of this GPU's share of a pipeline)."""
         shape = self.index.shape
         on_cpu = self.cpu_tier.layers.layers if self.cpu_tier is not None and self.cpu_tier.takes(shape.rows) \
             else frozenset()
         if self.cpu_tier is not None and not self.skip:  # a view that skips layers streams none (a self-draft)
             self.weights.leave_to_cpu(on_cpu)
         for s, (capturable, items) in enumerate(self._segments):
+            if part is not None and max(items[-1], 0) not in part:  # EMBED: with block 0
+                continue
             if capturable:
                 self.graphs.replay(("run", s, shape), None, lambda items=items: self._launch(items, shape))
                 continue
@@ -429,10 +434,10 @@ class GpuTransformer(PassFront, DeviceGeneration):
         self.index.fill(slots, shape, out_rows[: self.logits_rows])
         self.passes += 1
 
-    def run_layers(self) -> None:
-        """The pass's layers (of this stage), queued on self.stream."""
+    def run_layers(self, part: range | None = None) -> None:
+        """The pass's layers (of this GPU's share; `part`: only those), queued on self.stream."""
         with self.stream:
-            self._run_layers()
+            self._run_layers(part)
 
     def queue_logits(self, out_rows: Sequence[int]) -> np.ndarray:
         """The head over the pass's rows `out_rows` (as laid out), their logits copied to pinned host

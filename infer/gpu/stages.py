@@ -139,38 +139,57 @@ MICRO_BATCHES = 2  # a large pass's micro-batches where the stages have GPUs of 
 MICRO_ROWS = 64  # rows a micro-batch holds at least (fewer: one pass; a decode step is one row a sequence)
 
 
+def runs(layers: Sequence[int]) -> list[range]:
+    """The runs of consecutive layers in a sorted share: (0, 1, 2, 6, 7) -> [0-2, 6-7]."""
+    out: list[range] = []
+    for i in layers:
+        if out and out[-1].stop == i:
+            out[-1] = range(out[-1].start, i + 1)
+        else:
+            out.append(range(i, i + 1))
+    return out
+
+
 class PipelineTransformer(PassFront):
-    """A model whose layers run on several GPUs in stages (module docstring), seen by the engine as
-    one model: new_cache, forward, forward_batch (sequences, prompt chunks and token trees in one
-    pass), forward_batch_argmax, verify_tree."""
+    """A model whose layers run on several GPUs (module docstring), seen by the engine as one model:
+    new_cache, forward, forward_batch (sequences, prompt chunks and token trees in one pass),
+    forward_batch_argmax, verify_tree. `stages`: one model a GPU share (GpuTransformer with its
+    layers: one run, or several interleaved with the other GPUs' runs); a pass runs the runs
+    (`parts`) in layer order, each on its GPU, handing the hidden states over between GPUs."""
 
     device = "gpu"
 
     def __init__(self, stages: Sequence[GpuTransformer], link: StageLink, micro_batches: int | None = None) -> None:
-        if not stages or not stages[0].embeds or not stages[-1].heads or \
-                any(a.stage.stop != b.stage.start for a, b in zip(stages, stages[1:], strict=False)):
-            raise ValueError("the stages must cover the layers in order, from the embedding to the head")
         self.stages, self.link = list(stages), link
-        last = self.stages[-1]
-        self.args = last.args
+        # (stage, its run of layers), in layer order
+        self.parts = sorted(((k, r) for k, s in enumerate(self.stages) for r in runs(s.stage)), key=lambda p: p[1].start)
+        n = self.stages[0].args.n_layers if self.stages else 0
+        covered = [i for _, r in self.parts for i in r]
+        if not self.stages or covered != list(range(n)):
+            raise ValueError("the stages must hold every layer once, from the embedding to the head")
+        self.head = self.stages[self.parts[-1][0]]  # the GPU of the last layer: the head's
+        self.args = self.head.args
         self.capacity = min(s.capacity for s in self.stages)
         self.max_context = min(s.max_context for s in self.stages)
         self.passes = 0
         # micro-batches of a large pass: where the stages have GPUs of their own, two keep both busy
-        distinct = len({s.device_id for s in self.stages}) == len(self.stages) > 1
+        # (not where a GPU holds several runs: its buffers serve each of them in turn)
+        distinct = len({s.device_id for s in self.stages}) == len(self.stages) > 1 and len(self.parts) == len(self.stages)
         self.micro = micro_batches if micro_batches is not None else (MICRO_BATCHES if distinct else 1)
+        if len(self.parts) > len(self.stages):
+            self.micro = 1
 
     @property
     def logits_rows(self) -> int:
-        return self.stages[-1].logits_rows
+        return self.head.logits_rows
 
     @property
     def logits(self) -> cupy.ndarray:
-        return self.stages[-1].logits
+        return self.head.logits
 
     @property
     def stream(self) -> cupy.cuda.Stream:
-        return self.stages[-1].stream
+        return self.head.stream
 
     def new_cache(self, max_tokens: int) -> StagedCache:
         parts = []
@@ -182,8 +201,8 @@ class PipelineTransformer(PassFront):
     def reserve_tree(self, nodes: int) -> None:
         if nodes > self.capacity:
             raise ValueError(f"a tree of {nodes} nodes exceeds the pass capacity of {self.capacity} rows")
-        with cupy.cuda.Device(self.stages[-1].device_id):
-            self.stages[-1].reserve_tree(nodes)
+        with cupy.cuda.Device(self.head.device_id):
+            self.head.reserve_tree(nodes)
 
     @property
     def accounts(self) -> list:
@@ -195,15 +214,15 @@ class PipelineTransformer(PassFront):
 
     # the calls of infer.gpu.front, on the last stage's GPU (where the logits are)
     def forward_batch(self, *args, **kwargs):  # type: ignore[no-untyped-def]
-        with cupy.cuda.Device(self.stages[-1].device_id):
+        with cupy.cuda.Device(self.head.device_id):
             return super().forward_batch(*args, **kwargs)
 
     def forward_batch_argmax(self, *args, **kwargs):  # type: ignore[no-untyped-def]
-        with cupy.cuda.Device(self.stages[-1].device_id):
+        with cupy.cuda.Device(self.head.device_id):
             return super().forward_batch_argmax(*args, **kwargs)
 
     def verify_tree(self, *args, **kwargs):  # type: ignore[no-untyped-def]
-        with cupy.cuda.Device(self.stages[-1].device_id):
+        with cupy.cuda.Device(self.head.device_id):
             return super().verify_tree(*args, **kwargs)
 
     def run_pass(self, rows: Sequence[Row], out_rows: Sequence[int], to_host: bool = True) -> np.ndarray | cupy.ndarray:
@@ -213,7 +232,7 @@ class PipelineTransformer(PassFront):
         stage works on the one before."""
         parts = self.micro_batches(len(rows), out_rows, to_host)
         self.passes += 1
-        last = self.stages[-1]
+        last = self.head
         if len(parts) == 1:
             slots, shape, laid = last.lay_out(rows, out_rows)
             self._queue(slots, shape, laid)
@@ -247,16 +266,21 @@ class PipelineTransformer(PassFront):
 
     def _queue(self, slots: Sequence[Row | None], shape: PassShape, out_rows: Sequence[int]) -> None:
         """A pass's rows through every stage (queued, not waited for): each stage's index filled
-        with its own caches, its layers after the hand-over from the stage before."""
-        last = self.stages[-1]
+        with its own caches, then the runs of layers in order, each after the hand-over from the
+        GPU of the run before."""
         for k, stage in enumerate(self.stages):
             with cupy.cuda.Device(stage.device_id):
                 mine = [None if r is None else dataclasses.replace(r, cache=r.cache.parts[k]) for r in slots]
                 with stage.stream:
-                    stage.fill_pass(mine, shape, out_rows if stage is last else [])
-                if k:
-                    self.link.hand_over(self.stages[k - 1], stage, shape.rows)
-                stage.run_layers()
+                    stage.fill_pass(mine, shape, out_rows if stage is self.head else [])
+        before = None
+        for k, part in self.parts:
+            stage = self.stages[k]
+            if before is not None:
+                self.link.hand_over(before, stage, shape.rows)
+            with cupy.cuda.Device(stage.device_id):
+                stage.run_layers(part)
+            before = stage
 
 
 def load_gpu_stages(model: GGUFModel, gpus: Sequence[int], vram_budgets: Sequence[str | int | None],

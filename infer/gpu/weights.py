@@ -10,7 +10,7 @@ Two providers implement the same calls:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -201,11 +201,11 @@ class ResidentWeights:
     forms for quantized weights)."""
 
     def __init__(self, model: GGUFModel, args: ModelArgs,
-                 progress: Callable[[int, int], None] | None = None, layers: range | None = None) -> None:
+                 progress: Callable[[int, int], None] | None = None, layers: Sequence[int] | None = None) -> None:
         """progress(done, total): after the embedding and output, then after each layer."""
         self.args = args
-        self.stage = range(args.n_layers) if layers is None else layers
-        first, last = self.stage.start == 0, self.stage.stop == args.n_layers
+        self.stage = tuple(range(args.n_layers)) if layers is None else tuple(sorted(layers))
+        first, last = 0 in self.stage, args.n_layers - 1 in self.stage
         total = len(self.stage) + 1
         host = embedding_on_host(model)  # SmolLM2: the output reuses the embeddings, which stay on the device
         self.token_embd: GpuMatrix | None = None

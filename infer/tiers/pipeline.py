@@ -21,6 +21,8 @@ Data paths, chosen per tensor from the plan and reported:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import cupy
 import numpy as np
 
@@ -105,12 +107,12 @@ class StreamedWeights:
     is reused)."""
 
     def __init__(self, model: GGUFModel, args: ModelArgs, plan: Plan, host: HostTier | None,
-                 source: StorageSource | None, n_staging: int = 4, layers: range | None = None) -> None:
+                 source: StorageSource | None, n_staging: int = 4, layers: Sequence[int] | None = None) -> None:
         """layers: only these blocks (a stage of a pipeline across GPUs, infer.gpu.stages; the plan
         then places that stage's tensors): the embedding with the first, the output with the last."""
         self.model, self.args, self.plan = model, args, plan
-        self.stage = range(args.n_layers) if layers is None else layers
-        first, last = self.stage.start == 0, self.stage.stop == args.n_layers
+        self.stage = tuple(range(args.n_layers)) if layers is None else tuple(sorted(layers))
+        first, last = 0 in self.stage, args.n_layers - 1 in self.stage
         self.transport = GpuTransport(plan.n_slots, plan.slot_nbytes)
         c_pieces = [t for t in plan.streamed if plan.tier[t.name] is Tier.STORAGE]
         if c_pieces and source is None:

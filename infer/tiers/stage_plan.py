@@ -102,6 +102,29 @@ def split_layers(costs: Sequence[float], sizes: Sequence[int], rooms: Sequence[f
     return ranges[::-1]
 
 
+def interleave(n_layers: int, gpus: int, chunk: int) -> list[list[int]]:
+    """Each GPU's layers when runs of `chunk` layers take turns: GPU 0 the first run, GPU 1 the
+    next, ... (a streamed model: while one GPU works through its run, the other's ring fills for
+    its next one, so both links copy)."""
+    shares: list[list[int]] = [[] for _ in range(gpus)]
+    for c, start in enumerate(range(0, n_layers, chunk)):
+        shares[c % gpus].extend(range(start, min(start + chunk, n_layers)))
+    return shares
+
+
+def interleave_chunk(layer_bytes: Sequence[int], rooms: Sequence[float], ring_bytes: int) -> int | None:
+    """The run length at which streamed stages take turns: about a ring's worth of streamed bytes
+    a run (the bytes past the GPUs' rooms spread over the layers); None when nothing streams or
+    one run a GPU is already that short."""
+    total = sum(layer_bytes)
+    streamed = total - sum(max(0.0, r) for r in rooms)
+    if streamed <= 0 or not layer_bytes:
+        return None
+    per_layer = streamed / len(layer_bytes)
+    chunk = max(1, int(ring_bytes // per_layer))
+    return chunk if chunk * len(rooms) < len(layer_bytes) else None
+
+
 def plan_stages(model: GGUFModel, args: ModelArgs, gpus: Sequence[int], rooms: Sequence[float],
                 context: int, prefill_chunk: int = 512, batch: int = 1,
                 speeds: Sequence[float] | None = None) -> list[Stage]:
@@ -121,12 +144,12 @@ def plan_stages(model: GGUFModel, args: ModelArgs, gpus: Sequence[int], rooms: S
 
 
 
-def stage_tensors(tensors: list[Tensor], model: GGUFModel, stage: range, n_layers: int) -> list[Tensor]:
+def stage_tensors(tensors: list[Tensor], model: GGUFModel, stage: Sequence[int], n_layers: int) -> list[Tensor]:
     """The planner's tensors a stage of `stage`'s layers holds: its blocks', the embedding with the
     first (or with the last, when the output reuses it), the output and its norm with the last."""
     from infer.arch import OUTPUT_NORM, TOKEN_EMBD, output_name
 
-    first, last = stage.start == 0, stage.stop == n_layers
+    first, last = 0 in stage, n_layers - 1 in stage
     head = {output_name(model), OUTPUT_NORM} if last else set()
     keep = head | ({TOKEN_EMBD} if first else set())
     return [t for t in tensors if (t.layer in stage if t.layer is not None else t.name in keep)]

@@ -6,12 +6,13 @@ the stages joined as infer.gpu.stages joins them.
     session = build_streaming_stages(GGUFModel(path), StreamingConfig(enabled=True, vram_budget="24GB"),
                                      ctx_size=2048, gpus=[0, 1])
 
-Each GPU's link carries only its own stage's streamed bytes. While one stage works, the next
-stage's GPU prefetches only what its ring holds (a few tensors), so in one stage after the other
-the two links mostly take turns: two links' worth of copying at once needs the stages interleaved
-in chunks of about a ring's bytes each (not built yet). Tier B is a pinned copy per stage (a
-registered file mapping is one per process); tier C is a file (an NVMe drive is one queue owner:
-not split yet).
+Each GPU's link carries only its own share's streamed bytes. While one GPU works, another
+prefetches only what its ring holds (a few tensors), so with one run of layers a GPU the links
+mostly take turns. Where the GPUs are distinct and the model streams, the shares are runs of about
+a ring's worth of streamed bytes taking turns (stage_plan.interleave): while one GPU works through
+its run, the other's ring fills for its next, so both links copy (issue 30's second bar; not
+measured: no machine with two GPUs was lent). Tier B is a pinned copy per stage (a registered file
+mapping is one per process); tier C is a file (an NVMe drive is one queue owner: not split yet).
 """
 
 from __future__ import annotations
@@ -24,10 +25,10 @@ from infer.gguf_file import GGUFModel
 from infer.streaming import StreamingEngine
 from infer.tiers.budget import BudgetError, compute_budgets
 from infer.tiers.config import StreamingConfig
-from infer.tiers.plan import PlanError, Tier, format_bytes, make_plan, planner_tensors
+from infer.tiers.plan import PlanError, Tier, format_bytes, make_plan, planner_tensors, span
 from infer.tiers.report import render_plan
 from infer.tiers.session import StreamingSession
-from infer.tiers.stage_plan import parse_budgets, split_layers, stage_tensors
+from infer.tiers.stage_plan import interleave, interleave_chunk, parse_budgets, split_layers, stage_tensors
 from infer.tiers.tier_b import HostTier
 from infer.tiers.tier_c import StorageSource, open_source
 
@@ -43,9 +44,9 @@ class StagedStreamingSession(StreamingSession):
     def report(self) -> str:
         n = len(self.stage_plans)
         lines = [f"{n} stage{'s' if n != 1 else ''}: " + ", ".join(
-            f"GPU {g} layers {r.start}-{r.stop - 1}" for g, r, _, _ in self.stage_plans)]
+            f"GPU {g} layers {span(r)}" for g, r, _, _ in self.stage_plans)]
         for g, r, plan, account in self.stage_plans:
-            lines += [f"-- stage on GPU {g} (layers {r.start}-{r.stop - 1})", account.render(), render_plan(plan, None, {
+            lines += [f"-- stage on GPU {g} (layers {span(r)})", account.render(), render_plan(plan, None, {
                 t.name: "resident" if plan.tier[t.name] is Tier.VRAM else
                 ("pinned-RAM copy" if plan.tier[t.name] is Tier.RAM else "staged read (file)") for t in plan.tensors})]
         return "\n".join(lines)
@@ -53,11 +54,14 @@ class StagedStreamingSession(StreamingSession):
 
 def build_streaming_stages(model: GGUFModel, config: StreamingConfig, ctx_size: int, gpus: Sequence[int],
                            prefill_chunk: int = 512, enforce_budget: bool = False,
-                           planned: dict[str, int] | None = None, tree_nodes: int = 0) -> StagedStreamingSession:
+                           planned: dict[str, int] | None = None, tree_nodes: int = 0,
+                           chunk: int | None = None) -> StagedStreamingSession:
     """The model split across `gpus` (config.vram_budget: one size for each GPU or one per GPU;
     config.ram_budget shared, each stage its share by its layers' bytes), each stage streamed as its
     plan says. planned: device memory already taken on the first GPU (a draft model). Budget
-    problems raise BudgetError with the stage's numbers."""
+    problems raise BudgetError with the stage's numbers. chunk: runs of this many layers take
+    turns between the GPUs (interleave); default: where the GPUs are distinct and the model
+    streams, about a ring's worth of streamed bytes a run (interleave_chunk), else one run a GPU."""
     import cupy
 
     from infer.gpu import gpu_pass_nbytes, memory
@@ -88,8 +92,15 @@ def build_streaming_stages(model: GGUFModel, config: StreamingConfig, ctx_size: 
             account = memory.new_account(budget, "the split")
         rooms.append(account.pool_limit - gpu_pass_nbytes(model, args, rows, ctx_size, max(config.batch, tree_nodes))
                      - args.kv_cache_nbytes(ctx_size, rows, sequences=config.batch) // len(gpus))
-    ranges = split_layers(per_layer, per_layer, rooms, head_cost=head, head_size=head,
-                          link_speeds=[1.0 / HBM_OVER_LINK] * len(gpus))
+    if chunk is None and len(set(gpus)) == len(gpus) > 1:
+        slot = max((t.nbytes for t in tensors if t.layer is not None and not t.is_vector), default=0)
+        chunk = interleave_chunk(per_layer, rooms, config.slots * slot)
+    shares: list[Sequence[int]]
+    if chunk:  # runs taking turns, so that both links copy (module docstring)
+        shares = interleave(args.n_layers, len(gpus), chunk)
+    else:
+        shares = split_layers(per_layer, per_layer, rooms, head_cost=head, head_size=head,
+                              link_speeds=[1.0 / HBM_OVER_LINK] * len(gpus))
     staging = config.staging_buffers * max((t.nbytes for t in tensors if t.layer is not None), default=0)
     whole = compute_budgets(args, ctx_size, config.batch, rows, staging, 10**15, config.ram_budget)
     layer_raw = sum(t.nbytes for t in tensors if t.layer is not None and not t.is_vector)
@@ -97,11 +108,10 @@ def build_streaming_stages(model: GGUFModel, config: StreamingConfig, ctx_size: 
     # every stage planned before any loads: where stages share a GPU (the stand-in of tests) a later
     # account would count an earlier stage's weights as another process's memory
     planned_stages: list[tuple[int, range, Any, Any]] = []
-    for k, (g, layers, budget) in enumerate(zip(gpus, ranges, budgets, strict=True)):
+    for k, (g, layers, budget) in enumerate(zip(gpus, shares, budgets, strict=True)):
         mine = stage_tensors(tensors, model, layers, args.n_layers)
         with cupy.cuda.Device(g):
-            account = memory.new_account(budget, f"{model.path.name} streamed on GPU {g} "
-                                                 f"(layers {layers.start}-{layers.stop - 1})")
+            account = memory.new_account(budget, f"{model.path.name} streamed on GPU {g} (layers {span(layers)})")
         for name, nbytes in ((planned or {}).items() if k == 0 else ()):
             account.plan(name, nbytes)
         kv = args.kv_cache_nbytes(ctx_size, rows, sequences=config.batch, layers=layers) + 4 * config.batch * (ctx_size + 1)
@@ -112,7 +122,7 @@ def build_streaming_stages(model: GGUFModel, config: StreamingConfig, ctx_size: 
             plan = make_plan(mine, args.n_layers, room, int(whole.ram_for_weights * share), config.slots,
                              layer_scratch=True)
         except PlanError as err:
-            raise BudgetError(f"GPU {g} (layers {layers.start}-{layers.stop - 1}): {err}; with its KV cache and pass "
+            raise BudgetError(f"GPU {g} (layers {span(layers)}): {err}; with its KV cache and pass "
                               f"buffers its VRAM budget must be at least {format_bytes(err.minimum + kv + act)}") from None
         for name, nbytes in (("weights (tier A)", plan.bytes_in(Tier.VRAM)), ("ring slots", plan.n_slots * plan.slot_nbytes),
                              ("layer scratch", plan.scratch_nbytes), ("KV cache", kv), ("pass buffers", act)):

@@ -93,10 +93,11 @@ def test_micro_batches_give_the_same_bits(model_path: Path) -> None:
     same(*outs)
 
 
-def test_streamed_stages_give_the_resident_bits(tmp_path: Path) -> None:
+@pytest.mark.parametrize("chunk", [None, 2], ids=["a-run-a-gpu", "runs-of-2-taking-turns"])
+def test_streamed_stages_give_the_resident_bits(tmp_path: Path, chunk: int | None) -> None:
     """--streaming --gpus on the GPU: each stage (both on GPU 0 here) keeps a tenth of its layers
-    resident and streams the rest through its own ring from pinned RAM and the file; every row's
-    logits are the resident engine's."""
+    resident and streams the rest through its own ring from pinned RAM and the file, as one run of
+    layers a GPU or in runs of two taking turns; every row's logits are the resident engine's."""
     from infer.arch import ModelArgs
     from infer.gpu import gpu_pass_nbytes, memory
     from infer.tiers.config import StreamingConfig
@@ -121,7 +122,7 @@ def test_streamed_stages_give_the_resident_bits(tmp_path: Path) -> None:
             gpu_pass_nbytes(model, args, 512, CTX, None, stage)
         budgets.append(minimum_vram(mine, 4, True) + layers // 10 + overhead)
     config = StreamingConfig(enabled=True, vram_budget=",".join(map(str, budgets)), ram_budget=str(raw // 3 + 4 * raw))
-    session = build_streaming_stages(model, config, CTX, [0, 0])
+    session = build_streaming_stages(model, config, CTX, [0, 0], chunk=chunk)
     try:
         for _, _, plan, _ in session.stage_plans:
             assert {plan.tier[t.name] for t in plan.tensors if t.layer is not None} - {Tier.VRAM}, "a stage streams"

@@ -87,7 +87,7 @@ def test_load_gpu_stages_plans_balanced_stages_and_refuses_what_is_not_there(tin
     from infer.tiers.budget import VramBudgetError
 
     staged = load_gpu_stages(GGUFModel(tiny_model), [0, 0], ["10GB", "10GB"], CTX)  # the stand-in: one device twice
-    assert [s.stage for s in staged.stages] == [range(0, 2), range(2, 4)]
+    assert [s.stage for s in staged.stages] == [(0, 1), (2, 3)]
     assert isinstance(staged.link, CopyLink)
     prompt = np.array([1, 5, 9, 14, 3])
     assert np.array_equal(steps_of(staged, prompt, [2])[1], steps_of(load_whole(tiny_model), prompt, [2])[1])
@@ -163,18 +163,16 @@ def test_streamed_stages_give_the_resident_bits(tmp_path: Path, fake_cupy: objec
     (tier B pinned RAM and tier C the file here); every row's logits are the resident one-GPU
     engine's, and both stages moved bytes. Eight layers: a stage of four is more than its ring
     and scratch."""
+    from infer.arch import ModelArgs
+    from infer.gpu import gpu_pass_nbytes
     from infer.synth import SHAPES, Shape, write_model
+    from infer.tiers.config import StreamingConfig
+    from infer.tiers.plan import minimum_vram, planner_tensors
+    from infer.tiers.stage_plan import stage_tensors
+    from tests.tiers.test_tiers_gpu_glue import device_reserve
 
     tiny_model = tmp_path / "tiny8.gguf"
     write_model(tiny_model, Shape(**{**SHAPES["tiny"].__dict__, "n_layers": 8}), "q4_k_m", seed=11)
-    from infer.arch import ModelArgs
-    from infer.gpu import gpu_pass_nbytes, load_gpu_transformer
-    from infer.tiers.config import StreamingConfig
-    from infer.tiers.plan import Tier, minimum_vram, planner_tensors
-    from infer.tiers.stage_plan import stage_tensors
-    from infer.tiers.staged_session import build_streaming_stages
-    from tests.tiers.test_tiers_gpu_glue import device_reserve
-
     model = GGUFModel(tiny_model)
     args = ModelArgs.from_gguf(model)
     tensors = planner_tensors(model, "gpu")
@@ -188,12 +186,27 @@ def test_streamed_stages_give_the_resident_bits(tmp_path: Path, fake_cupy: objec
         budgets.append(minimum_vram(mine, 4, True) + layers // 10 + overhead)
     config = StreamingConfig(enabled=True, vram_budget=",".join(map(str, budgets)),
                              ram_budget=str(int(0.3 * raw) + 4 * raw))
-    session = build_streaming_stages(model, config, CTX, [0, 0])
+    for chunk in (None, 2):  # one run a GPU, then runs of two layers taking turns
+        check_streamed_stages(model, config, chunk)
+
+
+def check_streamed_stages(model: GGUFModel, config, chunk: int | None) -> None:  # noqa: ANN001
+    from infer.gpu import load_gpu_transformer
+    from infer.tiers.plan import Tier
+    from infer.tiers.staged_session import build_streaming_stages
+
+    session = build_streaming_stages(model, config, CTX, [0, 0], chunk=chunk)
     try:
         tiers = [{plan.tier[t.name] for t in plan.tensors if t.layer is not None} for _, _, plan, _ in session.stage_plans]
         assert all(Tier.RAM in found or Tier.STORAGE in found for found in tiers), tiers  # each stage streams
-        assert [r for _, r, _, _ in session.stage_plans] == [range(0, 4), range(4, 8)]
-        assert "2 stages: GPU 0 layers 0-3, GPU 0 layers 4-7" in session.report()
+        shares = [list(r) for _, r, _, _ in session.stage_plans]
+        if chunk:
+            assert shares == [[0, 1, 4, 5], [2, 3, 6, 7]] and len(session.engine.model.parts) == 4
+            assert "2 stages: GPU 0 layers 0, 1, 4, 5, GPU 0 layers 2, 3, 6, 7" in session.report()
+        else:  # cut where the time per pass balances (the rooms' estimates)
+            cut = shares[1][0]
+            assert shares == [list(range(cut)), list(range(cut, 8))] and 0 < cut < 8
+            assert f"2 stages: GPU 0 layers 0-{cut - 1}, GPU 0 layers {cut}-7" in session.report()
         staged = session.engine.model
         whole = load_gpu_transformer(model, CTX, "10GB")
         prompt = np.array([1, 5, 9, 14, 3, 7, 11, 2, 8, 4, 6, 10])
@@ -202,3 +215,28 @@ def test_streamed_stages_give_the_resident_bits(tmp_path: Path, fake_cupy: objec
         assert all(get() for get in [w.bytes_moved for w in (s.weights for s in staged.stages)])
     finally:
         session.close()
+
+
+def test_interleaved_runs_give_the_one_gpu_bits(tmp_path: Path, fake_cupy: object) -> None:
+    """Two GPU shares that take turns (layers 0-1 and 4-5 on one, 2-3 and 6-7 on the other): the
+    pass runs the four runs in order, handing the hidden states back and forth; the bits are the
+    one-GPU engine's, and a share's graphs never span its gap."""
+    from infer.gpu import load_gpu_transformer
+    from infer.gpu.stages import CopyLink, PipelineTransformer
+    from infer.synth import SHAPES, Shape, write_model
+
+    path = tmp_path / "tiny8.gguf"
+    write_model(path, Shape(**{**SHAPES["tiny"].__dict__, "n_layers": 8}), "q4_k_m", seed=11)
+    model = GGUFModel(path)
+    shares = [load_gpu_transformer(model, CTX, "10GB", layers=[0, 1, 4, 5]),
+              load_gpu_transformer(model, CTX, "10GB", layers=[2, 3, 6, 7])]
+    staged = PipelineTransformer(shares, CopyLink())
+    assert [(k, r) for k, r in staged.parts] == [(0, range(0, 2)), (1, range(2, 4)), (0, range(4, 6)), (1, range(6, 8))]
+    assert staged.head is shares[1] and staged.micro == 1
+    assert all(items[-1] - items[0] == len(items) - 1 for _, items in shares[0]._segments if items[0] >= 0)
+    whole = load_gpu_transformer(model, CTX, "10GB")
+    prompt = np.array([1, 5, 9, 14, 3, 7, 11, 2, 8, 4, 6, 10])
+    for e, g in zip(steps_of(whole, prompt, [12, 13]), steps_of(staged, prompt, [12, 13]), strict=True):
+        assert np.array_equal(e, g)
+    with pytest.raises(ValueError, match="every layer once"):
+        PipelineTransformer(shares[:1], CopyLink())

@@ -56,3 +56,14 @@ def test_a_streamed_split_gives_the_gpu_with_less_room_fewer_layers() -> None:
     assert ranges == [range(0, 7), range(7, 12)]
     # equal rooms: an even split, with or without streaming
     assert split_layers([10.0] * 12, [10] * 12, [30, 30], link_speeds=[1 / 40, 1 / 40]) == [range(0, 6), range(6, 12)]
+
+
+def test_interleaved_runs_and_their_length() -> None:
+    from infer.tiers.stage_plan import interleave, interleave_chunk
+
+    assert interleave(8, 2, 2) == [[0, 1, 4, 5], [2, 3, 6, 7]]
+    assert interleave(7, 3, 2) == [[0, 1, 6], [2, 3], [4, 5]]
+    # 10 layers of 100 bytes, rooms of 300 each: 400 stream, 40 a layer; a ring of 80: runs of 2
+    assert interleave_chunk([100] * 10, [300, 300], 80) == 2
+    assert interleave_chunk([100] * 10, [600, 600], 80) is None  # everything fits: one run a GPU
+    assert interleave_chunk([100] * 10, [300, 300], 400) is None  # runs of 10: no shorter than one a GPU
