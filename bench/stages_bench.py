@@ -1,7 +1,7 @@
 """A model split across GPUs in stages (infer.gpu.stages, `--gpus`) against the same model on one
 GPU, in the same run: prompt and greedy decode speed through the engine's host-driven calls (the
-ones a split model serves), whether every token matches, each GPU's peak memory and the bytes a
-pass hands from stage to stage.
+ones a split model serves), whether every token matches, the first GPU's peak memory (where both
+stages sit in the stand-in) and the bytes a decode pass hands from stage to stage.
 
     python -m bench.stages_bench --synth 8b:q4_k_m --gpus 0,1 [--vram-budget 24GB] [--json] [--out r.json]
     python -m bench.stages_bench --model m.gguf --gpus 0,0     # the stand-in: both stages on GPU 0
@@ -51,9 +51,8 @@ def bench(path: Path, gpus: list[int], budgets: list[str | None], pp: int, tg: i
     rows: dict[str, dict[str, object]] = {}
     tokens: dict[str, list[int]] = {}
     for name in ("one GPU", "stages"):
-        with PeakMonitor() as peak:
-            with cupy.cuda.Device(gpus[0]):
-                model = load_gpu_transformer(GGUFModel(path), ctx, budgets[0]) if name == "one GPU" else \
+        with PeakMonitor() as peak, cupy.cuda.Device(gpus[0]):
+            model = load_gpu_transformer(GGUFModel(path), ctx, budgets[0]) if name == "one GPU" else \
                     load_gpu_stages(GGUFModel(path), gpus, budgets, ctx)
             _decode(model, prompt, 4, ctx)  # warm-up: kernels and graphs of the measured shapes
             tokens[name], prompt_s, decode_s = _decode(model, prompt, tg, ctx)

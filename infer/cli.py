@@ -284,7 +284,7 @@ def main(ctx: click.Context, model: str | None, prompt: str | None, n_predict: i
         _fail("--cpu-moe and --n-cpu-moe cannot be combined (--cpu-moe is every block's experts on the CPU)",
               EXIT_BAD_INPUT)
     experts: str | int = "cpu" if cpu_moe else ("auto" if n_cpu_moe is None else n_cpu_moe)
-    devices = _gpus(gpus, device, streaming, exact, spec.self_draft)
+    devices = _gpus(gpus, device, streaming, exact, spec.self_draft, benchmark)
     if experts != "auto" and (spec.active or streaming.enabled or streaming.batch > 1 or streaming.prompts_file):
         _note("warning: --cpu-moe and --n-cpu-moe place the experts of a resident GPU run: this run ignores them")
     if spec.active:
@@ -314,8 +314,9 @@ def main(ctx: click.Context, model: str | None, prompt: str | None, n_predict: i
 
 
 def _gpus(text: str | None, device: str, streaming: StreamingConfig, exact: bool = False,
-          self_draft: bool = False) -> list[int] | None:
-    """--gpus as device numbers, or the reason it cannot be (exit 2); a budget per GPU needs it."""
+          self_draft: bool = False, benchmark: bool = False) -> list[int] | None:
+    """--gpus as device numbers, or the reason it cannot be (exit 2); a budget per GPU needs it.
+    The first GPU becomes this thread's current one: a draft model loads and runs there."""
     if text is None:
         if streaming.vram_budget and "," in streaming.vram_budget:
             _fail("--vram-budget: one size per GPU (a list) needs --gpus", EXIT_BAD_INPUT)
@@ -331,7 +332,12 @@ def _gpus(text: str | None, device: str, streaming: StreamingConfig, exact: bool
     clash = [flag for flag, on in (("--device cpu", device == "cpu"), ("--exact", exact),
                                    ("--tier-c nvme", streaming.enabled and streaming.tier_c == "nvme"),
                                    ("--cpu-tier", streaming.enabled and streaming.cpu_tier not in (None, "off", "auto")),
-                                   ("--self-spec/--skip-threshold (a draft of the target's own layers)", self_draft))
+                                   ("--self-spec/--skip-threshold (a draft of the target's own layers)", self_draft),
+                                   ("--benchmark (it measures the device's own decode loop)", benchmark),
+                                   ("--batch/--prompts without --streaming",
+                                    not streaming.enabled and (streaming.batch > 1 or bool(streaming.prompts_file))),
+                                   ("--tier-b registered (a pinned copy a stage)",
+                                    streaming.enabled and streaming.tier_b == "registered"))
              if on]
     if clash:
         _fail(f"--gpus splits a resident GPU run: it cannot be combined with {clash[0]} (yet)", EXIT_BAD_INPUT)
@@ -344,6 +350,7 @@ def _gpus(text: str | None, device: str, streaming: StreamingConfig, exact: bool
     if max(devices) >= count:
         _fail(f"--gpus {text}: GPU {max(devices)} is not there ({count} GPU{'s' if count != 1 else ''} visible to CuPy)",
               EXIT_NOT_AVAILABLE)
+    cupy.cuda.Device(devices[0]).use()
     return devices
 
 
@@ -484,6 +491,9 @@ def serve_command(ctx: click.Context, model: str | None, host: str, port: int, a
     from infer.server.run import loader, serve
 
     devices = _gpus(gpus, device, streaming, exact=exact)
+    if devices and devices[0] != 0 and draft_model:  # the server's threads keep GPU 0 current
+        _fail("serve --gpus with --draft-model: list GPU 0 first (the draft runs on it), e.g. --gpus 0,1",
+              EXIT_BAD_INPUT)
     where = _resolve_device(device)
     speculation = serve_speculation(model, draft_model, lookup, draft_tree, where, exact, streaming.enabled)
     try:  # a bad file stops here, before the server listens

@@ -230,8 +230,10 @@ def run(model: str | None, spec: SpecOptions, streaming: Any, ctx_size: int, dev
     with c._storage_errors(), c._device_errors(where):
         draft = None
         if spec.draft_model:  # resident, inside the budget
-            budget = streaming.vram_budget.split(",")[0] if gpus and streaming.vram_budget else streaming.vram_budget
-            draft = c._load(spec.draft_model, ctx_size, where, budget)
+            from infer.tiers.stage_plan import parse_budgets
+
+            budget = parse_budgets(streaming.vram_budget, len(gpus))[0] if gpus else streaming.vram_budget
+            draft = c._load(spec.draft_model, ctx_size, where, budget)  # on the first GPU (infer.cli._gpus)
         planned = {"draft model": draft.transformer.account.planned_total} if draft is not None and where == "gpu" \
             else None  # type: ignore[attr-defined]
         tree = spec.tree or (DEFAULT_TREE_STREAMING if streaming.enabled else DEFAULT_TREE_RESIDENT)

@@ -141,7 +141,7 @@ def load_gpu_transformer(model: GGUFModel, max_context: int | None = None, vram_
         from infer.gpu.expert_stream import ExpertStream
         from infer.gpu.experts import GpuExperts
 
-        done = args.n_layers + 1
+        done = len(stage) + 1  # the layers' uploads (ResidentWeights' steps), then the experts
         stream = None
         if stream_rows:
             try:

@@ -6,7 +6,9 @@ buffers it returns logits in. GpuTransformer runs a pass over the layers of one 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 import cupy
 import numpy as np
@@ -28,6 +30,21 @@ def check_tree(parents: Sequence[int] | np.ndarray, nodes: int) -> np.ndarray:
     return parents
 
 
+Call = TypeVar("Call", bound=Callable[..., Any])
+
+
+def on_its_device(method: Call) -> Call:
+    """A model's call made with its GPU current (the GPU of its logits: a pipeline's head's), so
+    that what it allocates and launches lands there whatever GPU the caller has current."""
+
+    @functools.wraps(method)
+    def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+        with cupy.cuda.Device(self.device_id):
+            return method(self, *args, **kwargs)
+
+    return call  # type: ignore[return-value]
+
+
 class PassFront:
     """forward, forward_batch, forward_batch_argmax, prefill(_batch), prompt_room, verify_tree and
     forward_tree of a model whose `run_pass` runs one pass (rows, out_rows, to_host) and leaves
@@ -39,10 +56,12 @@ class PassFront:
     logits: cupy.ndarray
     stream: cupy.cuda.Stream
     passes: int
+    device_id: int  # the GPU of the logits
 
     def run_pass(self, rows: Sequence[Row], out_rows: Sequence[int],
                  to_host: bool = True) -> np.ndarray | cupy.ndarray: ...  # the model's
 
+    @on_its_device
     def forward(self, tokens: np.ndarray, cache: GpuKVCache, all_logits: bool = False,
                 prompt: bool = False) -> np.ndarray:
         """As infer.model.Transformer.forward: NumPy float32 logits, (T, vocab) with all_logits,
@@ -56,10 +75,12 @@ class PassFront:
         """Appends prompt tokens whose logits nobody reads (prompt rows; no logits)."""
         self.prefill_batch([(np.asarray(tokens, dtype=np.int64).reshape(-1), cache)])
 
+    @on_its_device
     def prefill_batch(self, batch: Sequence[tuple[np.ndarray, GpuKVCache]]) -> None:
         """prefill for several sequences, sharing passes."""
         self._passes(batch, False, [len(np.asarray(t).reshape(-1)) for t, _ in batch], logits=False)
 
+    @on_its_device
     def forward_batch(self, batch: Sequence[tuple[np.ndarray, GpuKVCache]], all_logits: bool = False,
                       prompt_rows: Sequence[int] | None = None,
                       trees: Sequence[np.ndarray | None] | None = None) -> list[np.ndarray | TreeLogits]:
@@ -125,6 +146,7 @@ class PassFront:
                 out.append(TreeLogits(got[j0 : j0 + count], self.stream, lambda: self.passes == this))
         return out
 
+    @on_its_device
     def forward_batch_argmax(self, batch: Sequence[tuple[np.ndarray, GpuKVCache]],
                              prompt_rows: Sequence[int] | None = None,
                              bias: Sequence[Sequence[tuple[int, float]]] | None = None) -> list[tuple[int, float]]:
@@ -181,6 +203,7 @@ class PassFront:
             return []
         return [np.concatenate(out) if all_logits else out[-1][0] for out in outputs]
 
+    @on_its_device
     def verify_tree(self, tokens: np.ndarray, parents: np.ndarray, cache: GpuKVCache) -> TreeLogits:
         """Logits of every node of a token tree (node i in cache slot cache.length + i, root's parent
         -1, parents[i] < i) in one pass; node i's logits are the bits plain decoding gets at its

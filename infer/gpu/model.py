@@ -456,6 +456,9 @@ class GpuTransformer(PassFront, DeviceGeneration):
         """The head over the hidden states of the pass's rows `out_rows` (as laid out): their logits
         as run_pass returns them (pinned host memory: the rows come back at the link's speed in one
         copy; a server step of 32 sequences brings 16 MB of logits back)."""
+        if not self.heads:
+            raise ValueError("a GPU's share without the last layer has no head: run it in its pipeline "
+                             "(infer.gpu.stages.PipelineTransformer)")
         m = len(out_rows)
         if not to_host and m <= self.logits_rows:
             with self.stream:

@@ -47,8 +47,8 @@ class CopyLink:
     stages share one GPU (the stand-in for two GPUs in tests)."""
 
     def hand_over(self, src: GpuTransformer, dst: GpuTransformer, rows: int) -> None:
-        sent = cupy.cuda.Event(disable_timing=True)
-        with cupy.cuda.Device(src.device_id):
+        with cupy.cuda.Device(src.device_id):  # an event is recorded on a stream of its own device
+            sent = cupy.cuda.Event(disable_timing=True)
             sent.record(src.stream)  # after the sender's layers
         with cupy.cuda.Device(dst.device_id):
             dst.stream.wait_event(sent)
@@ -115,7 +115,7 @@ class StagedCache:
 
     @property
     def lost(self) -> int:
-        return self.parts[0].lost
+        return max(part.lost for part in self.parts)  # only a stage with local layers keeps a ring
 
     def wrote(self, end: int) -> None:
         for part in self.parts:
@@ -191,6 +191,10 @@ class PipelineTransformer(PassFront):
     def stream(self) -> cupy.cuda.Stream:
         return self.head.stream
 
+    @property
+    def device_id(self) -> int:  # type: ignore[override]
+        return self.head.device_id
+
     def new_cache(self, max_tokens: int) -> StagedCache:
         parts = []
         for stage in self.stages:
@@ -211,19 +215,6 @@ class PipelineTransformer(PassFront):
 
     def weight_bytes_per_token(self) -> int:
         return sum(s.weight_bytes_per_token() for s in self.stages)
-
-    # the calls of infer.gpu.front, on the last stage's GPU (where the logits are)
-    def forward_batch(self, *args, **kwargs):  # type: ignore[no-untyped-def]
-        with cupy.cuda.Device(self.head.device_id):
-            return super().forward_batch(*args, **kwargs)
-
-    def forward_batch_argmax(self, *args, **kwargs):  # type: ignore[no-untyped-def]
-        with cupy.cuda.Device(self.head.device_id):
-            return super().forward_batch_argmax(*args, **kwargs)
-
-    def verify_tree(self, *args, **kwargs):  # type: ignore[no-untyped-def]
-        with cupy.cuda.Device(self.head.device_id):
-            return super().verify_tree(*args, **kwargs)
 
     def run_pass(self, rows: Sequence[Row], out_rows: Sequence[int], to_host: bool = True) -> np.ndarray | cupy.ndarray:
         """One pass: the rows laid out once; each stage's index filled with its own caches, its
@@ -338,21 +329,48 @@ def load_gpu_stages(model: GGUFModel, gpus: Sequence[int], vram_budgets: Sequenc
                 progress(before + done, total)
 
         with cupy.cuda.Device(stage.gpu):
+            # each GPU's pool capped at its stage's plan (not where stages share a GPU: the stand-in)
             loaded.append(load_gpu_transformer(model, context, budget, prefill_chunk, batch, tree_nodes=tree_nodes,
                                                progress=step, layers=stage.layers,
                                                planned=planned if not loaded else None, experts=experts,
-                                               expert_stream=expert_stream))
-            if enforce_budget and len(set(gpus)) == len(gpus):
-                cupy.get_default_memory_pool().set_limit(size=max(loaded[-1].account.pool_limit, 0))
-    distinct = len(set(gpus)) == len(gpus) and len(gpus) > 1
-    chosen: StageLink = NcclLink(gpus) if link == "nccl" or (link == "auto" and distinct and _has_nccl()) else CopyLink()
-    return PipelineTransformer(loaded, chosen)
+                                               expert_stream=expert_stream,
+                                               enforce_budget=enforce_budget and len(set(gpus)) == len(gpus)))
+    return PipelineTransformer(loaded, choose_link(gpus, link))
 
 
-def _has_nccl() -> bool:
+LINKS = ("auto", "nccl", "copy")
+NCCL_SEND_RECV = 2700  # NCCL 2.7: point-to-point send and receive
+
+
+def choose_link(gpus: Sequence[int], link: str = "auto") -> StageLink:
+    """The hand-over for stages on `gpus`: "nccl", "copy", or "auto" (NCCL between distinct GPUs
+    where CuPy has an NCCL of 2.7 or later that starts, else device copies). "nccl" that cannot
+    start is a ValueError of one line."""
+    if link not in LINKS:
+        raise ValueError(f"the hand-over between stages is one of {', '.join(LINKS)}, not {link!r}")
+    distinct = len(set(gpus)) == len(gpus) > 1
+    if link == "copy" or (link == "auto" and not distinct):
+        return CopyLink()
+    why = nccl_problem()
+    if why is None:
+        try:
+            return NcclLink(gpus)
+        except Exception as err:  # the driver, the topology: NCCL's own errors
+            why = f"NCCL did not start on GPUs {', '.join(map(str, gpus))} ({type(err).__name__}: {err})"
+    if link == "nccl":
+        raise ValueError(why)
+    return CopyLink()
+
+
+def nccl_problem() -> str | None:
+    """Why NCCL cannot hand over between stages here (None: it can)."""
     try:
         from cupy.cuda import nccl
-
-        return bool(nccl.available) if hasattr(nccl, "available") else True
-    except ImportError:
-        return False
+    except ImportError as err:
+        return f"CuPy has no NCCL ({err})"
+    if hasattr(nccl, "available") and not nccl.available:
+        return "CuPy was built without NCCL"
+    version = nccl.get_version() if hasattr(nccl, "get_version") else NCCL_SEND_RECV
+    if version < NCCL_SEND_RECV:
+        return f"NCCL {version} has no point-to-point send and receive (2.7 or later)"
+    return None

@@ -25,6 +25,8 @@ class TreeLogits:
         """spare: unused rows of the same logits block (planned VRAM), the scratch of top_children."""
         self.rows, self.stream, self._current, self.spare = rows, stream, current, spare
         self.on_device = isinstance(rows, cupy.ndarray)
+        # its GPU: a walk reads it after the pass, whatever GPU is current then (a pipeline's head)
+        self.device_id = getattr(getattr(rows, "device", None), "id", 0)
 
     def _check(self) -> None:
         if self.on_device and not self._current():
@@ -61,7 +63,7 @@ class TreeLogits:
             return argmax_rows(rows)
         self._check()
         n, vocab = self.rows.shape
-        with self.stream:
+        with cupy.cuda.Device(self.device_id), self.stream:
             pairs = [(token, value) for token, value in bias if 0 <= token < vocab]
             for at, token, value in _bias_rounds([(r, pairs) for r in range(n)] if pairs else []):
                 self.rows[at, token] += value
@@ -83,11 +85,11 @@ class TreeLogits:
 
         if self.spare is None or self.spare.shape[0] < 2 * m:
             # no planned room for the vocabulary-wide scratch: the rows to the host, one view at a time
-            with self.stream:
+            with cupy.cuda.Device(self.device_id), self.stream:
                 host = np.stack([cupy.asnumpy(self.rows[node], stream=self.stream) for node in nodes])
             self.stream.synchronize()
             return top_children(host, list(range(m)), k)
-        with self.stream:
+        with cupy.cuda.Device(self.device_id), self.stream:
             idx = cupy.asarray(np.asarray(nodes, dtype=np.int64))
             # the nodes' rows and their exponentials in the block's spare rows (the plan counted the
             # block; vocabulary-wide temporaries it did not)

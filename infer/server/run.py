@@ -27,8 +27,10 @@ def loader(model_path: str, device: str, ctx_size: int, max_batch: int, streamin
         tokenizer = Tokenizer.from_gguf(gguf.metadata)
         draft, planned, tree_nodes = None, None, 0
         if speculation is not None:
-            first_budget = streaming.vram_budget.split(",")[0] if streaming.vram_budget else None  # --gpus: per GPU
-            draft = speculation.load_draft(device, ctx_size, max_batch, first_budget, exact)
+            from infer.tiers.stage_plan import parse_budgets
+
+            budget = parse_budgets(streaming.vram_budget, len(gpus))[0] if gpus else streaming.vram_budget
+            draft = speculation.load_draft(device, ctx_size, max_batch, budget, exact)
             account = getattr(draft, "account", None)
             planned = {"draft model": account.planned_total} if account is not None else None
             # every slot's tree in one pass: their logits stay on the device (within a pass's rows)

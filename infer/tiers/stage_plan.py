@@ -53,10 +53,11 @@ def parse_budgets(text: str | None, n: int) -> list[str | None]:
 
 def split_layers(costs: Sequence[float], sizes: Sequence[int], rooms: Sequence[float],
                  speeds: Sequence[float] | None = None, head_cost: float = 0.0, head_size: int = 0,
-                 link_speeds: Sequence[float] | None = None) -> list[range]:
+                 link_speeds: Sequence[float] | None = None, embed_size: int = 0) -> list[range]:
     """Contiguous layer ranges, one per stage in order, every stage at least one layer: layer i
     costs costs[i] (bytes a pass reads) and takes sizes[i] bytes of its stage's room (rooms[k]:
-    what stage k may hold for layers); the last stage also holds the head (head_cost, head_size).
+    what stage k may hold for layers); the last stage also holds the head (head_cost, head_size),
+    the first the token embedding's device copy (embed_size: where the output reuses it).
     Stage k's time is its cost over speeds[k]; the ranges make the slowest stage as fast as
     possible (ties: the earlier stages take more). ValueError when no split fits the rooms.
     link_speeds (a streamed model): a stage may hold more than its room; what its room does not
@@ -71,10 +72,10 @@ def split_layers(costs: Sequence[float], sizes: Sequence[int], rooms: Sequence[f
 
     def stage_time(k: int, a: int, b: int) -> float:
         last = k == s - 1
-        size = size_sum[b] - size_sum[a] + (head_size if last else 0)
+        size = size_sum[b] - size_sum[a] + (head_size if last else 0) + (embed_size if k == 0 else 0)
         cost = cost_sum[b] - cost_sum[a] + (head_cost if last else 0.0)
-        if link_speeds is not None:  # the part past its room streams over its link
-            over = max(0.0, size - rooms[k])
+        if link_speeds is not None:  # the part past its room streams over its link (what is not there, all of it)
+            over = min(size, max(0.0, size - rooms[k]))
             return (cost - over) / speeds[k] + over / link_speeds[k]
         if size > rooms[k]:
             return inf
@@ -125,6 +126,17 @@ def interleave_chunk(layer_bytes: Sequence[int], rooms: Sequence[float], ring_by
     return chunk if chunk * len(rooms) < len(layer_bytes) else None
 
 
+def layer_costs(model: GGUFModel, args: ModelArgs, tensors: Sequence[Tensor]) -> tuple[list[int], int, int]:
+    """(each layer's device bytes, the head's, the first stage's token embedding's: where the output
+    reuses it, the first stage holds a device copy too; else it stays in host memory)."""
+    per_layer = [sum(t.device_nbytes for t in tensors if t.layer == i) for i in range(args.n_layers)]
+    head = sum(t.device_nbytes for t in stage_tensors(list(tensors), model, [args.n_layers - 1], args.n_layers)
+               if t.layer is None)
+    embed = sum(t.device_nbytes for t in stage_tensors(list(tensors), model, [0], args.n_layers)
+                if t.layer is None) if args.n_layers > 1 else 0
+    return per_layer, head, embed
+
+
 def plan_stages(model: GGUFModel, args: ModelArgs, gpus: Sequence[int], rooms: Sequence[float],
                 context: int, prefill_chunk: int = 512, batch: int = 1,
                 speeds: Sequence[float] | None = None) -> list[Stage]:
@@ -133,13 +145,11 @@ def plan_stages(model: GGUFModel, args: ModelArgs, gpus: Sequence[int], rooms: S
     and `speeds` (relative: its memory bandwidth) balance the split (split_layers) by the layers'
     device bytes (what a pass reads)."""
     tensors = planner_tensors(model, "gpu")
-    per_layer = [sum(t.device_nbytes for t in tensors if t.layer == i) for i in range(args.n_layers)]
-    head = sum(t.device_nbytes for t in stage_tensors(tensors, model, range(args.n_layers, args.n_layers),
-                                                        args.n_layers) if t.layer is None)
+    per_layer, head, embed = layer_costs(model, args, tensors)
     kv = [args.kv_cache_nbytes(context, prefill_chunk, sequences=batch, layers=range(i, i + 1))
           for i in range(args.n_layers)]
     sizes = [w + c for w, c in zip(per_layer, kv, strict=True)]
-    ranges = split_layers(per_layer, sizes, rooms, speeds, head_cost=head, head_size=head)
+    ranges = split_layers(per_layer, sizes, rooms, speeds, head_cost=head, head_size=head, embed_size=embed)
     return [Stage(g, r) for g, r in zip(gpus, ranges, strict=True)]
 
 

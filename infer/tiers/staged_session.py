@@ -18,17 +18,23 @@ mapping is one per process); tier C is a file (an NVMe drive is one queue owner:
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
 
 from infer.arch import check_model, refuse_experts, rope_freq_factors
 from infer.gguf_file import GGUFModel
 from infer.streaming import StreamingEngine
-from infer.tiers.budget import BudgetError, compute_budgets
+from infer.tiers.budget import BudgetError, VramAccount, compute_budgets
 from infer.tiers.config import StreamingConfig
-from infer.tiers.plan import PlanError, Tier, format_bytes, make_plan, planner_tensors, span
+from infer.tiers.plan import Plan, PlanError, Tier, format_bytes, make_plan, planner_tensors, span
 from infer.tiers.report import render_plan
 from infer.tiers.session import StreamingSession
-from infer.tiers.stage_plan import interleave, interleave_chunk, parse_budgets, split_layers, stage_tensors
+from infer.tiers.stage_plan import (
+    interleave,
+    interleave_chunk,
+    layer_costs,
+    parse_budgets,
+    split_layers,
+    stage_tensors,
+)
 from infer.tiers.tier_b import HostTier
 from infer.tiers.tier_c import StorageSource, open_source
 
@@ -39,7 +45,12 @@ class StagedStreamingSession(StreamingSession):
     """A StreamingSession whose engine runs a pipeline of streamed stages: `stage_plans` (GPU,
     layers, plan, account) report each stage."""
 
-    stage_plans: list[tuple[int, range, Any, Any]]
+    stage_plans: list[tuple[int, Sequence[int], Plan, VramAccount]]
+    sources: list[StorageSource]  # every stage's tier C
+
+    def problem(self) -> str | None:
+        """Why a stage's tier C can no longer be read, or None."""
+        return next((why for why in (getattr(s, "failure", None) for s in self.sources) if why), None)
 
     def report(self) -> str:
         n = len(self.stage_plans)
@@ -66,7 +77,7 @@ def build_streaming_stages(model: GGUFModel, config: StreamingConfig, ctx_size: 
 
     from infer.gpu import gpu_pass_nbytes, memory
     from infer.gpu.model import LOGITS_ROWS, GpuTransformer
-    from infer.gpu.stages import CopyLink, NcclLink, PipelineTransformer, _has_nccl
+    from infer.gpu.stages import PipelineTransformer, choose_link
     from infer.tiers.pipeline import StreamedWeights
 
     args = check_model(model)
@@ -81,9 +92,7 @@ def build_streaming_stages(model: GGUFModel, config: StreamingConfig, ctx_size: 
         raise BudgetError("--streaming --gpus needs --vram-budget (one size for each GPU, or one per GPU)")
     rows = max(prefill_chunk, config.batch)
     tensors = planner_tensors(model, "gpu")
-    per_layer = [sum(t.device_nbytes for t in tensors if t.layer == i) for i in range(args.n_layers)]
-    head = sum(t.device_nbytes for t in stage_tensors(tensors, model, range(args.n_layers, args.n_layers),
-                                                        args.n_layers) if t.layer is None)
+    per_layer, head, embed = layer_costs(model, args, tensors)
     # streaming lets any range fit its GPU: the split balances each stage's time per pass, its room's
     # bytes read from VRAM and the rest copied over its link (HBM_OVER_LINK times slower)
     rooms = []
@@ -99,7 +108,7 @@ def build_streaming_stages(model: GGUFModel, config: StreamingConfig, ctx_size: 
     if chunk:  # runs taking turns, so that both links copy (module docstring)
         shares = interleave(args.n_layers, len(gpus), chunk)
     else:
-        shares = split_layers(per_layer, per_layer, rooms, head_cost=head, head_size=head,
+        shares = split_layers(per_layer, per_layer, rooms, head_cost=head, head_size=head, embed_size=embed,
                               link_speeds=[1.0 / HBM_OVER_LINK] * len(gpus))
     staging = config.staging_buffers * max((t.nbytes for t in tensors if t.layer is not None), default=0)
     whole = compute_budgets(args, ctx_size, config.batch, rows, staging, 10**15, config.ram_budget)
@@ -107,7 +116,7 @@ def build_streaming_stages(model: GGUFModel, config: StreamingConfig, ctx_size: 
     factors = rope_freq_factors(model, args)
     # every stage planned before any loads: where stages share a GPU (the stand-in of tests) a later
     # account would count an earlier stage's weights as another process's memory
-    planned_stages: list[tuple[int, range, Any, Any]] = []
+    planned_stages: list[tuple[int, Sequence[int], Plan, VramAccount]] = []
     for k, (g, layers, budget) in enumerate(zip(gpus, shares, budgets, strict=True)):
         mine = stage_tensors(tensors, model, layers, args.n_layers)
         with cupy.cuda.Device(g):
@@ -132,9 +141,12 @@ def build_streaming_stages(model: GGUFModel, config: StreamingConfig, ctx_size: 
     stages: list[GpuTransformer] = []
     closers: list[Callable[[], None]] = []
     moved: list[Callable[[], dict]] = []
+    sources: list[StorageSource] = []
     try:
         for g, layers, plan, account in planned_stages:
             with cupy.cuda.Device(g):
+                if enforce_budget and len(set(gpus)) == len(gpus):  # each GPU's pool capped at its stage's plan
+                    memory.enforce(account)
                 b_tensors = plan.tensors_in(Tier.RAM)
                 host = HostTier(model, b_tensors, "pinned") if b_tensors else None
                 if host is not None:
@@ -144,21 +156,19 @@ def build_streaming_stages(model: GGUFModel, config: StreamingConfig, ctx_size: 
                 if c_tensors:
                     source = open_source(config.tier_c, model.path, c_tensors, None, notes=plan.notes)
                     closers.append(source.close)
+                    sources.append(source)
                 weights = StreamedWeights(model, args, plan, host, source, config.staging_buffers, layers=layers)
                 closers.append(weights.close)
                 moved.append(weights.bytes_moved)
                 stage = GpuTransformer(args, weights, factors, ctx_size, rows,
                                        logits_rows=max(LOGITS_ROWS, config.batch, tree_nodes), layers=layers)
                 stage.account = account
-                if enforce_budget and len(set(gpus)) == len(gpus):
-                    cupy.get_default_memory_pool().set_limit(size=max(account.pool_limit, 0))
             stages.append(stage)
+        pipeline = PipelineTransformer(stages, choose_link(gpus))
     except BaseException:
         for close in reversed(closers):
             close()
         raise
-    distinct = len(set(gpus)) == len(gpus) and len(gpus) > 1
-    pipeline = PipelineTransformer(stages, NcclLink(gpus) if distinct and _has_nccl() else CopyLink())
 
     def bytes_moved() -> dict[str, int]:
         total: dict[str, int] = {}
@@ -170,5 +180,5 @@ def build_streaming_stages(model: GGUFModel, config: StreamingConfig, ctx_size: 
     engine = StreamingEngine(pipeline, ctx_size, prefill_chunk, bytes_moved=bytes_moved)
     session = StagedStreamingSession(engine, planned_stages[0][2], whole, stages[0].weights, {}, None,
                                      planned_stages[0][3], closers)
-    session.stage_plans = planned_stages
+    session.stage_plans, session.sources = planned_stages, sources
     return session

@@ -32,6 +32,9 @@ def run(tiny: Path, *flags: str):
     (["--gpus", "0", "--streaming", "--tier-c", "nvme"], "cannot be combined with --tier-c nvme"),
     (["--gpus", "0", "--device", "cpu"], "cannot be combined with --device cpu"),
     (["--gpus", "0", "--exact"], "cannot be combined with --exact"),
+    (["--gpus", "0", "--benchmark"], "cannot be combined with --benchmark"),
+    (["--gpus", "0", "--batch", "2"], "cannot be combined with --batch/--prompts without --streaming"),
+    (["--gpus", "0", "--streaming", "--tier-b", "registered"], "cannot be combined with --tier-b registered"),
 ])
 def test_flags_the_split_cannot_take_are_one_line(tiny: Path, flags: list[str], says: str) -> None:
     result = run(tiny, *flags)

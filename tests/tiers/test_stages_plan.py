@@ -67,3 +67,11 @@ def test_interleaved_runs_and_their_length() -> None:
     assert interleave_chunk([100] * 10, [300, 300], 80) == 2
     assert interleave_chunk([100] * 10, [600, 600], 80) is None  # everything fits: one run a GPU
     assert interleave_chunk([100] * 10, [300, 300], 400) is None  # runs of 10: no shorter than one a GPU
+
+
+def test_the_first_stage_holds_a_tied_embedding() -> None:
+    # the embedding's device copy (20 bytes) goes with the first stage: it takes fewer layers
+    assert split_layers([10.0] * 6, [10] * 6, [40, 40]) == [range(0, 3), range(3, 6)]
+    assert split_layers([10.0] * 6, [10] * 6, [40, 40], embed_size=20) == [range(0, 2), range(2, 6)]
+    with pytest.raises(ValueError, match="do not fit"):
+        split_layers([10.0] * 6, [10] * 6, [30, 30], embed_size=20)

@@ -78,6 +78,7 @@ class _Device:
     def __enter__(self): return self
     def __exit__(self, *e): return False
     def synchronize(self): pass
+    def use(self): pass
 def _no_cublas(): raise RuntimeError("no cuBLAS in the fake")
 def _no_attributes(ptr): raise RuntimeError("no pointer attributes in the fake")
 MEM_INFO = ((16 << 30) - (512 << 20), 16 << 30)  # (free, total): a 16 GiB card with a context; tests may change it
