@@ -16,11 +16,13 @@ from tests.infer.test_gpu_moe import (  # noqa: F401
     check_follows_the_cpu,
     check_pass_independence,
     check_split,
+    check_stages,
     check_streaming,
     moe_dir,
     moe_path,
     place,
     placed,
+    quantized_moe,
 )
 
 cupy = pytest.importorskip("cupy")
@@ -45,3 +47,8 @@ def test_the_cpus_blocks_share_their_picks_with_the_gpu_on_the_gpu(moe_dir: Path
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("NVMEDIRECT_EXPERT_GPU_SLOTS", str(slots))
     check_split(moe_dir, slots)
+
+
+def test_a_split_across_gpus_places_each_stages_experts_on_the_gpu(quantized_moe: Path,  # noqa: F811
+                                                                    place: str | int) -> None:  # noqa: F811
+    check_stages(quantized_moe, place)

@@ -130,3 +130,15 @@ def test_streamed_stages_give_the_resident_bits(tmp_path: Path, chunk: int | Non
         same(outputs(load_gpu_transformer(model, CTX, "4GB"), prompt), outputs(session.engine.model, prompt))
     finally:
         session.close()
+
+
+def test_interleaved_shares_give_its_bits(model_path: Path) -> None:
+    """Two shares taking turns a layer at a time (even layers on one, odd on the other): the pass
+    hands the hidden states back and forth at every layer; the bits stay the one-GPU engine's."""
+    model = GGUFModel(model_path)
+    n = model.metadata[f"{model.metadata['general.architecture']}.block_count"]
+    prompt = np.random.default_rng(9).integers(3, 2000, 40)
+    shares = [load_gpu_transformer(model, CTX, "4GB", layers=range(k, n, 2)) for k in (0, 1)]
+    staged = PipelineTransformer(shares, CopyLink())
+    assert len(staged.parts) == n
+    same(outputs(load_gpu_transformer(model, CTX, "4GB"), prompt), outputs(staged, prompt))

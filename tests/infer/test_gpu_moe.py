@@ -431,9 +431,13 @@ def check_split(moe_dir: Path, slots: int) -> None:
 
 def test_a_split_across_gpus_places_each_stages_experts(quantized_moe: Path, place: str | int,
                                                          fake_cupy: object) -> None:
-    """A mixture of experts in stages (infer.gpu.stages, --gpus; both on the stand-in's one device):
-    each stage places its own blocks' experts (--n-cpu-moe 1: block 0's on the CPU, in the first
-    stage) and every row's logits are the one-GPU engine's with the same placement."""
+    check_stages(quantized_moe, place)
+
+
+def check_stages(quantized_moe: Path, place: str | int) -> None:
+    """A mixture of experts in stages (infer.gpu.stages, --gpus; both on one device): each stage
+    places its own blocks' experts (--n-cpu-moe 1: block 0's on the CPU, in the first stage) and
+    every row's logits are the one-GPU engine's with the same placement."""
     from infer.gpu import load_gpu_transformer
     from infer.gpu.stages import CopyLink, PipelineTransformer
 
