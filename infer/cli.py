@@ -346,10 +346,11 @@ def _gpus(text: str | None, device: str, streaming: StreamingConfig, exact: bool
               EXIT_NOT_AVAILABLE)
     import cupy
 
-    count = cupy.cuda.runtime.getDeviceCount()
-    if max(devices) >= count:
-        _fail(f"--gpus {text}: GPU {max(devices)} is not there ({count} GPU{'s' if count != 1 else ''} visible to CuPy)",
-              EXIT_NOT_AVAILABLE)
+    from infer.gpu.stages import missing_gpu
+
+    missing = missing_gpu(devices)
+    if missing:
+        _fail(missing, EXIT_NOT_AVAILABLE)
     cupy.cuda.Device(devices[0]).use()
     return devices
 

@@ -32,6 +32,7 @@ from infer.gpu.cache import GpuKVCache
 from infer.gpu.front import PassFront
 from infer.gpu.model import GpuTransformer
 from infer.gpu.passes import PassShape, Row
+from infer.tiers.budget import VramAccount
 from infer.tiers.stage_plan import plan_stages
 
 
@@ -209,7 +210,7 @@ class PipelineTransformer(PassFront):
             self.head.reserve_tree(nodes)
 
     @property
-    def accounts(self) -> list:
+    def accounts(self) -> list[VramAccount]:
         """Each stage's VRAM plan (infer.tiers.budget.VramAccount), in stage order."""
         return [s.account for s in self.stages]
 
@@ -221,7 +222,7 @@ class PipelineTransformer(PassFront):
         layers queued after the previous stage's hand-over; the last stage's head. A pass of many
         rows goes as micro-batches (micro_batches()), so that a stage works on one while the next
         stage works on the one before."""
-        parts = self.micro_batches(len(rows), out_rows, to_host)
+        parts = self.micro_batches(len(rows), to_host)
         self.passes += 1
         last = self.head
         if len(parts) == 1:
@@ -244,7 +245,7 @@ class PipelineTransformer(PassFront):
             out[mine] = logits
         return out
 
-    def micro_batches(self, rows: int, out_rows: Sequence[int], to_host: bool) -> list[tuple[int, int]]:
+    def micro_batches(self, rows: int, to_host: bool) -> list[tuple[int, int]]:
         """The row ranges a pass of `rows` rows runs as: `micro` ranges of at least MICRO_ROWS rows
         each when the stages have GPUs of their own (one range otherwise, or when the logits stay on
         the device). A row attends only to rows before it (a sequence's earlier positions, a tree
@@ -295,11 +296,9 @@ def load_gpu_stages(model: GGUFModel, gpus: Sequence[int], vram_budgets: Sequenc
     from infer.tiers.budget import VramBudgetError
 
     args = check_model(model)
-    count = cupy.cuda.runtime.getDeviceCount()
-    missing = [g for g in gpus if g >= count]
+    missing = missing_gpu(gpus)
     if missing:
-        raise ValueError(f"--gpus {','.join(map(str, gpus))}: GPU {missing[0]} is not there "
-                         f"({count} GPU{'s' if count != 1 else ''} visible to CuPy)")
+        raise ValueError(missing)
     if len(gpus) > args.n_layers:
         raise ValueError(f"{len(gpus)} GPUs for {args.n_layers} layers: at most one GPU a layer")
     context = max_context or min(args.context_length, 4096)
@@ -336,6 +335,16 @@ def load_gpu_stages(model: GGUFModel, gpus: Sequence[int], vram_budgets: Sequenc
                                                expert_stream=expert_stream,
                                                enforce_budget=enforce_budget and len(set(gpus)) == len(gpus)))
     return PipelineTransformer(loaded, choose_link(gpus, link))
+
+
+def missing_gpu(gpus: Sequence[int]) -> str | None:
+    """What of `gpus` CuPy does not see, in one line (None: every one is there)."""
+    count = cupy.cuda.runtime.getDeviceCount()
+    missing = [g for g in gpus if g >= count]
+    if not missing:
+        return None
+    return (f"--gpus {','.join(map(str, gpus))}: GPU {missing[0]} is not there "
+            f"({count} GPU{'s' if count != 1 else ''} visible to CuPy)")
 
 
 LINKS = ("auto", "nccl", "copy")

@@ -77,16 +77,16 @@ def build_streaming_stages(model: GGUFModel, config: StreamingConfig, ctx_size: 
 
     from infer.gpu import gpu_pass_nbytes, memory
     from infer.gpu.model import LOGITS_ROWS, GpuTransformer
-    from infer.gpu.stages import PipelineTransformer, choose_link
+    from infer.gpu.stages import PipelineTransformer, choose_link, missing_gpu
     from infer.tiers.pipeline import StreamedWeights
 
     args = check_model(model)
     refuse_experts(args, model.path, "the streaming engine across GPUs", "run it on one GPU")
     if config.tier_c == "nvme":
         raise BudgetError("--gpus with --tier-c nvme: one drive cannot feed several stages yet (use --tier-c file)")
-    count = cupy.cuda.runtime.getDeviceCount()
-    if max(gpus) >= count:
-        raise ValueError(f"GPU {max(gpus)} is not there ({count} GPU{'s' if count != 1 else ''} visible to CuPy)")
+    missing = missing_gpu(gpus)
+    if missing:
+        raise ValueError(missing)
     budgets = parse_budgets(config.vram_budget, len(gpus))
     if any(b is None for b in budgets):
         raise BudgetError("--streaming --gpus needs --vram-budget (one size for each GPU, or one per GPU)")

@@ -140,9 +140,9 @@ def test_micro_batches_of_a_large_pass_give_the_same_bits(tiny_model: Path, fake
     others = [rng.integers(3, 500, n) for n in (40, 90)]
     for micro in (2, 3):
         staged = PipelineTransformer(stages, CopyLink(), micro_batches=micro)
-        assert staged.micro_batches(len(prompt), [0], True) == \
+        assert staged.micro_batches(len(prompt), True) == \
             [(len(prompt) * i // micro, len(prompt) * (i + 1) // micro) for i in range(micro)]
-        assert staged.micro_batches(len(prompt), [0], False) == [(0, len(prompt))]  # logits kept on the device
+        assert staged.micro_batches(len(prompt), False) == [(0, len(prompt))]  # logits kept on the device
         outs = {}
         for m in (whole, staged):
             a, b, c = (m.new_cache(ctx) for _ in range(3))
