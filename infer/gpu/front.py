@@ -61,7 +61,6 @@ class PassFront:
     def run_pass(self, rows: Sequence[Row], out_rows: Sequence[int],
                  to_host: bool = True) -> np.ndarray | cupy.ndarray: ...  # the model's
 
-    @on_its_device
     def forward(self, tokens: np.ndarray, cache: GpuKVCache, all_logits: bool = False,
                 prompt: bool = False) -> np.ndarray:
         """As infer.model.Transformer.forward: NumPy float32 logits, (T, vocab) with all_logits,

@@ -47,9 +47,24 @@ class CopyLink:
     """The hand-over as a device copy: a peer copy between two GPUs, or a plain copy where both
     stages share one GPU (the stand-in for two GPUs in tests)."""
 
+    def __init__(self) -> None:
+        # (sent, received) a pair of shares, made once: a wait takes the event as recorded when it
+        # is queued, so recording it again for the next pass is safe
+        self._events: dict[tuple[int, int], tuple[cupy.cuda.Event, cupy.cuda.Event]] = {}
+
+    def _pair(self, src: GpuTransformer, dst: GpuTransformer) -> tuple[cupy.cuda.Event, cupy.cuda.Event]:
+        key = (id(src), id(dst))
+        if key not in self._events:  # an event is recorded on a stream of its own device
+            with cupy.cuda.Device(src.device_id):
+                sent = cupy.cuda.Event(disable_timing=True)
+            with cupy.cuda.Device(dst.device_id):
+                received = cupy.cuda.Event(disable_timing=True)
+            self._events[key] = (sent, received)
+        return self._events[key]
+
     def hand_over(self, src: GpuTransformer, dst: GpuTransformer, rows: int) -> None:
-        with cupy.cuda.Device(src.device_id):  # an event is recorded on a stream of its own device
-            sent = cupy.cuda.Event(disable_timing=True)
+        sent, received = self._pair(src, dst)
+        with cupy.cuda.Device(src.device_id):
             sent.record(src.stream)  # after the sender's layers
         with cupy.cuda.Device(dst.device_id):
             dst.stream.wait_event(sent)
@@ -60,7 +75,6 @@ class CopyLink:
             else:
                 cupy.cuda.runtime.memcpyPeerAsync(dst.x.data.ptr, dst.device_id, src.x.data.ptr, src.device_id,
                                                   nbytes, dst.stream.ptr)
-            received = cupy.cuda.Event(disable_timing=True)
             received.record(dst.stream)
         with cupy.cuda.Device(src.device_id):
             src.stream.wait_event(received)  # the sender's next pass overwrites x only after the copy

@@ -174,11 +174,7 @@ def build_streaming_engine(model: GGUFModel | str | os.PathLike, config: Streami
         account.budget = budgets.vram_total
         layout = args.kv_cache_layout(ctx_size, max(prefill_chunk, config.batch))
         kv_name = f"KV cache ({layout})" if layout else "KV cache"
-        for name, nbytes in (("weights (tier A)", plan.bytes_in(Tier.VRAM)),
-                             ("ring slots", plan.n_slots * plan.slot_nbytes), ("layer scratch", plan.scratch_nbytes),
-                             (kv_name, budgets.kv_cache), ("pass buffers", budgets.activations)):
-            account.plan(name, nbytes)
-        account.check(": lower -c/--ctx-size or --batch")
+        plan_streamed(account, plan, budgets.kv_cache, budgets.activations, kv_name)
     closers: list[Callable[[], None]] = []
     try:
         host, mode = _open_tier_b(model, plan, budgets, config)
@@ -193,7 +189,7 @@ def build_streaming_engine(model: GGUFModel | str | os.PathLike, config: Streami
             source = open_source(config.tier_c, model.path, c_tensors, config.nvme_device,
                                  gpu_doorbells=config.gpu_doorbells, notes=plan.notes, **options)
             closers.append(source.close)
-        paths = {t.name: _path(plan, t.name, mode, config.tier_c) for t in plan.tensors}
+        paths = tier_paths(plan, mode, config.tier_c)
         bandwidths = _measure(on_gpu, source, c_tensors) if measure else None
         factors = rope_freq_factors(model, args)
         if on_gpu:
@@ -234,6 +230,20 @@ def build_streaming_engine(model: GGUFModel | str | os.PathLike, config: Streami
     engine = StreamingEngine(transformer, ctx_size, prefill_chunk,
                              bytes_moved=lambda: {k.value: v for k, v in weights.bytes_moved().items()})
     return StreamingSession(engine, plan, budgets, weights, paths, bandwidths, account, closers, source)
+
+
+def plan_streamed(account: VramAccount, plan: Plan, kv_cache: int, activations: int, kv_name: str = "KV cache") -> None:
+    """A streamed plan's device memory into its account (tier A, the ring, the layer scratch, the KV
+    cache, the pass buffers), checked against the budget."""
+    for name, nbytes in (("weights (tier A)", plan.bytes_in(Tier.VRAM)), ("ring slots", plan.n_slots * plan.slot_nbytes),
+                         ("layer scratch", plan.scratch_nbytes), (kv_name, kv_cache), ("pass buffers", activations)):
+        account.plan(name, nbytes)
+    account.check(": lower -c/--ctx-size or --batch")
+
+
+def tier_paths(plan: Plan, tier_b_mode: str, tier_c_kind: str) -> dict[str, str]:
+    """How each of a plan's tensors reaches the device (the plan report's column)."""
+    return {t.name: _path(plan, t.name, tier_b_mode, tier_c_kind) for t in plan.tensors}
 
 
 def _open_tier_b(model: GGUFModel, plan: Plan, budgets: Budgets, config: StreamingConfig

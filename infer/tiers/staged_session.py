@@ -26,7 +26,7 @@ from infer.tiers.budget import BudgetError, VramAccount, compute_budgets
 from infer.tiers.config import StreamingConfig
 from infer.tiers.plan import Plan, PlanError, Tier, format_bytes, make_plan, planner_tensors, span
 from infer.tiers.report import render_plan
-from infer.tiers.session import StreamingSession
+from infer.tiers.session import StreamingSession, plan_streamed, tier_paths
 from infer.tiers.stage_plan import (
     interleave,
     interleave_chunk,
@@ -47,6 +47,7 @@ class StagedStreamingSession(StreamingSession):
 
     stage_plans: list[tuple[int, Sequence[int], Plan, VramAccount]]
     sources: list[StorageSource]  # every stage's tier C
+    tier_c: str = "file"
 
     def problem(self) -> str | None:
         """Why a stage's tier C can no longer be read, or None."""
@@ -57,9 +58,8 @@ class StagedStreamingSession(StreamingSession):
         lines = [f"{n} stage{'s' if n != 1 else ''}: " + ", ".join(
             f"GPU {g} layers {span(r)}" for g, r, _, _ in self.stage_plans)]
         for g, r, plan, account in self.stage_plans:
-            lines += [f"-- stage on GPU {g} (layers {span(r)})", account.render(), render_plan(plan, None, {
-                t.name: "resident" if plan.tier[t.name] is Tier.VRAM else
-                ("pinned-RAM copy" if plan.tier[t.name] is Tier.RAM else "staged read (file)") for t in plan.tensors})]
+            lines += [f"-- stage on GPU {g} (layers {span(r)})", account.render(),
+                      render_plan(plan, None, tier_paths(plan, "pinned", self.tier_c))]
         return "\n".join(lines)
 
 
@@ -133,10 +133,7 @@ def build_streaming_stages(model: GGUFModel, config: StreamingConfig, ctx_size: 
         except PlanError as err:
             raise BudgetError(f"GPU {g} (layers {span(layers)}): {err}; with its KV cache and pass "
                               f"buffers its VRAM budget must be at least {format_bytes(err.minimum + kv + act)}") from None
-        for name, nbytes in (("weights (tier A)", plan.bytes_in(Tier.VRAM)), ("ring slots", plan.n_slots * plan.slot_nbytes),
-                             ("layer scratch", plan.scratch_nbytes), ("KV cache", kv), ("pass buffers", act)):
-            account.plan(name, nbytes)
-        account.check(": lower -c/--ctx-size or --batch")
+        plan_streamed(account, plan, kv, act)
         planned_stages.append((g, layers, plan, account))
     stages: list[GpuTransformer] = []
     closers: list[Callable[[], None]] = []
@@ -180,5 +177,5 @@ def build_streaming_stages(model: GGUFModel, config: StreamingConfig, ctx_size: 
     engine = StreamingEngine(pipeline, ctx_size, prefill_chunk, bytes_moved=bytes_moved)
     session = StagedStreamingSession(engine, planned_stages[0][2], whole, stages[0].weights, {}, None,
                                      planned_stages[0][3], closers)
-    session.stage_plans, session.sources = planned_stages, sources
+    session.stage_plans, session.sources, session.tier_c = planned_stages, sources, config.tier_c
     return session
