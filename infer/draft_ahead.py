@@ -27,6 +27,7 @@ them (docs/SPECULATIVE.md).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -41,6 +42,15 @@ if TYPE_CHECKING:
 
 MAX_BRANCHES = 16  # branches drafted ahead: a draft pass of up to 16 rows costs about one of one row on a GPU
 MAX_STEPS = 6  # steps a branch: the draft's ~1 ms a step against a verification pass of ~7.5 ms (H200, streamed 1.5B)
+
+
+def _env_int(name: str, default: int) -> int:
+    text = os.environ.get(name, "")
+    if not text:
+        return default
+    if not text.isdigit() or int(text) < 1:
+        raise ValueError(f"{name}={text!r}: a whole number of at least 1")
+    return int(text)
 
 
 def branch_nodes(parents: Sequence[int], max_branches: int = MAX_BRANCHES) -> list[int]:
@@ -77,10 +87,26 @@ class Ahead:
 
 class DraftAhead:
     """A ModelDrafter's branches drafted ahead (module docstring): launch() after a tree is drafted,
-    take() when the next one is asked for. Counts what it launched and what the next trees took."""
+    take() when the next one is asked for. Counts what it launched and what the next trees took.
 
-    def __init__(self, max_branches: int = MAX_BRANCHES, max_steps: int = MAX_STEPS) -> None:
-        self.max_branches, self.max_steps = max_branches, max_steps
+    `early`: launched as soon as the tree is drafted, before the target's pass is queued (the
+    drafter's propose), rather than once it is queued (the speculator's settle). Queueing a streamed
+    pass holds the host for most of the pass (about 6.5 of 7.6 ms on the real pair, session 34), so
+    branches launched after it start as the pass ends; launched before it, they run beside it on
+    the draft's stream. None of the three arguments given: NVMEDIRECT_DRAFT_AHEAD_BRANCHES,
+    NVMEDIRECT_DRAFT_AHEAD_STEPS and NVMEDIRECT_DRAFT_AHEAD_WHEN (drafted | queued) say."""
+
+    def __init__(self, max_branches: int | None = None, max_steps: int | None = None,
+                 early: bool | None = None) -> None:
+        self.max_branches = _env_int("NVMEDIRECT_DRAFT_AHEAD_BRANCHES", MAX_BRANCHES) if max_branches is None \
+            else max_branches
+        self.max_steps = _env_int("NVMEDIRECT_DRAFT_AHEAD_STEPS", MAX_STEPS) if max_steps is None else max_steps
+        if early is None:
+            when = os.environ.get("NVMEDIRECT_DRAFT_AHEAD_WHEN", "drafted")
+            if when not in ("drafted", "queued"):
+                raise ValueError(f"NVMEDIRECT_DRAFT_AHEAD_WHEN={when!r}: drafted or queued")
+            early = when == "drafted"
+        self.early = early
         self.pending: Ahead | None = None
         self.launched = 0
         self.hits = 0  # trees taken (wholly or in part) from a branch
@@ -145,8 +171,9 @@ class DraftAhead:
         self.pending = Ahead(list(context), tree, nodes, results, width)
         self.launched += 1
 
-    def as_dict(self) -> dict[str, int]:
-        return {"launched": self.launched, "hits": self.hits, "tokens": self.tokens}
+    def as_dict(self) -> dict[str, int | bool]:
+        return {"launched": self.launched, "hits": self.hits, "tokens": self.tokens,
+                "max_branches": self.max_branches, "max_steps": self.max_steps, "early": self.early}
 
 
 def _chain(parents: Sequence[int]) -> list[int]:

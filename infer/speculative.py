@@ -263,8 +263,10 @@ class ModelDrafter:
             self.fed = [*self.fed, *(int(r[0]) for r in rest[:-1])]  # the draft's cache holds the chain but its last
             ranked = np.concatenate([ranked, rest])
         tree = self._tree(root, ranked)
-        # its branches are drafted once the target's pass is queued (draft_ahead: first the target's work)
-        self._ahead_of = (list(context), root, tree, depth, width) if self.ahead is not None else None
+        if self.ahead is not None and self.ahead.early:  # beside the target's pass (DraftAhead's early)
+            self.ahead.launch(self, list(context), root, tree, depth, width)
+        elif self.ahead is not None:  # once the target's pass is queued (draft_ahead: first the target's work)
+            self._ahead_of = (list(context), root, tree, depth, width)
         return tree
 
     def draft_ahead(self) -> None:

@@ -38,14 +38,14 @@ class Run(NamedTuple):
 
 
 def with_and_without_ahead(target: object, draft: object, prompt: list[int], n: int, depth: int, width: int,
-                           ctx: int = CTX, steps: int = MAX_STEPS) -> dict[bool, Run]:
+                           ctx: int = CTX, steps: int = MAX_STEPS, early: bool = True) -> dict[bool, Run]:
     """Greedy speculation of n tokens after `prompt` with a depth x width ModelDrafter on `draft`,
-    without (False) and with (True) drafting ahead (`steps` a branch)."""
+    without (False) and with (True) drafting ahead (`steps` a branch; `early`: DraftAhead's)."""
     runs = {}
     for ahead in (False, True):
         drafter = ModelDrafter(draft, ctx, depth, width, ahead=ahead)  # type: ignore[arg-type]
         if ahead:
-            drafter.ahead = DraftAhead(max_steps=steps)
+            drafter.ahead = DraftAhead(max_steps=steps, early=early)
         trees: list[tuple[list[int], list[int]]] = []
         propose = drafter.propose
 
@@ -88,8 +88,9 @@ def test_a_branch_is_the_chain_the_draft_drafts_from_there() -> None:
         assert np.array_equal(got[b], want), b
 
 
-@pytest.mark.parametrize(("depth", "width", "steps"), [(4, 2, 6), (3, 3, 2), (6, 1, 6)])
-def test_speculation_drafting_ahead_makes_the_same_trees_and_text(depth: int, width: int, steps: int) -> None:
+@pytest.mark.parametrize(("depth", "width", "steps", "early"), [(4, 2, 6, True), (3, 3, 2, True), (6, 1, 6, False)])
+def test_speculation_drafting_ahead_makes_the_same_trees_and_text(depth: int, width: int, steps: int,
+                                                                  early: bool) -> None:
     """With the branches drafted ahead (here one after the other on the CPU) the speculator emits
     the target's own greedy text, with the trees and passes of drafting without them, and takes
     trees from the branches (fewer steps a branch than the chain is deep: the chain continues)."""
@@ -97,7 +98,7 @@ def test_speculation_drafting_ahead_makes_the_same_trees_and_text(depth: int, wi
     hits = 0
     for text in ["The capital of France is", "def add(a, b):\n    return", "1, 2, 3, 4, 5,"]:
         ids = tokenizer.encode(text)
-        runs = with_and_without_ahead(target, draft, ids, 32, depth, width, steps=steps)
+        runs = with_and_without_ahead(target, draft, ids, 32, depth, width, steps=steps, early=early)
         assert runs[True].tokens == runs[False].tokens, text
         assert runs[True].trees == runs[False].trees and runs[True].passes == runs[False].passes, text
         ahead_stats = runs[True].ahead
@@ -115,6 +116,7 @@ def test_a_stale_or_foreign_context_takes_nothing() -> None:
     _, draft, tokenizer = pair()
     ids = tokenizer.encode("One, two, three, four,")
     drafter = ModelDrafter(draft, CTX, 3, 2, ahead=True)
+    drafter.ahead = DraftAhead(early=False)
     tree = drafter.propose(ids[:-1], ids[-1], 7)
     ahead = drafter.ahead
     assert ahead is not None and ahead.pending is None  # drafted ahead once the target's pass is queued
@@ -134,3 +136,34 @@ def test_a_stale_or_foreign_context_takes_nothing() -> None:
     drafter.draft_ahead()
     rows = ahead.take(context, guess, 2)
     assert rows is not None and np.array_equal(rows, end_rows[1:, :2])
+
+
+def test_early_branches_are_launched_as_the_tree_is_drafted(monkeypatch: pytest.MonkeyPatch) -> None:
+    """DraftAhead's early (the default): the branches are launched inside propose, before the
+    target's pass is queued, and the speculator's draft_ahead then has nothing left to launch; the
+    environment chooses the moment, the branches and the steps, and a wrong value is one clear error."""
+    _, draft, tokenizer = pair()
+    ids = tokenizer.encode("One, two, three, four,")
+    for name in ("NVMEDIRECT_DRAFT_AHEAD_WHEN", "NVMEDIRECT_DRAFT_AHEAD_BRANCHES", "NVMEDIRECT_DRAFT_AHEAD_STEPS"):
+        monkeypatch.delenv(name, raising=False)
+    drafter = ModelDrafter(draft, CTX, 3, 2, ahead=True)
+    ahead = drafter.ahead
+    assert ahead is not None and ahead.early and ahead.max_branches == 16 and ahead.max_steps == MAX_STEPS
+    drafter.propose(ids[:-1], ids[-1], 7)
+    assert ahead.pending is not None and ahead.launched == 1
+    pending = ahead.pending
+    drafter.draft_ahead()
+    assert ahead.pending is pending and ahead.launched == 1
+    assert len(pending.nodes) == 4  # a 3 x 2 tree: the chain's end and a leaf at each depth
+    monkeypatch.setenv("NVMEDIRECT_DRAFT_AHEAD_BRANCHES", "1")
+    monkeypatch.setenv("NVMEDIRECT_DRAFT_AHEAD_STEPS", "2")
+    monkeypatch.setenv("NVMEDIRECT_DRAFT_AHEAD_WHEN", "queued")
+    few = DraftAhead()
+    assert (few.max_branches, few.max_steps, few.early) == (1, 2, False)
+    monkeypatch.setenv("NVMEDIRECT_DRAFT_AHEAD_WHEN", "soon")
+    with pytest.raises(ValueError, match="drafted or queued"):
+        DraftAhead()
+    monkeypatch.setenv("NVMEDIRECT_DRAFT_AHEAD_WHEN", "drafted")
+    monkeypatch.setenv("NVMEDIRECT_DRAFT_AHEAD_BRANCHES", "0")
+    with pytest.raises(ValueError, match="at least 1"):
+        DraftAhead()
