@@ -19,10 +19,10 @@ steps than the next chain is deep, the chain continues from its end.
 
 On the CPU nothing runs beside the target's pass, so `host_branches` (the same branches, one after
 the other, through the draft's cache) only serves the tests. Off by default (ModelDrafter's `ahead`,
-NVMEDIRECT_DRAFT_AHEAD=1): on the H200 on 2026-12-07 the real pair's rounds got slower with it (prose
-1.99x -> 1.32x, code 3.57x -> 2.62x, though the next tree came from a branch in 54% and 63% of
-rounds): the branches share the draft's one stream, so a round that missed drafts its chain behind
-them (docs/SPECULATIVE.md).
+NVMEDIRECT_DRAFT_AHEAD=1): the real pair's rounds got slower with it, launched after the target's
+pass was queued (H200, session 33: prose 1.99x -> 1.32x) and before it (H100, session 35: prose
+2.00x -> 1.85x, code 3.54x -> 3.24x). Queueing a streamed pass and the branches' steps both take
+the host's time, so one waits for the other (docs/SPECULATIVE.md).
 """
 
 from __future__ import annotations
@@ -40,7 +40,9 @@ from infer.layers import tree_depths
 if TYPE_CHECKING:
     from infer.speculative import ModelDrafter, Tree
 
-MAX_BRANCHES = 16  # branches drafted ahead: a draft pass of up to 16 rows costs about one of one row on a GPU
+# branches drafted ahead: a pass of up to 4 rows runs on the GEMV-shaped products (products.QGEMV_MAX)
+# at about a one-row pass's cost; 16-row passes took 1.75-2.2 ms against 0.84 (H100, session 34's trace)
+MAX_BRANCHES = 4
 MAX_STEPS = 6  # steps a branch: the draft's ~1 ms a step against a verification pass of ~7.5 ms (H200, streamed 1.5B)
 
 

@@ -217,8 +217,8 @@ class ModelDrafter:
         self.cache.length = 0
         self.fed: list[int] = []  # the tokens in the draft's cache
         # the next tree drafted during the target's pass (infer/draft_ahead.py): off unless asked for
-        # (NVMEDIRECT_DRAFT_AHEAD=1, on a draft with a stream of its own): on the H200 on 2026-12-07
-        # it made the real pair's rounds slower (code 2.62x against 3.57x, prose 1.32x against 1.99x)
+        # (NVMEDIRECT_DRAFT_AHEAD=1, on a draft with a stream of its own): it made the real pair's
+        # rounds slower, launched late or early (infer/draft_ahead.py says by how much)
         if ahead is None:
             ahead = hasattr(draft, "draft_branches") and os.environ.get("NVMEDIRECT_DRAFT_AHEAD", "0") == "1"
         self.ahead: DraftAhead | None = DraftAhead() if ahead else None

@@ -10,7 +10,7 @@ from typing import NamedTuple
 import numpy as np
 import pytest
 
-from infer.draft_ahead import MAX_STEPS, DraftAhead, branch_nodes, host_branches
+from infer.draft_ahead import MAX_BRANCHES, MAX_STEPS, DraftAhead, branch_nodes, host_branches
 from infer.engine import greedy
 from infer.gguf_file import GGUFModel
 from infer.model import load_transformer
@@ -63,7 +63,8 @@ def with_and_without_ahead(target: object, draft: object, prompt: list[int], n: 
 def test_branch_nodes_are_the_chains_end_then_the_leaves_by_rank() -> None:
     # a 3 x 3 chain-with-leaves tree: depth d's chain node, then its two leaves
     parents = [-1, 0, 0, 0, 1, 1, 1, 4, 4, 4]
-    assert branch_nodes(parents) == [7, 2, 5, 8, 3, 6, 9]
+    assert branch_nodes(parents, 16) == [7, 2, 5, 8, 3, 6, 9]
+    assert branch_nodes(parents) == [7, 2, 5, 8][:MAX_BRANCHES]
     assert branch_nodes(parents, 3) == [7, 2, 5]
     assert branch_nodes([-1, 0, 1]) == [2]  # a chain: its end
     assert branch_nodes([-1]) == []
@@ -148,13 +149,13 @@ def test_early_branches_are_launched_as_the_tree_is_drafted(monkeypatch: pytest.
         monkeypatch.delenv(name, raising=False)
     drafter = ModelDrafter(draft, CTX, 3, 2, ahead=True)
     ahead = drafter.ahead
-    assert ahead is not None and ahead.early and ahead.max_branches == 16 and ahead.max_steps == MAX_STEPS
+    assert ahead is not None and ahead.early and ahead.max_branches == MAX_BRANCHES and ahead.max_steps == MAX_STEPS
     drafter.propose(ids[:-1], ids[-1], 7)
     assert ahead.pending is not None and ahead.launched == 1
     pending = ahead.pending
     drafter.draft_ahead()
     assert ahead.pending is pending and ahead.launched == 1
-    assert len(pending.nodes) == 4  # a 3 x 2 tree: the chain's end and a leaf at each depth
+    assert len(pending.nodes) == min(4, MAX_BRANCHES)  # a 3 x 2 tree: the chain's end and a leaf at each depth
     monkeypatch.setenv("NVMEDIRECT_DRAFT_AHEAD_BRANCHES", "1")
     monkeypatch.setenv("NVMEDIRECT_DRAFT_AHEAD_STEPS", "2")
     monkeypatch.setenv("NVMEDIRECT_DRAFT_AHEAD_WHEN", "queued")
