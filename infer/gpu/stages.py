@@ -27,6 +27,7 @@ from typing import Protocol
 import cupy
 import numpy as np
 
+from infer.arch import ModelArgs
 from infer.gguf_file import GGUFModel
 from infer.gpu.cache import GpuKVCache
 from infer.gpu.front import PassFront
@@ -41,6 +42,8 @@ class StageLink(Protocol):
     after the sending stage's layers and before the receiving stage's."""
 
     def hand_over(self, src: GpuTransformer, dst: GpuTransformer, rows: int) -> None: ...
+
+    def close(self) -> None: ...
 
 
 class CopyLink:
@@ -62,6 +65,9 @@ class CopyLink:
             self._events[key] = (sent, received)
         return self._events[key]
 
+    def close(self) -> None:
+        self._events.clear()
+
     def hand_over(self, src: GpuTransformer, dst: GpuTransformer, rows: int) -> None:
         sent, received = self._pair(src, dst)
         with cupy.cuda.Device(src.device_id):
@@ -82,7 +88,13 @@ class CopyLink:
 
 class NcclLink:
     """The hand-over through NCCL (one process driving every GPU: one communicator per device,
-    made together; each hand-over a send and a receive in one group)."""
+    made together; each hand-over a send and a receive in one group).
+
+    NCCL takes device memory outside CuPy's pool (its buffers for each pair of GPUs, its kernels),
+    first at a pair's first send and receive. So the link is made before the stages are planned
+    and connects every ordered pair at once: each GPU's VRAM account then finds that memory already
+    in use ("CUDA context and other processes") and the budget holds it, rather than NCCL failing
+    for memory in the middle of a pass."""
 
     def __init__(self, gpus: Sequence[int]) -> None:
         from cupy.cuda import nccl
@@ -90,6 +102,38 @@ class NcclLink:
         self.nccl = nccl
         self.rank = {g: r for r, g in enumerate(gpus)}
         self.comms = nccl.NcclCommunicator.initAll(list(gpus))
+        self.connect()
+
+    def connect(self) -> None:
+        """One float sent between every ordered pair of the GPUs: NCCL sets up (and allocates) each
+        pair's connection now."""
+        nccl, gpus = self.nccl, list(self.rank)
+        cells = {}
+        for g in gpus:
+            with cupy.cuda.Device(g):
+                cells[g] = cupy.zeros(1, cupy.float32)
+        for src in gpus:
+            for dst in gpus:
+                if src == dst:
+                    continue
+                nccl.groupStart()
+                with cupy.cuda.Device(src):
+                    self.comms[self.rank[src]].send(cells[src].data.ptr, 1, nccl.NCCL_FLOAT32, self.rank[dst],
+                                                    cupy.cuda.get_current_stream().ptr)
+                with cupy.cuda.Device(dst):
+                    self.comms[self.rank[dst]].recv(cells[dst].data.ptr, 1, nccl.NCCL_FLOAT32, self.rank[src],
+                                                    cupy.cuda.get_current_stream().ptr)
+                nccl.groupEnd()
+        for g in gpus:
+            with cupy.cuda.Device(g):
+                cupy.cuda.get_current_stream().synchronize()
+        del cells
+
+    def close(self) -> None:
+        """Frees NCCL's memory (its communicators); the link is not used after."""
+        for comm in self.comms:
+            comm.destroy()
+        self.comms = []
 
     def hand_over(self, src: GpuTransformer, dst: GpuTransformer, rows: int) -> None:
         nccl = self.nccl
@@ -193,6 +237,13 @@ class PipelineTransformer(PassFront):
         self.micro = micro_batches if micro_batches is not None else (MICRO_BATCHES if distinct else 1)
         if len(self.parts) > len(self.stages):
             self.micro = 1
+
+    def close(self) -> None:
+        """Frees the link's own memory (NCCL's); the stages' buffers go with the objects."""
+        for stage in self.stages:
+            with cupy.cuda.Device(stage.device_id):
+                stage.stream.synchronize()  # no hand-over still queued
+        self.link.close()
 
     @property
     def logits_rows(self) -> int:
@@ -305,9 +356,6 @@ def load_gpu_stages(model: GGUFModel, gpus: Sequence[int], vram_budgets: Sequenc
     expert_stream (a mixture of experts): as load_gpu_transformer, each stage placing its own
     blocks' experts in its GPU's budget."""
     from infer.arch import check_model
-    from infer.gpu import gpu_pass_nbytes, load_gpu_transformer
-    from infer.gpu import memory as gpu_memory
-    from infer.tiers.budget import VramBudgetError
 
     args = check_model(model)
     missing = missing_gpu(gpus)
@@ -316,6 +364,25 @@ def load_gpu_stages(model: GGUFModel, gpus: Sequence[int], vram_budgets: Sequenc
     if len(gpus) > args.n_layers:
         raise ValueError(f"{len(gpus)} GPUs for {args.n_layers} layers: at most one GPU a layer")
     context = max_context or min(args.context_length, 4096)
+    hand = choose_link(gpus, link)  # first: NCCL's memory is then in each account (NcclLink)
+    try:
+        return PipelineTransformer(_load_stages(model, args, gpus, vram_budgets, context, prefill_chunk, batch,
+                                                tree_nodes, progress, enforce_budget, planned, experts,
+                                                expert_stream), hand)
+    except BaseException:
+        hand.close()
+        raise
+
+
+def _load_stages(model: GGUFModel, args: ModelArgs, gpus: Sequence[int], vram_budgets: Sequence[str | int | None],
+                 context: int, prefill_chunk: int, batch: int, tree_nodes: int,
+                 progress: Callable[[int, int], None] | None, enforce_budget: bool, planned: dict[str, int] | None,
+                 experts: str | int, expert_stream: str | int) -> list[GpuTransformer]:
+    """load_gpu_stages' stages, planned and loaded."""
+    from infer.gpu import gpu_pass_nbytes, load_gpu_transformer
+    from infer.gpu import memory as gpu_memory
+    from infer.tiers.budget import VramBudgetError
+
     rooms = []
     for g, budget in zip(gpus, vram_budgets, strict=True):
         with cupy.cuda.Device(g):
@@ -348,7 +415,7 @@ def load_gpu_stages(model: GGUFModel, gpus: Sequence[int], vram_budgets: Sequenc
                                                planned=planned if not loaded else None, experts=experts,
                                                expert_stream=expert_stream,
                                                enforce_budget=enforce_budget and len(set(gpus)) == len(gpus)))
-    return PipelineTransformer(loaded, choose_link(gpus, link))
+    return loaded
 
 
 def missing_gpu(gpus: Sequence[int]) -> str | None:

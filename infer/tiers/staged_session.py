@@ -93,50 +93,55 @@ def build_streaming_stages(model: GGUFModel, config: StreamingConfig, ctx_size: 
     rows = max(prefill_chunk, config.batch)
     tensors = planner_tensors(model, "gpu")
     per_layer, head, embed = layer_costs(model, args, tensors)
-    # streaming lets any range fit its GPU: the split balances each stage's time per pass, its room's
-    # bytes read from VRAM and the rest copied over its link (HBM_OVER_LINK times slower)
-    rooms = []
-    for g, budget in zip(gpus, budgets, strict=True):
-        with cupy.cuda.Device(g):
-            account = memory.new_account(budget, "the split")
-        rooms.append(account.pool_limit - gpu_pass_nbytes(model, args, rows, ctx_size, max(config.batch, tree_nodes))
-                     - args.kv_cache_nbytes(ctx_size, rows, sequences=config.batch) // len(gpus))
-    if chunk is None and len(set(gpus)) == len(gpus) > 1:
-        slot = max((t.nbytes for t in tensors if t.layer is not None and not t.is_vector), default=0)
-        chunk = interleave_chunk(per_layer, rooms, config.slots * slot)
-    shares: list[Sequence[int]]
-    if chunk:  # runs taking turns, so that both links copy (module docstring)
-        shares = interleave(args.n_layers, len(gpus), chunk)
-    else:
-        shares = split_layers(per_layer, per_layer, rooms, head_cost=head, head_size=head, embed_size=embed,
-                              link_speeds=[1.0 / HBM_OVER_LINK] * len(gpus))
-    staging = config.staging_buffers * max((t.nbytes for t in tensors if t.layer is not None), default=0)
-    whole = compute_budgets(args, ctx_size, config.batch, rows, staging, 10**15, config.ram_budget)
-    layer_raw = sum(t.nbytes for t in tensors if t.layer is not None and not t.is_vector)
-    factors = rope_freq_factors(model, args)
-    # every stage planned before any loads: where stages share a GPU (the stand-in of tests) a later
-    # account would count an earlier stage's weights as another process's memory
-    planned_stages: list[tuple[int, Sequence[int], Plan, VramAccount]] = []
-    for k, (g, layers, budget) in enumerate(zip(gpus, shares, budgets, strict=True)):
-        mine = stage_tensors(tensors, model, layers, args.n_layers)
-        with cupy.cuda.Device(g):
-            account = memory.new_account(budget, f"{model.path.name} streamed on GPU {g} (layers {span(layers)})")
-        for name, nbytes in ((planned or {}).items() if k == 0 else ()):
-            account.plan(name, nbytes)
-        kv = args.kv_cache_nbytes(ctx_size, rows, sequences=config.batch, layers=layers) + 4 * config.batch * (ctx_size + 1)
-        act = gpu_pass_nbytes(model, args, rows, ctx_size, max(config.batch, tree_nodes), layers)
-        room = account.pool_limit - account.planned_total - kv - act
-        share = sum(t.nbytes for t in mine if t.layer is not None and not t.is_vector) / max(layer_raw, 1)
-        try:
-            plan = make_plan(mine, args.n_layers, room, int(whole.ram_for_weights * share), config.slots,
-                             layer_scratch=True)
-        except PlanError as err:
-            raise BudgetError(f"GPU {g} (layers {span(layers)}): {err}; with its KV cache and pass "
-                              f"buffers its VRAM budget must be at least {format_bytes(err.minimum + kv + act)}") from None
-        plan_streamed(account, plan, kv, act)
-        planned_stages.append((g, layers, plan, account))
+    hand = choose_link(gpus)  # first: NCCL's memory is then in each account (infer.gpu.stages.NcclLink)
+    try:
+        # streaming lets any range fit its GPU: the split balances each stage's time per pass, its
+        # room's bytes read from VRAM and the rest copied over its link (HBM_OVER_LINK times slower)
+        rooms = []
+        for g, budget in zip(gpus, budgets, strict=True):
+            with cupy.cuda.Device(g):
+                account = memory.new_account(budget, "the split")
+            rooms.append(account.pool_limit - gpu_pass_nbytes(model, args, rows, ctx_size, max(config.batch, tree_nodes))
+                         - args.kv_cache_nbytes(ctx_size, rows, sequences=config.batch) // len(gpus))
+        if chunk is None and len(set(gpus)) == len(gpus) > 1:
+            slot = max((t.nbytes for t in tensors if t.layer is not None and not t.is_vector), default=0)
+            chunk = interleave_chunk(per_layer, rooms, config.slots * slot)
+        shares: list[Sequence[int]]
+        if chunk:  # runs taking turns, so that both links copy (module docstring)
+            shares = interleave(args.n_layers, len(gpus), chunk)
+        else:
+            shares = split_layers(per_layer, per_layer, rooms, head_cost=head, head_size=head, embed_size=embed,
+                                  link_speeds=[1.0 / HBM_OVER_LINK] * len(gpus))
+        staging = config.staging_buffers * max((t.nbytes for t in tensors if t.layer is not None), default=0)
+        whole = compute_budgets(args, ctx_size, config.batch, rows, staging, 10**15, config.ram_budget)
+        layer_raw = sum(t.nbytes for t in tensors if t.layer is not None and not t.is_vector)
+        factors = rope_freq_factors(model, args)
+        # every stage planned before any loads: where stages share a GPU (the stand-in of tests) a later
+        # account would count an earlier stage's weights as another process's memory
+        planned_stages: list[tuple[int, Sequence[int], Plan, VramAccount]] = []
+        for k, (g, layers, budget) in enumerate(zip(gpus, shares, budgets, strict=True)):
+            mine = stage_tensors(tensors, model, layers, args.n_layers)
+            with cupy.cuda.Device(g):
+                account = memory.new_account(budget, f"{model.path.name} streamed on GPU {g} (layers {span(layers)})")
+            for name, nbytes in ((planned or {}).items() if k == 0 else ()):
+                account.plan(name, nbytes)
+            kv = args.kv_cache_nbytes(ctx_size, rows, sequences=config.batch, layers=layers) + 4 * config.batch * (ctx_size + 1)
+            act = gpu_pass_nbytes(model, args, rows, ctx_size, max(config.batch, tree_nodes), layers)
+            room = account.pool_limit - account.planned_total - kv - act
+            share = sum(t.nbytes for t in mine if t.layer is not None and not t.is_vector) / max(layer_raw, 1)
+            try:
+                plan = make_plan(mine, args.n_layers, room, int(whole.ram_for_weights * share), config.slots,
+                                 layer_scratch=True)
+            except PlanError as err:
+                raise BudgetError(f"GPU {g} (layers {span(layers)}): {err}; with its KV cache and pass "
+                                  f"buffers its VRAM budget must be at least {format_bytes(err.minimum + kv + act)}") from None
+            plan_streamed(account, plan, kv, act)
+            planned_stages.append((g, layers, plan, account))
+    except BaseException:
+        hand.close()
+        raise
     stages: list[GpuTransformer] = []
-    closers: list[Callable[[], None]] = []
+    closers: list[Callable[[], None]] = [hand.close]
     moved: list[Callable[[], dict]] = []
     sources: list[StorageSource] = []
     try:
@@ -161,7 +166,7 @@ def build_streaming_stages(model: GGUFModel, config: StreamingConfig, ctx_size: 
                                        logits_rows=max(LOGITS_ROWS, config.batch, tree_nodes), layers=layers)
                 stage.account = account
             stages.append(stage)
-        pipeline = PipelineTransformer(stages, choose_link(gpus))
+        pipeline = PipelineTransformer(stages, hand)
     except BaseException:
         for close in reversed(closers):
             close()

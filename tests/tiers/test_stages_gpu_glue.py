@@ -260,3 +260,89 @@ def test_links_micro_batches_and_a_share_without_the_head(tiny_model: Path, fake
     assert PipelineTransformer(staged.stages, CopyLink()).micro == 2
     with pytest.raises(ValueError, match="no head"):
         staged.stages[0].forward(np.array([1, 2]), staged.stages[0].new_cache(CTX))
+
+
+class _FakeNccl:
+    """NCCL as far as NcclLink uses it, logging each call (a unit test of the link's orchestration:
+    the real NCCL runs only where two GPUs are, tests/gpu/test_stages_gpu.py)."""
+
+    NCCL_FLOAT32 = 7
+    available = True
+
+    def __init__(self) -> None:
+        self.log: list[tuple] = []
+        log = self.log
+
+        class Comm:
+            def __init__(self, rank: int) -> None:
+                self.rank = rank
+
+            def send(self, ptr: int, count: int, dtype: int, peer: int, stream: int) -> None:
+                log.append(("send", self.rank, peer, count))
+
+            def recv(self, ptr: int, count: int, dtype: int, peer: int, stream: int) -> None:
+                log.append(("recv", self.rank, peer, count))
+
+            def destroy(self) -> None:
+                log.append(("destroy", self.rank))
+
+        class NcclCommunicator:
+            @staticmethod
+            def initAll(devices: list[int]) -> list[Comm]:  # noqa: N802 (CuPy's name)
+                log.append(("init", tuple(devices)))
+                return [Comm(r) for r in range(len(devices))]
+
+        self.NcclCommunicator = NcclCommunicator
+
+    def get_version(self) -> int:
+        return 22304
+
+    def groupStart(self) -> None:  # noqa: N802
+        self.log.append(("group",))
+
+    def groupEnd(self) -> None:  # noqa: N802
+        self.log.append(("end",))
+
+
+def test_the_nccl_link_connects_every_pair_before_the_stages_are_planned(tiny_model: Path, fake_cupy: object,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """NCCL allocates a pair's buffers at its first send: the link sends one float each way between
+    every pair as it is made, before any GPU's VRAM account is opened (which then counts that
+    memory as in use), and a split that does not fit closes it (its communicators destroyed)."""
+    import sys
+
+    from infer.gpu import memory as gpu_memory
+    from infer.gpu import stages
+    from infer.tiers.budget import VramBudgetError
+
+    nccl = _FakeNccl()
+    monkeypatch.setattr(fake_cupy.cuda, "nccl", nccl, raising=False)  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "cupy.cuda", fake_cupy.cuda)  # type: ignore[attr-defined]
+    link = stages.choose_link([0, 1, 2])
+    assert isinstance(link, stages.NcclLink)
+    pairs = [(s, d) for s in range(3) for d in range(3) if s != d]
+    assert nccl.log == [("init", (0, 1, 2)), *[e for s, d in pairs for e in
+                                                (("group",), ("send", s, d, 1), ("recv", d, s, 1), ("end",))]]
+    link.close()
+    assert nccl.log[-3:] == [("destroy", 0), ("destroy", 1), ("destroy", 2)] and link.comms == []
+    link.close()  # twice: nothing more
+
+    nccl.log.clear()
+    opened = gpu_memory.new_account
+    monkeypatch.setattr(gpu_memory, "new_account", lambda *a, **k: (nccl.log.append(("account",)), opened(*a, **k))[1])
+    monkeypatch.setattr(stages, "missing_gpu", lambda gpus: None)  # the stand-in has one device
+    with pytest.raises(VramBudgetError):
+        stages.load_gpu_stages(GGUFModel(tiny_model), [0, 1], ["1MB", "1MB"], max_context=CTX)
+    kinds = [e[0] for e in nccl.log]
+    assert kinds[0] == "init" and kinds.index("account") > kinds.index("end") and kinds[-2:] == ["destroy", "destroy"]
+
+    from infer.tiers.budget import BudgetError
+    from infer.tiers.config import StreamingConfig
+    from infer.tiers.staged_session import build_streaming_stages
+
+    nccl.log.clear()  # the streamed stages too: the link first, closed when a stage's plan fails
+    config = StreamingConfig(enabled=True, vram_budget="1MB,1MB", ram_budget="1GB")
+    with pytest.raises(BudgetError):
+        build_streaming_stages(GGUFModel(tiny_model), config, CTX, [0, 1])
+    kinds = [e[0] for e in nccl.log]
+    assert kinds[0] == "init" and kinds.index("account") > kinds.index("end") and kinds[-2:] == ["destroy", "destroy"]
