@@ -48,7 +48,7 @@ class CpuTransport:
         for event in self._released:
             event.set()
 
-    def copy_in(self, slot: int, tensor: Tensor, host: np.ndarray) -> Future:
+    def copy_in(self, slot: int, tensor: Tensor, host: np.ndarray, track: bool = True) -> _FutureToken:
         released = self._released[slot]
         if not released.is_set():  # the ring's invariant, checked: never refill a slot in use
             raise RuntimeError(f"slot {slot} refilled with {tensor.name} before its previous tensor was released")

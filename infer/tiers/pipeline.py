@@ -68,11 +68,13 @@ class GpuTransport:
         # waiting on an event that was never recorded returns at once: a fresh slot is free
         self.released = [cupy.cuda.Event(disable_timing=True) for _ in range(n_slots)]
 
-    def copy_in(self, slot: int, tensor: Tensor, host: np.ndarray) -> _EventToken:
+    def copy_in(self, slot: int, tensor: Tensor, host: np.ndarray, track: bool = True) -> _EventToken | None:
         self.copy_stream.wait_event(self.released[slot])
         cupy.cuda.runtime.memcpyAsync(self.slots[slot].data.ptr, host.ctypes.data, tensor.nbytes,
                                       cupy.cuda.runtime.memcpyHostToDevice, self.copy_stream.ptr)
         self.arrival[slot].record(self.copy_stream)
+        if not track:  # tier B: no event made and recorded for each copy of a pass
+            return None
         # for host staging reuse, waited on by the staging thread (blocking, not spinning)
         done = cupy.cuda.Event(block=True, disable_timing=True)
         done.record(self.copy_stream)

@@ -37,9 +37,10 @@ from nvmedirect.host_memory import pinned_empty
 class Transport(Protocol):
     """The device half of the ring."""
 
-    def copy_in(self, slot: int, tensor: Tensor, host: np.ndarray) -> Any:
+    def copy_in(self, slot: int, tensor: Tensor, host: np.ndarray, track: bool = True) -> Any:
         """Queues host -> slot after the slot's last release; returns a token whose `wait()`
-        returns once the copy has finished reading `host`."""
+        returns once the copy has finished reading `host` (None where `track` is False: memory
+        that is never refilled, tier B's)."""
 
     def wait_arrival(self, slot: int) -> None:
         """Queues the consumer's next work behind the last copy into `slot`."""
@@ -167,7 +168,7 @@ class StreamRing:
         slot = j % self.n_slots
         if self.tier[t.name] is Tier.RAM:
             assert self.host is not None
-            self.transport.copy_in(slot, t, self.host.view(t.name))
+            self.transport.copy_in(slot, t, self.host.view(t.name), track=False)  # nothing refills tier B
         else:
             assert self.staging is not None
             passes = (j - self._base) // len(self.order)  # the staging cycle restarts with the order

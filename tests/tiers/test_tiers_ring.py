@@ -41,7 +41,7 @@ class LateCopies:
         self.done = [threading.Event() for _ in range(n_slots)]
         self.delay = delay
 
-    def copy_in(self, slot: int, tensor: Tensor, host: np.ndarray) -> threading.Event:
+    def copy_in(self, slot: int, tensor: Tensor, host: np.ndarray, track: bool = True) -> threading.Event:
         finished = threading.Event()
         self.done[slot].clear()
 
@@ -123,3 +123,39 @@ def test_cpu_transport_refuses_to_refill_an_unreleased_slot() -> None:
     transport.wait_arrival(0)
     assert (transport.slots[0] == 7).all()
     transport.close()
+
+
+def test_only_tier_c_copies_are_tracked(tmp_path: Path) -> None:
+    """A copy's token serves only the staging buffer it read (tier C): tier B's bytes are never
+    refilled, so its copies are queued untracked (no event made and recorded for each)."""
+    tensors, path, data = tensors_and_file(tmp_path, n=4)
+    tiers = {t.name: (Tier.RAM if i % 2 else Tier.STORAGE) for i, t in enumerate(tensors)}
+    plan = Plan(tensors, tiers, len(tensors), 2, max(t.nbytes for t in tensors), 0, 0, 0)
+
+    class Host:  # tier B as the ring reads it
+        def view(self, name: str) -> np.ndarray:
+            t = next(t for t in tensors if t.name == name)
+            return data[t.offset : t.offset + t.nbytes]
+
+    tracked: list[tuple[str, bool]] = []
+
+    class Logging(CpuTransport):
+        def copy_in(self, slot: int, tensor: Tensor, host: np.ndarray, track: bool = True):  # noqa: ANN201
+            tracked.append((tensor.name, track))
+            return super().copy_in(slot, tensor, host, track)
+
+    source = MmapSource(path)
+    c_pieces = [t for t in tensors if tiers[t.name] is Tier.STORAGE]
+    transport = Logging(2, max(t.nbytes for t in tensors))
+    ring = StreamRing(plan, transport, Host(), StagingReader(source, c_pieces, 2))  # type: ignore[arg-type]
+    ring.start()
+    try:
+        for t in tensors:
+            slot = ring.acquire(t.name)
+            assert np.array_equal(transport.slots[slot][: t.nbytes], data[t.offset : t.offset + t.nbytes])
+            ring.release(slot)
+    finally:
+        ring.close()
+        transport.close()
+        source.close()
+    assert tracked[:4] == [(t.name, tiers[t.name] is Tier.STORAGE) for t in tensors]
