@@ -21,6 +21,9 @@ class GraphCache:
     def __len__(self) -> int:
         return len(self._graphs)
 
+    def __contains__(self, key: Hashable) -> bool:
+        return key in self._graphs
+
     def replay(self, key: Hashable, addresses: tuple[int, ...] | None, launches: Callable[[], object]) -> None:
         """Replays the graph of `launches` kept under `key`, capturing it first if it is missing or
         was captured with other `addresses`. `launches` must not allocate or synchronise."""

@@ -29,7 +29,7 @@ import cupyx
 import numpy as np
 
 from infer.arch import POST_NORM_KINDS, ModelArgs, RopeScaling
-from infer.gpu import attention, kernels, ops, products
+from infer.gpu import attention, kernels, ops, products, stream_graph
 from infer.gpu.activations import Inputs, layer_inputs
 from infer.gpu.attention import AttentionShape
 from infer.gpu.cache import GpuKVCache
@@ -204,6 +204,7 @@ class GpuTransformer(PassFront, DeviceGeneration):
         self.gpu_experts = experts
         self._segments = self._plan_segments()
         self.graphs.drop("run")
+        self.graphs.drop(stream_graph.KIND)
 
     def without_layers(self, skip: frozenset[int]) -> GpuTransformer:
         """A view of this model with layers `skip` left out (a self-draft), sharing its weights and
@@ -373,6 +374,9 @@ class GpuTransformer(PassFront, DeviceGeneration):
             else frozenset()
         if self.cpu_tier is not None and not self.skip:  # a view that skips layers streams none (a self-draft)
             self.weights.leave_to_cpu(on_cpu)
+        if part is None and stream_graph.can_capture(self):  # a streamed pass as one graph (opt-in)
+            stream_graph.run_pass(self, shape)
+            return
         for s, (capturable, items) in enumerate(self._segments):
             if part is not None and max(items[-1], 0) not in part:  # EMBED: with block 0
                 continue

@@ -67,12 +67,20 @@ class GpuTransport:
         self.arrival = [cupy.cuda.Event(disable_timing=True) for _ in range(n_slots)]
         # waiting on an event that was never recorded returns at once: a fresh slot is free
         self.released = [cupy.cuda.Event(disable_timing=True) for _ in range(n_slots)]
+        # a pass captured as one CUDA graph (infer.gpu.stream_graph): a wait inside a capture may not
+        # name an event recorded outside it, so a slot whose copy was queued before the capture is
+        # ordered by the stream instead (begin_capture, and the previous graph's join)
+        self.capturing = False
+        self._outside = [True] * n_slots  # the slot's last copy was queued outside the capture under way
+        self._joined = False  # the copy stream took part in the capture under way
 
     def copy_in(self, slot: int, tensor: Tensor, host: np.ndarray, track: bool = True) -> _EventToken | None:
         self.copy_stream.wait_event(self.released[slot])
         cupy.cuda.runtime.memcpyAsync(self.slots[slot].data.ptr, host.ctypes.data, tensor.nbytes,
                                       cupy.cuda.runtime.memcpyHostToDevice, self.copy_stream.ptr)
         self.arrival[slot].record(self.copy_stream)
+        self._outside[slot] = not self.capturing
+        self._joined |= self.capturing
         if not track:  # tier B: no event made and recorded for each copy of a pass
             return None
         # for host staging reuse, waited on by the staging thread (blocking, not spinning)
@@ -81,7 +89,36 @@ class GpuTransport:
         return _EventToken(done)
 
     def wait_arrival(self, slot: int) -> None:
+        if self.capturing and self._outside[slot]:
+            return  # queued before the capture: the compute stream already waits for it (begin_capture)
         cupy.cuda.get_current_stream().wait_event(self.arrival[slot])
+
+    def begin_capture(self, compute: cupy.cuda.Stream) -> None:
+        """Before a pass is captured (outside the capture): the compute stream waits for every copy
+        queued so far; the copies the capture queues are the capture's own."""
+        queued = cupy.cuda.Event(disable_timing=True)
+        queued.record(self.copy_stream)
+        compute.wait_event(queued)
+        self._outside = [True] * len(self.slots)
+        self._joined = False
+        self.capturing = True
+
+    def end_capture(self, compute: cupy.cuda.Stream) -> None:
+        """Last inside the capture: the copy stream's captured copies (the next pass's first pieces
+        among them) joined back into the compute stream, so the graph ends after them and the next
+        pass, captured or replayed, finds them landed."""
+        self.capturing = False
+        if self._joined:
+            joined = cupy.cuda.Event(disable_timing=True)
+            joined.record(self.copy_stream)
+            compute.wait_event(joined)
+
+    def after_graph(self, compute: cupy.cuda.Stream) -> None:
+        """After a captured pass is launched: the copy stream's next copies wait for it (the slot
+        releases recorded inside a graph are not visible to waits outside it)."""
+        done = cupy.cuda.Event(disable_timing=True)
+        done.record(compute)
+        self.copy_stream.wait_event(done)
 
     def record_release(self, slot: int) -> None:
         self.released[slot].record(cupy.cuda.get_current_stream())
@@ -171,6 +208,29 @@ class StreamedWeights:
 
     def is_resident(self, index: int) -> bool:
         return not self._streamed[index]
+
+    # ------------------------------------------------------------------ a pass as one CUDA graph (infer.gpu.stream_graph)
+    def capturable(self) -> bool:
+        """A pass can be captured: tier B only (tier C's reads wait on the host), every layer streamed
+        by the GPU (none left to the CPU tier)."""
+        return self.staging is None and not self.ring.left_out
+
+    def pass_phase(self) -> int:
+        """The slot the next pass's first piece lands in: a captured pass replays only at its phase."""
+        return self.ring.consumed % self.ring.n_slots
+
+    def begin_capture(self, compute: cupy.cuda.Stream) -> None:
+        self.transport.begin_capture(compute)
+
+    def end_capture(self, compute: cupy.cuda.Stream) -> None:
+        self.transport.end_capture(compute)
+
+    def replayed(self, compute: cupy.cuda.Stream) -> None:
+        """A captured pass was launched (again): the ring's count moves on by a pass."""
+        self.ring.skip_pass()
+
+    def after_graph(self, compute: cupy.cuda.Stream) -> None:
+        self.transport.after_graph(compute)
 
     def leave_to_cpu(self, layers: frozenset[int]) -> None:
         """From this pass on, layers `layers` are computed by the CPU (infer.tiers.cpu_tier): their

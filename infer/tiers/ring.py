@@ -203,6 +203,20 @@ class StreamRing:
         self.released += 1
         self._top_up()
 
+    def skip_pass(self) -> None:
+        """The ring's count after a pass that a captured graph ran (its copies, waits and releases
+        are the graph's): every piece of a pass consumed and released, as many issued, and their
+        bytes counted as moved. Only at a pass boundary with the ring full."""
+        n = len(self.order)
+        if not n or (self.consumed - self._base) % n or self.released != self.consumed \
+                or self.issued != self.released + self.n_slots:
+            raise RuntimeError("a replayed pass must start at a pass boundary with every slot in flight")
+        for t in self.order:
+            self.moved[self.tier[t.name]] += t.nbytes
+        self.consumed += n
+        self.released += n
+        self.issued += n
+
     def select(self, left_out: frozenset[int]) -> None:
         """From the next pass on, stream only the pieces of layers not in `left_out` (the CPU
         computes those: infer.tiers.cpu_tier). Called between passes. A change drops the pieces

@@ -353,3 +353,42 @@ def test_gpu_glue_uploads_in_chunks_give_the_same_matrices(model_path: Path, fak
     assert len(ops._in_chunks([(np.zeros(600 * 144, np.uint8), 600)])) == 3
     for g, w in zip(run(), want, strict=True):
         np.testing.assert_array_equal(g, w)
+
+
+def test_gpu_glue_a_streamed_pass_as_one_graph_gives_the_same_bits(model_path: Path, fake_cupy: object,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """NVMEDIRECT_STREAM_GRAPH=1 (infer.gpu.stream_graph): a streamed pass, its ring's copies and
+    repacks with its layers, captured once a row bucket and ring phase and replayed, gives the
+    per-layer path's bits for a prompt, decode steps and a batch, moves the same bytes, and leaves
+    the ring's count where the per-layer path leaves it. A plan with tier C is not captured."""
+    from infer.gpu import stream_graph
+
+    prompt = np.random.default_rng(5).integers(3, SHAPE.vocab_size, 9)
+    steps = [5, 77, 401, 9, 13, 21, 2, 300, 41]
+    runs = {}
+    for on in (False, True):
+        monkeypatch.setenv("NVMEDIRECT_STREAM_GRAPH", "1" if on else "0")
+        s = gpu_session(model_path, 0.3, 1.5)  # every streamed tensor in RAM (tier B)
+        try:
+            assert Tier.STORAGE not in {s.plan.tier[t.name] for t in s.plan.tensors} and s.plan.streamed
+            m = s.engine.model
+            got = logits_of(s, prompt, steps)
+            caches = [m.new_cache(CTX) for _ in range(3)]
+            got += m.forward_batch([(prompt[: 3 + k], c) for k, c in enumerate(caches)])
+            got += m.forward_batch([(np.array([7 + k]), c) for k, c in enumerate(caches)])
+            ring = s.weights.ring
+            keys = [k for k in m.graphs._graphs if k[0] == stream_graph.KIND]
+            runs[on] = (got, s.weights.bytes_moved(), (ring.issued, ring.consumed, ring.released), keys, m.passes)
+        finally:
+            s.close()
+    (want, moved, count, none, _), (got, moved_on, count_on, keys, passes) = runs[False], runs[True]
+    assert none == [] and 0 < len(keys) < passes  # captured, and replayed
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_array_equal(g, w)
+    assert moved_on == moved and count_on == count
+    monkeypatch.setenv("NVMEDIRECT_STREAM_GRAPH", "1")
+    s = gpu_session(model_path, 0.3, 0.3)  # tier C too: its reads wait on the host, no capture
+    try:
+        assert not stream_graph.can_capture(s.engine.model)
+    finally:
+        s.close()

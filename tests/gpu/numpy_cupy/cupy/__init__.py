@@ -55,6 +55,12 @@ _capturing = []
 class _Copy:
     def __init__(self, dst, key, src): self.dst, self.key, self.src = dst, key, src
     def _run(self, grid, block, args): np.ndarray.__setitem__(self.dst, self.key, self.src)
+class _Memmove:  # a host<->device copy queued inside a capture: made at each replay, as a graph's copy node
+    def __init__(self, d, s, n): self.d, self.s, self.n = d, s, n
+    def _run(self, grid, block, args): ctypes.memmove(self.d, self.s, self.n)
+def _memcpy_async(d, s, n, kind, stream):
+    if _capturing: _capturing[-1]._rec.append((_Memmove(d, s, n), None, None, None)); return
+    ctypes.memmove(d, s, n)
 class _Graph:
     def __init__(self, calls): self.calls = calls
     def launch(self, stream=None):
@@ -97,7 +103,7 @@ cuda = types.SimpleNamespace(
                                   memcpyHostToDevice=1, hostRegister=lambda *a: None, hostUnregister=lambda *a: None,
                                   CUDARuntimeError=type("CUDARuntimeError", (RuntimeError,), {}),
                                   pointerGetAttributes=_no_attributes,
-                                  memcpyAsync=lambda d, s, n, k, st: ctypes.memmove(d, s, n),
+                                  memcpyAsync=_memcpy_async,
                                   memcpy=lambda d, s, n, k: ctypes.memmove(d, s, n), memcpyDeviceToHost=2,
                                   getDeviceProperties=lambda i: {"name": b"FakeGPU", "major": 9, "minor": 0,
                                                                  "multiProcessorCount": 1, "l2CacheSize": 1}))
