@@ -16,8 +16,9 @@ per (row bucket, first slot).
 
 Only where every piece comes from tier B (a tier C read waits on the host), no layer is left to the
 CPU tier, no block of experts is the CPU's, and the model is not a view skipping layers. Off unless
-NVMEDIRECT_STREAM_GRAPH=1: the bits are the per-layer path's (tested), the speed is not yet
-measured on a GPU.
+NVMEDIRECT_STREAM_GRAPH=1: the bits are the per-layer path's on the NumPy stand-in of CuPy (tested);
+written in session 35 when no device time was left, it has not yet run on a GPU
+(tests/gpu/test_streaming.py -k one_graph, docs/results/2026-12-07/session35/runD.sh are ready).
 """
 
 from __future__ import annotations
