@@ -206,37 +206,15 @@ def test_a_streamed_pass_as_one_graph_gives_the_per_layer_bits(model_path: Path,
                                                                monkeypatch: pytest.MonkeyPatch) -> None:
     """NVMEDIRECT_STREAM_GRAPH=1 (infer.gpu.stream_graph): the ring's copies, repacks and layers of
     a pass captured once a row bucket and ring phase and replayed give the per-layer path's bits
-    (prompt, decode steps, a tree, a batch), the same bytes moved, and the ring's count; with tier C
-    in the plan nothing is captured."""
+    (prompt, decode steps, a tree, a batch), the same bytes moved and the ring's count
+    (tests/tiers/test_tiers_gpu_glue.py stream_graph_runs); with tier C nothing is captured."""
     from infer.gpu import stream_graph
+    from tests.tiers.test_tiers_gpu_glue import stream_graph_runs
 
     prompt = np.random.default_rng(6).integers(3, SHAPE.vocab_size, 40)
-    steps = [5, 77, 1999, 42, 8, 300, 13, 1000, 64, 7, 91]
-    runs = {}
-    for on in (False, True):
-        monkeypatch.setenv("NVMEDIRECT_STREAM_GRAPH", "1" if on else "0")
-        s = open_session(model_path, 0.3, 1.5, tier_b=tier_b)  # every streamed tensor in RAM (tier B)
-        try:
-            assert Tier.STORAGE not in {s.plan.tier[t.name] for t in s.plan.tensors} and s.plan.streamed
-            m = s.engine.model
-            prefill, got = run_logits(s, prompt, steps)
-            got.insert(0, prefill)
-            cache = m.new_cache(CTX)
-            m.forward(prompt[:12], cache)
-            got.append(m.verify_tree(np.array([9, 4, 5, 6, 2]), np.array([-1, 0, 0, 1, 1]), cache).to_host())
-            caches = [m.new_cache(CTX) for _ in range(3)]
-            got += m.forward_batch([(prompt[: 3 + k], c) for k, c in enumerate(caches)])
-            got += m.forward_batch([(np.array([7 + k]), c) for k, c in enumerate(caches)])
-            ring = s.weights.ring
-            keys = [k for k in m.graphs._graphs if k[0] == stream_graph.KIND]
-            runs[on] = (got, s.weights.bytes_moved(), (ring.issued, ring.consumed, ring.released), keys, m.passes)
-        finally:
-            s.close()
-    (want, moved, count, none, _), (got, moved_on, count_on, keys, passes) = runs[False], runs[True]
-    assert none == [] and 0 < len(keys) < passes  # captured, and replayed
-    for g, w in zip(got, want, strict=True):
-        np.testing.assert_array_equal(g, w)
-    assert moved_on == moved and count_on == count
+    stream_graph_runs(lambda: open_session(model_path, 0.3, 1.5, tier_b=tier_b), prompt,
+                      [5, 77, 1999, 42, 8, 300, 13, 1000, 64, 7, 91], CTX, monkeypatch)
+    monkeypatch.setenv("NVMEDIRECT_STREAM_GRAPH", "1")
     s = open_session(model_path, 0.3, 0.3)  # tier C too: no capture
     try:
         assert not stream_graph.can_capture(s.engine.model)

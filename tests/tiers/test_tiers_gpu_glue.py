@@ -355,25 +355,27 @@ def test_gpu_glue_uploads_in_chunks_give_the_same_matrices(model_path: Path, fak
         np.testing.assert_array_equal(g, w)
 
 
-def test_gpu_glue_a_streamed_pass_as_one_graph_gives_the_same_bits(model_path: Path, fake_cupy: object,
-                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    """NVMEDIRECT_STREAM_GRAPH=1 (infer.gpu.stream_graph): a streamed pass, its ring's copies and
-    repacks with its layers, captured once a row bucket and ring phase and replayed, gives the
-    per-layer path's bits for a prompt, decode steps and a batch, moves the same bytes, and leaves
-    the ring's count where the per-layer path leaves it. A plan with tier C is not captured."""
+def stream_graph_runs(open_session, prompt: np.ndarray, steps: list[int], ctx: int,  # noqa: ANN001
+                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Runs `open_session()` (every streamed tensor in tier B) without and with
+    NVMEDIRECT_STREAM_GRAPH=1 over a prompt, decode steps, a tree and a batch, and checks the
+    captured passes (infer.gpu.stream_graph) give the per-layer path's bits, move the same bytes and
+    leave the ring's count where it leaves it, with at least one graph replayed."""
     from infer.gpu import stream_graph
 
-    prompt = np.random.default_rng(5).integers(3, SHAPE.vocab_size, 9)
-    steps = [5, 77, 401, 9, 13, 21, 2, 300, 41]
     runs = {}
     for on in (False, True):
         monkeypatch.setenv("NVMEDIRECT_STREAM_GRAPH", "1" if on else "0")
-        s = gpu_session(model_path, 0.3, 1.5)  # every streamed tensor in RAM (tier B)
+        s = open_session()
         try:
             assert Tier.STORAGE not in {s.plan.tier[t.name] for t in s.plan.tensors} and s.plan.streamed
             m = s.engine.model
-            got = logits_of(s, prompt, steps)
-            caches = [m.new_cache(CTX) for _ in range(3)]
+            cache = m.new_cache(ctx)
+            got = [m.forward(prompt, cache, all_logits=True)] + [m.forward(np.array([t]), cache) for t in steps]
+            cache = m.new_cache(ctx)
+            m.forward(prompt[:6], cache)
+            got.append(m.verify_tree(np.array([9, 4, 5, 6, 2]), np.array([-1, 0, 0, 1, 1]), cache).to_host())
+            caches = [m.new_cache(ctx) for _ in range(3)]
             got += m.forward_batch([(prompt[: 3 + k], c) for k, c in enumerate(caches)])
             got += m.forward_batch([(np.array([7 + k]), c) for k, c in enumerate(caches)])
             ring = s.weights.ring
@@ -386,6 +388,18 @@ def test_gpu_glue_a_streamed_pass_as_one_graph_gives_the_same_bits(model_path: P
     for g, w in zip(got, want, strict=True):
         np.testing.assert_array_equal(g, w)
     assert moved_on == moved and count_on == count
+
+
+def test_gpu_glue_a_streamed_pass_as_one_graph_gives_the_same_bits(model_path: Path, fake_cupy: object,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """NVMEDIRECT_STREAM_GRAPH=1 (infer.gpu.stream_graph): a streamed pass, its ring's copies and
+    repacks with its layers, captured once a row bucket and ring phase and replayed, gives the
+    per-layer path's bits (stream_graph_runs). A plan with tier C is not captured."""
+    from infer.gpu import stream_graph
+
+    prompt = np.random.default_rng(5).integers(3, SHAPE.vocab_size, 9)
+    stream_graph_runs(lambda: gpu_session(model_path, 0.3, 1.5), prompt, [5, 77, 401, 9, 13, 21, 2, 300, 41], CTX,
+                      monkeypatch)
     monkeypatch.setenv("NVMEDIRECT_STREAM_GRAPH", "1")
     s = gpu_session(model_path, 0.3, 0.3)  # tier C too: its reads wait on the host, no capture
     try:
