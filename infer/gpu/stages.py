@@ -27,7 +27,6 @@ from typing import Protocol
 import cupy
 import numpy as np
 
-from infer.arch import ModelArgs
 from infer.gguf_file import GGUFModel
 from infer.gpu.cache import GpuKVCache
 from infer.gpu.front import PassFront
@@ -127,7 +126,6 @@ class NcclLink:
         for g in gpus:
             with cupy.cuda.Device(g):
                 cupy.cuda.get_current_stream().synchronize()
-        del cells
 
     def close(self) -> None:
         """Frees NCCL's memory (its communicators); the link is not used after."""
@@ -356,6 +354,9 @@ def load_gpu_stages(model: GGUFModel, gpus: Sequence[int], vram_budgets: Sequenc
     expert_stream (a mixture of experts): as load_gpu_transformer, each stage placing its own
     blocks' experts in its GPU's budget."""
     from infer.arch import check_model
+    from infer.gpu import gpu_pass_nbytes, load_gpu_transformer
+    from infer.gpu import memory as gpu_memory
+    from infer.tiers.budget import VramBudgetError
 
     args = check_model(model)
     missing = missing_gpu(gpus)
@@ -366,56 +367,42 @@ def load_gpu_stages(model: GGUFModel, gpus: Sequence[int], vram_budgets: Sequenc
     context = max_context or min(args.context_length, 4096)
     hand = choose_link(gpus, link)  # first: NCCL's memory is then in each account (NcclLink)
     try:
-        return PipelineTransformer(_load_stages(model, args, gpus, vram_budgets, context, prefill_chunk, batch,
-                                                tree_nodes, progress, enforce_budget, planned, experts,
-                                                expert_stream), hand)
+        rooms = []
+        for g, budget in zip(gpus, vram_budgets, strict=True):
+            with cupy.cuda.Device(g):
+                account = gpu_memory.new_account(budget, f"{model.path.name} on GPU {g}")
+            # the whole model's pass buffers (formats of every layer, the head's): an upper bound a stage
+            taken = sum((planned or {}).values()) if g == gpus[0] and not rooms else 0  # the first stage's GPU holds it
+            rooms.append(account.pool_limit - taken - gpu_pass_nbytes(model, args, prefill_chunk, context,
+                                                                      max(batch, tree_nodes)))
+        try:
+            stages = plan_stages(model, args, gpus, rooms, context, prefill_chunk, batch)
+        except ValueError:
+            room = ", ".join(f"GPU {g} {r / 2**30:.2f} GiB" for g, r in zip(gpus, rooms, strict=True))
+            raise VramBudgetError(f"{model.path.name} does not fit the budget{'s' if len(gpus) > 1 else ''} of "
+                                  f"{', '.join(f'GPU {g}' for g in gpus)} split by layers "
+                                  f"(room for layers and their KV caches: {room}): raise --vram-budget, lower "
+                                  "-c/--ctx-size, or add a GPU") from None
+        loaded: list[GpuTransformer] = []
+        total = args.n_layers + len(stages)  # each stage: its embedding or head step, then its layers
+        for stage, budget in zip(stages, vram_budgets, strict=True):
+            before = sum(len(s.stage) + 1 for s in loaded)
+
+            def step(done: int, _total: int, before: int = before) -> None:  # one bar over every stage's uploads
+                if progress is not None:
+                    progress(before + done, total)
+
+            with cupy.cuda.Device(stage.gpu):
+                # each GPU's pool capped at its stage's plan (not where stages share a GPU: the stand-in)
+                loaded.append(load_gpu_transformer(model, context, budget, prefill_chunk, batch, tree_nodes=tree_nodes,
+                                                   progress=step, layers=stage.layers,
+                                                   planned=planned if not loaded else None, experts=experts,
+                                                   expert_stream=expert_stream,
+                                                   enforce_budget=enforce_budget and len(set(gpus)) == len(gpus)))
+        return PipelineTransformer(loaded, hand)
     except BaseException:
         hand.close()
         raise
-
-
-def _load_stages(model: GGUFModel, args: ModelArgs, gpus: Sequence[int], vram_budgets: Sequence[str | int | None],
-                 context: int, prefill_chunk: int, batch: int, tree_nodes: int,
-                 progress: Callable[[int, int], None] | None, enforce_budget: bool, planned: dict[str, int] | None,
-                 experts: str | int, expert_stream: str | int) -> list[GpuTransformer]:
-    """load_gpu_stages' stages, planned and loaded."""
-    from infer.gpu import gpu_pass_nbytes, load_gpu_transformer
-    from infer.gpu import memory as gpu_memory
-    from infer.tiers.budget import VramBudgetError
-
-    rooms = []
-    for g, budget in zip(gpus, vram_budgets, strict=True):
-        with cupy.cuda.Device(g):
-            account = gpu_memory.new_account(budget, f"{model.path.name} on GPU {g}")
-        # the whole model's pass buffers (formats of every layer, the head's): an upper bound a stage
-        taken = sum((planned or {}).values()) if g == gpus[0] and not rooms else 0  # the first stage's GPU holds it
-        rooms.append(account.pool_limit - taken - gpu_pass_nbytes(model, args, prefill_chunk, context,
-                                                                  max(batch, tree_nodes)))
-    try:
-        stages = plan_stages(model, args, gpus, rooms, context, prefill_chunk, batch)
-    except ValueError:
-        room = ", ".join(f"GPU {g} {r / 2**30:.2f} GiB" for g, r in zip(gpus, rooms, strict=True))
-        raise VramBudgetError(f"{model.path.name} does not fit the budget{'s' if len(gpus) > 1 else ''} of "
-                              f"{', '.join(f'GPU {g}' for g in gpus)} split by layers "
-                              f"(room for layers and their KV caches: {room}): raise --vram-budget, lower "
-                              "-c/--ctx-size, or add a GPU") from None
-    loaded: list[GpuTransformer] = []
-    total = args.n_layers + len(stages)  # each stage: its embedding or head step, then its layers
-    for stage, budget in zip(stages, vram_budgets, strict=True):
-        before = sum(len(s.stage) + 1 for s in loaded)
-
-        def step(done: int, _total: int, before: int = before) -> None:  # one bar over every stage's uploads
-            if progress is not None:
-                progress(before + done, total)
-
-        with cupy.cuda.Device(stage.gpu):
-            # each GPU's pool capped at its stage's plan (not where stages share a GPU: the stand-in)
-            loaded.append(load_gpu_transformer(model, context, budget, prefill_chunk, batch, tree_nodes=tree_nodes,
-                                               progress=step, layers=stage.layers,
-                                               planned=planned if not loaded else None, experts=experts,
-                                               expert_stream=expert_stream,
-                                               enforce_budget=enforce_budget and len(set(gpus)) == len(gpus)))
-    return loaded
 
 
 def missing_gpu(gpus: Sequence[int]) -> str | None:

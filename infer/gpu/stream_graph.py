@@ -51,11 +51,11 @@ def run_pass(model: GpuTransformer, shape: PassShape) -> None:
     weights = model.weights
     key = (KIND, shape, weights.pass_phase())  # type: ignore[attr-defined]
     if key in model.graphs:
-        weights.replayed(model.stream)  # type: ignore[attr-defined]
+        weights.ring.skip_pass()  # type: ignore[attr-defined]
     else:
-        weights.begin_capture(model.stream)  # type: ignore[attr-defined]
+        weights.transport.begin_capture(model.stream)  # type: ignore[attr-defined]
     model.graphs.replay(key, None, lambda: _launches(model, shape))
-    weights.after_graph(model.stream)  # type: ignore[attr-defined]
+    weights.transport.after_graph(model.stream)  # type: ignore[attr-defined]
 
 
 def _launches(model: GpuTransformer, shape: PassShape) -> None:
@@ -68,4 +68,4 @@ def _launches(model: GpuTransformer, shape: PassShape) -> None:
             for i in items:
                 model._layer(i, weights.layer(i), shape)
     finally:
-        weights.end_capture(model.stream)  # type: ignore[attr-defined]
+        weights.transport.end_capture(model.stream)  # type: ignore[attr-defined]

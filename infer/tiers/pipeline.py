@@ -73,6 +73,8 @@ class GpuTransport:
         self.capturing = False
         self._outside = [True] * n_slots  # the slot's last copy was queued outside the capture under way
         self._joined = False  # the copy stream took part in the capture under way
+        # made once (a wait takes an event as recorded when it is queued, so recording it again is safe)
+        self._queued, self._rejoined, self._graph_done = (cupy.cuda.Event(disable_timing=True) for _ in range(3))
 
     def copy_in(self, slot: int, tensor: Tensor, host: np.ndarray, track: bool = True) -> _EventToken | None:
         self.copy_stream.wait_event(self.released[slot])
@@ -96,9 +98,8 @@ class GpuTransport:
     def begin_capture(self, compute: cupy.cuda.Stream) -> None:
         """Before a pass is captured (outside the capture): the compute stream waits for every copy
         queued so far; the copies the capture queues are the capture's own."""
-        queued = cupy.cuda.Event(disable_timing=True)
-        queued.record(self.copy_stream)
-        compute.wait_event(queued)
+        self._queued.record(self.copy_stream)
+        compute.wait_event(self._queued)
         self._outside = [True] * len(self.slots)
         self._joined = False
         self.capturing = True
@@ -109,16 +110,14 @@ class GpuTransport:
         pass, captured or replayed, finds them landed."""
         self.capturing = False
         if self._joined:
-            joined = cupy.cuda.Event(disable_timing=True)
-            joined.record(self.copy_stream)
-            compute.wait_event(joined)
+            self._rejoined.record(self.copy_stream)
+            compute.wait_event(self._rejoined)
 
     def after_graph(self, compute: cupy.cuda.Stream) -> None:
         """After a captured pass is launched: the copy stream's next copies wait for it (the slot
         releases recorded inside a graph are not visible to waits outside it)."""
-        done = cupy.cuda.Event(disable_timing=True)
-        done.record(compute)
-        self.copy_stream.wait_event(done)
+        self._graph_done.record(compute)
+        self.copy_stream.wait_event(self._graph_done)
 
     def record_release(self, slot: int) -> None:
         self.released[slot].record(cupy.cuda.get_current_stream())
@@ -218,19 +217,6 @@ class StreamedWeights:
     def pass_phase(self) -> int:
         """The slot the next pass's first piece lands in: a captured pass replays only at its phase."""
         return self.ring.consumed % self.ring.n_slots
-
-    def begin_capture(self, compute: cupy.cuda.Stream) -> None:
-        self.transport.begin_capture(compute)
-
-    def end_capture(self, compute: cupy.cuda.Stream) -> None:
-        self.transport.end_capture(compute)
-
-    def replayed(self, compute: cupy.cuda.Stream) -> None:
-        """A captured pass was launched (again): the ring's count moves on by a pass."""
-        self.ring.skip_pass()
-
-    def after_graph(self, compute: cupy.cuda.Stream) -> None:
-        self.transport.after_graph(compute)
 
     def leave_to_cpu(self, layers: frozenset[int]) -> None:
         """From this pass on, layers `layers` are computed by the CPU (infer.tiers.cpu_tier): their
