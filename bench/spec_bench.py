@@ -466,6 +466,7 @@ def e2e(args: argparse.Namespace) -> dict[str, Any]:
                 "target_perplexity": ppl["full"]} if name in views else {})}
     return {"target": str(args.target), "draft": str(args.draft), "vram_budget_bytes": budget,
             "resident_fraction_asked": args.resident_fraction, "plan_bytes_by_tier": tiers,
+            "settings": {k: v for k, v in sorted(os.environ.items()) if k.startswith("NVMEDIRECT_")},
             "prompt_set": args.prompt_set, "prompts": len(rows), "tokens_per_prompt": args.tokens,
             "tokens_generated": tokens, "plain_tok_s": round(tokens / plain_s, 3),
             "plain_decode_tok_s": round(tokens / max(plain_s - prefill_s, 1e-9), 3), "shapes": summary,
