@@ -49,7 +49,7 @@ join|run)  # join: only the models, into $DIR/target.gguf and $DIR/draft.gguf, c
     fi
     export PYTHONPATH="/tmp/site:${PYTHONPATH:-}:$PWD" PYTHONUNBUFFERED=1
     python3 -m bench.spec_bench e2e --target "$DIR/target.gguf" --draft "$DIR/draft.gguf" \
-        --prompt-set "${E2E_PROMPT_SET:-humaneval}" --prompts "${E2E_PROMPTS:-40}" --tokens "${E2E_TOKENS:-128}" --shapes "${E2E_SHAPES:-16x4,12x1,16x1,auto}" \
+        --prompt-set "${E2E_PROMPT_SET:-humaneval}" --prompts "${E2E_PROMPTS:-40}" --tokens "${E2E_TOKENS:-128}" --shapes "${E2E_SHAPES:-16x4,12x1,16x1,auto}" ${E2E_SLOTS:+--slots "$E2E_SLOTS"} \
         --out "$OUT/spec-e2e.json" > "$OUT/spec-e2e.stdout" 2> "$OUT/spec-e2e.log"
     echo "e2e exit $?"
     tail -n 5 "$OUT/spec-e2e.log"
