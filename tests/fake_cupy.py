@@ -17,7 +17,7 @@ FAKE_DIR = Path(__file__).resolve().parent / "gpu" / "numpy_cupy"
 # modules that bind `cupy` when imported: imported afresh against the stand-in, dropped afterwards
 GPU_MODULES = ("infer.gpu.model", "infer.gpu.front", "infer.gpu.stages", "infer.gpu.tree", "infer.gpu.activations", "infer.gpu.ops", "infer.gpu.products",
                "infer.gpu.weights",
-               "infer.gpu.memory", "infer.gpu.cache", "infer.gpu.attention", "infer.gpu.passes", "infer.gpu.graphs",
+               "infer.gpu.memory", "infer.gpu.cache", "infer.gpu.uploads", "infer.gpu.attention", "infer.gpu.passes", "infer.gpu.graphs",
                "infer.gpu.benchmark", "infer.gpu.experts", "infer.gpu.expert_stream", "infer.gpu.expert_split",
                "infer.tiers.pipeline")
 

@@ -9,12 +9,13 @@ The kernels take each row's slot modulo its cache's positions (infer/kernels/att
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import cupy
 import numpy as np
 
 from infer.arch import ModelArgs
+from infer.gpu import uploads
 
 
 @dataclass
@@ -44,6 +45,7 @@ class GpuKVCache:
     stream: cupy.cuda.Stream | None = None  # the model's: work on the cache is ordered on it
     window: int = 0  # the local layers' sliding window
     lost: int = 0  # positions below this were overwritten in the local layers' ring
+    stage: uploads.HostStage | None = field(default=None, repr=False)  # accept's indices (NVMEDIRECT_SM_UPLOADS)
 
     @classmethod
     def allocate(cls, args: ModelArgs, max_tokens: int, capacity: int, stream: cupy.cuda.Stream | None,
@@ -110,11 +112,19 @@ class GpuKVCache:
         src = self.length + np.asarray(nodes, dtype=np.int64)
         dst = self.length + np.arange(len(nodes))
         if (src != dst).any():
-            with self.stream or cupy.cuda.get_current_stream():
-                for group in (self.full, self.ring):
-                    if not group.keys.shape[0]:
-                        continue
-                    take, put = cupy.asarray(src % group.positions), cupy.asarray(dst % group.positions)
+            groups = [g for g in (self.full, self.ring) if g.keys.shape[0]]
+            stream = self.stream or cupy.cuda.get_current_stream()
+            if uploads.by_sms():  # one upload of every group's indices, not behind the ring's refills
+                if self.stage is None:
+                    self.stage = uploads.HostStage()
+                both = self.stage.put(np.concatenate([a % g.positions for g in groups for a in (src, dst)]), stream)
+                index = [both[2 * k * len(src) : (2 * k + 2) * len(src)] for k in range(len(groups))]
+            else:
+                with stream:
+                    index = [cupy.asarray(np.concatenate([src % g.positions, dst % g.positions])) for g in groups]
+            with stream:
+                for group, pair in zip(groups, index, strict=True):
+                    take, put = pair[: len(src)], pair[len(src) :]
                     group.keys[:, :, put] = group.keys[:, :, take]  # the right side is gathered first
                     group.values[:, :, put] = group.values[:, :, take]
         self.length += len(nodes)

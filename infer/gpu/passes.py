@@ -24,6 +24,7 @@ import numpy as np
 
 from infer.gpu.attention import RowFields
 from infer.gpu.cache import GpuKVCache
+from infer.gpu.uploads import copy_from_host
 from infer.sampler import GREEDY_BELOW
 
 # Row counts a pass is padded to (graphs are captured per bucket); a model's capacity is the last.
@@ -196,7 +197,7 @@ class PassIndex:
 
     def fill(self, slots: Sequence[Row | None], shape: PassShape, out_rows: Sequence[int], carry: int = 0) -> None:
         """Lays out the pass's rows (`slots`, shape.rows of them: None a null row) and the rows whose
-        logits are wanted, and copies them to the device on the stream (the staging buffer is reused
+        logits are wanted, and copies them to the device on the stream (infer.gpu.uploads; the staging buffer is reused
         only after the previous copy ran). carry: rows 0..carry-1 keep the tokens the previous pass
         sampled into them (advance), which the host does not know (their Row.token is not used)."""
         n, cap = len(slots), self.capacity
@@ -247,8 +248,7 @@ class PassIndex:
         with self.stream:
             if carry:
                 self.kept[:carry] = self.d["tok"][:carry]
-            cupy.cuda.runtime.memcpyAsync(self.device.data.ptr, self.host.ctypes.data, size,
-                                          cupy.cuda.runtime.memcpyHostToDevice, self.stream.ptr)
+            copy_from_host(self.device.data.ptr, self.host.ctypes.data, size, self.stream)
             self._uploaded.record(self.stream)
             if carry:
                 self.d["tok"][:carry] = self.kept[:carry]
@@ -261,6 +261,5 @@ class PassIndex:
         h[:] = self.capacity
         h[: len(out_rows)] = np.asarray(out_rows, np.int32)
         off = int(self.h["out_rows"].ctypes.data - self.host.ctypes.data)
-        cupy.cuda.runtime.memcpyAsync(self.device.data.ptr + off, h.ctypes.data, h.nbytes,
-                                      cupy.cuda.runtime.memcpyHostToDevice, self.stream.ptr)
+        copy_from_host(self.device.data.ptr + off, h.ctypes.data, h.nbytes, self.stream)
         self._uploaded.record(self.stream)

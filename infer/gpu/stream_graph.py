@@ -16,9 +16,10 @@ per (row bucket, first slot).
 
 Only where every piece comes from tier B (a tier C read waits on the host), no layer is left to the
 CPU tier, no block of experts is the CPU's, and the model is not a view skipping layers. Off unless
-NVMEDIRECT_STREAM_GRAPH=1: the bits are the per-layer path's on the NumPy stand-in of CuPy (tested);
-written in session 35 when no device time was left, it has not yet run on a GPU
-(tests/gpu/test_streaming.py -k one_graph, docs/results/2026-12-07/session35/runD.sh are ready).
+NVMEDIRECT_STREAM_GRAPH=1: the bits are the per-layer path's on the NumPy stand-in of CuPy and on an
+H100 (session 36), and it cut a small model's streamed step from 17-18 ms of host time to 2.1 ms,
+but the real Qwen pair's pass is bound by the link, where it gained nothing (docs/PERFORMANCE.md,
+session 36).
 """
 
 from __future__ import annotations

@@ -316,3 +316,11 @@ extern "C" __global__ void __launch_bounds__(1024)
         }
     }
 }
+
+// A small upload done by the SMs (infer/gpu/uploads.py): `n` words read from pinned host memory
+// (mapped under unified addressing; volatile loads, as the host rewrites it between passes) into
+// device memory. A copy engine's memcpy would queue behind a streamed model's ring refills.
+extern "C" __global__ void copy_words_from_host(const unsigned int* src, unsigned int* dst, long long n) {
+    const long long stride = (long long)gridDim.x * blockDim.x;
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) dst[i] = __ldcv(src + i);
+}

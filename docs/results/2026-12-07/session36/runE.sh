@@ -2,10 +2,10 @@
 # session 36: issue 24 bar 4 with the streamed pass captured as one CUDA graph (NVMEDIRECT_STREAM_GRAPH=1)
 # for the plain run and every speculative one alike, the tuner's shape with and without drafting ahead;
 # 40 prompts x 128 tokens, prose then code (HumanEval). GRAPH=0 gives the per-layer path of the same lease;
-# SLOTS the ring's slots (8: about 86 MiB, 1.7 ms of the link; a draft of 3.8 ms leaves the link idle for the rest).
+# SMS=1 small uploads by the SMs (infer/gpu/uploads.py); SLOTS the ring's slots (8: about 86 MiB, 1.7 ms of the link; a draft of 3.8 ms leaves the link idle for the rest).
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-export NVMEDIRECT_STREAM_GRAPH=${GRAPH:-1}
+export NVMEDIRECT_STREAM_GRAPH=${GRAPH:-1} NVMEDIRECT_SM_UPLOADS=${SMS:-0}
 export NVMEDIRECT_DRAFT_AHEAD_BRANCHES=${BRANCHES:-4} NVMEDIRECT_DRAFT_AHEAD_STEPS=${STEPS:-6}
 export NVMEDIRECT_DRAFT_AHEAD_WHEN=${WHEN:-drafted}
 for set in ${SETS:-prose humaneval}; do

@@ -184,7 +184,10 @@ class RawKernel:
     def _run(self, grid, block, args):
         n = self.name
         from infer.gpu import layout
-        if n.startswith("repack_"):
+        if n == "copy_words_from_host":  # infer/gpu/uploads.py: pinned host words into device memory
+            src, dst, words = args
+            ctypes.memmove(_ptr(dst), _ptr(src), 4 * int(words))
+        elif n.startswith("repack_"):
             src, n_sb, qs, hi, sm, dm = args
             t = T[n[7:].upper()]
             bs, ts = layout.GGML_QUANT_SIZES[t]
