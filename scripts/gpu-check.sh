@@ -113,7 +113,7 @@ if [ -z "${GPU_CHECK_SKIP_TESTS:-}" ]; then
     section "GPU tests"
     TESTS=${GPU_CHECK_TESTS:-"tests/gpu/test_kernels.py tests/gpu/test_model.py tests/gpu/test_cli_gpu.py \
         tests/gpu/test_streaming.py tests/gpu/test_budget.py tests/gpu/test_speculative_gpu.py \
-        tests/gpu/test_moe_kernels.py tests/gpu/test_moe_gpu.py tests/gpu/test_stages_gpu.py \
+        tests/gpu/test_moe_kernels.py tests/gpu/test_moe_gpu.py tests/gpu/test_stages_gpu.py tests/gpu/test_uploads.py \
         tests/infer/test_gpu_layout.py tests/infer/test_synth.py"}
     # shellcheck disable=SC2086
     timeout "${GPU_CHECK_TESTS_SECONDS:-420}" python3 -m pytest -q -s --timeout 200 -p no:cacheprovider --tb=short \
