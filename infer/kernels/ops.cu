@@ -321,6 +321,7 @@ extern "C" __global__ void __launch_bounds__(1024)
 // (mapped under unified addressing; volatile loads, as the host rewrites it between passes) into
 // device memory. A copy engine's memcpy would queue behind a streamed model's ring refills.
 extern "C" __global__ void copy_words_from_host(const unsigned int* src, unsigned int* dst, long long n) {
+    pdl_enter();  // a kernel before it in a captured pass may still read the old words
     const long long stride = (long long)gridDim.x * blockDim.x;
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) dst[i] = __ldcv(src + i);
 }
