@@ -114,17 +114,17 @@ class GpuKVCache:
         if (src != dst).any():
             groups = [g for g in (self.full, self.ring) if g.keys.shape[0]]
             stream = self.stream or cupy.cuda.get_current_stream()
-            if uploads.by_sms():  # one upload of every group's indices, not behind the ring's refills
-                if self.stage is None:
-                    self.stage = uploads.HostStage()
-                both = self.stage.put(np.concatenate([a % g.positions for g in groups for a in (src, dst)]), stream)
-                index = [both[2 * k * len(src) : (2 * k + 2) * len(src)] for k in range(len(groups))]
-            else:
-                with stream:
-                    index = [cupy.asarray(np.concatenate([src % g.positions, dst % g.positions])) for g in groups]
+            # every group's (take, put) indices in one upload
+            host = np.concatenate([a % g.positions for g in groups for a in (src, dst)])
             with stream:
-                for group, pair in zip(groups, index, strict=True):
-                    take, put = pair[: len(src)], pair[len(src) :]
+                if uploads.by_sms():  # not queued behind a ring's refills on the copy engine
+                    self.stage = self.stage or uploads.HostStage()
+                    index = self.stage.put(host, stream)
+                else:
+                    index = cupy.asarray(host)
+                n = len(src)
+                for k, group in enumerate(groups):
+                    take, put = index[2 * k * n : (2 * k + 1) * n], index[(2 * k + 1) * n : (2 * k + 2) * n]
                     group.keys[:, :, put] = group.keys[:, :, take]  # the right side is gathered first
                     group.values[:, :, put] = group.values[:, :, take]
         self.length += len(nodes)
