@@ -102,6 +102,7 @@ class VmResult:
     elapsed: float
     timed_out: bool = False
     failure: str | None = None
+    emulator_signal: int | None = None  # the signal QEMU itself died of (an emulator crash), if it did
 
     def console_tail(self, lines: int = 60) -> str:
         return "\n".join(self.console.splitlines()[-lines:])
@@ -112,6 +113,21 @@ class VmResult:
             why = self.failure or f"the job exited with {self.rc}"
             raise VmError(f"{why} (run dir {self.run_dir}); console tail:\n{self.console_tail()}")
         return self
+
+
+def host_kernel_log_about(pid: int) -> str:
+    """The host kernel's lines about process `pid` (a segfault names the faulting address and the
+    binary or library it lies in), for a report of an emulator crash; or why there are none."""
+    try:
+        log = subprocess.run(["dmesg"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"the host's kernel log could not be read ({exc})"
+    if log.returncode != 0:
+        return f"the host's kernel log could not be read: {log.stderr.strip() or f'dmesg exited {log.returncode}'}"
+    lines = [line.strip() for line in log.stdout.splitlines() if f"[{pid}]" in line]
+    if not lines:
+        return f"the host's kernel log has no line about process {pid}"
+    return "the host's kernel log says: " + " | ".join(lines[-3:])
 
 
 # -- the VM ------------------------------------------------------------------------------------------
@@ -341,6 +357,7 @@ class Vm:
         rc_file = self.share / "job-exit-code"
         rc = int(rc_file.read_text()) if rc_file.exists() else None
         failure = None
+        emulator_signal = None
         panics = [line.strip() for line in console.splitlines() if "Kernel panic" in line]
         if timed_out:
             failure = f"the VM was killed after the {timeout:.0f} s timeout"
@@ -352,12 +369,14 @@ class Vm:
             failure = "the VM failed before the job started: " + (
                 init_errors[-1] if init_errors else stderr or f"QEMU exited with {self._proc.returncode}")
         elif rc is None and self._proc.returncode is not None and self._proc.returncode < 0:
-            failure = (f"QEMU itself died of {signal.Signals(-self._proc.returncode).name} (an emulator crash: "
-                       "the host's kernel log names where)")
+            emulator_signal = -self._proc.returncode
+            failure = (f"QEMU itself died of {signal.Signals(emulator_signal).name} (an emulator crash); "
+                       f"{host_kernel_log_about(self._proc.pid)}")
         elif rc is None:
             failure = "the guest stopped without reporting the job's exit code (kernel panic?)"
         return VmResult(rc=None if timed_out else rc, console=console, results_dir=self.share,
-                        run_dir=self.run_dir, elapsed=elapsed, timed_out=timed_out, failure=failure)
+                        run_dir=self.run_dir, elapsed=elapsed, timed_out=timed_out, failure=failure,
+                        emulator_signal=emulator_signal)
 
     def __enter__(self) -> Vm:
         return self

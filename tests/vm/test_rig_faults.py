@@ -70,3 +70,5 @@ def test_qemu_dying_is_told_apart_from_a_guest_failure(vm_workdir):
                        timeout=180, on_console=[("nvd-kill-qemu-now", lambda vm: os.kill(vm.pid, signal.SIGKILL))])
     assert result.rc is None and not result.timed_out
     assert result.failure.startswith("QEMU itself died of SIGKILL"), result.failure
+    assert result.emulator_signal == signal.SIGKILL
+    assert "kernel log" in result.failure, result.failure  # its lines about QEMU, or why there are none
