@@ -403,6 +403,6 @@ def refuse_experts(args: ModelArgs, path: object, engine: str, instead: str) -> 
     (issue 26); `instead` says what runs the file."""
     if args.n_experts:
         raise UnsupportedModelError(str(path), f"a mixture-of-experts model ({args.n_experts} experts) runs on the "
-                                    f"CPU engines (resident, or --streaming with experts tiered) and resident on the "
-                                    f"GPU with its experts computed by the CPU, not {engine} yet: {instead}",
+                                    f"CPU engines and on one GPU (resident, or --streaming with experts tiered), "
+                                    f"not {engine} yet: {instead}",
                                     f"key {args.arch}.expert_count")

@@ -19,6 +19,7 @@ import os
 import sys
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -248,7 +249,8 @@ def _sampler(temp: float, top_k: int, top_p: float, min_p: float, repeat_penalty
 @click.option("--cpu-moe", is_flag=True,
               help="GPU, a mixture of experts: keep the experts in RAM and compute them on the CPU (llama.cpp's "
                    "--cpu-moe). Default: in VRAM when they fit the budget beside the rest, else the experts of as "
-                   "many of the last blocks as fit, the others' on the CPU.")
+                   "many of the last blocks as fit, the others' on the CPU (with --streaming, from a cache of "
+                   "--ram-budget over --tier-c).")
 @click.option("--n-cpu-moe", type=click.IntRange(min=0), default=None, metavar="N",
               help="GPU, a mixture of experts: the experts of the first N blocks on the CPU, the rest in VRAM "
                    "(llama.cpp's --n-cpu-moe).")
@@ -285,8 +287,8 @@ def main(ctx: click.Context, model: str | None, prompt: str | None, n_predict: i
               EXIT_BAD_INPUT)
     experts: str | int = "cpu" if cpu_moe else ("auto" if n_cpu_moe is None else n_cpu_moe)
     devices = _gpus(gpus, device, streaming, exact, spec.self_draft, benchmark)
-    if experts != "auto" and (spec.active or streaming.enabled or streaming.batch > 1 or streaming.prompts_file):
-        _note("warning: --cpu-moe and --n-cpu-moe place the experts of a resident GPU run: this run ignores them")
+    if experts != "auto" and spec.active:
+        _note("warning: --cpu-moe and --n-cpu-moe place the experts of a GPU run without a draft: this run ignores them")
     if spec.active:
         from infer.cli_spec import run as run_speculative
 
@@ -294,14 +296,12 @@ def main(ctx: click.Context, model: str | None, prompt: str | None, n_predict: i
                         chat, benchmark, exact, as_json, gpus=devices)
         return
     if streaming.enabled or streaming.batch > 1 or streaming.prompts_file:
-        _run_streaming(model, streaming, ctx_size, device, prompt, n_predict, sampler, chat, benchmark, as_json,
-                       exact, gpus=devices)
+        _run_streaming(model, replace(streaming, experts=experts), ctx_size, device, prompt, n_predict, sampler, chat,
+                       benchmark, as_json, exact, gpus=devices)
         return
     where = _resolve_device(device)
     _warn_unused(where, streaming, exact)
-    if where == "cpu" and experts != "auto":
-        _note("warning: --cpu-moe and --n-cpu-moe place the experts of a GPU run: on the CPU every expert is the "
-              "CPU's anyway")
+    _warn_experts_on_cpu(where, experts)
     with _device_errors(where, measure_peak=benchmark or as_json) as peak:
         llm = _load(model, ctx_size, where, streaming.vram_budget, exact, experts=experts,
                     expert_stream=int(expert_stream) if expert_stream.isdigit() else expert_stream, gpus=devices)
@@ -364,6 +364,12 @@ def _warn_unused(where: str, streaming: StreamingConfig, exact: bool) -> None:
         _note("warning: --exact selects the CPU engine's float64 sums: the GPU engine ignores it")
 
 
+def _warn_experts_on_cpu(where: str, experts: str | int) -> None:
+    if where == "cpu" and experts != "auto":
+        _note("warning: --cpu-moe and --n-cpu-moe place the experts of a GPU run: on the CPU every expert is the "
+              "CPU's anyway")
+
+
 def _run_streaming(model: str | None, streaming: StreamingConfig, ctx_size: int, device: str, prompt: str | None,
                    n_predict: int, sampler: Any, chat: bool, benchmark: bool, as_json: bool,
                    exact: bool = False, gpus: list[int] | None = None) -> None:
@@ -377,6 +383,7 @@ def _run_streaming(model: str | None, streaming: StreamingConfig, ctx_size: int,
 
     where = _resolve_device(device)
     _warn_unused(where, streaming, exact)
+    _warn_experts_on_cpu(where, streaming.experts)
     try:
         with _storage_errors(), _device_errors(where, measure_peak=benchmark or as_json) as peak:
             run_streaming(model, streaming, ctx_size, where, prompt or (BENCHMARK_PROMPT if benchmark else None),

@@ -119,11 +119,13 @@ def streaming_options(func: Callable[..., Any] | None = None, *, batch: bool = T
 
     options = [
         click.option("--streaming", is_flag=True, help="Stream weights that do not fit in VRAM through a 3-tier "
-                     "cache (VRAM, pinned RAM, storage)."),
+                     "cache (VRAM, pinned RAM, storage). A mixture of experts tiers its experts instead: those the "
+                     "CPU computes are held in RAM up to --ram-budget and read from --tier-c when routed to."),
         click.option("--vram-budget", metavar="SIZE", help="Device memory the engine may use, e.g. 24GB "
                      "(default: free VRAM)."),
         click.option("--ram-budget", metavar="SIZE", help="Host memory for tier B and staging, e.g. 48GiB "
-                     "(default: available RAM)."),
+                     "(default: available RAM); for a mixture of experts, the experts held in RAM (default: a "
+                     "quarter of them)."),
         click.option("--tier-c", type=click.Choice(SOURCES), default="file", show_default=True,
                      help="Where tier C weights are read from: the file with O_DIRECT, the NVMe copy written by "
                      "`nvmedirect write-gguf`, or the naive mmap baseline."),

@@ -48,6 +48,10 @@ class StreamingConfig:
     # mixture-of-experts files: where the router statistics live (None: the default file named after
     # the routers, infer.tiers.expert_policy.default_use_path; "off": none)
     expert_stats: str | None = None
+    # ... on the GPU: which blocks' experts go to VRAM, the rest computed by the CPU from the tiered
+    # cache: "auto" (as many as the VRAM budget holds), "cpu" (none: --cpu-moe), N (all but the first
+    # N: --n-cpu-moe N)
+    experts: str | int = "auto"
     # streamed layers held in RAM computed by the CPU in small passes (infer.tiers.cpu_tier):
     # "auto" (from the CPU's and the link's speeds, measured at load), "off", or a row count; off
     # unless asked for (the CLI's generation asks for auto), as its passes sum in another order

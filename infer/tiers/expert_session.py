@@ -1,7 +1,8 @@
-"""The CPU engine's session for a mixture-of-experts file under --streaming (issue 26): the packed
-engine with its experts tiered (infer.tiers.experts) over tier C, the router statistics read at start
-and written back at the end (infer.tiers.expert_policy), and the session calls the streaming CLI and
-server use (report, moved_report, benchmark, close)."""
+"""The session for a mixture-of-experts file under --streaming (issue 26): the packed CPU engine
+with its experts tiered (infer.tiers.experts) over tier C, or the GPU engine with the experts of the
+blocks its VRAM budget holds and the CPU computing the rest from the same tiered cache; the router
+statistics read at start and written back at the end (infer.tiers.expert_policy), and the session
+calls the streaming CLI and server use (report, moved_report, benchmark, close)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from infer.arch import ModelArgs, tensor_name
 from infer.gguf_file import GGUFModel
 from infer.tiers.expert_policy import ExpertUse, default_use_path, routers_digest
 from infer.tiers.experts import STACKS, ExpertCache, ExpertSlices, TieredExpertWeights, tiered_weights
-from infer.tiers.plan import format_bytes
+from infer.tiers.plan import format_bytes, span
 from infer.tiers.tier_c import StorageSource
 
 
@@ -41,8 +42,8 @@ STORAGE_SAMPLE = 64 << 20  # bytes of experts read at start-up to measure tier C
 
 @dataclass
 class ExpertSession:
-    """What build_streaming_engine gives for a mixture-of-experts model on the CPU: the packed
-    engine with tiered experts, beside the streaming sessions' calls (report, moved_report, problem,
+    """What build_streaming_engine gives for a mixture-of-experts model: the packed CPU engine with
+    tiered experts, or the GPU engine whose CPU blocks take theirs from the cache, beside the streaming sessions' calls (report, moved_report, problem,
     close)."""
 
     engine: Any  # infer.streaming.StreamingEngine
@@ -55,7 +56,8 @@ class ExpertSession:
     stats_found: bool = False  # whether past statistics were read at start
     plan: Any = None  # no tensor plan: the expert is the unit (session.plan is the dense streamer's)
     bandwidths: Any = None
-    account: Any = None
+    account: Any = None  # the GPU engine's device memory plan (infer.gpu.memory), None on the CPU
+    device: str = "cpu"
 
     @property
     def cache(self) -> ExpertCache:
@@ -68,9 +70,20 @@ class ExpertSession:
         mapped = sum(info.nbytes for info in self.weights.model.tensors.values()
                      if not any(info.name.endswith(f"{kind}.weight") for kind in STACKS))
         shared = "shared experts, " if self.weights.args.shared_ffn_dim else ""
-        return (f"{self.budget_note}\n{self.cache.describe()}\n{self.statistics_note()}\nthe rest of the model "
-                f"({format_bytes(mapped)}: attention, routers, {shared}norms, embeddings, output) is read from the file's "
-                f"mapping; tier C measured at {self.storage_read / 1e9:.2f} GB/s at start-up")
+        rest = f"({format_bytes(mapped)}: attention, routers, {shared}norms, embeddings, output)"
+        if self.device == "gpu":
+            on_gpu = getattr(self.engine.model.gpu_experts, "blocks", [])
+            where = (f"the rest of the model {rest} is in VRAM, with the experts of {len(on_gpu)} of "
+                     f"{self.weights.args.n_layers} blocks ({span(sorted(on_gpu))}) computed there" if on_gpu else
+                     f"the rest of the model {rest} is in VRAM; the CPU computes every block's experts")
+        else:
+            where = f"the rest of the model {rest} is read from the file's mapping"
+        storage = f"tier C measured at {self.storage_read / 1e9:.2f} GB/s at start-up" if self.storage_read else \
+            "tier C not read (no expert is the CPU's)"
+        lines = [self.budget_note, self.cache.describe(), self.statistics_note(), f"{where}; {storage}"]
+        if self.account is not None:  # the GPU's plan: weights, the VRAM blocks' experts, KV cache, buffers
+            lines.insert(0, self.account.render())
+        return "\n".join(lines)
 
     def statistics_note(self) -> str:
         """What the router statistics say of this budget, and where they are kept."""
@@ -81,8 +94,9 @@ class ExpertSession:
             return (f"router statistics: none yet for these routers; gathered in this run and written to "
                     f"{self.stats_path} (the next run preloads the most used experts)")
         capacity = min(cache.capacity, cache.total_experts)
+        ours = cache.residency.use  # the statistics of the blocks this cache serves
         return (f"router statistics: {cache.use.tokens} tokens routed in earlier runs ({self.stats_path}); the "
-                f"{capacity} most used experts preloaded, expected hit rate {cache.use.expected_hit_rate(capacity):.0%} "
+                f"{capacity} most used experts preloaded, expected hit rate {ours.expected_hit_rate(capacity):.0%} "
                 "if routing goes on as before")
 
     def benchmark(self, tg: int, pp: int = 64) -> dict[str, Any]:
@@ -108,7 +122,7 @@ class ExpertSession:
                               zip((cache.stats.bytes_read, cache.stats.hits, cache.stats.misses), before, strict=True))
         per_token = read / tg if tg else 0.0
         result: dict[str, Any] = {
-            "device": "cpu", "pp_tokens": pp, "pp_tok_s": round(pp / pp_s, 2), "tg_tokens": tg,
+            "device": self.device, "pp_tokens": pp, "pp_tok_s": round(pp / pp_s, 2), "tg_tokens": tg,
             "tg_tok_s": round(tg / tg_s, 2), "step_us": round(1e6 * tg_s / max(tg, 1), 1),
             "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
             "experts_held": cache.held, "expert_capacity": cache.capacity, "experts_total": cache.total_experts,
@@ -157,9 +171,13 @@ class ExpertSession:
 
 
 def build_expert_session(model: GGUFModel, args: ModelArgs, config: Any, ctx_size: int, prefill_chunk: int,
-                         exact: bool) -> ExpertSession:
-    """The CPU engine for a mixture-of-experts model under --streaming: experts tiered by
-    --ram-budget (default: a quarter of them) over --tier-c (file or nvme)."""
+                         exact: bool, device: str = "cpu", tree_nodes: int = 0,
+                         planned: dict[str, int] | None = None, enforce_budget: bool = False) -> ExpertSession:
+    """A mixture-of-experts model under --streaming: experts tiered by --ram-budget (default: a
+    quarter of them) over --tier-c (file or nvme). On the CPU the packed engine takes every block's
+    experts from the cache. On the GPU (`_gpu_transformer`) the model is resident with the experts of
+    as many blocks as --vram-budget allows (config.experts places them as --n-cpu-moe does), and the
+    CPU computes the other blocks' feed-forward with their experts from the cache."""
     from infer.packed_weights import native_products_requested
     from infer.streaming import StreamingEngine
     from infer.tiers.budget import BudgetError, parse_size
@@ -172,40 +190,70 @@ def build_expert_session(model: GGUFModel, args: ModelArgs, config: Any, ctx_siz
                           "NVMEDIRECT_CPU_PRODUCTS=numpy (or drop --streaming)")
     if config.tier_c == "mmap":
         raise BudgetError("--tier-c mmap reads through the page cache, which no RAM budget bounds: use file or nvme")
+    if tree_nodes and device == "gpu":
+        raise BudgetError("speculation on a mixture of experts with tiered experts on the GPU is not built yet: "
+                          "drop --streaming (its experts then stay in RAM) or the draft")
     slices = [ExpertSlices.of_layer(model, i) for i in range(args.n_layers)]
-    all_experts = sum(s.expert_nbytes * args.n_experts for s in slices)
-    if config.ram_budget:
-        budget = parse_size(config.ram_budget)
-        note = f"RAM budget for experts: {format_bytes(budget)} (--ram-budget) of {format_bytes(all_experts)}"
-    else:
-        budget = int(DEMO_EXPERT_SHARE * all_experts)
-        note = (f"RAM budget for experts: {format_bytes(budget)} (demo: a quarter of {format_bytes(all_experts)}; "
-                "--ram-budget sets it)")
-    stacks = [t for t in planner_tensors(model, "cpu") if any(t.name.endswith(f"{k}.weight") for k in STACKS)]
-    options: dict[str, Any] = {"lba": config.nvme_lba} if config.tier_c == "nvme" and config.nvme_lba is not None else {}
-    if config.read_queue_depth is not None:
-        options["queue_depth"] = config.read_queue_depth
-    source = open_source(config.tier_c, model.path, stacks, config.nvme_device, **options)
+    transformer, on_cpu = (None, list(range(args.n_layers))) if device == "cpu" else \
+        _gpu_transformer(model, ctx_size, config, prefill_chunk, planned, enforce_budget)
+    try:
+        tiered = sum(slices[i].expert_nbytes * args.n_experts for i in on_cpu)
+        if config.ram_budget:
+            budget = parse_size(config.ram_budget)
+            note = f"RAM budget for experts: {format_bytes(budget)} (--ram-budget) of {format_bytes(tiered)}"
+        else:
+            budget = int(DEMO_EXPERT_SHARE * tiered)
+            note = (f"RAM budget for experts: {format_bytes(budget)} (demo: a quarter of {format_bytes(tiered)}; "
+                    "--ram-budget sets it)")
+        if len(on_cpu) < args.n_layers:
+            note += f", the experts of the {len(on_cpu)} of {args.n_layers} blocks the CPU computes"
+        stacks = [t for t in planner_tensors(model, "cpu") if any(t.name.endswith(f"{k}.weight") for k in STACKS)]
+        options: dict[str, Any] = {"lba": config.nvme_lba} if config.tier_c == "nvme" and config.nvme_lba is not None else {}
+        if config.read_queue_depth is not None:
+            options["queue_depth"] = config.read_queue_depth
+        source = open_source(config.tier_c, model.path, stacks, config.nvme_device, **options)
+    except BaseException:
+        del transformer  # a GPU engine's device memory goes back with it
+        raise
     try:
         from infer.arch import rope_freq_factors
         from infer.model import Transformer
 
         stats_path, use = router_statistics(model, args, getattr(config, "expert_stats", None))
         try:
-            weights = tiered_weights(model, args, source, budget, use=use)
+            weights = tiered_weights(model, args, source, budget, use=use,
+                                     layers=None if transformer is None else on_cpu)
         except ValueError as err:
             raise BudgetError(str(err)) from None
-        kept, size = [], 0  # up to STORAGE_SAMPLE of experts, read as a pass's misses are
-        for r in (r for s in slices for e in range(args.n_experts) for r in s.ranges(e)):
+        kept, size = [], 0  # up to STORAGE_SAMPLE of the tiered experts, read as a pass's misses are
+        for r in (r for i in on_cpu for e in range(args.n_experts) for r in slices[i].ranges(e)):
             if kept and size + r[1] > STORAGE_SAMPLE:
                 break
             kept.append(r)
             size += r[1]
-        storage = measure_storage_read(source, kept)
-        transformer = Transformer(args, weights, rope_freq_factors(model, args))
+        storage = measure_storage_read(source, kept) if kept else 0.0
+        if transformer is None:
+            transformer = Transformer(args, weights, rope_freq_factors(model, args))
+        elif transformer.cpu_experts is not None:
+            transformer.cpu_experts.blocks = weights  # the CPU's blocks take their experts from the cache
         stats = weights.expert_cache.stats
         engine = StreamingEngine(transformer, ctx_size, prefill_chunk, bytes_moved=lambda: {"C": stats.bytes_read})
     except BaseException:
         source.close()
         raise
-    return ExpertSession(engine, weights, source, storage, note, [source.close], stats_path, use is not None)
+    return ExpertSession(engine, weights, source, storage, note, [source.close], stats_path, use is not None,
+                         account=getattr(transformer, "account", None), device=device)
+
+
+def _gpu_transformer(model: GGUFModel, ctx_size: int, config: Any, prefill_chunk: int,
+                     planned: dict[str, int] | None, enforce_budget: bool) -> tuple[Any, list[int]]:
+    """The GPU engine, resident, with the experts of the blocks --vram-budget holds in VRAM; (it, the
+    blocks whose experts the CPU computes). Nothing streams the CPU's experts to the GPU: their bytes
+    are the cache's, not the file's pages, which registering for the link would pin in RAM."""
+    from infer.gpu import load_gpu_transformer
+
+    gpu = load_gpu_transformer(model, ctx_size, config.vram_budget, prefill_chunk, batch=config.batch,
+                               enforce_budget=enforce_budget, planned=planned,
+                               experts=getattr(config, "experts", "auto"), expert_stream="off")
+    return gpu, list(gpu.cpu_experts.layers) if gpu.cpu_experts is not None else []
+

@@ -16,7 +16,7 @@ engine's weights take their experts from such a cache.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -86,21 +86,29 @@ class ExpertCache:
     `products(layer, expert)` -> (gate_up, down) packed products over the cached bytes."""
 
     def __init__(self, model: GGUFModel, args: ModelArgs, source: StorageSource, budget_bytes: int,
-                 threads: int | None = None, policy: str = DEFAULT_POLICY, use: ExpertUse | None = None) -> None:
+                 threads: int | None = None, policy: str = DEFAULT_POLICY, use: ExpertUse | None = None,
+                 layers: Sequence[int] | None = None) -> None:
+        """layers: the blocks whose experts this cache serves (default all; the GPU engine's CPU
+        blocks when the others' experts are in VRAM): only theirs are preloaded and counted."""
         if not args.n_experts:
             raise ValueError(f"{model.path.name} has no experts to tier")
         self.args, self.source, self.threads = args, source, threads
+        self.layers = list(range(args.n_layers)) if layers is None else sorted(set(layers))
         self.slices = [ExpertSlices.of_layer(model, i) for i in range(args.n_layers)]
-        self.expert_nbytes = max(s.expert_nbytes for s in self.slices)
-        self.capacity = budget_bytes // self.expert_nbytes
-        if self.capacity < args.n_experts_used:
+        self.expert_nbytes = max(self.slices[i].expert_nbytes for i in self.layers) if self.layers else 0
+        self.capacity = budget_bytes // self.expert_nbytes if self.layers else 0
+        if self.layers and self.capacity < args.n_experts_used:
             raise ValueError(f"a RAM budget for experts of {format_bytes(budget_bytes)} holds {self.capacity} experts "
                              f"of {format_bytes(self.expert_nbytes)}; a token needs {args.n_experts_used} at once "
                              f"(at least {format_bytes(args.n_experts_used * self.expert_nbytes)})")
         self.budget_bytes = budget_bytes
-        self.total_experts = args.n_layers * args.n_experts
+        self.total_experts = len(self.layers) * args.n_experts
         self.use = use if use is not None else ExpertUse.empty(args.n_layers, args.n_experts)
-        self.residency = ExpertResidency(min(self.capacity, self.total_experts), policy, use)
+        if use is not None and len(self.layers) < args.n_layers:  # the other blocks' experts are not ours to preload
+            mask = np.zeros((args.n_layers, 1))
+            mask[self.layers] = 1.0
+            use = ExpertUse(use.counts * mask, use.tokens)
+        self.residency = ExpertResidency(max(1, min(self.capacity, self.total_experts)), policy, use)
         self._held: dict[tuple[int, int], tuple[PackedLinear, PackedLinear]] = {}
         self.stats = ExpertStats()
 
@@ -109,6 +117,8 @@ class ExpertCache:
         return len(self._held)
 
     def describe(self) -> str:
+        if not self.total_experts:
+            return "experts: every block's are in VRAM; none is read from tier C"
         share = min(self.capacity, self.total_experts) / self.total_experts
         return (f"experts: {self.total_experts} of {format_bytes(self.expert_nbytes)}; RAM holds "
                 f"{min(self.capacity, self.total_experts)} ({share:.0%}), the rest read from tier C "
@@ -223,10 +233,21 @@ class TieredExpertWeights(PackedWeights):
         return moe
 
 
+class TieredExpertBlocks(TieredExpertWeights):
+    """The blocks whose feed-forward the CPU computes beside the GPU (infer.tiers.cpu_tier.CpuExperts),
+    their experts from an ExpertCache: the rest of the model is the GPU's, so nothing is copied to
+    huge pages."""
+
+    copies_to_huge_pages = False
+
+
 def tiered_weights(model: GGUFModel, args: ModelArgs, source: StorageSource, ram_budget: int,
-                   threads: int | None = None, policy: str = DEFAULT_POLICY, use: ExpertUse | None = None) -> Any:
+                   threads: int | None = None, policy: str = DEFAULT_POLICY, use: ExpertUse | None = None,
+                   layers: Sequence[int] | None = None) -> Any:
     """Packed weights whose experts live in an ExpertCache of `ram_budget` bytes over `source`, kept by
-    `policy`, seeded by the router statistics `use`."""
-    weights = TieredExpertWeights(model, args, threads=threads)
-    weights.expert_cache = ExpertCache(model, args, source, ram_budget, threads, policy, use)
+    `policy`, seeded by the router statistics `use`. layers: only these blocks' experts, for the GPU
+    engine's CPU blocks (TieredExpertBlocks); default every block, for the CPU engine."""
+    weights = TieredExpertWeights(model, args, threads=threads) if layers is None else \
+        TieredExpertBlocks(model, args, threads=threads)
+    weights.expert_cache = ExpertCache(model, args, source, ram_budget, threads, policy, use, layers)
     return weights

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from infer.arch import check_model, refuse_experts, rope_freq_factors
+from infer.arch import check_model, rope_freq_factors
 from infer.gguf_file import GGUFModel
 from infer.streaming import StreamingEngine
 from infer.tiers.budget import DEVICE_MARGIN, BudgetError, Budgets, VramAccount, compute_budgets, free_vram
@@ -146,13 +146,11 @@ def build_streaming_engine(model: GGUFModel | str | os.PathLike, config: Streami
     if not isinstance(model, GGUFModel):
         model = GGUFModel(model)
     args = check_model(model)
-    if args.n_experts and device == "cpu":  # the expert is the unit of placement (infer.tiers.experts)
+    if args.n_experts:  # the expert is the unit of placement (infer.tiers.experts, expert_session)
         from infer.tiers.expert_session import build_expert_session
 
-        return build_expert_session(model, args, config, ctx_size, prefill_chunk, exact)  # type: ignore[return-value]
-    refuse_experts(args, model.path, "the streaming engine on the GPU",
-                   "run it without --streaming, --batch or --prompts (one sequence; its experts stay in RAM) "
-                   "or on the CPU (--device cpu)")
+        return build_expert_session(model, args, config, ctx_size, prefill_chunk, exact, device,  # type: ignore[return-value]
+                                    tree_nodes, planned, enforce_budget)
     tensors = planner_tensors(model, device)
     on_gpu = device == "gpu"
     account = None

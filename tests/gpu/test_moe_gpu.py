@@ -1,7 +1,8 @@
 """A mixture-of-experts model resident on a real GPU, its experts in VRAM (infer.gpu.experts) or
 computed by the CPU (infer.tiers.cpu_tier.CpuExperts): the checks of tests/infer/test_gpu_moe.py
-(which run them on the NumPy stand-in for CuPy in CI) on the device. The kernels alone:
-tests/gpu/test_moe_kernels.py.
+(which run them on the NumPy stand-in for CuPy in CI) on the device, and those of
+tests/infer/test_gpu_moe_tiered.py (--streaming: the CPU's experts from a cache over tier C). The
+kernels alone: tests/gpu/test_moe_kernels.py.
 
 Run on the GPU machine:  python -m pytest -v tests/gpu/test_moe_gpu.py
 """
@@ -24,6 +25,7 @@ from tests.infer.test_gpu_moe import (  # noqa: F401
     placed,
     quantized_moe,
 )
+from tests.infer.test_gpu_moe_tiered import HELD, PLACES, check_tiered_against_resident
 
 cupy = pytest.importorskip("cupy")
 pytestmark = pytest.mark.gpu
@@ -52,3 +54,12 @@ def test_the_cpus_blocks_share_their_picks_with_the_gpu_on_the_gpu(moe_dir: Path
 def test_a_split_across_gpus_places_each_stages_experts_on_the_gpu(quantized_moe: Path,  # noqa: F811
                                                                     place: str | int) -> None:  # noqa: F811
     check_stages(quantized_moe, place)
+
+
+@PLACES
+@HELD
+def test_the_cpu_blocks_take_their_experts_from_the_tiered_cache_on_the_gpu(moe_dir: Path, place: str | int,  # noqa: F811
+                                                                            held: str, tmp_path: Path,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("NVMEDIRECT_CACHE", str(tmp_path / "cache"))
+    check_tiered_against_resident(moe_dir, place, held)

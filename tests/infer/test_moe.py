@@ -14,7 +14,6 @@ import pytest
 
 from infer import cpu_kernels
 from infer.arch import ModelArgs
-from infer.errors import UnsupportedModelError
 from infer.gguf_file import GGUFModel
 from infer.model import load_transformer
 from infer.moe import expert_weights, router_softmax, top_k, weighted_sum
@@ -134,20 +133,6 @@ def test_packed_experts_do_not_depend_on_batching(kind: str, tmp_path: Path) -> 
         exact = load_transformer(GGUFModel(path), exact=True)
         want = exact.forward(ids, exact.new_cache(40), all_logits=True)
         assert np.abs(whole - want).max() <= 1e-4 * np.abs(want).max()
-
-
-def test_the_streamed_gpu_engine_refuses_experts_in_one_line(qwen3moe: Path) -> None:
-    """Streamed on the GPU (checked before CuPy loads, so this machine shows it) a MoE file is
-    refused with one line naming the key and what runs it (the resident GPU engine does:
-    tests/infer/test_gpu_moe.py)."""
-    from infer.tiers.config import StreamingConfig
-    from infer.tiers.session import build_streaming_engine
-
-    with pytest.raises(UnsupportedModelError) as streamed:
-        build_streaming_engine(GGUFModel(qwen3moe), StreamingConfig(enabled=True), 256, "gpu")
-    line = str(streamed.value)
-    assert "\n" not in line and "key qwen3moe.expert_count" in line and "not the streaming engine on the GPU" in line
-    assert "without --streaming" in line, line
 
 
 def test_a_skewed_router_concentrates_the_routing(tmp_path: Path) -> None:
