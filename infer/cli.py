@@ -287,8 +287,7 @@ def main(ctx: click.Context, model: str | None, prompt: str | None, n_predict: i
               EXIT_BAD_INPUT)
     experts: str | int = "cpu" if cpu_moe else ("auto" if n_cpu_moe is None else n_cpu_moe)
     devices = _gpus(gpus, device, streaming, exact, spec.self_draft, benchmark)
-    if experts != "auto" and spec.active:
-        _note("warning: --cpu-moe and --n-cpu-moe place the experts of a GPU run without a draft: this run ignores them")
+    streaming = replace(streaming, experts=experts)  # a MoE's placement on the GPU, resident or streamed
     if spec.active:
         from infer.cli_spec import run as run_speculative
 
@@ -296,7 +295,7 @@ def main(ctx: click.Context, model: str | None, prompt: str | None, n_predict: i
                         chat, benchmark, exact, as_json, gpus=devices)
         return
     if streaming.enabled or streaming.batch > 1 or streaming.prompts_file:
-        _run_streaming(model, replace(streaming, experts=experts), ctx_size, device, prompt, n_predict, sampler, chat,
+        _run_streaming(model, streaming, ctx_size, device, prompt, n_predict, sampler, chat,
                        benchmark, as_json, exact, gpus=devices)
         return
     where = _resolve_device(device)

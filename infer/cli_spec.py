@@ -223,6 +223,7 @@ def run(model: str | None, spec: SpecOptions, streaming: Any, ctx_size: int, dev
         c._fail("no model given: use -m/--model FILE.gguf", c.EXIT_BAD_INPUT)
 
     where = c._resolve_device(device)
+    c._warn_experts_on_cpu(where, streaming.experts)
     if where == "cpu" and not cpu_speculation_allowed(model, exact, streaming.enabled):
         c._fail(CPU_NEEDS_EXACT, c.EXIT_BAD_INPUT)
     if spec.draft_model:  # before anything loads: a draft with another vocabulary is bad input
@@ -270,7 +271,7 @@ def run(model: str | None, spec: SpecOptions, streaming: Any, ctx_size: int, dev
                 target, cache, closer = session.engine.model, None, session.close
             else:
                 llm = c._load(model, ctx_size, where, streaming.vram_budget, exact, planned=planned, tree_nodes=nodes,
-                              gpus=gpus)
+                              gpus=gpus, experts=streaming.experts)
                 target, tokenizer, context, closer = llm.transformer, llm.tokenizer, llm.engine.ctx_size, None
                 cache = llm.engine.cache  # the one cache its budget planned
             try:

@@ -88,6 +88,8 @@ class ExpertSession:
     def statistics_note(self) -> str:
         """What the router statistics say of this budget, and where they are kept."""
         cache = self.cache
+        if not cache.total_experts:
+            return "router statistics: not needed (no expert is the CPU's)"
         if self.stats_path is None:
             return "router statistics: off (--expert-stats off); experts are read as first routed to"
         if not self.stats_found:
@@ -190,12 +192,9 @@ def build_expert_session(model: GGUFModel, args: ModelArgs, config: Any, ctx_siz
                           "NVMEDIRECT_CPU_PRODUCTS=numpy (or drop --streaming)")
     if config.tier_c == "mmap":
         raise BudgetError("--tier-c mmap reads through the page cache, which no RAM budget bounds: use file or nvme")
-    if tree_nodes and device == "gpu":
-        raise BudgetError("speculation on a mixture of experts with tiered experts on the GPU is not built yet: "
-                          "drop --streaming (its experts then stay in RAM) or the draft")
     slices = [ExpertSlices.of_layer(model, i) for i in range(args.n_layers)]
     transformer, on_cpu = (None, list(range(args.n_layers))) if device == "cpu" else \
-        _gpu_transformer(model, ctx_size, config, prefill_chunk, planned, enforce_budget)
+        _gpu_transformer(model, ctx_size, config, prefill_chunk, planned, enforce_budget, tree_nodes)
     try:
         tiered = sum(slices[i].expert_nbytes * args.n_experts for i in on_cpu)
         if config.ram_budget:
@@ -205,7 +204,9 @@ def build_expert_session(model: GGUFModel, args: ModelArgs, config: Any, ctx_siz
             budget = int(DEMO_EXPERT_SHARE * tiered)
             note = (f"RAM budget for experts: {format_bytes(budget)} (demo: a quarter of {format_bytes(tiered)}; "
                     "--ram-budget sets it)")
-        if len(on_cpu) < args.n_layers:
+        if not on_cpu:
+            note = "RAM budget for experts: none needed (every block's experts are in VRAM)"
+        elif len(on_cpu) < args.n_layers:
             note += f", the experts of the {len(on_cpu)} of {args.n_layers} blocks the CPU computes"
         stacks = [t for t in planner_tensors(model, "cpu") if any(t.name.endswith(f"{k}.weight") for k in STACKS)]
         options: dict[str, Any] = {"lba": config.nvme_lba} if config.tier_c == "nvme" and config.nvme_lba is not None else {}
@@ -246,14 +247,14 @@ def build_expert_session(model: GGUFModel, args: ModelArgs, config: Any, ctx_siz
 
 
 def _gpu_transformer(model: GGUFModel, ctx_size: int, config: Any, prefill_chunk: int,
-                     planned: dict[str, int] | None, enforce_budget: bool) -> tuple[Any, list[int]]:
+                     planned: dict[str, int] | None, enforce_budget: bool, tree_nodes: int) -> tuple[Any, list[int]]:
     """The GPU engine, resident, with the experts of the blocks --vram-budget holds in VRAM; (it, the
     blocks whose experts the CPU computes). Nothing streams the CPU's experts to the GPU: their bytes
     are the cache's, not the file's pages, which registering for the link would pin in RAM."""
     from infer.gpu import load_gpu_transformer
 
     gpu = load_gpu_transformer(model, ctx_size, config.vram_budget, prefill_chunk, batch=config.batch,
-                               enforce_budget=enforce_budget, planned=planned,
+                               enforce_budget=enforce_budget, planned=planned, tree_nodes=tree_nodes,
                                experts=getattr(config, "experts", "auto"), expert_stream="off")
     return gpu, list(gpu.cpu_experts.layers) if gpu.cpu_experts is not None else []
 

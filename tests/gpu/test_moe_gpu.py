@@ -25,7 +25,13 @@ from tests.infer.test_gpu_moe import (  # noqa: F401
     placed,
     quantized_moe,
 )
-from tests.infer.test_gpu_moe_tiered import HELD, PLACES, check_tiered_against_resident
+from tests.infer.test_gpu_moe_tiered import (
+    DRAFTERS,
+    HELD,
+    PLACES,
+    check_speculation,
+    check_tiered_against_resident,
+)
 
 cupy = pytest.importorskip("cupy")
 pytestmark = pytest.mark.gpu
@@ -63,3 +69,11 @@ def test_the_cpu_blocks_take_their_experts_from_the_tiered_cache_on_the_gpu(moe_
                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("NVMEDIRECT_CACHE", str(tmp_path / "cache"))
     check_tiered_against_resident(moe_dir, place, held)
+
+
+@DRAFTERS
+def test_speculation_on_the_tiered_experts_gives_the_plain_text_on_the_gpu(moe_dir: Path, drafter: str,  # noqa: F811
+                                                                           tmp_path: Path,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("NVMEDIRECT_CACHE", str(tmp_path / "cache"))
+    check_speculation(moe_dir, drafter)
