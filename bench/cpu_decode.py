@@ -6,7 +6,9 @@ RSS, prompt tok/s and decode tok/s, each engine in a process of its own (so RSS 
 
 Engines: `native` (our engine, matrices packed in the mapped file through the native kernels:
 NVMEDIRECT_CPU_PRODUCTS=native), `numpy` (our default engine: matrices dequantized to float32 at
-load), `llama.cpp` (llama-cpp-python, flash attention off, its own sampler at top-k 1). Every engine
+load), `tiered` (a mixture of experts: `native` with its experts in the tiered RAM cache of
+infer.tiers.experts, every expert read into it before the clock starts: the cache's own cost),
+`llama.cpp` (llama-cpp-python, flash attention off, its own sampler at top-k 1). Every engine
 gets the same prompt ids (our tokenizer's) and decodes greedily; decode tok/s counts the tokens after
 the first. The machine's copy bandwidth is printed beside them (decode reads every weight once a
 token, so bytes a token / copy bandwidth bounds it), and each run's 1-minute load average as it
@@ -27,7 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-ENGINES = ("native", "numpy", "llama.cpp")
+ENGINES = ("native", "numpy", "tiered", "llama.cpp")
 PASSAGE = ("The river rose through the night, and by morning the lower fields were under water. The farmers "
            "moved their animals to the hill behind the church and waited. Nobody in the village could remember "
            "a flood like it, though the oldest stories spoke of one, long ago, that had carried away the mill. ")
@@ -49,14 +51,35 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def run_ours(path: Path, ids: list[int], tg: int, packed: bool) -> dict[str, Any]:
-    """Our CPU engine (its products use the physical cores: infer.cpu_kernels.default_threads)."""
+def run_ours(path: Path, ids: list[int], tg: int, packed: bool, tiered: bool = False) -> dict[str, Any]:
+    """Our CPU engine (its products use the physical cores: infer.cpu_kernels.default_threads).
+    tiered: a mixture of experts with its experts in the tiered cache (infer.tiers.experts) of a
+    budget of every expert, read from the file as first routed to: the cost of the cache against
+    `native` with every expert held (read before the clock starts; load_seconds includes it)."""
     from infer.engine import Engine, greedy
     from infer.gguf_file import GGUFModel
-    from infer.model import load_transformer
+    from infer.model import Transformer, load_transformer
 
     began = time.perf_counter()
-    model = load_transformer(GGUFModel(path), packed=packed)
+    gguf = GGUFModel(path)
+    extra: dict[str, Any] = {}
+    if tiered:
+        from infer.arch import check_model, rope_freq_factors
+        from infer.tiers.experts import ExpertSlices, tiered_weights
+        from infer.tiers.tier_c import FileSource
+
+        args = check_model(gguf)
+        # the cache's unit is its largest expert (Q4_K_M's down stacks differ between blocks)
+        every = max(ExpertSlices.of_layer(gguf, i).expert_nbytes for i in range(args.n_layers)) * \
+            args.n_layers * args.n_experts
+        weights = tiered_weights(gguf, args, FileSource(path), every)
+        model: Any = Transformer(args, weights, rope_freq_factors(gguf, args))
+        cache = weights.expert_cache
+        for layer in range(args.n_layers):  # every expert held before the clock: the cache's own cost
+            cache.ensure(layer, range(args.n_experts))
+        cache.stats = type(cache.stats)()
+    else:
+        model = load_transformer(gguf, packed=packed)
     load_s = time.perf_counter() - began
     engine = Engine(model, len(ids) + tg + 8)
     began = time.perf_counter()
@@ -70,8 +93,11 @@ def run_ours(path: Path, ids: list[int], tg: int, packed: bool) -> dict[str, Any
         tokens.append(token)
         logits = engine.decode_one(token)
     end = time.perf_counter()
+    if tiered:
+        stats = weights.expert_cache.stats
+        extra = {"expert_hits": stats.hits, "expert_misses": stats.misses}
     return {"load_seconds": round(load_s, 3), "pp_tok_s": round((len(ids) - 1) / pp_s, 2),
-            "tg_tok_s": round(tg / (end - first), 2), "peak_rss_bytes": peak_rss_bytes(), "tokens": tokens}
+            "tg_tok_s": round(tg / (end - first), 2), "peak_rss_bytes": peak_rss_bytes(), "tokens": tokens, **extra}
 
 
 def run_llama(path: Path, ids: list[int], tg: int, threads: int | None) -> dict[str, Any]:
@@ -110,7 +136,7 @@ def one(args: argparse.Namespace) -> int:
     if args.one == "llama.cpp":
         result = run_llama(args.model[0], ids, args.tg, args.threads)
     else:
-        result = run_ours(args.model[0], ids, args.tg, args.one == "native")
+        result = run_ours(args.model[0], ids, args.tg, args.one in ("native", "tiered"), args.one == "tiered")
     print(json.dumps(result))
     return 0
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import os
+from typing import Any
 
 import numpy as np
 from gguf.constants import GGMLQuantizationType
@@ -330,17 +331,60 @@ class RoutedExperts:
 
     def __call__(self, x: np.ndarray, ids: np.ndarray) -> np.ndarray:
         """x (dim,) float32, ids (k,) expert ids -> (k, dim) float32: each expert's output for x."""
-        ids = np.ascontiguousarray(ids, dtype=np.int32)
-        if not 1 <= ids.size <= MAX_SLOTS:
-            raise ValueError(f"a token takes 1 to {MAX_SLOTS} experts, not {ids.size}")
-        x = np.ascontiguousarray(x, dtype=np.float32).reshape(-1)
-        if x.size != self.dim:
-            raise ValueError(f"activations have {x.size} values, the experts {self.dim}")
-        out = np.empty((ids.size, self.dim), np.float32)
+        return _moe_row(self, self._tables, x, ids)
+
+
+def _moe_row(shape: RoutedExperts | ExpertTable, tables: list[Any], x: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    ids = np.ascontiguousarray(ids, dtype=np.int32)
+    if not 1 <= ids.size <= MAX_SLOTS:
+        raise ValueError(f"a token takes 1 to {MAX_SLOTS} experts, not {ids.size}")
+    x = np.ascontiguousarray(x, dtype=np.float32).reshape(-1)
+    if x.size != shape.dim:
+        raise ValueError(f"activations have {x.size} values, the experts {shape.dim}")
+    out = np.empty((ids.size, shape.dim), np.float32)
+    ffi = _cpu_kernels.ffi
+    rc = _cpu_kernels.lib.qdot_moe_row(ffi.from_buffer("int[]", ids), ids.size, *tables, shape.n_experts,
+                                       int(shape.gate_type), int(shape.up_type), int(shape.down_type), shape.width,
+                                       shape.dim, ffi.from_buffer("float[]", x),
+                                       ffi.from_buffer("float[]", out, require_writable=True), shape.threads)
+    raise_for(rc, "routed experts")
+    return out
+
+
+class ExpertTable:
+    """A layer's experts held in separate buffers (infer.tiers.experts' cache), for one token's routed
+    experts in one native call as RoutedExperts makes it, so the same bits: per expert id the
+    pointers of its gate, up and down bytes, set by `hold` and cleared by `drop`. A call may name
+    held experts only."""
+
+    def __init__(self, n_experts: int, types: tuple[int, int, int], width: int, dim: int,
+                 threads: int | None = None) -> None:
+        _lib()
         ffi = _cpu_kernels.ffi
-        rc = _cpu_kernels.lib.qdot_moe_row(ffi.from_buffer("int[]", ids), ids.size, *self._tables, self.n_experts,
-                                           int(self.gate_type), int(self.up_type), int(self.down_type), self.width,
-                                           self.dim, ffi.from_buffer("float[]", x),
-                                           ffi.from_buffer("float[]", out, require_writable=True), self.threads)
-        raise_for(rc, "routed experts")
-        return out
+        self.n_experts, self.width, self.dim = n_experts, width, dim
+        self.gate_type, self.up_type, self.down_type = types
+        self.threads = default_threads() if threads is None else int(threads)
+        self._tables = [ffi.new("const void *[]", n_experts) for _ in range(3)]
+        self._held: dict[int, tuple[np.ndarray, ...]] = {}
+        self._sizes = [self.width * weight_row_nbytes(self.gate_type, dim), self.width * weight_row_nbytes(self.up_type, dim),
+                       dim * weight_row_nbytes(self.down_type, width)]
+
+    def hold(self, expert: int, gate: np.ndarray, up: np.ndarray, down: np.ndarray) -> None:
+        raws = tuple(np.ascontiguousarray(a).reshape(-1).view(np.uint8) for a in (gate, up, down))
+        if [r.size for r in raws] != self._sizes:
+            raise ValueError(f"expert {expert}'s bytes ({[r.size for r in raws]}) are not its matrices' ({self._sizes})")
+        for table, raw in zip(self._tables, raws, strict=True):
+            table[expert] = _cpu_kernels.ffi.from_buffer(raw)
+        self._held[expert] = raws
+
+    def drop(self, expert: int) -> None:
+        for table in self._tables:
+            table[expert] = _cpu_kernels.ffi.NULL
+        del self._held[expert]
+
+    def __call__(self, x: np.ndarray, ids: np.ndarray) -> np.ndarray:
+        """x (dim,) float32, ids (k,) held expert ids -> (k, dim) float32: each expert's output for x."""
+        missing = [int(e) for e in np.asarray(ids).reshape(-1) if int(e) not in self._held]
+        if missing:
+            raise ValueError(f"experts {missing} are not held")
+        return _moe_row(self, self._tables, x, ids)

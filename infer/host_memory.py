@@ -153,3 +153,39 @@ class HugePageCopy:
             elif inside and line.startswith("AnonHugePages:"):
                 return int(line.split()[1]) * 1024
         return 0
+
+
+class HugePageSlots:
+    """`count` slots of `nbytes` each (at 64-byte boundaries) in one anonymous mapping advised to huge
+    pages, handed out and taken back: a cache that holds at most `count` items of at most `nbytes`
+    (infer.tiers.experts' expert cache) keeps them where a decode streams them fastest, and its memory
+    is bounded by the mapping (a page is only taken when first written)."""
+
+    def __init__(self, count: int, nbytes: int) -> None:
+        if count < 1 or nbytes < 1:
+            raise ValueError(f"an arena of {count} slots of {nbytes} bytes holds nothing")
+        self.count, self.nbytes = count, nbytes
+        self.stride = (nbytes + LINE - 1) // LINE * LINE
+        self._map = mmap.mmap(-1, count * self.stride + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        if choice() == "auto":
+            with contextlib.suppress(OSError):  # refused (a sandbox, an old kernel): small pages work too
+                self._map.madvise(mmap.MADV_HUGEPAGE)
+        whole = np.frombuffer(self._map, np.uint8)
+        first = (-whole.ctypes.data) % HUGE_PAGE
+        self._bytes = whole[first:first + count * self.stride]
+        self._free = list(range(count - 1, -1, -1))  # the lowest slot first: fewer pages touched
+
+    def take(self) -> tuple[int, np.ndarray]:
+        """(slot, its `nbytes` bytes); ValueError when every slot is taken."""
+        if not self._free:
+            raise ValueError(f"all {self.count} slots are taken")
+        slot = self._free.pop()
+        return slot, self._bytes[slot * self.stride: slot * self.stride + self.nbytes]
+
+    def give(self, slot: int) -> None:
+        """Slot `slot` back (its bytes may be handed out again: nothing may still read them)."""
+        self._free.append(slot)
+
+    @property
+    def free(self) -> int:
+        return len(self._free)

@@ -22,8 +22,11 @@ from typing import Any
 
 import numpy as np
 
+from infer import cpu_kernels
 from infer.arch import ModelArgs, tensor_name
+from infer.cpu_kernels import ExpertTable
 from infer.gguf_file import GGUFModel
+from infer.host_memory import HugePageSlots
 from infer.moe import Glu, MixtureOfExperts, weighted_sum
 from infer.packed_weights import PackedLinear, PackedWeights
 from infer.tiers.expert_policy import (
@@ -110,6 +113,17 @@ class ExpertCache:
             use = ExpertUse(use.counts * mask, use.tokens)
         self.residency = ExpertResidency(max(1, min(self.capacity, self.total_experts)), policy, use)
         self._held: dict[tuple[int, int], tuple[PackedLinear, PackedLinear]] = {}
+        self._tables: dict[int, ExpertTable] = {}  # per layer: the held experts for a decode row's one call
+        # the held experts' bytes: one slot each in a huge-page arena of the capacity (a decode streams
+        # them as fast as the packed engine's huge-page copy; the budget bounds the mapping)
+        slots = min(self.capacity, self.total_experts)
+        try:
+            self._slots = HugePageSlots(slots, self.expert_nbytes) if slots else None
+        except OSError as err:
+            raise ValueError(f"a RAM budget for experts of {format_bytes(budget_bytes)} ({slots} experts of "
+                             f"{format_bytes(self.expert_nbytes)}) cannot be mapped: {err.strerror or err}; "
+                             "lower --ram-budget") from None
+        self._slot_of: dict[tuple[int, int], int] = {}
         self.stats = ExpertStats()
 
     @property
@@ -150,21 +164,37 @@ class ExpertCache:
         self.stats.misses += len(missing)
         for key in dropped:
             del self._held[key]
+            self._tables[key[0]].drop(key[1])
+            self._slots.give(self._slot_of.pop(key))  # type: ignore[union-attr]
         self.stats.evictions += len(dropped)
         if missing:
             self._read(layer, missing)
 
     def _read(self, layer: int, experts: list[int]) -> None:
         s = self.slices[layer]
-        buffers = [[np.empty(n, np.uint8) for n in s.nbytes] for _ in experts]
+        buffers = []
+        for e in experts:
+            slot, place = self._slots.take()  # type: ignore[union-attr]
+            self._slot_of[(layer, e)] = slot
+            cuts = np.cumsum(s.nbytes)
+            buffers.append([place[:cuts[0]], place[cuts[0]:cuts[1]], place[cuts[1]:cuts[2]]])
         began = time.perf_counter()
         self.source.read_async([r for e in experts for r in s.ranges(e)], [b for bufs in buffers for b in bufs]).wait()
         self.stats.read_seconds += time.perf_counter() - began
         self.stats.bytes_read += len(experts) * s.expert_nbytes
+        (gr, gc), (ur, uc), (dr, dc) = s.shapes
+        table = self._tables.get(layer)
+        if table is None:
+            table = self._tables[layer] = ExpertTable(self.args.n_experts, s.types, gr, gc, self.threads)
         for e, (gate, up, down) in zip(experts, buffers, strict=True):
-            (gr, gc), (ur, uc), (dr, dc) = s.shapes
             self._held[(layer, e)] = (PackedLinear([(gate, s.types[0], gr, gc), (up, s.types[1], ur, uc)], self.threads),
                                       PackedLinear([(down, s.types[2], dr, dc)], self.threads))
+            table.hold(e, gate, up, down)
+
+    def row(self, layer: int, x: np.ndarray, experts: np.ndarray) -> np.ndarray:
+        """(k, dim): the held `experts` of `layer` on one row x (dim,), in one native call (the bits
+        of their products one by one: infer.cpu_kernels.ExpertTable)."""
+        return self._tables[layer](x, experts)
 
     def products(self, layer: int, expert: int) -> tuple[PackedLinear, PackedLinear]:
         held = self._held.get((layer, expert))
@@ -195,6 +225,7 @@ class TieredMixtureOfExperts(MixtureOfExperts):
 
     cache: ExpertCache
     layer: int
+    native_row: bool = False  # whether the glu is the native SwiGLU that ExpertTable's call applies
 
     def routed(self, h: np.ndarray, glu: Glu, exact: bool = False) -> np.ndarray:
         chosen, weights = self.route(h, exact)
@@ -207,6 +238,14 @@ class TieredMixtureOfExperts(MixtureOfExperts):
             self.cache.ensure(self.layer, group, uses[start : start + room])
             self.run_experts(outs, h, chosen, group, glu)
         return weighted_sum(outs, weights, exact)
+
+    def run_experts(self, outs: np.ndarray, h: np.ndarray, chosen: np.ndarray, experts: np.ndarray, glu: Glu) -> None:
+        if len(h) == 1 and self.native_row:  # a decode row: the token's experts in one call, as the
+            wanted = set(experts.tolist())    # all-RAM packed engine's row_experts
+            slots = [s for s, e in enumerate(chosen[0].tolist()) if e in wanted]
+            outs[0, slots] = self.cache.row(self.layer, h[0], chosen[0, slots])
+            return
+        super().run_experts(outs, h, chosen, experts, glu)
 
     @property
     def nbytes(self) -> int:
@@ -230,6 +269,7 @@ class TieredExpertWeights(PackedWeights):
                                      _ExpertProducts(cache, i, 0), _ExpertProducts(cache, i, 1),  # type: ignore[arg-type]
                                      self.args.n_experts_used, self.args.expert_weights_norm, self._shared_expert(i))
         moe.cache, moe.layer = cache, i
+        moe.native_row = self.args.arch_table.activation == "silu" and self.args.n_experts_used <= cpu_kernels.MAX_SLOTS
         return moe
 
 

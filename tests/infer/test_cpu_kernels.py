@@ -567,3 +567,26 @@ def test_routed_experts_refusals(rng: np.random.Generator) -> None:
         cpu_kernels.RoutedExperts(stack, stack, stack)
     with pytest.raises(ValueError, match="same experts"):
         cpu_kernels.RoutedExperts(stack, stack[:2], down)
+
+
+def test_an_expert_table_gives_the_routed_experts_bits(rng: np.random.Generator) -> None:
+    """Experts held in separate buffers (the tiered cache's) through ExpertTable: the bits of
+    RoutedExperts over the same bytes; a dropped expert cannot be called; bytes of another size are
+    refused."""
+    n_experts, dim, width = 5, 256, 256
+    types = (T.Q4_K, T.Q4_K, T.Q6_K)
+    stack = [[(_weights(rng, t, rows, cols), t, rows, cols) for _ in range(n_experts)]
+             for t, rows, cols in ((types[0], width, dim), (types[1], width, dim), (types[2], dim, width))]
+    table = cpu_kernels.ExpertTable(n_experts, types, width, dim, threads=2)
+    for e in (4, 1, 2):
+        table.hold(e, *(stack[m][e][0].copy() for m in range(3)))  # copies: buffers of their own
+    x = _activations(rng, 1, dim)[0]
+    ids = np.array([2, 4, 1, 2])
+    want = cpu_kernels.RoutedExperts(*stack, threads=2)(x, ids)
+    assert np.array_equal(_bits(table(x, ids)), _bits(want))
+    table.drop(4)
+    with pytest.raises(ValueError, match=r"experts \[4\] are not held"):
+        table(x, ids)
+    assert np.array_equal(_bits(table(x, np.array([1]))), _bits(want[2:3]))
+    with pytest.raises(ValueError, match="are not its matrices"):
+        table.hold(0, stack[0][0][0][:-1], stack[1][0][0], stack[2][0][0])

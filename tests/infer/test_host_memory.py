@@ -123,3 +123,24 @@ def test_the_copy_takes_the_embeddings_only_when_they_are_the_output(tmp_path: P
     embd = tied.tensors["token_embd.weight"]
     copy = load_transformer(tied, packed=True).weights.huge_pages
     np.testing.assert_array_equal(copy.view(embd.offset, embd.nbytes), embd.data)
+
+
+def test_slots_are_handed_out_aligned_and_taken_back() -> None:
+    """An arena of 3 slots of 1000 bytes: each at a 64-byte boundary, apart from the others, the
+    lowest first; a fourth is refused until one comes back, and that one is handed out again."""
+    from infer.host_memory import HugePageSlots
+
+    slots = HugePageSlots(3, 1000)
+    taken = [slots.take() for _ in range(3)]
+    assert [s for s, _ in taken] == [0, 1, 2] and slots.free == 0
+    for _, place in taken:
+        assert place.nbytes == 1000 and place.ctypes.data % 64 == 0
+        place[:] = 7
+    assert taken[1][1].ctypes.data - taken[0][1].ctypes.data == slots.stride == 1024
+    with pytest.raises(ValueError, match="all 3 slots are taken"):
+        slots.take()
+    slots.give(1)
+    again, place = slots.take()
+    assert again == 1 and place.ctypes.data == taken[1][1].ctypes.data
+    with pytest.raises(ValueError, match="holds nothing"):
+        HugePageSlots(0, 10)

@@ -146,6 +146,19 @@ def test_the_cache_reads_only_what_it_lacks_and_drops_what_its_policy_says(moe: 
         gate_up, down = cache.products(1, 7)
         (offset, n), *_ = slices.ranges(7)
         assert np.array_equal(gate_up.parts[0][0], raw[offset : offset + n])  # the expert's own bytes
+        # the held bytes live in the arena's slots, one each, the dropped ones' taken back
+        assert cache._slots.count == 5 and cache._slots.free == 0 and sorted(cache._slot_of.values()) == list(range(5))
+        base, end = cache._slots._bytes.ctypes.data, cache._slots._bytes.ctypes.data + cache._slots._bytes.nbytes
+        assert base <= gate_up.parts[0][0].ctypes.data < end
+        x = np.random.default_rng(1).standard_normal(args.dim).astype(np.float32)
+        row = cache.row(1, x, np.array([7, 0]))  # the decode row's one call, over the same bytes
+        from infer.cpu_layers import swiglu
+
+        for got, e in zip(row, (7, 0), strict=True):
+            gu, d = cache.products(1, e)
+            y = gu(x[None])
+            width = y.shape[1] // 2
+            assert np.array_equal(got.view(np.uint32), d(swiglu(y[:, :width], y[:, width:]))[0].view(np.uint32))
     finally:
         source.close()
 
