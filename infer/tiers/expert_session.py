@@ -43,8 +43,8 @@ STORAGE_SAMPLE = 64 << 20  # bytes of experts read at start-up to measure tier C
 @dataclass
 class ExpertSession:
     """What build_streaming_engine gives for a mixture-of-experts model: the packed CPU engine with
-    tiered experts, or the GPU engine whose CPU blocks take theirs from the cache, beside the streaming sessions' calls (report, moved_report, problem,
-    close)."""
+    tiered experts, or the GPU engine whose CPU blocks take theirs from the cache, beside the
+    streaming sessions' calls (report, moved_report, problem, close)."""
 
     engine: Any  # infer.streaming.StreamingEngine
     weights: TieredExpertWeights
