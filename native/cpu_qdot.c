@@ -245,7 +245,7 @@ static int task_chunk(void *ctx, int i)
     return rows_any(&T->jobs[p], a, b, T->impl);
 }
 
-/* Chunks a thread gets of each job: 8 by default (a thread that is descheduled holds up at most one);
+/* Chunks a thread gets of each task: 8 by default (a thread that is descheduled holds up at most one);
  * NVMEDIRECT_CPU_CHUNKS (1 to 64) sets it, to measure what longer runs of rows (each streamed in
  * memory order) give against the balance of shorter ones. */
 static int chunks_per_thread(void)
