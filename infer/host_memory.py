@@ -66,6 +66,19 @@ def should_copy(nbytes: int) -> bool:
     return choice() == "auto" and nbytes > 0 and transparent_huge_pages() and 2 * nbytes <= available_memory()
 
 
+def _huge_page_area(nbytes: int, advise: bool = True) -> tuple[mmap.mmap, np.ndarray]:
+    """An anonymous mapping and its `nbytes` bytes from a 2 MiB boundary, advised to huge pages
+    (unless `advise` is False) before the first touch, so the faults take 2 MiB pages; where that is
+    refused (a sandbox, a kernel built without it) small pages work too."""
+    area = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if advise:
+        with contextlib.suppress(OSError):
+            area.madvise(mmap.MADV_HUGEPAGE)
+    whole = np.frombuffer(area, np.uint8)
+    first = (-whole.ctypes.data) % HUGE_PAGE
+    return area, whole[first:first + nbytes]
+
+
 class HugePageCopy:
     """Byte ranges (offset, nbytes) of the file at `path` side by side in anonymous memory advised to
     huge pages, each at a 64-byte boundary (a cache line; GGUF aligns tensors to 32), read on `threads`
@@ -84,14 +97,7 @@ class HugePageCopy:
             self._sizes.append(nbytes)
             total = (total + nbytes + LINE - 1) // LINE * LINE
         self.nbytes = sum(self._sizes)
-        self._map = mmap.mmap(-1, total + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        # before the first touch, so the faults take 2 MiB pages; if refused (a sandbox, a kernel built
-        # without it) the copy on small pages still works
-        with contextlib.suppress(OSError):
-            self._map.madvise(mmap.MADV_HUGEPAGE)
-        whole = np.frombuffer(self._map, np.uint8)
-        first = (-whole.ctypes.data) % HUGE_PAGE
-        self._bytes = whole[first:first + total]
+        self._map, self._bytes = _huge_page_area(total)
         self._fill(threads)
         self._bytes.flags.writeable = False
 
@@ -166,13 +172,7 @@ class HugePageSlots:
             raise ValueError(f"an arena of {count} slots of {nbytes} bytes holds nothing")
         self.count, self.nbytes = count, nbytes
         self.stride = (nbytes + LINE - 1) // LINE * LINE
-        self._map = mmap.mmap(-1, count * self.stride + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        if choice() == "auto":
-            with contextlib.suppress(OSError):  # refused (a sandbox, an old kernel): small pages work too
-                self._map.madvise(mmap.MADV_HUGEPAGE)
-        whole = np.frombuffer(self._map, np.uint8)
-        first = (-whole.ctypes.data) % HUGE_PAGE
-        self._bytes = whole[first:first + count * self.stride]
+        self._map, self._bytes = _huge_page_area(count * self.stride, advise=choice() == "auto")
         self._free = list(range(count - 1, -1, -1))  # the lowest slot first: fewer pages touched
 
     def take(self) -> tuple[int, np.ndarray]:

@@ -48,7 +48,7 @@ class ExpertSession:
 
     engine: Any  # infer.streaming.StreamingEngine
     weights: TieredExpertWeights
-    source: StorageSource
+    source: StorageSource | None  # None on the GPU when every block's experts are in VRAM
     storage_read: float  # tier C bytes/s, measured at start-up
     budget_note: str
     closers: list[Any]
@@ -212,7 +212,8 @@ def build_expert_session(model: GGUFModel, args: ModelArgs, config: Any, ctx_siz
         options: dict[str, Any] = {"lba": config.nvme_lba} if config.tier_c == "nvme" and config.nvme_lba is not None else {}
         if config.read_queue_depth is not None:
             options["queue_depth"] = config.read_queue_depth
-        source = open_source(config.tier_c, model.path, stacks, config.nvme_device, **options)
+        # no expert the CPU's, none to read: tier C's file or device is not opened
+        source = open_source(config.tier_c, model.path, stacks, config.nvme_device, **options) if on_cpu else None
     except BaseException:
         del transformer  # a GPU engine's device memory goes back with it
         raise
@@ -240,9 +241,11 @@ def build_expert_session(model: GGUFModel, args: ModelArgs, config: Any, ctx_siz
         stats = weights.expert_cache.stats
         engine = StreamingEngine(transformer, ctx_size, prefill_chunk, bytes_moved=lambda: {"C": stats.bytes_read})
     except BaseException:
-        source.close()
+        if source is not None:
+            source.close()
         raise
-    return ExpertSession(engine, weights, source, storage, note, [source.close], stats_path, use is not None,
+    return ExpertSession(engine, weights, source, storage, note, [source.close] if source is not None else [],
+                         stats_path, use is not None,
                          account=getattr(transformer, "account", None), device=device)
 
 

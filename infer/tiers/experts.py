@@ -88,15 +88,18 @@ class ExpertCache:
     policy and `preload`; the routings of this run are added to them (`self.use`).
     `products(layer, expert)` -> (gate_up, down) packed products over the cached bytes."""
 
-    def __init__(self, model: GGUFModel, args: ModelArgs, source: StorageSource, budget_bytes: int,
+    def __init__(self, model: GGUFModel, args: ModelArgs, source: StorageSource | None, budget_bytes: int,
                  threads: int | None = None, policy: str = DEFAULT_POLICY, use: ExpertUse | None = None,
                  layers: Sequence[int] | None = None) -> None:
         """layers: the blocks whose experts this cache serves (default all; the GPU engine's CPU
-        blocks when the others' experts are in VRAM): only theirs are preloaded and counted."""
+        blocks when the others' experts are in VRAM): only theirs are preloaded and counted. source:
+        None only when `layers` is empty (nothing is ever read)."""
         if not args.n_experts:
             raise ValueError(f"{model.path.name} has no experts to tier")
         self.args, self.source, self.threads = args, source, threads
         self.layers = list(range(args.n_layers)) if layers is None else sorted(set(layers))
+        if source is None and self.layers:
+            raise ValueError("an expert cache that serves blocks needs a tier C source to read them from")
         self.slices = [ExpertSlices.of_layer(model, i) for i in range(args.n_layers)]
         self.expert_nbytes = max(self.slices[i].expert_nbytes for i in self.layers) if self.layers else 0
         self.capacity = budget_bytes // self.expert_nbytes if self.layers else 0
@@ -173,11 +176,11 @@ class ExpertCache:
     def _read(self, layer: int, experts: list[int]) -> None:
         s = self.slices[layer]
         buffers = []
+        gate_end, up_end = s.nbytes[0], s.nbytes[0] + s.nbytes[1]
         for e in experts:
             slot, place = self._slots.take()  # type: ignore[union-attr]
             self._slot_of[(layer, e)] = slot
-            cuts = np.cumsum(s.nbytes)
-            buffers.append([place[:cuts[0]], place[cuts[0]:cuts[1]], place[cuts[1]:cuts[2]]])
+            buffers.append([place[:gate_end], place[gate_end:up_end], place[up_end:up_end + s.nbytes[2]]])
         began = time.perf_counter()
         self.source.read_async([r for e in experts for r in s.ranges(e)], [b for bufs in buffers for b in bufs]).wait()
         self.stats.read_seconds += time.perf_counter() - began
@@ -281,7 +284,7 @@ class TieredExpertBlocks(TieredExpertWeights):
     copies_to_huge_pages = False
 
 
-def tiered_weights(model: GGUFModel, args: ModelArgs, source: StorageSource, ram_budget: int,
+def tiered_weights(model: GGUFModel, args: ModelArgs, source: StorageSource | None, ram_budget: int,
                    threads: int | None = None, policy: str = DEFAULT_POLICY, use: ExpertUse | None = None,
                    layers: Sequence[int] | None = None) -> Any:
     """Packed weights whose experts live in an ExpertCache of `ram_budget` bytes over `source`, kept by

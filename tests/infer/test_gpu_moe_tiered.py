@@ -192,3 +192,22 @@ def check_speculation(moe_dir: Path, drafter: str) -> None:
     if drafter == "model":  # the target drafting for itself: its trees' first branch always accepted
         per_pass = float(re.search(r"= ([0-9.]+) tokens per pass", spec.stderr).group(1))  # type: ignore[union-attr]
         assert per_pass >= 2, spec.stderr
+
+
+def test_every_block_in_vram_opens_no_tier_c(moe_dir: Path, fake_cupy: object) -> None:
+    """With every block's experts in VRAM nothing is the CPU's to read: tier C's device is not
+    opened (a device that is not there is no error), and the report says no RAM budget is needed."""
+    from infer.engine import greedy
+    from infer.tiers.session import build_streaming_engine
+
+    path = write_moe(moe_dir, "qwen3moe", "q4_k_m")
+    config = StreamingConfig(enabled=True, tier_c="nvme", nvme_device="0000:ff:1f.7", experts="gpu")
+    session = build_streaming_engine(GGUFModel(path), config, CTX, "gpu")
+    try:
+        assert session.source is None and session.engine.model.cpu_experts is None
+        report = session.report()
+        tokens = session.engine.generate([[5, 77, 401]], 4, greedy)
+    finally:
+        session.close()
+    assert "none needed (every block's experts are in VRAM)" in report and "tier C not read" in report
+    assert len(tokens[0]) == 4
