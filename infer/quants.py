@@ -117,6 +117,17 @@ def _dequant_q6_k(blocks: np.ndarray, dtype: type) -> np.ndarray:
     return out.reshape(-1, QK_K)
 
 
+# MXFP4's 4-bit codes (E2M1 values, doubled: the scale below is halved to match)
+_FP4_DOUBLED = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], np.int8)
+
+
+def _dequant_mxfp4(blocks: np.ndarray, dtype: type) -> np.ndarray:
+    # e: u8 E8M0 exponent | qs: 16 bytes of nibbles (low nibbles first), value = fp4[q] * 2^(e - 128);
+    # every value is exact in float32 (a small integer times a power of two, subnormal for e < 2)
+    scale = np.ldexp(1.0, blocks[:, :1].astype(np.int32) - 128).astype(dtype)
+    return _FP4_DOUBLED[_low_high_nibbles(blocks[:, 1:17])].astype(dtype) * scale
+
+
 def _dequant_f16(blocks: np.ndarray, dtype: type) -> np.ndarray:
     return blocks.view(np.float16).astype(dtype)
 
@@ -143,6 +154,7 @@ _DEQUANTIZERS: dict[GGMLQuantizationType, Callable[[np.ndarray, type], np.ndarra
     T.Q4_K: _dequant_q4_k,
     T.Q5_K: _dequant_q5_k,
     T.Q6_K: _dequant_q6_k,
+    T.MXFP4: _dequant_mxfp4,  # gpt-oss's experts
 }
 SUPPORTED_TYPES: frozenset[GGMLQuantizationType] = frozenset(_DEQUANTIZERS)
 
@@ -221,7 +233,7 @@ def dequantize_rows(raw: np.ndarray, ggml_type: int, n_cols: int, row_ids: np.nd
 _ACTIVATION_FORMAT: dict[GGMLQuantizationType, str] = {
     T.F32: "f32", T.F16: "f16", T.BF16: "bf16",
     T.Q8_0: "q8_0", T.Q4_0: "q8_0", T.Q4_1: "q8_0", T.Q5_0: "q8_0", T.Q5_1: "q8_0",
-    T.Q4_K: "q8_k", T.Q5_K: "q8_k", T.Q6_K: "q8_k",
+    T.Q4_K: "q8_k", T.Q5_K: "q8_k", T.Q6_K: "q8_k", T.MXFP4: "q8_0",
 }
 
 

@@ -30,7 +30,10 @@ def random_tensor(qtype: GGMLQuantizationType, n_rows: int, n_cols: int, seed: i
         bits = rng.standard_normal(n_rows * n_cols).astype(np.float32).view(np.uint32) >> 16
         return bits.astype(np.uint16).view(np.uint8).reshape(n_rows, -1)
     blocks = rng.integers(0, 256, size=(n_blocks, type_size), dtype=np.uint8)
-    for offset in F16_FIELDS[qtype]:
+    if qtype == T.MXFP4:  # E8M0 exponents: the subnormal scales (e < 2) and finite values up to 2^11
+        blocks[:, 0] = rng.integers(0, 140, size=n_blocks)
+        blocks[:2, 0] = [0, 1]
+    for offset in F16_FIELDS.get(qtype, []):
         scale = rng.uniform(-2, 2, size=n_blocks).astype(np.float16)
         blocks[:, offset : offset + 2] = scale.view(np.uint8).reshape(n_blocks, 2)
     return blocks.reshape(n_rows, -1)
