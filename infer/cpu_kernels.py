@@ -27,7 +27,7 @@ except ImportError:  # not built yet
 
 T = GGMLQuantizationType
 SUPPORTED_TYPES: frozenset[GGMLQuantizationType] = frozenset(
-    {T.F32, T.F16, T.BF16, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K}
+    {T.F32, T.F16, T.BF16, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K, T.MXFP4}
 )
 IMPLEMENTATIONS = ("avx512", "avx2", "portable")  # the fastest first; all give the same bits
 _IMPLEMENTATION_CODES = {"portable": 0, "avx2": 1, "avx512": 2}  # native/cpu_qdot.h's QDOT_IMPL_*

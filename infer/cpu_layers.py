@@ -57,14 +57,15 @@ class NativeLayers:
 
     def attention(self, args: ModelArgs, rotary: Rope, q: np.ndarray, k: np.ndarray, v: np.ndarray, cache: KVCache,
                   index: int, start: int, cos: np.ndarray, sin: np.ndarray,
-                  allowed: np.ndarray | None) -> np.ndarray:
+                  allowed: np.ndarray | None, sinks: np.ndarray | None = None) -> np.ndarray:
         """Transformer._attention after the QKV product (and Qwen3's / Gemma's q and k norms): q (T,
         heads, head_dim), k and v (T, kv_heads, head_dim) -> (T, q_dim), the input of attn_output.
-        K is rotated here for the cache; Q inside the attention call (one call less a layer)."""
+        K is rotated here for the cache; Q inside the attention call (one call less a layer). sinks:
+        gpt-oss's logit per query head (Attention)."""
         attend = self.attention_for(args, rotary)
         k = rope(k, cos, sin, rotary.n_pairs, rotary.args.rope_neox, rotary.fma)
         keys, values, first = cache.store(index, start, k, v)  # (S, kv_heads, head_dim) float16
-        return attend(q, cos, sin, keys, values, first, start, None if allowed is None else allowed[:, first:])
+        return attend(q, cos, sin, keys, values, first, start, None if allowed is None else allowed[:, first:], sinks)
 
 
 # ---------------------------------------------------------------- the native calls (native/cpu_layers.c,
@@ -143,11 +144,13 @@ class Attention:
         return self._shape[0]
 
     def __call__(self, q: np.ndarray, cos: np.ndarray | None, sin: np.ndarray | None, keys: np.ndarray,
-                 values: np.ndarray, first: int, start: int, mask: np.ndarray | None = None) -> np.ndarray:
+                 values: np.ndarray, first: int, start: int, mask: np.ndarray | None = None,
+                 sinks: np.ndarray | None = None) -> np.ndarray:
         """q (T, heads, head_dim) float32, not yet rotated when cos and sin (T, n_pairs) are given;
         keys, values (S, kv_heads, head_dim) float16, the slots of positions
         first..first+S-1. Query t (position start + t) sees the slots up to its position, or where
-        mask (T, S) is true. -> (T, heads * head_dim) float32."""
+        mask (T, S) is true; sinks (heads,): a logit per head that joins its softmax with no value
+        (gpt-oss). -> (T, heads * head_dim) float32."""
         n = q.shape[0]
         if q.shape[1:] != (self.n_heads, self.head_dim):
             raise ValueError(f"queries of shape {q.shape} for {self.n_heads} heads of {self.head_dim}")
@@ -168,11 +171,16 @@ class Attention:
         rotate = cos is not None and sin is not None
         if rotate:
             cos, sin = _cos_sin(cos, sin, n, self.n_pairs)  # type: ignore[arg-type]
+        if sinks is not None:
+            sinks = _f32(sinks)
+            if sinks.shape != (self.n_heads,):
+                raise ValueError(f"sinks of shape {sinks.shape} for {self.n_heads} heads")
         out = np.empty((n, self.n_heads * self.head_dim), np.float32)
-        rc = _native_lib().qdot_attention(
+        rc = _native_lib().qdot_attention_sinks(
             self._shape, ffi.from_buffer("float[]", q), n, ffi.from_buffer("float[]", cos) if rotate else ffi.NULL,
             ffi.from_buffer("float[]", sin) if rotate else ffi.NULL, ffi.from_buffer(keys), ffi.from_buffer(values),
             n_keys, first, start, ffi.NULL if mask is None else ffi.from_buffer(mask),
+            ffi.NULL if sinks is None else ffi.from_buffer("float[]", sinks),
             ffi.from_buffer("float[]", out, require_writable=True), self.threads)
         cpu_kernels.raise_for(rc, "attention")
         return out

@@ -37,6 +37,9 @@ struct qdot_attn_shape {
 int qdot_attention(const struct qdot_attn_shape *shape, const float *q, int n_tokens,
                    const float *cos, const float *sin, const void *k, const void *v, int n_keys, int first,
                    int start, const uint8_t *mask, float *out, int n_threads);
+int qdot_attention_sinks(const struct qdot_attn_shape *shape, const float *q, int n_tokens,
+                         const float *cos, const float *sin, const void *k, const void *v, int n_keys, int first,
+                         int start, const uint8_t *mask, const float *sinks, float *out, int n_threads);
 void qdot_exp_softmax(const float *x, float *y, size_t n);
 void qdot_swiglu(const float *gate, const float *up, size_t n, float *out);
 struct qdot_product {
@@ -70,7 +73,7 @@ int qdot_cpu_has_avx512(void);
 # The kernels' files, compiled as one translation unit (their helpers are static inline, and the
 # kernels inline into their dispatchers) in this order; cpu_qdot_common.h holds what they share.
 SOURCES = ["cpu_qdot_quant.c", "cpu_qdot_portable.c", "cpu_qdot_avx2_legacy.c", "cpu_qdot_avx2_k.c",
-           "cpu_qdot_avx512.c", "cpu_qdot_ggml.c", "cpu_qdot_pool.c", "cpu_qdot.c", "cpu_moe.c", "cpu_layers.c",
+           "cpu_qdot_avx512.c", "cpu_qdot_ggml.c", "cpu_qdot_mxfp4.c", "cpu_qdot_pool.c", "cpu_qdot.c", "cpu_moe.c", "cpu_layers.c",
            "cpu_decode.c"]
 HEADERS = ["cpu_qdot.h", "cpu_qdot_common.h"]
 # Their text is inlined (as build_vfio.py does) so the setuptools build needs no source paths; #line

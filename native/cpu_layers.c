@@ -218,10 +218,11 @@ AVX2 static void values_avx2(const float *p, const uint16_t *v, size_t v_stride,
 }
 #endif
 
-/* Row of n > 0 scores -> probabilities (each the float16 value of e / sum), in place. */
-static void softmax_portable(float *p, int n, float scale)
+/* Row of n > 0 scores -> probabilities (each the float16 value of e / sum), in place. A sink (gpt-oss:
+ * the head's learned logit, not NULL) joins the maximum and, after the keys' lanes, the sum. */
+static void softmax_portable(float *p, int n, float scale, const float *sink)
 {
-    float m = -INFINITY;
+    float m = sink ? *sink : -INFINITY;
     for (int j = 0; j < n; j++) {
         p[j] = p[j] * scale;
         m = p[j] > m ? p[j] : m;
@@ -229,6 +230,8 @@ static void softmax_portable(float *p, int n, float scale)
     for (int j = 0; j < n; j++)
         p[j] = exp_softmax(p[j] - m);
     float sum = sum_lanes(p, n);
+    if (sink)
+        sum = sum + exp_softmax(*sink - m);
     for (int j = 0; j < n; j++)
         p[j] = fp16_to_f32(f32_to_fp16(p[j] / sum));
 }
@@ -243,10 +246,10 @@ AVX2_INLINE __m256 exp_softmax8(__m256 x)
 }
 
 /* softmax_portable, eight lanes at a time (the tails in scalar). */
-AVX2 static void softmax_avx2(float *p, int n, float scale)
+AVX2 static void softmax_avx2(float *p, int n, float scale, const float *sink)
 {
     int n8 = n & ~7, j = 0;
-    float m = -INFINITY;
+    float m = sink ? *sink : -INFINITY;
     __m256 vs = _mm256_set1_ps(scale), vmax = _mm256_set1_ps(-INFINITY);
     for (; j < n8; j += 8) {
         __m256 x = _mm256_mul_ps(_mm256_loadu_ps(p + j), vs);
@@ -274,6 +277,8 @@ AVX2 static void softmax_avx2(float *p, int n, float scale)
         l[j % 8] = l[j % 8] + p[j];
     }
     float sum = lane_tree(l);
+    if (sink)
+        sum = sum + exp_softmax(*sink - m);
     __m256 vsum = _mm256_set1_ps(sum);
     for (j = 0; j < n8; j += 8) {  /* F16C rounds to nearest even, as f32_to_fp16 */
         __m128i h = _mm256_cvtps_ph(_mm256_div_ps(_mm256_loadu_ps(p + j), vsum), _MM_FROUND_TO_NEAREST_INT);
@@ -290,6 +295,7 @@ struct attn {
     const float *cos, *sin;   /* [t][pair], or NULL: q is rotated already */
     const uint16_t *k, *v;    /* [j][kv head][d] float16 */
     const uint8_t *mask;      /* [t][j] nonzero where row t sees slot j, or NULL: causal */
+    const float *sinks;       /* [h]: each head's sink logit, or NULL: none */
     float *out;               /* [t][h][d] */
     int n_tokens, n_keys, first, start, rows_per_chunk, n_blocks, avx2;
 };
@@ -338,13 +344,13 @@ static int attn_chunk(void *ctx, int i)
 #ifdef QDOT_X86
         if (A->avx2) {
             scores_avx2(q, k, stride, idx, hd, n, p);
-            softmax_avx2(p, n, S->scale);
+            softmax_avx2(p, n, S->scale, A->sinks ? A->sinks + h : NULL);
             values_avx2(p, v, stride, idx, hd, n, o);
             continue;
         }
 #endif
         scores_portable(q, k, stride, idx, hd, n, p);
-        softmax_portable(p, n, S->scale);
+        softmax_portable(p, n, S->scale, A->sinks ? A->sinks + h : NULL);
         values_portable(p, v, stride, idx, hd, n, o);
     }
     free(q);
@@ -357,6 +363,14 @@ int qdot_attention(const struct qdot_attn_shape *shape, const float *q, int n_to
                    const float *cos, const float *sin, const void *k, const void *v, int n_keys, int first,
                    int start, const uint8_t *mask, float *out, int n_threads)
 {
+    return qdot_attention_sinks(shape, q, n_tokens, cos, sin, k, v, n_keys, first, start, mask, NULL, out,
+                                n_threads);
+}
+
+int qdot_attention_sinks(const struct qdot_attn_shape *shape, const float *q, int n_tokens,
+                         const float *cos, const float *sin, const void *k, const void *v, int n_keys, int first,
+                         int start, const uint8_t *mask, const float *sinks, float *out, int n_threads)
+{
     const struct qdot_attn_shape *S = shape;
     if (S->n_heads < 1 || S->n_kv_heads < 1 || S->n_heads % S->n_kv_heads || S->head_dim < 1 ||
         S->n_pairs < 0 || 2 * S->n_pairs > S->head_dim || n_tokens < 0 || n_keys < 0)
@@ -364,7 +378,7 @@ int qdot_attention(const struct qdot_attn_shape *shape, const float *q, int n_to
     if (n_tokens == 0)
         return 0;
     struct attn A = {
-        .shape = S, .q = q, .cos = cos, .sin = sin, .k = k, .v = v, .mask = mask,
+        .shape = S, .q = q, .cos = cos, .sin = sin, .k = k, .v = v, .mask = mask, .sinks = sinks,
         .out = out, .n_tokens = n_tokens, .n_keys = n_keys, .first = first, .start = start,
         .rows_per_chunk = ATTN_ROWS, .n_blocks = (n_tokens + ATTN_ROWS - 1) / ATTN_ROWS,
         /* the vector code takes whole lanes of head_dim; the portable code computes the same bits */

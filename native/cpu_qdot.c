@@ -57,6 +57,16 @@ static int rows_any(const struct job *J, int r0, int r1, int impl)
 {
     if (r0 >= r1)
         return 0;
+    if (J->type == T_MXFP4) {  /* one kernel of its own (cpu_qdot_mxfp4.c) */
+#ifdef QDOT_X86
+        if (impl) {
+            qdot_mxfp4_rows_avx2(J, r0, r1);
+            return 0;
+        }
+#endif
+        qdot_mxfp4_rows_portable(J, r0, r1);
+        return 0;
+    }
 #ifdef QDOT_X86
     if (impl == QDOT_IMPL_AVX512 && J->family != FAM_FLOAT) {  /* float weights stay on AVX2 */
         if (J->family == FAM_LEGACY)

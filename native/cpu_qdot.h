@@ -90,6 +90,11 @@ struct qdot_attn_shape {
 int qdot_attention(const struct qdot_attn_shape *shape, const float *q, int n_tokens,
                    const float *cos, const float *sin, const void *k, const void *v, int n_keys, int first,
                    int start, const uint8_t *mask, float *out, int n_threads);
+/* The same with a sink per query head (gpt-oss; NULL: none): sinks[h] joins head h's softmax as one
+ * more logit with no value, after the keys in the sum's order. */
+int qdot_attention_sinks(const struct qdot_attn_shape *shape, const float *q, int n_tokens,
+                         const float *cos, const float *sin, const void *k, const void *v, int n_keys, int first,
+                         int start, const uint8_t *mask, const float *sinks, float *out, int n_threads);
 /* y[i] = the softmax's exp of x[i] <= 0 (cpu_layers.c's polynomial, within ~1 ulp; 0 below -87). */
 void qdot_exp_softmax(const float *x, float *y, size_t n);
 

@@ -44,7 +44,7 @@
 
 enum {
     T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8,
-    T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14, T_BF16 = 30,
+    T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14, T_BF16 = 30, T_MXFP4 = 39,
 };
 enum { FAM_FLOAT, FAM_LEGACY, FAM_K };
 
@@ -448,6 +448,7 @@ int qdot_pool_run(int n_threads, int n_chunks, qdot_chunk_fn fn, void *ctx);
 void qdot_legacy_rows_portable(const struct job *J, int r0, int r1);
 void qdot_k_rows_portable(const struct job *J, int r0, int r1);
 int qdot_float_rows_portable(const struct job *J, int r0, int r1);
+void qdot_mxfp4_rows_portable(const struct job *J, int r0, int r1);  /* cpu_qdot_mxfp4.c */
 #ifdef QDOT_X86
 void qdot_legacy_rows_avx2(const struct job *J, int r0, int r1);
 void qdot_k_rows_avx2(const struct job *J, int r0, int r1);
@@ -457,6 +458,7 @@ void qdot_k_rows_avx512(const struct job *J, int r0, int r1);
 void qdot_ggml_avx2_rows(const struct job *J, int r0, int r1);    /* Q4_0, Q5_0, Q8_0 (ggml_order): */
 void qdot_ggml_avx512_rows(const struct job *J, int r0, int r1);  /* cpu_qdot_ggml.c */
 void qdot_ggml_avx512_pairs_rows(const struct job *J, int r0, int r1);
+void qdot_mxfp4_rows_avx2(const struct job *J, int r0, int r1);  /* also AVX-512's (cpu_qdot_mxfp4.c) */
 #endif
 
 #endif

@@ -16,6 +16,7 @@ int qdot_type_info(int type, int *block, int *bytes, int *family)
     case T_Q5_0: b = QK; s = 22; f = FAM_LEGACY; break;
     case T_Q5_1: b = QK; s = 24; f = FAM_LEGACY; break;
     case T_Q8_0: b = QK; s = 34; f = FAM_LEGACY; break;
+    case T_MXFP4: b = QK; s = 17; f = FAM_LEGACY; break;  /* q8_0 activations, its own kernels */
     case T_Q4_K: b = QKK; s = 144; f = FAM_K; break;
     case T_Q5_K: b = QKK; s = 176; f = FAM_K; break;
     case T_Q6_K: b = QKK; s = 210; f = FAM_K; break;

@@ -22,7 +22,7 @@ from infer.synth import random_blocks
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(),
                                 reason="CPU kernels not built (python native/build_cpu_kernels.py)")
 T = GGMLQuantizationType
-TYPES = [T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q4_K, T.Q5_K, T.Q6_K]
+TYPES = [T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q4_K, T.Q5_K, T.Q6_K, T.MXFP4]
 U = 2.0**-24  # float32 unit roundoff
 
 
@@ -181,7 +181,8 @@ def test_q8_0_weights_of_minus_128(rng: np.random.Generator) -> None:
 
 # Byte ranges of the quantized values (first) and, for the K-quants, of the sub-block scales (second).
 _VALUE_BYTES = {T.Q8_0: [(2, 34)], T.Q4_0: [(2, 18)], T.Q4_1: [(4, 20)], T.Q5_0: [(2, 22)], T.Q5_1: [(4, 24)],
-                T.Q4_K: [(16, 144), (4, 16)], T.Q5_K: [(16, 176), (4, 16)], T.Q6_K: [(0, 192), (192, 208)]}
+                T.Q4_K: [(16, 144), (4, 16)], T.Q5_K: [(16, 176), (4, 16)], T.Q6_K: [(0, 192), (192, 208)],
+                T.MXFP4: [(1, 17)]}
 
 
 @pytest.mark.parametrize("ggml_type", list(_VALUE_BYTES), ids=lambda t: T(t).name)
@@ -475,7 +476,7 @@ def _ggml_cpu() -> object:
 
     llama_cpp = pytest.importorskip("llama_cpp")  # installed by scripts/bootstrap.sh, as for every oracle test
     lib = ctypes.CDLL(str(Path(llama_cpp.__file__).parent / "lib" / "libggml-cpu.so"))
-    for name in ("ggml_vec_dot_q4_0_q8_0", "ggml_vec_dot_q5_0_q8_0", "ggml_vec_dot_q8_0_q8_0"):
+    for name in ("ggml_vec_dot_q4_0_q8_0", "ggml_vec_dot_q5_0_q8_0", "ggml_vec_dot_q8_0_q8_0", "ggml_vec_dot_mxfp4_q8_0"):
         getattr(lib, name).argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p,
                                        ctypes.c_size_t, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     lib.quantize_row_q8_0.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
@@ -483,9 +484,10 @@ def _ggml_cpu() -> object:
     return lib
 
 
-@pytest.mark.parametrize("ggml_type", [T.Q4_0, T.Q5_0, T.Q8_0], ids=lambda t: T(t).name)
+@pytest.mark.parametrize("ggml_type", [T.Q4_0, T.Q5_0, T.Q8_0, T.MXFP4], ids=lambda t: T(t).name)
 def test_q4_0_q5_0_q8_0_products_are_llama_cpps_bit_for_bit(rng: np.random.Generator, ggml_type: int) -> None:
-    """These types sum in llama.cpp's order (native/cpu_qdot_ggml.c): every output, one token or a
+    """These types sum in llama.cpp's order (native/cpu_qdot_ggml.c; MXFP4's two sets of lanes,
+    native/cpu_qdot_mxfp4.c): every output, one token or a
     batch, on every code path, has the bits of llama.cpp's own ggml_vec_dot_*_q8_0 (its AVX2 kernel,
     which its batched llamafile tiles match) on the same weights and its own quantized activations."""
     if not cpu_kernels.cpu_has_avx2():

@@ -91,9 +91,11 @@ def test_exp_softmax_is_within_one_ulp(rng: np.random.Generator) -> None:
 
 
 def reference_attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, first: int, start: int,
-                        mask: np.ndarray | None, q_scale: float, scale: float) -> tuple[np.ndarray, np.ndarray]:
+                        mask: np.ndarray | None, q_scale: float, scale: float,
+                        sinks: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """infer.model.Transformer._attention's lines after the cache store (float32 numerics), q rotated:
-    the output (T, heads * head_dim) and the float16 probabilities (kv, group, T, S) as float32."""
+    the output (T, heads * head_dim) and the float16 probabilities (kv, group, T, S) as float32;
+    sinks (heads,): gpt-oss's logit per head in each softmax."""
     n, heads, hd = q.shape
     kv = keys.shape[1]
     if q_scale != 1.0:  # Gemma
@@ -104,8 +106,15 @@ def reference_attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, fir
         scores[..., ~mask] = -np.inf
     else:
         scores[..., np.arange(first, first + len(keys))[None, :] > np.arange(start, start + n)[:, None]] = -np.inf
-    exps = np.exp(scores - scores.max(axis=-1, keepdims=True))
-    probs = (exps / exps.sum(axis=-1, keepdims=True)).astype(np.float16).astype(np.float32)
+    top = scores.max(axis=-1, keepdims=True)
+    if sinks is not None:
+        sink = sinks.astype(np.float32).reshape(kv, heads // kv, 1, 1)
+        top = np.maximum(top, sink)
+    exps = np.exp(scores - top)
+    total = exps.sum(axis=-1, keepdims=True)
+    if sinks is not None:
+        total = total + np.exp(sink - top)
+    probs = (exps / total).astype(np.float16).astype(np.float32)
     out = probs @ values.astype(np.float32).transpose(1, 0, 2)[:, None]
     return out.transpose(2, 0, 1, 3).reshape(n, heads * hd), probs
 
@@ -120,7 +129,7 @@ def _bound(q: np.ndarray, keys: np.ndarray, values: np.ndarray, probs: np.ndarra
     kv, s, u = keys.shape[1], keys.shape[0], 2.0**-24
     q16 = np.abs(q.astype(np.float16).astype(np.float64)).reshape(n, kv, heads // kv, hd).transpose(1, 2, 0, 3)
     k16 = np.abs(keys.astype(np.float64)).transpose(1, 2, 0)[:, None]
-    delta = 2 * (hd * u * (q16 @ k16).max() * abs(scale) + s * u + 2 * u)
+    delta = 2 * (hd * u * (q16 @ k16).max() * abs(scale) + (s + 1) * u + 2 * u)  # + 1: a sink's term
     v = np.abs(values.astype(np.float64)).transpose(1, 0, 2)[:, None]  # (kv, 1, S, hd)
     weighted = probs.astype(np.float64) @ v
     bound = 1.01 * (2.0**-10 + delta + 2 * s * u) * weighted + u * v.sum(axis=2, keepdims=True)
@@ -157,41 +166,53 @@ def _case(rng: np.random.Generator, n: int, s: int, heads: int, kv: int, hd: int
     return q, keys, values, first, start, mask
 
 
+def _sinks(rng: np.random.Generator, heads: int, with_sinks: bool) -> np.ndarray | None:
+    """gpt-oss's sinks: a logit per head, spread like the scores (some above them, some far below)."""
+    return (rng.standard_normal(heads) * 3).astype(np.float32) if with_sinks else None
+
+
+@pytest.mark.parametrize("with_sinks", [False, True], ids=["", "sinks"])
 @pytest.mark.parametrize("case", CASES)
-def test_attention_is_within_the_bound_of_the_reference(rng: np.random.Generator, case: str) -> None:
+def test_attention_is_within_the_bound_of_the_reference(rng: np.random.Generator, case: str, with_sinks: bool) -> None:
     n, s, heads, kv, hd, what = CASES[case]
     q, keys, values, first, start, mask = _case(rng, n, s, heads, kv, hd, what)
+    sinks = _sinks(rng, heads, with_sinks)
     q_scale, scale = (np.float32(hd**-0.5), 1.0) if what == "gemma" else (1.0, float(np.float32(hd**-0.5)))
     n_pairs = hd // 4  # a partial rotation: the C code rotates q itself
     cos, sin = _angles(rng, n, n_pairs)
     rotated = Rope.apply(_rope(n_pairs, True, True), q, cos, sin)
-    want, probs = reference_attention(rotated, keys, values, first, start, mask, q_scale, scale)
+    want, probs = reference_attention(rotated, keys, values, first, start, mask, q_scale, scale, sinks)
     bound = _bound(rotated * np.float32(q_scale), keys, values, probs, scale)
     for name in _implementations():
         cpu_kernels.set_implementation(name)
         attend = cpu_layers.Attention(heads, kv, hd, n_pairs, True, True, q_scale, scale, threads=2)
-        got = attend(q, cos, sin, keys, values, first, start, mask)
+        got = attend(q, cos, sin, keys, values, first, start, mask, sinks)
         err = np.abs(got.astype(np.float64) - want)
         assert np.all(err <= bound), f"{name}: worst error {np.max(err / bound):.3g} x the bound"
         unrotated = cpu_layers.Attention(heads, kv, hd, 0, True, True, q_scale, scale, threads=1)
-        assert np.array_equal(_bits(unrotated(rotated, None, None, keys, values, first, start, mask)), _bits(got))
+        assert np.array_equal(_bits(unrotated(rotated, None, None, keys, values, first, start, mask, sinks)), _bits(got))
+    if sinks is not None:  # the sinks took a share: without them the output is another one
+        plain, _ = reference_attention(rotated, keys, values, first, start, mask, q_scale, scale)
+        assert np.max(np.abs(plain - want)) > 10 * np.max(bound)
 
 
+@pytest.mark.parametrize("with_sinks", [False, True], ids=["", "sinks"])
 @pytest.mark.parametrize("case", ["prompt", "decode, odd head_dim", "token tree", "ring window"])
-def test_attention_is_the_same_everywhere(rng: np.random.Generator, case: str) -> None:
+def test_attention_is_the_same_everywhere(rng: np.random.Generator, case: str, with_sinks: bool) -> None:
     """The same bits on either code path, at any thread count, and for a row whether it rides with
     the others or is decoded alone over just the slots it sees, in order (a prompt's row over the
     slots up to it, a tree's node over the cache and its ancestors, a window's row over its window),
     or is masked causally by an explicit mask."""
     n, s, heads, kv, hd, what = CASES[case]
     q, keys, values, first, start, mask = _case(rng, n, s, heads, kv, hd, what)
+    sinks = _sinks(rng, heads, with_sinks)
     scale = float(np.float32(hd**-0.5))
     results = []
     for name in _implementations():
         cpu_kernels.set_implementation(name)
         for threads in (1, 2, 3):
             results.append(cpu_layers.Attention(heads, kv, hd, 0, False, True, 1.0, scale, threads)(
-                q, None, None, keys, values, first, start, mask))
+                q, None, None, keys, values, first, start, mask, sinks))
     for got in results[1:]:
         assert np.array_equal(_bits(got), _bits(results[0]))
     attend = cpu_layers.Attention(heads, kv, hd, 0, False, True, 1.0, scale, threads=2)
@@ -199,7 +220,8 @@ def test_attention_is_the_same_everywhere(rng: np.random.Generator, case: str) -
     seen = causal if mask is None else mask
     for t in range(n):  # row t alone, its slots gathered in order as the last positions of a cache
         slots = np.flatnonzero(seen[t])
-        alone = attend(q[t : t + 1], None, None, keys[slots], values[slots], 0, len(slots) - 1)
+        alone = attend(q[t : t + 1], None, None, keys[slots], values[slots], 0, len(slots) - 1, None, sinks)
         assert np.array_equal(_bits(alone[0]), _bits(results[0][t])), f"row {t}"
     if mask is None:
-        assert np.array_equal(_bits(attend(q, None, None, keys, values, first, start, causal)), _bits(results[0]))
+        assert np.array_equal(_bits(attend(q, None, None, keys, values, first, start, causal, sinks)),
+                              _bits(results[0]))

@@ -1,0 +1,117 @@
+/* MXFP4 weights (gpt-oss's experts) times q8_0 activations, in llama.cpp's order.
+ *
+ * A block is one E8M0 exponent byte e and 16 bytes of 4-bit codes (the 16 low nibbles are elements
+ * 0..15, the high ones 16..31); a code indexes the doubled E2M1 values below and the block's scale is
+ * 2^(e - 128) (half of 2^(e - 127), undoing the doubling). llama.cpp's vec_dot on AVX2 keeps two sets
+ * of 8 float lanes, the even blocks' in one and the odd blocks' in the other: lane k accumulates, with a
+ * fused multiply-add, (d_x * scale) times the integer sum of elements 4k..4k+3; the two sets are added
+ * lane by lane and reduced with ggml's hsum_float_8; a last odd block is added as d * (its integer sum).
+ * Both functions below compute that sequence, so they give the same bits as each other (and as
+ * llama.cpp's AVX2 build). */
+#include "cpu_qdot_common.h"
+
+#define MXFP4_BYTES 17
+
+static const int8_t FP4_DOUBLED[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
+/* 2^(e - 128) as a float, subnormal for e < 2 (ggml's E8M0 to float, halved). */
+static inline float e8m0_half(uint8_t e)
+{
+    return e < 2 ? bits_to_f32(0x00200000u << e) : bits_to_f32((uint32_t)(e - 1) << 23);
+}
+
+/* One output: weight row w (nb blocks) against one token's q8_0 row x (scales dx). */
+static float mxfp4_dot_portable(const uint8_t *w, const uint8_t *x, const float *dx, int nb)
+{
+    float even[8] = {0}, odd[8] = {0};
+    const int paired = nb & ~1;  /* llama.cpp's loop takes blocks in pairs */
+    int b = 0;
+    for (; b < paired; b++) {
+        float *lanes = (b & 1) ? odd : even;
+        const uint8_t *wb = w + (size_t)b * MXFP4_BYTES;
+        const int8_t *xq = (const int8_t *)(x + (size_t)b * Q8_0_BYTES + 2);
+        float d = dx[b] * e8m0_half(wb[0]);
+        for (int k = 0; k < 8; k++) {
+            int32_t s = 0;
+            for (int i = 4 * k; i < 4 * k + 4; i++) {
+                int code = i < 16 ? wb[1 + i] & 0x0f : wb[1 + i - 16] >> 4;
+                s += FP4_DOUBLED[code] * xq[i];
+            }
+            lanes[k] = fmaf(d, (float)s, lanes[k]);
+        }
+    }
+    float sum[8];
+    for (int k = 0; k < 8; k++)
+        sum[k] = even[k] + odd[k];
+    float total = hsum8_ggml(sum);
+    for (; b < nb; b++) {  /* the last block of an odd count */
+        const uint8_t *wb = w + (size_t)b * MXFP4_BYTES;
+        const int8_t *xq = (const int8_t *)(x + (size_t)b * Q8_0_BYTES + 2);
+        int32_t s = 0;
+        for (int i = 0; i < 16; i++)
+            s += xq[i] * FP4_DOUBLED[wb[1 + i] & 0x0f] + xq[i + 16] * FP4_DOUBLED[wb[1 + i] >> 4];
+        float d = dx[b] * e8m0_half(wb[0]);
+        total = total + d * (float)s;
+    }
+    return total;
+}
+
+void qdot_mxfp4_rows_portable(const struct job *J, int r0, int r1)
+{
+    for (int r = r0; r < r1; r++)
+        for (int t = 0; t < J->n_tokens; t++)
+            J->y[(size_t)t * J->ystride + r] = mxfp4_dot_portable(J->w + (size_t)r * J->wrow,
+                                                                  J->x + (size_t)t * J->xrow,
+                                                                  J->dx + (size_t)t * J->nb, J->nb);
+}
+
+#ifdef QDOT_X86
+/* A block's 32 codes as signed bytes (low nibbles, then high nibbles) through a table lookup. */
+AVX2_INLINE __m256i mxfp4_values(const uint8_t *qs, __m128i table)
+{
+    __m128i bits = _mm_loadu_si128((const __m128i *)qs), low = _mm_set1_epi8(0x0f);
+    __m128i lo = _mm_shuffle_epi8(table, _mm_and_si128(bits, low));
+    __m128i hi = _mm_shuffle_epi8(table, _mm_and_si128(_mm_srli_epi16(bits, 4), low));
+    return _mm256_set_m128i(hi, lo);
+}
+
+AVX2 static float mxfp4_dot_avx2(const uint8_t *w, const uint8_t *x, const float *dx, int nb)
+{
+    const __m128i table = _mm_loadu_si128((const __m128i *)FP4_DOUBLED);
+    __m256 even = _mm256_setzero_ps(), odd = _mm256_setzero_ps();
+    int b = 0;
+    for (; b + 1 < nb; b += 2) {
+        const uint8_t *w0 = w + (size_t)b * MXFP4_BYTES, *w1 = w0 + MXFP4_BYTES;
+        const uint8_t *x0 = x + (size_t)b * Q8_0_BYTES, *x1 = x0 + Q8_0_BYTES;
+        __m256i p0 = dot_i8_i8(mxfp4_values(w0 + 1, table), _mm256_loadu_si256((const __m256i *)(x0 + 2)));
+        __m256i p1 = dot_i8_i8(mxfp4_values(w1 + 1, table), _mm256_loadu_si256((const __m256i *)(x1 + 2)));
+        even = _mm256_fmadd_ps(_mm256_set1_ps(dx[b] * e8m0_half(w0[0])), _mm256_cvtepi32_ps(p0), even);
+        odd = _mm256_fmadd_ps(_mm256_set1_ps(dx[b + 1] * e8m0_half(w1[0])), _mm256_cvtepi32_ps(p1), odd);
+    }
+    float lanes[8];
+    _mm256_storeu_ps(lanes, _mm256_add_ps(even, odd));
+    float total = hsum8_ggml(lanes);
+    if (b < nb) {  /* the last block of an odd count */
+        const uint8_t *wb = w + (size_t)b * MXFP4_BYTES;
+        const int8_t *xq = (const int8_t *)(x + (size_t)b * Q8_0_BYTES + 2);
+        int32_t s = 0;
+        for (int i = 0; i < 16; i++)
+            s += xq[i] * FP4_DOUBLED[wb[1 + i] & 0x0f] + xq[i + 16] * FP4_DOUBLED[wb[1 + i] >> 4];
+        float d = dx[b] * e8m0_half(wb[0]);
+        total = total + d * (float)s;
+    }
+    return total;
+}
+
+AVX2 void qdot_mxfp4_rows_avx2(const struct job *J, int r0, int r1)
+{
+    for (int r = r0; r < r1; r++) {
+        const uint8_t *w = J->w + (size_t)r * J->wrow;
+        if (r + 1 < r1)
+            _mm_prefetch((const char *)(w + J->wrow), _MM_HINT_T0);
+        for (int t = 0; t < J->n_tokens; t++)
+            J->y[(size_t)t * J->ystride + r] = mxfp4_dot_avx2(w, J->x + (size_t)t * J->xrow,
+                                                              J->dx + (size_t)t * J->nb, J->nb);
+    }
+}
+#endif
