@@ -16,6 +16,11 @@ LLAMA3 = (_CONTRACTIONS_ANY_CASE
           + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 QWEN2 = (_CONTRACTIONS_ANY_CASE
          + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+# o200k (gpt-oss, Llama 4): words split at case changes, a contraction kept on its word, digits in threes
+_CASED_CONTRACTION = "(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+GPT4O = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+" + _CASED_CONTRACTION
+         + r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*" + _CASED_CONTRACTION
+         + r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 
 _DEFAULT = (r"[\p{P}\$\+<=>\^~\|]+", GPT2, r"\p{N}+", "[0-9][0-9][0-9]")
 _DIGITS_THEN_GPT2 = (r"\p{N}", GPT2)
@@ -26,6 +31,7 @@ PRE_TOKENIZERS: dict[str, tuple[tuple[str, ...], bool]] = {
     **{name: ((LLAMA3,), True) for name in ("llama3", "llama-v3", "llama-bpe", "falcon3")},
     **{name: ((LLAMA3,), False) for name in ("dbrx", "smaug-bpe")},
     **{name: ((QWEN2,), False) for name in ("qwen2", "stablelm2", "megrez")},
+    **{name: ((GPT4O,), False) for name in ("gpt-4o", "llama4")},
     **{name: (_DIGITS_THEN_GPT2, False)
        for name in ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b")},
     # llama.cpp spells it "gpt-2"; "gpt2" is accepted as the same thing

@@ -137,6 +137,15 @@ class Vocab:
         eog |= {i for i in (eos, eot, eom, *(fim[name] for name in FIM_ENDING_GENERATION)) if i is not None}
         for i in forced_control:
             types[i] = int(TokenType.CONTROL)
+        # o200k_harmony (gpt-oss): "<|end|>" closes a message, the reasoning one among them, and the
+        # reply goes on; "<|return|>" and "<|call|>" end it. llama.cpp then drops "<|end|>" from the
+        # tokens that end generation and shows it as text (user-defined); likewise beside "<|calls|>"
+        # and "<|flush|>" (solar-open)
+        texts = {tokens[i]: i for i in eog}
+        if "<|end|>" in texts and (("<|return|>" in texts and "<|call|>" in texts) or
+                                   (("<|call|>" in texts or "<|calls|>" in texts) and "<|flush|>" in texts)):
+            eog.discard(texts["<|end|>"])
+            types[texts["<|end|>"]] = int(TokenType.USER_DEFINED)
         named_unk = _token_id(metadata, "unknown_token_id", None, count)
         if named_unk is not None and int(TokenType.UNKNOWN) not in types:
             # the file names its unknown token without typing it (Gemma's GGUFs): sentencepiece

@@ -151,3 +151,25 @@ def test_token_id_outside_the_vocabulary_is_refused() -> None:
     tokenizer = Tokenizer.from_gguf(_gpt2_metadata())
     with pytest.raises(TokenizerError, match="outside the vocabulary"):
         tokenizer.decode([tokenizer.vocab_size])
+
+
+
+def _with_specials(specials: list[str]) -> dict[str, Any]:
+    """_gpt2_metadata with these control tokens in place of SPECIALS ("<|start|>" first)."""
+    base = _gpt2_metadata()
+    n = len(SPECIALS)
+    return _gpt2_metadata(**{"tokenizer.ggml.tokens": base["tokenizer.ggml.tokens"][:-n] + specials,
+                             "tokenizer.ggml.token_type": base["tokenizer.ggml.token_type"][:-n]
+                             + [int(TokenType.CONTROL)] * len(specials)})
+
+
+def test_harmony_messages_end_without_ending_the_reply() -> None:
+    """gpt-oss's o200k_harmony: "<|end|>" closes a message (its reasoning first), "<|return|>" and
+    "<|call|>" end generation; with all three llama.cpp takes "<|end|>" off the list and shows it as
+    text. Without "<|call|>" it still ends generation."""
+    tokenizer = Tokenizer.from_gguf(_with_specials(["<|start|>", "<|end|>", "<|return|>", "<|call|>"]))
+    end, ret, call = (_id(tokenizer, t) for t in ("<|end|>", "<|return|>", "<|call|>"))
+    assert tokenizer.is_eog(ret) and tokenizer.is_eog(call) and not tokenizer.is_eog(end)
+    assert tokenizer.vocab.types[end] == TokenType.USER_DEFINED and tokenizer.decode([end]) == "<|end|>"
+    plain = Tokenizer.from_gguf(_with_specials(["<|start|>", "<|end|>", "<|return|>", "<|other|>"]))
+    assert plain.is_eog(_id(plain, "<|end|>"))

@@ -231,3 +231,24 @@ def test_pre_tokenizer_named_by_the_file_decides_the_split() -> None:
     # GPT-2's regex ("smollm" adds digit splitting) leaves a newline run in pieces; Qwen2's keeps it whole
     assert pieces("smollm", "Hi!!\n\nYou") == ["Hi", "!!", "Ċ", "Ċ", "You"]
     assert pieces("qwen2", "Hi!!\n\nYou") == ["Hi", "!!", "ĊĊ", "You"]
+
+
+def test_gpt_4o_pre_tokenizer_splits_at_case_changes_and_keeps_contractions() -> None:
+    """gpt-oss's files name "gpt-4o" (o200k): words split where a capital follows small letters, a
+    contraction stays on its word and digits go in threes, unlike Qwen2's regex (llama.cpp's
+    LLAMA_VOCAB_PRE_TYPE_GPT4O)."""
+    metadata = read_metadata(_required_or_skip(smollm2_path()))
+
+    def pieces(pre: str, text: str) -> list[str]:
+        tokenizer = Tokenizer.from_gguf({**metadata, "tokenizer.ggml.pre": pre})
+        return [tokenizer.token_text(i) for i in tokenizer.encode(text)]
+
+    from tokenizers import Regex, pre_tokenizers
+
+    from infer.tokenizer.bpe import GPT4O
+
+    split = pre_tokenizers.Split(Regex(GPT4O), behavior="isolated")
+    text = "HelloWorld don't 12345 a/b\n\n"
+    assert [p for p, _ in split.pre_tokenize_str(text)] == ["Hello", "World", " don't", " ", "123", "45", " a", "/b",
+                                                            "\n\n"]
+    assert "".join(pieces("gpt-4o", text)) == "".join(pieces("qwen2", text))  # the file's tokenizer takes the name
