@@ -32,9 +32,10 @@ ROPE_FREQS = "rope_freqs.weight"
 # Every tensor kind a block may hold, in the order the forward pass uses them (the planner streams
 # a layer's tensors in this order).
 LAYER_KINDS = ("attn_norm", "attn_q", "attn_q.bias", "attn_k", "attn_k.bias", "attn_v", "attn_v.bias",
-               "attn_q_norm", "attn_k_norm", "attn_output", "post_attention_norm", "ffn_norm", "ffn_gate", "ffn_up",
-               "ffn_down", "ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps", "ffn_gate_inp_shexp",
-               "ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp", "post_ffw_norm")
+               "attn_q_norm", "attn_k_norm", "attn_sinks", "attn_output", "attn_output.bias", "post_attention_norm",
+               "ffn_norm", "ffn_gate", "ffn_up", "ffn_down", "ffn_gate_inp", "ffn_gate_inp.bias", "ffn_gate_exps",
+               "ffn_gate_exps.bias", "ffn_up_exps", "ffn_up_exps.bias", "ffn_down_exps", "ffn_down_exps.bias",
+               "ffn_gate_inp_shexp", "ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp", "post_ffw_norm")
 BIAS_KINDS = ("attn_q.bias", "attn_k.bias", "attn_v.bias")  # Qwen2 has them; a missing one is zeros
 QK_NORM_KINDS = ("attn_q_norm", "attn_k_norm")  # Qwen3: RMSNorm of each query and key head before rope
 POST_NORM_KINDS = ("post_attention_norm", "post_ffw_norm")  # Gemma: the attention and FFN outputs normed
@@ -46,7 +47,12 @@ EXPERT_KINDS = ("ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
 # a shared expert beside them (qwen2moe): its gate (dim,) (a sigmoid of its dot with the normed input
 # scales its output), then a dense gated feed-forward of its own width
 SHARED_EXPERT_KINDS = ("ffn_gate_inp_shexp", "ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp")
-EXPERT_BLOCK_KINDS = frozenset(EXPERT_KINDS + SHARED_EXPERT_KINDS)  # the tensors of a block of experts' FFN
+# gpt-oss: a bias on the router's logits and on each expert's three products (n_experts, rows)
+EXPERT_BIAS_KINDS = ("ffn_gate_inp.bias", "ffn_gate_exps.bias", "ffn_up_exps.bias", "ffn_down_exps.bias")
+# gpt-oss's attention: one learned logit per query head that joins every softmax (a "sink" taking
+# probability from the keys) and a bias on the output projection
+SINK_KINDS = ("attn_sinks", "attn_output.bias")
+EXPERT_BLOCK_KINDS = frozenset(EXPERT_KINDS + SHARED_EXPERT_KINDS + EXPERT_BIAS_KINDS)  # a block of experts' FFN
 _ATTENTION = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm")
 _DENSE = (*_ATTENTION, *FFN_KINDS)
 
@@ -71,6 +77,13 @@ class Architecture:
     # files); "always": experts only (qwen3moe)
     experts: str = "never"
     expert_weights_norm: bool = True  # the top k's weights divided by their sum (qwen2moe: not)
+    # "softmax": the top k of the router's softmax, weighted by their probabilities; "softmax_weight"
+    # (gpt-oss): the top k of the router's logits, weighted by a softmax over those k logits alone
+    gating: str = "softmax"
+    ffn_norm: str = "ffn_norm"  # the kind of the feed-forward's input norm (gpt-oss: post_attention_norm)
+    local_rope: bool = False  # local layers rotate with their own base, unscaled (Gemma 3); else as the rest
+    gpu: bool = True  # the GPU engines compute it (gpt-oss: the CPU engines only, so far)
+    window_required: bool = False  # llama.cpp refuses a file without attention.sliding_window (gpt-oss)
 
     @property
     def shared_expert(self) -> bool:
@@ -86,6 +99,8 @@ class Architecture:
         mine = set(self.required) | set(self.optional)
         if with_experts:
             mine = (mine - set(FFN_KINDS)) | set(EXPERT_KINDS)
+        if self.ffn_norm != "ffn_norm":
+            mine.discard("ffn_norm")
         return tuple(k for k in LAYER_KINDS if k in mine)
 
 
@@ -98,13 +113,23 @@ ARCHITECTURES: dict[str, Architecture] = {
     "qwen3": Architecture("qwen3", neox_rope=True, required=(*_DENSE, *QK_NORM_KINDS)),
     "gemma3": Architecture("gemma3", neox_rope=True, required=(*_DENSE, *QK_NORM_KINDS, *POST_NORM_KINDS),
                            activation="gelu_tanh", embed_scale=True, sliding_window_pattern=6,
-                           scale_queries=True),
+                           scale_queries=True, local_rope=True),
     "qwen3moe": Architecture("qwen3moe", neox_rope=True, required=(*_ATTENTION, *QK_NORM_KINDS, *EXPERT_KINDS),
                              experts="always"),
     # Qwen1.5-MoE, Qwen2-57B-A14B: Qwen2's attention (biases), routed experts whose top-k weights are
     # not renormalised, and a gated shared expert (llama.cpp's qwen2moe graph)
     "qwen2moe": Architecture("qwen2moe", neox_rope=True, required=(*_ATTENTION, *EXPERT_KINDS, *SHARED_EXPERT_KINDS),
                              experts="always", expert_weights_norm=False),
+    # gpt-oss (llama.cpp's openai-moe graph): Q/K/V and output biases, attention sinks, every other
+    # layer (the first of each pair) a sliding window, the FFN's input norm stored as
+    # post_attention_norm, routed experts with biases and llama.cpp's clamped SwiGLU ("swiglu_oai":
+    # min(g, 7) * sigmoid(1.702 min(g, 7)) * (clamp(u, -7, 7) + 1)); no shared expert
+    "gpt-oss": Architecture("gpt-oss", neox_rope=True,
+                            required=("attn_norm", *QKV_KINDS, "attn_output", *SINK_KINDS, "post_attention_norm",
+                                      *EXPERT_KINDS, *EXPERT_BIAS_KINDS),
+                            activation="swiglu_oai", sliding_window_pattern=2, experts="always",
+                            expert_weights_norm=False, gating="softmax_weight", ffn_norm="post_attention_norm",
+                            gpu=False, window_required=True),
 }
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 _LAYER_NAME = re.compile(r"^blk\.(\d+)\.(.+)\.(weight|bias)$")
@@ -222,6 +247,10 @@ class ModelArgs:
                 "ffn_gate_exps": (self.n_experts, self.expert_ffn_dim, self.dim),
                 "ffn_up_exps": (self.n_experts, self.expert_ffn_dim, self.dim),
                 "ffn_down_exps": (self.n_experts, self.dim, self.expert_ffn_dim),
+                "attn_sinks": (self.n_heads,), "attn_output.bias": (self.dim,),
+                "ffn_gate_inp.bias": (self.n_experts,), "ffn_gate_exps.bias": (self.n_experts, self.expert_ffn_dim),
+                "ffn_up_exps.bias": (self.n_experts, self.expert_ffn_dim),
+                "ffn_down_exps.bias": (self.n_experts, self.dim),
                 "ffn_gate_inp_shexp": (self.dim,), "ffn_gate_shexp": (self.shared_ffn_dim, self.dim),
                 "ffn_up_shexp": (self.shared_ffn_dim, self.dim), "ffn_down_shexp": (self.dim, self.shared_ffn_dim)}
         return {tensor_name(layer, kind): rows[kind] for kind in self.layer_kinds}
@@ -271,6 +300,9 @@ class ModelArgs:
                                             f"key {arch}.attention.sliding_window_pattern")
             n = int(pattern)
             local = tuple(n == 0 or i % n < n - 1 for i in range(n_layers))
+        elif table.window_required:
+            raise UnsupportedModelError(model.path, f"{arch} needs its sliding window (llama.cpp requires the key)",
+                                        f"key {arch}.attention.sliding_window")
         elif window > 0:  # Mistral's: every layer (llama.cpp ignores the key in llama and qwen files)
             local = (True,) * n_layers
         # llama.cpp does not require the dense width of an all-experts architecture
@@ -281,6 +313,10 @@ class ModelArgs:
         if table.shared_expert and shared_ffn <= 0:
             raise UnsupportedModelError(model.path, "no shared expert width (neither this key nor feed_forward_length)",
                                         f"key {arch}.expert_shared_feed_forward_length")
+        base = float(key("rope.freq_base", float, 10000.0))
+        if not table.local_rope and float(key("rope.freq_base_swa", float, base)) != base:  # type: ignore[arg-type]
+            raise UnsupportedModelError(model.path, "a rotary base of the local layers' own is not supported for "
+                                        f"{arch} (only the global layers' {base:g})", f"key {arch}.rope.freq_base_swa")
         embd = model.tensor(TOKEN_EMBD)
         return cls(
             arch=arch,
@@ -293,13 +329,13 @@ class ModelArgs:
             vocab_size=int(embd.shape[0]),
             context_length=context_length,
             norm_eps=float(key("attention.layer_norm_rms_epsilon", float)),
-            rope_base=float(key("rope.freq_base", float, 10000.0)),
+            rope_base=base,
             rope_dim=int(key("rope.dimension_count", int, head_dim)),
             rope_neox=ARCHITECTURES[arch].neox_rope,
             rope_scaling=RopeScaling.from_gguf(model, arch, context_length),
             sliding_window=window,
             local_layers=local,
-            rope_base_local=float(key("rope.freq_base_swa", float, 10000.0)) if table.sliding_window_pattern else 0.0,
+            rope_base_local=float(key("rope.freq_base_swa", float, 10000.0)) if table.local_rope else 0.0,
             # llama.cpp: Gemma 3 27B scales by 1 / sqrt(width / heads), the others by 1 / sqrt(head size)
             attn_scale=1.0 / math.sqrt(dim // n_heads) if arch == "gemma3" and n_layers == 62 else 0.0,
             n_experts=n_experts,
@@ -385,17 +421,32 @@ def layer_vectors(args: ModelArgs, i: int, tensors: Mapping[str, np.ndarray]) ->
         bqkv = np.concatenate([np.asarray(tensors[kind], np.float32).reshape(-1) if kind in tensors
                                else np.zeros(n, np.float32) for kind, n in zip(BIAS_KINDS, sizes, strict=True)])
     vector = {kind: np.asarray(tensors[kind], np.float32).reshape(-1) if kind in tensors else None
-              for kind in ("attn_norm", "ffn_norm", *QK_NORM_KINDS, *POST_NORM_KINDS)}
+              for kind in ("attn_norm", "ffn_norm", *QK_NORM_KINDS, *POST_NORM_KINDS, *SINK_KINDS)}
+    ffn_norm = args.arch_table.ffn_norm  # gpt-oss stores the FFN's input norm as post_attention_norm
+    if ffn_norm != "ffn_norm":
+        vector["ffn_norm"], vector[ffn_norm] = vector[ffn_norm], None
     if vector["attn_norm"] is None or vector["ffn_norm"] is None:
-        raise ValueError(f"layer {i} lacks attn_norm or ffn_norm")
+        raise ValueError(f"layer {i} lacks attn_norm or {ffn_norm}")
     return {"attn_norm": vector["attn_norm"], "ffn_norm": vector["ffn_norm"], "bqkv": bqkv,
             "q_norm": vector["attn_q_norm"], "k_norm": vector["attn_k_norm"],
-            "post_attn_norm": vector["post_attention_norm"], "post_ffn_norm": vector["post_ffw_norm"]}
+            "post_attn_norm": vector["post_attention_norm"], "post_ffn_norm": vector["post_ffw_norm"],
+            "sinks": vector["attn_sinks"], "bo": vector["attn_output.bias"]}
 
 
 def layer_vector_kinds(args: ModelArgs) -> tuple[str, ...]:
-    """The kinds of a block's tensors that are vectors (norms, biases): what layer_vectors reads."""
-    return tuple(k for k in args.layer_kinds if k.endswith(".bias") or k.endswith("norm"))
+    """The kinds of a block's tensors that are vectors (norms, biases, sinks): what layer_vectors
+    reads (the experts' biases belong to the experts: infer.moe)."""
+    return tuple(k for k in args.layer_kinds if (k.endswith(".bias") or k.endswith("norm") or k == "attn_sinks")
+                 and k not in EXPERT_BIAS_KINDS)
+
+
+def refuse_cpu_only(args: ModelArgs, path: object, engine: str, instead: str = "run it with --device cpu") -> None:
+    """A one-line UnsupportedModelError for an architecture only the resident CPU engine computes
+    (gpt-oss: its attention sinks, expert biases and MXFP4 experts have no GPU kernels and no tiered
+    path yet); `instead` says what runs the file."""
+    if not args.arch_table.gpu:
+        raise UnsupportedModelError(str(path), f"'{args.arch}' runs on the resident CPU engine only, not {engine} "
+                                    f"yet: {instead}", "key general.architecture")
 
 
 def refuse_experts(args: ModelArgs, path: object, engine: str, instead: str) -> None:

@@ -267,7 +267,7 @@ def main(ctx: click.Context, model: str | None, prompt: str | None, n_predict: i
          ctx_size: int, seed: int | None, device: str, streaming: StreamingConfig, spec: SpecOptions,
          threads: int | None, exact: bool, cpu_moe: bool, n_cpu_moe: int | None, expert_stream: str,
          gpus: str | None, as_json: bool) -> None:
-    """Run a GGUF language model (Llama, Qwen2 or Qwen3 architecture) on the GPU or the CPU.
+    """Run a GGUF language model (Llama, Qwen2, Qwen3, Gemma 3, their mixtures of experts, gpt-oss) on the GPU or the CPU.
 
     With --streaming, weights that do not fit the VRAM budget are streamed each pass from pinned RAM
     (tier B) and from the file or an NVMe drive (tier C); --batch/--prompts decode several

@@ -1,5 +1,5 @@
-"""The Llama/Qwen2/Qwen3/Gemma 3 decoder in NumPy float32 (and Qwen3-MoE / Mixtral's mixtures of experts, whose
-feed-forward is infer.moe's): model arguments from GGUF metadata, per-layer weights
+"""The Llama/Qwen2/Qwen3/Gemma 3 decoder in NumPy float32 (and Qwen3-MoE / Mixtral / gpt-oss's mixtures of
+experts, whose feed-forward is infer.moe's; gpt-oss's attention sinks and output bias are here): model arguments from GGUF metadata, per-layer weights
 behind a small provider interface, and the forward pass over a KV cache.
 
 The forward pass follows llama.cpp's CPU numerics where that costs nothing: the KV cache is float16,
@@ -96,6 +96,8 @@ class LayerWeights:
     post_attn_norm: np.ndarray | None = None  # (dim,): Gemma's RMSNorm of the attention output
     post_ffn_norm: np.ndarray | None = None  # (dim,): and of the FFN output
     experts: MixtureOfExperts | None = None  # the feed-forward of a mixture-of-experts block (infer.moe)
+    sinks: np.ndarray | None = None  # (n_heads,): gpt-oss's logit per query head that joins each softmax
+    bo: np.ndarray | None = None  # (dim,): gpt-oss's attention output bias
 
     @classmethod
     def assemble(cls, vectors: dict[str, np.ndarray | None], attn_qkv: Linear, attn_output: Linear,
@@ -107,13 +109,14 @@ class LayerWeights:
                    attn_output=attn_output, ffn_norm=vectors["ffn_norm"],  # type: ignore[arg-type]
                    ffn_gate_up=ffn_gate_up, ffn_down=ffn_down,
                    q_norm=vectors["q_norm"], k_norm=vectors["k_norm"], post_attn_norm=vectors.get("post_attn_norm"),
-                   post_ffn_norm=vectors.get("post_ffn_norm"), experts=experts)
+                   post_ffn_norm=vectors.get("post_ffn_norm"), experts=experts, sinks=vectors.get("sinks"),
+                   bo=vectors.get("bo"))
 
     @property
     def nbytes(self) -> int:
         parts = [self.attn_norm, self.attn_qkv, self.bqkv, self.attn_output, self.ffn_norm, self.ffn_gate_up,
-                 self.ffn_down, self.q_norm,
-                 self.k_norm, self.post_attn_norm, self.post_ffn_norm, self.experts]
+                 self.ffn_down, self.q_norm, self.k_norm, self.post_attn_norm, self.post_ffn_norm, self.experts,
+                 self.sinks, self.bo]
         return sum(p.nbytes for p in parts if p is not None)
 
 
@@ -197,7 +200,20 @@ class DequantizedWeights:
         return MixtureOfExperts.from_stacks(
             self._linear(tensor_name(i, "ffn_gate_inp")), stack("ffn_gate_exps"), stack("ffn_up_exps"),
             stack("ffn_down_exps"), lambda parts: Linear(parts, self.exact), self.args.n_experts_used,
-            self.args.expert_weights_norm, self._shared_expert(i))
+            self.args.expert_weights_norm, self._shared_expert(i), **self._expert_biases(i))
+
+    def _expert_biases(self, i: int) -> dict[str, object]:
+        """Block i's gating and expert biases as MixtureOfExperts takes them (gpt-oss; else none)."""
+        table = self.args.arch_table
+        if table.gating == "softmax":
+            return {}
+
+        def bias(kind: str) -> np.ndarray:
+            return self._f32(tensor_name(i, kind)).reshape(self.args.n_experts, -1)
+
+        return {"gating": table.gating, "router_bias": self._f32(tensor_name(i, "ffn_gate_inp.bias")),
+                "gate_up_bias": np.concatenate([bias("ffn_gate_exps.bias"), bias("ffn_up_exps.bias")], axis=1),
+                "down_bias": bias("ffn_down_exps.bias")}
 
     def _shared_expert(self, i: int) -> SharedExpert | None:
         """Block i's shared expert (qwen2moe), its matrices as this provider makes products."""
@@ -305,6 +321,24 @@ def geglu(gate: np.ndarray, up: np.ndarray, exact: bool = False) -> np.ndarray:
         bits = gate.astype(np.float16).view(np.uint16)
     gelu = np.where(gate <= -10.0, np.float32(0.0), np.where(gate >= 10.0, gate, _GELU_TABLE[bits]))
     return (gelu * up).astype(np.float32)
+
+
+# gpt-oss's gated activation (llama.cpp's ggml_swiglu_oai with the constants its graph passes)
+SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT = 1.702, 7.0
+
+
+def swiglu_oai(gate: np.ndarray, up: np.ndarray, exact: bool = False) -> np.ndarray:
+    """min(g, 7) * sigmoid(1.702 min(g, 7)) * (clamp(u, -7, 7) + 1), float32, in ggml's steps:
+    x / (1 + expf(alpha * -x)) * (y + 1), each rounded to float32 (expf correctly rounded here);
+    `exact`: evaluated in float64 and rounded once."""
+    f32 = np.float32
+    x = np.minimum(gate, f32(SWIGLU_OAI_LIMIT))
+    y = np.clip(up, f32(-SWIGLU_OAI_LIMIT), f32(SWIGLU_OAI_LIMIT))
+    if exact:
+        x64 = x.astype(np.float64)
+        return (x64 / (1.0 + np.exp(-SWIGLU_OAI_ALPHA * x64)) * (y.astype(np.float64) + 1.0)).astype(f32)
+    e = np.exp((f32(SWIGLU_OAI_ALPHA) * -x).astype(np.float64)).astype(f32)
+    return ((x / (f32(1.0) + e)).astype(f32) * (y + f32(1.0))).astype(f32, copy=False)
 
 
 class Transformer:
@@ -462,8 +496,9 @@ class Transformer:
         if layer.k_norm is not None:
             k = self.norm(k, layer.k_norm)
         if self._native is not None:  # rope and attention in C, not the reference's bits (infer.cpu_layers)
-            out = self._native.attention(a, self.rope, q, k, v, cache, index, start, cos, sin, allowed)
-            return layer.attn_output(out)
+            out = self._native.attention(a, self.rope, q, k, v, cache, index, start, cos, sin, allowed, layer.sinks)
+            out = layer.attn_output(out)
+            return out if layer.bo is None else out + layer.bo
         q, k = self.rope.apply(q, cos, sin), self.rope.apply(k, cos, sin)
         # (S, kv_heads, head_dim) float16: slots first .. start + n - 1 (a local layer's ring may
         # hold only the last of them; the rest are outside every row's window)
@@ -483,10 +518,18 @@ class Transformer:
         elif n > 1:  # causal mask: query t (position start + t) sees keys 0..start + t
             future = np.arange(first, start + n)[None, :] > np.arange(start, start + n)[:, None]
             scores[..., future] = -np.inf
-        exps = np.exp(scores.astype(wide) - scores.max(axis=-1, keepdims=True))
-        probs = (exps / exps.sum(axis=-1, keepdims=True)).astype(np.float32).astype(np.float16)
+        top = scores.max(axis=-1, keepdims=True)
+        if layer.sinks is not None:  # gpt-oss: each head's sink logit joins the max and the sum, not the values
+            sinks = layer.sinks.reshape(a.n_kv_heads, group, 1, 1)
+            top = np.maximum(top, sinks)
+        exps = np.exp(scores.astype(wide) - top)
+        total = exps.sum(axis=-1, keepdims=True)
+        if layer.sinks is not None:
+            total = total + np.exp((sinks - top).astype(wide))
+        probs = (exps / total).astype(np.float32).astype(np.float16)
         out = (probs.astype(wide) @ values).astype(np.float32)  # (kv, g, T, hd)
-        return layer.attn_output(out.transpose(2, 0, 1, 3).reshape(n, a.q_dim))
+        out = layer.attn_output(out.transpose(2, 0, 1, 3).reshape(n, a.q_dim))
+        return out if layer.bo is None else out + layer.bo
 
     def _feed_forward(self, h: np.ndarray, layer: LayerWeights) -> np.ndarray:
         if layer.experts is not None:  # the routed experts' gated products, weighted (infer.moe)
@@ -500,6 +543,8 @@ class Transformer:
         and rounded once."""
         if self.args.arch_table.activation == "gelu_tanh":
             return geglu(gate, up, self.exact)
+        if self.args.arch_table.activation == "swiglu_oai":
+            return swiglu_oai(gate, up, self.exact)
         if self._native is not None:  # packed: a fixed exp of its own (infer.cpu_decode uses it too)
             return self._native.swiglu(gate, up)
         if self.exact:

@@ -20,6 +20,11 @@ the weights' sum in double rounded to float32, each expert's output times its we
 in the top-k order); `exact` takes the softmax, the weights and the weighted sum in float64 and
 rounds once, so a row's result does not depend on the batch it is in (infer.model's docstring).
 
+gpt-oss (llama.cpp's openai-moe graph) routes otherwise ("softmax_weight" gating): the router's
+logits plus a bias, the k largest of them, and their weights a softmax over those k logits alone (not
+renormalised); each expert's gate, up and down outputs get biases of their own before the clamped
+SwiGLU (infer.model.swiglu_oai) and after the down product.
+
 `expert_shape` reads the expert keys as llama.cpp does for these architectures (`expert_count`,
 `expert_used_count`, qwen3moe's `expert_feed_forward_length`, each a number or one per layer) for
 infer.arch.ModelArgs.
@@ -127,6 +132,13 @@ class MixtureOfExperts:
     n_used: int  # experts per token
     normalize: bool = True  # the top-k weights divided by their sum
     shared: SharedExpert | None = None  # qwen2moe's, added to the routed experts' sum
+    # gpt-oss: "softmax_weight" gating (infer.arch.Architecture.gating) and float32 biases added to
+    # the router's logits (n_experts,), each expert's gate and up outputs (n_experts, 2 * width) and
+    # its down output (n_experts, dim), as llama.cpp's ggml_add / ggml_add_id do
+    gating: str = "softmax"
+    router_bias: np.ndarray | None = None
+    gate_up_bias: np.ndarray | None = None
+    down_bias: np.ndarray | None = None
     # one token's experts in one native call, the same bits as gate_up, the native SwiGLU and down
     # (infer.cpu_kernels.RoutedExperts; the packed engine's, whose glu is that SwiGLU)
     row_experts: Callable[[np.ndarray, np.ndarray], np.ndarray] | None = None
@@ -134,11 +146,12 @@ class MixtureOfExperts:
     @classmethod
     def from_stacks(cls, router: Linear, gate: Stack, up: Stack, down: Stack,
                     linear: Callable[[list[Stack]], Linear], n_used: int, normalize: bool = True,
-                    shared: SharedExpert | None = None) -> MixtureOfExperts:
-        """From the dequantized stacks; `linear(parts)` makes one product of (matrix, format) parts."""
+                    shared: SharedExpert | None = None, **biases: object) -> MixtureOfExperts:
+        """From the dequantized stacks; `linear(parts)` makes one product of (matrix, format) parts;
+        `biases`: gating and the bias fields (gpt-oss)."""
         (gates, gate_fmt), (ups, up_fmt), (downs, down_fmt) = gate, up, down
         return cls(router, [linear([(g, gate_fmt), (u, up_fmt)]) for g, u in zip(gates, ups, strict=True)],
-                   [linear([(d, down_fmt)]) for d in downs], n_used, normalize, shared)
+                   [linear([(d, down_fmt)]) for d in downs], n_used, normalize, shared, **biases)  # type: ignore[arg-type]
 
     @property
     def n_experts(self) -> int:
@@ -147,11 +160,18 @@ class MixtureOfExperts:
     @property
     def nbytes(self) -> int:
         shared = self.shared.nbytes if self.shared is not None else 0
-        return self.router.nbytes + shared + sum(product.nbytes for product in (*self.gate_up, *self.down))
+        biases = sum(b.nbytes for b in (self.router_bias, self.gate_up_bias, self.down_bias) if b is not None)
+        return self.router.nbytes + shared + biases + sum(product.nbytes for product in (*self.gate_up, *self.down))
 
     def route(self, h: np.ndarray, exact: bool = False) -> tuple[np.ndarray, np.ndarray]:
         """(T, k) chosen expert ids, most probable first, and their weights, for the normed input h (T, dim)."""
-        probs = router_softmax(self.router(h), exact)
+        logits = self.router(h)
+        if self.router_bias is not None:
+            logits = logits + self.router_bias
+        if self.gating == "softmax_weight":  # the top k logits, weighted by their own softmax (gpt-oss)
+            chosen = top_k(logits, self.n_used)
+            return chosen, router_softmax(np.take_along_axis(logits, chosen, axis=-1), exact)
+        probs = router_softmax(logits, exact)
         chosen = top_k(probs, self.n_used)
         return chosen, expert_weights(probs, chosen, self.normalize, exact)
 
@@ -179,15 +199,20 @@ class MixtureOfExperts:
                 return
             for slot, expert in enumerate(chosen[0].tolist()):
                 if expert in wanted:
-                    gate_up = self.gate_up[expert](h)
-                    width = gate_up.shape[1] // 2
-                    outs[0, slot] = self.down[expert](glu(gate_up[:, :width], gate_up[:, width:]))[0]
+                    outs[0, slot] = self._expert(expert, h, glu)[0]
             return
         for expert in experts:
             rows, slots = np.nonzero(chosen == expert)
-            gate_up = self.gate_up[expert](h[rows])
-            width = gate_up.shape[1] // 2
-            outs[rows, slots] = self.down[expert](glu(gate_up[:, :width], gate_up[:, width:]))
+            outs[rows, slots] = self._expert(expert, h[rows], glu)
+
+    def _expert(self, expert: int, h: np.ndarray, glu: Glu) -> np.ndarray:
+        """(T, dim) float32: one expert's gated products of h (T, dim), with its biases where it has them."""
+        gate_up = self.gate_up[expert](h)
+        if self.gate_up_bias is not None:
+            gate_up = gate_up + self.gate_up_bias[expert]
+        width = gate_up.shape[1] // 2
+        out = self.down[expert](glu(gate_up[:, :width], gate_up[:, width:]))
+        return out if self.down_bias is None else out + self.down_bias[expert]
 
 
 MAX_EXPERTS = 1024  # llama.cpp's LLAMA_MAX_EXPERTS

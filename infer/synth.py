@@ -34,7 +34,7 @@ from gguf.quants import quantize
 from infer.arch import ARCHITECTURES
 
 T = GGMLQuantizationType
-ARCHS = ("llama", "qwen2", "qwen3", "gemma3", "qwen3moe", "qwen2moe")
+ARCHS = ("llama", "qwen2", "qwen3", "gemma3", "qwen3moe", "qwen2moe", "gpt-oss")
 POOL_BLOCKS = 1 << 16
 # Expert stacks of up to this many weights get all their own random data, so that no two experts (nor
 # the gate and up stacks) are copies of one pool, which would make routing irrelevant; larger ones a
@@ -61,6 +61,8 @@ class Shape:
     n_experts_used: int = 0  # expert_used_count: experts per token
     expert_ffn_dim: int = 0  # qwen3moe's expert_feed_forward_length (a llama file's experts are ffn_dim wide)
     shared_ffn_dim: int = 0  # qwen2moe's expert_shared_feed_forward_length (its shared expert's width)
+    yarn_factor: float = 0.0  # > 0: rope.scaling.type yarn with this factor (gpt-oss)
+    yarn_original_context: int = 0  # rope.scaling.original_context_length with yarn
 
     @property
     def head_size(self) -> int:
@@ -91,6 +93,16 @@ SHAPES: dict[str, Shape] = {
     "tiny-qwen2moe": Shape(n_layers=2, dim=256, ffn_dim=768, n_heads=4, n_kv_heads=2, vocab_size=1024,
                            context_length=2048, rope_base=1e6, norm_eps=1e-6, arch="qwen2moe", n_experts=8,
                            n_experts_used=2, expert_ffn_dim=256, shared_ffn_dim=512),
+    # gpt-oss-20b's config.json (4 of 32 experts of width 2880, MXFP4; every other layer a window of 128;
+    # YaRN x32 over 4096 positions), and a small one for tests (a window of 16, YaRN x4 over 512)
+    "gpt-oss-20b": Shape(n_layers=24, dim=2880, ffn_dim=2880, n_heads=64, n_kv_heads=8, vocab_size=201088,
+                         context_length=131072, rope_base=150000.0, arch="gpt-oss", head_dim=64, sliding_window=128,
+                         n_experts=32, n_experts_used=4, expert_ffn_dim=2880, yarn_factor=32.0,
+                         yarn_original_context=4096),
+    "tiny-gpt-oss": Shape(n_layers=2, dim=256, ffn_dim=256, n_heads=4, n_kv_heads=2, vocab_size=1024,
+                          context_length=2048, rope_base=150000.0, arch="gpt-oss", head_dim=64, sliding_window=16,
+                          n_experts=8, n_experts_used=4, expert_ffn_dim=256, yarn_factor=4.0,
+                          yarn_original_context=512),
     # Qwen1.5-MoE-A2.7B's config.json: 4 of 60 experts of width 1408, a shared expert of width 5632
     "qwen1.5-moe-a2.7b": Shape(n_layers=24, dim=2048, ffn_dim=5632, n_heads=16, n_kv_heads=16, vocab_size=151936,
                                context_length=8192, rope_base=1e6, norm_eps=1e-6, arch="qwen2moe", n_experts=60,
@@ -115,9 +127,11 @@ K_FALLBACK = {T.Q4_K: T.Q5_0, T.Q5_K: T.Q5_1, T.Q6_K: T.Q8_0}
 
 def tensor_type(kind: str, name: str, layer: int, n_layers: int, cols: int = 256, n_experts: int = 0) -> int:
     """The GGML type of a matrix of rows of `cols` weights in a file of `kind` (norms and expert
-    routers are always F32)."""
+    routers are always F32; gpt-oss's experts always MXFP4, as its published files keep them)."""
     if name == "ffn_gate_inp":
         return T.F32
+    if name.endswith("_exps_mxfp4"):
+        return T.MXFP4
     chosen = _tensor_type(kind, name, layer, n_layers, n_experts)
     return K_FALLBACK.get(chosen, chosen) if cols % 256 else chosen
 
@@ -257,8 +271,8 @@ def _matrix_writer(ggml_type: int, rows: int, cols: int, rng: np.random.Generato
     return n_blocks * size, write
 
 
-def _norm_writer(n: int, rng: np.random.Generator, mean: float) -> tuple[int, Callable[[object], None]]:
-    values = (mean + 0.1 * rng.standard_normal(n)).astype("<f4")
+def _norm_writer(n: int, rng: np.random.Generator, mean: float, std: float = 0.1) -> tuple[int, Callable[[object], None]]:
+    values = (mean + std * rng.standard_normal(n)).astype("<f4")
     return values.nbytes, lambda f: f.write(values.tobytes())  # type: ignore[attr-defined]
 
 
@@ -310,11 +324,14 @@ def write_model(path: str | Path, shape: Shape, kind: str, seed: int = 0, name: 
         f"{arch}.attention.layer_norm_rms_epsilon": float(s.norm_eps),
         f"{arch}.vocab_size": s.vocab_size,
         **({f"{arch}.attention.key_length": head_dim, f"{arch}.attention.value_length": head_dim}
-           if s.head_dim or arch in ("qwen3", "gemma3", "qwen3moe") else {}),
+           if s.head_dim or arch in ("qwen3", "gemma3", "qwen3moe", "gpt-oss") else {}),
         **({f"{arch}.attention.sliding_window": s.sliding_window} if s.sliding_window else {}),
         **({f"{arch}.expert_count": s.n_experts, f"{arch}.expert_used_count": s.n_experts_used}
            if s.n_experts else {}),
-        **({f"{arch}.expert_feed_forward_length": s.expert_ffn_dim} if arch in ("qwen3moe", "qwen2moe") else {}),
+        **({f"{arch}.expert_feed_forward_length": s.expert_ffn_dim} if arch in ("qwen3moe", "qwen2moe", "gpt-oss")
+           else {}),
+        **({f"{arch}.rope.scaling.type": "yarn", f"{arch}.rope.scaling.factor": float(s.yarn_factor),
+            f"{arch}.rope.scaling.original_context_length": s.yarn_original_context} if s.yarn_factor else {}),
         **({f"{arch}.expert_shared_feed_forward_length": s.shared_ffn_dim} if s.shared_ffn_dim else {}),
         "tokenizer.ggml.model": "llama",
         "tokenizer.ggml.tokens": tokens,
@@ -337,9 +354,9 @@ def write_model(path: str | Path, shape: Shape, kind: str, seed: int = 0, name: 
         nbytes, write = _matrix_writer(ggml_type, rows * max(stacked, 1), cols, rng, pools, base if stacked else "")
         tensors.append(_Tensor(tname, (cols, rows, stacked) if stacked else (cols, rows), ggml_type, nbytes, write))
 
-    def norm(tname: str, n: int = s.dim, mean: float = 1.0) -> None:
-        nbytes, write = _norm_writer(n, rng, mean)
-        tensors.append(_Tensor(tname, (n,), T.F32, nbytes, write))
+    def norm(tname: str, n: int = s.dim, mean: float = 1.0, std: float = 0.1, dims: tuple[int, ...] = ()) -> None:
+        nbytes, write = _norm_writer(n, rng, mean, std)
+        tensors.append(_Tensor(tname, dims or (n,), T.F32, nbytes, write))
 
     q_dim, kv_dim = s.n_heads * head_dim, s.n_kv_heads * head_dim
     matrix("token_embd.weight", "token_embd", 0, s.vocab_size, s.dim)
@@ -349,7 +366,7 @@ def write_model(path: str | Path, shape: Shape, kind: str, seed: int = 0, name: 
         matrix(p + "attn_q.weight", "attn_q", i, q_dim, s.dim)
         matrix(p + "attn_k.weight", "attn_k", i, kv_dim, s.dim)
         matrix(p + "attn_v.weight", "attn_v", i, kv_dim, s.dim)
-        if arch in ("qwen2", "qwen2moe"):
+        if arch in ("qwen2", "qwen2moe", "gpt-oss"):
             norm(p + "attn_q.bias", q_dim, 0.0)
             norm(p + "attn_k.bias", kv_dim, 0.0)
             norm(p + "attn_v.bias", kv_dim, 0.0)
@@ -357,16 +374,24 @@ def write_model(path: str | Path, shape: Shape, kind: str, seed: int = 0, name: 
             norm(p + "attn_q_norm.weight", head_dim)
             norm(p + "attn_k_norm.weight", head_dim)
         matrix(p + "attn_output.weight", "attn_output", i, s.dim, q_dim)
-        if arch == "gemma3":
+        if arch == "gpt-oss":  # sinks spread like attention logits, so they take a real share
+            norm(p + "attn_sinks.weight", s.n_heads, 0.0, 1.0)
+            norm(p + "attn_output.bias", s.dim, 0.0)
+        if arch in ("gemma3", "gpt-oss"):  # gpt-oss: the FFN's input norm, under this name
             norm(p + "post_attention_norm.weight")
-        norm(p + "ffn_norm.weight")
+        if arch != "gpt-oss":
+            norm(p + "ffn_norm.weight")
         if s.n_experts:
-            width = s.expert_ffn_dim if arch in ("qwen3moe", "qwen2moe") else s.ffn_dim
+            width = s.expert_ffn_dim if arch in ("qwen3moe", "qwen2moe", "gpt-oss") else s.ffn_dim
             nbytes, write = _router_writer(s.n_experts, s.dim, rng, router_skew)
             tensors.append(_Tensor(p + "ffn_gate_inp.weight", (s.dim, s.n_experts), T.F32, nbytes, write))
-            matrix(p + "ffn_gate_exps.weight", "ffn_gate_exps", i, width, s.dim, s.n_experts)
-            matrix(p + "ffn_up_exps.weight", "ffn_up_exps", i, width, s.dim, s.n_experts)
-            matrix(p + "ffn_down_exps.weight", "ffn_down_exps", i, s.dim, width, s.n_experts)
+            fp4 = "_mxfp4" if arch == "gpt-oss" else ""
+            if fp4:
+                norm(p + "ffn_gate_inp.bias", s.n_experts, 0.0)
+            for stack, rows, cols in (("gate", width, s.dim), ("up", width, s.dim), ("down", s.dim, width)):
+                matrix(p + f"ffn_{stack}_exps.weight", f"ffn_{stack}_exps{fp4}", i, rows, cols, s.n_experts)
+                if fp4:
+                    norm(p + f"ffn_{stack}_exps.bias", rows * s.n_experts, 0.0, dims=(rows, s.n_experts))
             if ARCHITECTURES[arch].shared_expert:
                 norm(p + "ffn_gate_inp_shexp.weight", s.dim, 0.0)  # around 0: gates near 1/2, some either way
                 matrix(p + "ffn_gate_shexp.weight", "ffn_gate", i, s.shared_ffn_dim, s.dim)

@@ -82,7 +82,7 @@ def load_gpu_transformer(model: GGUFModel, max_context: int | None = None, vram_
     bits in any pass (docs/GPU.md)."""
     import cupy
 
-    from infer.arch import check_model, rope_freq_factors
+    from infer.arch import check_model, refuse_cpu_only, rope_freq_factors
     from infer.errors import UnsupportedModelError
     from infer.gpu import memory
     from infer.gpu.layout import format_of
@@ -92,6 +92,7 @@ def load_gpu_transformer(model: GGUFModel, max_context: int | None = None, vram_
     from infer.tiers.stage_plan import stage_tensors
 
     args = check_model(model)
+    refuse_cpu_only(args, model.path, "the GPU engine")
     for info in model.tensors.values():
         if len(info.shape) == 2:
             try:

@@ -353,12 +353,13 @@ def load_gpu_stages(model: GGUFModel, gpus: Sequence[int], vram_budgets: Sequenc
     the first GPU in its budget (a draft model loaded there), shown in its stage's plan. experts,
     expert_stream (a mixture of experts): as load_gpu_transformer, each stage placing its own
     blocks' experts in its GPU's budget."""
-    from infer.arch import check_model
+    from infer.arch import check_model, refuse_cpu_only
     from infer.gpu import gpu_pass_nbytes, load_gpu_transformer
     from infer.gpu import memory as gpu_memory
     from infer.tiers.budget import VramBudgetError
 
     args = check_model(model)
+    refuse_cpu_only(args, model.path, "the GPU engine")
     missing = missing_gpu(gpus)
     if missing:
         raise ValueError(missing)

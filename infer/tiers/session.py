@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from infer.arch import check_model, rope_freq_factors
+from infer.arch import check_model, refuse_cpu_only, rope_freq_factors
 from infer.gguf_file import GGUFModel
 from infer.streaming import StreamingEngine
 from infer.tiers.budget import DEVICE_MARGIN, BudgetError, Budgets, VramAccount, compute_budgets, free_vram
@@ -146,6 +146,7 @@ def build_streaming_engine(model: GGUFModel | str | os.PathLike, config: Streami
     if not isinstance(model, GGUFModel):
         model = GGUFModel(model)
     args = check_model(model)
+    refuse_cpu_only(args, model.path, "the streaming engine", "run it without --streaming on the CPU")
     if args.n_experts:  # the expert is the unit of placement (infer.tiers.experts, expert_session)
         from infer.tiers.expert_session import build_expert_session
 

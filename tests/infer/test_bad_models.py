@@ -320,3 +320,32 @@ def test_expert_gating_llama_cpp_would_not_apply_is_refused_with_its_key(moe_mod
     per_layer = write_copy(moe_model, tmp_path / "per-layer.gguf", metadata={
         "qwen3moe.expert_used_count": ([2, 1], GGUFValueType.ARRAY, GGUFValueType.UINT32)})
     assert_one_line_error(per_layer, "key qwen3moe.expert_used_count", "per-layer values [2, 1] are not supported")
+
+
+@pytest.fixture(scope="module")
+def gpt_oss_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from infer.synth import SHAPES
+
+    path = tmp_path_factory.mktemp("models") / "gpt-oss.gguf"
+    write_model(path, SHAPES["tiny-gpt-oss"], "q8_0", seed=1)
+    return path
+
+
+def test_a_gpt_oss_file_runs_on_the_cpu_and_its_faults_are_named(gpt_oss_model: Path, tmp_path: Path) -> None:
+    """A gpt-oss file runs on the CPU engine; a missing sink or expert bias, a missing sliding
+    window, a rotary base of the local layers' own and an engine without its features each stop
+    with one line naming the tensor or key."""
+    code, stdout, err = run_cli(gpt_oss_model)
+    assert code == 0 and stdout.strip(), err
+    for name in ("blk.1.attn_sinks.weight", "blk.0.ffn_down_exps.bias", "blk.0.attn_output.bias"):
+        missing = write_copy(gpt_oss_model, tmp_path / f"no-{name}.gguf", drop_tensors=(name,))
+        assert_one_line_error(missing, f"tensor {name}", "required tensor is missing")
+    no_window = write_copy(gpt_oss_model, tmp_path / "no-window.gguf", drop_keys=("gpt-oss.attention.sliding_window",))
+    assert_one_line_error(no_window, "key gpt-oss.attention.sliding_window", "needs its sliding window")
+    base = write_copy(gpt_oss_model, tmp_path / "base.gguf",
+                      metadata={"gpt-oss.rope.freq_base_swa": (10000.0, GGUFValueType.FLOAT32)})
+    assert_one_line_error(base, "key gpt-oss.rope.freq_base_swa", "not supported")
+    result = CliRunner().invoke(main, ["-m", str(gpt_oss_model), "-p", "hello", "-n", "2", "--streaming"])
+    lines = result.stderr.strip().splitlines()
+    assert result.exit_code == 2 and len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
+    assert "resident CPU engine only, not the streaming engine" in lines[0] and str(gpt_oss_model) in lines[0]

@@ -92,3 +92,16 @@ def test_streaming_across_gpus_gives_the_one_gpu_tokens(tiny: Path, fake_cupy: o
     assert staged.stdout == whole.stdout and "1 stage: GPU 0 layers 0-2" in staged.stderr
     missing = run(tiny, "--gpus", "0", "--streaming")
     assert missing.exit_code == 2 and "needs --vram-budget" in missing.stderr, missing.output
+
+
+@pytest.mark.parametrize("where", [["--device", "gpu"], ["--gpus", "0"]], ids=["one-gpu", "stages"])
+def test_a_gpt_oss_file_on_the_gpu_is_one_line_naming_the_cpu(where: list[str], tmp_path: Path,
+                                                              fake_cupy: object) -> None:
+    """gpt-oss's sinks, expert biases and MXFP4 experts have no GPU kernels yet: the GPU engines
+    refuse it in one line (exit 2) that says which engine runs it."""
+    path = tmp_path / "gpt-oss.gguf"
+    write_model(path, SHAPES["tiny-gpt-oss"], "q8_0", seed=1)
+    result = run(path, *where)
+    lines = result.stderr.strip().splitlines()
+    assert result.exit_code == 2 and len(lines) == 1 and "Traceback" not in result.stderr, result.output
+    assert "'gpt-oss' runs on the resident CPU engine only, not the GPU engine yet" in lines[0], lines[0]

@@ -108,3 +108,28 @@ def test_moe_file_holds_distinct_experts(tmp_path: Path, kind: str) -> None:
 def test_moe_cli_refuses_a_shape_without_experts(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["--shape", "tiny", "--arch", "qwen3moe", "-o", str(tmp_path / "x.gguf")]) == 2
     assert "qwen3moe needs experts" in capsys.readouterr().err
+
+
+def test_gpt_oss_shape_matches_the_published_model(tmp_path: Path) -> None:
+    """gpt-oss-20b's config.json: 20.9B parameters, 3.6B active (4 of 32 experts; with the output
+    matrix); the experts MXFP4 in every file kind, the rest of the kind's types; the tiny one's file
+    reads back with the window on the first layer of each pair."""
+    g = SHAPES["gpt-oss-20b"]
+    q_dim, kv_dim = g.n_heads * g.head_dim, g.n_kv_heads * g.head_dim
+    attention = 2 * g.dim * q_dim + 2 * g.dim * kv_dim
+    expert = 3 * g.dim * g.expert_ffn_dim
+    embeddings = 2 * g.vocab_size * g.dim
+    total = g.n_layers * (attention + g.n_experts * expert) + embeddings
+    active = g.n_layers * (attention + g.n_experts_used * expert) + g.vocab_size * g.dim
+    assert abs(total / 20.9e9 - 1) < 0.01 and abs(active / 3.6e9 - 1) < 0.02, (total, active)
+    assert tensor_type("q4_k_m", "ffn_down_exps_mxfp4", 0, 24, 2880).name == "MXFP4"
+    assert tensor_type("q4_k_m", "attn_q", 0, 24, 2880).name == "Q5_0"  # 2880 is no whole K-quant block
+    path = tmp_path / "gpt-oss.gguf"
+    assert main(["--shape", "tiny-gpt-oss", "--type", "q4_k_m", "-o", str(path)]) == 0
+    model = GGUFModel(path)
+    args = ModelArgs.from_gguf(model)
+    assert (args.arch, args.local_layers, args.sliding_window, args.rope_scaling.kind) == (
+        "gpt-oss", (True, False), 16, "yarn")
+    assert model.tensor("blk.0.ffn_up_exps.weight").type_name == "MXFP4"
+    assert model.tensor("blk.0.ffn_up_exps.bias").shape == (8, 256)
+    assert model.tensor("blk.1.attn_sinks.weight").shape == (4,)

@@ -14,10 +14,11 @@ from gguf import GGUFReader, GGUFValueType, GGUFWriter
 def write_copy(source: Path, target: Path, n_layers: int | None = None,
                metadata: dict[str, tuple[Any, ...]] | None = None,
                drop_tensors: tuple[str, ...] = (), extra_tensors: dict[str, np.ndarray] | None = None,
-               reverse_tensor_order: bool = False, drop_pattern: str | None = None) -> Path:
+               reverse_tensor_order: bool = False, drop_pattern: str | None = None,
+               drop_keys: tuple[str, ...] = ()) -> Path:
     """Copies `source` to `target`, keeping only blocks < n_layers, replacing or adding `metadata`
     (key -> (value, type)), leaving out the tensors named in `drop_tensors` or matching the regular
-    expression `drop_pattern` and adding `extra_tensors` (name -> float32 array);
+    expression `drop_pattern`, leaving out the keys in `drop_keys`, and adding `extra_tensors` (name -> float32 array);
     reverse_tensor_order stores the tensors last to first. A new `general.architecture` in
     `metadata` also renames the old architecture's keys ("qwen2.block_count" -> "qwen3.block_count")."""
     reader = GGUFReader(source)
@@ -28,7 +29,7 @@ def write_copy(source: Path, target: Path, n_layers: int | None = None,
     writer = GGUFWriter(target, arch)
     for field_key, field in reader.fields.items():
         key = f"{arch}.{field_key[len(old_arch) + 1:]}" if field_key.startswith(f"{old_arch}.") else field_key
-        if key.startswith("GGUF.") or key == "general.architecture" or key in overrides:
+        if key.startswith("GGUF.") or key == "general.architecture" or key in overrides or key in drop_keys:
             continue
         value = field.contents()
         if n_layers is not None and key.endswith(".block_count"):

@@ -1,0 +1,96 @@
+"""gpt-oss against llama.cpp: a synthetic file of gpt-oss's layout (infer.synth's tiny-gpt-oss: MXFP4
+experts with biases, attention sinks, Q/K/V and output biases, a sliding window on every other layer,
+YaRN; no gpt-oss GGUF small enough ships on PyPI), which llama.cpp loads and runs here.
+
+The rule is test_oracle_architectures.py's (docs/INFERENCE.md): our logit error, mean and max, at most
+NOISE_FACTOR times llama.cpp's own batching noise on the same tokens. A second test shows each of the
+architecture's features is computed, not ignored: leaving any one out moves the logits by more than
+twice both our error and that bound.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from infer.gguf_file import GGUFModel
+from infer.model import DequantizedWeights, LayerWeights, Transformer, load_transformer
+from infer.rope_scaling import RopeScaling
+from infer.synth import SHAPES, write_model
+from tests.infer.test_oracle_architectures import NOISE_FACTOR, TOKENS, _errors, _logits
+from tests.oracle.reference import Reference
+
+pytestmark = [pytest.mark.oracle, pytest.mark.slow]
+
+KINDS = ["f16", "q8_0", "q4_k_m"]  # the attention's and output's type; the experts are MXFP4 in each
+
+
+def _run(kind: str, tmp_path: Path) -> tuple[Transformer, list[int], np.ndarray, tuple]:
+    """The synthetic gpt-oss file's matrices in `kind` through our engine and llama.cpp: (our model,
+    the token ids, our logits, _errors' (llama.cpp's logits, our mean and max error, its noise))."""
+    path = tmp_path / f"gpt-oss-{kind}.gguf"
+    write_model(path, SHAPES["tiny-gpt-oss"], kind, seed=5)
+    ours = load_transformer(GGUFModel(path))
+    ids = [int(t) for t in np.random.default_rng(0).integers(3, 1024, TOKENS)]  # past the window of 16
+    got = _logits(ours, ids)
+    ref = Reference(path, n_ctx=128)
+    try:
+        return ours, ids, got, _errors(got, ref, ids)
+    finally:
+        ref.close()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_synthetic_gpt_oss_matches_llama_cpp(kind: str, tmp_path: Path) -> None:
+    ours, _ids, got, (want, mean, worst, noise_mean, noise_max) = _run(kind, tmp_path)
+    assert ours.args.arch == "gpt-oss" and ours.args.local_layers == (True, False)
+    assert ours.weights.layer(0).sinks is not None and ours.weights.layer(0).experts.gating == "softmax_weight"
+    top1 = float(np.mean(got.argmax(-1) == want.argmax(-1)))
+    print(f"\nsynthetic gpt-oss {kind}: |error| mean {mean:.5f} max {worst:.4f}; llama.cpp's batching noise mean "
+          f"{noise_mean:.5f} max {noise_max:.4f}; top-1 agreement {top1:.3f}")
+    assert mean <= NOISE_FACTOR * noise_mean and worst <= NOISE_FACTOR * noise_max
+
+
+class _Without(DequantizedWeights):
+    """The file's weights with one of gpt-oss's features taken out of every block."""
+
+    def __init__(self, weights: DequantizedWeights, change: dict[str, object], experts: dict[str, object]) -> None:
+        super().__init__(weights.model, weights.args)
+        self.change, self.expert_change = change, experts
+
+    def layer(self, index: int) -> LayerWeights:
+        layer = super().layer(index)
+        experts = dataclasses.replace(layer.experts, **self.expert_change)  # type: ignore[arg-type]
+        return dataclasses.replace(layer, experts=experts, **self.change)  # type: ignore[arg-type]
+
+
+def _silu_glu(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
+    return (gate / (1.0 + np.exp(-gate)) * up).astype(np.float32)
+
+
+VARIANTS = {
+    "no sinks": ({"sinks": None}, {}, {}),
+    "no output bias": ({"bo": None}, {}, {}),
+    "no expert biases": ({}, {"router_bias": None, "gate_up_bias": None, "down_bias": None}, {}),
+    "softmax gating": ({}, {"gating": "softmax"}, {}),
+    "no sliding window": ({}, {}, {"local_layers": (False, False)}),
+    "no yarn": ({}, {}, {"rope_scaling": RopeScaling()}),
+    "plain swiglu": ({}, {}, {}),
+}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_gpt_oss_features_move_the_logits(variant: str, tmp_path: Path) -> None:
+    ours, ids, _got, (want, mean, _worst, noise_mean, _noise_max) = _run("q8_0", tmp_path)
+    layer_change, expert_change, args_change = VARIANTS[variant]
+    args = dataclasses.replace(ours.args, **args_change)
+    other = Transformer(args, _Without(DequantizedWeights(ours.weights.model, args), layer_change, expert_change),
+                        ours.rope.freq_factors)
+    if variant == "plain swiglu":
+        other._glu = _silu_glu  # type: ignore[method-assign]
+    off = float(np.abs(_logits(other, ids) - want).mean())
+    print(f"\ngpt-oss with {variant}: error mean {off:.4f} (ours {mean:.5f}, bound {NOISE_FACTOR * noise_mean:.5f})")
+    assert off > 2 * max(NOISE_FACTOR * noise_mean, mean)
