@@ -26,13 +26,17 @@ from tests.oracle.reference import Reference
 pytestmark = [pytest.mark.oracle, pytest.mark.slow]
 
 KINDS = ["f16", "q8_0", "q4_k_m"]  # the attention's and output's type; the experts are MXFP4 in each
+# gpt-oss-20b's attention as it is (64 heads of 64 over 8 KV heads, width 2880, YaRN x32 over 4096
+# positions) with a window of 32 and small experts (4 of 8 of width 256): an 80 MB file
+ATTENTION_20B = dataclasses.replace(SHAPES["gpt-oss-20b"], n_layers=2, vocab_size=1024, n_experts=8,
+                                    expert_ffn_dim=256, sliding_window=32, context_length=8192)
 
 
-def _run(kind: str, tmp_path: Path) -> tuple[Transformer, list[int], np.ndarray, tuple]:
+def _run(kind: str, tmp_path: Path, shape: str = "tiny") -> tuple[Transformer, list[int], np.ndarray, tuple]:
     """The synthetic gpt-oss file's matrices in `kind` through our engine and llama.cpp: (our model,
     the token ids, our logits, _errors' (llama.cpp's logits, our mean and max error, its noise))."""
-    path = tmp_path / f"gpt-oss-{kind}.gguf"
-    write_model(path, SHAPES["tiny-gpt-oss"], kind, seed=5)
+    path = tmp_path / f"gpt-oss-{shape}-{kind}.gguf"
+    write_model(path, SHAPES["tiny-gpt-oss"] if shape == "tiny" else ATTENTION_20B, kind, seed=5)
     ours = load_transformer(GGUFModel(path))
     ids = [int(t) for t in np.random.default_rng(0).integers(3, 1024, TOKENS)]  # past the window of 16
     got = _logits(ours, ids)
@@ -43,13 +47,13 @@ def _run(kind: str, tmp_path: Path) -> tuple[Transformer, list[int], np.ndarray,
         ref.close()
 
 
-@pytest.mark.parametrize("kind", KINDS)
-def test_synthetic_gpt_oss_matches_llama_cpp(kind: str, tmp_path: Path) -> None:
-    ours, _ids, got, (want, mean, worst, noise_mean, noise_max) = _run(kind, tmp_path)
+@pytest.mark.parametrize(("shape", "kind"), [("tiny", kind) for kind in KINDS] + [("20b-attention", "q8_0")])
+def test_synthetic_gpt_oss_matches_llama_cpp(shape: str, kind: str, tmp_path: Path) -> None:
+    ours, _ids, got, (want, mean, worst, noise_mean, noise_max) = _run(kind, tmp_path, shape)
     assert ours.args.arch == "gpt-oss" and ours.args.local_layers == (True, False)
     assert ours.weights.layer(0).sinks is not None and ours.weights.layer(0).experts.gating == "softmax_weight"
     top1 = float(np.mean(got.argmax(-1) == want.argmax(-1)))
-    print(f"\nsynthetic gpt-oss {kind}: |error| mean {mean:.5f} max {worst:.4f}; llama.cpp's batching noise mean "
+    print(f"\nsynthetic gpt-oss {shape} {kind}: |error| mean {mean:.5f} max {worst:.4f}; llama.cpp's batching noise mean "
           f"{noise_mean:.5f} max {noise_max:.4f}; top-1 agreement {top1:.3f}")
     assert mean <= NOISE_FACTOR * noise_mean and worst <= NOISE_FACTOR * noise_max
 
