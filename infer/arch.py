@@ -441,12 +441,12 @@ def layer_vector_kinds(args: ModelArgs) -> tuple[str, ...]:
 
 
 def refuse_cpu_only(args: ModelArgs, path: object, engine: str, instead: str = "run it with --device cpu") -> None:
-    """A one-line UnsupportedModelError for an architecture only the resident CPU engine computes
-    (gpt-oss: its attention sinks, expert biases and MXFP4 experts have no GPU kernels and no tiered
-    path yet); `instead` says what runs the file."""
+    """A one-line UnsupportedModelError for an architecture only the CPU engines compute (gpt-oss:
+    its attention sinks, expert biases and MXFP4 experts have no GPU kernels yet); `instead` says what
+    runs the file."""
     if not args.arch_table.gpu:
-        raise UnsupportedModelError(str(path), f"'{args.arch}' runs on the resident CPU engine only, not {engine} "
-                                    f"yet: {instead}", "key general.architecture")
+        raise UnsupportedModelError(str(path), f"'{args.arch}' runs on the CPU engines only, not {engine} yet: "
+                                    f"{instead}", "key general.architecture")
 
 
 def refuse_experts(args: ModelArgs, path: object, engine: str, instead: str) -> None:

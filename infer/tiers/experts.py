@@ -270,7 +270,8 @@ class TieredExpertWeights(PackedWeights):
         cache = self.expert_cache
         moe = TieredMixtureOfExperts(self._linear(tensor_name(i, "ffn_gate_inp")),  # type: ignore[arg-type]
                                      _ExpertProducts(cache, i, 0), _ExpertProducts(cache, i, 1),  # type: ignore[arg-type]
-                                     self.args.n_experts_used, self.args.expert_weights_norm, self._shared_expert(i))
+                                     self.args.n_experts_used, self.args.expert_weights_norm, self._shared_expert(i),
+                                     **self._expert_biases(i))  # type: ignore[arg-type]
         moe.cache, moe.layer = cache, i
         moe.native_row = self.args.arch_table.activation == "silu" and self.args.n_experts_used <= cpu_kernels.MAX_SLOTS
         return moe

@@ -146,7 +146,8 @@ def build_streaming_engine(model: GGUFModel | str | os.PathLike, config: Streami
     if not isinstance(model, GGUFModel):
         model = GGUFModel(model)
     args = check_model(model)
-    refuse_cpu_only(args, model.path, "the streaming engine", "run it without --streaming on the CPU")
+    if device == "gpu":
+        refuse_cpu_only(args, model.path, "the GPU engine", "run it with --device cpu (--streaming tiers its experts there)")
     if args.n_experts:  # the expert is the unit of placement (infer.tiers.experts, expert_session)
         from infer.tiers.expert_session import build_expert_session
 

@@ -104,4 +104,4 @@ def test_a_gpt_oss_file_on_the_gpu_is_one_line_naming_the_cpu(where: list[str], 
     result = run(path, *where)
     lines = result.stderr.strip().splitlines()
     assert result.exit_code == 2 and len(lines) == 1 and "Traceback" not in result.stderr, result.output
-    assert "'gpt-oss' runs on the resident CPU engine only, not the GPU engine yet" in lines[0], lines[0]
+    assert "'gpt-oss' runs on the CPU engines only, not the GPU engine yet" in lines[0], lines[0]

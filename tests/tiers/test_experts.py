@@ -86,6 +86,34 @@ def test_tiered_experts_compute_the_all_ram_logits(moe: Path, held: str) -> None
         assert stats.evictions > 0
 
 
+@pytest.mark.parametrize("held", ["k", "all"])
+def test_tiered_gpt_oss_experts_compute_the_all_ram_logits(tmp_path: Path, held: str) -> None:
+    """gpt-oss's MXFP4 experts tiered (its routers' and experts' biases stay in the file's mapping with
+    the rest): the all-RAM packed engine's logits, bit for bit, as a prompt and token by token."""
+    path = tmp_path / "gpt-oss.gguf"
+    write_model(path, SHAPES["tiny-gpt-oss"], "q8_0", seed=3)
+    gguf = GGUFModel(path)
+    args = check_model(gguf)
+    full = load_transformer(gguf, packed=True)
+    ids = _ids(24)
+    want = full.forward(ids, full.new_cache(CTX), all_logits=True)
+    count = {"k": args.n_experts_used, "all": 2 * args.n_experts}[held]
+    source = FileSource(path)
+    try:
+        weights = tiered_weights(gguf, args, source, count * _largest_expert(gguf))
+        model = Transformer(args, weights, full.rope.freq_factors)
+        got = model.forward(ids, model.new_cache(CTX), all_logits=True)
+        cache = model.new_cache(CTX)
+        model.forward(ids[:5], cache)
+        steps = [model.forward(ids[j : j + 1], cache) for j in range(5, len(ids))]
+    finally:
+        source.close()
+    assert weights.layer(0).experts.gating == "softmax_weight" and weights.layer(0).experts.down_bias is not None
+    assert np.array_equal(_bits(got), _bits(want))
+    assert all(np.array_equal(_bits(s), _bits(want[5 + j])) for j, s in enumerate(steps))
+    assert (weights.expert_cache.stats.evictions > 0) == (held == "k")
+
+
 def test_the_huge_page_copy_leaves_the_experts_to_their_tier(moe: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The packed engine copies its matrices to huge pages (infer.host_memory), experts included; with
     experts tiered under a RAM budget it copies the rest only, or the budget would mean nothing."""
