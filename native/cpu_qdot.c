@@ -60,7 +60,10 @@ static int rows_any(const struct job *J, int r0, int r1, int impl)
     if (J->type == T_MXFP4) {  /* one kernel of its own (cpu_qdot_mxfp4.c) */
 #ifdef QDOT_X86
         if (impl) {
-            qdot_mxfp4_rows_avx2(J, r0, r1);
+            if (impl == QDOT_IMPL_AVX512)
+                qdot_mxfp4_rows_avx512(J, r0, r1);
+            else
+                qdot_mxfp4_rows_avx2(J, r0, r1);
             return 0;
         }
 #endif

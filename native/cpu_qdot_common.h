@@ -458,7 +458,8 @@ void qdot_k_rows_avx512(const struct job *J, int r0, int r1);
 void qdot_ggml_avx2_rows(const struct job *J, int r0, int r1);    /* Q4_0, Q5_0, Q8_0 (ggml_order): */
 void qdot_ggml_avx512_rows(const struct job *J, int r0, int r1);  /* cpu_qdot_ggml.c */
 void qdot_ggml_avx512_pairs_rows(const struct job *J, int r0, int r1);
-void qdot_mxfp4_rows_avx2(const struct job *J, int r0, int r1);  /* also AVX-512's (cpu_qdot_mxfp4.c) */
+void qdot_mxfp4_rows_avx2(const struct job *J, int r0, int r1);    /* cpu_qdot_mxfp4.c */
+void qdot_mxfp4_rows_avx512(const struct job *J, int r0, int r1);
 #endif
 
 #endif

@@ -114,4 +114,76 @@ AVX2 void qdot_mxfp4_rows_avx2(const struct job *J, int r0, int r1)
                                                               J->dx + (size_t)t * J->nb, J->nb);
     }
 }
+
+/* AVX-512 VNNI, several tokens: a row's blocks are decoded once into a buffer of the codes shifted by
+ * +12 to unsigned bytes (0..24), which vpdpbusd multiplies with each token's signed activations, each
+ * lane started from 12 x -(its activations' sum) (struct job's xneg): the same integers as above. One
+ * token, or rows of more than MXFP4_ROW_BLOCKS blocks, take the AVX2 kernel. */
+#define MXFP4_ROW_BLOCKS 512
+
+AVX512_INLINE __m256i mxfp4_lanes_vnni(__m256i wu, const int8_t *x, const int32_t *xneg)
+{
+    __m256i neg = _mm256_loadu_si256((const __m256i *)xneg);
+    __m256i start = _mm256_add_epi32(_mm256_slli_epi32(neg, 3), _mm256_slli_epi32(neg, 2));  /* 12 x */
+    return _mm256_dpbusd_epi32(start, wu, _mm256_loadu_si256((const __m256i *)x));
+}
+
+AVX512 void qdot_mxfp4_rows_avx512(const struct job *J, int r0, int r1)
+{
+    const int nb = J->nb;
+    if (nb > MXFP4_ROW_BLOCKS) {
+        qdot_mxfp4_rows_avx2(J, r0, r1);
+        return;
+    }
+    int8_t shifted[16];
+    for (int i = 0; i < 16; i++)
+        shifted[i] = (int8_t)(FP4_DOUBLED[i] + 12);
+    const __m128i table = _mm_loadu_si128((const __m128i *)shifted);
+    uint8_t wu[MXFP4_ROW_BLOCKS * QK];
+    float ws[MXFP4_ROW_BLOCKS];
+    const int paired = nb & ~1;
+    if (J->n_tokens == 1) {  /* a decode row: the AVX2 kernel's direct lookups measured faster (2 threads,
+                              * gpt-oss-20b's shape: 33.5 tok/s against 32.2 through vpdpbusd) */
+        qdot_mxfp4_rows_avx2(J, r0, r1);
+        return;
+    }
+    for (int r = r0; r < r1; r++) {
+        const uint8_t *w = J->w + (size_t)r * J->wrow;
+        if (r + 1 < r1)
+            _mm_prefetch((const char *)(w + J->wrow), _MM_HINT_T0);
+        for (int b = 0; b < nb; b++) {
+            const uint8_t *wb = w + (size_t)b * MXFP4_BYTES;
+            _mm256_storeu_si256((__m256i *)(wu + (size_t)b * QK), mxfp4_values(wb + 1, table));
+            ws[b] = e8m0_half(wb[0]);
+        }
+        for (int t = 0; t < J->n_tokens; t++) {
+            const uint8_t *x = J->x + (size_t)t * J->xrow;
+            const float *dx = J->dx + (size_t)t * nb;
+            const int32_t *xneg = J->xneg + (size_t)t * nb * 8;
+            __m256 even = _mm256_setzero_ps(), odd = _mm256_setzero_ps();
+            for (int b = 0; b < paired; b += 2) {
+                __m256i p0 = mxfp4_lanes_vnni(_mm256_loadu_si256((const __m256i *)(wu + (size_t)b * QK)),
+                                              (const int8_t *)(x + (size_t)b * Q8_0_BYTES + 2), xneg + (size_t)b * 8);
+                __m256i p1 = mxfp4_lanes_vnni(_mm256_loadu_si256((const __m256i *)(wu + (size_t)(b + 1) * QK)),
+                                              (const int8_t *)(x + (size_t)(b + 1) * Q8_0_BYTES + 2),
+                                              xneg + (size_t)(b + 1) * 8);
+                even = _mm256_fmadd_ps(_mm256_set1_ps(dx[b] * ws[b]), _mm256_cvtepi32_ps(p0), even);
+                odd = _mm256_fmadd_ps(_mm256_set1_ps(dx[b + 1] * ws[b + 1]), _mm256_cvtepi32_ps(p1), odd);
+            }
+            float lanes[8];
+            _mm256_storeu_ps(lanes, _mm256_add_ps(even, odd));
+            float total = hsum8_ggml(lanes);
+            if (paired < nb) {  /* the last block of an odd count: its lanes' integers summed */
+                int32_t l[8], s = 0;
+                _mm256_storeu_si256((__m256i *)l, mxfp4_lanes_vnni(
+                    _mm256_loadu_si256((const __m256i *)(wu + (size_t)paired * QK)),
+                    (const int8_t *)(x + (size_t)paired * Q8_0_BYTES + 2), xneg + (size_t)paired * 8));
+                for (int k = 0; k < 8; k++)
+                    s += l[k];
+                total = total + (dx[paired] * ws[paired]) * (float)s;
+            }
+            J->y[(size_t)t * J->ystride + r] = total;
+        }
+    }
+}
 #endif
