@@ -20,6 +20,19 @@ static inline float e8m0_half(uint8_t e)
     return e < 2 ? bits_to_f32(0x00200000u << e) : bits_to_f32((uint32_t)(e - 1) << 23);
 }
 
+/* The pairs' total plus the last block b of an odd count, as llama.cpp's scalar tail adds it:
+ * d * (its integer sum). */
+static inline float last_block(float total, const uint8_t *w, const uint8_t *x, const float *dx, int b)
+{
+    const uint8_t *wb = w + (size_t)b * MXFP4_BYTES;
+    const int8_t *xq = (const int8_t *)(x + (size_t)b * Q8_0_BYTES + 2);
+    int32_t s = 0;
+    for (int i = 0; i < 16; i++)
+        s += xq[i] * FP4_DOUBLED[wb[1 + i] & 0x0f] + xq[i + 16] * FP4_DOUBLED[wb[1 + i] >> 4];
+    float d = dx[b] * e8m0_half(wb[0]);
+    return total + d * (float)s;
+}
+
 /* One output: weight row w (nb blocks) against one token's q8_0 row x (scales dx). */
 static float mxfp4_dot_portable(const uint8_t *w, const uint8_t *x, const float *dx, int nb)
 {
@@ -44,16 +57,7 @@ static float mxfp4_dot_portable(const uint8_t *w, const uint8_t *x, const float 
     for (int k = 0; k < 8; k++)
         sum[k] = even[k] + odd[k];
     float total = hsum8_ggml(sum);
-    for (; b < nb; b++) {  /* the last block of an odd count */
-        const uint8_t *wb = w + (size_t)b * MXFP4_BYTES;
-        const int8_t *xq = (const int8_t *)(x + (size_t)b * Q8_0_BYTES + 2);
-        int32_t s = 0;
-        for (int i = 0; i < 16; i++)
-            s += xq[i] * FP4_DOUBLED[wb[1 + i] & 0x0f] + xq[i + 16] * FP4_DOUBLED[wb[1 + i] >> 4];
-        float d = dx[b] * e8m0_half(wb[0]);
-        total = total + d * (float)s;
-    }
-    return total;
+    return b < nb ? last_block(total, w, x, dx, b) : total;
 }
 
 void qdot_mxfp4_rows_portable(const struct job *J, int r0, int r1)
@@ -91,16 +95,7 @@ AVX2 static float mxfp4_dot_avx2(const uint8_t *w, const uint8_t *x, const float
     float lanes[8];
     _mm256_storeu_ps(lanes, _mm256_add_ps(even, odd));
     float total = hsum8_ggml(lanes);
-    if (b < nb) {  /* the last block of an odd count */
-        const uint8_t *wb = w + (size_t)b * MXFP4_BYTES;
-        const int8_t *xq = (const int8_t *)(x + (size_t)b * Q8_0_BYTES + 2);
-        int32_t s = 0;
-        for (int i = 0; i < 16; i++)
-            s += xq[i] * FP4_DOUBLED[wb[1 + i] & 0x0f] + xq[i + 16] * FP4_DOUBLED[wb[1 + i] >> 4];
-        float d = dx[b] * e8m0_half(wb[0]);
-        total = total + d * (float)s;
-    }
-    return total;
+    return b < nb ? last_block(total, w, x, dx, b) : total;
 }
 
 AVX2 void qdot_mxfp4_rows_avx2(const struct job *J, int r0, int r1)
@@ -173,15 +168,8 @@ AVX512 void qdot_mxfp4_rows_avx512(const struct job *J, int r0, int r1)
             float lanes[8];
             _mm256_storeu_ps(lanes, _mm256_add_ps(even, odd));
             float total = hsum8_ggml(lanes);
-            if (paired < nb) {  /* the last block of an odd count: its lanes' integers summed */
-                int32_t l[8], s = 0;
-                _mm256_storeu_si256((__m256i *)l, mxfp4_lanes_vnni(
-                    _mm256_loadu_si256((const __m256i *)(wu + (size_t)paired * QK)),
-                    (const int8_t *)(x + (size_t)paired * Q8_0_BYTES + 2), xneg + (size_t)paired * 8));
-                for (int k = 0; k < 8; k++)
-                    s += l[k];
-                total = total + (dx[paired] * ws[paired]) * (float)s;
-            }
+            if (paired < nb)
+                total = last_block(total, w, x, dx, paired);
             J->y[(size_t)t * J->ystride + r] = total;
         }
     }

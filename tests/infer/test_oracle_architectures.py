@@ -55,6 +55,20 @@ def _logits(model: Transformer, ids: list[int]) -> np.ndarray:
     return model.forward(np.array(ids), model.new_cache(len(ids) + 8), all_logits=True)
 
 
+def beside_llama_cpp(path: Path) -> tuple[Transformer, list[int], np.ndarray, tuple]:
+    """A synthetic file (a vocabulary of 1024 or more) through our default engine and llama.cpp on
+    TOKENS random ids: (our model, the ids, our logits, _errors' (llama.cpp's logits, our mean and
+    max error, its mean and max batching noise))."""
+    ours = load_transformer(GGUFModel(path))
+    ids = [int(t) for t in np.random.default_rng(0).integers(3, 1024, TOKENS)]
+    got = _logits(ours, ids)
+    ref = Reference(path, n_ctx=128)
+    try:
+        return ours, ids, got, _errors(got, ref, ids)
+    finally:
+        ref.close()
+
+
 def _check(name: str, got: np.ndarray, without: np.ndarray, ref: Reference, ids: list[int]) -> None:
     want, mean, worst, noise_mean, noise_max = _errors(got, ref, ids)
     off = float(np.abs(without - want).mean())

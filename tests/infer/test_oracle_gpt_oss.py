@@ -16,12 +16,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from infer.gguf_file import GGUFModel
-from infer.model import DequantizedWeights, LayerWeights, Transformer, load_transformer
+from infer.model import DequantizedWeights, LayerWeights, Transformer
 from infer.rope_scaling import RopeScaling
 from infer.synth import SHAPES, write_model
-from tests.infer.test_oracle_architectures import NOISE_FACTOR, TOKENS, _errors, _logits
-from tests.oracle.reference import Reference
+from tests.infer.test_oracle_architectures import NOISE_FACTOR, _logits, beside_llama_cpp
 
 pytestmark = [pytest.mark.oracle, pytest.mark.slow]
 
@@ -37,14 +35,7 @@ def _run(kind: str, tmp_path: Path, shape: str = "tiny") -> tuple[Transformer, l
     the token ids, our logits, _errors' (llama.cpp's logits, our mean and max error, its noise))."""
     path = tmp_path / f"gpt-oss-{shape}-{kind}.gguf"
     write_model(path, SHAPES["tiny-gpt-oss"] if shape == "tiny" else ATTENTION_20B, kind, seed=5)
-    ours = load_transformer(GGUFModel(path))
-    ids = [int(t) for t in np.random.default_rng(0).integers(3, 1024, TOKENS)]  # past the window of 16
-    got = _logits(ours, ids)
-    ref = Reference(path, n_ctx=128)
-    try:
-        return ours, ids, got, _errors(got, ref, ids)
-    finally:
-        ref.close()
+    return beside_llama_cpp(path)  # TOKENS ids: past the windows of 16 and 32
 
 
 @pytest.mark.parametrize(("shape", "kind"), [("tiny", kind) for kind in KINDS] + [("20b-attention", "q8_0")])

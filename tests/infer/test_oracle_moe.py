@@ -28,7 +28,7 @@ from infer.gguf_file import GGUFModel
 from infer.model import DequantizedWeights, Transformer, load_transformer
 from infer.synth import SHAPES, Shape, write_model
 from tests.infer.test_oracle import OP_BOUND
-from tests.infer.test_oracle_architectures import NOISE_FACTOR, TOKENS, _errors, _logits
+from tests.infer.test_oracle_architectures import NOISE_FACTOR, TOKENS, _errors, _logits, beside_llama_cpp
 from tests.oracle import compare_moe
 from tests.oracle.reference import Reference
 from tests.oracle.trace import trace
@@ -100,15 +100,7 @@ def test_moe_operations_match_llama_cpp(name: str, kind: str, tmp_path: Path) ->
 def _qwen2moe_run(kind: str, tmp_path: Path) -> tuple[Transformer, list[int], np.ndarray, tuple]:
     """The synthetic qwen2moe file of `kind` through our engine and llama.cpp: (our model, the token
     ids, our logits, _errors' (llama.cpp's logits, our mean and max error, its mean and max noise))."""
-    path = _write("qwen2moe", kind, tmp_path)
-    ours = load_transformer(GGUFModel(path))
-    ids = [int(t) for t in np.random.default_rng(0).integers(3, 1024, TOKENS)]
-    got = _logits(ours, ids)
-    ref = Reference(path, n_ctx=128)
-    try:
-        return ours, ids, got, _errors(got, ref, ids)
-    finally:
-        ref.close()
+    return beside_llama_cpp(_write("qwen2moe", kind, tmp_path))
 
 
 # qwen2moe at 8 bits and below: llama.cpp's two batchings give the same bits on these files (noise 0 at
