@@ -154,6 +154,20 @@ def test_gemma3_completions_and_chat_equal_the_cli() -> None:
         assert served.stop() == 0
 
 
+def test_gpt_oss_completions_and_chat_equal_the_cli(tmp_path: Path) -> None:
+    """A synthetic gpt-oss file (MXFP4 experts, attention sinks; infer.synth's tiny-gpt-oss) served on
+    the CPU as the CLI runs it."""
+    from infer.synth import SHAPES, write_model
+
+    path = tmp_path / "gpt-oss.gguf"
+    write_model(path, SHAPES["tiny-gpt-oss"], "q8_0", seed=1)
+    served = Served(path, "--max-batch", "2", "--api-key", KEY)
+    try:
+        _completions_and_chat_equal_the_cli(served, path)
+    finally:
+        assert served.stop() == 0
+
+
 def test_sixteen_concurrent_clients_get_their_solo_outputs(server: Served) -> None:
     client = server.client()
     n = 12
