@@ -1,6 +1,7 @@
 """The Llama/Qwen2/Qwen3/Gemma 3 decoder in NumPy float32 (and Qwen3-MoE / Mixtral / gpt-oss's mixtures of
-experts, whose feed-forward is infer.moe's; gpt-oss's attention sinks and output bias are here): model arguments from GGUF metadata, per-layer weights
-behind a small provider interface, and the forward pass over a KV cache.
+experts, whose feed-forward is infer.moe's; gpt-oss's attention sinks and output bias are here): model
+arguments from GGUF metadata, per-layer weights behind a small provider interface, and the forward
+pass over a KV cache.
 
 The forward pass follows llama.cpp's CPU numerics where that costs nothing: the KV cache is float16,
 and the query and the attention probabilities are rounded to float16 before they meet it (llama.cpp

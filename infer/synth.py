@@ -11,7 +11,8 @@ one: <unk>, <s>, </s>, the 256 byte tokens, the space piece, then filler pieces 
 
 Mixture-of-experts shapes (`qwen3moe`, and `llama` with experts: Mixtral's layout) get a float32
 router (`ffn_gate_inp`, never quantized, as llama.cpp's quantizer leaves it) and the experts' matrices
-stacked (`ffn_{gate,up,down}_exps`). Random routers send tokens to experts nearly uniformly;
+stacked (`ffn_{gate,up,down}_exps`); gpt-oss files add attention sinks, the output, router and expert
+biases, and keep their experts MXFP4 whatever the type. Random routers send tokens to experts nearly uniformly;
 `--router-skew S` makes some experts popular: expert e's router row is scaled by S^(-e / (n - 1)), so
 expert 0's logits spread S times wider than the last one's and it wins the top k far more often (an
 assumption for cache studies, not a property of trained models).
