@@ -167,8 +167,14 @@ def _case(rng: np.random.Generator, n: int, s: int, heads: int, kv: int, hd: int
 
 
 def _sinks(rng: np.random.Generator, heads: int, with_sinks: bool) -> np.ndarray | None:
-    """gpt-oss's sinks: a logit per head, spread like the scores (some above them, some far below)."""
-    return (rng.standard_normal(heads) * 3).astype(np.float32) if with_sinks else None
+    """gpt-oss's sinks: a logit per head, spread like the scores (some above them, some below), and
+    head 0's far above every score, so that it takes nearly all of that head's probability (the sink
+    is then the maximum the exponentials are taken from)."""
+    if not with_sinks:
+        return None
+    sinks = rng.uniform(-3.0, 3.0, heads).astype(np.float32)
+    sinks[0] = 30.0
+    return sinks
 
 
 @pytest.mark.parametrize("with_sinks", [False, True], ids=["", "sinks"])
