@@ -1,6 +1,9 @@
 """Per-block cost of a decode row's MoE feed-forward on the packed CPU engine, split into its parts."""
-import sys, time
+import sys
+import time
+
 import numpy as np
+
 from infer.gguf_file import GGUFModel
 from infer.model import load_transformer
 from infer.moe import weighted_sum
@@ -14,7 +17,9 @@ xs = rng.standard_normal((400, m.args.dim)).astype(np.float32)
 def bench(fn, reps=400):
     ts = []
     for k in range(reps):
-        t = time.perf_counter(); fn(k); ts.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        fn(k)
+        ts.append(time.perf_counter() - t)
     return float(np.median(ts[50:])) * 1e6
 
 def whole(k):
