@@ -6,8 +6,8 @@
  * of 8 float lanes, the even blocks' in one and the odd blocks' in the other: lane k accumulates, with a
  * fused multiply-add, (d_x * scale) times the integer sum of elements 4k..4k+3; the two sets are added
  * lane by lane and reduced with ggml's hsum_float_8; a last odd block is added as d * (its integer sum).
- * Both functions below compute that sequence, so they give the same bits as each other (and as
- * llama.cpp's AVX2 build). */
+ * Every kernel below (portable, AVX2, AVX-512 VNNI) computes that sequence, so they give the same
+ * bits as each other (and as llama.cpp's AVX2 build). */
 #include "cpu_qdot_common.h"
 
 #define MXFP4_BYTES 17

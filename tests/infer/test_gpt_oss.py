@@ -19,6 +19,7 @@ from infer.model import SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT, load_transformer, sw
 from infer.moe import MixtureOfExperts
 from infer.packed_weights import PackedLinear, PackedWeights, batch_invariant
 from infer.synth import SHAPES, write_model
+from tests.infer.test_packed_weights import check_pass_invariance
 
 
 @pytest.fixture(scope="module")
@@ -62,14 +63,7 @@ def test_packed_gpt_oss_does_not_depend_on_batching(gpt_oss: Path) -> None:
     assert isinstance(model.weights, PackedWeights) and model.weights.batch_invariant and batch_invariant(GGUFModel(gpt_oss))
     assert all(isinstance(p, PackedLinear) for p in (*moe.gate_up, *moe.down)) and moe.row_experts is None
     ids = np.random.default_rng(4).integers(3, 1024, 40)  # past the window of 16
-    whole = model.forward(ids, model.new_cache(48), all_logits=True)
-    cache = model.new_cache(48)
-    steps = np.stack([model.forward(ids[i : i + 1], cache) for i in range(len(ids))])
-    assert np.array_equal(steps.view(np.uint32), whole.view(np.uint32))
-    other, cache = model.new_cache(48), model.new_cache(48)
-    model.forward(ids[:20], cache)
-    pair = model.forward_batch([(ids[20:26], cache), (ids[:7], other)], all_logits=True)
-    assert np.array_equal(pair[0].view(np.uint32), whole[20:26].view(np.uint32))
+    whole = check_pass_invariance(model, ids, 48, 20, 6, ids[:7])
     # the exact engine (float64 sums): most rows agree to float32 rounding; an expert choice on a near
     # tie may go the other way and move the rows after it by hundredths
     exact = load_transformer(GGUFModel(gpt_oss), exact=True)

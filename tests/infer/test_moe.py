@@ -19,6 +19,7 @@ from infer.model import load_transformer
 from infer.moe import expert_weights, router_softmax, top_k, weighted_sum
 from infer.packed_weights import PackedLinear, PackedWeights, batch_invariant
 from infer.synth import Shape, write_model
+from tests.infer.test_packed_weights import check_pass_invariance
 
 # small and quick: rows of 64 (q8_0 blocks of 32); 8 experts, 3 per token
 QWEN3MOE = Shape(n_layers=2, dim=64, ffn_dim=192, n_heads=4, n_kv_heads=2, vocab_size=300, context_length=256,
@@ -119,14 +120,7 @@ def test_packed_experts_do_not_depend_on_batching(kind: str, tmp_path: Path) -> 
     # its rows by expert through the products: the comparisons below hold the two to the same bits
     assert moe.row_experts is not None
     ids = np.random.default_rng(4).integers(3, 300, 24)
-    whole = model.forward(ids, model.new_cache(40), all_logits=True)
-    cache = model.new_cache(40)
-    steps = np.stack([model.forward(ids[i : i + 1], cache) for i in range(len(ids))])
-    assert np.array_equal(steps.view(np.uint32), whole.view(np.uint32))
-    other, cache = model.new_cache(40), model.new_cache(40)
-    model.forward(ids[:10], cache)
-    pair = model.forward_batch([(ids[10:14], cache), (ids[:7], other)], all_logits=True)
-    assert np.array_equal(pair[0].view(np.uint32), whole[10:14].view(np.uint32))
+    whole = check_pass_invariance(model, ids, 40, 10, 4, ids[:7])
     if kind == "q8_0":  # the exact engine's function (float64 sums), up to float32 rounding; the float32
         # NumPy engine is no reference here: its BLAS order flips an 8-bit activation rounding on this
         # file (one token off by 2e-3 relative, where the packed engine is 1.2e-7 from the exact one)

@@ -12,7 +12,7 @@ import pytest
 
 from infer import cpu_kernels
 from infer.gguf_file import GGUFModel
-from infer.model import DequantizedWeights, load_transformer
+from infer.model import DequantizedWeights, Transformer, load_transformer
 from infer.packed_weights import PackedLinear, PackedWeights
 from tests.oracle.fixtures import model_path
 
@@ -68,6 +68,22 @@ def test_the_switch(q4km: Path, monkeypatch: pytest.MonkeyPatch) -> None:
         load_transformer(GGUFModel(q4km))
 
 
+def check_pass_invariance(model: Transformer, ids: np.ndarray, ctx: int, start: int, rows: int,
+                          other_ids: np.ndarray) -> np.ndarray:
+    """A sequence's logits, bit for bit, as one prompt, token by token, and its tokens start..start +
+    rows beside another sequence (other_ids) after its first `start` in a pass of their own; returns
+    the prompt's logits."""
+    whole = model.forward(ids, model.new_cache(ctx), all_logits=True)
+    cache = model.new_cache(ctx)
+    steps = np.stack([model.forward(ids[i : i + 1], cache) for i in range(len(ids))])
+    assert np.array_equal(whole.view(np.uint32), steps.view(np.uint32))
+    cache, other = model.new_cache(ctx), model.new_cache(ctx)
+    model.forward(ids[:start], cache)
+    beside = model.forward_batch([(ids[start : start + rows], cache), (other_ids, other)], all_logits=True)[0]
+    assert np.array_equal(beside.view(np.uint32), whole[start : start + rows].view(np.uint32))
+    return whole
+
+
 def test_a_sequences_logits_do_not_depend_on_its_pass(q4km: Path) -> None:
     """With norms, rope and attention in C as well (infer.cpu_layers), every output of the packed
     path has one fixed order of its own: a prompt in one pass, its tokens one at a time, and its
@@ -75,15 +91,7 @@ def test_a_sequences_logits_do_not_depend_on_its_pass(q4km: Path) -> None:
     OpenBLAS products sum a row differently in a one-row and a many-row pass)."""
     model = load_transformer(GGUFModel(q4km), packed=True)
     assert model._native is not None
-    ids = np.arange(100, 120)
-    whole = model.forward(ids, model.new_cache(64), all_logits=True)
-    cache = model.new_cache(64)
-    steps = np.stack([model.forward(ids[i : i + 1], cache) for i in range(len(ids))])
-    assert np.array_equal(whole.view(np.uint32), steps.view(np.uint32))
-    cache, other = model.new_cache(64), model.new_cache(64)
-    model.forward(ids[:5], cache)
-    beside = model.forward_batch([(ids[5:9], cache), (np.arange(300, 317), other)], all_logits=True)[0]
-    assert np.array_equal(beside.view(np.uint32), whole[5:9].view(np.uint32))
+    check_pass_invariance(model, np.arange(100, 120), 64, 5, 4, np.arange(300, 317))
 
 
 def test_a_token_trees_logits_are_its_paths_decoded(q4km: Path) -> None:
