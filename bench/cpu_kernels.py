@@ -78,6 +78,26 @@ def copy_bandwidth_gbs(nbytes: int = 256 << 20) -> float:
     return 2 * nbytes / seconds / 1e9
 
 
+def read_bandwidth_gbs(threads: int, nbytes: int = 1 << 30) -> float:
+    """GB/s read from memory by `threads` threads at once, each summing its share of an array larger
+    than the caches (NumPy's reductions release the GIL): the RAM's roofline for kernels that read
+    each weight once. The best of five."""
+    import threading
+
+    data = np.ones(nbytes // 8)  # written now: no page faults in the timed reads
+    parts = np.array_split(data, max(1, threads))
+
+    def once(_: int) -> None:
+        workers = [threading.Thread(target=np.add.reduce, args=(part,)) for part in parts]
+        for worker in workers:
+            worker.start()
+        for worker in workers:
+            worker.join()
+
+    _, seconds = _timings(once, 5)
+    return data.nbytes / seconds / 1e9
+
+
 def bench_case(rng: np.random.Generator, ggml_type: int, rows: int, cols: int, n_tokens: int, threads: int,
                baseline: bool) -> dict:
     raw = _random_weights(rng, ggml_type, rows, cols)

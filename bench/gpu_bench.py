@@ -22,6 +22,10 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from infer.tiers.cpu_tier import CpuExperts
 
 
 def bench_model(path: Path, pp: int, tg: int, with_kernels: bool = True, vram_budget: str | None = None,
@@ -53,6 +57,9 @@ def bench_model(path: Path, pp: int, tg: int, with_kernels: bool = True, vram_bu
         load_seconds = round(time.perf_counter() - started, 2)
         result = measure(gpu, pp, tg, with_kernels and not streaming, batch, batch_prompt, batch_new, depth=depth)
     result["peak_vram_bytes"] = peak.peak
+    cpu = getattr(gpu, "cpu_experts", None)
+    if cpu is not None and cpu.row_calls:
+        result["cpu_experts_decode"] = cpu_share(cpu, float(result["step_us"]))  # type: ignore[arg-type]
     placed = getattr(gpu, "gpu_experts", None) or getattr(gpu, "cpu_experts", None)
     if placed is not None:
         result["experts"] = placed.describe()
@@ -65,6 +72,24 @@ def bench_model(path: Path, pp: int, tg: int, with_kernels: bool = True, vram_bu
         session.close()
     return {"model": str(path), "gguf_bytes": path.stat().st_size, "load_seconds": load_seconds,
             "engine": "streaming" if streaming else "resident", "context": context, **result}
+
+
+def cpu_share(cpu: CpuExperts, step_us: float) -> dict[str, object]:
+    """The CPU's part of a decode step whose blocks of experts it computes (infer.tiers.cpu_tier's
+    CpuExperts, timed in its one-row calls) against the RAM's read roofline measured now with the
+    same threads: the bytes it must read a token (routers, the routed experts' share of the stacks,
+    shared experts) at that bandwidth."""
+    from bench.cpu_kernels import read_bandwidth_gbs
+    from infer import cpu_kernels
+
+    per_block = cpu.row_seconds / cpu.row_calls
+    token_s, nbytes = per_block * len(cpu.layers), cpu.row_bytes()
+    threads = cpu.blocks.threads or cpu_kernels.default_threads()
+    ram = read_bandwidth_gbs(threads)
+    return {"blocks": len(cpu.layers), "threads": threads, "us_per_block": round(per_block * 1e6, 1),
+            "ms_per_token": round(token_s * 1e3, 3), "share_of_step": round(token_s * 1e6 / step_us, 3),
+            "bytes_per_token": nbytes, "achieved_GBps": round(nbytes / token_s / 1e9, 1),
+            "ram_read_GBps": round(ram, 1), "roofline_ms_per_token": round(nbytes / ram / 1e6, 3)}
 
 
 def synth_path(spec: str, directory: Path) -> Path:

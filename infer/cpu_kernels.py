@@ -333,19 +333,31 @@ class RoutedExperts:
         """x (dim,) float32, ids (k,) expert ids -> (k, dim) float32: each expert's output for x."""
         return _moe_row(self, self._tables, x, ids)
 
+    def weighted_sum(self, x: np.ndarray, ids: np.ndarray, weights: np.ndarray) -> np.ndarray:
+        """x (dim,), ids (k,), weights (k,) float32 -> (dim,) float32: the experts' outputs for x
+        weighted and summed as infer.moe.weighted_sum does, the same bits, in the same native call."""
+        return _moe_row(self, self._tables, x, ids, weights)
 
-def _moe_row(shape: RoutedExperts | ExpertTable, tables: list[Any], x: np.ndarray, ids: np.ndarray) -> np.ndarray:
+
+def _moe_row(shape: RoutedExperts | ExpertTable, tables: list[Any], x: np.ndarray, ids: np.ndarray,
+             weights: np.ndarray | None = None) -> np.ndarray:
     ids = np.ascontiguousarray(ids, dtype=np.int32)
     if not 1 <= ids.size <= MAX_SLOTS:
         raise ValueError(f"a token takes 1 to {MAX_SLOTS} experts, not {ids.size}")
     x = np.ascontiguousarray(x, dtype=np.float32).reshape(-1)
     if x.size != shape.dim:
         raise ValueError(f"activations have {x.size} values, the experts {shape.dim}")
-    out = np.empty((ids.size, shape.dim), np.float32)
     ffi = _cpu_kernels.ffi
+    if weights is None:
+        out, weighted = np.empty((ids.size, shape.dim), np.float32), ffi.NULL
+    else:
+        weights = np.ascontiguousarray(weights, dtype=np.float32).reshape(-1)
+        if weights.size != ids.size:
+            raise ValueError(f"{weights.size} weights for {ids.size} experts")
+        out, weighted = np.empty(shape.dim, np.float32), ffi.from_buffer("float[]", weights)
     rc = _cpu_kernels.lib.qdot_moe_row(ffi.from_buffer("int[]", ids), ids.size, *tables, shape.n_experts,
                                        int(shape.gate_type), int(shape.up_type), int(shape.down_type), shape.width,
-                                       shape.dim, ffi.from_buffer("float[]", x),
+                                       shape.dim, ffi.from_buffer("float[]", x), weighted,
                                        ffi.from_buffer("float[]", out, require_writable=True), shape.threads)
     raise_for(rc, "routed experts")
     return out

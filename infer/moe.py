@@ -142,6 +142,9 @@ class MixtureOfExperts:
     # one token's experts in one native call, the same bits as gate_up, the native SwiGLU and down
     # (infer.cpu_kernels.RoutedExperts; the packed engine's, whose glu is that SwiGLU)
     row_experts: Callable[[np.ndarray, np.ndarray], np.ndarray] | None = None
+    # the same call summing the experts' outputs by their weights too (RoutedExperts.weighted_sum: a
+    # decode row's routed experts in one native call, no Python between its products and its sum)
+    row_sum: Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray] | None = None
 
     @classmethod
     def from_stacks(cls, router: Linear, gate: Stack, up: Stack, down: Stack,
@@ -184,6 +187,8 @@ class MixtureOfExperts:
     def routed(self, h: np.ndarray, glu: Glu, exact: bool = False) -> np.ndarray:
         """(T, dim) float32: the routed experts' gated products of h (T, dim), weighted and summed."""
         chosen, weights = self.route(h, exact)
+        if len(h) == 1 and not exact and self.row_sum is not None:
+            return self.row_sum(h[0], chosen[0], weights[0])[None]
         outs = np.empty((*chosen.shape, h.shape[1]), np.float32)  # (T, k, dim) in the top-k order
         self.run_experts(outs, h, chosen, np.unique(chosen), glu)
         return weighted_sum(outs, weights, exact)

@@ -103,7 +103,8 @@ class PackedWeights(DequantizedWeights):
                                 [PackedLinear([g, u], self.threads) for g, u in zip(gate, up, strict=True)],
                                 [PackedLinear([d], self.threads) for d in down],
                                 self.args.n_experts_used, self.args.expert_weights_norm, self._shared_expert(i),
-                                row_experts=row, **self._expert_biases(i))  # type: ignore[arg-type]
+                                row_experts=row, row_sum=row.weighted_sum if row is not None else None,
+                                **self._expert_biases(i))  # type: ignore[arg-type]
 
     def _linear(self, *names: str) -> Linear | PackedLinear:  # type: ignore[override]
         infos = [self.model.tensor(name) for name in names]

@@ -63,7 +63,7 @@ int qdot_decode_layers(const struct qdot_decode_shape *shape, const struct qdot_
                        float *x, const float *cos, const float *sin, int pos, float *scratch, int n_threads);
 int qdot_moe_row(const int *ids, int k, const void *const *gate, const void *const *up, const void *const *down,
                  int n_experts, int gate_type, int up_type, int down_type, int width, int dim, const float *x,
-                 float *out, int n_threads);
+                 const float *weights, float *out, int n_threads);
 int qdot_implementation(void);
 int qdot_set_implementation(int impl);
 int qdot_cpu_has_avx2(void);

@@ -4,14 +4,16 @@
  * over all k experts' gate and up rows, then one over their down rows: two hand-offs to the pool
  * instead of two per expert, and no Python between the experts. Every product is the same job a
  * one-token matmul_q_parts call makes for that matrix, so the outputs are the same bits as k
- * separate calls (gate and up fused, SwiGLU, down). Compiled after cpu_qdot.c, in its translation
+ * separate calls (gate and up fused, SwiGLU, down). Given the slots' weights, it also sums them as
+ * infer.moe.weighted_sum does (the weighted sum costs a Python decode step more than the products'
+ * hand-offs: 26 us a block at 16 threads on the H100 host of 2026-12-07). Compiled after cpu_qdot.c, in its translation
  * unit: it uses that file's jobs, activation decoding and tasks. */
 
 #define MOE_MAX_SLOTS (MAX_JOBS / 2)
 
 int qdot_moe_row(const int *ids, int k, const void *const *gate, const void *const *up, const void *const *down,
                  int n_experts, int gate_type, int up_type, int down_type, int width, int dim, const float *x,
-                 float *out, int n_threads)
+                 const float *weights, float *out, int n_threads)
 {
     if (k < 1 || k > MOE_MAX_SLOTS || width < 1 || dim < 1)
         return QDOT_ERANGE;
@@ -27,8 +29,9 @@ int qdot_moe_row(const int *ids, int k, const void *const *gate, const void *con
     uint8_t *aq = NULL;
     struct xdec *DA = calloc((size_t)k, sizeof *DA);
     float *gu = malloc((size_t)k * 2 * width * sizeof(float)), *act = malloc((size_t)k * width * sizeof(float));
+    float *outs = weights ? malloc((size_t)k * dim * sizeof(float)) : out;  /* the slots' rows before their sum */
     struct task *T = malloc(sizeof *T);
-    if (!DA || !gu || !act || !T) {
+    if (!DA || !gu || !act || !outs || !T) {
         rc = QDOT_ENOMEM;
         goto done;
     }
@@ -74,13 +77,20 @@ int qdot_moe_row(const int *ids, int k, const void *const *gate, const void *con
     for (int j = 0; j < k && !rc; j++) {
         const uint8_t *row = aq + (size_t)j * arow;
         if (!(rc = xdec_make(&DA[j], down_fmt, family, width, width / block, row, (size_t)arow, 1)))
-            rc = job_make(&T->jobs[j], down[ids[j]], down_type, dim, width, row, 1, &DA[j], out + (size_t)j * dim,
+            rc = job_make(&T->jobs[j], down[ids[j]], down_type, dim, width, row, 1, &DA[j], outs + (size_t)j * dim,
                           (size_t)dim);
         T->row0[j] = 0;
         T->span[j] = dim;
     }
     if (!rc)
         rc = task_run(T, n_threads);
+    if (!rc && weights)  /* infer.moe.weighted_sum: each product rounded to float, then added in slot order */
+        for (int i = 0; i < dim; i++) {
+            float sum = outs[i] * weights[0];
+            for (int j = 1; j < k; j++)
+                sum = sum + outs[(size_t)j * dim + i] * weights[j];
+            out[i] = sum;
+        }
 done:
     rounded_free(&R);
     if (DA)
@@ -90,6 +100,8 @@ done:
     free(aq);
     free(gu);
     free(act);
+    if (weights)
+        free(outs);
     free(T);
     return rc;
 }

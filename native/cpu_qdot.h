@@ -58,10 +58,12 @@ int matmul_q_parts(int n_parts, const void *const *w, const int *types, const in
  * product of expert ids[j] applied to SwiGLU(gate, up) of its gate and up products of x (dim floats).
  * gate, up, down: each expert's packed matrix (width x dim, width x dim, dim x width), indexed by
  * expert id < n_experts. The same bits as a fused matmul_q_parts of [gate; up], qdot_swiglu and a
- * matmul_q_parts of down per slot. 0 or a negative error code. */
+ * matmul_q_parts of down per slot. With weights (k floats, non-NULL), out is instead dim floats: the
+ * slots' outputs each times its weight in float32 and added in slot order (infer.moe.weighted_sum).
+ * 0 or a negative error code. */
 int qdot_moe_row(const int *ids, int k, const void *const *gate, const void *const *up, const void *const *down,
                  int n_experts, int gate_type, int up_type, int down_type, int width, int dim, const float *x,
-                 float *out, int n_threads);
+                 const float *weights, float *out, int n_threads);
 
 /* dst[i] = the float value of the float16 src[i] (exact), for i < n: the engine's float16 KV cache
  * widened for attention (NumPy's conversion runs about ten times slower). */

@@ -338,6 +338,12 @@ def render(result: dict[str, object]) -> str:
     if "fp64_ops_per_pass" in result:
         lines.append(f"  FP64 operations per pass: {result['fp64_ops_per_pass']}"
                      + (f" (kernels with FP64: {result['fp64_instructions']})" if result.get("fp64_instructions") else ""))
+    cpu = result.get("cpu_experts_decode")
+    if isinstance(cpu, dict):
+        lines.append(f"  the CPU's {cpu['blocks']} blocks of experts: {cpu['ms_per_token']} ms of a token "
+                     f"({cpu['share_of_step']:.0%} of the step), {cpu['bytes_per_token'] / 1e6:.0f} MB read -> "
+                     f"{cpu['achieved_GBps']} GB/s; RAM read {cpu['ram_read_GBps']} GB/s ({cpu['threads']} threads): "
+                     f"{cpu['roofline_ms_per_token']} ms at best")
     batch = result.get("batch")
     if isinstance(batch, dict):
         lines.append(f"  {batch['sequences']} sequences x {batch['new_tokens']} new tokens: "

@@ -175,6 +175,10 @@ class CpuExperts:
         self.blocks = ExpertBlocks(model, args, threads=threads)
         self.args, self.why = args, why
         self.layers = list(range(args.n_layers)) if layers is None else list(layers)
+        self._host: np.ndarray | None = None  # page-locked rows, reused by every block (run_ffn)
+        # the CPU's own time in one-row passes (a decode step's blocks), from the rows' arrival on
+        # the host to their copy back queued: what the bench sets against the RAM's roofline
+        self.row_calls, self.row_seconds = 0, 0.0
 
     def describe(self) -> str:
         """One line for the load report: where the experts are and who computes them."""
@@ -198,15 +202,42 @@ class CpuExperts:
         if n == 0:
             return
         L = self.blocks.layer(i)
-        x = np.empty((n, self.args.dim), np.float32)
+        x = self._host_rows(n)
         cupy_asnumpy(model.x[:n], stream, x)
+        started = time.perf_counter()
         live = model.index.live_rows  # null rows route too: computing them would read more experts
         if rows is not None:
             live = live[live < n]
         h = self.blocks.native_layers.norm(x[live], L.ffn_norm, self.args.norm_eps)
         x[live] += L.experts(h, self.blocks.native_layers.swiglu)  # type: ignore[misc]
+        # no wait: the copy reads page-locked rows that nothing writes before the next block's copy
+        # out, which the stream orders after this one
         model.x[:n].set(x, stream=stream)
-        stream.synchronize()  # x (host) is freed on return: the copy out of it must be done
+        if n == 1:
+            self.row_calls += 1
+            self.row_seconds += time.perf_counter() - started
+
+    def _host_rows(self, n: int) -> np.ndarray:
+        """(n, dim) float32 page-locked host rows, the same memory for every block and pass."""
+        if self._host is None or len(self._host) < n:
+            import cupyx
+
+            self._host = cupyx.empty_pinned((max(n, 1), self.args.dim), np.float32)
+        return self._host[:n]
+
+    def row_bytes(self) -> int:
+        """Bytes the CPU reads for one token's feed-forward in its blocks: each block's router and
+        shared expert, and the routed experts' share of its stacks (n_used of n_experts)."""
+        from infer.arch import EXPERT_KINDS, SHARED_EXPERT_KINDS, parse_tensor_name
+
+        layers, a, total = set(self.layers), self.args, 0
+        for t in self.blocks.model.tensors.values():
+            layer, kind = parse_tensor_name(t.name)
+            if layer in layers and kind in EXPERT_KINDS:
+                total += t.nbytes * a.n_experts_used // a.n_experts if kind.endswith("_exps") else t.nbytes
+            elif layer in layers and kind in SHARED_EXPERT_KINDS:
+                total += t.nbytes
+        return total
 
 
 def cupy_asnumpy(device_rows: object, stream: object, out: np.ndarray) -> None:

@@ -527,8 +527,10 @@ def test_routed_experts_are_each_experts_products(rng: np.random.Generator, gate
                                                   down_type: int, k: int) -> None:
     """One call for a token's k experts gives, bit for bit, each expert's fused gate/up product, the
     native SwiGLU and its down product, on every code path and thread count (an expert chosen
-    twice included)."""
+    twice included); given the experts' weights, the same call gives infer.moe.weighted_sum's bits
+    of those outputs."""
     from infer.cpu_layers import swiglu
+    from infer.moe import weighted_sum
 
     n_experts, dim, width = 6, 512, 256 + 256 * (down_type in (T.Q5_K,))
     stack = {name: [(_weights(rng, t, rows, cols), t, rows, cols) for _ in range(n_experts)]
@@ -543,9 +545,14 @@ def test_routed_experts_are_each_experts_products(rng: np.random.Generator, gate
         for e in ids:
             gu = cpu_kernels.FusedProduct([stack["gate"][e], stack["up"][e]], 1)(x[None])
             want.append(cpu_kernels.FusedProduct([stack["down"][e]], 1)(swiglu(gu[:, :width], gu[:, width:]))[0])
+        weights = rng.dirichlet(np.ones(k)).astype(np.float32)
+        summed = weighted_sum(np.stack(want)[None], weights[None])[0]
         for threads in (1, 2, 3):
-            got = cpu_kernels.RoutedExperts(stack["gate"], stack["up"], stack["down"], threads)(x, ids)
+            experts = cpu_kernels.RoutedExperts(stack["gate"], stack["up"], stack["down"], threads)
+            got = experts(x, ids)
             assert got.shape == (k, dim) and np.array_equal(_bits(got), _bits(np.stack(want))), f"{name}, {threads}"
+            got = experts.weighted_sum(x, ids, weights)
+            assert got.shape == (dim,) and np.array_equal(_bits(got), _bits(summed)), f"{name}, {threads}, summed"
 
 
 def test_routed_experts_refusals(rng: np.random.Generator) -> None:
@@ -559,6 +566,8 @@ def test_routed_experts_refusals(rng: np.random.Generator) -> None:
         experts(x, np.zeros(33, np.int32))
     with pytest.raises(ValueError, match="the experts 64"):
         experts(x[:32], np.array([0]))
+    with pytest.raises(ValueError, match="1 weights for 2 experts"):
+        experts.weighted_sum(x, np.array([0, 1]), np.ones(1, np.float32))
     bad = x.copy()
     bad[5] = np.nan
     from infer.errors import NonFiniteActivations

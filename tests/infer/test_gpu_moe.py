@@ -468,3 +468,34 @@ def test_the_cli_splits_a_mixture_of_experts_across_gpus(moe_dir: Path, fake_cup
     assert staged.exit_code == 0 and whole.exit_code == 0, staged.output + whole.output
     assert json.loads(staged.stdout)["ids"] == json.loads(whole.stdout)["ids"]
     assert "asked for (--n-cpu-moe 1)" in staged.stderr
+
+
+def test_the_cpus_decode_share_is_timed_against_the_ram(moe_dir: Path, fake_cupy: object) -> None:
+    """The CPU's blocks time their one-row calls (a decode step's) and count what a token makes them
+    read: each block's router and shared expert, and the routed experts' share of its stacks;
+    bench.gpu_bench sets that against the RAM's read bandwidth measured in the same run."""
+    from bench.gpu_bench import cpu_share
+    from infer.gpu import load_gpu_transformer
+
+    path = write_moe(moe_dir, "qwen2moe", "q8_0")
+    model = GGUFModel(path)
+    gpu = load_gpu_transformer(model, CTX, experts=1)
+    cpu, a = gpu.cpu_experts, gpu.args
+    assert cpu is not None and cpu.layers == [0]
+
+    def nbytes(kind: str) -> int:
+        return model.tensor(f"blk.0.{kind}.weight").nbytes
+
+    routed = sum(nbytes(f"ffn_{m}_exps") for m in ("gate", "up", "down")) * a.n_experts_used // a.n_experts
+    shared = sum(nbytes(k) for k in ("ffn_gate_inp_shexp", "ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp"))
+    assert cpu.row_bytes() == nbytes("ffn_gate_inp") + routed + shared
+    cache = gpu.new_cache(CTX)
+    gpu.forward(np.array([1, 17, 300]), cache)  # a prompt pass: not a decode row
+    assert cpu.row_calls == 0
+    for t in (5, 77, 401):
+        gpu.forward(np.array([t]), cache)
+    assert cpu.row_calls == 3 and cpu.row_seconds > 0
+    share = cpu_share(cpu, step_us=1e6)
+    assert share["blocks"] == 1 and share["bytes_per_token"] == cpu.row_bytes()
+    assert share["ram_read_GBps"] > 0 and share["roofline_ms_per_token"] > 0
+    assert share["ms_per_token"] == round(cpu.row_seconds / 3 * 1e3, 3)

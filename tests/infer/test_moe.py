@@ -116,9 +116,10 @@ def test_packed_experts_do_not_depend_on_batching(kind: str, tmp_path: Path) -> 
     moe = model.weights.layer(0).experts
     assert isinstance(model.weights, PackedWeights) and model.weights.batch_invariant and batch_invariant(GGUFModel(path))
     assert all(isinstance(p, PackedLinear) for p in (*moe.gate_up, *moe.down))
-    # token by token runs each row's experts in one native call (RoutedExperts), the prompt groups
-    # its rows by expert through the products: the comparisons below hold the two to the same bits
-    assert moe.row_experts is not None
+    # token by token runs each row's experts and their weighted sum in one native call
+    # (RoutedExperts.weighted_sum), the prompt groups its rows by expert through the products and
+    # sums in NumPy: the comparisons below hold the two to the same bits
+    assert moe.row_experts is not None and moe.row_sum is not None
     ids = np.random.default_rng(4).integers(3, 300, 24)
     whole = check_pass_invariance(model, ids, 40, 10, 4, ids[:7])
     if kind == "q8_0":  # the exact engine's function (float64 sums), up to float32 rounding; the float32
