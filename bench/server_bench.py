@@ -268,10 +268,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--api-key", help="with --url: sent as Authorization: Bearer KEY")
     parser.add_argument("--prompt-file", type=Path, help="with --url: text prompts, one a line (the first --clients "
                         "of them; fewer lines are reused), instead of random ids; the replies are kept")
+    parser.add_argument("--prompt-set", choices=["humaneval"],
+                        help="with --url, instead of --prompt-file: HumanEval's prompts as raw text to "
+                        "/v1/completions (code completion, as bench.spec_bench e2e sends them); the replies are kept")
     parser.add_argument("--chat", action="store_true", help="with --prompt-file: each line a user message to "
                         "/v1/chat/completions")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
+    if args.prompt_set and (args.prompt_file or args.chat or not args.url):
+        parser.error("--prompt-set goes with --url, without --prompt-file and --chat")
     args.ctx = args.prompt_tokens + args.tokens + 8
     command = " ".join(["python -m bench.server_bench", *(argv or sys.argv[1:])])
     if args.chat_turns:  # the history grows by a question and an answer per turn
@@ -325,8 +330,13 @@ def _measure_url(args: argparse.Namespace, command: str) -> int:
         result = {"command": command, "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "url": args.url}
         return _report(args, result | asyncio.run(_chat_replay(args.url, args.chat_turns, args.tokens, args.api_key)))
     def prompts_of(seed: int) -> list[list[int]] | list[str]:
-        if args.prompt_file:  # the warm-up (seed 1) takes the lines after the measured ones
-            lines = [line for line in args.prompt_file.read_text().splitlines() if line.strip()]
+        if args.prompt_file or args.prompt_set:  # the warm-up (seed 1) takes the prompts after the measured ones
+            if args.prompt_set:
+                from bench.spec_bench import humaneval_prompts
+
+                lines = humaneval_prompts(2 * args.clients)
+            else:
+                lines = [line for line in args.prompt_file.read_text().splitlines() if line.strip()]
             first = seed * args.clients
             return [lines[(first + i) % len(lines)] for i in range(args.clients)]
         rng = np.random.default_rng(seed)

@@ -9,7 +9,8 @@
 #   models: as scripts/gpu-spec-e2e.sh says (its `piece` calls), joined and checked here
 #   OUT=/path bash scripts/gpu-spec-serve.sh      (carry .whl: the server's wheels)
 #   SPEC_SERVE_CLIENTS (8), SPEC_SERVE_TOKENS (128), SPEC_SERVE_TREE (9), SPEC_SERVE_SLOT (1024),
-#   SPEC_SERVE_PROMPTS (bench/prompts/prose_questions.txt), SPEC_SERVE_FRACTION (0.5)
+#   SPEC_SERVE_PROMPTS (bench/prompts/prose_questions.txt, sent as chat turns; "humaneval": HumanEval's
+#   prompts as raw text to /v1/completions, as bench.spec_bench e2e sends them), SPEC_SERVE_FRACTION (0.5)
 #   SPEC_SERVE_DEVICE=cpu SPEC_SERVE_TARGET=a.gguf SPEC_SERVE_DRAFT=b.gguf: a dry run of the plumbing
 #       on the CPU (--exact, resident, no budgets)
 set -u
@@ -67,8 +68,10 @@ run() {  # name budget extra-flags...
         --max-batch "$CLIENTS" -c "$SLOT" --port 8093 "$@" > "$OUT/$name.log" 2>&1 &
     local pid=$!
     if up 8093 $pid; then
+        local prompts=(--prompt-file "$PROMPTS" --chat)
+        [ "$PROMPTS" = humaneval ] && prompts=(--prompt-set humaneval)
         timeout 500 python3 -m bench.server_bench --url http://127.0.0.1:8093 --clients "$CLIENTS" --tokens "$TOKENS" \
-            --prompt-file "$PROMPTS" --chat --out "$OUT/$name.json" > /dev/null 2> "$OUT/$name.err"
+            "${prompts[@]}" --out "$OUT/$name.json" > /dev/null 2> "$OUT/$name.err"
         note "$name: exit $? $(python3 -c "import json; s = json.load(open('$OUT/$name.json'))['server']; print(s['aggregate_tok_s'], 'tok/s, TTFT p50', s['ttft_p50_s'])" 2>&1 | tail -1)"
         curl -s http://127.0.0.1:8093/metrics | grep -E "^ntransformer_(draft|pass_seconds_(count|sum))" >> "$OUT/$name.metrics"
     else

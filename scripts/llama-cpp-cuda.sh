@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Builds llama.cpp's llama-bench and llama-server with CUDA on a machine WITHOUT a GPU (nvcc only),
+# Builds llama.cpp's llama-bench, llama-batched-bench and llama-server with CUDA on a machine WITHOUT a GPU (nvcc only),
 # for the GPU machine of the device tool, and packs them as .peer/llama-bin.tar.xz (ignored by git,
 # carried with `carry: [".peer"]`): scripts/gpu-check.sh (GPU_CHECK_LLAMA=1) then measures llama.cpp
 # on the same file as ours without spending 8-12 minutes of device time on a build.
@@ -49,11 +49,11 @@ cmake -B build -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES="$arch" -DGGML_NATIVE=O
     -DCMAKE_CUDA_FLAGS="$inc" -DCMAKE_CXX_FLAGS="$inc" -DCMAKE_C_FLAGS="$inc" > "$work/cmake.log"
 cmake --build build -j "$(nproc)" > "$work/build.log"  # every target: the CPU variants are libraries of their own
 out=$work/bin && rm -rf "$out" && mkdir -p "$out"
-cp build/bin/llama-bench build/bin/llama-server "$out/"
+cp build/bin/llama-bench build/bin/llama-server build/bin/llama-batched-bench "$out/"  # batched: many sequences at once
 find build -name "*.so*" -exec cp -P {} "$out/" \;
 rm -f "$out"/libcublas* "$out"/libcuda.so*  # the GPU machine's own
 rm -f "$out"/libggml-cpu-sapphirerapids.so  # AMX: SIGILL on the GPU machines
-strip --strip-unneeded "$out"/*.so* "$out"/llama-bench "$out"/llama-server 2> /dev/null || true
+strip --strip-unneeded "$out"/*.so* "$out"/llama-bench "$out"/llama-server "$out"/llama-batched-bench 2> /dev/null || true
 { echo "llama.cpp $(git describe --tags 2>/dev/null || echo 'from llama-cpp-python 0.3.36') CUDA sm_$arch, built $(date -u +%F) on $(hostname) with nvcc $(nvcc --version | sed -n 's/.*release //p')"; } > "$out/BUILD"
 cd - > /dev/null
 mkdir -p .peer

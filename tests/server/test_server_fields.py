@@ -242,6 +242,31 @@ def test_the_server_bench_measures_a_running_server_by_url(served: InProcess, tm
     assert 0 < result["ttft_p50_s"] <= result["ttft_p95_s"] <= result["wall_seconds"]
 
 
+def test_the_server_bench_sends_a_prompt_set_as_raw_completions(served: InProcess, tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """bench.server_bench --url --prompt-set humaneval: the set's prompts as raw text to
+    /v1/completions, the measured clients on the first ones and the warm-up on the next; the
+    replies are kept (for the speculative server's comparison); with --prompt-file or --chat, refused."""
+    from bench import server_bench, spec_bench
+
+    asked: list[int] = []
+
+    def prompts(n: int) -> list[str]:
+        asked.append(n)
+        return [f"def f{i}(x):\n    return" for i in range(n)]
+
+    monkeypatch.setattr(spec_bench, "humaneval_prompts", prompts)
+    out = tmp_path / "code.json"
+    assert server_bench.main(["--url", f"http://127.0.0.1:{served.port}", "--prompt-set", "humaneval", "--clients", "2",
+                              "--tokens", "3", "--api-key", KEY, "--out", str(out)]) == 0
+    result = json.loads(out.read_text())["server"]
+    assert asked == [4, 4] and result["clients"] == 2 and result["generated_tokens"] == 6
+    assert len(result["replies"]) == 2 and all(isinstance(r, str) for r in result["replies"])
+    for extra in (["--chat"], ["--prompt-file", str(out)]):
+        with pytest.raises(SystemExit):
+            server_bench.main(["--url", "http://127.0.0.1:1", "--prompt-set", "humaneval", *extra])
+
+
 def test_a_chat_replay_that_outgrows_the_context_ends_early_and_says_where(served: InProcess, tmp_path: Path) -> None:
     """bench.server_bench --url --chat-turns: when the resent history no longer fits the server's
     context (a 400 that says so), the replay stops there and reports the turn, keeping the others."""
