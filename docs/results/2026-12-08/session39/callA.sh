@@ -12,7 +12,7 @@ echo "file at ${SECONDS}s"; cat "$M" > /dev/null  # in the page cache before eit
 bench="-m bench.gpu_bench --synth qwen3-30b-a3b:q4_k_m --synth-dir /tmp/nvmedirect-synth --no-kernels --vram-budget 8GB --experts auto --pp 512 --tg 64"
 for run in new1 old new2; do
     if [ $run = old ]; then pp="$OLD:/tmp/site:$PWD"; else pp="/tmp/site:$PWD"; fi
-    PYTHONPATH="$pp" timeout 150 python3 $bench --out "$OUT/bench-8GB-$run.json" > "$OUT/bench-8GB-$run.txt" 2>&1
+    PYTHONPATH="$pp" timeout 180 python3 $bench --out "$OUT/bench-8GB-$run.json" > "$OUT/bench-8GB-$run.txt" 2>&1
     echo "== $run rc=$? at ${SECONDS}s"; grep -i "tok/s\|CPU's\|error" "$OUT/bench-8GB-$run.txt" | head -4
 done
 LD_PRELOAD=$CUDA_PRELOAD timeout 150 /tmp/lb/llama-bench -m $M -p 512 -n 64 -fa 1 -ngl 99 -ncmoe 32 -t 16 -r 2 \
