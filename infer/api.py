@@ -22,6 +22,7 @@ from infer.engine import ContextFullError, Engine, GenerationStats, Model
 from infer.gguf_file import GGUFModel
 from infer.model import load_transformer
 from infer.perplexity import PerplexityResult, perplexity
+from infer.reasoning import ReplySplitter, reasoning_format
 from infer.sampler import Sampler, SamplerConfig
 from infer.scheduler import Request, Scheduler, common_prefix
 from infer.tokenizer import StreamDecoder, Tokenizer
@@ -203,44 +204,66 @@ class LLM:
 
 
 class Chat:
-    """Turns of a conversation: `send(message)` yields the reply's text pieces as they come."""
+    """Turns of a conversation: `send(message)` yields the reply's text pieces as they come. A
+    reasoning model's thinking (infer.reasoning: gpt-oss's analysis channel, <think> tags) is not
+    among them: it goes to `send`'s on_reasoning, and the history keeps the answer."""
 
     def __init__(self, llm: LLM, session: ChatSession) -> None:
         self.llm = llm
         self.session = session
         self._history: list[int] = []  # every token of the conversation so far
+        self.reply_form = reasoning_format(session.template.source, session.tokenizer)
 
     @property
     def messages(self) -> list[dict[str, str]]:
         return self.session.messages
 
-    def send(self, message: str, max_tokens: int = 512, sampler: SamplerConfig | None = None) -> Iterator[str]:
+    def send(self, message: str, max_tokens: int = 512, sampler: SamplerConfig | None = None,
+             on_reasoning: Callable[[str], None] | None = None) -> Iterator[str]:
         update = self.session.add_user(message)
         new_ids = self.session.tokens(update)
         # The prompt is the whole conversation as generated (not re-tokenized); the engine's cache
         # holds its prefix, so prefill only runs this turn's tokens.
         prompt = new_ids if update.restart else self._history + new_ids
-        decoder = StreamDecoder(self.llm.tokenizer)
+        form = self.reply_form
+        decoder = StreamDecoder(self.llm.tokenizer, special=form == "harmony")  # harmony's markers: control tokens
+        splitter = ReplySplitter(form, form == "think" and update.text.rstrip().endswith("<think>")) if form else None
         reply_ids: list[int] = []
-        pieces: list[str] = []
+        raw: list[str] = []  # the reply as the model wrote it
+        answer: list[str] = []
+
+        def take(text: str, last: bool = False) -> str:
+            raw.append(text)
+            if splitter is None:
+                answer.append(text)
+                return text
+            reasoning, content = splitter.push(text)
+            if last:
+                more = splitter.flush()
+                reasoning, content = reasoning + more[0], content + more[1]
+            if reasoning and on_reasoning is not None:
+                on_reasoning(reasoning)
+            answer.append(content)
+            return content
+
         flushed = False
         try:
             for token in self.llm.generate_ids(prompt, max_tokens, sampler, reuse_cache=True):
                 if self.session.is_end_of_turn(token):
                     break
                 reply_ids.append(token)
-                pieces.append(decoder.push(token))
-                if pieces[-1]:
-                    yield pieces[-1]
-            pieces.append(decoder.flush())
+                piece = take(decoder.push(token))
+                if piece:
+                    yield piece
             flushed = True
-            if pieces[-1]:
-                yield pieces[-1]
+            piece = take(decoder.flush(), last=True)
+            if piece:
+                yield piece
         finally:  # also a reply cut short (Ctrl-C, the generator closed): the conversation keeps what was said
             if not flushed:
-                pieces.append(decoder.flush())
+                take(decoder.flush(), last=True)
             self._history = prompt + reply_ids
-            self.session.add_assistant("".join(pieces))
+            self.session.add_assistant("".join(answer), raw="".join(raw))
 
     def ask(self, message: str, max_tokens: int = 512, sampler: SamplerConfig | None = None) -> str:
         return "".join(self.send(message, max_tokens, sampler))

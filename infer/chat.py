@@ -169,10 +169,11 @@ class ChatSession:
         self._seen = full
         return update
 
-    def add_assistant(self, reply: str) -> None:
-        """Record the reply as generated (without its end-of-turn token, which the model never saw)."""
+    def add_assistant(self, reply: str, raw: str | None = None) -> None:
+        """Record the reply (without its end-of-turn token, which the model never saw); `raw`: the
+        text as the model wrote it, when the reply kept only its answer (a reasoning model's)."""
         self.messages.append({"role": "assistant", "content": reply})
-        self._seen += reply
+        self._seen += reply if raw is None else raw
 
     def tokens(self, update: PromptUpdate) -> list[int]:
         """Token ids for `update`, with special tokens parsed. BOS is added at a restart when the file

@@ -470,12 +470,16 @@ def perplexity_command(ctx: click.Context, model: str | None, text_file: str, ct
               "(no draft model).")
 @click.option("--draft-tree", type=click.IntRange(min=1), default=None,
               help="Nodes of each request's draft tree (default 9, 33 with --streaming).")
+@click.option("--reasoning-format", type=click.Choice(["auto", "none"]), default="auto", show_default=True,
+              help="A reasoning model's chat replies (gpt-oss's harmony channels, Qwen3's <think> tags): auto sends "
+                   "the thinking as reasoning_content beside the answer's content, as llama-server does; none sends "
+                   "the reply whole (harmony's markers written out). A request's reasoning_format overrides it.")
 @click.option("--gpus", metavar="LIST", default=None, help=GPUS_HELP)
 @click.pass_context
 def serve_command(ctx: click.Context, model: str | None, host: str, port: int, api_key: str | None, max_batch: int,
                   queue_size: int, ctx_size: int, device: str, streaming: StreamingConfig, exact: bool,
                   threads: int | None, prefix_cache: bool | None, draft_model: str | None, lookup: bool,
-                  draft_tree: int | None, gpus: str | None) -> None:
+                  draft_tree: int | None, reasoning_format: str, gpus: str | None) -> None:
     """An OpenAI-compatible HTTP server: /v1/completions, /v1/chat/completions (stream: true for
     server-sent events; JSON schemas, tools, logprobs), /v1/models, /tokenize, /detokenize, /health,
     /metrics, and a chat page at /. Continuous batching: every pass over the weights serves every
@@ -510,7 +514,7 @@ def serve_command(ctx: click.Context, model: str | None, host: str, port: int, a
     context = ctx_size or min(args.context_length, 4096)
     _context_note(args, context, model)
     server = Server(loader(model, where, context, max_batch, streaming, exact, speculation, gpus=devices), context,
-                    max_batch, queue_size, api_key, prefix_cache=prefix_cache)
+                    max_batch, queue_size, api_key, prefix_cache=prefix_cache, reasoning=reasoning_format)
     _note(f"serving {Path(model).name} on http://{host}:{port} ({where}, {max_batch} slots of {context} tokens"
           f"{', API key required' if api_key else ''}); Ctrl-C stops after the requests in flight")
     serve(server, host, port)

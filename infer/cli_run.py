@@ -86,7 +86,9 @@ def chat(llm: LLM, sampler: Any, n_predict: int, system: str | None) -> None:
         if message.strip() in ("/exit", "/quit"):
             break
         interrupted = False
-        reply = chat.send(message, max_tokens=n_predict, sampler=sampler)
+        # a reasoning model's thinking goes to stderr, dimmed; stdout gets the answers only
+        reply = chat.send(message, max_tokens=n_predict, sampler=sampler,
+                          on_reasoning=lambda text: click.echo(click.style(text, dim=True), nl=False, err=True))
         try:
             for piece in reply:
                 click.echo(piece, nl=False)

@@ -67,6 +67,7 @@ class Request:
     submitted: float = field(default_factory=time.perf_counter)
     first_token: float | None = None
     decoder: StreamDecoder | None = None
+    special_text: bool = False  # decode control tokens as their text (a reply whose markers are parsed after)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     logprobs_sent: int = 0
 

@@ -109,7 +109,7 @@ class Scheduler:
             raise ValueError(f"a prompt of {len(request.prompt)} tokens exceeds the context size {self.ctx_size} "
                              "(raise -c)")
         if self.tokenizer is not None:
-            request.decoder = StreamDecoder(self.tokenizer)
+            request.decoder = StreamDecoder(self.tokenizer, special=request.special_text)
 
     def run(self, requests: Sequence[Request]) -> None:
         """Submit `requests` and step until every request in the scheduler has finished."""

@@ -38,6 +38,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from infer.chat import ChatTemplate
 from infer.engine import Model
 from infer.grammar import GrammarError, json_constraint
+from infer.reasoning import reasoning_format
 from infer.sampler import Sampler, SamplerConfig
 from infer.server.protocol import (
     ChatRequest,
@@ -52,8 +53,9 @@ from infer.server.protocol import (
     new_id,
     usage,
 )
+from infer.server.replies import ChatReply
 from infer.server.scheduler import Event, Job, QueueFull, Scheduler
-from infer.server.tools import parse_tool_calls, template_message
+from infer.server.tools import template_message
 from infer.tokenizer import Tokenizer, TokenizerError
 
 COMPLETION_DEFAULT_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
@@ -122,9 +124,12 @@ class Server:
     """The state behind the endpoints: loading status, the scheduler once loaded, the key."""
 
     def __init__(self, load: Callable[[], Loaded], ctx_size: int, max_batch: int, queue_size: int,
-                 api_key: str | None = None, drain_seconds: float = 30.0, prefix_cache: bool | None = None) -> None:
+                 api_key: str | None = None, drain_seconds: float = 30.0, prefix_cache: bool | None = None,
+                 reasoning: str = "auto") -> None:
         self.load, self.ctx_size, self.max_batch, self.queue_size = load, ctx_size, max_batch, queue_size
         self.prefix_cache = prefix_cache
+        self.reasoning = reasoning  # --reasoning-format: chat replies' thinking split off ("auto") or not ("none")
+        self.reply_form: str | None = None  # the loaded model's reply form (infer.reasoning), None: plain text
         self.api_key, self.drain_seconds = api_key, drain_seconds
         self.status, self.failure = "loading", ""
         self.loaded: Loaded | None = None
@@ -139,6 +144,8 @@ class Server:
     def _load(self) -> None:
         try:
             self.loaded = self.load()
+            template = self.loaded.template
+            self.reply_form = reasoning_format(template.source, self.loaded.tokenizer) if template else None
             self.scheduler = Scheduler(self.loaded.model, self.loaded.tokenizer, self.ctx_size, self.max_batch,
                                        self.queue_size, on_pass=self.metrics.on_pass, on_error=self._engine_failed,
                                        prefix_cache=self.prefix_cache, on_admit=self.metrics.on_admit,
@@ -320,7 +327,13 @@ def create_app(server: Server) -> FastAPI:
                                                         text.startswith(loaded.template.bos_token))
         prompt = _encode(loaded, text, "messages", add_bos=bos)
         names = {t["function"]["name"] for t in tools}
-        return await _run(request, body, server.job(body, prompt, server.ctx_size), chat=True, tools=names)
+        job = server.job(body, prompt, server.ctx_size)
+        form = server.reply_form
+        job.special_text = form == "harmony"  # its markers are control tokens: written out, then parsed (or sent raw)
+        if (body.reasoning_format or server.reasoning) == "none":
+            form = None
+        opened = form == "think" and text.rstrip().endswith("<think>")
+        return await _run(request, body, job, chat=True, reply=ChatReply(form, names, opened))
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> JSONResponse:
@@ -345,7 +358,7 @@ def create_app(server: Server) -> FastAPI:
             raise RequestError(f"token ids must lie in [0, {vocab})", "tokens")
         return JSONResponse({"content": loaded.tokenizer.decode(body.tokens, special=True)})
 
-    async def _run(request: Request, body: _Common, job: Job, chat: bool, tools: set[str] | None = None) -> Response:
+    async def _run(request: Request, body: _Common, job: Job, chat: bool, reply: ChatReply | None = None) -> Response:
         loaded, scheduler = server.ready()
         try:
             scheduler.submit(job)
@@ -356,7 +369,7 @@ def create_app(server: Server) -> FastAPI:
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             m.requests.labels(endpoint, "200").inc()
-            events = _events(scheduler, job, rid, loaded.name, chat, include_usage, tools)
+            events = _events(scheduler, job, rid, loaded.name, chat, include_usage, reply)
             return StreamingResponse(events,
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         collected = await _collect(request, scheduler, job)
@@ -368,10 +381,10 @@ def create_app(server: Server) -> FastAPI:
         m.requests.labels(endpoint, "200").inc()
         _count(job)
         logprobs = None if job.top_logprobs is None else logprobs_body(job.logprobs, chat)
-        content, calls = parse_tool_calls(text, tools) if tools else (text, [])
+        reasoning, content, calls = reply.whole(text) if reply else ("", text, [])
         return JSONResponse(completion_body(rid, loaded.name, content, "tool_calls" if calls else finish, chat, False,
                                             usage(len(job.prompt), len(job.generated)), logprobs=logprobs,
-                                            tool_calls=[c.body() for c in calls]))
+                                            tool_calls=[c.body() for c in calls], reasoning=reasoning))
 
     def _count(job: Job) -> None:
         m.tokens.labels("prompt").inc(len(job.prompt))
@@ -403,9 +416,10 @@ def create_app(server: Server) -> FastAPI:
                 scheduler.cancel(job)
 
     async def _events(scheduler: Scheduler, job: Job, rid: str, name: str, chat: bool,
-                      include_usage: bool, tools: set[str] | None = None) -> AsyncIterator[str]:
-        """The stream's events. With tools the reply is held back until it ends (a call is only
-        known to be one when it is complete), then sent as its content and calls."""
+                      include_usage: bool, reply: ChatReply | None = None) -> AsyncIterator[str]:
+        """The stream's events: a chat reply's pieces as reasoning and content deltas (`reply`).
+        With tools the reply is held back until it ends (a call is only known to be one when it is
+        complete), then sent as its reasoning, content and calls."""
         try:
             first, sent_chars, held = True, 0, []
             get = asyncio.ensure_future(job.events.get())
@@ -421,24 +435,27 @@ def create_app(server: Server) -> FastAPI:
                     message = event.error if event.status < 500 else f"the engine failed: {event.error}"
                     yield _sse({"error": {"message": message, "type": kind}})
                     return
-                if tools and not event.finish_reason:
+                if reply and reply.held and not event.finish_reason:
                     held.append(event)
                     continue
-                if tools:
-                    text = "".join(e.text for e in held) + event.text
-                    content, calls = parse_tool_calls(text, tools)
+                if reply and reply.held:
+                    reasoning, content, calls = reply.whole("".join(e.text for e in held) + event.text)
                     lps = [lp for e in [*held, event] for lp in e.logprobs]
                     logprobs = logprobs_body(lps, chat) if job.top_logprobs is not None else None
                     yield _sse(completion_body(rid, name, content, "tool_calls" if calls else event.finish_reason, chat,
                                                True, first=True, logprobs=logprobs,
-                                               tool_calls=[c.body() for c in calls]))
+                                               tool_calls=[c.body() for c in calls], reasoning=reasoning))
                     break
-                if event.text or event.finish_reason or (chat and first) or event.logprobs:
+                reasoning, text = reply.push(event.text) if reply else ("", event.text)
+                if event.finish_reason and reply:
+                    more = reply.finish()
+                    reasoning, text = reasoning + more[0], text + more[1]
+                if text or reasoning or event.finish_reason or (chat and first) or event.logprobs:
                     logprobs = None
                     if job.top_logprobs is not None:
                         logprobs = logprobs_body(event.logprobs, chat, sent_chars)
-                    yield _sse(completion_body(rid, name, event.text, event.finish_reason, chat, True, first=first,
-                                               logprobs=logprobs))
+                    yield _sse(completion_body(rid, name, text, event.finish_reason, chat, True, first=first,
+                                               logprobs=logprobs, reasoning=reasoning))
                     first, sent_chars = False, sent_chars + len(event.text)
                 if event.finish_reason:
                     break

@@ -179,6 +179,9 @@ class ChatRequest(_Common):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto"] | None = None  # "required" and a named function are refused
     parallel_tool_calls: bool | None = None
+    # llama-server's: "auto" (its "deepseek" the same here) sends a reasoning model's thinking as
+    # reasoning_content beside content; "none" leaves the reply whole (infer.reasoning). Default: the server's
+    reasoning_format: Literal["auto", "deepseek", "none"] | None = None
 
     def offered_tools(self) -> list[dict[str, Any]]:
         """The tools to show the model (none when tool_choice is "none")."""
@@ -233,10 +236,16 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
 def completion_body(rid: str, model: str, text: str | None, finish: str | None, chat: bool, chunk: bool,
                     use: dict[str, int] | None = None, first: bool = False,
                     logprobs: dict[str, Any] | None = None,
-                    tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
-    """A completion (or one streamed chunk of it), text or chat shaped."""
+                    tool_calls: list[dict[str, Any]] | None = None, reasoning: str | None = None) -> dict[str, Any]:
+    """A completion (or one streamed chunk of it), text or chat shaped; a chat reply's `reasoning`
+    goes beside its content as reasoning_content (llama-server's field; a chunk of only reasoning
+    has no content)."""
     if chat:
         content: dict[str, Any] = {"role": "assistant", "content": text} if not chunk or first else {"content": text}
+        if reasoning:
+            content["reasoning_content"] = reasoning
+            if chunk and not text:
+                content.pop("content")
         if tool_calls:  # a streamed delta numbers its calls
             content["tool_calls"] = [c | {"index": i} for i, c in enumerate(tool_calls)] if chunk else tool_calls
         choice = {"index": 0, ("delta" if chunk else "message"): content, "finish_reason": finish, "logprobs": logprobs}

@@ -46,3 +46,31 @@ def test_chat_keeps_history_and_only_prefills_the_new_turn(llm: LLM) -> None:
     conversation = llm.tokenizer.decode(chat._history, special=True)
     assert "What is the capital of France? Answer in one word." in conversation and first.strip() in conversation
     assert "And of Italy?" in conversation
+
+
+def test_a_reasoning_models_chat_keeps_its_answer_and_hands_over_its_thinking(llm: LLM,
+                                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """Chat.send on a model whose template and vocabulary write harmony messages: the pieces it
+    yields are the answer, the analysis channel goes to on_reasoning, the history keeps the answer
+    and the next turn restarts from the template's rendering (the model saw the raw reply). The
+    model is SmolLM2 with its tokens' text scripted (tests/server/test_reasoning_replies.py)."""
+    import infer.api
+    from infer.api import Chat
+    from infer.chat import ChatSession, ChatTemplate
+    from infer.tokenizer import Tokenizer
+    from tests.infer.test_tokenizer import _with_specials
+    from tests.server.test_reasoning_replies import HARMONY_PIECES, HARMONY_TEMPLATE, ScriptedDecoder
+
+    monkeypatch.setattr(infer.api, "StreamDecoder", ScriptedDecoder)
+    ScriptedDecoder.script, ScriptedDecoder.specials = HARMONY_PIECES, []
+    tokenizer = Tokenizer.from_gguf(_with_specials(["<|start|>", "<|channel|>", "<|message|>", "<|end|>",
+                                                    "<|return|>", "<|call|>"]))
+    chat = Chat(llm, ChatSession(ChatTemplate(HARMONY_TEMPLATE), tokenizer))
+    banned = tuple((i, float("-inf")) for i in tokenizer.eot_ids)  # the scripted reply runs its whole length
+    greedy = SamplerConfig(temperature=0.0, logit_bias=banned)
+    thinking: list[str] = []
+    answer = list(chat.send("What is 2+2?", max_tokens=len(HARMONY_PIECES), sampler=greedy,
+                            on_reasoning=thinking.append))
+    assert "".join(answer) == "It is 4." and "".join(thinking) == "Two plus two." and ScriptedDecoder.specials == [True]
+    assert chat.messages[-1] == {"role": "assistant", "content": "It is 4."}
+    assert chat.session.add_user("Thanks.").restart
