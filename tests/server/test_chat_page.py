@@ -133,3 +133,32 @@ def test_the_chat_page_streams_replies_in_a_browser(served: InProcess, browser: 
     _wait(lambda: streaming.get_attribute("data-state") == "done", 30)  # type: ignore[attr-defined]
     assert streaming.get_attribute("data-finish") == "stopped"  # type: ignore[attr-defined]
     _wait(lambda: served.metrics().get("ntransformer_active_requests") == 0, 30)
+
+
+def test_the_chat_page_shows_a_reasoning_models_thinking_apart(browser: object, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A reply with reasoning_content deltas (gpt-oss's harmony form, the text of SmolLM2's tokens
+    scripted as in tests/server/test_reasoning_replies.py): the page shows the thinking in its own
+    dimmed block above the answer and keeps only the answer as the reply."""
+    import infer.scheduler
+    from selenium.webdriver.common.by import By
+
+    from tests.server.test_reasoning_replies import HARMONY_PIECES, ScriptedDecoder, _served
+
+    monkeypatch.setattr(infer.scheduler, "StreamDecoder", ScriptedDecoder)
+    ScriptedDecoder.script = HARMONY_PIECES
+    served = _served("harmony")
+    try:
+        driver = browser
+        driver.get(f"http://127.0.0.1:{served.port}/")  # type: ignore[attr-defined]
+        _wait(lambda: "SmolLM2" in driver.find_element(By.ID, "model").text)  # type: ignore[attr-defined]
+        for field, value in (("temperature", "0"), ("max-tokens", str(len(HARMONY_PIECES)))):
+            box = driver.find_element(By.ID, field)  # type: ignore[attr-defined]
+            box.clear()
+            box.send_keys(value)
+        reply = _ask(driver, "What is 2+2?")
+        assert reply.find_element(By.CLASS_NAME, "thinking").text == "Two plus two."  # type: ignore[attr-defined]
+        assert _answer_text(reply) == "Two plus two.\nIt is 4."  # the block, then the answer
+        sent = driver.execute_script("return messages[messages.length - 1]")  # type: ignore[attr-defined]
+        assert sent == {"role": "assistant", "content": "It is 4."}
+    finally:
+        served.stop()
