@@ -139,9 +139,9 @@ def test_the_chat_page_shows_a_reasoning_models_thinking_apart(browser: object, 
     """A reply with reasoning_content deltas (gpt-oss's harmony form, the text of SmolLM2's tokens
     scripted as in tests/server/test_reasoning_replies.py): the page shows the thinking in its own
     dimmed block above the answer and keeps only the answer as the reply."""
-    import infer.scheduler
     from selenium.webdriver.common.by import By
 
+    import infer.scheduler
     from tests.server.test_reasoning_replies import HARMONY_PIECES, ScriptedDecoder, _served
 
     monkeypatch.setattr(infer.scheduler, "StreamDecoder", ScriptedDecoder)
