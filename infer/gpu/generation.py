@@ -112,22 +112,27 @@ class DeviceGeneration:
             feeds, lead = [(t[-1:], c) for t, c in feeds], []
         starts = [c.length + len(t) - 1 for t, c in feeds]  # positions of the last fed tokens; the chains follow them
         with self.stream:
-            steps = None
-            if width > 1:  # each step's logits (step d, sequence i: row d * m + i), in the head's spare rows when they fit
-                fits = m + depth * m <= self.logits_rows
-                steps = self.logits[m : m + depth * m] if fits else cupy.empty((depth * m, self.args.vocab_size), cupy.float32)
+            steps = top = None
+            if width > 1 and m + depth * m <= self.logits_rows:  # each step's logits (step d, sequence i: row
+                steps = self.logits[m : m + depth * m]               # d * m + i) in the head's spare rows, ranked after
+            elif width > 1:  # no planned room for them (a copy of depth * m rows of the vocabulary would overrun
+                top = cupy.empty((depth, m, width), cupy.int32)  # the budget): each step's few best ids as it comes
 
             def keep(d: int) -> None:
                 if steps is not None:
                     steps[d * m : (d + 1) * m] = self.logits[:m]
+                elif top is not None:  # the step's tokens are sampled: its rows may be overwritten
+                    top[d] = ops.top_rows(self.logits[:m], m, width)
 
             rows = [Row(c, int(t[-1]), p, p, p + 1, None, True) for (t, c), p in zip(feeds, starts, strict=True)]
             self._decode_rows(rows, depth, keep, lead)
             chains = [c.tokens[p + 1 : p + 1 + depth] for (_, c), p in zip(feeds, starts, strict=True)]
-            if steps is None:
+            if steps is None and top is None:
                 ids = [cupy.asnumpy(chain, stream=self.stream).astype(np.int64)[:, None] for chain in chains]
             else:
-                top = ops.top_rows(steps, depth * m, width).reshape(depth, m, width)
+                if steps is not None:
+                    top = ops.top_rows(steps, depth * m, width).reshape(depth, m, width)
+                assert top is not None
                 for i, chain in enumerate(chains):  # the chain as the device step chose it (ties: the same token)
                     top[:, i, 0] = chain
                 host = cupy.asnumpy(top, stream=self.stream).astype(np.int64)

@@ -1,9 +1,18 @@
 #!/bin/bash
-# Session 39, call B: issue 26 bar 1's third figure, 32 sequences at 8 GB (ours: bench.gpu_bench
+# Session 39, call B: issue 26 bar 1's decode before and after (call A's "old" run imported this
+# tree: see README); its third figure, 32 sequences at 8 GB (ours: bench.gpu_bench
 # --batch 32, prompts of 128, 64 new tokens; llama.cpp: llama-batched-bench -npl 32 -npp 128 -ntg 64
 # with -ncmoe 34, whose peak leaves the 32 sequences' cache room in 8 GB); one block's MoE
 # feed-forward in parts at 16 threads, before and after; the RAM's read bandwidth.
 source docs/results/2026-12-08/session39/common.sh
+# the decode at 8 GB before and after this session's change, one after the other (the tree before it
+# run from its own directory: `python -m` puts the working directory first on the path)
+bench="-m bench.gpu_bench --synth qwen3-30b-a3b:q4_k_m --synth-dir /tmp/nvmedirect-synth --no-kernels --vram-budget 8GB --experts auto --pp 512 --tg 64"
+for run in old new3; do
+    if [ $run = old ]; then dir=$OLD pp="$OLD:/tmp/site"; else dir=$PWD pp="/tmp/site:$PWD"; fi
+    (cd "$dir" && PYTHONPATH="$pp" timeout 150 python3 $bench --out "$OUT/bench-8GB-$run.json" > "$OUT/bench-8GB-$run.txt" 2>&1)
+    echo "== $run rc=$? at ${SECONDS}s"; grep -i "tok/s\|CPU's\|error" "$OUT/bench-8GB-$run.txt" | head -4
+done
 timeout 200 python3 -m bench.gpu_bench --synth qwen3-30b-a3b:q4_k_m --synth-dir /tmp/nvmedirect-synth --no-kernels \
     --vram-budget 8GB --experts auto --pp 16 --tg 8 --batch 32 --batch-prompt 128 --batch-new 64 \
     --out "$OUT/bench-8GB-batch32.json" > "$OUT/bench-8GB-batch32.txt" 2>&1
