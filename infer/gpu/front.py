@@ -131,9 +131,11 @@ class PassFront:
         got = self.run_pass(rows, out_rows, to_host=not on_device)
         this = self.passes
         plain = [j0 for (j0, _), parents in zip(spans, trees, strict=True) if parents is None]
-        rows_of = {j0: got[j0] for j0 in plain}  # the sequences' rows, in one copy when on the device
-        if on_device and plain:
-            host = cupy.asnumpy(got[plain], stream=self.stream)
+        rows_of = {j0: got[j0] for j0 in plain}  # the sequences' rows, to the host when on the device
+        if on_device and plain:  # row by row: gathering them on the device first (got[plain]) is a copy of
+            host = np.empty((len(plain), self.args.vocab_size), np.float32)  # their rows outside the plan,
+            for i, j0 in enumerate(plain):  # which overran a speculative server's budget (session 39)
+                cupy.asnumpy(got[j0], stream=self.stream, out=host[i])
             self.stream.synchronize()
             rows_of = dict(zip(plain, host, strict=True))
         out: list[np.ndarray | TreeLogits] = []
