@@ -159,7 +159,9 @@ class Server:
         and the weights' resources (a tier C device) are released; the requests in flight already
         got the error."""
         self.status, self.failure = "failed", f"the engine failed: {type(err).__name__}: {str(err).splitlines()[0]}"
-        log.error("engine failed, the server stays up unhealthy: %s", self.failure)
+        # the traceback to the server's log (where the failing allocation or read is), not to clients
+        log.error("engine failed, the server stays up unhealthy: %s", self.failure,
+                  exc_info=(type(err), err, err.__traceback__))
         if self.loaded is not None:
             self.loaded.close()
 

@@ -161,9 +161,10 @@ def test_the_model_id_is_the_file_stem(served: InProcess, model: Path) -> None:
     assert entry["name"] == "Smollm2 135M 8k Lc100K Mix1 Ep2"  # the metadata's general.name, beside it
 
 
-def test_an_engine_that_fails_fails_the_request_and_the_health(model: Path) -> None:
+def test_an_engine_that_fails_fails_the_request_and_the_health(model: Path, caplog: pytest.LogCaptureFixture) -> None:
     """A pass that raises (as a tier C read error does) answers the request in flight with a JSON
-    error, says why on /health, and releases the weights (closes the session)."""
+    error, says why on /health, and releases the weights (closes the session); the server's log has
+    the traceback (where it failed), the clients only the one line."""
     from nvmedirect.reader.base import ReadError
 
     closed = []
@@ -191,6 +192,9 @@ def test_an_engine_that_fails_fails_the_request_and_the_health(model: Path) -> N
         assert closed == [True]
         status, answer = s.post("/v1/completions", {"prompt": "Hi", "max_tokens": 3})
         assert status == 500 and answer["error"]["message"] == health["error"]
+        [record] = [r for r in caplog.records if "engine failed" in r.getMessage()]
+        assert record.exc_info is not None and record.exc_info[0] is ReadError
+        assert "in broken" in caplog.text and "Traceback" not in answer["error"]["message"]
     finally:
         s.stop()
 
