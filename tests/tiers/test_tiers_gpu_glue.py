@@ -231,8 +231,8 @@ def test_gpu_glue_draft_chains_of_several_sequences(model_path: Path, fake_cupy:
     """GpuTransformer.draft_chains (a server's drafters on one draft model, their chains decoded
     together on the device) gives each sequence the tree its drafter proposes alone, and leaves each
     draft cache where proposing alone leaves it. Without spare logits rows for every step (a
-    server's 8 drafters 8 deep on a 0.5B: a copy of 64 rows of the vocabulary past its plan, which
-    overran the budget in session 39), each step's best ids are taken as it comes: the same trees."""
+    server's 8 drafters 8 deep on a 0.5B would need a copy of 64 rows of the vocabulary, outside the
+    VRAM plan), each step's best ids are taken as it comes: the same trees."""
     from infer.speculative import ModelDrafter
 
     s = gpu_session(model_path, 0.3, 0.3)
