@@ -144,6 +144,21 @@ async def _clients(base: str, prompts: list[list[int]] | list[str], tokens: int,
     return out
 
 
+def _combined(waves: list[dict[str, Any]]) -> dict[str, Any]:
+    """Waves of clients run one after another, as one measurement: tokens over the waves' summed wall
+    time, the median of the waves' TTFT medians and the worst wave's p95, each wave's tok/s, the
+    replies in order."""
+    generated, wall = sum(w["generated_tokens"] for w in waves), round(sum(w["wall_seconds"] for w in waves), 3)
+    out = {"clients": waves[0]["clients"], "rounds": len(waves), "generated_tokens": generated,
+           "wall_seconds": wall, "aggregate_tok_s": round(generated / wall, 2),
+           "ttft_p50_s": round(statistics.median(w["ttft_p50_s"] for w in waves), 3),
+           "ttft_p95_s": max(w["ttft_p95_s"] for w in waves),
+           "per_round_tok_s": [w["aggregate_tok_s"] for w in waves]}
+    if "replies" in waves[0]:
+        out["replies"] = [r for w in waves for r in w["replies"]]
+    return out
+
+
 CHAT_TURNS = ["Tell me about the history of the bicycle.", "How did the gears change over time?",
               "Which materials do modern frames use?", "Why is carbon fibre so stiff?", "And titanium?",
               "What about tyres: tubes or tubeless?", "How often should a chain be replaced?",
@@ -273,10 +288,16 @@ def main(argv: list[str] | None = None) -> int:
                         "/v1/completions (code completion, as bench.spec_bench e2e sends them); the replies are kept")
     parser.add_argument("--chat", action="store_true", help="with --prompt-file: each line a user message to "
                         "/v1/chat/completions")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="with --url: this many waves of --clients clients one after another, each on the next "
+                        "prompts; aggregate tok/s over all of them (a wave of 8 x 128 tokens lasts about a second "
+                        "on a GPU: too short to tell two servers apart alone)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
     if args.prompt_set and (args.prompt_file or args.chat or not args.url):
         parser.error("--prompt-set goes with --url, without --prompt-file and --chat")
+    if args.rounds < 1 or (args.rounds > 1 and (not args.url or args.chat_turns)):
+        parser.error("--rounds takes a count >= 1, with --url and without --chat-turns")
     args.ctx = args.prompt_tokens + args.tokens + 8
     command = " ".join(["python -m bench.server_bench", *(argv or sys.argv[1:])])
     if args.chat_turns:  # the history grows by a question and an answer per turn
@@ -334,7 +355,7 @@ def _measure_url(args: argparse.Namespace, command: str) -> int:
             if args.prompt_set:
                 from bench.spec_bench import humaneval_prompts
 
-                lines = humaneval_prompts(2 * args.clients)
+                lines = humaneval_prompts((args.rounds + 1) * args.clients)
             else:
                 lines = [line for line in args.prompt_file.read_text().splitlines() if line.strip()]
             first = seed * args.clients
@@ -342,12 +363,13 @@ def _measure_url(args: argparse.Namespace, command: str) -> int:
         rng = np.random.default_rng(seed)
         return [rng.integers(3, args.vocab_size, args.prompt_tokens).tolist() for _ in range(args.clients)]
 
-    prompts = prompts_of(0)
     result: dict[str, Any] = {"command": command, "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "url": args.url}
-    # warm-up with the same load on other prompts: the passes of that shape are compiled and
-    # captured, and no prefix of a measured prompt is cached by it
-    asyncio.run(_clients(args.url, prompts_of(1), 8, args.api_key, args.chat))
-    result["server"] = asyncio.run(_clients(args.url, prompts, args.tokens, args.api_key, args.chat))
+    # warm-up with the same load on other prompts (those after the measured ones): the passes of
+    # that shape are compiled and captured, and no prefix of a measured prompt is cached by it
+    asyncio.run(_clients(args.url, prompts_of(args.rounds), 8, args.api_key, args.chat))
+    waves = [asyncio.run(_clients(args.url, prompts_of(r), args.tokens, args.api_key, args.chat))
+             for r in range(args.rounds)]
+    result["server"] = waves[0] if args.rounds == 1 else _combined(waves)
     if args.out:
         args.out.write_text(json.dumps(result, indent=1))
     print(json.dumps(result))

@@ -262,7 +262,15 @@ def test_the_server_bench_sends_a_prompt_set_as_raw_completions(served: InProces
     result = json.loads(out.read_text())["server"]
     assert asked == [4, 4] and result["clients"] == 2 and result["generated_tokens"] == 6
     assert len(result["replies"]) == 2 and all(isinstance(r, str) for r in result["replies"])
-    for extra in (["--chat"], ["--prompt-file", str(out)]):
+    # --rounds: waves one after another on the next prompts (the warm-up on those after them)
+    asked.clear()
+    assert server_bench.main(["--url", f"http://127.0.0.1:{served.port}", "--prompt-set", "humaneval", "--clients", "2",
+                              "--tokens", "3", "--rounds", "3", "--api-key", KEY, "--out", str(out)]) == 0
+    result = json.loads(out.read_text())["server"]
+    assert asked == [8] * 4 and result["rounds"] == 3 and result["generated_tokens"] == 18
+    assert len(result["per_round_tok_s"]) == 3 and len(result["replies"]) == 6
+    assert result["aggregate_tok_s"] == round(18 / result["wall_seconds"], 2)
+    for extra in (["--chat"], ["--prompt-file", str(out)], ["--rounds", "0"]):
         with pytest.raises(SystemExit):
             server_bench.main(["--url", "http://127.0.0.1:1", "--prompt-set", "humaneval", *extra])
 
