@@ -87,3 +87,16 @@ def test_harmony_markers_come_through_a_decoder_that_writes_control_tokens() -> 
     text = "".join(special.push(i) for i in ids)
     assert text == "<|channel|>hell<|message|>hello<|end|>"
     assert ReplySplitter("harmony").split(text) == ("", "hello")
+
+
+@pytest.mark.parametrize("name", ["qwen05b", "gemma3", "smollm2-Q8_0"])
+def test_real_templates_without_thinking_leave_the_reply_whole(name: str) -> None:
+    """The real files here write no reasoning form (no channels, no <think> in their templates, and
+    Qwen2.5-Coder's vocabulary splits "<think>" into 3 tokens): their replies stay whole."""
+    from infer.chat import ChatTemplate
+    from infer.gguf_file import GGUFModel
+    from tests.oracle.fixtures import model_path
+
+    model = GGUFModel(model_path(name))
+    tokenizer = Tokenizer.from_gguf(model.metadata)
+    assert reasoning_format(ChatTemplate.from_gguf(model.metadata, tokenizer).source, tokenizer) is None
