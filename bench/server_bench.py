@@ -16,7 +16,8 @@ median over turns 2..T. In process (--model/--synth) it runs the replay on a ser
 cache and on one without, and reports the ratio and whether the answers are identical; with --url,
 run it once against each server.
 Every request sends `ignore_eos` (llama-server's field, which ours takes too), so each client gets
-exactly --tokens tokens.
+exactly --tokens tokens; with --url, `--stop-at-eos` leaves it out (a reply ends where a user's
+would, as bench.spec_bench e2e ends its replies; the aggregate counts the tokens generated).
 
 The model is loaded once. Offline: `StreamingEngine.generate` of the N prompts (what
 `ntransformer --batch N` runs), greedy. Online: the server app (infer/server) on uvicorn in this
@@ -98,7 +99,7 @@ def _free_port() -> int:
 
 
 async def _clients(base: str, prompts: list[list[int]] | list[str], tokens: int, key: str | None = None,
-                   chat: bool = False) -> dict[str, Any]:
+                   chat: bool = False, ignore_eos: bool = True) -> dict[str, Any]:
     """Each prompt (ids, or text) streamed by a client of its own, greedy, `tokens` each
     (ignore_eos); with `chat`, text prompts are user messages to /v1/chat/completions. Text prompts'
     replies are kept (speculation's runs compare them with the plain server's)."""
@@ -111,7 +112,7 @@ async def _clients(base: str, prompts: list[list[int]] | list[str], tokens: int,
     async def one(session: aiohttp.ClientSession, prompt: list[int] | str) -> tuple[float, int, float, str]:
         sent = time.perf_counter()
         first, count, text = None, 0, []
-        body = {"max_tokens": tokens, "temperature": 0, "stream": True, "ignore_eos": True,
+        body = {"max_tokens": tokens, "temperature": 0, "stream": True, "ignore_eos": ignore_eos,
                 "stream_options": {"include_usage": True}}
         body |= {"messages": [{"role": "user", "content": prompt}]} if chat else {"prompt": prompt}
         async with session.post(url, json=body, headers=headers) as response:
@@ -288,6 +289,8 @@ def main(argv: list[str] | None = None) -> int:
                         "/v1/completions (code completion, as bench.spec_bench e2e sends them); the replies are kept")
     parser.add_argument("--chat", action="store_true", help="with --prompt-file: each line a user message to "
                         "/v1/chat/completions")
+    parser.add_argument("--stop-at-eos", action="store_true",
+                        help="with --url: no ignore_eos, each reply ends at the model's end of generation (or --tokens)")
     parser.add_argument("--rounds", type=int, default=1,
                         help="with --url: this many waves of --clients clients one after another, each on the next "
                         "prompts; aggregate tok/s over all of them (a wave of 8 x 128 tokens lasts about a second "
@@ -298,6 +301,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--prompt-set goes with --url, without --prompt-file and --chat")
     if args.rounds < 1 or (args.rounds > 1 and (not args.url or args.chat_turns)):
         parser.error("--rounds takes a count >= 1, with --url and without --chat-turns")
+    if args.stop_at_eos and (not args.url or args.chat_turns):
+        parser.error("--stop-at-eos goes with --url, without --chat-turns")
     args.ctx = args.prompt_tokens + args.tokens + 8
     command = " ".join(["python -m bench.server_bench", *(argv or sys.argv[1:])])
     if args.chat_turns:  # the history grows by a question and an answer per turn
@@ -367,7 +372,7 @@ def _measure_url(args: argparse.Namespace, command: str) -> int:
     # warm-up with the same load on other prompts (those after the measured ones): the passes of
     # that shape are compiled and captured, and no prefix of a measured prompt is cached by it
     asyncio.run(_clients(args.url, prompts_of(args.rounds), 8, args.api_key, args.chat))
-    waves = [asyncio.run(_clients(args.url, prompts_of(r), args.tokens, args.api_key, args.chat))
+    waves = [asyncio.run(_clients(args.url, prompts_of(r), args.tokens, args.api_key, args.chat, not args.stop_at_eos))
              for r in range(args.rounds)]
     result["server"] = waves[0] if args.rounds == 1 else _combined(waves)
     if args.out:

@@ -10,6 +10,8 @@
 #   OUT=/path bash scripts/gpu-spec-serve.sh      (carry .whl: the server's wheels)
 #   SPEC_SERVE_CLIENTS (8), SPEC_SERVE_TOKENS (128), SPEC_SERVE_TREE (9), SPEC_SERVE_SLOT (1024),
 #   SPEC_SERVE_ROUNDS (1: waves of the clients one after another, each on the next prompts),
+#   SPEC_SERVE_STOP_AT_EOS (unset: every reply runs SPEC_SERVE_TOKENS, ignore_eos; 1: replies end at
+#   the model's end of generation, as bench.spec_bench e2e's do),
 #   SPEC_SERVE_PROMPTS (bench/prompts/prose_questions.txt, sent as chat turns; "humaneval": HumanEval's
 #   prompts as raw text to /v1/completions, as bench.spec_bench e2e sends them), SPEC_SERVE_FRACTION (0.5)
 #   SPEC_SERVE_DEVICE=cpu SPEC_SERVE_TARGET=a.gguf SPEC_SERVE_DRAFT=b.gguf: a dry run of the plumbing
@@ -72,7 +74,7 @@ run() {  # name budget extra-flags...
         local prompts=(--prompt-file "$PROMPTS" --chat)
         [ "$PROMPTS" = humaneval ] && prompts=(--prompt-set humaneval)
         timeout 500 python3 -m bench.server_bench --url http://127.0.0.1:8093 --clients "$CLIENTS" --tokens "$TOKENS" \
-            "${prompts[@]}" --rounds "${SPEC_SERVE_ROUNDS:-1}" --out "$OUT/$name.json" > /dev/null 2> "$OUT/$name.err"
+            "${prompts[@]}" --rounds "${SPEC_SERVE_ROUNDS:-1}" ${SPEC_SERVE_STOP_AT_EOS:+--stop-at-eos} --out "$OUT/$name.json" > /dev/null 2> "$OUT/$name.err"
         note "$name: exit $? $(python3 -c "import json; s = json.load(open('$OUT/$name.json'))['server']; print(s['aggregate_tok_s'], 'tok/s, TTFT p50', s['ttft_p50_s'])" 2>&1 | tail -1)"
         curl -s http://127.0.0.1:8093/metrics | grep -E "^ntransformer_(draft|pass_seconds_(count|sum))" >> "$OUT/$name.metrics"
     else

@@ -275,6 +275,24 @@ def test_the_server_bench_sends_a_prompt_set_as_raw_completions(served: InProces
             server_bench.main(["--url", "http://127.0.0.1:1", "--prompt-set", "humaneval", *extra])
 
 
+def test_the_server_bench_can_let_replies_end_where_the_model_ends_them(served: InProcess, tmp_path: Path) -> None:
+    """--stop-at-eos: no ignore_eos, so a reply ends at the model's end of generation (SmolLM2's
+    greedy answer to "What is 2+2?" is 11 tokens); without it every reply runs to --tokens."""
+    from bench import server_bench
+
+    prompts, out = tmp_path / "q.txt", tmp_path / "eos.json"
+    prompts.write_text("What is 2+2?\nAnd 3+3?\n")
+    counts = []
+    for extra in ([], ["--stop-at-eos"]):
+        assert server_bench.main(["--url", f"http://127.0.0.1:{served.port}", "--prompt-file", str(prompts), "--chat",
+                                  "--clients", "1", "--tokens", "40", "--api-key", KEY, "--out", str(out),
+                                  *extra]) == 0
+        counts.append(json.loads(out.read_text())["server"]["generated_tokens"])
+    assert counts == [40, 11]
+    with pytest.raises(SystemExit):
+        server_bench.main(["--model", "x.gguf", "--stop-at-eos"])
+
+
 def test_a_chat_replay_that_outgrows_the_context_ends_early_and_says_where(served: InProcess, tmp_path: Path) -> None:
     """bench.server_bench --url --chat-turns: when the resent history no longer fits the server's
     context (a 400 that says so), the replay stops there and reports the turn, keeping the others."""
