@@ -470,6 +470,9 @@ def perplexity_command(ctx: click.Context, model: str | None, text_file: str, ct
               "(no draft model).")
 @click.option("--draft-tree", type=click.IntRange(min=1), default=None,
               help="Nodes of each request's draft tree (default 9, 33 with --streaming).")
+@click.option("--draft-shape", metavar="DxW", default=None,
+              help="--draft-model's tree as depth x width instead of --draft-tree: a chain of D draft tokens "
+                   "with W - 1 leaf siblings at each depth (e.g. 12x1, a plain chain, for code; 4x4 for prose).")
 @click.option("--reasoning-format", type=click.Choice(["auto", "none"]), default="auto", show_default=True,
               help="A reasoning model's chat replies (gpt-oss's harmony channels, Qwen3's <think> tags): auto sends "
                    "the thinking as reasoning_content beside the answer's content, as llama-server does; none sends "
@@ -479,7 +482,7 @@ def perplexity_command(ctx: click.Context, model: str | None, text_file: str, ct
 def serve_command(ctx: click.Context, model: str | None, host: str, port: int, api_key: str | None, max_batch: int,
                   queue_size: int, ctx_size: int, device: str, streaming: StreamingConfig, exact: bool,
                   threads: int | None, prefix_cache: bool | None, draft_model: str | None, lookup: bool,
-                  draft_tree: int | None, reasoning_format: str, gpus: str | None) -> None:
+                  draft_tree: int | None, draft_shape: str | None, reasoning_format: str, gpus: str | None) -> None:
     """An OpenAI-compatible HTTP server: /v1/completions, /v1/chat/completions (stream: true for
     server-sent events; JSON schemas, tools, logprobs), /v1/models, /tokenize, /detokenize, /health,
     /metrics, and a chat page at /. Continuous batching: every pass over the weights serves every
@@ -506,7 +509,8 @@ def serve_command(ctx: click.Context, model: str | None, host: str, port: int, a
         _fail("serve --gpus with --draft-model: list GPU 0 first (the draft runs on it), e.g. --gpus 0,1",
               EXIT_BAD_INPUT)
     where = _resolve_device(device)
-    speculation = serve_speculation(model, draft_model, lookup, draft_tree, where, exact, streaming.enabled)
+    speculation = serve_speculation(model, draft_model, lookup, draft_tree, where, exact, streaming.enabled,
+                                    draft_shape)
     try:  # a bad file stops here, before the server listens
         args = check_model(GGUFModel(model))
     except (ValueError, ModelError) as err:

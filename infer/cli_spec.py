@@ -385,23 +385,44 @@ def _speculation_cpu_tier(streaming: Any, where: str) -> Any:
     return streaming
 
 
+def parse_draft_shape(text: str | None) -> tuple[int, int] | None:
+    """serve --draft-shape DEPTHxWIDTH (e.g. 12x1: a chain of 12, no leaves) as (depth, width);
+    ValueError naming what is wrong."""
+    if text is None:
+        return None
+    depth, sep, width = text.lower().partition("x")
+    if not sep or not depth.isdigit() or not width.isdigit() or int(depth) < 1 or int(width) < 1:
+        raise ValueError(f"--draft-shape takes DEPTHxWIDTH with both at least 1 (e.g. 12x1 or 4x4), not {text!r}")
+    return int(depth), int(width)
+
+
 def serve_speculation(model: str, draft_model: str | None, lookup: bool, tree: int | None, where: str, exact: bool,
-                       streamed: bool) -> Any:
-    """serve's --draft-model/--lookup/--draft-tree checked (bad input exits 2 before the server
-    listens), as an infer.server.run.ServeSpeculation or None."""
+                      streamed: bool, shape: str | None = None) -> Any:
+    """serve's --draft-model/--lookup/--draft-tree/--draft-shape checked (bad input exits 2 before the
+    server listens), as an infer.server.run.ServeSpeculation or None."""
     from infer.cli import EXIT_BAD_INPUT, _fail
     from infer.server.run import ServeSpeculation
 
     if draft_model and lookup:
         _fail("--draft-model and --lookup are two drafters: choose one", EXIT_BAD_INPUT)
     if not (draft_model or lookup):
-        if tree is not None:
-            _fail("--draft-tree sizes the tree of --draft-model or --lookup: add one of them", EXIT_BAD_INPUT)
+        if tree is not None or shape is not None:
+            _fail(f"{'--draft-tree' if tree is not None else '--draft-shape'} sizes the tree of --draft-model or "
+                  "--lookup: add one of them", EXIT_BAD_INPUT)
         return None
+    try:
+        depth_width = parse_draft_shape(shape)
+    except ValueError as err:
+        _fail(str(err), EXIT_BAD_INPUT)
+    if depth_width is not None and (lookup or tree is not None):
+        _fail("--draft-shape gives a draft model's tree its depth and width: not with --lookup or --draft-tree",
+              EXIT_BAD_INPUT)
     if where == "cpu" and not cpu_speculation_allowed(model, exact, streamed):
         _fail(CPU_NEEDS_EXACT, EXIT_BAD_INPUT)
     if draft_model:
         check_draft(model, draft_model)
+    if depth_width is not None:
+        return ServeSpeculation(draft_model, 1 + depth_width[0] * depth_width[1], depth_width)
     default = DEFAULT_TREE_STREAMING if streamed else DEFAULT_TREE_RESIDENT
     return ServeSpeculation(draft_model, tree or default)
 

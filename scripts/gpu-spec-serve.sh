@@ -10,6 +10,7 @@
 #   OUT=/path bash scripts/gpu-spec-serve.sh      (carry .whl: the server's wheels)
 #   SPEC_SERVE_CLIENTS (8), SPEC_SERVE_TOKENS (128), SPEC_SERVE_TREE (9), SPEC_SERVE_SLOT (1024),
 #   SPEC_SERVE_ROUNDS (1: waves of the clients one after another, each on the next prompts),
+#   SPEC_SERVE_SHAPE (DxW: --draft-shape instead of --draft-tree, e.g. 12x1: a chain for code),
 #   SPEC_SERVE_STOP_AT_EOS (unset: every reply runs SPEC_SERVE_TOKENS, ignore_eos; 1: replies end at
 #   the model's end of generation, as bench.spec_bench e2e's do),
 #   SPEC_SERVE_PROMPTS (bench/prompts/prose_questions.txt, sent as chat turns; "humaneval": HumanEval's
@@ -38,6 +39,8 @@ fi
 CLIENTS=${SPEC_SERVE_CLIENTS:-8}
 TOKENS=${SPEC_SERVE_TOKENS:-128}
 TREE=${SPEC_SERVE_TREE:-9}
+SHAPE=${SPEC_SERVE_SHAPE:-}
+if [ -n "$SHAPE" ]; then TREE=$((1 + ${SHAPE%%x*} * ${SHAPE##*x})); fi  # the budgets plan its nodes
 SLOT=${SPEC_SERVE_SLOT:-1024}
 PROMPTS=${SPEC_SERVE_PROMPTS:-bench/prompts/prose_questions.txt}
 SUMMARY="$OUT/summary.txt"
@@ -83,7 +86,11 @@ run() {  # name budget extra-flags...
     stop $pid
 }
 run plain "$PLAIN_BUDGET"
-run draft "$SPEC_BUDGET" --draft-model "$DRAFT" --draft-tree "$TREE"
+if [ -n "$SHAPE" ]; then
+    run draft "$SPEC_BUDGET" --draft-model "$DRAFT" --draft-shape "$SHAPE"
+else
+    run draft "$SPEC_BUDGET" --draft-model "$DRAFT" --draft-tree "$TREE"
+fi
 python3 - "$OUT" <<'PY' | tee -a "$SUMMARY"
 import json, sys
 out = sys.argv[1]

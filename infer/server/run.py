@@ -87,6 +87,7 @@ class ServeSpeculation:
 
     draft_model: str | None
     tree: int
+    shape: tuple[int, int] | None = None  # --draft-shape: the draft model's (depth, width); else chain_shape(tree)
 
     def load_draft(self, device: str, ctx_size: int, slots: int, vram_budget: str | None, exact: bool) -> Any:
         """The draft model (None for prompt lookup): resident, with room for a KV cache per slot
@@ -116,7 +117,7 @@ class ServeSpeculation:
         if draft is None:
             lookup = LookupDrafter(max_ngram=3, depth=max(1, self.tree - 1))  # no state: one for all
             return DraftPool(target, lambda: lookup, self.tree, ctx_size)
-        depth, width = chain_shape(self.tree)
+        depth, width = self.shape or chain_shape(self.tree)
         return DraftPool(target, lambda: ModelDrafter(draft, ctx_size, depth=depth, width=width), self.tree, ctx_size)
 
 

@@ -46,7 +46,8 @@ def test_speculative_replies_equal_the_plain_server(model: Path) -> None:  # noq
         plain_passes = plain.metric("ntransformer_pass_seconds_count")
     finally:
         assert plain.stop() == 0
-    for flags in (["--draft-model", str(model), "--draft-tree", "5"], ["--lookup"]):
+    for flags in (["--draft-model", str(model), "--draft-tree", "5"], ["--draft-model", str(model), "--draft-shape", "3x1"],
+                  ["--lookup"]):
         served = Served(model, "--max-batch", "8", *flags)
         try:
             assert _replies(served, prompts) == want, flags
@@ -63,6 +64,9 @@ def test_speculative_replies_equal_the_plain_server(model: Path) -> None:  # noq
 @pytest.mark.parametrize("flags, says", [
     (["--lookup", "--draft-model", "{model}"], "two drafters"),
     (["--draft-tree", "5"], "add one of them"),
+    (["--draft-shape", "4x2"], "add one of them"),
+    (["--draft-model", "{model}", "--draft-shape", "4x0"], "DEPTHxWIDTH"),
+    (["--lookup", "--draft-shape", "4x2"], "not with --lookup or --draft-tree"),
     (["--lookup", "--no-exact"], "needs an engine whose logits do not depend"),
     (["--draft-model", "{other}"], "vocabulary differs"),
 ])

@@ -11,7 +11,11 @@ HUMANEVAL=~/.cache/nvmedirect/humaneval/HumanEval.jsonl.gz
 [ -f "$HUMANEVAL" ] || { mkdir -p "$(dirname "$HUMANEVAL")" && cp .carry/HumanEval.jsonl.gz "$HUMANEVAL"; }
 set_=${PROMPTS:-humaneval}
 [ "$set_" = prose ] && file=bench/prompts/prose_questions.txt || file=humaneval
-for tree in ${TREES:-9 33}; do
+for tree in ${TREES-9 33}; do
     OUT="$OUT/$set_-tree$tree" SPEC_SERVE_PROMPTS=$file SPEC_SERVE_TREE=$tree timeout 280 bash scripts/gpu-spec-serve.sh
     echo "== $set_ tree $tree rc=$? at ${SECONDS}s"; tail -n 4 "$OUT/$set_-tree$tree/summary.txt"
+done
+for shape in ${SHAPES:-}; do  # --draft-shape DxW (added after this session's lease)
+    OUT="$OUT/$set_-shape$shape" SPEC_SERVE_PROMPTS=$file SPEC_SERVE_SHAPE=$shape timeout 280 bash scripts/gpu-spec-serve.sh
+    echo "== $set_ shape $shape rc=$? at ${SECONDS}s"; tail -n 4 "$OUT/$set_-shape$shape/summary.txt"
 done
