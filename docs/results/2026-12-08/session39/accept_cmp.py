@@ -1,38 +1,46 @@
-"""Acceptance of the real pair on one HumanEval prompt: the CLI's Speculator alone vs the serve
-scheduler's path (DraftPool, one request and with 8 requests), same tree shape."""
-import sys, time
-import numpy as np
-sys.path.insert(0, "/work/main")
-from infer.gguf_file import GGUFModel
-from infer.model import load_transformer
-from infer.tokenizer import Tokenizer
-from infer.engine import greedy
-from infer.speculative import ModelDrafter, Speculator
-from infer.spec_serve import DraftPool
-from infer.scheduler import Request, Scheduler, as_sampler
-from bench.spec_bench import humaneval_prompts
+"""Tokens a pass of the real Qwen pair (1.5B target, 0.5B draft) on HumanEval prompts, on the CPU:
+the CLI's Speculator, each prompt alone, against the server's scheduler with a DraftPool, all of them
+together, for one draft tree shape (session 39). Run from the repository's root:
+
+    python docs/results/2026-12-08/session39/accept_cmp.py PROMPTS DEPTH WIDTH TOKENS
+
+with the pair joined into /tmp/pair/target.gguf and /tmp/pair/draft.gguf (scripts/gpu-spec-e2e.sh's
+pieces, concatenated and cut at the target's size)."""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[4]))
+
+from bench.spec_bench import humaneval_prompts  # noqa: E402
+from infer.engine import greedy  # noqa: E402
+from infer.gguf_file import GGUFModel  # noqa: E402
+from infer.model import load_transformer  # noqa: E402
+from infer.scheduler import Request, Scheduler, as_sampler  # noqa: E402
+from infer.spec_serve import DraftPool  # noqa: E402
+from infer.speculative import ModelDrafter, Speculator  # noqa: E402
+from infer.tokenizer import Tokenizer  # noqa: E402
 
 CTX = 1024
-tg = GGUFModel("/tmp/pair/target.gguf")
-target = load_transformer(tg, packed=True)
+target_file = GGUFModel("/tmp/pair/target.gguf")
+target = load_transformer(target_file, packed=True)
 draft = load_transformer(GGUFModel("/tmp/pair/draft.gguf"), packed=True)
-tok = Tokenizer.from_gguf(tg.metadata)
-n_req = int(sys.argv[1]); depth, width = int(sys.argv[2]), int(sys.argv[3]); N = int(sys.argv[4])
-prompts = [tok.encode(p) for p in humaneval_prompts(n_req)]
+tokenizer = Tokenizer.from_gguf(target_file.metadata)
+n_prompts, depth, width, tokens = (int(a) for a in sys.argv[1:5])
+prompts = [tokenizer.encode(p) for p in humaneval_prompts(n_prompts)]
 tree = 1 + depth * width
-# CLI path, each prompt alone
-acc_cli = []
+alone = []
 for p in prompts:
     spec = Speculator(target, ModelDrafter(draft, CTX, depth=depth, width=width), tree, CTX)
-    out = list(spec.generate(list(p), N, greedy))
-    acc_cli.append((spec.stats.passes, spec.stats.accepted, len(out)))
-print("cli  (passes, accepted, tokens):", acc_cli, "tokens/pass", sum(a[2] for a in acc_cli) / sum(a[0] for a in acc_cli))
+    out = list(spec.generate(list(p), tokens, greedy))
+    alone.append((spec.stats.passes, spec.stats.accepted, len(out)))
+print("cli  (passes, accepted, tokens):", alone, "tokens/pass", sum(a[2] for a in alone) / sum(a[0] for a in alone))
 pool = DraftPool(target, lambda: ModelDrafter(draft, CTX, depth=depth, width=width), tree, CTX)
-reqs = [Request(list(p), N, as_sampler(greedy)) for p in prompts]
-sched = Scheduler(target, CTX, n_req, speculation=pool)
-sched.run(reqs)
-print("serve accepted", sched.stats.accepted_tokens, "drafted", sched.stats.draft_tokens,
-      "tokens", sum(len(r.generated) for r in reqs))
-specs = list(pool._speculators.values())
-print("serve per speculator (passes, accepted):", [(s.stats.passes, s.stats.accepted) for s in specs],
-      "tokens/pass", sum(len(r.generated) for r in reqs) / sum(s.stats.passes for s in specs))
+requests = [Request(list(p), tokens, as_sampler(greedy)) for p in prompts]
+scheduler = Scheduler(target, CTX, n_prompts, speculation=pool)
+scheduler.run(requests)
+print("serve accepted", scheduler.stats.accepted_tokens, "drafted", scheduler.stats.draft_tokens,
+      "tokens", sum(len(r.generated) for r in requests))
+speculators = list(pool._speculators.values())
+print("serve per speculator (passes, accepted):", [(s.stats.passes, s.stats.accepted) for s in speculators],
+      "tokens/pass", sum(len(r.generated) for r in requests) / sum(s.stats.passes for s in speculators))
