@@ -159,11 +159,12 @@ class Server:
         and the weights' resources (a tier C device) are released; the requests in flight already
         got the error."""
         self.status, self.failure = "failed", f"the engine failed: {type(err).__name__}: {str(err).splitlines()[0]}"
-        # the traceback to the server's log (where the failing allocation or read is), not to clients
-        log.error("engine failed, the server stays up unhealthy: %s", self.failure,
-                  exc_info=(type(err), err, err.__traceback__))
         if self.loaded is not None:
             self.loaded.close()
+        # then the traceback to the server's log (where the failing allocation or read is), not to
+        # clients: formatting it takes a while, and the release comes first
+        log.error("engine failed, the server stays up unhealthy: %s", self.failure,
+                  exc_info=(type(err), err, err.__traceback__))
 
     def health(self) -> tuple[str, str]:
         """(status, why): loading, ready or failed; a tier C device taken away fails a ready server."""
