@@ -202,7 +202,7 @@ class CpuExperts:
         if n == 0:
             return
         L = self.blocks.layer(i)
-        x = self._host_rows(n)
+        x = self._host_rows(n, model.capacity)
         cupy_asnumpy(model.x[:n], stream, x)
         started = time.perf_counter()
         live = model.index.live_rows  # null rows route too: computing them would read more experts
@@ -217,12 +217,15 @@ class CpuExperts:
             self.row_calls += 1
             self.row_seconds += time.perf_counter() - started
 
-    def _host_rows(self, n: int) -> np.ndarray:
-        """(n, dim) float32 page-locked host rows, the same memory for every block and pass."""
-        if self._host is None or len(self._host) < n:
+    def _host_rows(self, n: int, capacity: int) -> np.ndarray:
+        """(n, dim) float32 page-locked host rows, the same memory for every block and pass: made
+        once for the pass capacity, never replaced (a copy back out of it may still be in flight)."""
+        if self._host is None:
             import cupyx
 
-            self._host = cupyx.empty_pinned((max(n, 1), self.args.dim), np.float32)
+            self._host = cupyx.empty_pinned((max(capacity, n, 1), self.args.dim), np.float32)
+        if n > len(self._host):
+            raise ValueError(f"a pass of {n} rows exceeds the {len(self._host)} the CPU's blocks were sized for")
         return self._host[:n]
 
     def row_bytes(self) -> int:
